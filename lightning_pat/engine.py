@@ -1,0 +1,266 @@
+"""One pruning step over resolved clusters, outside or inside a Trainer (no Lightning here).
+
+:class:`Pruner` routes clusters to executors once, then on each step gathers unit norms, turns them into scores,
+selects units (per cluster or per shared budget), and applies the selection. It remembers the last selection so
+that it can be held (re-applied) between fresh selections and frozen during healing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat import distributed as D
+from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
+from lightning_pat.scoring import SCORE_TYPES, ScoreType, group_count_correction, normalise
+from lightning_pat.selection import bottom_k, bottom_k_shared, num_to_drop, round_kept, shrink_factors
+from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+
+Method = Literal["hard", "group_lasso"]
+METHODS: tuple[str, ...] = ("hard", "group_lasso")
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What one pruning step did.
+
+    Attributes:
+        dropped: Cluster name -> sorted dropped unit indices.
+        num_units: Cluster name -> ``C``.
+        zeros: Parameter name -> literal zeros after the step (only when counted).
+        numel: Parameter name -> number of elements (only when counted).
+        routes: Cluster name -> executor kind that served it.
+    """
+
+    dropped: dict[str, list[int]]
+    num_units: dict[str, int]
+    zeros: dict[str, int] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def unit_sparsity(self) -> float:
+        """Dropped units over all units of all clusters."""
+        total = sum(self.num_units.values())
+        return sum(len(v) for v in self.dropped.values()) / total if total else 0.0
+
+    @property
+    def param_sparsity(self) -> float | None:
+        """Literal zeros over elements of the clustered parameters (each counted once), if counted."""
+        total = sum(self.numel.values())
+        return sum(self.zeros.values()) / total if total else None
+
+
+def _check_options(*, score: str, method: str) -> None:
+    if score not in SCORE_TYPES:
+        raise ValueError(f"`score` must be one of {SCORE_TYPES}, got {score!r}.")
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
+
+
+class Pruner:
+    """Coupled pruning over a fixed set of resolved clusters.
+
+    Args:
+        params: The model, or a mapping of parameter names to tensors, holding every member.
+        clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`).
+        score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``.
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (see :func:`~lightning_pat.executors.route`).
+        group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
+
+    Raises:
+        ValueError: If an option is unknown or an executor cannot serve a cluster.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Mapping[str, Tensor],
+        clusters: Sequence[ResolvedCluster],
+        *,
+        score: ScoreType = "rms",
+        executor: ExecutorKind = "auto",
+        group_count_ref: int | None = None,
+    ) -> None:
+        _check_options(score=score, method="hard")
+        if group_count_ref is not None and (isinstance(group_count_ref, bool) or group_count_ref <= 0):
+            raise ValueError(f"`group_count_ref` must be a positive int or None, got {group_count_ref!r}.")
+        named = dict(params.named_parameters(remove_duplicate=False)) if isinstance(params, nn.Module) else params
+        self.score = score
+        self.group_count_ref = group_count_ref
+        self.clusters = [rc for rc in clusters if D.participates(named[rc.members[0].name])]
+        self.routes = route(self.clusters, named, executor=executor)
+        self.executors: list[Executor] = build_executors(self.clusters, named, self.routes)
+        self.last: dict[str, UnitAction] = {}
+
+    # ------------------------------------------------------------------ selection
+    def _scores(self, q: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=self.score) for rc in self.clusters}
+
+    def select(
+        self, targets: Mapping[str, float], *, method: Method = "hard", threshold: float = 0.0
+    ) -> dict[str, UnitAction]:
+        """Score every cluster and decide what to drop (no mutation).
+
+        Args:
+            targets: Cluster name -> fraction of units to drop (a floor for ``group_lasso``).
+            method: ``"hard"`` or ``"group_lasso"``.
+            threshold: ``lambda * gamma`` for ``group_lasso``.
+
+        Returns:
+            Cluster name -> action.
+        """
+        _check_options(score=self.score, method=method)
+        q: dict[str, Tensor] = {}
+        for ex in self.executors:
+            q.update(ex.unit_sq_norms())
+        scores = self._scores(q)
+        dropped = self._hard_floor(scores, targets)
+        actions = {}
+        for rc in self.clusters:
+            if method == "group_lasso":
+                factors = shrink_factors(q[rc.name].sqrt(), threshold=threshold * rc.unit_numel**0.5)
+                factors[dropped[rc.name]] = 0.0
+                actions[rc.name] = UnitAction(torch.nonzero(factors == 0).flatten(), factors)
+            else:
+                actions[rc.name] = UnitAction(dropped[rc.name])
+        return actions
+
+    def _hard_floor(self, scores: Mapping[str, Tensor], targets: Mapping[str, float]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        budgets: dict[str, list[ResolvedCluster]] = {}
+        for rc in self.clusters:
+            if rc.budget is not None:
+                budgets.setdefault(rc.budget, []).append(rc)
+                continue
+            num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
+            out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
+        for budget, group in budgets.items():
+            corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
+            total = sum(rc.num_units for rc in group)
+            num = num_to_drop(targets[group[0].name], total)
+            picked = bottom_k_shared(corrected, num_drop=num, what=f"Budget {budget!r}")
+            for rc, sel in zip(group, picked, strict=True):
+                out[rc.name] = round_kept(sel, scores[rc.name], multiple_of=rc.multiple_of)
+        return out
+
+    # ------------------------------------------------------------------ mutation
+    def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
+        """Apply actions to the weights (or gradients) of every executor's clusters."""
+        for ex in self.executors:
+            ex.apply(actions, grads=grads)
+
+    def step(
+        self,
+        targets: Mapping[str, float],
+        *,
+        method: Method = "hard",
+        threshold: float = 0.0,
+        count: bool = False,
+    ) -> PruneResult:
+        """Select and apply a fresh projection; remember it as the current mask."""
+        actions = self.select(targets, method=method, threshold=threshold)
+        self.apply(actions)
+        self.last = actions
+        return self.result(count=count)
+
+    def hold(self, *, rescale: bool = False) -> None:
+        """Re-apply the current mask (zero the dropped units; with ``rescale``, also the group-lasso factors)."""
+        if not self.last:
+            return
+        actions = self.last if rescale else {k: UnitAction(a.dropped) for k, a in self.last.items()}
+        self.apply(actions)
+
+    def zero_grads(self) -> None:
+        """Zero the gradients of the dropped units (healing)."""
+        if self.last:
+            self.apply({k: UnitAction(a.dropped) for k, a in self.last.items()}, grads=True)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Literal zeros and numel per clustered parameter (global, identical on every participating rank)."""
+        zeros, numel = {}, {}
+        for ex in self.executors:
+            for name, (z, n) in ex.zero_counts().items():
+                zeros[name], numel[name] = z, n
+        return zeros, numel
+
+    def result(self, *, count: bool = False) -> PruneResult:
+        """The current mask as a :class:`PruneResult` (with literal-zero counts if ``count``)."""
+        zeros, numel = self.counts() if count else ({}, {})
+        return PruneResult(
+            dropped={rc.name: self.dropped(rc.name) for rc in self.clusters},
+            num_units={rc.name: rc.num_units for rc in self.clusters},
+            zeros=zeros,
+            numel=numel,
+            routes={name: kind for name, (kind, _) in self.routes.items()},
+        )
+
+    # ------------------------------------------------------------------ state
+    def dropped(self, name: str) -> list[int]:
+        """Sorted dropped unit indices of cluster ``name`` in the current mask."""
+        action = self.last.get(name)
+        return [] if action is None else action.dropped.tolist()
+
+    def load_dropped(self, dropped: Mapping[str, Sequence[int]]) -> None:
+        """Set the current mask from index lists (resume); units are not applied until :meth:`hold`."""
+        by_name = {rc.name: rc for rc in self.clusters}
+        self.last = {}
+        for name, idx in dropped.items():
+            if name in by_name:
+                self.last[name] = UnitAction(torch.tensor(sorted(idx), dtype=torch.long))
+
+
+def prune_clusters(
+    model: nn.Module,
+    clusters: Cluster | Mapping | Sequence[Cluster | Mapping],
+    sparsity: float,
+    *,
+    score: ScoreType = "rms",
+    executor: ExecutorKind = "auto",
+    method: Method = "hard",
+    reg_lambda: float = 0.0,
+    gamma: float = 1.0,
+    group_count_ref: int | None = None,
+) -> PruneResult:
+    """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
+
+    Clusters with their own ``target`` use it; the others use ``sparsity``.
+
+    Args:
+        model: The module to prune in place.
+        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`).
+        sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``.
+        score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"``.
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
+        method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
+        reg_lambda: Group-lasso strength ``lambda``.
+        gamma: Group-lasso step size ``gamma`` (the callback uses the sum of learning rates since warmup).
+        group_count_ref: Opt-in score correction for shared budgets.
+
+    Returns:
+        The dropped units per cluster and literal-zero counts per parameter.
+
+    Raises:
+        ValueError: On an invalid declaration or option; nothing is mutated then.
+
+    Example::
+
+        >>> import torch.nn as nn
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        >>> res = prune_clusters(mlp, Cluster(name="h", writers=["0.weight", "0.bias"], readers=["2.weight"]), 0.5)
+        >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
+        (4, 4)
+    """
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"`sparsity` must be a number in [0, 1], got {sparsity!r}.")
+    _check_options(score=score, method=method)
+    if reg_lambda < 0 or gamma < 0:
+        raise ValueError(f"`reg_lambda` and `gamma` must be >= 0, got {reg_lambda!r} and {gamma!r}.")
+    resolved = resolve_clusters(model, clusters)
+    pruner = Pruner(model, resolved, score=score, executor=executor, group_count_ref=group_count_ref)
+    targets = {rc.name: float(sparsity if rc.target is None else rc.target) for rc in pruner.clusters}
+    with torch.no_grad():
+        return pruner.step(targets, method=method, threshold=reg_lambda * gamma, count=True)

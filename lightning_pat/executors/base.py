@@ -1,0 +1,59 @@
+"""The executor interface and the unit action it applies.
+
+An executor owns a fixed list of resolved clusters and the parameters they name. It answers three questions for
+the engine: the squared norm of every unit (identical on every participating rank), how to apply a selection to the
+weights (or gradients) in place, and how many literal zeros each parameter holds. It never sees a Trainer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lightning_pat.spec import ResolvedCluster
+
+
+@dataclass(frozen=True)
+class UnitAction:
+    """What to do to one cluster's units.
+
+    Attributes:
+        dropped: Sorted indices of units set to exactly zero.
+        factors: Optional per-unit scale (group lasso) applied before zeroing; ``None`` for a hard mask.
+    """
+
+    dropped: Tensor
+    factors: Tensor | None = None
+
+
+class Executor(ABC):
+    """Computes unit norms and applies unit actions for a fixed list of clusters.
+
+    Args:
+        clusters: The clusters this executor handles.
+        params: Parameter name -> tensor (plain or DTensor), covering every member of ``clusters``.
+    """
+
+    kind: str = "base"
+
+    def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
+        self.clusters = list(clusters)
+        self.params = {n: params[n] for rc in self.clusters for n in rc.param_names}
+
+    @abstractmethod
+    def unit_sq_norms(self) -> dict[str, Tensor]:
+        """Per cluster, ``Q``: the squared norm of every unit over all members (``[C]``, accumulation dtype)."""
+
+    @abstractmethod
+    def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
+        """Scale and zero units in place: of the weights, or of their ``.grad`` when ``grads`` is true."""
+
+    @abstractmethod
+    def zero_counts(self) -> dict[str, tuple[int, int]]:
+        """Per parameter, ``(literal zeros, numel)`` over the whole (global) tensor, identical on every rank."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop any cache held between ``unit_sq_norms`` and ``apply``."""

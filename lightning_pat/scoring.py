@@ -1,0 +1,105 @@
+"""Per-unit squared norms and scores (pure torch, no communication).
+
+The canonical partial is the sum of squares per channel of a (local) tensor along the member's channel axis,
+accumulated in ``promote_types(dtype, float32)``. Channel sums fold into unit sums by index; a rank that holds a
+piece of a tensor produces partial unit sums that add up, over pieces, to the full ones.
+
+Legend for shape suffixes: ``C`` units in a cluster, ``L`` channels held locally.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ScoreType = Literal["rms", "l2", "param_cost"]
+SCORE_TYPES: tuple[str, ...] = ("rms", "l2", "param_cost")
+
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype scores accumulate in: at least float32, float64 stays float64.
+
+    Example::
+
+        >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    out = torch.float32
+    for dt in dtypes:
+        out = torch.promote_types(out, dt)
+    return out
+
+
+def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Sum of squares of every channel (index along ``dim``) of ``tensor``, in ``acc_dtype``.
+
+    Args:
+        tensor: A 1-D or 2-D (local) tensor.
+        dim: The channel axis.
+        acc_dtype: The accumulation dtype.
+
+    Returns:
+        A ``[tensor.shape[dim]]`` tensor.
+    """
+    if tensor.dim() == 1:
+        return tensor.to(acc_dtype).square()
+    other = 1 - dim
+    if tensor.shape[other] == 0 or tensor.shape[dim] == 0:
+        return torch.zeros(tensor.shape[dim], dtype=acc_dtype, device=tensor.device)
+    return torch.linalg.vector_norm(tensor, dim=other, dtype=acc_dtype).square()
+
+
+def unit_of_channels(*, start: int, block: int, offset: int, length: int, device: torch.device) -> Tensor:
+    """Unit index of each of ``length`` channels beginning at global channel ``offset`` (-1 if outside the slice).
+
+    Args:
+        start: First channel of the member's slice.
+        block: Channels per unit.
+        offset: Global index of the first channel held.
+        length: Number of channels held.
+        device: Device of the result.
+
+    Returns:
+        A ``[length]`` int64 tensor.
+    """
+    idx = torch.arange(offset, offset + length, device=device) - start
+    units = torch.div(idx, block, rounding_mode="floor")
+    return torch.where(idx >= 0, units, torch.full_like(units, -1))
+
+
+def fold_to_units(sums_L: Tensor, units_L: Tensor, *, num_units: int) -> Tensor:
+    """Add channel sums into their units; channels with unit -1 or >= ``num_units`` are outside and ignored."""
+    out_C = torch.zeros(num_units, dtype=sums_L.dtype, device=sums_L.device)
+    keep = (units_L >= 0) & (units_L < num_units)
+    return out_C.index_add_(0, units_L[keep], sums_L[keep])
+
+
+def normalise(q_C: Tensor, *, unit_numel: int, score: ScoreType) -> Tensor:
+    """Scores from unit squared norms ``Q``: ``sqrt(Q)`` divided by ``sqrt(G)`` (rms), 1 (l2) or ``G`` (param_cost).
+
+    Raises:
+        ValueError: If ``score`` is not one of ``rms``, ``l2``, ``param_cost``.
+
+    Example::
+
+        >>> normalise(torch.tensor([4.0, 16.0]), unit_numel=4, score="rms")
+        tensor([1., 2.])
+    """
+    norm = q_C.sqrt()
+    if score == "rms":
+        return norm / math.sqrt(unit_numel)
+    if score == "l2":
+        return norm
+    if score == "param_cost":
+        return norm / unit_numel
+    raise ValueError(f"`score` must be one of {SCORE_TYPES}, got {score!r}.")
+
+
+def group_count_correction(scores_C: Tensor, *, reference: int | None) -> Tensor:
+    """Multiply scores by ``sqrt(C / reference)`` so clusters of different sizes compete fairly in one budget."""
+    if reference is None:
+        return scores_C
+    return scores_C * math.sqrt(scores_C.numel() / reference)

@@ -1,0 +1,115 @@
+"""Deterministic unit selection (pure torch).
+
+Lowest score first; equal scores drop the lowest index first (stable sort), so the result is a pure function of
+the scores and identical on every rank that holds bitwise-identical scores.
+
+Legend: ``C`` units of one cluster, ``T`` units over all clusters of a shared budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def num_to_drop(target: float, num_units: int, *, multiple_of: int = 1) -> int:
+    """How many of ``num_units`` units to drop for ``target`` sparsity.
+
+    ``ceil(target * num_units)`` (robust to float noise such as ``0.3 * 10``); when anything is dropped, the kept
+    count is rounded down to a multiple of ``multiple_of``.
+
+    Raises:
+        ValueError: If ``target`` is outside ``[0, 1]`` or ``multiple_of`` < 1.
+
+    Example::
+
+        >>> num_to_drop(0.3, 10), num_to_drop(0.3, 10, multiple_of=4), num_to_drop(0.0, 10, multiple_of=4)
+        (3, 6, 0)
+    """
+    if not 0.0 <= target <= 1.0 or math.isnan(target):
+        raise ValueError(f"`target` must be in [0, 1], got {target!r}.")
+    if multiple_of < 1:
+        raise ValueError(f"`multiple_of` must be >= 1, got {multiple_of!r}.")
+    drop = min(num_units, math.ceil(round(target * num_units, 9)))
+    if drop == 0:
+        return 0
+    keep = (num_units - drop) // multiple_of * multiple_of
+    return num_units - keep
+
+
+def _check_finite(scores: Tensor, what: str) -> None:
+    if not bool(torch.isfinite(scores).all()):
+        bad = torch.nonzero(~torch.isfinite(scores)).flatten()[:8].tolist()
+        raise ValueError(
+            f"{what}: non-finite scores at units {bad}; the weights contain NaN/Inf (check the learning rate or "
+            "loss scaling) and no units were pruned."
+        )
+
+
+def bottom_k(scores_C: Tensor, *, num_drop: int, what: str = "scores") -> Tensor:
+    """Indices (sorted ascending) of the ``num_drop`` lowest scores; ties drop the lower index first.
+
+    Raises:
+        ValueError: If a score is NaN or infinite (``what`` names the cluster in the message).
+
+    Example::
+
+        >>> bottom_k(torch.tensor([1.0, 0.5, 0.5, 2.0]), num_drop=2)
+        tensor([1, 2])
+    """
+    _check_finite(scores_C, what)
+    if num_drop <= 0:
+        return torch.zeros(0, dtype=torch.long, device=scores_C.device)
+    order = torch.sort(scores_C, stable=True).indices
+    return torch.sort(order[:num_drop]).values
+
+
+def bottom_k_shared(scores: Sequence[Tensor], *, num_drop: int, what: str = "budget") -> list[Tensor]:
+    """Joint bottom-k over several clusters; ties break by (cluster order, unit index).
+
+    Returns:
+        Per cluster, the sorted dropped indices.
+    """
+    if not scores:
+        return []
+    joint_T = torch.cat([s.to(torch.float64) if s.dtype != torch.float64 else s for s in scores])
+    picked_T = bottom_k(joint_T, num_drop=num_drop, what=what)
+    out, offset = [], 0
+    for s in scores:
+        n = s.numel()
+        sel = picked_T[(picked_T >= offset) & (picked_T < offset + n)] - offset
+        out.append(sel)
+        offset += n
+    return out
+
+
+def round_kept(dropped_C: Tensor, scores_C: Tensor, *, multiple_of: int) -> Tensor:
+    """Drop further lowest-scoring units until the kept count is a multiple of ``multiple_of`` (if any dropped)."""
+    num_units = scores_C.numel()
+    drop = dropped_C.numel()
+    if drop == 0 or multiple_of == 1:
+        return dropped_C
+    keep = (num_units - drop) // multiple_of * multiple_of
+    extra = num_units - keep - drop
+    if extra == 0:
+        return dropped_C
+    kept_mask = torch.ones(num_units, dtype=torch.bool, device=scores_C.device)
+    kept_mask[dropped_C] = False
+    kept_idx = torch.nonzero(kept_mask).flatten()  # ascending, so a stable sort breaks ties by index
+    order = torch.sort(scores_C[kept_idx], stable=True).indices
+    return torch.sort(torch.cat([dropped_C, kept_idx[order[:extra]]])).values
+
+
+def shrink_factors(norms_C: Tensor, *, threshold: Tensor | float) -> Tensor:
+    """Group-lasso factors ``max(0, 1 - threshold / ||unit||)``; a zero-norm unit gets factor 0.
+
+    Args:
+        norms_C: The l2 norm of every unit over all members.
+        threshold: ``lambda * gamma * sqrt(G)``.
+    """
+    safe = torch.where(norms_C > 0, norms_C, torch.ones_like(norms_C))
+    factors = torch.clamp(1.0 - threshold / safe, min=0.0)
+    return torch.where(norms_C > 0, factors, torch.zeros_like(factors))
