@@ -1,0 +1,61 @@
+"""Tiny LightningModules for callback tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pat import Cluster
+
+HIDDEN = 32
+
+
+def mlp_cluster() -> list[Cluster]:
+    return [Cluster(name="hidden", writers=["fc1.weight", "fc1.bias"], readers=["fc2.weight"])]
+
+
+class MLPModule(pl.LightningModule):
+    """x -> fc1 -> relu -> fc2; the hidden axis of width HIDDEN is one cluster."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, n_batches: int = 16, seed: int = 0,
+                 skip_steps: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(8, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, 4)
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.n_batches = n_batches
+        self.skip_steps = set(skip_steps)  # batch indices whose optimizer step is skipped (like an AMP inf skip)
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n_batches * 4, 8, generator=g)
+        self.y = torch.randn(n_batches * 4, 4, generator=g)
+        self.forward_log: list[torch.Tensor] = []  # fc1 weight rows that are all zero, seen in each training forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def training_step(self, batch, batch_idx):
+        if self.training:
+            w = self.fc1.weight.detach()
+            self.forward_log.append(((w == 0).all(dim=1) & (self.fc1.bias.detach() == 0)).clone())
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx in self.skip_steps:
+            optimizer_closure()  # forward/backward ran, but the step is skipped (as GradScaler does on inf)
+            return
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        if self.optimizer_name == "sgd_plain":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=4, shuffle=False)
