@@ -1,9 +1,14 @@
 """lightning_pat: pruning-aware training for PyTorch Lightning (coupled structured pruning that shrinks)."""
 
+from typing import TYPE_CHECKING, Any
+
+from lightning_pat import presets
 from lightning_pat.__about__ import __version__
-from lightning_pat.callback import CoupledPruningCallback
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+
+if TYPE_CHECKING:
+    from lightning_pat.callback import CoupledPruningCallback
 
 __all__ = [
     "Cluster",
@@ -12,6 +17,16 @@ __all__ = [
     "Pruner",
     "ResolvedCluster",
     "__version__",
+    "presets",
     "prune_clusters",
     "resolve_clusters",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the callback (and Lightning) only when it is used: the engine alone stays light."""
+    if name == "CoupledPruningCallback":
+        from lightning_pat.callback import CoupledPruningCallback
+
+        return CoupledPruningCallback
+    raise AttributeError(f"module 'lightning_pat' has no attribute {name!r}")

@@ -17,18 +17,20 @@ projected (pruned) weights:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_pat import distributed as D
-from lightning_pat.engine import METHODS, Method, Pruner
+from lightning_pat.engine import METHODS, Method, Pruner, PruneResult
 from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.metrics import PruningMetrics
 from lightning_pat.schedule import Schedule
@@ -43,6 +45,13 @@ log = logging.getLogger(__name__)
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
 _STATE_VERSION = 1
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _check_choice(name: str, value: object, valid: Sequence[str]) -> None:
@@ -167,6 +176,8 @@ class CoupledPruningCallback(Callback):
         self._hooks: list[Any] = []
         self._pending_state: dict[str, Any] | None = None
         self._params: dict[str, Tensor] = {}
+        self._latent_names: list[str] = []
+        self._fsdp1_root: torch.nn.Module | None = None
 
     # ------------------------------------------------------------------ identity and state
     @property
@@ -210,39 +221,51 @@ class CoupledPruningCallback(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Reject strategies that cannot be supported (before any step)."""
+        """Reject strategies that cannot be supported (before any step): DeepSpeed."""
         name = type(trainer.strategy).__name__
         if "DeepSpeed" in name:
             raise MisconfigurationException(
                 f"CoupledPruningCallback does not support {name}: DeepSpeed partitions parameters into flat buffers "
                 "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
             )
-        if name == "FSDPStrategy":
-            raise MisconfigurationException(
-                "CoupledPruningCallback does not support FSDPStrategy (FSDP1 flat parameters lose tensor structure). "
-                "Use ModelParallelStrategy with `fully_shard` in `configure_model` (FSDP2), or strategy='ddp'."
-            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve clusters against the final (possibly sharded) parameters and route them to executors."""
-        declarations = self._declarations(pl_module)
-        try:
-            self.resolved = resolve_clusters(pl_module, declarations)
-            self.pruner = Pruner(
-                pl_module,
-                self.resolved,
-                score=self.score,
-                executor=self.executor,
-                group_count_ref=self.group_count_ref,
-            )
-        except ValueError as err:
-            raise MisconfigurationException(f"CoupledPruningCallback: {err}") from err
+        self._fsdp1_root = trainer.strategy.model if isinstance(trainer.strategy, FSDPStrategy) else None
         self._params = dict(pl_module.named_parameters(remove_duplicate=False))
+        with self._weights(pl_module) as params:
+            declarations = self._declarations(pl_module)
+            try:
+                self.resolved = resolve_clusters(params, declarations)
+                self.pruner = Pruner(
+                    params,
+                    self.resolved,
+                    score=self.score,
+                    executor=self.executor,
+                    group_count_ref=self.group_count_ref,
+                )
+            except ValueError as err:
+                raise MisconfigurationException(f"CoupledPruningCallback: {err}") from err
+        clustered = {n for rc in self.resolved for n in rc.param_names}
+        # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
+        self._latent_names = list(self._params) if self._fsdp1_root is not None else sorted(clustered)
         self.metrics = PruningMetrics([rc.name for rc in self.pruner.clusters])
         self._log_routes()
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
+
+    @contextmanager
+    def _weights(self, pl_module: pl.LightningModule) -> Iterator[dict[str, Tensor]]:
+        """The parameters the engine works on: the live ones, or FSDP1's summoned full ones (written back on exit)."""
+        if self._fsdp1_root is None:
+            yield self._params
+            return
+        with D.summon_full_params(self._fsdp1_root):
+            params = {_clean_name(n): p for n, p in pl_module.named_parameters(remove_duplicate=False)}
+            if self.pruner is not None:
+                self.pruner.rebind(params)
+            yield params
 
     def _declarations(self, pl_module: pl.LightningModule) -> list[Cluster]:
         if not isinstance(self.clusters, str):
@@ -278,7 +301,7 @@ class CoupledPruningCallback(Callback):
         self._step = int(state.get("step", 0))
         self._gamma = float(state.get("gamma", 0.0))
         self.pruner.load_dropped(state.get("dropped", {}))
-        with torch.no_grad():
+        with torch.no_grad(), self._weights(pl_module):
             self.pruner.hold()
 
     @override
@@ -314,7 +337,8 @@ class CoupledPruningCallback(Callback):
         upcoming = self._step + 1
         with torch.no_grad():
             if self._healing(upcoming):
-                self.pruner.zero_grads()
+                if self._fsdp1_root is None:  # FSDP1: grads live in flat shards; the weights are re-zeroed after
+                    self.pruner.zero_grads()
             elif self._latents and self._latent_active(upcoming):
                 in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
                 for name, latent in self._latents.items():
@@ -334,7 +358,9 @@ class CoupledPruningCallback(Callback):
         with torch.no_grad():
             if not stepped:
                 if self._swapped:  # the scaler skipped the step: show the projection again
-                    self._project(fresh=False)
+                    self._restore_latents()
+                    with self._weights(pl_module):
+                        self.pruner.hold(rescale=self.mode == "latent")
                 return
             self._step += 1
             step = self._step
@@ -343,37 +369,41 @@ class CoupledPruningCallback(Callback):
                 return
             self._gamma += self._last_lr or 0.0
             count = self._should_count(trainer, phase)
-            if self._healing(step):
-                self.pruner.hold()
-            else:
-                self._project(fresh=self._is_due(step))
-                if phase == "final" and self.heal:
-                    self._latents.clear()  # the mask is frozen from here on
-            self._log(pl_module, count=count)
+            if not self._healing(step):
+                self._restore_latents()
+            with self._weights(pl_module):
+                if self._healing(step):
+                    self.pruner.hold()
+                else:
+                    self._project(fresh=self._is_due(step))
+                result = self.pruner.result(count=count) if self.log_metrics else None
+            if phase == "final" and self.heal:
+                self._latents.clear()  # the mask is frozen from here on
+            if result is not None:
+                self._log(pl_module, result)
 
     def _is_due(self, step: int) -> bool:
         if self.schedule.phase(step) == "healing":  # heal=False: keep re-selecting on cadence
             return (step - self.schedule.final_step) % self.schedule.every_n_steps == 0
         return self.schedule.is_due(step)
 
+    def _restore_latents(self) -> None:
+        """Latent mode: save the updated latents and put every latent back into the (live) weights."""
+        if self.mode != "latent":
+            return
+        if not self._latents:
+            self._latents = {n: D.local_tensor(self._params[n]).clone() for n in self._latent_names}
+        for name, latent in self._latents.items():
+            local = D.local_tensor(self._params[name])
+            if name in self._swapped:
+                latent.copy_(local)
+            else:
+                local.copy_(latent)
+        self._swapped.clear()
+
     def _project(self, *, fresh: bool) -> None:
-        """Save latents (latent mode), restore them into the weights, and apply a fresh or the current projection."""
+        """Apply a fresh projection, or re-apply the current one (on the weights the engine is bound to)."""
         assert self.pruner is not None
-        if self.mode == "latent":
-            if not self._latents:
-                self._latents = {
-                    n: D.local_tensor(self._params[n]).clone()
-                    for rc in self.resolved
-                    for n in rc.param_names
-                    if n in self._params
-                }
-            for name, latent in self._latents.items():
-                local = D.local_tensor(self._params[name])
-                if name in self._swapped:
-                    latent.copy_(local)
-                else:
-                    local.copy_(latent)
-            self._swapped.clear()
         if not fresh:
             self.pruner.hold(rescale=self.mode == "latent")
             return
@@ -390,12 +420,11 @@ class CoupledPruningCallback(Callback):
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
         return phase == "final" or self._step % every == 0
 
-    def _log(self, pl_module: pl.LightningModule, *, count: bool) -> None:
-        if not self.log_metrics or self.metrics is None or self.pruner is None:
+    def _log(self, pl_module: pl.LightningModule, result: PruneResult) -> None:
+        if self.metrics is None:
             return
-        result = self.pruner.result(count=count)
         self.metrics.update_units({k: len(v) for k, v in result.dropped.items()}, result.num_units)
-        if count:
+        if result.numel:
             self.metrics.update_params(result.zeros, result.numel)
         main = f"{self.metrics.prefix}/unit_sparsity"
         for key, value in self.metrics.values().items():

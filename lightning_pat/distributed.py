@@ -7,6 +7,8 @@ may be all-reduced (exact).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,3 +84,133 @@ def all_reduce_sum_(counts: Tensor, *, group: Any) -> Tensor:
         raise TypeError("all_reduce_sum_ takes integer tensors only; gather float partials and sum in rank order.")
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     return counts
+
+
+# ---------------------------------------------------------------------------------------------- sharded path
+_AXES_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def mesh_ranks_along(mesh: Any, axes: Sequence[int]) -> list[int]:
+    """Global ranks of this rank's sub-grid spanning mesh ``axes``, in row-major coordinate order over ``axes``.
+
+    Raises:
+        ValueError: If this rank is not in ``mesh``.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("This rank is not part of the mesh; it must not take part in the mesh's collectives.")
+    index = tuple(slice(None) if a in axes else coord[a] for a in range(mesh.ndim))
+    return mesh.mesh[index].flatten().tolist()
+
+
+def axes_group(mesh: Any, axes: Sequence[int]) -> Any:
+    """The process group spanning mesh ``axes`` through this rank (cached; only members create it).
+
+    One axis is the mesh's own group. Several axes reuse WORLD when they cover every rank, and otherwise create
+    a group once with local synchronisation (only its members call ``new_group``, in the same order everywhere).
+
+    Raises:
+        ValueError: If ``axes`` is empty or this rank is not in ``mesh``.
+    """
+    axes = tuple(sorted(axes))
+    if not axes:
+        raise ValueError("`axes` must name at least one mesh axis.")
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    key = tuple(sorted(mesh_ranks_along(mesh, axes)))
+    if key == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if key not in _AXES_GROUPS:
+        _AXES_GROUPS[key] = dist.new_group(ranks=list(key), use_local_synchronization=True)
+    return _AXES_GROUPS[key]
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def group_key(group: Any) -> tuple[int, ...]:
+    """The sorted global ranks of ``group``: groups with equal keys connect the same ranks."""
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+def gather_order(mesh: Any, axes: Sequence[int], group: Any) -> list[int]:
+    """Row indices of an :func:`all_gather_packed` result over ``group``, in mesh-coordinate order over ``axes``.
+
+    Summing the gathered rows in this order makes every replica group run the same additions on the same data,
+    whatever rank numbering its process group uses.
+    """
+    group_ranks = dist.get_process_group_ranks(group)
+    return [group_ranks.index(r) for r in mesh_ranks_along(mesh, tuple(sorted(axes)))]
+
+
+def all_gather_packed(buffer_L: Tensor, *, group: Any) -> Tensor:
+    """Gather one 1-D buffer from every rank of ``group``: an ``[n, L]`` tensor, row ``i`` from group rank ``i``.
+
+    Exact (no arithmetic); a group of one rank issues no collective.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return buffer_L.unsqueeze(0)
+    out = torch.empty(n * buffer_L.numel(), dtype=buffer_L.dtype, device=buffer_L.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+    gather(out, buffer_L.contiguous(), group=group)
+    return out.view(n, buffer_L.numel())
+
+
+def ordered_sum(rows_nL: Tensor, order: Sequence[int]) -> Tensor:
+    """Sum the rows of ``rows_nL`` one at a time in ``order`` (a fixed association: bitwise reproducible)."""
+    acc_L = rows_nL[order[0]].clone()
+    for i in order[1:]:
+        acc_L += rows_nL[i]
+    return acc_L
+
+
+def gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) -> Tensor:
+    """Exact sum of every rank's ``buffer_L`` over ``group``: one all_gather, then :func:`ordered_sum` locally.
+
+    Each rank receives ``(n - 1) * L`` elements. Every rank of every replica group runs the same additions in the
+    same (mesh-coordinate) order on the same data, so the result is bitwise identical everywhere.
+    """
+    return ordered_sum(all_gather_packed(buffer_L, group=group), order)
+
+
+def scatter_gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) -> Tensor:
+    """The same bits as :func:`gather_sum` with ``2 (n - 1) / n * L`` elements received: two collectives.
+
+    The buffer is cut into ``n`` blocks; block ``j`` goes to the rank at coordinate index ``j`` (``all_to_all``),
+    which adds the ``n`` pieces in coordinate order exactly as :func:`ordered_sum` would, then the summed blocks are
+    all-gathered. Every element sees the same additions in the same order as on the one-collective path.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return buffer_L.clone()
+    length = buffer_L.numel()
+    block = -(-length // n)
+    padded = torch.zeros(n * block, dtype=buffer_L.dtype, device=buffer_L.device)
+    padded[:length] = buffer_L
+    send_nB = torch.empty(n, block, dtype=buffer_L.dtype, device=buffer_L.device)
+    for j, row in enumerate(order):  # the group rank at coordinate index j owns block j
+        send_nB[row] = padded[j * block : (j + 1) * block]
+    recv_nB = torch.empty_like(send_nB)
+    dist.all_to_all_single(recv_nB, send_nB, group=group)  # row g: rank g's piece of my block
+    mine_B = ordered_sum(recv_nB, order)
+    rows_nB = all_gather_packed(mine_B, group=group)
+    return torch.cat([rows_nB[row] for row in order])[:length]
+
+
+def reduce_counts(counts: Tensor, *, group: Any) -> Tensor:
+    """Sum int64 counts over ``group`` (one collective, exact) and return them."""
+    if dist.get_world_size(group) == 1:
+        return counts
+    return all_reduce_sum_(counts, group=group)
+
+
+@contextmanager
+def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
+    """FSDP1: gather every flat parameter into full original parameters; write local changes back on exit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(root, writeback=True):
+        yield

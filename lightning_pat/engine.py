@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_pat import distributed as D
 from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
 from lightning_pat.scoring import SCORE_TYPES, ScoreType, group_count_correction, normalise
-from lightning_pat.selection import bottom_k, bottom_k_shared, num_to_drop, round_kept, shrink_factors
+from lightning_pat.selection import bottom_k, bottom_k_shared, check_finite, num_to_drop, round_kept, shrink_factors
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
 
 Method = Literal["hard", "group_lasso"]
@@ -139,6 +139,8 @@ class Pruner:
             num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
             out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
         for budget, group in budgets.items():
+            for rc in group:  # name the cluster, not only the budget (joint indices would mislead)
+                check_finite(scores[rc.name], f"Cluster {rc.name!r} (budget {budget!r})")
             corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
             total = sum(rc.num_units for rc in group)
             num = num_to_drop(targets[group[0].name], total)
@@ -211,6 +213,13 @@ class Pruner:
         for name, idx in dropped.items():
             if name in by_name:
                 self.last[name] = UnitAction(torch.tensor(sorted(idx), dtype=torch.long))
+
+    def rebind(self, params: Mapping[str, Tensor]) -> None:
+        """Point the executors at new tensor objects with the same names, shapes and layouts (routes are kept).
+
+        Used where parameters are only temporarily materialized, e.g. inside FSDP1's ``summon_full_params``.
+        """
+        self.executors = build_executors(self.clusters, params, self.routes)
 
 
 def prune_clusters(

@@ -59,8 +59,9 @@ def scale_units_(
     shape = [1] * tensor.dim()
     shape[member.dim] = length
     tensor.copy_((tensor.to(scale_L.dtype) * scale_L.view(shape)).to(tensor.dtype))
-    zero_units_(tensor, member, torch.nonzero(factors_C == 0).flatten(), num_units=num_units, offset=offset,
-                length=length)
+    zero_units_(
+        tensor, member, torch.nonzero(factors_C == 0).flatten(), num_units=num_units, offset=offset, length=length
+    )
 
 
 def count_zeros(tensor: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ class Schedule:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"`{key}` must be an int >= {low}, got {value!r}.")
         if self.shape not in ("cubic", "linear"):
-            raise ValueError(f"`ramp_shape` must be 'cubic' or 'linear', got {self.shape!r}.")
+            raise ValueError(f"`ramp` (the ramp shape) must be 'cubic' or 'linear', got {self.shape!r}.")
 
     @property
     def final_step(self) -> int:

@@ -40,7 +40,12 @@ def num_to_drop(target: float, num_units: int, *, multiple_of: int = 1) -> int:
     return num_units - keep
 
 
-def _check_finite(scores: Tensor, what: str) -> None:
+def check_finite(scores: Tensor, what: str) -> None:
+    """Reject NaN/Inf scores with an error that starts with ``what`` (the cluster or budget).
+
+    Raises:
+        ValueError: If any score is not finite.
+    """
     if not bool(torch.isfinite(scores).all()):
         bad = torch.nonzero(~torch.isfinite(scores)).flatten()[:8].tolist()
         raise ValueError(
@@ -60,7 +65,7 @@ def bottom_k(scores_C: Tensor, *, num_drop: int, what: str = "scores") -> Tensor
         >>> bottom_k(torch.tensor([1.0, 0.5, 0.5, 2.0]), num_drop=2)
         tensor([1, 2])
     """
-    _check_finite(scores_C, what)
+    check_finite(scores_C, what)
     if num_drop <= 0:
         return torch.zeros(0, dtype=torch.long, device=scores_C.device)
     order = torch.sort(scores_C, stable=True).indices

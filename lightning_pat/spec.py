@@ -223,9 +223,7 @@ def _no_match_error(cluster: str, role: str, pattern: str, names: Sequence[str])
     )
 
 
-def _channel_range(
-    cluster: str, name: str, dim: int, shape: tuple[int, ...], spec: tuple | None
-) -> tuple[int, int]:
+def _channel_range(cluster: str, name: str, dim: int, shape: tuple[int, ...], spec: tuple | None) -> tuple[int, int]:
     length = shape[dim]
     if spec is None:
         return 0, length
@@ -324,15 +322,16 @@ def _natural_key(text: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
 
 
-def resolve_clusters(model: nn.Module, clusters: Cluster | Mapping | Sequence[Cluster | Mapping]) -> list[
-    ResolvedCluster
-]:
+def resolve_clusters(
+    model: nn.Module | Mapping[str, torch.Tensor], clusters: Cluster | Mapping | Sequence[Cluster | Mapping]
+) -> list[ResolvedCluster]:
     """Expand cluster declarations against a module's parameters and validate them.
 
     Nothing is mutated. Tied parameters (one tensor under two names) count once per axis.
 
     Args:
-        model: The module whose ``named_parameters`` are matched (DTensor parameters are fine).
+        model: The module whose ``named_parameters`` are matched (DTensor parameters are fine), or a mapping of
+            parameter names to tensors.
         clusters: One declaration, a mapping of its fields, or a sequence of them.
 
     Returns:
@@ -354,7 +353,7 @@ def resolve_clusters(model: nn.Module, clusters: Cluster | Mapping | Sequence[Cl
         (8, 9)
     """
     decls = [_as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
     names = list(params)
     first_name: dict[int, str] = {}
     for n, p in params.items():
@@ -367,7 +366,7 @@ def resolve_clusters(model: nn.Module, clusters: Cluster | Mapping | Sequence[Cl
         for key, entries in sorted(_expand(decl, names).items(), key=lambda kv: _natural_key(str(kv[0]))):
             groups = dict(key)
             try:
-                cname = decl.name.format(**groups) if groups else decl.name
+                cname = decl.name.format(**groups)  # a placeholder without a matching group is an error
             except (KeyError, IndexError) as err:
                 raise ValueError(
                     f"Cluster {decl.name!r}: the name refers to group {err} that the patterns do not define; "
@@ -423,7 +422,10 @@ def _build_members(
         aliases[key] = [name]
         raw.append((role, first_name[id(tensor)], dim, start, stop, shape))
         _check_same_layout(cname, name, tensor, params[raw[0][1]] if raw else tensor)
-    lengths = {f"{n}[{a}:{b}]" if (a, b) != (0, shape[d]) else n: b - a for _, n, d, a, b, shape in raw}
+    lengths: dict[str, int] = {}
+    for _, n, d, a, b, shape in raw:
+        label = f"{n}[{a}:{b}]" if (a, b) != (0, shape[d]) else n
+        lengths[label if label not in lengths else f"{label} (dim {d})"] = b - a  # one parameter on both axes
     num = _num_units(decl, cname, lengths)
     members = []
     for role, name, dim, start, stop, shape in raw:

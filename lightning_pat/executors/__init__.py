@@ -7,18 +7,35 @@ from typing import Literal
 
 from torch import Tensor
 
+from lightning_pat import distributed as D
+from lightning_pat import placement as P
 from lightning_pat.executors.base import Executor, UnitAction
 from lightning_pat.executors.materializing import MaterializingExecutor
+from lightning_pat.executors.sharded import ShardedExecutor
 from lightning_pat.spec import ResolvedCluster
 
 ExecutorKind = Literal["auto", "materializing", "sharded"]
 EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")
 
 
+def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
+    """Why ``cluster`` cannot take the sharded path (global metadata only), or ``None`` if it can."""
+    tensors = [params[m.name] for m in cluster.members]
+    if not all(D.is_dtensor(t) for t in tensors):
+        return "plain tensors (not DTensors)"
+    mesh = tensors[0].device_mesh
+    if any(t.device_mesh != mesh for t in tensors):
+        return "members live on different device meshes"
+    return P.cluster_reason(cluster, [tuple(t.placements) for t in tensors], mesh_shape=tuple(mesh.shape))
+
+
 def route(
     clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], *, executor: ExecutorKind = "auto"
 ) -> dict[str, tuple[str, str]]:
     """Decide, from global metadata only, which executor serves each cluster.
+
+    ``"auto"`` takes the sharded path for every cluster whose members are all eligible DTensors and the
+    materializing path otherwise; ``"sharded"`` and ``"materializing"`` force one path.
 
     Returns:
         Cluster name -> ``(kind, reason)``.
@@ -32,31 +49,43 @@ def route(
     for rc in clusters:
         if executor == "materializing":
             out[rc.name] = ("materializing", "forced by executor='materializing'")
+            continue
+        reason = sharded_reason(rc, params)
+        if reason is None:
+            how = "forced by executor='sharded'" if executor == "sharded" else "eligible DTensor layout"
+            out[rc.name] = ("sharded", how)
         elif executor == "sharded":
             raise ValueError(
-                f"Cluster {rc.name!r}: executor='sharded' is not available for this layout (plain tensors or an "
-                "unsupported DTensor layout); use executor='auto' or 'materializing'."
+                f"Cluster {rc.name!r}: executor='sharded' cannot serve this cluster: {reason}. Use executor='auto' "
+                "(falls back to materializing for this cluster) or executor='materializing'."
             )
         else:
-            out[rc.name] = ("materializing", "plain tensors")
+            out[rc.name] = ("materializing", reason)
     return out
 
 
 def build_executors(
     clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], routes: Mapping[str, tuple[str, str]]
 ) -> list[Executor]:
-    """One executor per kind, each owning the clusters routed to it (in cluster order)."""
+    """One executor per kind, each owning the clusters routed to it (in cluster order).
+
+    The materializing executor comes first: it writes whole tensors back from dense copies taken when scoring, so
+    it must apply before the sharded executor zeroes local pieces of a parameter the two may share.
+    """
     by_kind: dict[str, list[ResolvedCluster]] = {}
     for rc in clusters:
         by_kind.setdefault(routes[rc.name][0], []).append(rc)
     executors: list[Executor] = []
-    for kind, group in by_kind.items():
+    for kind in sorted(by_kind, key=lambda k: k != "materializing"):
+        group = by_kind[kind]
         if kind == "materializing":
             executors.append(MaterializingExecutor(group, params))
+        elif kind == "sharded":
+            executors.append(ShardedExecutor(group, params))
         else:  # pragma: no cover - guarded by route()
             raise AssertionError(kind)
     return executors
 
 
-__all__ = ["EXECUTOR_KINDS", "Executor", "ExecutorKind", "MaterializingExecutor", "UnitAction", "build_executors",
-           "route"]
+__all__ = ["EXECUTOR_KINDS", "Executor", "ExecutorKind", "MaterializingExecutor", "ShardedExecutor", "UnitAction",
+           "build_executors", "route", "sharded_reason"]

@@ -108,6 +108,7 @@ def test_matches_plain_loop_oracle(mode):
     opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
     params = [oracle.fc1.weight, oracle.fc1.bias, oracle.fc2.weight]
     latent = None
+    drop: list[int] = []
     for step, (x, y) in enumerate(oracle.train_dataloader(), start=1):
         if step > 8:
             break
@@ -144,7 +145,7 @@ def test_gradient_accumulation_counts_real_steps():
     _, rec = fit(module, cb, max_steps=6, accumulate=2)
     assert cb.step == 6
     # masks change only on batches that completed an optimizer step (every second batch)
-    assert rec.steps == [s for s in [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]]
+    assert rec.steps == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
     assert rec.masks[2] == {"hidden": []} or rec.masks[2] == {}  # step 1 is warmup
     assert len(rec.masks[3]["hidden"]) == expected_drops(cb, 2, HIDDEN)
     assert rec.masks[3] == rec.masks[4]  # micro-batch: no re-selection
@@ -193,7 +194,7 @@ def test_per_cluster_target_and_multiple_of():
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"ramp_steps": 0}, "ramp_steps"),
         ({"every_n_steps": 0}, "every_n_steps"),
-        ({"ramp": "exp"}, "ramp_shape"),
+        ({"ramp": "exp"}, "`ramp`"),
         ({"method": "l0"}, "method"),
         ({"score": "max"}, "score"),
         ({"mode": "shadow"}, "mode"),
@@ -220,15 +221,15 @@ def test_bad_cluster_raises_at_fit_start_before_any_mutation():
         assert torch.equal(v, before[k]), k
 
 
-def test_deepspeed_and_fsdp1_are_rejected_by_name():
-    from lightning.pytorch.strategies import FSDPStrategy
+def test_deepspeed_is_rejected_at_setup():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
     cb = CoupledPruningCallback(mlp_cluster(), 0.5)
 
     class FakeTrainer:
-        strategy = FSDPStrategy.__new__(FSDPStrategy)
+        strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
 
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy"):
+    with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*ModelParallelStrategy"):
         cb.setup(FakeTrainer(), MLPModule(), "fit")
 
 

@@ -1,0 +1,32 @@
+# lightning_pat developer commands. Each target sets up its own virtualenv from scratch when needed.
+# `make demo` and `make test` are the two commands in README's Quickstart; .ci/run calls `make test`.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) bench/bench_sharded.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs

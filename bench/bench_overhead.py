@@ -1,0 +1,142 @@
+"""Training-step overhead and extra memory: lightning_pat vs Lightning's ModelPruning vs dense training.
+
+    python bench/bench_overhead.py                 # TinyGPT d=256, ffn=1024, 4 layers, batch 8 x 128 tokens, CPU
+    python bench/bench_overhead.py --steps 30      # quicker
+
+Every variant trains the same model on the same batches with AdamW in one process, one after another; the table
+reports the median wall time of a training step (forward, backward, optimizer step and the pruning work) over the
+measured steps, its ratio to dense training, and the extra memory the pruning method holds. Both pruning methods
+prune the MLP: lightning_pat couples gate/up rows with down columns (one cluster per layer); ModelPruning prunes
+rows of each Linear separately (`ln_structured`, dim 0), the closest it offers. ModelPruning applies its mask at
+epoch ends and recomputes `weight = weight_orig * weight_mask` in a forward pre-hook on every step after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelPruning
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_pat import CoupledPruningCallback  # noqa: E402
+from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+
+
+class LM(pl.LightningModule):
+    def __init__(self, cfg: TinyGPTConfig) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyGPT(cfg)
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        logits = self.model(x[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+        self.latent_bytes = 0
+
+    def on_train_end(self, trainer, pl_module):  # before the pruning callback's teardown frees its latents
+        for cb in trainer.callbacks:
+            if isinstance(cb, CoupledPruningCallback):
+                self.latent_bytes = sum(t.numel() * t.element_size() for t in cb.latent_params().values())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def mlp_linears(module: LM) -> list[tuple[torch.nn.Module, str]]:
+    return [(m, "weight") for n, m in module.model.named_modules() if n.split(".")[-1] in ("gate_proj", "up_proj",
+                                                                                           "down_proj")]
+
+
+def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_epoch: int, data: DataLoader):
+    module = LM(cfg)
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = []
+    extra_bytes = 0
+    if variant.startswith("lightning_pat"):
+        mode = "direct" if "direct" in variant else "latent"
+        healing = "healing" in variant
+        cb = CoupledPruningCallback("tiny_gpt", 0.5, warmup_steps=0, ramp_steps=1 if healing else 10**6, mode=mode,
+                                    preset_options={"mlp": True, "heads": False})
+        callbacks.append(cb)
+    elif variant.startswith("ModelPruning"):
+        cb = ModelPruning("ln_structured", parameters_to_prune=mlp_linears(module), amount=0.5, pruning_dim=0,
+                          pruning_norm=2, use_global_unstructured=False, use_lottery_ticket_hypothesis=False,
+                          make_pruning_permanent=False)
+        callbacks.append(cb)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[*callbacks, timer], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_train_batches=batches_per_epoch, log_every_n_steps=50)
+    trainer.fit(module, data)
+    if variant.startswith("lightning_pat"):  # latent copies (latent mode, before healing) + index vectors
+        extra_bytes = timer.latent_bytes + sum(8 * len(v) for v in cb.dropped.values())
+    elif variant.startswith("ModelPruning"):
+        for m, _ in mlp_linears(module):  # mask buffer + the recomputed weight (weight_orig is the old parameter)
+            extra_bytes += m.weight_mask.numel() * m.weight_mask.element_size() + m.weight.numel() * 4
+    times = timer.times[skip:]
+    return statistics.median(times) * 1e3, extra_bytes / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--d_model", type=int, default=256)
+    parser.add_argument("--d_ff", type=int, default=1024)
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the best median is kept")
+    args = parser.parse_args()
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    cfg = TinyGPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=8, n_kv_head=4, d_model=args.d_model,
+                        d_ff=args.d_ff, max_seq_len=args.seq)
+    tokens = torch.randint(0, 256, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
+    per_epoch = max(args.steps // 4, 2)  # ModelPruning prunes at the end of the first epoch
+    skip = per_epoch + 2
+    variants = [
+        "dense",
+        "lightning_pat latent, fresh selection every step",
+        "lightning_pat direct, fresh selection every step",
+        "lightning_pat healing (mask held)",
+        "ModelPruning ln_structured (after first prune)",
+    ]
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(args.rounds):  # interleaved, so a noisy neighbour hurts every variant alike
+        for v in variants:
+            ms, mib = run(v, cfg, steps=args.steps, skip=skip, batches_per_epoch=per_epoch, data=data)
+            best[v] = (min(ms, best.get(v, (ms, mib))[0]), mib)
+    rows = [(v, *best[v]) for v in variants]
+    dense = rows[0][1]
+    mp = rows[-1][1]
+    mlp_params = 3 * args.d_model * args.d_ff * args.n_layer
+    print(f"\nTinyGPT d={args.d_model} ffn={args.d_ff} layers={args.n_layer} (MLP params {mlp_params / 1e6:.2f} M), "
+          f"batch {args.batch}x{args.seq}, fp32, CPU threads {torch.get_num_threads()}, median of steps "
+          f"{skip + 1}..{args.steps}, best of {args.rounds} interleaved rounds")
+    print("| variant | ms/step | vs dense | vs ModelPruning | extra memory (MiB) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, ms, mib in rows:
+        print(f"| {name} | {ms:.1f} | {ms / dense:.3f}x | {ms / mp:.3f}x | {mib:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

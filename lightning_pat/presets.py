@@ -1,0 +1,447 @@
+r"""Ready cluster declarations for common model families.
+
+A preset reads the layout and sizes from the model (parameter names, shapes, the attention module's ``head_dim``
+or ``model.config``) and returns plain :class:`~lightning_pat.Cluster` declarations. Per-layer kinds use one
+regex declaration with a named ``layer`` group, so they print and serialise short. Names are matched under the
+backbone's prefix as found in the module, so a preset also works on a wrapper (a LightningModule holding the model
+as ``self.model``): pass the same module to the preset and to ``resolve_clusters`` / the callback.
+
+Kinds (keyword-selectable in every transformer preset):
+
+* ``mlp`` (on): ``mlp.{layer}``, the MLP hidden channels: gate/up rows and biases, down columns (GPT-2: ``c_fc``
+  columns and bias, ``c_proj`` rows, as ``Conv1D`` stores weights ``[in, out]``).
+* ``heads`` (on): ``heads.{layer}``, one unit per KV head: for MHA a head, for GQA a whole query group (its KV head
+  rows in k/v, its ``n_rep`` query heads' rows in q, their o columns, q/k/v biases); HF ``repeat_kv`` and TinyGPT
+  map query head ``h`` to KV head ``h // n_rep``, so a group is contiguous. GPT-2: the three chunks of the packed
+  ``c_attn`` weight (columns) and bias, and ``attn.c_proj`` rows.
+* ``residual`` (off): ``residual``, the hidden size across the whole model: embedding columns (and GPT-2 ``wpe``),
+  every q/k/v/gate/up column, every o/down row and bias, every norm weight (and LayerNorm bias), ``lm_head``
+  columns; a tied ``lm_head`` is the embedding tensor and counts once. Every parameter of the model must belong to
+  the family's layout (else a ``ValueError``), because an unknown writer would keep a pruned channel alive.
+
+Families: ``llama`` (also ``mistral``, ``qwen2``: ``*.layers.N.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``, ``lm_head``), ``gpt2``
+(``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``), ``tiny_gpt``
+(:class:`~lightning_pat.demo_model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
+
+Limitations:
+
+* A pruned residual channel is exactly zero everywhere, but the norms still divide by the full width ``d``. RMSNorm
+  over the ``d'`` kept channels reproduces the zeroed model with weight ``w * sqrt(d / d')`` and eps
+  ``eps * d / d'``, so a physical shrink must rescale. LayerNorm (GPT-2) subtracts the mean over all ``d``
+  channels, zeros included; no LayerNorm over ``d'`` channels reproduces that, so shrinking a GPT-2 residual is not
+  output-preserving (the zeroed model is; fine-tune after the shrink).
+* ``linear_chain`` cannot see ``forward``; it assumes an ``nn.Sequential`` runs its children in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_pat.spec import Cluster, _as_cluster
+
+log = logging.getLogger(__name__)
+
+Preset = Callable[..., list[Cluster]]
+OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual")
+
+_HOW_TO = (
+    "Supported families: llama/mistral/qwen2 (`<prefix>layers.N.self_attn.q_proj.weight`), gpt2 "
+    "(`<prefix>h.N.attn.c_attn.weight`), tiny_gpt (`layers.N.attn.q_proj.weight`) and linear_chain (consecutive "
+    "nn.Linear layers in an nn.Sequential). For other models declare clusters by hand, e.g. "
+    "Cluster(name='mlp.{layer}', writers=['re:blocks\\.(?P<layer>\\d+)\\.fc1\\.(?:weight|bias)'], "
+    "readers=['re:blocks\\.(?P<layer>\\d+)\\.fc2\\.weight'])."
+)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Parameter-name regexes of one family, relative to the backbone prefix (per layer: after ``layers.N.``)."""
+
+    family: str
+    layers: str  # module path of the layer list: "layers", "h"
+    anchor: str  # a per-layer parameter that identifies the family
+    mlp: tuple[tuple[str, ...], tuple[str, ...]]  # (writers, readers) per layer
+    heads: tuple[tuple[str, ...], tuple[str, ...]]
+    residual: tuple[tuple[str, ...], tuple[str, ...]]  # per layer
+    top: tuple[tuple[str, ...], tuple[str, ...]]  # residual members outside the layers (lm_head is found anywhere)
+    layer_params: str  # every parameter a layer may hold
+
+
+def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
+    return _Layout(
+        family=family,
+        layers="layers",
+        anchor=rf"{attn}\.q_proj\.weight",
+        mlp=((r"mlp\.(?:gate|up)_proj\.(?:weight|bias)",), (r"mlp\.down_proj\.weight",)),
+        heads=((rf"{attn}\.[qkv]_proj\.(?:weight|bias)",), (rf"{attn}\.o_proj\.weight",)),
+        residual=(
+            (rf"{norms}\.weight", rf"{attn}\.o_proj\.(?:weight|bias)", r"mlp\.down_proj\.(?:weight|bias)"),
+            (rf"{attn}\.[qkv]_proj\.weight", r"mlp\.(?:gate|up)_proj\.weight"),
+        ),
+        top=((r"norm\.weight",), (rf"{embed}\.weight",)),
+        layer_params=rf"(?:{attn}\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias)|{norms}\.weight",
+    )
+
+
+_QKV = tuple(rf"attn\.c_attn\.{kind}[{i}/3]" for kind in ("weight", "bias") for i in range(3))
+_LAYOUTS: dict[str, _Layout] = {
+    "tiny_gpt": _llama_like("tiny_gpt", attn="attn", norms="(?:attn_norm|mlp_norm)", embed="embed"),
+    "llama": _llama_like(
+        "llama", attn="self_attn", norms="(?:input_layernorm|post_attention_layernorm)", embed="embed_tokens"
+    ),
+    "gpt2": _Layout(
+        family="gpt2",
+        layers="h",
+        anchor=r"attn\.c_attn\.weight",
+        mlp=((r"mlp\.c_fc\.bias", r"mlp\.c_proj\.weight"), (r"mlp\.c_fc\.weight",)),
+        heads=((*_QKV[3:], r"attn\.c_proj\.weight"), _QKV[:3]),  # Conv1D: c_attn columns are the head axis
+        residual=(
+            (r"ln_[12]\.(?:weight|bias)", r"(?:attn\.c_attn|mlp\.c_fc)\.weight", r"(?:attn|mlp)\.c_proj\.bias"),
+            (r"(?:attn|mlp)\.c_proj\.weight",),
+        ),
+        top=((r"ln_f\.(?:weight|bias)",), (r"wte\.weight", r"wpe\.weight")),
+        layer_params=r"(?:ln_[12]|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(?:weight|bias)",
+    ),
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+_LM_HEAD = re.compile(r"(?:.*\.)?lm_head\.weight")
+# module wrappers that may sit between `layers.N.` and the layer's own names (activation checkpointing, FSDP1 and
+# per-block torch.compile); anywhere above the layer list they are simply part of the prefix
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+_WRAPPERS = rf"(?:(?:{'|'.join(_WRAPPER_NAMES)})\.)*"
+
+
+def _wrappers(names: Sequence[str]) -> str:
+    """``_WRAPPERS`` if any name holds a wrapper segment, else nothing (so that patterns stay short)."""
+    return _WRAPPERS if any(f".{w}." in n for n in names for w in _WRAPPER_NAMES) else ""
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters(remove_duplicate=False)]
+
+
+def _find_backbone(layout: _Layout, names: Sequence[str]) -> tuple[str, str] | None:
+    """The backbone prefix of ``layout`` in ``names`` and the attention module of its first layer, or ``None``."""
+    layer = rf"{re.escape(layout.layers)}\.(?P<layer>\d+)\.{_WRAPPERS}"
+    regex = re.compile(rf"(?P<prefix>(?:.+\.)?){layer}{layout.anchor}")
+    found: dict[str, tuple[int, str]] = {}
+    for name in names:
+        match = regex.fullmatch(name)
+        if match is not None:
+            key = (int(match["layer"]), name.rsplit(".", 2)[0])  # anchors are `<attn module>.<proj>.weight`
+            found[match["prefix"]] = min(found.get(match["prefix"], key), key)
+    if len(found) > 1:
+        raise ValueError(
+            f"Found {len(found)} {layout.family} backbones, under prefixes {sorted(found)}; a preset covers one. "
+            "Pass the submodule that holds one backbone, or declare clusters by hand."
+        )
+    return next(((prefix, attn) for prefix, (_, attn) in found.items()), None)
+
+
+def _head_dim(model: nn.Module, module_name: str, preset: str) -> int:
+    """``head_dim`` from the attention module, else from ``model.config``."""
+    try:
+        head_dim = getattr(model.get_submodule(module_name), "head_dim", None)
+    except AttributeError:
+        head_dim = None
+    config = getattr(model, "config", None)
+    if not isinstance(head_dim, int):
+        head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int):
+        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        head_dim = width // num_heads if isinstance(width, int) and isinstance(num_heads, int) else None
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(
+            f"presets.{preset}: cannot read `head_dim` from module {module_name!r} or `model.config`; set "
+            "heads=False, or declare the heads cluster by hand with `head_dim`."
+        )
+    return head_dim
+
+
+def _residual(layout: _Layout, names: Sequence[str], prefix: str, preset: str) -> Cluster:
+    p, layers = re.escape(prefix), re.escape(layout.layers)
+    top_params = "|".join(layout.top[0] + layout.top[1])
+    known = re.compile(rf"{p}(?:{layers}\.\d+\.{_wrappers(names)}(?:{layout.layer_params})|{top_params})")
+    unknown = [n for n in names if not known.fullmatch(n) and not _LM_HEAD.fullmatch(n)]
+    if unknown:
+        raise ValueError(
+            f"presets.{preset}(residual=True): parameters {unknown[:5]} are not part of the {layout.family} layout, "
+            "so the preset cannot tell how they read or write the residual stream. Set residual=False, or declare "
+            "the residual cluster by hand (Cluster(name='residual', writers=[...], readers=[...]))."
+        )
+
+    def top(patterns: tuple[str, ...]) -> list[str]:
+        return [n for n in names if any(re.fullmatch(p + pattern, n) for pattern in patterns)]
+
+    per_layer = f"re:{p}{layers}\\.\\d+\\.{_wrappers(names)}"
+    writers = [per_layer + w for w in layout.residual[0]] + top(layout.top[0])
+    readers = top(layout.top[1]) + [per_layer + r for r in layout.residual[1]]
+    return Cluster(name="residual", writers=writers, readers=readers + [n for n in names if _LM_HEAD.fullmatch(n)])
+
+
+def _build(layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool) -> list[Cluster]:
+    preset = layout.family
+    if not (mlp or heads or residual):
+        raise ValueError(f"presets.{preset}: select at least one of `mlp`, `heads`, `residual` (all are False).")
+    names = _param_names(model)
+    backbone = _find_backbone(layout, names)
+    if backbone is None:
+        raise ValueError(
+            f"presets.{preset}: no parameter of the model matches `<prefix>{layout.layers}.N.{layout.anchor}`, so "
+            f"this is not a {preset} model. {_HOW_TO}"
+        )
+    prefix, attn_module = backbone
+    per_layer = f"re:{re.escape(prefix)}{re.escape(layout.layers)}\\.(?P<layer>\\d+)\\.{_wrappers(names)}"
+    out = []
+    if mlp:
+        writers, readers = layout.mlp
+        out.append(Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers]))
+    if heads:
+        head_dim = _head_dim(model, attn_module, preset)
+        writers, readers = layout.heads
+        out.append(
+            Cluster(
+                "heads.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers], head_dim=head_dim
+            )
+        )
+    if residual:
+        out.append(_residual(layout, names, prefix, preset))
+    return out
+
+
+def llama(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+    """Clusters of a Llama-style decoder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ...).
+
+    Args:
+        model: The model, or a module that holds exactly one such backbone.
+        mlp: Add ``mlp.{layer}`` (gate/up rows and biases, down columns).
+        heads: Add ``heads.{layer}`` (one unit per KV head: a head, or a GQA query group).
+        residual: Add ``residual`` (the hidden size across the model).
+
+    Returns:
+        The declarations, in the order mlp, heads, residual.
+
+    Raises:
+        ValueError: If nothing is selected, the model has no or several Llama-style backbones, ``head_dim`` cannot
+            be read, or ``residual`` is asked for a model holding parameters outside the layout.
+    """
+    return _build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual)
+
+
+def gpt2(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+    """Clusters of a GPT-2 model (``GPT2LMHeadModel``, ``GPT2Model``): ``Conv1D`` weights are ``[in, out]``.
+
+    Args:
+        model: The model, or a module that holds exactly one GPT-2 backbone.
+        mlp: Add ``mlp.{layer}`` (``c_fc`` columns and bias, ``mlp.c_proj`` rows).
+        heads: Add ``heads.{layer}`` (the q, k and v chunks of ``c_attn`` weight and bias, ``attn.c_proj`` rows).
+        residual: Add ``residual`` (``wte``/``wpe`` columns, LayerNorm weights and biases, ``c_attn``/``c_fc`` rows,
+            ``c_proj`` columns and biases, ``lm_head`` columns); see the LayerNorm limitation in the module docs.
+
+    Returns:
+        The declarations, in the order mlp, heads, residual.
+
+    Raises:
+        ValueError: As for :func:`llama`.
+    """
+    return _build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual)
+
+
+def tiny_gpt(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+    """Clusters of :class:`~lightning_pat.demo_model.TinyGPT` (same kinds as :func:`llama`).
+
+    Args:
+        model: The model, or a module that holds exactly one TinyGPT.
+        mlp: Add ``mlp.{layer}``.
+        heads: Add ``heads.{layer}``.
+        residual: Add ``residual``.
+
+    Returns:
+        The declarations, in the order mlp, heads, residual.
+
+    Raises:
+        ValueError: As for :func:`llama`.
+    """
+    return _build(_LAYOUTS["tiny_gpt"], model, mlp=mlp, heads=heads, residual=residual)
+
+
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.CELU,
+    nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink,
+    nn.LogSigmoid, nn.Identity, nn.Dropout,
+)  # fmt: skip
+
+
+def _linear_pairs(model: nn.Module) -> list[tuple[str, nn.Linear, str]]:
+    """``(writer name, writer, reader name)`` for consecutive Linears in every ``nn.Sequential``."""
+    pairs = []
+    for seq_name, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        prev: tuple[str, nn.Linear] | None = None
+        for child_name, child in seq.named_children():
+            name = f"{seq_name}.{child_name}" if seq_name else child_name
+            if isinstance(child, nn.Linear):
+                if prev is not None and prev[1].out_features == child.in_features:
+                    pairs.append((prev[0], prev[1], name))
+                prev = (name, child)
+            elif not isinstance(child, _ELEMENTWISE):
+                prev = None
+    return pairs
+
+
+def linear_chain(model: nn.Module, *, mlp: bool = True, heads: bool = False, residual: bool = False) -> list[Cluster]:
+    """One cluster per hidden axis between consecutive ``nn.Linear`` layers of every ``nn.Sequential``.
+
+    Linear ``i`` and the next Linear ``i+1`` in the same ``nn.Sequential`` are coupled when only elementwise modules
+    (activations, ``Dropout``, ``Identity``) sit between them: Linear ``i`` rows and bias are writers, Linear ``i+1``
+    columns the reader. Any other module (a norm, a nested container) breaks the chain. This assumes the Sequential
+    runs its children in order and nothing else reads Linear ``i``'s output. With an activation where
+    ``f(0) != 0`` (sigmoid, softplus) a pruned channel is a constant that the zero reader columns ignore.
+
+    Args:
+        model: Any module.
+        mlp: Must be true (the hidden axes are the only kind here).
+        heads: Must be false: a chain has no attention heads.
+        residual: Must be false: a chain has no residual stream.
+
+    Returns:
+        One ``Cluster`` per hidden axis, named ``hidden.<writer module name>``.
+
+    Raises:
+        ValueError: If ``mlp`` is false, ``heads`` or ``residual`` is true, or no pair of consecutive Linears exists.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> [(c.name, c.writers, c.readers) for c in linear_chain(net)]
+        [('hidden.0', ['0.weight', '0.bias'], ['2.weight'])]
+    """
+    if not mlp or heads or residual:
+        raise ValueError(
+            "presets.linear_chain: only the hidden axes (mlp=True) exist in a chain of nn.Linear; got "
+            f"mlp={mlp}, heads={heads}, residual={residual}. Declare other clusters by hand."
+        )
+    pairs = _linear_pairs(model)
+    if not pairs:
+        raise ValueError(f"presets.linear_chain: no two consecutive nn.Linear layers in an nn.Sequential. {_HOW_TO}")
+    out = []
+    for writer_name, writer, reader_name in pairs:
+        writers = [f"{writer_name}.weight"] + ([f"{writer_name}.bias"] if writer.bias is not None else [])
+        out.append(Cluster(f"hidden.{writer_name}", writers, [f"{reader_name}.weight"]))
+    return out
+
+
+def detect(model: nn.Module) -> str:
+    """The preset name for ``model``: from ``model.config.model_type`` when known, else from parameter names.
+
+    Args:
+        model: The model (or a wrapper holding one backbone).
+
+    Returns:
+        One of ``"llama"``, ``"gpt2"``, ``"tiny_gpt"``, ``"linear_chain"``.
+
+    Raises:
+        ValueError: If no family, or more than one, matches; the message lists the supported families and how to
+            declare clusters by hand.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    names = _param_names(model)
+    found = [family for family, layout in _LAYOUTS.items() if _find_backbone(layout, names) is not None]
+    if len(found) > 1:
+        raise ValueError(f"The model matches several families {found}; pass one backbone, or name a preset.")
+    if found:
+        return found[0]
+    if _linear_pairs(model):
+        return "linear_chain"
+    raise ValueError(f"Cannot detect the model family of {type(model).__name__} (model_type={model_type!r}). {_HOW_TO}")
+
+
+def for_model(model: nn.Module, **options: bool) -> list[Cluster]:
+    """Detect the family of ``model`` (see :func:`detect`) and return its preset's declarations.
+
+    Args:
+        model: The model (or a wrapper holding one backbone).
+        **options: ``mlp``, ``heads``, ``residual`` for the preset (each preset's defaults apply otherwise).
+
+    Returns:
+        The declarations.
+
+    Raises:
+        ValueError: If the family cannot be detected, or the preset rejects the options.
+    """
+    family = detect(model)
+    log.info("presets.for_model: %s detected as %r", type(model).__name__, family)
+    return PRESETS[family](model, **options)
+
+
+PRESETS: dict[str, Preset] = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "gpt2": gpt2,
+    "tiny_gpt": tiny_gpt,
+    "linear_chain": linear_chain,
+}
+
+
+def get(name: str) -> Preset:
+    """The preset called ``name`` (case-insensitive; ``"auto"`` is :func:`for_model`).
+
+    Args:
+        name: A key of :data:`PRESETS`, or ``"auto"``.
+
+    Returns:
+        A callable ``(model, **options) -> list[Cluster]``.
+
+    Raises:
+        ValueError: If the name is unknown.
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key == "auto":
+        return for_model
+    if key not in PRESETS:
+        raise ValueError(
+            f"Unknown preset {name!r}; expected one of {[*PRESETS, 'auto']}, or a list of Cluster declarations."
+        )
+    return PRESETS[key]
+
+
+def resolve_preset(
+    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
+) -> list[Cluster]:
+    """Turn a callback's ``clusters`` argument into declarations.
+
+    Args:
+        clusters: A preset name or ``"auto"``, a ``Cluster`` or mapping of its fields, or a list mixing them
+            (preset names expand in place).
+        model: The module the declarations will be resolved against.
+        **options: ``mlp``, ``heads``, ``residual`` for the named presets.
+
+    Returns:
+        The declarations, in order.
+
+    Raises:
+        ValueError: If a preset name is unknown or rejects the model, an option is unknown or not a bool, or options
+            are given without any preset name.
+        TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
+    """
+    bad = {k: v for k, v in options.items() if k not in OPTIONS or not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"Preset options must be bools among {OPTIONS}, got {bad}.")
+    entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
+    if options and not any(isinstance(e, str) for e in entries):
+        raise ValueError(f"Preset options {sorted(options)} apply to preset names only; none was given.")
+    out: list[Cluster] = []
+    for entry in entries:
+        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [_as_cluster(entry)])
+    return out

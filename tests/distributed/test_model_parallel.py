@@ -1,0 +1,54 @@
+"""CoupledPruningCallback under Lightning's ModelParallelStrategy on CPU (gloo): FSDP2 on 2 ranks, and FSDP2 x
+tensor parallel on a 2x2 mesh. Each rank is a plain subprocess with its rank environment set (Lightning does not
+re-launch anything); see ``model_parallel_worker.py`` for the model and its parallel plan."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.common.dist import run_rank_scripts
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKER = Path(__file__).with_name("model_parallel_worker.py")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("dp", "tp", "mode"),
+    [(2, 1, "latent"), (2, 2, "latent"), (2, 2, "direct")],
+    ids=["fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct"],
+)
+def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode):
+    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode], timeout=240)
+    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    assert [r["rank"] for r in results] == list(range(dp * tp))
+    first = results[0]
+    assert first["mesh"] == [dp, tp]
+    placements = {p for ps in first["placements"].values() for p in ps}
+    if tp == 1:
+        assert placements == {"Shard(dim=0)"}
+    else:  # FSDP2 on top of TP: strided dp shards of colwise weights, (Shard(0), Shard(1)) for rowwise ones
+        assert {"_StridedShard(dim=0, sf=2)", "Shard(dim=1)", "Replicate()"} <= placements
+    assert first["step"] == 6
+    for r in results:
+        # routing: every cluster on the sharded path, no materialization at any step
+        assert {k: v[0] for k, v in r["routes"].items()} == dict.fromkeys(first["num_units"], "sharded")
+        assert r["executors"] == ["sharded"]
+        assert r["calls"].get("full_tensor", 0) == 0
+        assert r["calls"].get("write_back_", 0) == 0
+        # one packed gather per fresh selection (4 ramp steps; every cluster on one gather group here) and one
+        # count reduction per logged step (log_every_n_steps=1, 6 steps)
+        assert r["calls"]["all_gather_packed"] == 4
+        assert r["calls"]["reduce_counts"] == 6
+        # target reached; masks identical on every rank; exactly the dropped units are zero in every member
+        for name, units in first["num_units"].items():
+            assert len(r["dropped"][name]) == math.ceil(0.5 * units), name
+        assert r["dropped"] == first["dropped"]
+        assert r["all_ranks_equal"]
+        assert r["zero_units"] == r["dropped"]
+        assert r["unit_sparsity"] == pytest.approx(0.5)

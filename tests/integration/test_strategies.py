@@ -1,0 +1,58 @@
+"""CoupledPruningCallback under DDP and FSDP1 (`FSDPStrategy`, flat parameters) on CPU, 2 ranks with gloo.
+
+Each rank runs tests/integration/strategy_worker.py with the rank environment set, so Lightning never re-runs
+pytest; the harness kills every rank at the deadline, so a hang fails instead of stalling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.common.dist import run_rank_scripts
+from tests.common.lit_models import HIDDEN
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKER = Path(__file__).with_name("strategy_worker.py")
+
+
+def launch(strategy: str, mode: str) -> list[dict]:
+    outputs = run_rank_scripts(WORKER, 2, args=[strategy, mode], timeout=200)
+    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    assert [r["rank"] for r in results] == [0, 1]
+    return results
+
+
+def check_pruned(results: list[dict]) -> None:
+    first = results[0]
+    assert first["step"] == 7
+    assert first["routes"] == {"hidden": "materializing"}
+    assert len(first["dropped"]["hidden"]) == HIDDEN // 2
+    for r in results:
+        assert r["disagreements"] == 0  # same step, mask (and DDP weights) on every rank after every batch
+        assert r["dropped"] == first["dropped"]
+        # the full weights: exactly the dropped rows / columns are zero
+        assert r["zero_rows"] == first["dropped"]["hidden"]
+        assert r["zero_cols"] == first["dropped"]["hidden"]
+        assert r["unit_sparsity"] == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["latent", "direct"])
+def test_ddp_two_ranks_select_the_same_units(mode):
+    results = launch("ddp", mode)
+    check_pruned(results)
+    assert results[0]["flat_shapes"] == [[HIDDEN, 8], [HIDDEN], [4, HIDDEN], [4]]  # replicated, not sharded
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["latent", "direct"])
+def test_fsdp1_materializing_path_prunes_full_params(mode):
+    results = launch("fsdp1", mode)
+    check_pruned(results)
+    # the parameters really were flat shards (FSDP1), and different on the two ranks
+    assert all(len(s) == 1 for r in results for s in r["flat_shapes"])
+    assert results[0]["flat_shapes"] != results[1]["flat_shapes"]
