@@ -92,7 +92,8 @@ class CoupledPruningCallback(Callback):
             or ``"sharded"``.
         group_count_ref: Opt-in score correction ``sqrt(C / ref)`` for clusters sharing a budget.
         preset_options: Keyword options for a preset (e.g. ``{"residual": True}``).
-        log_metrics: Log sparsity through the Trainer's loggers.
+        log_metrics: Log sparsity through the Trainer's loggers, every ``log_every_n_steps`` optimizer steps and at
+            the final ramp step (literal zeros are counted only then).
 
     Raises:
         MisconfigurationException: If an option is out of range or unknown (at construction), or if the clusters do
@@ -376,7 +377,8 @@ class CoupledPruningCallback(Callback):
                     self.pruner.hold()
                 else:
                     self._project(fresh=self._is_due(step))
-                result = self.pruner.result(count=count) if self.log_metrics else None
+                # logging (and counting literal zeros, a collective when sharded) only on the logging cadence
+                result = self.pruner.result(count=True) if count else None
             if phase == "final" and self.heal:
                 self._latents.clear()  # the mask is frozen from here on
             if result is not None:
@@ -424,8 +426,7 @@ class CoupledPruningCallback(Callback):
         if self.metrics is None:
             return
         self.metrics.update_units({k: len(v) for k, v in result.dropped.items()}, result.num_units)
-        if result.numel:
-            self.metrics.update_params(result.zeros, result.numel)
+        self.metrics.update_params(result.zeros, result.numel)
         main = f"{self.metrics.prefix}/unit_sparsity"
         for key, value in self.metrics.values().items():
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == main, sync_dist=False)
