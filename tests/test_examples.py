@@ -57,3 +57,19 @@ def test_cli_yaml(tmp_path, config):
 def test_quickstart_notebook(tmp_path):
     out = run(["notebooks/quickstart.py"], tmp_path, LPAT_NOTEBOOK_STEPS="8")
     assert "'pruning/unit_sparsity': 0.5" in out
+
+
+def test_readme_trainer_example_declares_real_clusters():
+    """The README's Trainer example is true: its declaration resolves on a real model (the demo's TinyGPT)."""
+    import re
+
+    from examples.demo import TinyGPTModule
+    from lightning_pat import Cluster, resolve_clusters
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"mlp = (Cluster\(.*?\]\))\n", readme, re.S)
+    assert block is not None, "README lost its Trainer example"
+    mlp = eval(block.group(1), {"Cluster": Cluster})  # noqa: S307 - our own README
+    resolved = resolve_clusters(TinyGPTModule(), [mlp])
+    assert [rc.name for rc in resolved] == ["mlp.0", "mlp.1"]
+    assert all(rc.num_units == 256 and len(rc.members) == 3 for rc in resolved)

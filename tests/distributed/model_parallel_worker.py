@@ -105,15 +105,16 @@ def _count_calls(module, name: str, counter: dict[str, int]) -> None:  # noqa: A
         counter[name] = counter.get(name, 0) + 1
         return original(*args, **kwargs)
 
+    wrapper.__wrapped_original__ = original
     setattr(module, name, wrapper)
 
 
-def main(dp: int, tp: int, mode: str) -> None:
+def fit_once(dp: int, tp: int, mode: str, executor: str) -> dict:
     calls: dict[str, int] = {}
     for name in ("all_gather_packed", "reduce_counts", "full_tensor", "write_back_"):
         _count_calls(lpd, name, calls)
     cb = CoupledPruningCallback(CLUSTERS, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1,
-                                executor="auto", mode=mode)
+                                executor=executor, mode=mode)
     trainer = pl.Trainer(
         max_steps=6, accelerator="cpu", devices=dp * tp,
         strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
@@ -122,14 +123,17 @@ def main(dp: int, tp: int, mode: str) -> None:
     )
     module = LitTiny()
     trainer.fit(module)
+    for name in calls:  # undo the wrappers before the next fit
+        setattr(lpd, name, getattr(lpd, name).__wrapped_original__)
     params = dict(module.named_parameters())
     placements = {n: [repr(p) for p in params[n].placements] for n in sorted(params)}
     zero_units = {}
     with torch.no_grad():
+        full_weights = {n: params[n].full_tensor() for n in sorted(params)}
         for rc in cb.pruner.clusters:
             dead = set(range(rc.num_units))
             for m in rc.members:
-                full = params[m.name].full_tensor().narrow(m.dim, m.start, m.stop - m.start)
+                full = full_weights[m.name].narrow(m.dim, m.start, m.stop - m.start)
                 other = 1 - m.dim if full.dim() == 2 else None
                 per_channel = (full == 0).all(dim=other) if other is not None else full == 0
                 per_unit = per_channel.view(rc.num_units, m.block).all(dim=1)
@@ -138,8 +142,9 @@ def main(dp: int, tp: int, mode: str) -> None:
     record = {"dropped": cb.dropped, "step": cb.step}
     records = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
-    print("RESULT " + json.dumps({
+    return {
         "rank": dist.get_rank(),
+        "executor": executor,
         "routes": {k: list(v) for k, v in cb.pruner.routes.items()},
         "executors": [ex.kind for ex in cb.pruner.executors],
         "num_units": {rc.name: rc.num_units for rc in cb.pruner.clusters},
@@ -151,9 +156,15 @@ def main(dp: int, tp: int, mode: str) -> None:
         "placements": placements,
         "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
         "mesh": list(module.device_mesh.shape),
-    }), flush=True)
+        "weights": {n: w.double().flatten().tolist() for n, w in full_weights.items()},
+    }
+
+
+def main(dp: int, tp: int, mode: str, executors: list[str]) -> None:
+    for executor in executors:
+        print("RESULT " + json.dumps(fit_once(dp, tp, mode, executor)), flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"])
     finish_worker()

@@ -23,10 +23,20 @@ WORKER = Path(__file__).with_name("model_parallel_worker.py")
     ids=["fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct"],
 )
 def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode):
-    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode], timeout=240)
-    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-               if line.startswith("RESULT ")]
+    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing"], timeout=240)
+    runs = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
+            if line.startswith("RESULT ")]
+    results = [r for r in runs if r["executor"] == "auto"]
+    reference = [r for r in runs if r["executor"] == "materializing"]
     assert [r["rank"] for r in results] == list(range(dp * tp))
+    assert [r["rank"] for r in reference] == list(range(dp * tp))
+    # parity: the same training run on the materializing (reference) path drops the same units at the end and
+    # ends with the same weights
+    for r, ref in zip(results, reference, strict=True):
+        assert set(ref["executors"]) == {"materializing"}
+        assert ref["dropped"] == r["dropped"]
+        for name, w in r["weights"].items():
+            assert w == ref["weights"][name], name  # bitwise: same masks, same updates
     first = results[0]
     assert first["mesh"] == [dp, tp]
     placements = {p for ps in first["placements"].values() for p in ps}

@@ -164,6 +164,34 @@ def test_skipped_optimizer_step_does_not_advance_schedule():
         assert dropped <= set(torch.nonzero(module.forward_log[batch]).flatten().tolist())
 
 
+class InfLossModule(MLPModule):
+    """Returns an infinite loss on some batches, so a GradScaler finds inf gradients and skips the step."""
+
+    def __init__(self, inf_batches: tuple[int, ...]) -> None:
+        super().__init__()
+        self.inf_batches = set(inf_batches)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx in self.inf_batches else loss
+
+
+@pytest.mark.parametrize("mode", ["latent", "direct"])
+def test_amp_grad_scaler_skipped_steps_do_not_advance_schedule(mode):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = InfLossModule(inf_batches=(3, 4))
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer, rec = fit(module, cb, max_steps=8, plugins=[plugin])
+    assert trainer.global_step == 8  # Lightning counts the skipped steps; the schedule does not
+    assert rec.steps == [1, 2, 3, 3, 3, 4, 5, 6]
+    assert rec.masks[3] == rec.masks[2] == rec.masks[4]
+    for batch in (4, 5):  # forwards after a skipped step still see the pruned weights
+        assert set(rec.masks[batch - 1]["hidden"]) <= set(torch.nonzero(module.forward_log[batch]).flatten().tolist())
+    assert len(cb.dropped["hidden"]) == HIDDEN // 2
+
+
 def test_group_lasso_reaches_exact_target_at_final_step():
     module = MLPModule(optimizer="sgd")
     cb = CoupledPruningCallback(
