@@ -21,6 +21,16 @@ def local_units(member: Member, *, num_units: int, offset: int, length: int, dev
     return torch.where(units_L < num_units, units_L, torch.full_like(units_L, -1))
 
 
+def unit_channels(
+    member: Member, units: Tensor, *, num_units: int, offset: int, length: int, device: torch.device
+) -> Tensor:
+    """Local indices (along ``member.dim``) of the channels of ``units`` held in ``[offset, offset + length)``."""
+    if units.numel() == 0 or length == 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    units_L = local_units(member, num_units=num_units, offset=offset, length=length, device=device)
+    return torch.nonzero(torch.isin(units_L, units.to(device))).flatten()
+
+
 def zero_units_(
     tensor: Tensor, member: Member, units: Tensor, *, num_units: int, offset: int = 0, length: int | None = None
 ) -> None:
@@ -35,11 +45,15 @@ def zero_units_(
         length: Number of channels held locally (defaults to ``tensor.shape[member.dim]``).
     """
     length = tensor.shape[member.dim] if length is None else length
-    if units.numel() == 0 or length == 0:
-        return
-    units_L = local_units(member, num_units=num_units, offset=offset, length=length, device=tensor.device)
-    hit_L = torch.isin(units_L, units.to(tensor.device))
-    channels = torch.nonzero(hit_L).flatten()
+    zero_channels_(
+        tensor,
+        member,
+        unit_channels(member, units, num_units=num_units, offset=offset, length=length, device=tensor.device),
+    )
+
+
+def zero_channels_(tensor: Tensor, member: Member, channels: Tensor) -> None:
+    """Zero the given local channels (indices along ``member.dim``) of ``tensor`` in place."""
     if channels.numel():
         tensor.index_fill_(member.dim, channels, 0.0)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.masking import unit_channels, zero_channels_
+from lightning_pat.spec import Member, ResolvedCluster
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,25 @@ class Executor(ABC):
     def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
         self.clusters = list(clusters)
         self.params = {n: params[n] for rc in self.clusters for n in rc.param_names}
+        self._channels: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _zero_units(
+        self, tensor: Tensor, rc: ResolvedCluster, m: Member, dropped: Tensor, *, offset: int = 0, length: int = -1
+    ) -> None:
+        """Zero ``dropped`` units of member ``m`` on a (local) tensor; the channel indices are cached per mask.
+
+        A held mask (``Pruner.hold``, healing) passes the same ``dropped`` tensor every step, so after the first
+        step this is a single ``index_fill_`` per member.
+        """
+        length = tensor.shape[m.dim] if length < 0 else length
+        key = (rc.name, m.name, m.dim, m.start, offset, length, tensor.device)
+        hit = self._channels.get(key)
+        if hit is None or hit[0] is not dropped:
+            channels = unit_channels(
+                m, dropped, num_units=rc.num_units, offset=offset, length=length, device=tensor.device
+            )
+            self._channels[key] = hit = (dropped, channels)
+        zero_channels_(tensor, m, hit[1])
 
     @abstractmethod
     def unit_sq_norms(self) -> dict[str, Tensor]:

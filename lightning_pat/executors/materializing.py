@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lightning_pat import distributed as D
 from lightning_pat.executors.base import Executor, UnitAction
-from lightning_pat.masking import count_zeros, scale_units_, zero_units_
+from lightning_pat.masking import count_zeros, scale_units_
 from lightning_pat.scoring import accumulation_dtype, channel_sq_sums, fold_to_units, unit_of_channels
 
 
@@ -64,7 +64,7 @@ class MaterializingExecutor(Executor):
                 if action.factors is not None:
                     scale_units_(dense, m, action.factors)
                 else:
-                    zero_units_(dense, m, action.dropped, num_units=rc.num_units)
+                    self._zero_units(dense, rc, m, action.dropped)
                 touched.append(m.name)
         for name in dict.fromkeys(touched):
             target = self.params[name].grad if grads else self.params[name]

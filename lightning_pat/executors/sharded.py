@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_pat import distributed as D
 from lightning_pat import placement as P
 from lightning_pat.executors.base import Executor, UnitAction
-from lightning_pat.masking import count_zeros, scale_units_, zero_units_
+from lightning_pat.masking import count_zeros, scale_units_
 from lightning_pat.scoring import accumulation_dtype, channel_sq_sums, fold_to_units, unit_of_channels
 from lightning_pat.spec import Member, ResolvedCluster
 
@@ -157,7 +157,7 @@ class ShardedExecutor(Executor):
         if action.factors is not None:
             scale_units_(local, m, action.factors, offset=offset, length=length)
         else:
-            zero_units_(local, m, action.dropped, num_units=rc.num_units, offset=offset, length=length)
+            self._zero_units(local, rc, m, action.dropped, offset=offset, length=length)
         if not in_place:
             D.write_back_(target, local)
 
