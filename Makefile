@@ -26,6 +26,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 bench: setup
+	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_sharded.py
 
 clean:
