@@ -19,6 +19,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
 lint: setup

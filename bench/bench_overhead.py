@@ -80,8 +80,11 @@ def time_hooks(cb: pl.Callback, sink: list[float]) -> None:
 
 
 def mlp_linears(module: LM) -> list[tuple[torch.nn.Module, str]]:
-    return [(m, "weight") for n, m in module.model.named_modules() if n.split(".")[-1] in ("gate_proj", "up_proj",
-                                                                                           "down_proj")]
+    return [
+        (m, "weight")
+        for n, m in module.model.named_modules()
+        if n.split(".")[-1] in ("gate_proj", "up_proj", "down_proj")
+    ]
 
 
 def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_epoch: int, data: DataLoader):
@@ -92,18 +95,40 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_
     if variant.startswith("lightning_pat"):
         mode = "direct" if "direct" in variant else "latent"
         healing = "healing" in variant
-        cb = CoupledPruningCallback("tiny_gpt", 0.5, warmup_steps=0, ramp_steps=1 if healing else 10**6, mode=mode,
-                                    preset_options={"mlp": True, "heads": False})
+        cb = CoupledPruningCallback(
+            "tiny_gpt",
+            0.5,
+            warmup_steps=0,
+            ramp_steps=1 if healing else 10**6,
+            mode=mode,
+            preset_options={"mlp": True, "heads": False},
+        )
         time_hooks(cb, timer.hook_times)
         callbacks.append(cb)
     elif variant.startswith("ModelPruning"):
-        cb = ModelPruning("ln_structured", parameters_to_prune=mlp_linears(module), amount=0.5, pruning_dim=0,
-                          pruning_norm=2, use_global_unstructured=False, use_lottery_ticket_hypothesis=False,
-                          make_pruning_permanent=False)
+        cb = ModelPruning(
+            "ln_structured",
+            parameters_to_prune=mlp_linears(module),
+            amount=0.5,
+            pruning_dim=0,
+            pruning_norm=2,
+            use_global_unstructured=False,
+            use_lottery_ticket_hypothesis=False,
+            make_pruning_permanent=False,
+        )
         callbacks.append(cb)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[*callbacks, timer], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_train_batches=batches_per_epoch, log_every_n_steps=50)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[*callbacks, timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=batches_per_epoch,
+        log_every_n_steps=50,
+    )
     trainer.fit(module, data)
     if variant.startswith("lightning_pat"):  # latent copies (latent mode, before healing) + index vectors
         extra_bytes = timer.latent_bytes + sum(8 * len(v) for v in cb.dropped.values())
@@ -126,8 +151,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the best median is kept")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    cfg = TinyGPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=8, n_kv_head=4, d_model=args.d_model,
-                        d_ff=args.d_ff, max_seq_len=args.seq)
+    cfg = TinyGPTConfig(
+        vocab_size=256,
+        n_layer=args.n_layer,
+        n_head=8,
+        n_kv_head=4,
+        d_model=args.d_model,
+        d_ff=args.d_ff,
+        max_seq_len=args.seq,
+    )
     tokens = torch.randint(0, 256, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
     per_epoch = max(args.steps // 4, 2)  # ModelPruning prunes at the end of the first epoch
@@ -149,9 +181,11 @@ def main() -> None:
     dense = rows[0][1]
     mp = rows[-1][1]
     mlp_params = 3 * args.d_model * args.d_ff * args.n_layer
-    print(f"\nTinyGPT d={args.d_model} ffn={args.d_ff} layers={args.n_layer} (MLP params {mlp_params / 1e6:.2f} M), "
-          f"batch {args.batch}x{args.seq}, fp32, CPU threads {torch.get_num_threads()}, median of steps "
-          f"{skip + 1}..{args.steps}, best of {args.rounds} interleaved rounds")
+    print(
+        f"\nTinyGPT d={args.d_model} ffn={args.d_ff} layers={args.n_layer} (MLP params {mlp_params / 1e6:.2f} M), "
+        f"batch {args.batch}x{args.seq}, fp32, CPU threads {torch.get_num_threads()}, median of steps "
+        f"{skip + 1}..{args.steps}, best of {args.rounds} interleaved rounds"
+    )
     print("| variant | ms/step | vs dense | vs ModelPruning | in pruning hooks (ms/step) | extra memory (MiB) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, ms, hook_ms, mib in rows:

@@ -97,9 +97,16 @@ def build(size: str, mesh):  # noqa: ANN001, ANN201
     d, ffn, layers, nq, nkv, hd, vocab = SIZES[size]
     shapes = {"embed": (vocab, d), "head": (vocab, d), "norm": (d,)}
     for i in range(layers):
-        shapes |= {f"l{i}.q": (nq * hd, d), f"l{i}.k": (nkv * hd, d), f"l{i}.v": (nkv * hd, d),
-                   f"l{i}.o": (d, nq * hd), f"l{i}.norm": (d,), f"l{i}.gate": (ffn, d), f"l{i}.up": (ffn, d),
-                   f"l{i}.down": (d, ffn)}
+        shapes |= {
+            f"l{i}.q": (nq * hd, d),
+            f"l{i}.k": (nkv * hd, d),
+            f"l{i}.v": (nkv * hd, d),
+            f"l{i}.o": (d, nq * hd),
+            f"l{i}.norm": (d,),
+            f"l{i}.gate": (ffn, d),
+            f"l{i}.up": (ffn, d),
+            f"l{i}.down": (d, ffn),
+        }
     root = nn.Module()
     gen = torch.Generator().manual_seed(0)
     for name, shape in shapes.items():
@@ -116,8 +123,9 @@ def build(size: str, mesh):  # noqa: ANN001, ANN201
     clusters = [
         Cluster("mlp.{layer}", writers=[f"re:{lay}\\.(gate|up)"], readers=[f"re:{lay}\\.down"]),
         Cluster("heads.{layer}", writers=[f"re:{lay}\\.(q|k|v)"], readers=[f"re:{lay}\\.o"], head_dim=hd),
-        Cluster("resid", writers=[r"re:l\d+\.(o|down|norm)", "norm"],
-                readers=["embed", "head", r"re:l\d+\.(q|k|v|gate|up)"]),
+        Cluster(
+            "resid", writers=[r"re:l\d+\.(o|down|norm)", "norm"], readers=["embed", "head", r"re:l\d+\.(q|k|v|gate|up)"]
+        ),
     ]
     numel = sum(torch.Size(s).numel() for s in shapes.values())
     return root, clusters, numel
@@ -167,12 +175,21 @@ def worker(rank: int, world: int, store_path: str, sizes: list[str], steps: int,
             ops.append(len(comm.ops))
             with torch.no_grad(), CommBytes(world) as comm:
                 pruner.counts()
-            rows.append({
-                "size": size, "executor": variant, "clusters": len(resolved), "numel": numel,
-                "time": statistics.median(times), "peak": max(peaks), "received": max(received),
-                "ops": max(ops), "count_ops": len(comm.ops), "count_received": comm.received,
-                "dropped": res.dropped,
-            })
+            rows.append(
+                {
+                    "size": size,
+                    "executor": variant,
+                    "clusters": len(resolved),
+                    "numel": numel,
+                    "time": statistics.median(times),
+                    "peak": max(peaks),
+                    "received": max(received),
+                    "ops": max(ops),
+                    "count_ops": len(comm.ops),
+                    "count_received": comm.received,
+                    "dropped": res.dropped,
+                }
+            )
             del module, pruner
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -212,16 +229,32 @@ def measured_table(gathered: list[list[dict]], world: int) -> str:
         d, ffn, layers, *_ = SIZES[size]
         label = f"{size}: {d}/{ffn}/{layers}, {s['numel'] / 1e6:.1f}M"
         for row in (s, t, m):
-            lines.append(f"| {label} | {row['clusters']} | {row['executor']} | {row['ops']} | "
-                         f"{_fmt_bytes(row['received'])} | {row['time'] * 1e3:.1f} ms | {_fmt_bytes(row['peak'])} |")
-        ratios.append((size, m["ops"] / max(s["ops"], 1), m["received"] / max(s["received"], 1),
-                       m["time"] / s["time"], m["peak"] / max(s["peak"], 1)))
+            lines.append(
+                f"| {label} | {row['clusters']} | {row['executor']} | {row['ops']} | "
+                f"{_fmt_bytes(row['received'])} | {row['time'] * 1e3:.1f} ms | {_fmt_bytes(row['peak'])} |"
+            )
+        ratios.append(
+            (
+                size,
+                m["ops"] / max(s["ops"], 1),
+                m["received"] / max(s["received"], 1),
+                m["time"] / s["time"],
+                m["peak"] / max(s["peak"], 1),
+            )
+        )
         count_s = (by[(size, "sharded")]["count_ops"], by[(size, "sharded")]["count_received"])
         count_m = (by[(size, "materializing")]["count_ops"], by[(size, "materializing")]["count_received"])
-        lines.append(f"| {label} | | counts (log steps only) | {count_s[0]} vs {count_m[0]} | "
-                     f"{_fmt_bytes(count_s[1])} vs {_fmt_bytes(count_m[1])} | | |")
-    lines += ["", "Ratios materializing / sharded (the default one-collective path at these sizes):", "",
-              "| size | collectives | bytes received | wall time | peak extra memory |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {label} | | counts (log steps only) | {count_s[0]} vs {count_m[0]} | "
+            f"{_fmt_bytes(count_s[1])} vs {_fmt_bytes(count_m[1])} | | |"
+        )
+    lines += [
+        "",
+        "Ratios materializing / sharded (the default one-collective path at these sizes):",
+        "",
+        "| size | collectives | bytes received | wall time | peak extra memory |",
+        "|---|---|---|---|---|",
+    ]
     for size, ops, recv, t, mem in ratios:
         lines.append(f"| {size} | {ops:.0f}x | {recv:,.0f}x | {t:.1f}x | {mem:.1f}x |")
     return "\n".join(lines)
@@ -302,8 +335,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, args.world, os.path.join(tmp, "store"), sizes, args.steps,
-                                                  queue)) for r in range(args.world)]
+        procs = [
+            ctx.Process(target=worker, args=(r, args.world, os.path.join(tmp, "store"), sizes, args.steps, queue))
+            for r in range(args.world)
+        ]
         for p in procs:
             p.start()
         gathered = None

@@ -53,20 +53,34 @@ class TextData(pl.LightningDataModule):
         self.seq_len, self.batch_size = seq_len, batch_size
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(ByteText(TEXT, self.seq_len), batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            ByteText(TEXT, self.seq_len),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 class TinyGPTModule(pl.LightningModule):
     """Next-byte language modelling with :class:`~lightning_pat.demo_model.TinyGPT`."""
 
-    def __init__(self, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2, d_model: int = 64, d_ff: int = 256,
-                 lr: float = 3e-3) -> None:
+    def __init__(
+        self,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        d_model: int = 64,
+        d_ff: int = 256,
+        lr: float = 3e-3,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.model = TinyGPT(TinyGPTConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, d_model=d_model,
-                                           d_ff=d_ff, max_seq_len=64))
+        self.model = TinyGPT(
+            TinyGPTConfig(
+                n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, d_model=d_model, d_ff=d_ff, max_seq_len=64
+            )
+        )
         self.lr = lr
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -118,8 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total = sum(p.numel() for p in module.parameters())
     zeros = sum(int((p == 0).sum()) for p in module.parameters())
     print(f"\nsteps: {pruning.step}   final train_loss: {metrics.get('train_loss', float('nan')):.3f}")
-    print(f"unit sparsity: {metrics.get('pruning/unit_sparsity', 0.0):.3f}   "
-          f"clustered-parameter sparsity: {metrics.get('pruning/param_sparsity', 0.0):.3f}")
+    print(
+        f"unit sparsity: {metrics.get('pruning/unit_sparsity', 0.0):.3f}   "
+        f"clustered-parameter sparsity: {metrics.get('pruning/param_sparsity', 0.0):.3f}"
+    )
     print(f"exact zeros: {zeros:,} of {total:,} parameters ({zeros / total:.1%}), removable by a physical shrink")
     for name, idx in pruning.dropped.items():
         print(f"  {name:<16} dropped {len(idx):>3} units: {idx[:8]}{' ...' if len(idx) > 8 else ''}")

@@ -96,8 +96,9 @@ def unsupported_reason(placements: Sequence[Placement], *, ndim: int) -> str | N
     return None
 
 
-def _pieces(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-            coordinate: tuple[int, ...]) -> tuple[_Intervals, ...]:
+def _pieces(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
+) -> tuple[_Intervals, ...]:
     per_dim: list[_Intervals] = [((0, size),) if size else () for size in shape]
     for axis, p in enumerate(placements):
         if type(p) is Replicate:
@@ -146,8 +147,10 @@ def _layout_reason(
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
         for dim, intervals in enumerate(_pieces(shape, placements, mesh_shape, coordinate)):
             if len(intervals) > 1:
-                return (f"{placements} gives mesh coordinate {coordinate} a non-contiguous piece of dim {dim} "
-                        f"{list(intervals)}")
+                return (
+                    f"{placements} gives mesh coordinate {coordinate} a non-contiguous piece of dim {dim} "
+                    f"{list(intervals)}"
+                )
     return None
 
 

@@ -71,7 +71,14 @@ steps = int(os.environ.get("LPAT_NOTEBOOK_STEPS", "60"))
 tokens = torch.randint(0, 256, (64, 17), generator=torch.Generator().manual_seed(0))
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
 pruning = CoupledPruningCallback(clusters, 0.5, warmup_steps=steps // 8, ramp_steps=steps // 2)
-trainer = pl.Trainer(max_steps=steps, callbacks=[pruning], logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+trainer = pl.Trainer(
+    max_steps=steps,
+    callbacks=[pruning],
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    accelerator="cpu",
+)
 trainer.fit(LM(), loader)
 print({k: round(float(v), 3) for k, v in trainer.callback_metrics.items() if k.startswith("pruning/")})

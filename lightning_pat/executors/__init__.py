@@ -87,5 +87,14 @@ def build_executors(
     return executors
 
 
-__all__ = ["EXECUTOR_KINDS", "Executor", "ExecutorKind", "MaterializingExecutor", "ShardedExecutor", "UnitAction",
-           "build_executors", "route", "sharded_reason"]
+__all__ = [
+    "EXECUTOR_KINDS",
+    "Executor",
+    "ExecutorKind",
+    "MaterializingExecutor",
+    "ShardedExecutor",
+    "UnitAction",
+    "build_executors",
+    "route",
+    "sharded_reason",
+]

@@ -180,7 +180,8 @@ class ShardedExecutor(Executor):
         out: dict[str, tuple[int, int]] = {}
         for group, names in self._count_groups:
             local = [
-                count_zeros(D.local_tensor(self.params[n])) if D.is_counting_replica(self.params[n])
+                count_zeros(D.local_tensor(self.params[n]))
+                if D.is_counting_replica(self.params[n])
                 else torch.zeros((), dtype=torch.int64, device=D.local_tensor(self.params[n]).device)
                 for n in names
             ]

@@ -111,7 +111,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 
 
 def run_rank_scripts(
-    script: str | Path, world_size: int, *, args: Sequence[str] = (), timeout: float = 240.0,
+    script: str | Path,
+    world_size: int,
+    *,
+    args: Sequence[str] = (),
+    timeout: float = 240.0,
     env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run ``script`` once per rank with the rank environment set; return each rank's combined output.
@@ -152,10 +156,15 @@ def _run_rank_scripts_once(
                     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                     "OMP_NUM_THREADS": "1",
                 }
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(script), *args], cwd=tmp, env=rank_env, stdout=logs[rank],
-                    stderr=subprocess.STDOUT,
-                ))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), *args],
+                        cwd=tmp,
+                        env=rank_env,
+                        stdout=logs[rank],
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):
                 failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]

@@ -19,8 +19,14 @@ def mlp_cluster() -> list[Cluster]:
 class MLPModule(pl.LightningModule):
     """x -> fc1 -> relu -> fc2; the hidden axis of width HIDDEN is one cluster."""
 
-    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, n_batches: int = 16, seed: int = 0,
-                 skip_steps: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        n_batches: int = 16,
+        seed: int = 0,
+        skip_steps: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.fc1 = nn.Linear(8, HIDDEN)

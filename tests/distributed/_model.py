@@ -18,19 +18,32 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
+
+from tests.common import reference as R
 
 D, FFN, V_IN, V_OUT = 10, 14, 4, 7
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "embed": (V_IN, D),
-    "l0.q": (12, D), "l0.k": (6, D), "l0.v": (6, D), "l0.o": (D, 12), "l0.norm": (D,),
-    "l0.gate": (FFN, D), "l0.up": (FFN, D), "l0.up_b": (FFN,), "l0.down": (D, FFN),
-    "l1.qkv": (18, D), "l1.o": (D, 6), "l1.norm": (D,),
-    "l1.gate": (FFN, D), "l1.up": (FFN, D), "l1.down": (D, FFN),
-    "norm": (D,), "head": (V_OUT, D),
+    "l0.q": (12, D),
+    "l0.k": (6, D),
+    "l0.v": (6, D),
+    "l0.o": (D, 12),
+    "l0.norm": (D,),
+    "l0.gate": (FFN, D),
+    "l0.up": (FFN, D),
+    "l0.up_b": (FFN,),
+    "l0.down": (D, FFN),
+    "l1.qkv": (18, D),
+    "l1.o": (D, 6),
+    "l1.norm": (D,),
+    "l1.gate": (FFN, D),
+    "l1.up": (FFN, D),
+    "l1.down": (D, FFN),
+    "norm": (D,),
+    "head": (V_OUT, D),
 }
 COLWISE = ("l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.up", "head", "embed")
 ROWWISE = ("l0.o", "l0.down", "l1.o", "l1.down")
@@ -61,15 +74,23 @@ def ref_clusters(*, shared_mlp: bool = False, resid_multiple_of: int = 1) -> lis
     budget = "mlp" if shared_mlp else None
     return [
         RefCluster("heads.0", (_w("l0.q", 0), _w("l0.k", 0), _w("l0.v", 0), _w("l0.o", 1)), 2),
-        RefCluster("heads.1", (_w("l1.qkv", 0, 0, 6), _w("l1.qkv", 0, 6, 12), _w("l1.qkv", 0, 12, 18),
-                               _w("l1.o", 1)), 3),
+        RefCluster(
+            "heads.1", (_w("l1.qkv", 0, 0, 6), _w("l1.qkv", 0, 6, 12), _w("l1.qkv", 0, 12, 18), _w("l1.o", 1)), 3
+        ),
         RefCluster("mlp.0", (_w("l0.gate", 0), _w("l0.up", 0), _w("l0.up_b", 0), _w("l0.down", 1)), FFN, budget),
         RefCluster("mlp.1", (_w("l1.gate", 0), _w("l1.up", 0), _w("l1.down", 1)), FFN, budget),
-        RefCluster("resid", tuple(
-            [_w(n, 0) for n in ("l0.o", "l0.down", "l1.o", "l1.down", "l0.norm", "l1.norm", "norm")]
-            + [_w(n, 1) for n in ("embed", "l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.up",
-                                  "head")]
-        ), D, multiple_of=resid_multiple_of),
+        RefCluster(
+            "resid",
+            tuple(
+                [_w(n, 0) for n in ("l0.o", "l0.down", "l1.o", "l1.down", "l0.norm", "l1.norm", "norm")]
+                + [
+                    _w(n, 1)
+                    for n in ("embed", "l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.up", "head")
+                ]
+            ),
+            D,
+            multiple_of=resid_multiple_of,
+        ),
     ]
 
 
@@ -82,9 +103,12 @@ def declarations(*, shared_mlp: bool = False, resid_multiple_of: int = 1) -> lis
         Cluster("heads.1", writers=["l1.qkv[0:6]", "l1.qkv[6:12]", "l1.qkv[12:18]"], readers=["l1.o"], head_dim=2),
         Cluster("mlp.0", writers=["l0.gate", "l0.up", "l0.up_b"], readers=["l0.down"], budget=budget),
         Cluster("mlp.1", writers=["l1.gate", "l1.up"], readers=["l1.down"], budget=budget),
-        Cluster("resid", writers=["l0.o", "l0.down", "l1.o", "l1.down", "l0.norm", "l1.norm", "norm"],
-                readers=["embed", "l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.up", "head"],
-                multiple_of=resid_multiple_of),
+        Cluster(
+            "resid",
+            writers=["l0.o", "l0.down", "l1.o", "l1.down", "l0.norm", "l1.norm", "norm"],
+            readers=["embed", "l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.up", "head"],
+            multiple_of=resid_multiple_of,
+        ),
     ]
 
 
@@ -93,24 +117,37 @@ def full_weights(seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str,
     rng = random.Random(seed)
     powers = list(range(D))
     rng.shuffle(powers)
-    s = [2.0 ** p for p in powers]
+    s = [2.0**p for p in powers]
     mlp_powers = list(range(2 * FFN))
     rng.shuffle(mlp_powers)
-    t = {0: [2.0 ** p for p in mlp_powers[:FFN]], 1: [2.0 ** p for p in mlp_powers[FFN:]]}
-    h0 = [2.0 ** 3, 1.0]
+    t = {0: [2.0**p for p in mlp_powers[:FFN]], 1: [2.0**p for p in mlp_powers[FFN:]]}
+    h0 = [2.0**3, 1.0]
     h1 = [4.0, 32.0, 1.0]
     rows: dict[str, list[float]] = {
-        "embed": [1.0] * V_IN, "head": [1.0] * V_OUT,
-        "l0.q": [a for a in h0 for _ in range(6)], "l0.k": [a for a in h0 for _ in range(3)],
-        "l0.v": [a for a in h0 for _ in range(3)], "l0.o": s,
-        "l1.qkv": [a for _ in range(3) for a in h1 for _ in range(2)], "l1.o": s,
-        "l0.gate": t[0], "l0.up": t[0], "l0.up_b": t[0], "l0.down": s,
-        "l1.gate": t[1], "l1.up": t[1], "l1.down": s,
-        "l0.norm": s, "l1.norm": s, "norm": s,
+        "embed": [1.0] * V_IN,
+        "head": [1.0] * V_OUT,
+        "l0.q": [a for a in h0 for _ in range(6)],
+        "l0.k": [a for a in h0 for _ in range(3)],
+        "l0.v": [a for a in h0 for _ in range(3)],
+        "l0.o": s,
+        "l1.qkv": [a for _ in range(3) for a in h1 for _ in range(2)],
+        "l1.o": s,
+        "l0.gate": t[0],
+        "l0.up": t[0],
+        "l0.up_b": t[0],
+        "l0.down": s,
+        "l1.gate": t[1],
+        "l1.up": t[1],
+        "l1.down": s,
+        "l0.norm": s,
+        "l1.norm": s,
+        "norm": s,
     }
     cols: dict[str, list[float]] = {
-        "l0.o": [a for a in h0 for _ in range(6)], "l1.o": [a for a in h1 for _ in range(2)],
-        "l0.down": t[0], "l1.down": t[1],
+        "l0.o": [a for a in h0 for _ in range(6)],
+        "l1.o": [a for a in h1 for _ in range(2)],
+        "l0.down": t[0],
+        "l1.down": t[1],
     }
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -126,47 +163,21 @@ def full_weights(seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str,
 
 
 # ---------------------------------------------------------------------------------------------- dense reference
-def _block(m: RefMember, c: int) -> int:
-    assert (m.stop - m.start) % c == 0
-    return (m.stop - m.start) // c
+def _common(rc: RefCluster, target: float | None = None) -> R.RefCluster:
+    members = [R.RefMember(m.name, m.dim, m.start, m.stop) for m in rc.members]
+    return R.RefCluster(rc.name, members, rc.num_units, target=target, multiple_of=rc.multiple_of, budget=rc.budget)
 
 
 def unit_view(w: torch.Tensor, m: RefMember, c: int, unit: int) -> torch.Tensor:
-    b = _block(m, c)
-    return w.narrow(m.dim, m.start + unit * b, b)
+    return R.unit_slice(w, R.RefMember(m.name, m.dim, m.start, m.stop), c, unit)
 
 
 def unit_numel(rc: RefCluster) -> int:
-    total = 0
-    for m in rc.members:
-        other = math.prod(n for d, n in enumerate(SHAPES[m.name]) if d != m.dim)
-        total += _block(m, rc.num_units) * other
-    return total
+    return R.elements_per_unit(_common(rc), SHAPES)
 
 
 def sq_norms(weights: dict[str, torch.Tensor], rc: RefCluster) -> list[float]:
-    out = []
-    for u in range(rc.num_units):
-        total = 0.0
-        for m in rc.members:
-            x = unit_view(weights[m.name], m, rc.num_units, u).to(torch.float64)
-            total += float((x * x).sum())
-        out.append(total)
-    return out
-
-
-def scores_of(q: list[float], g: int, score: str) -> list[float]:
-    div = {"rms": math.sqrt(g), "l2": 1.0, "param_cost": float(g)}[score]
-    return [math.sqrt(v) / div for v in q]
-
-
-def n_drop(target: float, c: int, multiple_of: int = 1) -> int:
-    drop = min(c, math.ceil(Fraction(repr(float(target))) * c))
-    return 0 if drop == 0 else c - (c - drop) // multiple_of * multiple_of
-
-
-def bottom(scores: list[float], k: int, exclude: frozenset[int] = frozenset()) -> list[int]:
-    return [i for _, i in sorted((v, i) for i, v in enumerate(scores) if i not in exclude)[:k]]
+    return R.unit_sq_norms({n: t.to(torch.float64) for n, t in weights.items()}, _common(rc))
 
 
 @dataclass
@@ -178,43 +189,24 @@ class RefOut:
 
 
 def reference(
-    weights: dict[str, torch.Tensor], clusters: list[RefCluster], targets: dict[str, float], *,
-    score: str = "rms", method: str = "hard", threshold: float = 0.0,
+    weights: dict[str, torch.Tensor],
+    clusters: list[RefCluster],
+    targets: dict[str, float],
+    *,
+    score: str = "rms",
+    method: str = "hard",
+    threshold: float = 0.0,
 ) -> RefOut:
-    w0 = {n: t.to(torch.float64).clone() for n, t in weights.items()}
-    q = {rc.name: sq_norms(w0, rc) for rc in clusters}
-    sc = {rc.name: scores_of(q[rc.name], unit_numel(rc), score) for rc in clusters}
-    floor: dict[str, set[int]] = {}
-    budgets: dict[str, list[RefCluster]] = {}
-    for rc in clusters:
-        if rc.budget is None:
-            floor[rc.name] = set(bottom(sc[rc.name], n_drop(targets[rc.name], rc.num_units, rc.multiple_of)))
-        else:
-            budgets.setdefault(rc.budget, []).append(rc)
-    for group in budgets.values():
-        k = n_drop(targets[group[0].name], sum(rc.num_units for rc in group))
-        joint = sorted((v, j, i) for j, rc in enumerate(group) for i, v in enumerate(sc[rc.name]))[:k]
-        for j, rc in enumerate(group):
-            sel = {i for _, jj, i in joint if jj == j}
-            if sel:
-                keep = (rc.num_units - len(sel)) // rc.multiple_of * rc.multiple_of
-                sel |= set(bottom(sc[rc.name], rc.num_units - keep - len(sel), frozenset(sel)))
-            floor[rc.name] = sel
-    new = {n: t.clone() for n, t in w0.items()}
-    dropped = {}
-    for rc in clusters:
-        if method == "hard":
-            f = [0.0 if u in floor[rc.name] else 1.0 for u in range(rc.num_units)]
-        else:
-            thr = threshold * math.sqrt(unit_numel(rc))
-            f = [max(0.0, 1.0 - thr / math.sqrt(v)) if v > 0 else 0.0 for v in q[rc.name]]
-            f = [0.0 if u in floor[rc.name] else v for u, v in enumerate(f)]
-        dropped[rc.name] = [u for u, v in enumerate(f) if v == 0.0]
-        for m in rc.members:
-            for u, v in enumerate(f):
-                if v != 1.0:
-                    unit_view(new[m.name], m, rc.num_units, u).mul_(v)
-    return RefOut(dropped, new, {n: int((t == 0).sum()) for n, t in new.items()}, q)
+    """The independent dense float64 reference of tests/common/reference.py, with per-cluster targets."""
+    common = [_common(rc, target=targets[rc.name]) for rc in clusters]
+    out = R.reference_step(weights, common, 0.0, score=score, method=method, reg_lambda=threshold, gamma=1.0)
+    new = {n: out.weights.get(n, t.to(torch.float64)) for n, t in weights.items()}
+    q = {rc.name: sq_norms(weights, rc) for rc in clusters}
+    return RefOut(out.dropped, new, {n: int((t == 0).sum()) for n, t in new.items()}, q)
+
+
+def scores_of(q: list[float], g: int, score: str) -> list[float]:
+    return R.score_values(q, unit_numel=g, score=score)
 
 
 def lasso_threshold(weights: dict[str, torch.Tensor], clusters: list[RefCluster]) -> float:

@@ -19,10 +19,27 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 COLLECTIVES = (
-    "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce",
-    "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
-    "all_gather_object", "broadcast_object_list", "all_reduce_coalesced", "barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_to_all_single",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_reduce_coalesced",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -68,8 +85,9 @@ class Recorder:
             if self._depth == 0:
                 t = _tensor_arg(name, args)
                 is_t = hasattr(t, "numel") and hasattr(t, "dtype")
-                self.calls.append(Call(name, _group_of(args, kwargs), str(t.dtype) if is_t else None,
-                                       t.numel() if is_t else 0))
+                self.calls.append(
+                    Call(name, _group_of(args, kwargs), str(t.dtype) if is_t else None, t.numel() if is_t else 0)
+                )
             self._depth += 1
             try:
                 return fn(*args, **kwargs)

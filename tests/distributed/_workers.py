@@ -88,8 +88,7 @@ def expected_routes(layout: dict[str, tuple], mesh_shape: tuple[int, ...]) -> di
     for name, ps in layout.items():
         if any(isinstance(p, _StridedShard) for p in ps) and _noncontiguous(name, ps, mesh_shape):
             bad.add(name)
-    return {rc.name: ("materializing" if {m.name for m in rc.members} & bad else "sharded")
-            for rc in M.ref_clusters()}
+    return {rc.name: ("materializing" if {m.name for m in rc.members} & bad else "sharded") for rc in M.ref_clusters()}
 
 
 def _noncontiguous(name: str, ps: tuple, mesh_shape: tuple[int, ...]) -> bool:
@@ -101,12 +100,13 @@ def _noncontiguous(name: str, ps: tuple, mesh_shape: tuple[int, ...]) -> bool:
         idx = torch.arange(length)
         for axis, p in enumerate(ps):
             if isinstance(p, _StridedShard):
-                _, offs = p.local_shard_size_and_offset(idx.numel(), mesh_shape[axis], coord[axis],
-                                                        offset_mode=_StridedShardOffsetMode.ALL)
+                _, offs = p.local_shard_size_and_offset(
+                    idx.numel(), mesh_shape[axis], coord[axis], offset_mode=_StridedShardOffsetMode.ALL
+                )
                 idx = idx[torch.tensor(offs, dtype=torch.long)] if offs else idx[:0]
             elif isinstance(p, Shard):
                 size, off = Shard.local_shard_size_and_offset(idx.numel(), mesh_shape[axis], coord[axis])
-                idx = idx[off:off + size]
+                idx = idx[off : off + size]
         if idx.numel() > 1 and not torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + idx.numel())):
             return True
     return False
@@ -162,8 +162,11 @@ def _bits(values: torch.Tensor) -> list[str]:
 def _compare(tag: str, tensors: dict[str, Any], want: dict[str, torch.Tensor], exact: bool) -> list[str]:
     """Compare this rank's pieces of DTensors (or full tensors) with the matching slices of ``want``."""
     bad = []
-    pieces = local_pieces(tensors) if all(isinstance(t, DTensor) for t in tensors.values()) else {
-        n: (t, None) for n, t in tensors.items()}
+    pieces = (
+        local_pieces(tensors)
+        if all(isinstance(t, DTensor) for t in tensors.values())
+        else {n: (t, None) for n, t in tensors.items()}
+    )
     for n, w in want.items():
         g, box = pieces[n]
         if box is not None:
@@ -195,8 +198,10 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
     all_layouts = layouts(kind, world)
     if kind == "2x2":
         permuted = make_mesh("2x2-permuted", world)
-        extra = {"permuted-mesh(R,S0)": (permuted, _uniform((R, S0), (R, S0))),
-                 "permuted-mesh(S0,S1)": (permuted, _uniform((S0, S1), (S0, R)))}
+        extra = {
+            "permuted-mesh(R,S0)": (permuted, _uniform((R, S0), (R, S0))),
+            "permuted-mesh(S0,S1)": (permuted, _uniform((S0, S1), (S0, R))),
+        }
     else:
         extra = {}
     cases = {n: (mesh, lay) for n, lay in all_layouts.items()} | extra
@@ -262,13 +267,19 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, records)
     agree = all(g == gathered[0] for g in gathered)
-    return {"failures": failures, "accounting": accounting, "ranks_agree": agree, "num_cases": len(records),
-            "zeros": zeros,
-            "mesh": mesh.mesh.tolist()}
+    return {
+        "failures": failures,
+        "accounting": accounting,
+        "ranks_agree": agree,
+        "num_cases": len(records),
+        "zeros": zeros,
+        "mesh": mesh.mesh.tolist(),
+    }
 
 
-def _hold_and_grads(tag: str, module: nn.Module, pruner: Any, full: dict, ref: Any, refs: list, mesh: DeviceMesh,
-                    layout: dict) -> list[str]:
+def _hold_and_grads(
+    tag: str, module: nn.Module, pruner: Any, full: dict, ref: Any, refs: list, mesh: DeviceMesh, layout: dict
+) -> list[str]:
     """hold() re-zeroes restored weights, zero_grads() zeroes dropped units of gradients: no collectives."""
     bad = []
     params = dict(module.named_parameters())
@@ -312,8 +323,9 @@ def _accounting(full: dict, mesh: DeviceMesh, layout: dict) -> dict[str, Any]:
     me = dist.get_rank()
     expect_gathers: dict[tuple[int, ...], int] = {}
     for rc in M.ref_clusters():
-        axes = tuple(sorted({a for m in rc.members for a, p in enumerate(layout[m.name])
-                             if not isinstance(p, Replicate)}))
+        axes = tuple(
+            sorted({a for m in rc.members for a, p in enumerate(layout[m.name]) if not isinstance(p, Replicate)})
+        )
         if not axes:
             continue
         mine = next(g for g in _group_sets(mesh, axes) if me in g)
@@ -417,8 +429,11 @@ def _grad_with_other_layout(mesh: DeviceMesh) -> list[str]:
     want = sorted(torch.sort(q, stable=True).indices[:3].tolist())
     grads["w"][dropped, :] = 0
     grads["r"][:, dropped] = 0
-    ok = (dropped == want and torch.equal(module.w.grad.full_tensor(), grads["w"])
-          and torch.equal(module.r.grad.full_tensor(), grads["r"]))
+    ok = (
+        dropped == want
+        and torch.equal(module.w.grad.full_tensor(), grads["w"])
+        and torch.equal(module.r.grad.full_tensor(), grads["r"])
+    )
     return [] if ok else [f"grad with another layout: dropped {dropped} (want {want}) or grads wrong"]
 
 
@@ -430,18 +445,27 @@ def _tie_module(mesh: DeviceMesh, ps2: tuple, ps1: tuple) -> tuple[nn.Module, li
     sign = torch.where(torch.arange(48).view(8, 6) % 3 == 0, -1.0, 1.0).to(torch.float64)
     tw = sign * amp[:, None]
     tr = sign.T * amp[None, :]
-    one = 1.0 + 2.0 ** -23
-    x = torch.tensor([1.5 * one ** k for k in (2, 1, 0, 3, 1, 0, 2, 4)], dtype=torch.float32)  # 1-ulp apart
+    one = 1.0 + 2.0**-23
+    x = torch.tensor([1.5 * one**k for k in (2, 1, 0, 3, 1, 0, 2, 4)], dtype=torch.float32)  # 1-ulp apart
     gen = torch.Generator().manual_seed(3)
     vals = (torch.rand(16, generator=gen) * 10.0 ** torch.randint(-3, 4, (16,), generator=gen)).to(torch.float32)
     perm_r = torch.stack([vals[torch.randperm(16, generator=gen)] for _ in range(8)], dim=1)  # [16, 8]
     perm_w = torch.stack([vals[torch.randperm(16, generator=gen)] for _ in range(8)], dim=0)  # [8, 16]
     module = nn.Module()
-    for name, t, ps in (("tw", tw, ps2), ("tr", tr, ps2), ("tb", amp.clone(), ps1), ("nx", x, ps1),
-                        ("pr", perm_r, ps2), ("pw", perm_w, ps2)):
+    for name, t, ps in (
+        ("tw", tw, ps2),
+        ("tr", tr, ps2),
+        ("tb", amp.clone(), ps1),
+        ("nx", x, ps1),
+        ("pr", perm_r, ps2),
+        ("pw", perm_w, ps2),
+    ):
         module.register_parameter(name, nn.Parameter(distribute_tensor(t, mesh, list(ps), src_data_rank=None)))
-    decls = [Cluster("tie", writers=["tw", "tb"], readers=["tr"]), Cluster("ulp", writers=["nx"]),
-             Cluster("perm", writers=["pw"], readers=["pr"])]
+    decls = [
+        Cluster("tie", writers=["tw", "tb"], readers=["tr"]),
+        Cluster("ulp", writers=["nx"]),
+        Cluster("perm", writers=["pw"], readers=["pr"]),
+    ]
     return module, decls
 
 
@@ -467,8 +491,14 @@ def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
                     ex.release()
                 with torch.no_grad():
                     res = pruner.step({"tie": 0.5, "ulp": 0.5, "perm": 0.5})
-                mine.append((f"mesh{mi}/{ps2}/{ps1}/{executor}", {k: v[0] for k, v in pruner.routes.items()},
-                             res.dropped, {k: _bits(v) for k, v in q.items()}))
+                mine.append(
+                    (
+                        f"mesh{mi}/{ps2}/{ps1}/{executor}",
+                        {k: v[0] for k, v in pruner.routes.items()},
+                        res.dropped,
+                        {k: _bits(v) for k, v in q.items()},
+                    )
+                )
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     return {"records": mine, "ranks_agree": all(g == gathered[0] for g in gathered)}
@@ -486,8 +516,12 @@ def submesh_suite(rank: int, world: int) -> dict[str, Any]:
     pruner = Pruner(module, resolve_clusters(module, M.declarations()), executor="auto")
     with torch.no_grad(), Recorder() as rec:
         res = pruner.step(TARGETS, count=True)
-    out: dict[str, Any] = {"clusters": [rc.name for rc in pruner.clusters], "calls": rec.summary(),
-                           "dropped": res.dropped, "zeros": res.zeros}
+    out: dict[str, Any] = {
+        "clusters": [rc.name for rc in pruner.clusters],
+        "calls": rec.summary(),
+        "dropped": res.dropped,
+        "zeros": res.zeros,
+    }
     if rank != 0:
         ref = M.reference(full, M.ref_clusters(), TARGETS)
         out["match"] = res.dropped == ref.dropped and res.zeros == ref.zeros

@@ -34,39 +34,67 @@ from lightning_pat import Cluster, CoupledPruningCallback
 from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
 from tests.common.dist import finish_worker
 
-CFG = TinyGPTConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_seq_len=16,
-                    tie_embeddings=False)
+CFG = TinyGPTConfig(
+    vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_seq_len=16, tie_embeddings=False
+)
 HEAD_DIM = CFG.d_model // CFG.n_head
 L = r"layers\.(?P<layer>\d+)"
 CLUSTERS = [
-    Cluster("mlp.{layer}", writers=[f"re:model\\.{L}\\.mlp\\.(gate|up)_proj\\.weight"],
-            readers=[f"re:model\\.{L}\\.mlp\\.down_proj\\.weight"]),
-    Cluster("heads.{layer}", writers=[f"re:model\\.{L}\\.attn\\.(q|k|v)_proj\\.weight"],
-            readers=[f"re:model\\.{L}\\.attn\\.o_proj\\.weight"], head_dim=HEAD_DIM),
-    Cluster("resid", writers=[r"re:model\.layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight",
-                              r"re:model\.layers\.\d+\.(attn|mlp)_norm\.weight", "model.norm.weight"],
-            readers=["model.embed.weight", "model.lm_head.weight",
-                     r"re:model\.layers\.\d+\.(attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight"]),
+    Cluster(
+        "mlp.{layer}",
+        writers=[f"re:model\\.{L}\\.mlp\\.(gate|up)_proj\\.weight"],
+        readers=[f"re:model\\.{L}\\.mlp\\.down_proj\\.weight"],
+    ),
+    Cluster(
+        "heads.{layer}",
+        writers=[f"re:model\\.{L}\\.attn\\.(q|k|v)_proj\\.weight"],
+        readers=[f"re:model\\.{L}\\.attn\\.o_proj\\.weight"],
+        head_dim=HEAD_DIM,
+    ),
+    Cluster(
+        "resid",
+        writers=[
+            r"re:model\.layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight",
+            r"re:model\.layers\.\d+\.(attn|mlp)_norm\.weight",
+            "model.norm.weight",
+        ],
+        readers=[
+            "model.embed.weight",
+            "model.lm_head.weight",
+            r"re:model\.layers\.\d+\.(attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight",
+        ],
+    ),
 ]
 
 
 def _tp_plan(model: TinyGPT, tp_mesh) -> None:  # noqa: ANN001
-    parallelize_module(model, tp_mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp_norm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp_norm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
 
 
 class LitTiny(pl.LightningModule):
@@ -113,13 +141,20 @@ def fit_once(dp: int, tp: int, mode: str, executor: str) -> dict:
     calls: dict[str, int] = {}
     for name in ("all_gather_packed", "reduce_counts", "full_tensor", "write_back_"):
         _count_calls(lpd, name, calls)
-    cb = CoupledPruningCallback(CLUSTERS, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1,
-                                executor=executor, mode=mode)
+    cb = CoupledPruningCallback(
+        CLUSTERS, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1, executor=executor, mode=mode
+    )
     trainer = pl.Trainer(
-        max_steps=6, accelerator="cpu", devices=dp * tp,
+        max_steps=6,
+        accelerator="cpu",
+        devices=dp * tp,
         strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
-        callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
     )
     module = LitTiny()
     trainer.fit(module)

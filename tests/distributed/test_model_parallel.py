@@ -24,8 +24,9 @@ WORKER = Path(__file__).with_name("model_parallel_worker.py")
 )
 def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode):
     outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing"], timeout=240)
-    runs = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-            if line.startswith("RESULT ")]
+    runs = [
+        json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
+    ]
     results = [r for r in runs if r["executor"] == "auto"]
     reference = [r for r in runs if r["executor"] == "materializing"]
     assert [r["rank"] for r in results] == list(range(dp * tp))

@@ -36,17 +36,24 @@ def _torch_indices(length: int, placements: tuple, mesh_shape: tuple, coord: tup
         if not isinstance(p, (Shard, _StridedShard)) or p.dim != dim:
             continue
         if isinstance(p, _StridedShard):
-            _, offs = p.local_shard_size_and_offset(idx.numel(), mesh_shape[axis], coord[axis],
-                                                    offset_mode=_StridedShardOffsetMode.ALL)
+            _, offs = p.local_shard_size_and_offset(
+                idx.numel(), mesh_shape[axis], coord[axis], offset_mode=_StridedShardOffsetMode.ALL
+            )
             idx = idx[torch.tensor(offs, dtype=torch.long)] if offs else idx[:0]
         else:
             size, off = Shard.local_shard_size_and_offset(idx.numel(), mesh_shape[axis], coord[axis])
-            idx = idx[off:off + size]
+            idx = idx[off : off + size]
     return idx
 
 
-PLACEMENT_CHOICES = [R, S0, S1, _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=2),
-                     _StridedShard(0, split_factor=3)]
+PLACEMENT_CHOICES = [
+    R,
+    S0,
+    S1,
+    _StridedShard(0, split_factor=2),
+    _StridedShard(1, split_factor=2),
+    _StridedShard(0, split_factor=3),
+]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2), (4, 2)]
 SHAPES = [(0, 3), (1, 5), (2, 7), (5, 3), (7, 6), (8, 8), (12, 10), (13,), (6,)]
 
@@ -67,8 +74,9 @@ def test_local_box_and_contiguity_match_torch():
         any_gap = False
         for coord in itertools.product(*(range(n) for n in mesh_shape)):
             per_dim = [_torch_indices(size, placements, mesh_shape, coord, d) for d, size in enumerate(shape)]
-            gap = any(i.numel() > 1 and not torch.equal(i, torch.arange(int(i[0]), int(i[0]) + i.numel()))
-                      for i in per_dim)
+            gap = any(
+                i.numel() > 1 and not torch.equal(i, torch.arange(int(i[0]), int(i[0]) + i.numel())) for i in per_dim
+            )
             any_gap |= gap
             if gap:
                 with pytest.raises(ValueError, match="not contiguous"):

@@ -91,8 +91,10 @@ def test_two_phase_reduction_same_bits_fewer_bytes(run):
                 n = len(group)
                 if n > 2:
                     block = -(-numel // n)
-                    want += [("all_to_all_single", tuple(group), "torch.float64", n * block),
-                             ("all_gather_single", tuple(group), "torch.float64", block)]
+                    want += [
+                        ("all_to_all_single", tuple(group), "torch.float64", n * block),
+                        ("all_gather_single", tuple(group), "torch.float64", block),
+                    ]
                     exercised += 1
                 else:
                     want.append(("all_gather_single", tuple(group), "torch.float64", numel))
@@ -150,4 +152,6 @@ def test_submesh_nonparticipant_is_silent():
         sub = out["submesh"]
         assert sub["match"], sub
         assert [(c[0], tuple(c[1]), c[2]) for c in sub["calls"]["calls"]] == [
-            ("all_gather_single", (1, 2), "torch.float64"), ("all_reduce", (1, 2), "torch.int64")]
+            ("all_gather_single", (1, 2), "torch.float64"),
+            ("all_reduce", (1, 2), "torch.int64"),
+        ]

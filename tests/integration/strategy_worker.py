@@ -46,11 +46,22 @@ def main(strategy_name: str, mode: str) -> None:
     module = MLPModule(optimizer="adamw" if strategy_name == "ddp" else "sgd", n_batches=16)
     cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode)
     check = AgreementCheck(cb, check_weights=strategy_name == "ddp")
-    strategy = CPUFSDPStrategy(process_group_backend="gloo") if strategy_name == "fsdp1" else DDPStrategy(
-        process_group_backend="gloo")
-    trainer = pl.Trainer(max_steps=7, strategy=strategy, accelerator="cpu", devices=2, callbacks=[cb, check],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    strategy = (
+        CPUFSDPStrategy(process_group_backend="gloo")
+        if strategy_name == "fsdp1"
+        else DDPStrategy(process_group_backend="gloo")
+    )
+    trainer = pl.Trainer(
+        max_steps=7,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        callbacks=[cb, check],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module)
     flat_shapes = [tuple(p.shape) for p in trainer.strategy.model.parameters()]
     if strategy_name == "fsdp1":
@@ -61,17 +72,23 @@ def main(strategy_name: str, mode: str) -> None:
         w1, b1, w2 = module.fc1.weight.detach(), module.fc1.bias.detach(), module.fc2.weight.detach()
         zero_rows = ((w1 == 0).all(dim=1) & (b1 == 0)).nonzero().flatten().tolist()
         zero_cols = (w2 == 0).all(dim=0).nonzero().flatten().tolist()
-    print("RESULT " + json.dumps({
-        "rank": dist.get_rank(),
-        "step": cb.step,
-        "dropped": cb.dropped,
-        "zero_rows": zero_rows,
-        "zero_cols": zero_cols,
-        "routes": {k: v[0] for k, v in cb.pruner.routes.items()},
-        "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
-        "flat_shapes": flat_shapes,
-        "disagreements": check.disagreements,
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "rank": dist.get_rank(),
+                "step": cb.step,
+                "dropped": cb.dropped,
+                "zero_rows": zero_rows,
+                "zero_cols": zero_cols,
+                "routes": {k: v[0] for k, v in cb.pruner.routes.items()},
+                "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
+                "flat_shapes": flat_shapes,
+                "disagreements": check.disagreements,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -207,8 +207,9 @@ def test_group_lasso_reaches_exact_target_at_final_step():
 
 def test_per_cluster_target_and_multiple_of():
     module = MLPModule()
-    clusters = [Cluster(name="hidden", writers=["fc1.weight", "fc1.bias"], readers=["fc2.weight"], target=0.3,
-                        multiple_of=8)]
+    clusters = [
+        Cluster(name="hidden", writers=["fc1.weight", "fc1.bias"], readers=["fc2.weight"], target=0.3, multiple_of=8)
+    ]
     cb = CoupledPruningCallback(clusters, 0.9, warmup_steps=0, ramp_steps=1)
     fit(module, cb, max_steps=3)
     assert len(cb.dropped["hidden"]) == 16  # ceil(0.3*32)=10 dropped -> 22 kept -> rounded down to 16 kept
@@ -265,8 +266,14 @@ def test_checkpoint_resume_restores_mask_and_step(tmp_path):
     module = MLPModule(n_batches=16)
     cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
-    trainer = pl.Trainer(max_steps=6, callbacks=[cb, ckpt], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu")
+    trainer = pl.Trainer(
+        max_steps=6,
+        callbacks=[cb, ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     trainer.fit(module)
     saved_mask = cb.dropped
     path = next(tmp_path.glob("*.ckpt"))
@@ -278,7 +285,8 @@ def test_checkpoint_resume_restores_mask_and_step(tmp_path):
     assert all(m == saved_mask for m in rec.masks)
     assert torch.all(resumed_module.fc1.weight[saved_mask["hidden"]] == 0)
 
-    other = CoupledPruningCallback([Cluster(name="hidden", writers=["fc1.weight"], readers=["fc2.weight"])], 0.5,
-                                   warmup_steps=1, ramp_steps=3)
+    other = CoupledPruningCallback(
+        [Cluster(name="hidden", writers=["fc1.weight"], readers=["fc2.weight"])], 0.5, warmup_steps=1, ramp_steps=3
+    )
     with pytest.raises(MisconfigurationException, match="different clusters"):
         fit(MLPModule(n_batches=16), other, max_steps=9, ckpt_path=str(path))

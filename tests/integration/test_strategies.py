@@ -20,8 +20,9 @@ WORKER = Path(__file__).with_name("strategy_worker.py")
 
 def launch(strategy: str, mode: str) -> list[dict]:
     outputs = run_rank_scripts(WORKER, 2, args=[strategy, mode], timeout=200)
-    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-               if line.startswith("RESULT ")]
+    results = [
+        json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
+    ]
     assert [r["rank"] for r in results] == [0, 1]
     return results
 
