@@ -30,6 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pat import distributed as D
+from lightning_pat import presets
 from lightning_pat.engine import METHODS, Method, Pruner, PruneResult
 from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.metrics import PruningMetrics
@@ -271,10 +272,6 @@ class CoupledPruningCallback(Callback):
     def _declarations(self, pl_module: pl.LightningModule) -> list[Cluster]:
         if not isinstance(self.clusters, str):
             return list(self.clusters)
-        try:
-            from lightning_pat import presets
-        except ImportError as err:  # pragma: no cover - presets ship with the package
-            raise MisconfigurationException(f"Preset {self.clusters!r} requested but presets are unavailable.") from err
         try:
             return presets.resolve_preset(self.clusters, pl_module, **self.preset_options)
         except ValueError as err:
