@@ -49,12 +49,7 @@ COLWISE = ("l0.q", "l0.k", "l0.v", "l0.gate", "l0.up", "l1.qkv", "l1.gate", "l1.
 ROWWISE = ("l0.o", "l0.down", "l1.o", "l1.down")
 
 
-@dataclass(frozen=True)
-class RefMember:
-    name: str
-    dim: int
-    start: int
-    stop: int
+RefMember = R.RefMember  # one member type for both references
 
 
 @dataclass(frozen=True)
@@ -164,12 +159,13 @@ def full_weights(seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str,
 
 # ---------------------------------------------------------------------------------------------- dense reference
 def _common(rc: RefCluster, target: float | None = None) -> R.RefCluster:
-    members = [R.RefMember(m.name, m.dim, m.start, m.stop) for m in rc.members]
-    return R.RefCluster(rc.name, members, rc.num_units, target=target, multiple_of=rc.multiple_of, budget=rc.budget)
+    return R.RefCluster(
+        rc.name, list(rc.members), rc.num_units, target=target, multiple_of=rc.multiple_of, budget=rc.budget
+    )
 
 
 def unit_view(w: torch.Tensor, m: RefMember, c: int, unit: int) -> torch.Tensor:
-    return R.unit_slice(w, R.RefMember(m.name, m.dim, m.start, m.stop), c, unit)
+    return R.unit_slice(w, m, c, unit)
 
 
 def unit_numel(rc: RefCluster) -> int:

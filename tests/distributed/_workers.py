@@ -19,6 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
 from lightning_pat.executors.sharded import ShardedExecutor
+from tests.common.cases import make_module
 from tests.distributed import _model as M
 from tests.distributed._recorder import Recorder
 
@@ -124,17 +125,8 @@ def make_mesh(kind: str, world: int) -> DeviceMesh:
 
 
 def build(full: dict[str, torch.Tensor], mesh: DeviceMesh, layout: dict[str, tuple]) -> nn.Module:
-    root = nn.Module()
-    for name, value in full.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        dt = distribute_tensor(value.clone(), mesh, list(layout[name]), src_data_rank=None)
-        mod.register_parameter(leaf, nn.Parameter(dt))
-    return root
+    sharded = {n: distribute_tensor(v.clone(), mesh, list(layout[n]), src_data_rank=None) for n, v in full.items()}
+    return make_module(sharded)
 
 
 def local_pieces(tensors: dict[str, DTensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
