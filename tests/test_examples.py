@@ -33,6 +33,16 @@ def test_demo_script(tmp_path):
     assert "heads.0" in out
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fsdp2_example_takes_sharded_path(tmp_path):
+    # Lightning's own launcher starts the second rank by re-running this script (not pytest)
+    out = run(["examples/fsdp2_prune.py", "--max_steps=6", "--warmup_steps=1", "--ramp_steps=3"], tmp_path)
+    assert "ranks: 2   steps: 6" in out
+    assert "routes: {'mlp.0': 'sharded', 'mlp.1': 'sharded', 'heads.0': 'sharded', 'heads.1': 'sharded'}" in out
+    assert "unit sparsity: 0.500" in out
+
+
 @pytest.mark.parametrize("config", ["demo.yaml", "demo_explicit.yaml"])
 def test_cli_yaml(tmp_path, config):
     out = run(
