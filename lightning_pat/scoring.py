@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_pat.spec import Member
+
 ScoreType = Literal["rms", "l2", "param_cost"]
 SCORE_TYPES: tuple[str, ...] = ("rms", "l2", "param_cost")
 
@@ -75,6 +77,24 @@ def fold_to_units(sums_L: Tensor, units_L: Tensor, *, num_units: int) -> Tensor:
     out_C = torch.zeros(num_units, dtype=sums_L.dtype, device=sums_L.device)
     keep = (units_L >= 0) & (units_L < num_units)
     return out_C.index_add_(0, units_L[keep], sums_L[keep])
+
+
+def member_unit_sq_sums(
+    tensor: Tensor, member: Member, *, num_units: int, acc_dtype: torch.dtype, offset: int = 0
+) -> Tensor:
+    """Partial ``Q`` (``[C]``) of one member from a tensor holding its channels ``[offset, offset + L)``.
+
+    Only the channels inside the member's slice are read; a tensor holding a piece of the reduction axis gives
+    partial sums that add up over pieces. Per-channel sums do not depend on which channels are held, so a full
+    tensor and its shards produce the same per-channel values.
+    """
+    lo = max(member.start, offset)
+    hi = min(member.stop, offset + tensor.shape[member.dim])
+    if hi <= lo:
+        return torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
+    sums_L = channel_sq_sums(tensor.narrow(member.dim, lo - offset, hi - lo), dim=member.dim, acc_dtype=acc_dtype)
+    units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=tensor.device)
+    return fold_to_units(sums_L, units_L, num_units=num_units)
 
 
 def normalise(q_C: Tensor, *, unit_numel: int, score: ScoreType) -> Tensor:

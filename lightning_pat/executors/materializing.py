@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_pat import distributed as D
 from lightning_pat.executors.base import Executor, UnitAction
 from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import accumulation_dtype, channel_sq_sums, fold_to_units, unit_of_channels
+from lightning_pat.scoring import accumulation_dtype, member_unit_sq_sums
 
 
 class MaterializingExecutor(Executor):
@@ -39,14 +39,10 @@ class MaterializingExecutor(Executor):
         out = {}
         for rc in self.clusters:
             acc = accumulation_dtype(*(self.params[m.name].dtype for m in rc.members))
-            q_C = None
-            for m in rc.members:
-                dense = self._get(m.name)
-                sums = channel_sq_sums(dense.narrow(m.dim, m.start, m.stop - m.start), dim=m.dim, acc_dtype=acc)
-                units = unit_of_channels(start=0, block=m.block, offset=0, length=sums.numel(), device=sums.device)
-                part = fold_to_units(sums, units, num_units=rc.num_units)
-                q_C = part if q_C is None else q_C + part
-            out[rc.name] = q_C
+            parts = [
+                member_unit_sq_sums(self._get(m.name), m, num_units=rc.num_units, acc_dtype=acc) for m in rc.members
+            ]
+            out[rc.name] = torch.stack(parts).sum(dim=0) if len(parts) > 1 else parts[0]
         return out
 
     @torch.no_grad()

@@ -29,7 +29,7 @@ from lightning_pat import distributed as D
 from lightning_pat import placement as P
 from lightning_pat.executors.base import Executor, UnitAction
 from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import accumulation_dtype, channel_sq_sums, fold_to_units, unit_of_channels
+from lightning_pat.scoring import accumulation_dtype, member_unit_sq_sums
 from lightning_pat.spec import Member, ResolvedCluster
 
 
@@ -113,12 +113,8 @@ class ShardedExecutor(Executor):
         for m in rc.members:
             piece = self._pieces[(rc.name, m.name)]
             local = D.local_tensor(self.params[m.name])
-            if piece.contributes and piece.length:
-                sums_L = channel_sq_sums(local, dim=m.dim, acc_dtype=acc)
-                units_L = unit_of_channels(
-                    start=m.start, block=m.block, offset=piece.offset, length=piece.length, device=local.device
-                )
-                part_C = fold_to_units(sums_L, units_L, num_units=rc.num_units)
+            if piece.contributes:
+                part_C = member_unit_sq_sums(local, m, num_units=rc.num_units, acc_dtype=acc, offset=piece.offset)
             else:
                 part_C = torch.zeros(rc.num_units, dtype=acc, device=local.device)
             q_C = part_C if q_C is None else q_C + part_C
