@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
+from lightning_pat.shrink import shrink
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ __all__ = [
     "presets",
     "prune_clusters",
     "resolve_clusters",
+    "shrink",
 ]
 
 
