@@ -50,6 +50,10 @@ _FIX_MODULE = (
 )
 
 
+# the model's config before its first shrink (plain dict), kept on the model so that an export can say what to build
+BASE_CONFIG_ATTR = "_lightning_pat_base_config"
+
+
 class LayerNormShrinkWarning(UserWarning):
     """A LayerNorm lost channels: the shrunk model is not output-preserving (fine-tune after the shrink)."""
 
@@ -584,6 +588,9 @@ def apply_plan(
     if check_zeros:
         _check_zeros(edits, plan_names)
     # ---- validated; mutate from here on
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)) and not hasattr(model, BASE_CONFIG_ATTR):
+        setattr(model, BASE_CONFIG_ATTR, copy.deepcopy(config.to_dict()))
     emb = _input_embedding(model)
     hidden_before = emb.embedding_dim if emb is not None else None
     for opt, cuts in zip(optimizers, cut_by_opt, strict=True):

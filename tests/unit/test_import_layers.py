@@ -8,8 +8,8 @@
   called only inside distributed.py;
 * ``lightning`` is imported only by callback.py, cli.py and _imports.py; ``torchmetrics`` only by metrics.py;
 * executors never import lightning nor the Trainer-facing modules;
-* shrink.py imports only the stdlib, torch and the pure modules; export.py adds shrink.py and transformers (which
-  it imports lazily, inside functions), never lightning.
+* shrink.py imports only the stdlib, torch and the pure modules; export.py adds shrink.py, transformers and
+  safetensors (imported lazily, inside functions), never lightning.
 
 Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
 known to detect what they look for.
@@ -171,7 +171,9 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
                 errors.append(f"{where}: shrink.py imports only the stdlib, torch and the pure modules")
         if mod == EXPORT:
             torch_ok = top == "torch" and not _is_torch_distributed(name)
-            if not (_is_stdlib(name) or torch_ok or name in PURE or name == SHRINK or top == "transformers"):
+            if not (
+                _is_stdlib(name) or torch_ok or name in PURE or name == SHRINK or top in ("transformers", "safetensors")
+            ):
                 errors.append(
                     f"{where}: export.py imports only the stdlib, torch, transformers, shrink and pure modules"
                 )
