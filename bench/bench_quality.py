@@ -1,0 +1,477 @@
+"""Quality: pruning during training (lightning_pat) vs pruning after it, at the same size and step budget.
+
+    python bench/bench_quality.py                      # full: 3 seeds, every variant, one table (~35 min, 2 cores)
+    python bench/bench_quality.py --quick              # smoke run: tiny step counts, 1 seed
+    python bench/bench_quality.py --seeds 0 --variants default,oneshot --jsonl runs.jsonl   # a subset
+    python bench/bench_quality.py --table runs.jsonl   # print the table of stored runs (seeds run separately)
+
+Corpus: the bytes of the Python standard library's top-level ``*.py`` files (sorted; every 10th file held out for
+validation). Model: TinyGPT (d=64, 2 layers, 4 heads of 16, SwiGLU 256, seq 64, 148k params), AdamW, batch 16.
+
+Protocol per seed: a dense model trains ``M`` steps (warmup 50, then constant lr). From that one checkpoint (weights
+and AdamW state) every "from checkpoint" variant trains ``R`` more steps on the same batches with the same lr
+(linearly decayed 3e-3 -> 3e-4 over the ``R`` steps) and ends at 50% of the MLP channels and 50% of the heads of every
+layer (the same active-parameter count for every pruned variant). The small model (same widths as the pruned one)
+trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation loss
+(nats per byte) on a fixed set of held-out windows, after the last step.
+
+Variants (``--variants``): see ``VARIANTS``. Benchmark-side helpers, not library features: knowledge distillation
+from the frozen dense checkpoint (``kd``), an activation-aware score (``act``: per-unit mean squared activation,
+an exponential average over training batches, times the reader's column norm, as in Minitron), Lightning's
+``ModelPruning`` (per tensor, rows, not coupled, not shrinkable) and torchao's ``PruneOptimizer`` (per tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_pat import CoupledPruningCallback, presets  # noqa: E402
+from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+from lightning_pat.engine import prune_clusters  # noqa: E402
+
+SEQ, BATCH, LR, LR_END, WARMUP, SPARSITY = 64, 16, 3e-3, 3e-4, 50, 0.5
+CFG = TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, d_ff=256, max_seq_len=SEQ)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def corpus(max_bytes: int = 3_000_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation bytes (split by file, deterministic)."""
+    files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.is_file())
+    train, val = [], []
+    for i, p in enumerate(files):
+        (val if i % 10 == 5 else train).append(p.read_bytes())
+    out = []
+    for chunks in (train, val):
+        data = b"\n".join(chunks)[:max_bytes]
+        out.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).long())
+    return out[0], out[1]
+
+
+def batches(data: torch.Tensor, steps: int, seed: int) -> DataLoader:
+    """``steps`` batches of random windows (a fixed stream per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - SEQ - 1, (steps * BATCH,), generator=g)
+    windows = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+    return DataLoader(TensorDataset(windows), batch_size=BATCH, shuffle=False)
+
+
+def val_windows(data: torch.Tensor, n: int) -> torch.Tensor:
+    starts = torch.linspace(0, data.numel() - SEQ - 2, n).long()
+    return torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: torch.Tensor) -> float:
+    model.eval()
+    losses = []
+    for chunk in val.split(64):
+        logits = model(chunk[:, :-1])
+        losses.append(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item())
+    model.train()
+    return sum(losses) / (val.shape[0] * SEQ)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+class LM(pl.LightningModule):
+    """Next-byte LM; lr = warmup then constant, or (``decay``) linear decay to ``LR_END`` over the fit."""
+
+    def __init__(self, model: nn.Module, steps: int, *, warmup: int, decay: bool, opt_state=None, teacher=None,
+                 kd_alpha: float = 0.0, make_opt=None) -> None:  # fmt: skip
+        super().__init__()
+        self.model, self.steps, self.warmup, self.decay = model, steps, warmup, decay
+        self.opt_state, self.kd_alpha, self.make_opt = opt_state, kd_alpha, make_opt
+        self.teacher = [teacher]  # a list: not a submodule (frozen, not optimized, not saved)
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        logits = self.model(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        if self.kd_alpha and self.teacher[0] is not None:
+            with torch.no_grad():
+                t_logits = self.teacher[0](x[:, :-1])
+            kd = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="none")
+            loss = (1 - self.kd_alpha) * loss + self.kd_alpha * kd.sum(-1).mean()
+        return loss
+
+    def configure_optimizers(self):
+        opt = self.make_opt(self.model) if self.make_opt else torch.optim.AdamW(self.model.parameters(), lr=LR)
+        if self.opt_state is not None:
+            opt.load_state_dict(self.opt_state)
+            for g in opt.param_groups:
+                g["lr"] = LR
+
+        def factor(step: int) -> float:
+            if step < self.warmup:
+                return (step + 1) / self.warmup
+            if not self.decay:
+                return 1.0
+            frac = min(step / max(self.steps - 1, 1), 1.0)
+            return 1.0 - frac * (1 - LR_END / LR)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def fit(module: LM, loader: DataLoader, callbacks=(), epochs: int = 1) -> None:
+    trainer = pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), num_sanity_val_steps=0,
+        log_every_n_steps=10**6,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+
+
+def small_config() -> TinyGPTConfig:
+    keep = 1 - SPARSITY
+    return dataclasses.replace(CFG, d_ff=int(CFG.d_ff * keep), n_head=int(CFG.n_head * keep),
+                               n_kv_head=int(CFG.n_kv_head * keep), head_dim=CFG.hd)  # fmt: skip
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters that are not exactly zero (a tied embedding counts once)."""
+    return sum(int(p.count_nonzero()) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------- variants
+def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bool = False):
+    out = []
+    for c in presets.tiny_gpt(model):
+        if (shared_heads and c.name.startswith("heads")) or (shared_mlp and c.name.startswith("mlp")):
+            c = dataclasses.replace(c, budget=c.name.split(".")[0])
+        out.append(c)
+    return out
+
+
+class ActivationScore(pl.Callback):
+    """Benchmark-side activation-aware score: EMA of per-unit mean squared activation x reader column norm.
+
+    Patches the pruning callback's ``Pruner._scores`` (the library's score hook) after it is built; the unit
+    importance becomes ``sqrt(E[a_c^2]) * ||W_reader[:, c]||`` (MLP: the SwiGLU product feeding ``down_proj``;
+    heads: the attention output feeding ``o_proj``), the first-order output contribution of the unit.
+    """
+
+    def __init__(self, pat: CoupledPruningCallback, beta: float = 0.9) -> None:
+        self.pat, self.beta, self.ema, self.handles = pat, beta, {}, []
+
+    def on_fit_start(self, trainer, pl_module):
+        m = pl_module.model
+        for i, block in enumerate(m.layers):
+            self._hook(block.mlp.down_proj, f"mlp.{i}", 1)
+            self._hook(block.attn.o_proj, f"heads.{i}", CFG.hd)
+        pruner = self.pat.pruner
+        readers = {f"mlp.{i}": b.mlp.down_proj.weight for i, b in enumerate(m.layers)}
+        readers.update({f"heads.{i}": b.attn.o_proj.weight for i, b in enumerate(m.layers)})
+
+        def scores(q):
+            out = {}
+            for rc in pruner.clusters:
+                w = readers[rc.name].detach()
+                col = w.pow(2).sum(0)
+                block = col.numel() // rc.num_units
+                col = col.view(rc.num_units, block).sum(1)
+                act = self.ema.get(rc.name, torch.ones(rc.num_units))
+                out[rc.name] = (act * col).double().sqrt()
+            return out
+
+        pruner._scores = scores
+
+    def _hook(self, module: nn.Module, name: str, block: int) -> None:
+        def hook(mod, args):
+            a = args[0].detach().pow(2).flatten(0, -2).mean(0)
+            a = a.view(-1, block).sum(1)
+            prev = self.ema.get(name)
+            self.ema[name] = a if prev is None else self.beta * prev + (1 - self.beta) * a
+
+        self.handles.append(module.register_forward_pre_hook(hook))
+
+    def on_fit_end(self, trainer, pl_module):
+        for h in self.handles:
+            h.remove()
+
+
+def torchao_optimizer(model: nn.Module, R: int):
+    from torchao.prototype.pat import PruneOptimizer
+
+    groups: dict[str, list] = {"rows": [], "cols": [], "heads0": [], "heads1": [], "rest": []}
+    for name, p in model.named_parameters():
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            groups["rows"].append(p)
+        elif name.endswith("down_proj.weight"):
+            groups["cols"].append(p)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            groups["heads0"].append(p)
+        elif name.endswith("o_proj.weight"):
+            groups["heads1"].append(p)
+        else:
+            groups["rest"].append(p)
+    common = {"prox_type": "MinSparsityConstraint", "min_sparsity": SPARSITY, "min_sparsity_schedule": True}
+    pg = [
+        {"params": groups["rows"], "group_type": "Dim0Grouper", **common},
+        {"params": groups["cols"], "group_type": "Dim1Grouper", **common},
+        {"params": groups["heads0"], "group_type": "AttentionHeadGrouperDim0", "num_heads": CFG.n_head, **common},
+        {"params": groups["heads1"], "group_type": "AttentionHeadGrouperDim1", "num_heads": CFG.n_head, **common},
+        {"params": groups["rest"]},
+    ]
+    base = torch.optim.AdamW(pg, lr=LR)
+    return PruneOptimizer(base, warmup_steps=0, healing_start_step=max(R // 2, 2))
+
+
+# name -> dict of callback options (None: a non-callback variant handled in run_variant)
+VARIANTS: dict[str, dict | None] = {
+    "dense": None,  # (a) dense continues
+    "default": {},  # (b) library defaults (ramp_steps=100, cubic, latent, hard, rms, per-layer budgets)
+    "direct": {"mode": "direct"},
+    "ramp25": {"ramp_steps": 25},
+    "ramp50": {"ramp_steps": 50},
+    "ramp150": {"ramp_steps": 150},
+    "linear": {"ramp": "linear"},
+    "every10": {"every_n_steps": 10},
+    "nohealing": {"heal": False},
+    "warmup50": {"warmup_steps": 50},
+    "lasso1e-2": {"method": "group_lasso", "reg_lambda": 1e-2},
+    "lasso5e-2": {"method": "group_lasso", "reg_lambda": 5e-2},
+    "lasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1},
+    "shared_heads": {"shared_heads": True},
+    "shared_heads_l2": {"shared_heads": True, "score": "l2"},
+    "shared_all": {"shared_heads": True, "shared_mlp": True},
+    "act": {"act": True},
+    "kd": {"kd": 0.5},
+    "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
+    "oneshot_kd": None,
+    "oneshot_act": None,
+    "scratch_R": None,  # (d) the small model from scratch, R steps
+    "scratch_MR": None,  # (d) the small model from scratch, M + R steps
+    "modelpruning": None,  # (e) Lightning ModelPruning, ln_structured rows per tensor
+    "torchao": None,  # (f) torchao PruneOptimizer, per tensor MinSparsityConstraint (rows/cols/heads)
+}
+
+
+#: The variants of the recorded table (the others in VARIANTS are extra knobs, run with --variants all).
+DEFAULT_SET = ["dense", "default", "oneshot", "scratch_R", "kd", "oneshot_kd", "lasso1e-1", "scratch_MR", "act",
+               "shared_heads", "ramp50", "direct", "modelpruning", "torchao"]  # fmt: skip
+
+
+def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
+    train, val = data
+    weights, opt_state = ckpt
+    t0 = time.time()
+    loader = batches(train, R, seed=10_000 + seed)
+    model = TinyGPT(CFG)
+    model.load_state_dict(weights)
+    teacher = None
+    opts = VARIANTS.get(name)
+    kd = 0.0
+    if (opts and "kd" in opts) or name == "oneshot_kd":
+        teacher = TinyGPT(CFG).eval()
+        teacher.load_state_dict(weights)
+        teacher.requires_grad_(False)
+        kd = opts.get("kd", 0.5) if opts else 0.5
+    module = LM(model, R, warmup=0, decay=True, opt_state=opt_state, teacher=teacher, kd_alpha=kd)
+    callbacks: list = []
+    if opts is not None:
+        opts = dict(opts)
+        opts.pop("kd", None)
+        act = opts.pop("act", False)
+        shared = {k: opts.pop(k) for k in ("shared_heads", "shared_mlp") if k in opts}
+        cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
+        callbacks = [cb] + ([ActivationScore(cb)] if act else [])
+    elif name.startswith("oneshot"):
+        if name == "oneshot_act":  # one calibration pass on training batches, then one selection, then R steps
+            cb = CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)
+            act_cb = ActivationScore(cb, beta=0.0)
+            calib = next(iter(batches(train, 8, seed=20_000 + seed)))[0]
+            callbacks = [cb, act_cb, _Calibrate(act_cb, calib)]
+        else:
+            prune_clusters(model, clusters_for(model), SPARSITY)
+            # the mask is held by the callback in healing from its first step (ramp_steps=1 re-selects the same
+            # units: the pruned ones are exact zeros, the lowest score)
+            callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)]
+    elif name.startswith("scratch"):
+        torch.manual_seed(seed)
+        steps = R if name == "scratch_R" else M + R
+        model = TinyGPT(small_config())
+        if name == "scratch_R":
+            module = LM(model, steps, warmup=WARMUP, decay=True)
+            fit(module, batches(train, steps, seed=30_000 + seed))
+        else:  # same stream and recipe as the dense run, then the same R batches as the other variants
+            module = LM(model, M, warmup=WARMUP, decay=False)
+            fit(module, batches(train, M, seed=seed))
+            module = LM(model, R, warmup=0, decay=True, opt_state=module.trainer.optimizers[0].state_dict())
+            fit(module, loader)
+        return _result(name, seed, model, val, t0)
+    elif name == "modelpruning":
+        from lightning.pytorch.callbacks import ModelPruning
+
+        linears = [(m, "weight") for n, m in module.model.named_modules() if isinstance(m, nn.Linear) and "layers" in n]
+        quarter = max(R // 4, 1)
+        callbacks = [ModelPruning("ln_structured", parameters_to_prune=linears, amount=SPARSITY, pruning_dim=0,
+                                  pruning_norm=2, apply_pruning=lambda epoch: epoch == 0, use_global_unstructured=False,
+                                  make_pruning_permanent=True, verbose=0)]  # fmt: skip
+        loaders = batches(train, quarter * 4, seed=10_000 + seed)
+        module.steps = quarter * 4
+        trainer = pl.Trainer(max_epochs=4, limit_train_batches=quarter, accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=callbacks, log_every_n_steps=10**6)  # fmt: skip
+        # epoch e sees batches [e*quarter, (e+1)*quarter) only if the loader is re-sliced; Lightning restarts it
+        trainer.fit(module, _Epochs(loaders, quarter))
+        return _result(name, seed, module.model, val, t0)
+    elif name == "torchao":
+        try:
+            module = LM(model, R, warmup=0, decay=True, make_opt=lambda m: torchao_optimizer(m, R))
+            fit(module, loader)
+        except Exception as err:  # noqa: BLE001
+            return {"variant": name, "seed": seed, "error": f"{type(err).__name__}: {err}"[:200]}
+        return _result(name, seed, model, val, t0)
+    fit(module, loader, callbacks)
+    return _result(name, seed, model, val, t0)
+
+
+class _Calibrate(pl.Callback):
+    """Fill the activation statistics with one forward pass of training windows before the first step."""
+
+    def __init__(self, act_cb: ActivationScore, x: torch.Tensor) -> None:
+        self.act_cb, self.x = act_cb, x
+
+    def on_train_start(self, trainer, pl_module):
+        with torch.no_grad():
+            pl_module.model(self.x[:, :-1])
+        self.act_cb.beta = 0.9
+
+
+class _Epochs:
+    """Iterate a loader in consecutive slices of ``n`` batches, one slice per epoch (continuing, not restarting)."""
+
+    def __init__(self, loader: DataLoader, n: int) -> None:
+        self.batches, self.n, self.epoch = list(loader), n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        part = self.batches[self.epoch * self.n : (self.epoch + 1) * self.n]
+        self.epoch += 1
+        return iter(part)
+
+
+def _result(name: str, seed: int, model: nn.Module, val: torch.Tensor, t0: float) -> dict:
+    return {"variant": name, "seed": seed, "val": evaluate(model, val), "active": active_params(model),
+            "secs": round(time.time() - t0, 1)}  # fmt: skip
+
+
+def dense_checkpoint(seed: int, train: torch.Tensor, M: int, cache: Path | None):
+    path = cache / f"dense_seed{seed}_M{M}.pt" if cache else None
+    if path is not None and path.exists():
+        return torch.load(path)
+    torch.manual_seed(seed)
+    model = TinyGPT(CFG)
+    module = LM(model, M, warmup=WARMUP, decay=False)
+    fit(module, batches(train, M, seed=seed))
+    ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(module.trainer.optimizers[0].state_dict()))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ckpt, path)
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------- table
+def table(rows: list[dict], M: int, R: int) -> str:
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r)
+    ref = by.get("oneshot")
+    ref_mean = statistics.mean(r["val"] for r in ref) if ref else None
+    lines = [
+        "| variant | seeds | val loss, mean ± std | min - max | minus one-shot, paired (mean ± std) | active | s/run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in [v for v in VARIANTS if v in by] + [v for v in by if v not in VARIANTS]:
+        rs = [r for r in by[name] if "val" in r]
+        if not rs:
+            lines.append(f"| {name} | 0 | {by[name][0].get('error', 'failed')} | | | | |")
+            continue
+        vals = [r["val"] for r in rs]
+        sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+        diff = ""
+        if ref_mean is not None:
+            ref_by_seed = {r["seed"]: r["val"] for r in ref}
+            d = [r["val"] - ref_by_seed[r["seed"]] for r in rs if r["seed"] in ref_by_seed]
+            if d:
+                dsd = statistics.stdev(d) if len(d) > 1 else float("nan")
+                diff = f"{statistics.mean(d):+.4f} ± {dsd:.4f}"
+        act = statistics.mean(r["active"] for r in rs)
+        secs = statistics.mean(r["secs"] for r in rs)
+        lines.append(f"| {name} | {len(rs)} | {statistics.mean(vals):.4f} ± {sd:.4f} | {min(vals):.4f} - "
+                     f"{max(vals):.4f} | {diff} | {act / 1e3:.0f}k | {secs:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
+    parser.add_argument("--R", type=int, default=150, help="steps of the pruning / recovery budget")
+    parser.add_argument("--variants", default="default", help="comma list of VARIANTS keys, 'default' or 'all'")
+    parser.add_argument("--quick", action="store_true", help="smoke run: M=40, R=20, 1 seed, few variants")
+    parser.add_argument("--jsonl", type=Path, default=None, help="append each run's result here")
+    parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
+    parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
+    parser.add_argument("--val-windows", type=int, default=128)
+    args = parser.parse_args()
+    if args.table:
+        rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
+        print(table(rows, args.M, args.R))
+        return
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_pat").setLevel(logging.ERROR)
+    variants = DEFAULT_SET if args.variants == "default" else args.variants.split(",")
+    variants = list(VARIANTS) if args.variants == "all" else variants
+    if args.quick:
+        args.M, args.R, args.seeds, args.val_windows = 40, 20, args.seeds[:1], 32
+        variants = (
+            variants
+            if args.variants not in ("all", "default")
+            else ["dense", "default", "oneshot", "scratch_R", "kd", "act"]
+        )
+    train, val = corpus()
+    val = val_windows(val, args.val_windows)
+    rows = []
+    for seed in args.seeds:
+        t0 = time.time()
+        ckpt = dense_checkpoint(seed, train, args.M, args.cache)
+        print(f"seed {seed}: dense checkpoint ({args.M} steps) in {time.time() - t0:.0f}s", flush=True)
+        for name in variants:
+            row = run_variant(name, seed, ckpt, (train, val), args.M, args.R)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.jsonl:
+                with args.jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    n = sum(p.numel() for p in TinyGPT(CFG).parameters())
+    print(f"\nTinyGPT {n / 1e3:.0f}k params, M={args.M}, R={args.R}, seeds {args.seeds}, "
+          f"target {SPARSITY:.0%} of MLP channels and heads per layer\n")  # fmt: skip
+    print(table(rows, args.M, args.R))
+
+
+if __name__ == "__main__":
+    main()
