@@ -158,6 +158,31 @@ def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bo
     return out
 
 
+class StepLassoCallback(CoupledPruningCallback):
+    """Benchmark-side: direct-mode group lasso as a plain proximal gradient step (threshold from this step's lr).
+
+    The library's threshold is ``reg_lambda * gamma`` with ``gamma`` the *sum* of learning rates since warmup, which
+    is the right step for latent mode (the prox of the unshrunk latent); in direct mode the weights were already
+    shrunk by every earlier step, so the cumulative threshold compounds. This variant uses ``reg_lambda * lr``.
+    """
+
+    def _select(self, pl_module):
+        gamma, self._gamma = self._gamma, self._tracker.last_lr or 0.0
+        try:
+            super()._select(pl_module)
+        finally:
+            self._gamma = gamma
+
+
+class FloorLassoCallback(CoupledPruningCallback):
+    """Benchmark-side: group lasso on top of the hard ramp (the scheduled target is a floor; the library uses 0)."""
+
+    def _select(self, pl_module):
+        final = self.schedule.phase(self._step) in ("final", "healing")
+        method = "hard" if final else self.method
+        self.pruner.step(self.targets(self._step), method=method, threshold=self.reg_lambda * self._gamma)
+
+
 class ActivationScore(pl.Callback):
     """Benchmark-side activation-aware score: EMA of per-unit mean squared activation x reader column norm.
 
@@ -247,6 +272,12 @@ VARIANTS: dict[str, dict | None] = {
     "lasso1e-2": {"method": "group_lasso", "reg_lambda": 1e-2},
     "lasso5e-2": {"method": "group_lasso", "reg_lambda": 5e-2},
     "lasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1},
+    "lasso1e-3": {"method": "group_lasso", "reg_lambda": 1e-3},
+    "lasso1e-2_direct": {"method": "group_lasso", "reg_lambda": 1e-2, "mode": "direct"},
+    "steplasso1e-1_direct": {"method": "group_lasso", "reg_lambda": 1e-1, "mode": "direct", "steplasso": True},
+    "floorlasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1, "floor": True},
+    "cut_at_50": {"warmup_steps": 50, "ramp_steps": 1},  # diagnostic: one-shot cut after 50 dense steps
+    "steplasso1_direct": {"method": "group_lasso", "reg_lambda": 1.0, "mode": "direct", "steplasso": True},
     "shared_heads": {"shared_heads": True},
     "shared_heads_l2": {"shared_heads": True, "score": "l2"},
     "shared_all": {"shared_heads": True, "shared_mlp": True},
@@ -288,8 +319,10 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         opts = dict(opts)
         opts.pop("kd", None)
         act = opts.pop("act", False)
+        cls = StepLassoCallback if opts.pop("steplasso", False) else CoupledPruningCallback
+        cls = FloorLassoCallback if opts.pop("floor", False) else cls
         shared = {k: opts.pop(k) for k in ("shared_heads", "shared_mlp") if k in opts}
-        cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
+        cb = cls(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
         callbacks = [cb] + ([ActivationScore(cb)] if act else [])
     elif name.startswith("oneshot"):
         if name == "oneshot_act":  # one calibration pass on training batches, then one selection, then R steps
@@ -339,7 +372,15 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
             return {"variant": name, "seed": seed, "error": f"{type(err).__name__}: {err}"[:200]}
         return _result(name, seed, model, val, t0)
     fit(module, loader, callbacks)
-    return _result(name, seed, model, val, t0)
+    row = _result(name, seed, model, val, t0)
+    if opts is not None:  # how many of the finally dropped units one-shot pruning of the checkpoint also drops
+        ref = TinyGPT(CFG)
+        ref.load_state_dict(weights)
+        oneshot = prune_clusters(ref, clusters_for(ref, **shared), SPARSITY).dropped
+        final = callbacks[0].dropped
+        same = sum(len(set(final[k]) & set(oneshot[k])) for k in oneshot)
+        row["same_units"] = round(same / max(sum(len(v) for v in oneshot.values()), 1), 3)
+    return row
 
 
 class _Calibrate(pl.Callback):
@@ -397,13 +438,13 @@ def table(rows: list[dict], M: int, R: int) -> str:
     ref = by.get("oneshot")
     ref_mean = statistics.mean(r["val"] for r in ref) if ref else None
     lines = [
-        "| variant | seeds | val loss, mean ± std | min - max | minus one-shot, paired (mean ± std) | active | s/run |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | seeds | val loss mean ± std | min - max | minus one-shot (paired) | active | same units | s/run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in [v for v in VARIANTS if v in by] + [v for v in by if v not in VARIANTS]:
         rs = [r for r in by[name] if "val" in r]
         if not rs:
-            lines.append(f"| {name} | 0 | {by[name][0].get('error', 'failed')} | | | | |")
+            lines.append(f"| {name} | 0 | {by[name][0].get('error', 'failed')} | | | | | |")
             continue
         vals = [r["val"] for r in rs]
         sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
@@ -415,9 +456,11 @@ def table(rows: list[dict], M: int, R: int) -> str:
                 dsd = statistics.stdev(d) if len(d) > 1 else float("nan")
                 diff = f"{statistics.mean(d):+.4f} ± {dsd:.4f}"
         act = statistics.mean(r["active"] for r in rs)
+        same = [r["same_units"] for r in rs if "same_units" in r]
+        same_s = f"{statistics.mean(same):.0%}" if same else ""
         secs = statistics.mean(r["secs"] for r in rs)
         lines.append(f"| {name} | {len(rs)} | {statistics.mean(vals):.4f} ± {sd:.4f} | {min(vals):.4f} - "
-                     f"{max(vals):.4f} | {diff} | {act / 1e3:.0f}k | {secs:.0f} |")  # fmt: skip
+                     f"{max(vals):.4f} | {diff} | {act / 1e3:.0f}k | {same_s} | {secs:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
