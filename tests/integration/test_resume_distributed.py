@@ -1,7 +1,8 @@
-"""Resume equivalence under DDP (2 ranks) and ModelParallelStrategy (FSDP2, 2 ranks): stop at k in warmup, ramp and
-healing, resume from the checkpoint, and compare with the uninterrupted run bitwise (whole-model weights, masks
-and logged sparsity at every step). Each launch runs the uninterrupted fit once and every resume in one process
-per rank (see resume_worker.py); the harness kills the ranks at the deadline."""
+"""Resume equivalence under DDP (2 ranks), ModelParallelStrategy (FSDP2, 2 ranks; distributed and full
+checkpoints) and FSDP1 (2 ranks): stop at k in warmup, ramp and healing, resume from the checkpoint, and compare
+with the uninterrupted run bitwise (whole-model weights, masks and logged sparsity at every step). Each launch runs
+the uninterrupted fit once and every resume in one process per rank (see resume_worker.py); the harness kills the
+ranks at the deadline."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ WORKER = Path(__file__).with_name("resume_worker.py")
         ("ddp", "latent", "2,4,8", "materializing"),
         ("mp", "latent", "2,4,8", "sharded"),
         ("mp", "direct", "4", "sharded"),
+        ("mp-full", "latent", "4", "sharded"),
+        ("fsdp1", "latent", "4", "materializing"),
     ],
-    ids=["ddp-latent", "model-parallel-latent", "model-parallel-direct"],
+    ids=["ddp-latent", "model-parallel-latent", "model-parallel-direct", "model-parallel-full-ckpt", "fsdp1-latent"],
 )
 def test_resume_matrix_equals_uninterrupted(kind, mode, stops, route):
     outputs = run_rank_scripts(WORKER, 2, args=[kind, mode, stops], timeout=280)
