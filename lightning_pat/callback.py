@@ -240,6 +240,7 @@ class CoupledPruningCallback(Callback):
             "dropped": self.dropped,
             "factors": factors,
             "fingerprints": {rc.name: rc.fingerprint() for rc in self.resolved},
+            "clusters": [rc.to_dict() for rc in self.resolved],
             "options": self._options(),
             "latent": self._latent_state(),
         }
