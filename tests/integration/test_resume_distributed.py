@@ -26,11 +26,12 @@ WORKER = Path(__file__).with_name("resume_worker.py")
     ("kind", "mode", "stops", "route"),
     [
         ("ddp", "latent", "2,4,8", "materializing"),
+        ("ddp", "direct", "4", "materializing"),
         ("mp", "latent", "2,4,8", "sharded"),
         ("mp", "direct", "4", "sharded"),
         ("mp-full", "latent", "4", "sharded"),
     ],
-    ids=["ddp-latent", "model-parallel-latent", "model-parallel-direct", "model-parallel-full-ckpt"],
+    ids=["ddp-latent", "ddp-direct", "model-parallel-latent", "model-parallel-direct", "model-parallel-full-ckpt"],
 )
 def test_resume_matrix_equals_uninterrupted(kind, mode, stops, route):
     outputs = run_rank_scripts(WORKER, 2, args=[kind, mode, stops], timeout=280)
