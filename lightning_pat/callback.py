@@ -193,6 +193,13 @@ class CoupledPruningCallback(Callback):
         return self._generate_state_key(clusters=names if isinstance(names, str) else ",".join(names))
 
     @property
+    @override
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        """The key of state version 1 (it included ``target_sparsity``): such checkpoints are still found."""
+        names = self.state_key[len(type(self).__qualname__) :]
+        return type(self).__qualname__ + names[:-1] + f", 'target_sparsity': {self.target_sparsity!r}}}"
+
+    @property
     def step(self) -> int:
         """Completed real optimizer steps seen by the schedule."""
         return self._step
