@@ -23,8 +23,9 @@ Norms over a shrunk residual: a dropped residual channel is exactly zero, but th
 ``d``. RMSNorm over the ``d'`` kept channels reproduces it with weight ``w * sqrt(d / d')`` and eps
 ``eps * d / d'`` (``nn.RMSNorm(eps=None)`` gets ``finfo(weight.dtype).eps * d / d'``), which :func:`apply_plan` does.
 LayerNorm subtracts the mean over all ``d`` channels, zeros included, which no LayerNorm over ``d'`` channels can
-reproduce: the shrink warns (``LayerNormShrinkWarning``); on the tiny GPT-2 of the tests, 50% of the residual
-changes the logits by about 30% relative (see ``BENCHMARKS.md``), so fine-tune after such a shrink.
+reproduce: the shrink warns (``LayerNormShrinkWarning``); on the tiny GPT-2 models of the tests, shrinking 25/50/75%
+of the residual changes the logits by about 17/40/80% relative (``python bench/bench_shrink.py --layernorm``, see
+``BENCHMARKS.md``), so fine-tune after such a shrink.
 """
 
 from __future__ import annotations
@@ -622,7 +623,7 @@ def apply_plan(
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "
             "width (pruned zeros included), which no smaller LayerNorm reproduces, so the shrunk model is NOT "
-            "output-preserving (about 30% relative change of the logits at 50% of a tiny GPT-2's residual). "
+            "output-preserving (tiny GPT-2: 17/40/80% relative change of the logits at 25/50/75% of the residual). "
             "Fine-tune after the shrink, or do not prune the residual of LayerNorm models.",
             LayerNormShrinkWarning,
             stacklevel=2,

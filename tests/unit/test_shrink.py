@@ -450,3 +450,26 @@ def test_optimizer_state_of_another_shape_raises_before_anything_changes():
 
 def test_public_names():
     assert lightning_pat.shrink is shrink
+
+
+@pytest.mark.parametrize("kinds", [("mlp", "heads"), ("mlp", "heads", "residual")])
+def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
+    """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
+    from lightning_pat.demo_model import TinyGPT
+    from lightning_pat.export import _differences
+
+    case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
+    model = case.fresh()
+    shrink(model, prune_clusters(model, clusters_of(case, model, kinds), 0.5))
+    fresh = TinyGPT(copy.deepcopy(model.config))
+    diffs = _differences(model, fresh)
+    if "residual" in kinds:  # TinyGPTConfig has no eps field: only the rescaled RMSNorm eps differs
+        assert diffs
+        assert all(d.split(":")[0].endswith(".eps") for d in diffs)
+    else:
+        assert diffs == []
+    assert {n: (p.shape, p.stride()) for n, p in model.named_parameters()} == {
+        n: (p.shape, p.stride()) for n, p in fresh.named_parameters()
+    }
+    assert all(not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks) for m in model.modules())
+    assert {n for n, _ in model.named_buffers()} == {n for n, _ in fresh.named_buffers()}
