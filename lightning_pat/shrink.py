@@ -756,3 +756,52 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     plan = plan_for(model, source)
     target = model if inplace else copy.deepcopy(model)
     return apply_plan(target, plan)
+
+
+# ---------------------------------------------------------------------------------------------------- during training
+def shrink_for_training(
+    module: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    dropped: Mapping[str, Sequence[int]],
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> None:
+    """Shrink a model that is being trained, and its optimizers' state the same way (``shrink_on_freeze``).
+
+    The parameters stay the same objects (with smaller data), so the optimizers' param groups stay valid; their
+    state (momentum, Adam moments) keeps the kept indices, ``step`` counters are kept.
+
+    Args:
+        module: The module the clusters were resolved against (the LightningModule).
+        clusters: The resolved clusters.
+        dropped: The frozen mask: cluster name -> dropped unit indices.
+        optimizers: The optimizers training ``module``.
+
+    Raises:
+        ValueError: As for :func:`apply_plan` (before anything changes).
+    """
+    apply_plan(module, build_plan(clusters, dropped), optimizers=optimizers)
+
+
+def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
+    """Give a freshly built module the shapes a checkpoint written after ``shrink_on_freeze`` holds.
+
+    Call it before loading the checkpoint's weights (the values are about to be overwritten, so no zero check).
+
+    Args:
+        module: The full-size module the clusters were resolved against.
+        state: The callback's state, or a whole Lightning checkpoint dict.
+
+    Returns:
+        Whether the state records a shrink (and ``module`` was shrunk).
+
+    Raises:
+        ValueError: As for :func:`read_source` and :func:`apply_plan`.
+    """
+    if "callbacks" in state and "clusters" not in state:
+        state = _checkpoint_state(state)
+    if not state.get("shrunk"):
+        return False
+    clusters, dropped = _from_state(state, "the callback state")
+    apply_plan(module, _align_names(build_plan(clusters, dropped), module), check_zeros=False)
+    return True
