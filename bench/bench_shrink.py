@@ -4,6 +4,7 @@
     python bench/bench_shrink.py --reps 5 --threads 1   # the run in BENCHMARKS.md
     python bench/bench_shrink.py --quick                # a tiny model, for a smoke test
     python bench/bench_shrink.py --layernorm            # how far a GPT-2 (LayerNorm) residual shrink moves the logits
+    python bench/bench_shrink.py --healing              # healing-phase wall time with and without shrink_on_freeze
 
 Model: a Llama-style ``LlamaForCausalLM`` (transformers) of about 15M parameters: d=384, ffn=1024, 6 layers, 6 heads
 of 64 (MHA, so that Torch-Pruning's dependency graph can follow the MLP; see below), vocabulary 6144, untied
@@ -129,6 +130,74 @@ def layernorm_error() -> None:
             print(f"| {case.id} (d={case.d}, {case.n_layer} layers) | {round(frac * 100)}% | {rel:.1%} |")
 
 
+def healing_time(*, steps: int, rounds: int) -> None:
+    """Wall time of the healing phase of the demo model (TinyGPT as in examples/demo.py, 50% of MLP + heads)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_pat import CoupledPruningCallback
+    from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+
+    warmup, ramp = 5, 10
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyGPT(TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=256))
+
+        def training_step(self, batch, batch_idx):
+            ids = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(self.global_step))
+            logits = self.model(ids[:, :-1])
+            return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+        def train_dataloader(self):
+            return DataLoader(list(range(10_000)), batch_size=1)
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.start = 0.0
+            self.healing = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step > warmup + ramp:  # this step ran after the final ramp step
+                self.healing += time.perf_counter() - self.start
+
+    results: dict[bool, list[float]] = {False: [], True: []}
+    params: dict[bool, int] = {}
+    for _ in range(rounds):
+        for shrink_on_freeze in (False, True):
+            module, timer = LM(), Timer()
+            cb = CoupledPruningCallback(
+                "tiny_gpt", 0.5, warmup_steps=warmup, ramp_steps=ramp, shrink_on_freeze=shrink_on_freeze
+            )
+            trainer = pl.Trainer(
+                max_steps=warmup + ramp + steps,
+                callbacks=[cb, timer],
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                accelerator="cpu",
+            )
+            trainer.fit(module)
+            results[shrink_on_freeze].append(timer.healing)
+            params[shrink_on_freeze] = sum(p.numel() for p in module.parameters())
+    print(f"TinyGPT d=64 ffn=256 2 layers 4 heads (2 KV), 50% MLP + heads, batch 16x32, AdamW, {steps} healing steps")
+    print("| variant | params during healing | healing wall time (s, median) | ms/step | speed-up vs masked |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    base = statistics.median(results[False])
+    for flag, label in ((False, "masked (shrink_on_freeze=False)"), (True, "shrunk (shrink_on_freeze=True)")):
+        t = statistics.median(results[flag])
+        print(f"| {label} | {params[flag]:,} | {t:.2f} | {1000 * t / steps:.2f} | {base / t:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
@@ -138,12 +207,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-torch-pruning", action="store_true")
     parser.add_argument("--layernorm", action="store_true")
+    parser.add_argument("--healing", action="store_true")
+    parser.add_argument("--healing-steps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     T.logging.set_verbosity_error()
     if args.layernorm:
         layernorm_error()
+        return
+    if args.healing:
+        healing_time(steps=args.healing_steps, rounds=args.reps)
         return
 
     cfg = config(args.quick)
