@@ -253,6 +253,7 @@ def main() -> None:
                 ref = variants[f"{pct} lightning_pat (mlp only)"](single).logits
                 err = float((tp_model(single).logits - ref).abs().max() / ref.abs().max())
             assert err < 1e-5, err
+            assert structure(tp_model) == structure(variants[f"{pct} lightning_pat (mlp only)"])
             variants[f"{pct} torch-pruning (mlp only)"] = tp_model
             widths[f"{pct} torch-pruning (mlp only)"] = widths[f"{pct} lightning_pat (mlp only)"]
 

@@ -494,11 +494,25 @@ def _set_config(config: Any, names: Sequence[str], value: int | float | None, wh
             setattr(config, n, value)
 
 
-def _update_config(model: nn.Module, norm_eps: list[float], hidden_changed: bool) -> None:
+def _config_owners(model: nn.Module) -> list[nn.Module]:
+    """The outermost module holding each distinct ``config`` object.
+
+    For a LightningModule this is its inner HF model or TinyGPT; HF attention modules share their model's config
+    object and are skipped.
+    """
+    owners, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and not isinstance(config, (int, float, str, Mapping)):
+            seen.add(id(config))
+            owners.append(module)
+    return owners
+
+
+def _update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_changed: bool) -> None:
     """Write the new uniform sizes into ``model.config`` (Hugging Face configs and ``TinyGPTConfig``)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return
+    config = model.config
+    norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
     attns = [m for m in model.modules() if _is_llama_attention(m)]
     gpt2 = [m for m in model.modules() if _is_gpt2_attention(m) and not hasattr(m, "q_attn")]
     mlp_widths = [
@@ -589,11 +603,12 @@ def apply_plan(
     if check_zeros:
         _check_zeros(edits, plan_names)
     # ---- validated; mutate from here on
-    config = getattr(model, "config", None)
-    if callable(getattr(config, "to_dict", None)) and not hasattr(model, BASE_CONFIG_ATTR):
-        setattr(model, BASE_CONFIG_ATTR, copy.deepcopy(config.to_dict()))
-    emb = _input_embedding(model)
-    hidden_before = emb.embedding_dim if emb is not None else None
+    owners = _config_owners(model)
+    for owner in owners:
+        if callable(getattr(owner.config, "to_dict", None)) and not hasattr(owner, BASE_CONFIG_ATTR):
+            setattr(owner, BASE_CONFIG_ATTR, copy.deepcopy(owner.config.to_dict()))
+    embeddings = {id(m): _input_embedding(m) for m in [model, *owners]}
+    hidden_before = {k: e.embedding_dim for k, e in embeddings.items() if e is not None}
     for opt, cuts in zip(optimizers, cut_by_opt, strict=True):
         slice_optimizer_state(opt, plan, {n: p for p, n in cuts})
     new_params: dict[int, Tensor] = {}
@@ -604,21 +619,24 @@ def apply_plan(
         if param.grad is not None:
             grads[name] = plan.slice(name, param.grad)
             param.grad = None
-    layernorms, norm_eps = [], []
+    layernorms, rescaled_eps = [], {}
     with torch.no_grad():
         for edit in edits.values():
             _rewrite(edit, new_params)
             if edit.kind == "layernorm":
                 layernorms.append(edit.name)
             elif edit.kind == "hf_rmsnorm":
-                norm_eps.append(edit.module.variance_epsilon)
+                rescaled_eps[id(edit.module)] = edit.module.variance_epsilon
             elif edit.kind == "rmsnorm":
-                norm_eps.append(edit.module.eps)
+                rescaled_eps[id(edit.module)] = edit.module.eps
     for name, grad in grads.items():
         params[name].grad = grad
-    hidden = (hidden_before, emb.embedding_dim) if emb is not None and hidden_before is not None else None
-    _update_containers(model, hidden)
-    _update_config(model, norm_eps, hidden is not None and hidden[0] != hidden[1])
+    emb = embeddings[id(model)]
+    _update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
+    for owner in owners:
+        emb = embeddings[id(owner)]
+        changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
+        _update_config(owner, rescaled_eps, changed)
     if layernorms:
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "

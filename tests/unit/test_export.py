@@ -205,3 +205,45 @@ def test_readme_shrink_block_runs(tmp_path):
     namespace = {"model": model, "pruning": pruning}
     exec(code.group(1).replace("out/small", str(tmp_path / "small")), namespace)  # noqa: S102 - our own README
     assert max_err(logits(namespace["small"], ids), ref) < 1e-6
+
+
+def test_export_errors(tmp_path):
+    from lightning_pat.shrink import BASE_CONFIG_ATTR
+
+    model = shrunk(gpt2(n_head=4), ("heads",))
+    setattr(model, BASE_CONFIG_ATTR, {"model_type": "gpt2", "n_embd": 32, "n_head": 5})  # cannot build
+    with pytest.raises(ValueError, match="not expressible by its config"):
+        save_pretrained(model, tmp_path / "bad")
+    model = shrunk(gpt2(n_head=4), ("heads",))
+    save_pretrained(model, tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    config[ENTRY]["version"] = 99
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="export version 99"):
+        load_pretrained(tmp_path / "ok")
+
+
+def test_shrinking_a_wrapper_updates_and_exports_the_inner_model(tmp_path):
+    """A LightningModule holds the HF model as `self.model`: its config and base config are the inner model's."""
+    from lightning_pat.shrink import BASE_CONFIG_ATTR
+
+    case = llama_like("llama", n_head=4, n_kv=2, bias=True, tied=True)
+
+    class Lit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = case.fresh()
+
+    lit = Lit()
+    result = prune_clusters(lit, presets.llama(lit), 0.5)
+    ids = token_ids()
+    ref = logits(lit.model, ids)
+    shrink(lit, result)
+    config = lit.model.config
+    assert config.intermediate_size == case.ff - len(result.dropped["mlp.0"])
+    assert config.num_key_value_heads == case.n_kv - len(result.dropped["heads.0"])
+    assert getattr(lit.model, BASE_CONFIG_ATTR)["intermediate_size"] == case.ff
+    save_pretrained(lit.model, tmp_path)
+    assert ENTRY not in json.loads((tmp_path / "config.json").read_text())
+    again = eager(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    assert max_err(logits(again, ids), ref) < 1e-6

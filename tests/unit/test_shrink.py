@@ -314,6 +314,9 @@ def test_source_errors():
         shrink(model, {"dropped": {}, "step": 3})
     with pytest.raises(ValueError, match="not among the clusters"):
         build_plan([], {"mlp.0": [1]})
+    [rc] = resolve_clusters(nn.Sequential(nn.Linear(2, 4)), Cluster("h", writers=["0.weight", "0.bias"]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\)"):
+        build_plan([rc], {"h": [4]})
 
 
 # ---------------------------------------------------------------------------------------------------- errors
