@@ -41,7 +41,7 @@ from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.latent import LatentStore
 from lightning_pat.metrics import PruningMetrics
 from lightning_pat.scoring import SCORE_TYPES, ScoreType
-from lightning_pat.shrink import restore_shrunk, shrink_for_training
+from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
 from lightning_pat.spec import Cluster, ResolvedCluster
 
 if TYPE_CHECKING:
@@ -349,6 +349,11 @@ class CoupledPruningCallback(Callback):
             self.plan = plan
             self.resolved = list(plan.clusters)
             self.pruner = Pruner.from_plan(params, plan)
+            if self.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
+                try:
+                    check_shrinkable(pl_module, self.resolved)
+                except ValueError as err:
+                    raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
         clustered = sorted({n for rc in self.resolved for n in rc.param_names})
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
         self._latents = LatentStore(self._params, list(self._params) if self._fsdp1_root is not None else clustered)

@@ -574,6 +574,34 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
         )
 
 
+def _validate(
+    model: nn.Module, plan: ShrinkPlan, optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[dict[str, nn.Parameter], dict[int, _Edit], list[list[tuple[Tensor, str]]]]:
+    params, edits = _collect_edits(model, plan)
+    for edit in edits.values():
+        _check_edit(edit)
+    _check_attention(model, edits)
+    return params, edits, [_optimizer_cuts(opt, plan, params) for opt in optimizers]
+
+
+def check_shrinkable(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> None:
+    """Check, without changing anything, that a shrink of these clusters could rewrite ``model``.
+
+    Used before training with ``shrink_on_freeze`` (the dropped units are not known yet): a trial plan drops the first
+    unit of every cluster with more than one unit, which exercises every module type, every bias/weight pairing and
+    every attention module the clusters touch.
+
+    Args:
+        model: The module the clusters were resolved against.
+        clusters: The resolved clusters.
+
+    Raises:
+        ValueError: As for :func:`apply_plan`.
+    """
+    trial = {rc.name: [0] for rc in clusters if rc.num_units > 1}
+    _validate(model, _align_names(build_plan(clusters, trial), model), ())
+
+
 def apply_plan(
     model: nn.Module, plan: ShrinkPlan, *, optimizers: Sequence[torch.optim.Optimizer] = (), check_zeros: bool = True
 ) -> nn.Module:
@@ -594,11 +622,7 @@ def apply_plan(
             norm's weight and bias) would be cut differently, an attention module would lose partial heads or
             partial query groups, or an optimizer holds state it cannot slice.
     """
-    params, edits = _collect_edits(model, plan)
-    for edit in edits.values():
-        _check_edit(edit)
-    _check_attention(model, edits)
-    cut_by_opt = [_optimizer_cuts(opt, plan, params) for opt in optimizers]
+    params, edits, cut_by_opt = _validate(model, plan, optimizers)
     plan_names = {id(params[n]): n for n in plan.keep}
     if check_zeros:
         _check_zeros(edits, plan_names)

@@ -177,3 +177,17 @@ def test_shrink_on_freeze_refuses_other_strategies_and_no_healing():
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, logger=False)
     with pytest.raises(MisconfigurationException, match="single device, got DDPStrategy"):
         cb.setup(trainer, LM(), "fit")
+
+
+def test_a_cluster_the_shrink_cannot_rewrite_is_refused_at_fit_start():
+    from lightning_pat import Cluster
+
+    module = LM()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    partial = Cluster(  # q rows and o columns one channel at a time: not whole heads
+        "q", writers=["model.layers.0.attn.q_proj.weight"], readers=["model.layers.0.attn.o_proj.weight"]
+    )
+    cb = CoupledPruningCallback([partial], 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, shrink_on_freeze=True)
+    with pytest.raises(MisconfigurationException, match=r"shrink_on_freeze=True.*not whole heads"):
+        fit(module, cb, max_steps=FINAL + 1)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())

@@ -476,3 +476,17 @@ def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
     }
     assert all(not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks) for m in model.modules())
     assert {n for n, _ in model.named_buffers()} == {n for n, _ in fresh.named_buffers()}
+
+
+def test_check_shrinkable_changes_nothing_and_names_the_problem():
+    from lightning_pat.shrink import check_shrinkable
+
+    case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
+    model = case.fresh()
+    before = snapshot(model)
+    check_shrinkable(model, resolve_clusters(model, clusters_of(case, model, ("mlp", "heads", "residual"))))
+    assert_unchanged(model, before)
+    no_bias = resolve_clusters(model, Cluster("h", writers=["layers.0.mlp.up_proj.weight"]))
+    with pytest.raises(ValueError, match=r"list `layers\.0\.mlp\.up_proj\.bias` in the same cluster"):
+        check_shrinkable(model, no_bias)
+    assert_unchanged(model, before)
