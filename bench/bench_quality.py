@@ -1,6 +1,6 @@
 """Quality: pruning during training (lightning_pat) vs pruning after it, at the same size and step budget.
 
-    python bench/bench_quality.py                      # full: 3 seeds, every variant, one table (~35 min, 2 cores)
+    python bench/bench_quality.py                      # main set, 3 seeds, one table (15-60 min on 2 shared cores)
     python bench/bench_quality.py --quick              # smoke run: tiny step counts, 1 seed
     python bench/bench_quality.py --seeds 0 --variants default,oneshot --jsonl runs.jsonl   # a subset
     python bench/bench_quality.py --table runs.jsonl   # print the table of stored runs (seeds run separately)
