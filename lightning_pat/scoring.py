@@ -1,9 +1,11 @@
 """Per-unit squared norms and scores (pure torch, no communication).
 
 The canonical partial is the sum of squares per channel of a (local) tensor along the member's channel axis,
-accumulated in float64 on every path and for every parameter dtype: a square of a float32 (or bf16/fp16) value is
-exact in float64 and sums of them keep about 16 digits, so pieces added in another order (another world size,
-another layout, the materializing path) give the same selection except at exact or sub-1e-15 ties.
+accumulated in float64 on every path and for every parameter dtype. Each element is squared once in
+``promote(dtype, float32)`` (exact for bf16/fp16, one rounding for float32, exact-to-float64 for float64): the
+square of an element does not depend on where the element lives, and float64 sums of those squares keep about 16
+digits, so pieces added in another order (another world size, another layout, the materializing path) give the
+same selection except at exact or sub-1e-15 ties.
 Channel sums fold into unit sums by index; a rank that holds a
 piece of a tensor produces partial unit sums that add up, over pieces, to the full ones.
 
@@ -39,11 +41,22 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
 _CHUNK_ELEMS = 1 << 22  # float64 temporaries of at most 32 MiB
 
 
-def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
-    """Sum of squares of every channel (index along ``dim``) of ``tensor``, in ``acc_dtype``.
+def square_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype elements are squared in before float64 accumulation: ``promote(dtype, float32)``.
 
-    Each element is converted to ``acc_dtype`` before it is squared (a float32 square is exact in float64), in
-    chunks of channels so that the temporary stays small.
+    Example::
+
+        >>> square_dtype(torch.bfloat16), square_dtype(torch.float32), square_dtype(torch.float64)
+        (torch.float32, torch.float32, torch.float64)
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Sum of squares of every channel (index along ``dim``) of ``tensor``, accumulated in ``acc_dtype``.
+
+    Each element is squared in :func:`square_dtype` (a bf16 square is exact in float32) and the squares are summed
+    in ``acc_dtype``, in chunks of channels so that the temporary stays small.
 
     Args:
         tensor: A 1-D or 2-D (local) tensor.
@@ -53,15 +66,17 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     Returns:
         A ``[tensor.shape[dim]]`` tensor.
     """
+    sq = square_dtype(tensor.dtype)
     if tensor.dim() == 1:
-        return tensor.to(acc_dtype).square()
+        return tensor.to(sq).square().to(acc_dtype)
     other = 1 - dim
     num, width = tensor.shape[dim], tensor.shape[other]
     if width == 0 or num == 0:
         return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
     step = max(1, _CHUNK_ELEMS // width)
     parts = [
-        tensor.narrow(dim, i, min(step, num - i)).to(acc_dtype).square().sum(dim=other) for i in range(0, num, step)
+        torch.sum(tensor.narrow(dim, i, min(step, num - i)).to(sq).square(), dim=other, dtype=acc_dtype)
+        for i in range(0, num, step)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -98,13 +113,23 @@ def member_unit_sq_sums(
 
     Only the channels inside the member's slice are read; a tensor holding a piece of the reduction axis gives
     partial sums that add up over pieces. Per-channel sums do not depend on which channels are held, so a full
-    tensor and its shards produce the same per-channel values.
+    tensor and its shards produce the same per-channel values. Where the held channels are whole units (always for a
+    full tensor), channel sums fold into unit sums with a reshape; otherwise by index.
     """
     lo = max(member.start, offset)
     hi = min(member.stop, offset + tensor.shape[member.dim])
     if hi <= lo:
         return torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
     sums_L = channel_sq_sums(tensor.narrow(member.dim, lo - offset, hi - lo), dim=member.dim, acc_dtype=acc_dtype)
+    first, last = lo - member.start, hi - member.start
+    if first % member.block == 0 and last % member.block == 0 and last // member.block <= num_units:
+        u0, u1 = first // member.block, last // member.block
+        units_U = sums_L if member.block == 1 else sums_L.view(u1 - u0, member.block).sum(dim=1)
+        if u0 == 0 and u1 == num_units:
+            return units_U
+        out_C = torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
+        out_C[u0:u1] = units_U
+        return out_C
     units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=tensor.device)
     return fold_to_units(sums_L, units_L, num_units=num_units)
 
