@@ -18,6 +18,8 @@ with other work, wall time mostly measures how long the process waited for a cor
 * ``naive, float64 scores``: the same with the squares taken in float64 (what exact, layout-invariant scores cost
   in the naive loop).
 * ``lightning_pat fresh selection``: ``Pruner.step`` (score, select, apply), as the callback calls it.
+* ``ablation: fresh selection, float32 sums``: the same step with the unit sums accumulated in float32 (patched
+  in for this row only; the library always sums in float64 so that selections do not depend on the layout).
 * ``lightning_pat held mask``: ``Pruner.hold`` (re-zero the current mask), between selections and while healing.
 * ``lightning_pat latent swap + commit``: ``LatentStore.swap_in`` + ``commit`` (latent mode, every ramp step).
 * ``torchao PAT proximal step``: ``PruneOptimizer(AdamW)`` with ``MinSparsityConstraint`` at the same sparsity
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import presets, resolve_clusters  # noqa: E402
 from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import Pruner  # noqa: E402
+from lightning_pat.executors import materializing  # noqa: E402
 from lightning_pat.latent import LatentStore  # noqa: E402
 
 
@@ -154,6 +157,15 @@ def measure(args: argparse.Namespace, *, heads: bool) -> dict:
         with torch.no_grad():
             pruner.step(targets)
 
+    def fresh_float32_sums() -> None:  # ablation: what the float64 sums cost (not what the library does)
+        original = materializing.accumulation_dtype
+        materializing.accumulation_dtype = lambda *dtypes: torch.float32
+        try:
+            with torch.no_grad():
+                pruner.step(targets)
+        finally:
+            materializing.accumulation_dtype = original
+
     def hold() -> None:
         with torch.no_grad():
             pruner.hold()
@@ -168,6 +180,7 @@ def measure(args: argparse.Namespace, *, heads: bool) -> dict:
         "naive coupled projection": NaiveProjection(clusters, params, sparsity=sparsity, acc=None),
         "naive, float64 scores": NaiveProjection(clusters, params, sparsity=sparsity, acc=torch.float64),
         "lightning_pat fresh selection": fresh,
+        "ablation: fresh selection, float32 sums": fresh_float32_sums,
         "lightning_pat held mask": hold,
         "lightning_pat latent swap + commit": latent,
     }
@@ -291,6 +304,7 @@ ROWS = [
     "naive coupled projection",
     "naive, float64 scores",
     "lightning_pat fresh selection",
+    "ablation: fresh selection, float32 sums",
     "lightning_pat held mask",
     "lightning_pat latent swap + commit",
     "lightning_pat latent step (fresh + swap/commit)",
