@@ -172,6 +172,23 @@ def check_strategy_and_optimization(trainer: pl.Trainer, pl_module: pl.Lightning
         )
 
 
+def check_shrink_on_freeze(trainer: pl.Trainer) -> None:
+    """``shrink_on_freeze`` runs on a single device only (for now).
+
+    Raises:
+        MisconfigurationException: Under any strategy but ``SingleDeviceStrategy``.
+    """
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    if not isinstance(trainer.strategy, SingleDeviceStrategy):
+        raise MisconfigurationException(
+            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
+            f"{type(trainer.strategy).__name__}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
+            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
+            "(lightning_pat.shrink(model, callback)), or train on one device."
+        )
+
+
 def warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:
     """Warn about clustered parameters that are frozen or in no optimizer (they are masked but never updated)."""
     in_opt = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
