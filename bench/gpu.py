@@ -24,6 +24,7 @@ every-10-steps pruning and under 3% at every step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -147,6 +148,7 @@ def train(variant: str, size: dict, args: argparse.Namespace, device: torch.devi
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    gc.collect()  # the previous variant's Trainer holds reference cycles to its model
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
