@@ -16,8 +16,6 @@ projected (pruned) weights:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import weakref
 from collections.abc import Iterator, Mapping
@@ -207,6 +205,13 @@ class CoupledPruningCallback(Callback):
             else [c if isinstance(c, str) else c.name for c in self.clusters]
         )
         return self._generate_state_key(clusters=names if isinstance(names, str) else ",".join(names))
+
+    @property
+    @override
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        """The key of state version 1 (it included ``target_sparsity``): such checkpoints are still found."""
+        names = self.state_key[len(type(self).__qualname__) :]
+        return type(self).__qualname__ + names[:-1] + f", 'target_sparsity': {self.target_sparsity!r}}}"
 
     @property
     def step(self) -> int:
@@ -449,33 +454,20 @@ class CoupledPruningCallback(Callback):
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: dict[str, Any]) -> None:
         assert self.pruner is not None
         assert self._latents is not None
-        saved = state.get("fingerprints", {})
-        current = {rc.name: rc.fingerprint() for rc in self.resolved}
-        if saved and saved != current:
-            changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-            raise MisconfigurationException(
-                f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
-                "resume with the same cluster declarations and model, or start a new run."
-            )
         step = int(state.get("step", 0))
-        old = self.schedule.warmup_steps + self.schedule.ramp_steps
-        options = state.get("options")
-        if options is not None:
-            final = step >= int(options["warmup_steps"]) + int(options["ramp_steps"])
-            V.check_resumed_options(options, self._options(), step=step, final=final)
+        needs_latent = V.check_restorable(
+            state,
+            fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
+            options=self._options(),
+            schedule=self.schedule,
+            latent_mode=self.mode == "latent",
+            heal=self.heal,
+        )
         latent = state.get("latent")
-        needs_latent = self.mode == "latent" and self.schedule.action(step + 1, heal=self.heal) in ("select", "hold")
-        needs_latent = needs_latent and self.schedule.phase(step) != "warmup"
-        if needs_latent and latent is None:
-            raise MisconfigurationException(
-                f"CoupledPruningCallback: the checkpoint (state version {state.get('version', 1)}, step {step}, "
-                f"final step {old}) holds no latent copies, so latent mode cannot continue the ramp exactly. Resume "
-                "with mode='direct', or resume from a checkpoint written by this version."
-            )
         self._step = step
         self._gamma = float(state.get("gamma", 0.0))
         self.pruner.load_dropped(state.get("dropped", {}), state.get("factors", {}))
-        if needs_latent and latent is not None:
+        if needs_latent:
             self._latents.load_state_dict(S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path))
         else:
             self._latents.clear()
@@ -587,17 +579,7 @@ class CoupledPruningCallback(Callback):
             targets = dict.fromkeys(targets, 0.0)
         self.pruner.step(targets, method=method, threshold=self.reg_lambda * self._gamma)
         if self.debug_check_selection:
-            self._check_selection()
-
-    def _check_selection(self) -> None:
-        digest = hashlib.sha256(json.dumps(self.dropped, sort_keys=True).encode()).hexdigest()
-        everyone = D.gather_objects(digest, group=D.world_group())
-        if len(set(everyone)) > 1:
-            ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
-            raise RuntimeError(
-                f"CoupledPruningCallback (debug_check_selection): at step {self._step} ranks {ranks} selected "
-                "different units than rank 0; the selection is not identical across the mesh."
-            )
+            V.check_selection_agreement(self.dropped, step=self._step)
 
     def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:

@@ -1,11 +1,9 @@
 """Per-unit squared norms and scores (pure torch, no communication).
 
 The canonical partial is the sum of squares per channel of a (local) tensor along the member's channel axis,
-accumulated in float64 on every path and for every parameter dtype. Each element is squared once in
-``promote(dtype, float32)`` (exact for bf16/fp16, one rounding for float32, exact-to-float64 for float64): the
-square of an element does not depend on where the element lives, and float64 sums of those squares keep about 16
-digits, so pieces added in another order (another world size, another layout, the materializing path) give the
-same selection except at exact or sub-1e-15 ties.
+accumulated in float64 on every path and for every parameter dtype: a square of a float32 (or bf16/fp16) value is
+exact in float64 and sums of them keep about 16 digits, so pieces added in another order (another world size,
+another layout, the materializing path) give the same selection except at exact or sub-1e-15 ties.
 Channel sums fold into unit sums by index; a rank that holds a
 piece of a tensor produces partial unit sums that add up, over pieces, to the full ones.
 
@@ -38,25 +36,14 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
-_CHUNK_ELEMS = 1 << 22  # float64 temporaries of at most 32 MiB
-
-
-def square_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype elements are squared in before float64 accumulation: ``promote(dtype, float32)``.
-
-    Example::
-
-        >>> square_dtype(torch.bfloat16), square_dtype(torch.float32), square_dtype(torch.float64)
-        (torch.float32, torch.float32, torch.float64)
-    """
-    return torch.promote_types(dtype, torch.float32)
+_CHUNK_ELEMS = 1 << 18  # float64 temporaries of at most 2 MiB (cache-sized: faster than larger chunks)
 
 
 def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
-    """Sum of squares of every channel (index along ``dim``) of ``tensor``, accumulated in ``acc_dtype``.
+    """Sum of squares of every channel (index along ``dim``) of ``tensor``, in ``acc_dtype``.
 
-    Each element is squared in :func:`square_dtype` (a bf16 square is exact in float32) and the squares are summed
-    in ``acc_dtype``, in chunks of channels so that the temporary stays small.
+    Each element is converted to ``acc_dtype`` before it is squared (a float32 square is exact in float64), in
+    chunks of channels so that the temporary stays small.
 
     Args:
         tensor: A 1-D or 2-D (local) tensor.
@@ -66,19 +53,19 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     Returns:
         A ``[tensor.shape[dim]]`` tensor.
     """
-    sq = square_dtype(tensor.dtype)
     if tensor.dim() == 1:
-        return tensor.to(sq).square().to(acc_dtype)
+        return tensor.to(acc_dtype).square()
     other = 1 - dim
     num, width = tensor.shape[dim], tensor.shape[other]
     if width == 0 or num == 0:
         return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
     step = max(1, _CHUNK_ELEMS // width)
-    parts = [
-        torch.sum(tensor.narrow(dim, i, min(step, num - i)).to(sq).square(), dim=other, dtype=acc_dtype)
-        for i in range(0, num, step)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = torch.empty(num, dtype=acc_dtype, device=tensor.device)
+    for i in range(0, num, step):
+        n = min(step, num - i)
+        chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: squared in place below
+        torch.sum(chunk.square_(), dim=other, out=out[i : i + n])
+    return out
 
 
 def unit_of_channels(*, start: int, block: int, offset: int, length: int, device: torch.device) -> Tensor:
