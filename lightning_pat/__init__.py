@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
+from lightning_pat.export import load_pretrained, save_pretrained
+from lightning_pat.shrink import shrink
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
 
 if TYPE_CHECKING:
@@ -17,9 +19,12 @@ __all__ = [
     "Pruner",
     "ResolvedCluster",
     "__version__",
+    "load_pretrained",
     "presets",
     "prune_clusters",
     "resolve_clusters",
+    "save_pretrained",
+    "shrink",
 ]
 
 

@@ -213,6 +213,7 @@ class CoupledPruningCallback(Callback):
             "gamma": self._gamma,
             "dropped": self.dropped,
             "fingerprints": {rc.name: rc.fingerprint() for rc in self.resolved},
+            "clusters": [rc.to_dict() for rc in self.resolved],
         }
 
     @override

@@ -35,6 +35,8 @@ class TinyGPTConfig:
         max_seq_len: Longest sequence ``T``.
         bias: Whether the q/k/v/o and gate/up/down projections have biases.
         tie_embeddings: Whether ``lm_head.weight`` is ``embed.weight``.
+        head_dim: Width ``hd`` of one head; ``None`` means ``d_model // n_head`` (a shrunk model with dropped heads
+            sets it explicitly, as ``n_head * hd`` then differs from ``d_model``).
 
     Raises:
         ValueError: If a head count does not divide, or ``hd`` is odd (RoPE rotates pairs).
@@ -49,10 +51,17 @@ class TinyGPTConfig:
     max_seq_len: int = 64
     bias: bool = False
     tie_embeddings: bool = True
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_head or self.n_head % self.n_kv_head or (self.d_model // self.n_head) % 2:
+        divides = self.head_dim is not None or not self.d_model % self.n_head
+        if not divides or self.n_head % self.n_kv_head or self.hd % 2:
             raise ValueError(f"Expected `n_head | d_model` (even head_dim) and `n_kv_head | n_head`, got {self}.")
+
+    @property
+    def hd(self) -> int:
+        """The head width: ``head_dim`` if set, else ``d_model // n_head``."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
 
 
 class Attention(nn.Module):
@@ -60,7 +69,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TinyGPTConfig) -> None:
         super().__init__()
-        self.head_dim, self.n_rep = cfg.d_model // cfg.n_head, cfg.n_head // cfg.n_kv_head
+        self.head_dim, self.n_rep = cfg.hd, cfg.n_head // cfg.n_kv_head
         d, q_width, kv_width = cfg.d_model, cfg.n_head * self.head_dim, cfg.n_kv_head * self.head_dim
         self.q_proj, self.k_proj = nn.Linear(d, q_width, bias=cfg.bias), nn.Linear(d, kv_width, bias=cfg.bias)
         self.v_proj, self.o_proj = nn.Linear(d, kv_width, bias=cfg.bias), nn.Linear(q_width, d, bias=cfg.bias)
@@ -123,7 +132,7 @@ class TinyGPT(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        hd = cfg.d_model // cfg.n_head
+        hd = cfg.hd
         inv_freq = 1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
         freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq).repeat(1, 2)
         self.register_buffer("rope", torch.stack((freqs.cos(), freqs.sin())), persistent=False)  # (2, T, hd)

@@ -34,6 +34,7 @@ class PruneResult:
         zeros: Parameter name -> literal zeros after the step (only when counted).
         numel: Parameter name -> number of elements (only when counted).
         routes: Cluster name -> executor kind that served it.
+        clusters: The resolved clusters the result refers to (what :func:`~lightning_pat.shrink` needs).
     """
 
     dropped: dict[str, list[int]]
@@ -41,6 +42,7 @@ class PruneResult:
     zeros: dict[str, int] = field(default_factory=dict)
     numel: dict[str, int] = field(default_factory=dict)
     routes: dict[str, str] = field(default_factory=dict)
+    clusters: tuple[ResolvedCluster, ...] = ()
 
     @property
     def unit_sparsity(self) -> float:
@@ -198,6 +200,7 @@ class Pruner:
             zeros=zeros,
             numel=numel,
             routes={name: kind for name, (kind, _) in self.routes.items()},
+            clusters=tuple(self.clusters),
         )
 
     # ------------------------------------------------------------------ state

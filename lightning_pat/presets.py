@@ -19,8 +19,9 @@ Kinds (keyword-selectable in every transformer preset):
   columns; a tied ``lm_head`` is the embedding tensor and counts once. Every parameter of the model must belong to
   the family's layout (else a ``ValueError``), because an unknown writer would keep a pruned channel alive.
 
-Families: ``llama`` (also ``mistral``, ``qwen2``: ``*.layers.N.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
-``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``, ``lm_head``), ``gpt2``
+Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
+``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
 (``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``), ``tiny_gpt``
 (:class:`~lightning_pat.demo_model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
 
@@ -85,7 +86,9 @@ def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
             (rf"{attn}\.[qkv]_proj\.weight", r"mlp\.(?:gate|up)_proj\.weight"),
         ),
         top=((r"norm\.weight",), (rf"{embed}\.weight",)),
-        layer_params=rf"(?:{attn}\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias)|{norms}\.weight",
+        # Qwen3's per-head q_norm/k_norm act over head_dim, on no unit axis: known, but in no cluster
+        layer_params=rf"(?:{attn}\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias)|{norms}\.weight"
+        rf"|{attn}\.[qk]_norm\.weight",
     )
 
 
@@ -109,7 +112,7 @@ _LAYOUTS: dict[str, _Layout] = {
         layer_params=r"(?:ln_[12]|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(?:weight|bias)",
     ),
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
 _LM_HEAD = re.compile(r"(?:.*\.)?lm_head\.weight")
 # module wrappers that may sit between `layers.N.` and the layer's own names (activation checkpointing, FSDP1 and
 # per-block torch.compile); anywhere above the layer list they are simply part of the prefix
@@ -217,7 +220,7 @@ def _build(layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residua
 
 
 def llama(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
-    """Clusters of a Llama-style decoder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ...).
+    """Clusters of a Llama-style decoder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2/3ForCausalLM``, ...).
 
     Args:
         model: The model, or a module that holds exactly one such backbone.
@@ -388,6 +391,7 @@ PRESETS: dict[str, Preset] = {
     "llama": llama,
     "mistral": llama,
     "qwen2": llama,
+    "qwen3": llama,
     "gpt2": gpt2,
     "tiny_gpt": tiny_gpt,
     "linear_chain": linear_chain,

@@ -136,6 +136,78 @@ class ResolvedCluster:
         """Distinct parameter names of the members, in order."""
         return tuple(dict.fromkeys(m.name for m in self.members))
 
+    def to_dict(self) -> dict:
+        """Plain types only (JSON/YAML-able); :meth:`from_dict` inverts it exactly.
+
+        Example::
+
+            >>> rc = ResolvedCluster("h", (Member("a.weight", "writer", 0, 0, 4, 1, (4, 2)),), num_units=4)
+            >>> ResolvedCluster.from_dict(rc.to_dict()) == rc
+            True
+        """
+        return {
+            "name": self.name,
+            "members": [
+                {
+                    "name": m.name,
+                    "role": m.role,
+                    "dim": m.dim,
+                    "start": m.start,
+                    "stop": m.stop,
+                    "block": m.block,
+                    "shape": list(m.shape),
+                    "aliases": list(m.aliases),
+                }
+                for m in self.members
+            ],
+            "num_units": self.num_units,
+            "target": self.target,
+            "multiple_of": self.multiple_of,
+            "budget": self.budget,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> ResolvedCluster:
+        """Rebuild a cluster written by :meth:`to_dict`.
+
+        Args:
+            data: The mapping.
+
+        Returns:
+            The cluster.
+
+        Raises:
+            ValueError: If a field is missing or has the wrong type.
+        """
+        try:
+            members = tuple(
+                Member(
+                    name=str(m["name"]),
+                    role=m["role"],
+                    dim=int(m["dim"]),
+                    start=int(m["start"]),
+                    stop=int(m["stop"]),
+                    block=int(m["block"]),
+                    shape=tuple(int(s) for s in m["shape"]),
+                    aliases=tuple(str(a) for a in m.get("aliases", ())),
+                )
+                for m in data["members"]
+            )
+            target = data.get("target")
+            return cls(
+                name=str(data["name"]),
+                members=members,
+                num_units=int(data["num_units"]),
+                target=None if target is None else float(target),
+                multiple_of=int(data.get("multiple_of", 1)),
+                budget=data.get("budget"),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(
+                f"Cannot rebuild a ResolvedCluster from {dict(data)!r}: missing or invalid field {err}; pass what "
+                "`ResolvedCluster.to_dict()` wrote."
+            ) from err
+
     def fingerprint(self) -> str:
         """A short stable hash of everything that defines the cluster (for resume checks)."""
         payload = {

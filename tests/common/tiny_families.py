@@ -86,7 +86,8 @@ def llama_like(
     ff: int = 48,
     n_layer: int = 2,
 ) -> FamilyCase:
-    """A Llama, Mistral or Qwen2 causal LM (Qwen2 always has q/k/v biases; ``bias`` is Llama's attention+mlp bias)."""
+    """A Llama, Mistral, Qwen2 or Qwen3 causal LM (Qwen2 always has q/k/v biases; ``bias`` is Llama's and Qwen3's
+    attention bias, and Llama's MLP bias; Qwen3 has per-head q_norm/k_norm and an explicit ``head_dim``)."""
 
     def build() -> nn.Module:
         import transformers as T
@@ -95,8 +96,12 @@ def llama_like(
             "llama": (T.LlamaConfig, T.LlamaForCausalLM),
             "mistral": (T.MistralConfig, T.MistralForCausalLM),
             "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+            "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         }[family]
-        extra = {"attention_bias": bias, "mlp_bias": bias} if family == "llama" else {}
+        extra = {
+            "llama": {"attention_bias": bias, "mlp_bias": bias},
+            "qwen3": {"attention_bias": bias, "head_dim": d // n_head},
+        }.get(family, {})
         config = config_cls(
             vocab_size=VOCAB,
             hidden_size=d,
@@ -217,6 +222,7 @@ CASES: list[FamilyCase] = [
     llama_like("mistral", n_head=4, n_kv=4, tied=True),
     llama_like("qwen2", n_head=4, n_kv=2, tied=True),
     llama_like("qwen2", n_head=4, n_kv=4),
+    llama_like("qwen3", n_head=4, n_kv=2, bias=True, tied=True),
     gpt2(n_head=4),
     gpt2(n_head=2, tied=False, n_layer=3),
     tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False),

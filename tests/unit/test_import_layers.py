@@ -8,7 +8,9 @@
   called only inside distributed.py;
 * ``lightning`` is imported only by callback.py, cli.py, demo.py (the demo task's Lightning classes) and
   _imports.py; ``torchmetrics`` only by metrics.py;
-* executors never import lightning nor the Trainer-facing modules.
+* executors never import lightning nor the Trainer-facing modules;
+* shrink.py imports only the stdlib, torch and the pure modules; export.py adds shrink.py, transformers and
+  safetensors (imported lazily, inside functions), never lightning.
 
 Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
 known to detect what they look for.
@@ -33,6 +35,8 @@ LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}.demo", f"{PKG}._imports
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.metrics"}
 TRAINER_FACING = {f"{PKG}.{n}" for n in ("callback", "cli", "metrics", "engine", "presets", "shrink")}
+SHRINK = f"{PKG}.shrink"
+EXPORT = f"{PKG}.export"
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
 
@@ -162,6 +166,18 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
             errors.append(f"{where}: torchmetrics is imported only by metrics.py")
         if mod.startswith(f"{PKG}.executors") and (top in LIGHTNING_PACKAGES or name in TRAINER_FACING or name == PKG):
             errors.append(f"{where}: executors never see a Trainer")
+        if mod == SHRINK:
+            torch_ok = top == "torch" and not _is_torch_distributed(name)
+            if not (_is_stdlib(name) or torch_ok or name in PURE):
+                errors.append(f"{where}: shrink.py imports only the stdlib, torch and the pure modules")
+        if mod == EXPORT:
+            torch_ok = top == "torch" and not _is_torch_distributed(name)
+            if not (
+                _is_stdlib(name) or torch_ok or name in PURE or name == SHRINK or top in ("transformers", "safetensors")
+            ):
+                errors.append(
+                    f"{where}: export.py imports only the stdlib, torch, transformers, shrink and pure modules"
+                )
         if mod == f"{PKG}.distributed" and top == PKG and name not in PURE:
             errors.append(f"{where}: distributed.py sits below everything but the pure modules")
     if mod not in TORCH_DISTRIBUTED_OK:
@@ -192,6 +208,7 @@ def test_core_modules_are_checked():
         "distributed.py",
         "engine.py",
         "executors/materializing.py",
+        "shrink.py",
     ):
         assert rel in files
 
@@ -199,7 +216,7 @@ def test_core_modules_are_checked():
 # ---------------------------------------------------------------------------------------------------- the checkers
 
 
-KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "engine", "callback")}
+KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "engine", "callback", "shrink")}
 
 
 @pytest.mark.parametrize(
@@ -228,6 +245,11 @@ KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "
         ("engine.py", "from lightning_pat import distributed as D\nD.barrier()\n", "collectives"),
         ("callback.py", "import torch.distributed as dist\ndist.all_reduce(t)\n", "collectives"),
         ("callback.py", "strategy.barrier()\n", "collectives"),
+        ("shrink.py", "from lightning_pat.engine import PruneResult\n", "shrink.py imports only"),
+        ("shrink.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
+        ("shrink.py", "import transformers\n", "shrink.py imports only"),
+        ("export.py", "import lightning\n", "lightning is imported only"),
+        ("export.py", "from lightning_pat import callback\n", "export.py imports only"),
     ],
 )
 def test_checkers_detect_violations(rel, source, needle):
@@ -249,6 +271,8 @@ def test_checkers_detect_violations(rel, source, needle):
         ),
         ("callback.py", "import lightning.pytorch as pl\n"),
         ("metrics.py", "from torchmetrics import Metric\n"),
+        ("shrink.py", "import math\nimport torch\nfrom lightning_pat.spec import ResolvedCluster\n"),
+        ("export.py", "from lightning_pat.shrink import shrink\ndef f():\n    import transformers\n"),
     ],
 )
 def test_checkers_accept_allowed_imports(rel, source):

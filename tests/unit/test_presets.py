@@ -135,9 +135,16 @@ def test_preset_resolves_every_parameter(case):
     assert {by_name[f"mlp.{i}"].num_units for i in range(L)} == {case.ff}
     assert {by_name[f"heads.{i}"].num_units for i in range(L)} == {case.n_kv}
     assert by_name["residual"].num_units == case.d
-    # mlp + heads + residual together cover every parameter of these models
+    # mlp + heads + residual together cover every parameter of these models, except Qwen3's per-head q_norm/k_norm
+    # (shape [head_dim], shared by every head: on no unit axis)
     covered = {n for rc in resolved for m in rc.members for n in (m.name, *m.aliases)}
-    assert covered == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    per_head_norms = {n for n in names if n.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert per_head_norms == (
+        {n for n in names if ".self_attn." in n and "_norm." in n} if case.preset == "qwen3" else set()
+    )
+    assert all(model.get_parameter(n).shape == (case.head_dim,) for n in per_head_norms)
+    assert covered == names - per_head_norms
     # a tied lm_head is one member (an alias of the embedding), an untied one its own member
     lm_head = [m for m in by_name["residual"].members if "lm_head.weight" in (m.name, *m.aliases)]
     assert len(lm_head) == 1
@@ -250,7 +257,7 @@ def test_family_preset_on_another_family_raises():
 # ---------------------------------------------------------------------------------------------------- detection
 @pytest.mark.parametrize(
     ("case", "family"),
-    [(c, {"mistral": "llama", "qwen2": "llama"}.get(c.preset, c.preset)) for c in CASES],
+    [(c, {"mistral": "llama", "qwen2": "llama", "qwen3": "llama"}.get(c.preset, c.preset)) for c in CASES],
     ids=[c.id for c in CASES],
 )
 def test_for_model_detects_the_family(case, family):
@@ -291,8 +298,9 @@ def test_head_dim_missing_raises():
 def test_get_and_registry():
     assert presets.get("LLAMA") is presets.llama
     assert presets.get("qwen2") is presets.llama
+    assert presets.get("qwen3") is presets.llama
     assert presets.get("auto") is presets.for_model
-    assert set(presets.PRESETS) >= {"llama", "mistral", "qwen2", "gpt2", "tiny_gpt", "linear_chain"}
+    assert set(presets.PRESETS) >= {"llama", "mistral", "qwen2", "qwen3", "gpt2", "tiny_gpt", "linear_chain"}
     with pytest.raises(ValueError, match=r"Unknown preset 'bert'; expected one of \['llama'"):
         presets.get("bert")
 

@@ -1,0 +1,174 @@
+"""Export round trips: stock ``from_pretrained`` where the config can express the shrunk sizes, ``load_pretrained``
+for everything else (GPT-2 with dropped heads, per-layer widths, Qwen3 residual, plain modules)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
+from lightning_pat.export import ENTRY, SIZES_FILE
+from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def shrunk(case: FamilyCase, kinds: tuple[str, ...], frac: float = 0.5, *, budget: bool = False) -> nn.Module:
+    model = case.fresh()
+    decls = presets.PRESETS[case.preset](model, **{k: k in kinds for k in ("mlp", "heads", "residual")})
+    if budget:
+        with torch.no_grad():  # layers of different magnitude: a shared budget gives them different widths
+            for i, layer in enumerate(model.get_submodule(case.layers)):
+                for p in layer.parameters():
+                    p.mul_(1.0 + i)
+        decls = [Cluster(**{**c.__dict__, "budget": "mlp"}) if c.name.startswith("mlp") else c for c in decls]
+    result = prune_clusters(model, decls, frac)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return shrink(model, result)
+
+
+def eager(model: nn.Module) -> nn.Module:
+    """The tiny cases run eager attention; a loaded model defaults to sdpa (1e-5 apart): compare like with like."""
+    if hasattr(model, "config") and hasattr(model.config, "_attn_implementation"):
+        model.config._attn_implementation = "eager"
+    return model
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+STOCK = [
+    (llama_like("llama", n_head=4, n_kv=2, bias=True, tied=True), ("mlp", "heads")),
+    (llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3), ("mlp", "heads", "residual")),
+    (llama_like("mistral", n_head=4, n_kv=2), ("residual",)),
+    (llama_like("qwen2", n_head=4, n_kv=4), ("mlp", "heads", "residual")),
+    (llama_like("qwen3", n_head=4, n_kv=2, bias=True, tied=True), ("mlp", "heads")),
+]
+
+
+@pytest.mark.parametrize(("case", "kinds"), STOCK, ids=[f"{c.id}-{'+'.join(k)}" for c, k in STOCK])
+def test_uniform_hf_export_loads_with_stock_from_pretrained(tmp_path, case, kinds):
+    model = shrunk(case, kinds)
+    ids = token_ids()
+    ref = logits(model, ids)
+    save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert ENTRY not in config
+    attn = model.model.layers[0].self_attn
+    assert config["intermediate_size"] == model.model.layers[0].mlp.down_proj.in_features
+    assert config["num_attention_heads"] * config["head_dim"] == attn.q_proj.out_features
+    assert config["num_key_value_heads"] * config["head_dim"] == attn.k_proj.out_features
+    assert config["head_dim"] == case.head_dim
+    assert config["hidden_size"] == model.model.embed_tokens.embedding_dim
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(again) is type(model)
+    assert max_err(logits(eager(again), ids), ref) < 1e-6
+    assert max_err(logits(eager(load_pretrained(tmp_path)), ids), ref) < 1e-6
+
+
+def test_stock_export_loads_in_a_process_without_lightning_pat(tmp_path):
+    case = llama_like("llama", n_head=4, n_kv=2, bias=True, tied=True)
+    model = shrunk(case, ("mlp", "heads", "residual"))
+    ids = token_ids()
+    torch.save({"ids": ids, "ref": logits(model, ids)}, tmp_path / "ref.pt")
+    save_pretrained(model, tmp_path / "small")
+    code = (
+        "import sys, torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1] + '/small')\n"
+        "d = torch.load(sys.argv[1] + '/ref.pt')\n"
+        "out = m(d['ids']).logits.detach()\n"
+        "assert 'lightning_pat' not in sys.modules\n"
+        "print(float((out - d['ref']).abs().max() / d['ref'].abs().max()))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+CUSTOM = [
+    (gpt2(n_head=4), ("mlp", "heads"), False, "c_attn"),
+    (gpt2(n_head=2, tied=False, n_layer=3), ("residual",), False, "c_attn"),
+    (llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3), ("mlp", "heads"), True, "mlp"),
+    (llama_like("qwen3", n_head=4, n_kv=2, bias=True, tied=True), ("residual",), False, "variance_epsilon"),
+    (tiny_gpt(n_head=4, n_kv=4), ("mlp", "heads"), True, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "kinds", "budget", "why"), CUSTOM, ids=[f"{c[0].id}-{'+'.join(c[1])}" + "-budget" * c[2] for c in CUSTOM]
+)
+def test_shapes_a_stock_config_cannot_express_load_with_load_pretrained(tmp_path, case, kinds, budget, why):
+    model = shrunk(case, kinds, budget=budget)
+    ids = token_ids()
+    ref = logits(model, ids)
+    save_pretrained(model, tmp_path)
+    again = load_pretrained(tmp_path)
+    assert type(again) is type(model)
+    assert max_err(logits(eager(again), ids), ref) < 1e-6
+    assert {n: p.shape for n, p in again.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
+    if case.tied:
+        assert (
+            again.lm_head.weight is (again.embed if case.preset == "tiny_gpt" else again.get_input_embeddings()).weight
+        )
+    if why is None:  # a plain module: torch.save + sizes JSON
+        info = json.loads((tmp_path / SIZES_FILE).read_text())
+        assert info["shapes"] == {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        assert info["config"]["n_head"] == model.config.n_head
+        return
+    entry = json.loads((tmp_path / "config.json").read_text())[ENTRY]
+    assert entry["loader"] == "lightning_pat.load_pretrained"
+    assert any(why in line for line in entry["why"])
+    assert entry["shapes"] == {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if why != "variance_epsilon":  # size mismatch: stock loading refuses instead of loading garbage
+        with pytest.raises(RuntimeError, match="mismatch"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    save_pretrained(again, tmp_path / "again")  # a loaded export exports again
+    assert max_err(logits(eager(load_pretrained(tmp_path / "again")), ids), ref) < 1e-6
+
+
+def test_budget_export_records_per_layer_widths(tmp_path):
+    case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
+    model = shrunk(case, ("mlp",), budget=True)
+    widths = [layer.mlp.down_proj.in_features for layer in model.model.layers]
+    assert len(set(widths)) > 1
+    save_pretrained(model, tmp_path)
+    entry = json.loads((tmp_path / "config.json").read_text())[ENTRY]
+    recorded = [
+        entry["attributes"].get(f"model.layers.{i}.mlp", {}).get("intermediate_size", case.ff) for i in range(3)
+    ]
+    assert recorded == widths  # only what differs from the base config is recorded
+
+
+def test_plain_sequential_round_trip_and_errors(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    shrink(net, prune_clusters(net, presets.linear_chain(net), 0.5))
+    x = torch.randn(4, 5)
+    save_pretrained(net, tmp_path)
+    again = load_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), net(x), rtol=0, atol=0)
+    info = json.loads((tmp_path / SIZES_FILE).read_text())
+    info["shapes"]["0.weight"] = [16, 5]
+    (tmp_path / SIZES_FILE).write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="does not hold the module"):
+        load_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither config.json"):
+        load_pretrained(tmp_path / "missing")
