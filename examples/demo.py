@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_pat import CoupledPruningCallback
+from lightning_pat import CoupledPruningCallback, load_pretrained, save_pretrained, shrink
 from lightning_pat.cli import StepProgressBar
 from lightning_pat.demo import StdlibText, TinyGPTModule
 
@@ -183,74 +183,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     val_loader = data.val_dataloader()
 
     masked = copy.deepcopy(module.model)  # the pruned model as trained: full size, dropped units exactly zero
+    n_rep = masked.layers[0].attn.n_rep
     r: dict[str, Any] = {"val_loss_pruned": evaluate(masked, val_loader)}
     if dense_history is not None:
         r["val_loss_dense"] = evaluate(dense_module.model, val_loader)
     units = {rc.name: rc.num_units for rc in pruning.resolved}
     r["kept"] = {name: c - len(pruning.dropped[name]) for name, c in units.items()}
-    zeros = sum(int((p == 0).sum()) for p in masked.parameters())
-    r["params_dense"] = sum(p.numel() for p in masked.parameters())
-    r["exact_zeros"] = zeros
 
+    shrink(module, pruning)  # in place: module.model is now the small dense model
+    small = module.model
     x = next(iter(val_loader))[0]
-    try:
-        from lightning_pat.export import load_pretrained, save_pretrained
-
-        from lightning_pat import shrink
-    except ImportError:  # the shrink is not in this checkout yet
-        shrink = None
-    if shrink is not None:
-        shrink(module, pruning)  # in place: module.model is now the small dense model
-        small = module.model
-        with torch.inference_mode():
-            r["max_abs_diff"] = float((small(x) - masked(x)).abs().max())
-        r["val_loss_shrunk"] = evaluate(small, val_loader)
-        dense_dir, small_dir = save_pretrained(masked, out / "dense"), save_pretrained(small, out / "shrunk")
-        with torch.inference_mode():
-            r["reload_max_abs_diff"] = float((load_pretrained(small_dir)(x) - small(x)).abs().max())
-        ms = forward_ms({"dense": masked, "shrunk": small}, x, reps=args.speed_reps)
-        r.update(
-            params_shrunk=sum(p.numel() for p in small.parameters()),
-            bytes_dense=dir_bytes(dense_dir),
-            bytes_shrunk=dir_bytes(small_dir),
-            ms_dense=ms["dense"],
-            ms_shrunk=ms["shrunk"],
-            speedup=ms["dense"] / ms["shrunk"],
-            export=str(small_dir),
-        )
+    with torch.inference_mode():
+        r["max_abs_diff"] = float((small(x) - masked(x)).abs().max())
+    r["val_loss_shrunk"] = evaluate(small, val_loader)
+    dense_dir, small_dir = save_pretrained(masked, out / "dense"), save_pretrained(small, out / "shrunk")
+    with torch.inference_mode():
+        r["reload_max_abs_diff"] = float((load_pretrained(small_dir)(x) - small(x)).abs().max())
+    ms = forward_ms({"dense": masked, "shrunk": small}, x, reps=args.speed_reps)
+    r.update(
+        params_dense=sum(p.numel() for p in masked.parameters()),
+        params_shrunk=sum(p.numel() for p in small.parameters()),
+        bytes_dense=dir_bytes(dense_dir),
+        bytes_shrunk=dir_bytes(small_dir),
+        ms_dense=ms["dense"],
+        ms_shrunk=ms["shrunk"],
+        speedup=ms["dense"] / ms["shrunk"],
+        export=str(small_dir),
+    )
     png = out / "demo_training.png"
     plot(png, history, dense_history, pruning)
-    report(r, args, x, units, n_rep=module.model.layers[0].attn.n_rep, windows=len(val_loader.dataset))
+    report(r, args, x, units, n_rep=n_rep, windows=len(val_loader.dataset))
     print(f"plot: {png.resolve()}")
     r["plot"] = str(png)
     return r
 
 
 def report(r: dict[str, Any], args, x: torch.Tensor, units: dict[str, int], n_rep: int, windows: int) -> None:
-    print()
-    if "params_shrunk" in r:
-        print(f"{'':<30}{'dense':>12}{'shrunk':>12}{'ratio':>9}")
-        print(
-            f"{'parameters':<30}{r['params_dense']:>12,}{r['params_shrunk']:>12,}"
-            f"{r['params_dense'] / r['params_shrunk']:>8.2f}x"
-        )
-        kib_d, kib_s = r["bytes_dense"] / 1024, r["bytes_shrunk"] / 1024
-        print(f"{'saved size (KiB)':<30}{kib_d:>12,.0f}{kib_s:>12,.0f}{kib_d / kib_s:>8.2f}x")
-        label = f"forward ms, batch {tuple(x.shape)}"
-        print(f"{label:<30}{r['ms_dense']:>12.2f}{r['ms_shrunk']:>12.2f}{r['speedup']:>8.2f}x")
-        print(f"forward speedup of the shrunk model: {r['speedup']:.2f}x")
-    else:
-        print(f"exact zeros: {r['exact_zeros']:,} of {r['params_dense']:,} parameters (no shrink in this checkout)")
+    print(f"\n{'':<30}{'dense':>12}{'shrunk':>12}{'ratio':>9}")
+    print(
+        f"{'parameters':<30}{r['params_dense']:>12,}{r['params_shrunk']:>12,}"
+        f"{r['params_dense'] / r['params_shrunk']:>8.2f}x"
+    )
+    kib_d, kib_s = r["bytes_dense"] / 1024, r["bytes_shrunk"] / 1024
+    print(f"{'saved size (KiB)':<30}{kib_d:>12,.0f}{kib_s:>12,.0f}{kib_d / kib_s:>8.2f}x")
+    label = f"forward ms, batch {tuple(x.shape)}"
+    print(f"{label:<30}{r['ms_dense']:>12.2f}{r['ms_shrunk']:>12.2f}{r['speedup']:>8.2f}x")
     print(f"\nvalidation loss (nats/byte, {windows} held-out windows of {x.shape[1]} bytes):")
     if "val_loss_dense" in r:
-        print(f"  dense, {args.max_steps} steps without pruning        {r['val_loss_dense']:.3f}")
-    print(f"  pruned, same steps (dropped units zero)     {r['val_loss_pruned']:.3f}")
-    if "val_loss_shrunk" in r:
-        print(f"  shrunk (the pruned model, zeros cut out)    {r['val_loss_shrunk']:.3f}")
-        print(
-            f"  shrunk vs pruned logits: max |diff| {r['max_abs_diff']:.1e}; "
-            f"export reloaded: {r['reload_max_abs_diff']:.1e}"
-        )
+        print(f"  {f'dense, {args.max_steps} steps without pruning':<44}{r['val_loss_dense']:.3f}")
+    print(f"  {'pruned, same steps (dropped units zero)':<44}{r['val_loss_pruned']:.3f}")
+    print(f"  {'shrunk (the pruned model, zeros cut out)':<44}{r['val_loss_shrunk']:.3f}")
+    print(
+        f"  shrunk vs pruned logits: max |diff| {r['max_abs_diff']:.1e}; export reloaded {r['reload_max_abs_diff']:.1e}"
+    )
     print("\nkept units per layer:")
     kept = r["kept"]
     for layer in sorted({int(name.split(".")[1]) for name in kept}):
@@ -259,8 +244,7 @@ def report(r: dict[str, Any], args, x: torch.Tensor, units: dict[str, int], n_re
             f"  layer {layer}: MLP channels {kept[mlp]:>4}/{units[mlp]:<5}"
             f"KV groups {kept[heads]}/{units[heads]}  (query heads {kept[heads] * n_rep}/{units[heads] * n_rep})"
         )
-    if "export" in r:
-        print(f"\nshrunk model saved to {r['export']}")
+    print(f"\nshrunk model saved to {r['export']} (lightning_pat.load_pretrained loads it)")
 
 
 if __name__ == "__main__":

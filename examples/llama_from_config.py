@@ -69,20 +69,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from transformers import AutoModelForCausalLM
 
-    from lightning_pat import shrink
+    from lightning_pat import save_pretrained, shrink
 
     model = module.model.eval()
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         masked = model(x).logits
-    shrink(module, pruning)  # in place; module.model is still a LlamaForCausalLM, with a smaller config
+    shrink(model, pruning)  # in place: still a LlamaForCausalLM, with a smaller config
     cfg = model.config
     print(
         f"shrunk: intermediate_size {cfg.intermediate_size}, heads {cfg.num_attention_heads}, "
         f"kv heads {cfg.num_key_value_heads}, parameters {sum(p.numel() for p in model.parameters()):,}"
     )
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="llama-shrunk-"))
-    model.save_pretrained(out)
+    save_pretrained(model, out)  # model.save_pretrained(out), plus what a stock config cannot express
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no lightning_pat code
     with torch.no_grad():
         diff = float((reloaded(x).logits - masked).abs().max())

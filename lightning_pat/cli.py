@@ -273,8 +273,9 @@ def shrink_checkpoint(
 ) -> Path:
     """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
 
-    The model is named by the run's LightningCLI ``config.yaml`` (found next to the checkpoint, or ``config``), or
-    by ``model_class`` (a LightningModule path; its hyperparameters come from the checkpoint). The weights load
+    The model is named by ``config`` or ``model_class`` if given (a LightningModule class path, instantiated with
+    the hyperparameters saved in the checkpoint), else by the run's LightningCLI ``config.yaml`` found next to the
+    checkpoint, else by the class path LightningCLI records in the checkpoint's hyperparameters. The weights load
     from the checkpoint, the shrink reads the :class:`~lightning_pat.CoupledPruningCallback` state in it, and the
     exported model is the LightningModule's only transformers model (``save_pretrained``), else its only child
     module, else ``submodule`` or the whole module (a ``torch.save``'d module plus its sizes).
@@ -301,20 +302,24 @@ def shrink_checkpoint(
         raise ValueError(
             f"{ckpt_path} holds no CoupledPruningCallback state: was it written by a run with the callback?"
         )
-    if model_class is not None:
-        module = _import(model_class)(**checkpoint.get("hyper_parameters", {}))
-    else:
-        config = config if config is not None else find_config(ckpt_path)
-        if config is None:
-            raise ValueError(
-                f"No config.yaml found next to {ckpt_path}; pass `--config` (the run's LightningCLI config) or "
-                "`--model_class` (a LightningModule that saved its hyperparameters)."
-            )
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    if config is None and model_class is None:
+        config = find_config(ckpt_path)
+        model_class = hparams.get("_class_path") if config is None else None  # LightningCLI stores it
+    if config is not None:
         module = model_from_config(config)
+    elif model_class is not None:
+        init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
+        module = _import(model_class)(**init_args)
+    else:
+        raise ValueError(
+            f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
+            "(the run's LightningCLI config) or `--model_class` (a LightningModule that saved its hyperparameters)."
+        )
     module.load_state_dict(checkpoint["state_dict"])
-    module.eval()
-    shrink(module, checkpoint)
-    return save_pretrained(_export_target(module, submodule), output)
+    target = _export_target(module, submodule).eval()
+    shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
+    return save_pretrained(target, output)
 
 
 def shrink_main(args: list[str] | None = None) -> Path:

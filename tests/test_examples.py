@@ -132,3 +132,101 @@ def test_console_script_is_declared():
     from lightning_pat import cli as cli_module
 
     assert callable(getattr(cli_module, func))
+
+
+def test_llama_example_shrinks_and_reloads_with_stock_transformers(tmp_path):
+    out = run(
+        [
+            example("llama_from_config.py"),
+            "--max_steps=6",
+            "--warmup_steps=1",
+            "--ramp_steps=3",
+            SMALL_DATA,
+            f"--output_dir={tmp_path / 'llama'}",
+        ],
+        tmp_path,
+    )
+    assert "shrunk: intermediate_size 256, heads 4, kv heads 2" in out
+    diff = float(out.split("max |logits - masked logits| = ")[1].split()[0])
+    assert diff < 1e-4
+    assert '"intermediate_size": 256' in (tmp_path / "llama" / "config.json").read_text()
+
+
+def test_mlp_digits_example(tmp_path):
+    out = run([example("mlp_digits.py"), "--max_steps=30", "--warmup_steps=5", "--ramp_steps=10"], tmp_path)
+    assert "hidden widths [64, 64]" in out  # 75% of 256 hidden units cut out of both layers
+    assert "shrunk predictions identical to the pruned network's: True" in out
+    acc = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.startswith("  ")}
+    assert acc["pruned"] == acc["shrunk"]
+    assert acc["dense"] > 0.5  # it learned something in 30 steps (10 classes: chance is 0.1)
+
+
+def test_prune_pretrained_example(tmp_path):
+    out = run([example("prune_pretrained.py"), "--max_steps=6", "--ramp_steps=3", SMALL_DATA], tmp_path)
+    assert "fine-tuned 6 steps while pruning" in out
+    assert float(out.split("max |logits diff| = ")[1].split()[0]) < 1e-4
+    saved = out.split("\nsaved ")[1].split(" (")[0]
+    assert (Path(saved) / "config.json").is_file()
+
+
+def _masked_and_shrunk(run_dir: Path, ckpt: dict, export: Path):
+    from lightning_pat import load_pretrained
+    from lightning_pat.cli import model_from_config
+
+    module = model_from_config(run_dir / "config.yaml")
+    module.load_state_dict(ckpt["state_dict"])
+    masked = module.model.eval()
+    small = load_pretrained(export).eval()
+    return masked, small
+
+
+def _assert_same_outputs(masked, small):
+    import torch
+
+    x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = masked(x), small(x)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), float((a - b).abs().max())
+
+
+@pytest.mark.timeout(300)
+def test_cli_shrink_checkpoint(tmp_path):
+    import torch
+
+    from lightning_pat import load_pretrained
+
+    cli(tmp_path, *tiny_fit_args(tmp_path, "demo.yaml"))
+    run_dir = tmp_path / "runs" / "demo" / "version_0"
+    ckpt_path = run_dir / "checkpoints" / "last.ckpt"
+    out = cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    assert f"shrunk model written to {tmp_path / 'small'}" in out
+    masked, small = _masked_and_shrunk(run_dir, torch.load(ckpt_path, weights_only=False), tmp_path / "small")
+    assert small.layers[0].mlp.gate_proj.out_features == 256  # half of 512
+    assert small.layers[0].attn.k_proj.out_features == 32  # one of two KV heads of 32
+    assert sum(p.numel() for p in small.parameters()) < 0.6 * sum(p.numel() for p in masked.parameters())
+    _assert_same_outputs(masked, small)
+    # without config.yaml: the class path LightningCLI records in the hyperparameters, or an explicit class
+    alone = tmp_path / "alone" / "last.ckpt"
+    alone.parent.mkdir()
+    alone.write_bytes(ckpt_path.read_bytes())
+    for name, extra in (("auto", []), ("explicit", ["--model_class=lightning_pat.demo.TinyGPTModule"])):
+        cli(tmp_path, "shrink", f"--ckpt_path={alone}", f"--output={name}", *extra)
+        _assert_same_outputs(masked, load_pretrained(tmp_path / name))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_cli_shrink_model_parallel_distributed_checkpoint(tmp_path):
+    """A ModelParallelStrategy (FSDP2, 2 gloo processes) run writes a sharded checkpoint directory; shrink reads it."""
+    import torch
+
+    from lightning_pat.cli import load_checkpoint
+
+    cli(tmp_path, *tiny_fit_args(tmp_path, "fsdp2.yaml"))
+    (ckpt_path,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    assert ckpt_path.is_dir()  # a distributed checkpoint: one shard file per rank plus meta.pt
+    cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    masked, small = _masked_and_shrunk(ckpt_path.parents[1], load_checkpoint(ckpt_path), tmp_path / "small")
+    assert small.layers[0].mlp.gate_proj.out_features == 256
+    _assert_same_outputs(masked, small)
+    assert isinstance(masked.layers[0].mlp.gate_proj.weight, torch.nn.Parameter)

@@ -81,6 +81,9 @@ def test_python_blocks_run(tmp_path, monkeypatch):
     exec(compile(tiny(first), "README.md", "exec"), namespace)  # noqa: S102 - our own README
     dropped = namespace["pruning"].dropped
     assert {len(dropped[f"mlp.{i}"]) for i in range(2)} == {128}  # 50% of 256 channels in both layers
+    small = namespace["model"].model
+    assert [layer.mlp.gate_proj.out_features for layer in small.layers] == [128, 128]  # really cut out
+    assert (tmp_path / "tinygpt-small").is_dir()
     for code in rest:
         namespace = {}
         exec(compile(tiny(code), "README.md", "exec"), namespace)  # noqa: S102
