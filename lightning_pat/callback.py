@@ -16,27 +16,32 @@ projected (pruned) weights:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pat import _state as S
+from lightning_pat import _validation as V
 from lightning_pat import distributed as D
 from lightning_pat import presets
-from lightning_pat.engine import METHODS, Method, Pruner, PruneResult
+from lightning_pat.engine import METHODS, Method, Plan, Pruner, PruneResult, make_plan
 from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
+from lightning_pat.latent import LatentStore
 from lightning_pat.metrics import PruningMetrics
-from lightning_pat.schedule import Schedule
 from lightning_pat.scoring import SCORE_TYPES, ScoreType
-from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.spec import Cluster, ResolvedCluster
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -45,8 +50,13 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+#: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
+_OPTIONS = (
+    "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
+    "score", "mode", "group_count_ref",
+)  # fmt: skip
 
 
 def _clean_name(name: str) -> str:
@@ -55,26 +65,18 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def _check_choice(name: str, value: object, valid: Sequence[str]) -> None:
-    if value not in valid:
-        raise MisconfigurationException(f"`{name}` must be one of {tuple(valid)}, got {value!r}.")
-
-
-def _check_number(name: str, value: object, *, low: float, high: float | None = None, integer: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or value < low or (high is not None and value > high):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        kind = "an int" if integer else "a number"
-        raise MisconfigurationException(f"`{name}` must be {kind} {span}, got {value!r}.")
-
-
 class CoupledPruningCallback(Callback):
     """Drive coupled units (MLP channels, heads, GQA groups, residual channels) to exact zeros during training.
 
+    Steps are real optimizer steps (not accumulation micro-batches, not AMP-skipped steps). The schedule follows
+    the fit: a fit resumed from a checkpoint continues the saved schedule (mask, latent copies, group-lasso state);
+    a later ``fit`` of the same Trainer continues where the previous one stopped; a fit with a fresh Trainer starts
+    a new schedule at step 0 (a new mask is selected; nothing of an earlier run is reused).
+
     Args:
-        clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), or a
+        clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
             preset name (``"llama"``, ``"gpt2"``, ``"tiny_gpt"``, ``"linear_chain"``, or ``"auto"`` to detect the
-            family).
+            family), or a list mixing preset names and declarations.
         target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
         warmup_steps: Optimizer steps of dense training before pruning starts.
         ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once.
@@ -95,11 +97,15 @@ class CoupledPruningCallback(Callback):
         preset_options: Keyword options for a preset (e.g. ``{"residual": True}``).
         log_metrics: Log sparsity through the Trainer's loggers, every ``log_every_n_steps`` optimizer steps and at
             the final ramp step (literal zeros are counted only then).
+        debug_check_selection: After every fresh selection, compare a hash of the selection across all ranks and
+            raise if they differ (one small collective per selection; off by default).
 
     Raises:
-        MisconfigurationException: If an option is out of range or unknown (at construction), or if the clusters do
-            not resolve against the model or the strategy is unsupported (at fit start, on every rank, before any
-            weight is touched).
+        MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
+            key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
+            manual optimization (at setup); if the clusters do not resolve against the model, or ranks disagree on
+            clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if a
+            checkpoint's state cannot be restored (at train start).
 
     Example::
 
@@ -129,32 +135,26 @@ class CoupledPruningCallback(Callback):
         group_count_ref: int | None = None,
         preset_options: dict[str, Any] | None = None,
         log_metrics: bool = True,
+        debug_check_selection: bool = False,
     ) -> None:
-        _check_number("target_sparsity", target_sparsity, low=0.0, high=1.0)
-        _check_number("reg_lambda", reg_lambda, low=0.0)
-        _check_choice("method", method, METHODS)
-        _check_choice("score", score, SCORE_TYPES)
-        _check_choice("mode", mode, MODES)
-        _check_choice("executor", executor, EXECUTOR_KINDS)
-        if group_count_ref is not None:
-            _check_number("group_count_ref", group_count_ref, low=1, integer=True)
-        if method == "group_lasso" and reg_lambda == 0.0:
-            raise MisconfigurationException(
-                "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
-            )
-        if not isinstance(clusters, str):
-            if not isinstance(clusters, Sequence) or not clusters:
-                raise MisconfigurationException(
-                    f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
-                )
-            clusters = [c if isinstance(c, Cluster) else Cluster(**c) for c in clusters]
-        try:
-            self.schedule = Schedule(
-                warmup_steps=warmup_steps, ramp_steps=ramp_steps, every_n_steps=every_n_steps, shape=ramp
-            )
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
-        self.clusters = clusters
+        V.check_options(
+            target_sparsity=target_sparsity,
+            reg_lambda=reg_lambda,
+            method=method,
+            methods=METHODS,
+            score=score,
+            scores=SCORE_TYPES,
+            mode=mode,
+            modes=MODES,
+            executor=executor,
+            executors=EXECUTOR_KINDS,
+            group_count_ref=group_count_ref,
+            preset_options=preset_options,
+        )
+        self.clusters = V.normalize_clusters(clusters)
+        self.schedule = V.make_schedule(
+            warmup_steps=warmup_steps, ramp_steps=ramp_steps, every_n_steps=every_n_steps, shape=ramp
+        )
         self.target_sparsity = float(target_sparsity)
         self.heal = heal
         self.method: Method = method
@@ -165,29 +165,34 @@ class CoupledPruningCallback(Callback):
         self.group_count_ref = group_count_ref
         self.preset_options = dict(preset_options or {})
         self.log_metrics = log_metrics
+        self.debug_check_selection = debug_check_selection
 
         self.pruner: Pruner | None = None
+        self.plan: Plan | None = None
         self.resolved: list[ResolvedCluster] = []
         self.metrics: PruningMetrics | None = None
         self._step = 0  # completed real optimizer steps
         self._gamma = 0.0  # sum of learning rates since warmup
-        self._latents: dict[str, Tensor] = {}
-        self._swapped: set[str] = set()
-        self._stepped = False
-        self._last_lr: float | None = None
-        self._hooks: list[Any] = []
+        self._tracker = S.StepTracker()
+        self._latents: LatentStore | None = None
         self._pending_state: dict[str, Any] | None = None
         self._params: dict[str, Tensor] = {}
-        self._latent_names: list[str] = []
         self._fsdp1_root: torch.nn.Module | None = None
+        self._strategy: Any = None
+        self._last_fit: tuple[Any, int] | None = None  # (weakref to the Trainer, its global_step) at the last fit end
+        self._carry: dict[str, Any] | None = None  # in-memory state kept for the same Trainer's next fit
 
     # ------------------------------------------------------------------ identity and state
     @property
     @override
     def state_key(self) -> str:
-        """Identity of this callback in a checkpoint."""
-        name = self.clusters if isinstance(self.clusters, str) else ",".join(c.name for c in self.clusters)
-        return self._generate_state_key(clusters=name, target_sparsity=self.target_sparsity)
+        """Identity in a checkpoint: the cluster declarations' names only (options may change on resume)."""
+        names = (
+            self.clusters
+            if isinstance(self.clusters, str)
+            else [c if isinstance(c, str) else c.name for c in self.clusters]
+        )
+        return self._generate_state_key(clusters=names if isinstance(names, str) else ",".join(names))
 
     @property
     def step(self) -> int:
@@ -201,62 +206,113 @@ class CoupledPruningCallback(Callback):
 
     def targets(self, step: int) -> dict[str, float]:
         """Per-cluster target fraction in force after optimizer step ``step``."""
-        frac = self.schedule.fraction(step)
-        return {rc.name: frac * (self.target_sparsity if rc.target is None else rc.target) for rc in self.resolved}
+        if self.plan is None:
+            return {}
+        return self.plan.targets(self.target_sparsity, fraction=self.schedule.fraction(step))
+
+    def _options(self) -> dict[str, Any]:
+        s = self.schedule
+        return {
+            "target_sparsity": self.target_sparsity,
+            "warmup_steps": s.warmup_steps,
+            "ramp_steps": s.ramp_steps,
+            "every_n_steps": s.every_n_steps,
+            "ramp": s.shape,
+            "heal": self.heal,
+            "method": self.method,
+            "reg_lambda": self.reg_lambda,
+            "score": self.score,
+            "mode": self.mode,
+            "group_count_ref": self.group_count_ref,
+        }
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Plain-typed state: step, gamma, current mask and cluster fingerprints."""
+        """Step, gamma, mask, group-lasso factors, latent copies (during the ramp), fingerprints and options.
+
+        Under ``ModelParallelStrategy`` with a distributed checkpoint the latents are written by the checkpoint
+        itself, as DTensors next to the model's shards (each rank writes its own); with a full checkpoint they
+        are gathered into full tensors. Every rank calls this (Lightning does), so a gather is safe here.
+        """
+        factors = {} if self.pruner is None else {k: v.detach().cpu() for k, v in self.pruner.factors().items()}
         return {
             "version": _STATE_VERSION,
             "step": self._step,
             "gamma": self._gamma,
             "dropped": self.dropped,
+            "factors": factors,
             "fingerprints": {rc.name: rc.fingerprint() for rc in self.resolved},
             "clusters": [rc.to_dict() for rc in self.resolved],
+            "options": self._options(),
+            "latent": self._latent_state(),
         }
+
+    def _latent_format(self) -> str:
+        sharded_ckpt = isinstance(self._strategy, ModelParallelStrategy) and getattr(
+            self._strategy, "_save_distributed_checkpoint", False
+        )
+        return S.latent_format(self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=sharded_ckpt)
+
+    def _latent_state(self) -> dict[str, Any] | None:
+        if self._latents is None or not self._latents.active:
+            return None
+        return S.latent_state(self._latents.state_dict(), self._params, fmt=self._latent_format())
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """Distributed checkpoint: put the sharded latents next to the model's shards (each rank writes its own)."""
+        if self._latents is None or not self._latents.active or self._latent_format() != "dcp":
+            return
+        checkpoint["state_dict"].update(S.sharded_latents(self._latents.state_dict(), self._params))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Stash the state; it is applied in ``on_train_start`` once the model and clusters exist."""
+        """Stash the state; it is applied in ``on_train_start`` once the model, clusters and weights are restored."""
         self._pending_state = dict(state_dict)
 
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Reject strategies that cannot be supported (before any step): DeepSpeed."""
-        name = type(trainer.strategy).__name__
-        if "DeepSpeed" in name:
-            raise MisconfigurationException(
-                f"CoupledPruningCallback does not support {name}: DeepSpeed partitions parameters into flat buffers "
-                "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
-            )
+        """Reject what cannot be supported, before any step: DeepSpeed, manual optimization."""
+        V.check_strategy_and_optimization(trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Resolve clusters against the final (possibly sharded) parameters and route them to executors."""
+        """Resolve clusters against the final (possibly sharded) parameters, agree across ranks, build executors.
+
+        Nothing is mutated here. Resolution and routing use global metadata only; their outcome (or a rank's
+        error) is compared across ranks in one collective, so a rank with a different declaration or model makes
+        every rank raise the same error instead of hanging in a later collective.
+        """
+        self._strategy = trainer.strategy
         self._fsdp1_root = trainer.strategy.model if isinstance(trainer.strategy, FSDPStrategy) else None
         self._params = dict(pl_module.named_parameters(remove_duplicate=False))
+        plan, error = None, None
         with self._weights(pl_module) as params:
-            declarations = self._declarations(pl_module)
             try:
-                self.resolved = resolve_clusters(params, declarations)
-                self.pruner = Pruner(
+                plan = make_plan(
                     params,
-                    self.resolved,
+                    self._declarations(pl_module),
                     score=self.score,
                     executor=self.executor,
                     group_count_ref=self.group_count_ref,
                 )
             except ValueError as err:
-                raise MisconfigurationException(f"CoupledPruningCallback: {err}") from err
-        clustered = {n for rc in self.resolved for n in rc.param_names}
+                error = f"CoupledPruningCallback: {err}"
+            clusters = [rc.fingerprint() for rc in plan.clusters] if plan is not None else None
+            routes = plan.routes if plan is not None else None
+            V.check_rank_agreement({"clusters": clusters, "routes": routes, "options": self._options()}, error)
+            assert plan is not None
+            self.plan = plan
+            self.resolved = list(plan.clusters)
+            self.pruner = Pruner.from_plan(params, plan)
+        clustered = sorted({n for rc in self.resolved for n in rc.param_names})
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
-        self._latent_names = list(self._params) if self._fsdp1_root is not None else sorted(clustered)
+        self._latents = LatentStore(self._params, list(self._params) if self._fsdp1_root is not None else clustered)
         self.metrics = PruningMetrics([rc.name for rc in self.pruner.clusters])
+        V.warn_unoptimized(self._params, clustered, trainer.optimizers)
         self._log_routes()
-        for optimizer in trainer.optimizers:
-            self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
+        self._tracker.attach(trainer.optimizers)
 
     @contextmanager
     def _weights(self, pl_module: pl.LightningModule) -> Iterator[dict[str, Tensor]]:
@@ -271,24 +327,75 @@ class CoupledPruningCallback(Callback):
             yield params
 
     def _declarations(self, pl_module: pl.LightningModule) -> list[Cluster]:
-        if not isinstance(self.clusters, str):
-            return list(self.clusters)
-        try:
-            return presets.resolve_preset(self.clusters, pl_module, **self.preset_options)
-        except ValueError as err:
-            raise MisconfigurationException(f"CoupledPruningCallback: {err}") from err
+        if not isinstance(self.clusters, str) and all(isinstance(c, Cluster) for c in self.clusters):
+            if self.preset_options:
+                raise ValueError(f"`preset_options` {self.preset_options} apply to preset names only; none was given.")
+            return list(self.clusters)  # type: ignore[arg-type]
+        return presets.resolve_preset(self.clusters, pl_module, **self.preset_options)
 
     def _log_routes(self) -> None:
         assert self.pruner is not None
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in self.pruner.routes.items()]
         rank_zero_info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 
+    # ------------------------------------------------------------------ start: resume, continue or begin
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Apply a restored state (after checkpoint restore under every strategy)."""
-        if self._pending_state is None or self.pruner is None:
-            return
-        state, self._pending_state = self._pending_state, None
+        """Decide where the schedule stands (after checkpoint restore under every strategy) and apply it.
+
+        A restored state continues; the same Trainer's next fit continues its in-memory state; otherwise a new
+        schedule starts at step 0. A resume whose checkpoint holds no state for this callback is an error.
+        """
+        assert self.pruner is not None
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._restore(trainer, pl_module, state)
+        elif self._carry is not None and self._same_trainer(trainer):
+            self._continue(pl_module)
+        elif trainer.global_step > 0:
+            raise MisconfigurationException(
+                f"CoupledPruningCallback: the fit resumes at global step {trainer.global_step} from "
+                f"{trainer.ckpt_path!r}, which holds no state under this callback's key {self.state_key!r} (the "
+                "cluster declaration names identify it). Resume with the same cluster names, or, to start pruning "
+                "from trained weights, load them into the module and fit with a fresh Trainer without `ckpt_path`."
+            )
+        else:
+            if self._carry is not None:
+                rank_zero_info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
+            self._step, self._gamma = 0, 0.0
+        self._carry = None
+        assert self.plan is not None
+        V.check_mask_not_empty(
+            self.plan,
+            self.pruner,
+            schedule=self.schedule,
+            step=self._step,
+            heal=self.heal,
+            target_sparsity=self.target_sparsity,
+        )
+        steps_left = getattr(trainer, "estimated_stepping_batches", float("inf"))
+        V.warn_short_fit(schedule=self.schedule, step=self._step, steps_left=steps_left - trainer.global_step)
+
+    def _same_trainer(self, trainer: pl.Trainer) -> bool:
+        return (
+            self._last_fit is not None and self._last_fit[0]() is trainer and self._last_fit[1] == trainer.global_step
+        )
+
+    def _continue(self, pl_module: pl.LightningModule) -> None:
+        assert self.pruner is not None
+        assert self._latents is not None
+        assert self._carry is not None
+        carry = self._carry
+        self._step, self._gamma = carry["step"], carry["gamma"]
+        self.pruner.load_dropped(carry["dropped"], carry["factors"])
+        if carry["latents"]:
+            self._latents.load_state_dict(carry["latents"])
+        with torch.no_grad(), self._weights(pl_module):
+            self.pruner.hold()
+
+    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: dict[str, Any]) -> None:
+        assert self.pruner is not None
+        assert self._latents is not None
         saved = state.get("fingerprints", {})
         current = {rc.name: rc.fingerprint() for rc in self.resolved}
         if saved and saved != current:
@@ -297,128 +404,130 @@ class CoupledPruningCallback(Callback):
                 f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
                 "resume with the same cluster declarations and model, or start a new run."
             )
-        self._step = int(state.get("step", 0))
+        step = int(state.get("step", 0))
+        old = self.schedule.warmup_steps + self.schedule.ramp_steps
+        options = state.get("options")
+        if options is not None:
+            final = step >= int(options["warmup_steps"]) + int(options["ramp_steps"])
+            V.check_resumed_options(options, self._options(), step=step, final=final)
+        latent = state.get("latent")
+        needs_latent = self.mode == "latent" and self.schedule.action(step + 1, heal=self.heal) in ("select", "hold")
+        needs_latent = needs_latent and self.schedule.phase(step) != "warmup"
+        if needs_latent and latent is None:
+            raise MisconfigurationException(
+                f"CoupledPruningCallback: the checkpoint (state version {state.get('version', 1)}, step {step}, "
+                f"final step {old}) holds no latent copies, so latent mode cannot continue the ramp exactly. Resume "
+                "with mode='direct', or resume from a checkpoint written by this version."
+            )
+        self._step = step
         self._gamma = float(state.get("gamma", 0.0))
-        self.pruner.load_dropped(state.get("dropped", {}))
+        self.pruner.load_dropped(state.get("dropped", {}), state.get("factors", {}))
+        if needs_latent and latent is not None:
+            self._latents.load_state_dict(S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path))
+        else:
+            self._latents.clear()
         with torch.no_grad(), self._weights(pl_module):
             self.pruner.hold()
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep what the same Trainer's next ``fit`` needs to continue (the latents only during the ramp)."""
+        assert self.pruner is not None
+        self._last_fit = (weakref.ref(trainer), trainer.global_step)
+        latents = self._latents.state_dict() if self._latents is not None and self._latents.active else {}
+        self._carry = {
+            "step": self._step,
+            "gamma": self._gamma,
+            "dropped": self.dropped,
+            "factors": self.pruner.factors(),
+            "latents": latents,
+        }
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove optimizer hooks and free latent copies."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        self._latents.clear()
+        """Remove optimizer hooks (the in-memory state for a next fit of the same Trainer is kept)."""
+        self._tracker.detach()
 
     # ------------------------------------------------------------------ per step
-    def _on_optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._stepped = True
-        for group in optimizer.param_groups:
-            if "lr" in group:
-                self._last_lr = float(group["lr"])
-                break
-
-    def _latent_active(self, step: int) -> bool:
-        phase = self.schedule.phase(step)
-        return self.mode == "latent" and (phase in ("ramp", "final") or (phase == "healing" and not self.heal))
-
-    def _healing(self, step: int) -> bool:
-        return self.heal and self.schedule.phase(step) == "healing"
-
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """After the backward: swap latents in (latent mode) or zero dropped gradients (healing)."""
-        if self.pruner is None:
+        """After the backward: zero dropped gradients (healing) or swap latents in (latent mode, ramp)."""
+        if self.pruner is None or self._latents is None:
             return
-        upcoming = self._step + 1
+        action = self.schedule.action(self._step + 1, heal=self.heal)
         with torch.no_grad():
-            if self._healing(upcoming):
+            if action == "freeze":
                 if self._fsdp1_root is None:  # FSDP1: grads live in flat shards; the weights are re-zeroed after
                     self.pruner.zero_grads()
-            elif self._latents and self._latent_active(upcoming):
-                in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-                for name, latent in self._latents.items():
-                    param = self._params[name]
-                    if id(param) in in_optimizer:
-                        D.local_tensor(param).copy_(latent)
-                        self._swapped.add(name)
+            elif action != "none" and self._latents.active:
+                self._latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After a real optimizer step: advance the schedule and project."""
-        if self.pruner is None:
+        """After a real optimizer step: advance the schedule and act (select, hold or freeze)."""
+        if self.pruner is None or self._latents is None:
             return
-        stepped, self._stepped = self._stepped, False
+        latent = self.mode == "latent"
         with torch.no_grad():
-            if not stepped:
-                if self._swapped:  # the scaler skipped the step: show the projection again
-                    self._restore_latents()
+            if not self._tracker.consume():
+                if self._latents.swapped:  # the scaler skipped the step: show the projection again
+                    self._latents.commit()
                     with self._weights(pl_module):
-                        self.pruner.hold(rescale=self.mode == "latent")
+                        self.pruner.hold(rescale=latent)
                 return
             self._step += 1
             step = self._step
-            phase = self.schedule.phase(step)
-            if phase == "warmup":
+            action = self.schedule.action(step, heal=self.heal)
+            if action == "none":
                 return
-            self._gamma += self._last_lr or 0.0
-            count = self._should_count(trainer, phase)
-            if not self._healing(step):
-                self._restore_latents()
+            self._gamma += self._tracker.last_lr or 0.0
+            if latent and action != "freeze":
+                self._latents.commit()
             with self._weights(pl_module):
-                if self._healing(step):
+                if action == "freeze":
                     self.pruner.hold()
+                elif action == "hold":
+                    self.pruner.hold(rescale=latent)
                 else:
-                    self._project(fresh=self._is_due(step))
-                # logging (and counting literal zeros, a collective when sharded) only on the logging cadence
-                result = self.pruner.result(count=True) if count else None
-            if phase == "final" and self.heal:
+                    self._select(pl_module)
+                count = self._should_count(trainer, step)
+                result = self.pruner.result(count=True) if count else None  # counting may communicate
+            if self.heal and self.schedule.phase(step) == "final":
                 self._latents.clear()  # the mask is frozen from here on
             if result is not None:
                 self._log(pl_module, result)
 
-    def _is_due(self, step: int) -> bool:
-        if self.schedule.phase(step) == "healing":  # heal=False: keep re-selecting on cadence
-            return (step - self.schedule.final_step) % self.schedule.every_n_steps == 0
-        return self.schedule.is_due(step)
-
-    def _restore_latents(self) -> None:
-        """Latent mode: save the updated latents and put every latent back into the (live) weights."""
-        if self.mode != "latent":
-            return
-        if not self._latents:
-            self._latents = {n: D.local_tensor(self._params[n]).clone() for n in self._latent_names}
-        for name, latent in self._latents.items():
-            local = D.local_tensor(self._params[name])
-            if name in self._swapped:
-                latent.copy_(local)
-            else:
-                local.copy_(latent)
-        self._swapped.clear()
-
-    def _project(self, *, fresh: bool) -> None:
-        """Apply a fresh projection, or re-apply the current one (on the weights the engine is bound to)."""
+    def _select(self, pl_module: pl.LightningModule) -> None:
+        """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
         assert self.pruner is not None
-        if not fresh:
-            self.pruner.hold(rescale=self.mode == "latent")
-            return
         final = self.schedule.phase(self._step) in ("final", "healing")
         method: Method = "hard" if final else self.method
         targets = self.targets(self._step)
         if method == "group_lasso":
             targets = dict.fromkeys(targets, 0.0)
         self.pruner.step(targets, method=method, threshold=self.reg_lambda * self._gamma)
+        if self.debug_check_selection:
+            self._check_selection()
 
-    def _should_count(self, trainer: pl.Trainer, phase: str) -> bool:
+    def _check_selection(self) -> None:
+        digest = hashlib.sha256(json.dumps(self.dropped, sort_keys=True).encode()).hexdigest()
+        everyone = D.gather_objects(digest, group=D.world_group())
+        if len(set(everyone)) > 1:
+            ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
+            raise RuntimeError(
+                f"CoupledPruningCallback (debug_check_selection): at step {self._step} ranks {ranks} selected "
+                "different units than rank 0; the selection is not identical across the mesh."
+            )
+
+    def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:
             return False
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        return phase == "final" or self._step % every == 0
+        return self.schedule.phase(step) == "final" or step % every == 0
 
     def _log(self, pl_module: pl.LightningModule, result: PruneResult) -> None:
         if self.metrics is None:
@@ -435,4 +544,4 @@ class CoupledPruningCallback(Callback):
 
     def latent_params(self) -> Mapping[str, Tensor]:
         """The latent copies held right now (empty in direct mode, during warmup and during healing)."""
-        return dict(self._latents)
+        return {} if self._latents is None else self._latents.state_dict()

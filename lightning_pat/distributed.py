@@ -88,9 +88,6 @@ def all_reduce_sum_(counts: Tensor, *, group: Any) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- sharded path
-_AXES_GROUPS: dict[tuple[int, ...], Any] = {}
-
-
 def mesh_ranks_along(mesh: Any, axes: Sequence[int]) -> list[int]:
     """Global ranks of this rank's sub-grid spanning mesh ``axes``, in row-major coordinate order over ``axes``.
 
@@ -104,11 +101,29 @@ def mesh_ranks_along(mesh: Any, axes: Sequence[int]) -> list[int]:
     return mesh.mesh[index].flatten().tolist()
 
 
-def axes_group(mesh: Any, axes: Sequence[int]) -> Any:
-    """The process group spanning mesh ``axes`` through this rank (cached; only members create it).
+def mesh_is_increasing(mesh: Any) -> bool:
+    """Whether global ranks increase along every axis of ``mesh`` (global metadata, the same on every rank).
+
+    ``DTensor.full_tensor`` gathers each mesh axis in process-group rank order, which is the coordinate order only
+    on such meshes; on others it assembles rows in the wrong order (torch 2.13).
+
+    Example::
+
+        >>> class _Mesh:
+        ...     def __init__(self, ranks): self.mesh = torch.tensor(ranks)
+        >>> mesh_is_increasing(_Mesh([[0, 1], [2, 3]])), mesh_is_increasing(_Mesh([[2, 0], [1, 3]]))
+        (True, False)
+    """
+    ranks = mesh.mesh
+    return all(bool((ranks.diff(dim=d) > 0).all()) for d in range(ranks.dim()) if ranks.shape[d] > 1)
+
+
+def axes_group(mesh: Any, axes: Sequence[int], *, cache: dict[tuple[int, ...], Any]) -> Any:
+    """The process group spanning mesh ``axes`` through this rank; only the group's members create it.
 
     One axis is the mesh's own group. Several axes reuse WORLD when they cover every rank, and otherwise create
-    a group once with local synchronisation (only its members call ``new_group``, in the same order everywhere).
+    a group once per ``cache`` (owned by the caller, e.g. an executor, so that a group never outlives the process
+    group it was made from) with local synchronisation (only its members call ``new_group``, in the same order).
 
     Raises:
         ValueError: If ``axes`` is empty or this rank is not in ``mesh``.
@@ -121,9 +136,29 @@ def axes_group(mesh: Any, axes: Sequence[int]) -> Any:
     key = tuple(sorted(mesh_ranks_along(mesh, axes)))
     if key == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
-    if key not in _AXES_GROUPS:
-        _AXES_GROUPS[key] = dist.new_group(ranks=list(key), use_local_synchronization=True)
-    return _AXES_GROUPS[key]
+    if key not in cache:
+        cache[key] = dist.new_group(ranks=list(key), use_local_synchronization=True)
+    return cache[key]
+
+
+def mesh_group(mesh: Any, *, cache: dict[tuple[int, ...], Any]) -> Any:
+    """The process group over every rank of ``mesh`` (see :func:`axes_group`)."""
+    return axes_group(mesh, tuple(range(mesh.ndim)), cache=cache)
+
+
+def any_rank(flags: Sequence[bool], *, group: Any) -> list[bool]:
+    """Per flag, whether it is true on any rank of ``group`` (one int64 all_reduce; the same on every rank).
+
+    Used where a rank-local condition (a local shape, a missing gradient) decides whether to raise or to enter a
+    collective, so that every rank takes the same branch.
+    """
+    if not flags or group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(flags)
+    value = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU only
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in value.tolist()]
 
 
 def group_size(group: Any) -> int:
@@ -199,6 +234,50 @@ def scatter_gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) ->
     mine_B = ordered_sum(recv_nB, order)
     rows_nB = all_gather_packed(mine_B, group=group)
     return torch.cat([rows_nB[row] for row in order])[:length]
+
+
+def world_group() -> Any:
+    """The default (WORLD) process group, or ``None`` when torch.distributed is not initialised."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def world_rank() -> int:
+    """This process's global rank (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_objects(obj: Any, *, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` in group-rank order (``[obj]`` without a process group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
+    """Wrap a rank-local tensor laid out like DTensor ``like`` (same mesh, placements, global shape) as a DTensor."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def shard_like(dense: Tensor, like: Tensor) -> Tensor:
+    """This rank's piece of a dense tensor (identical on every rank) laid out like ``like``; no communication."""
+    if not is_dtensor(like):
+        return dense
+    return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def load_sharded_(state: dict[str, Any], path: Any) -> None:
+    """Fill the (DTensor) entries of ``state`` in place from a torch distributed checkpoint at ``path``.
+
+    Every rank of the checkpoint's process group must call this (it communicates); entries absent from ``state``
+    are not read.
+    """
+    from torch.distributed.checkpoint import load
+
+    load(state, checkpoint_id=path)
 
 
 def reduce_counts(counts: Tensor, *, group: Any) -> Tensor:

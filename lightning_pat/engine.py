@@ -7,7 +7,8 @@ that it can be held (re-applied) between fresh selections and frozen during heal
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -64,6 +65,63 @@ def _check_options(*, score: str, method: str) -> None:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Declarations resolved against a model and routed to executors (global metadata only, no communication).
+
+    Built by :func:`make_plan`; shared by :func:`prune_clusters`, the callback and :class:`Pruner`, so that options
+    are validated and per-cluster targets are applied in one place.
+
+    Attributes:
+        clusters: The resolved clusters this rank takes part in (all, except ranks outside a sub-mesh).
+        routes: Cluster name -> ``(executor kind, reason)``.
+        score: Score normalisation.
+        group_count_ref: Opt-in score correction for shared budgets.
+    """
+
+    clusters: tuple[ResolvedCluster, ...]
+    routes: dict[str, tuple[str, str]]
+    score: ScoreType = "rms"
+    group_count_ref: int | None = None
+
+    def targets(self, sparsity: float, *, fraction: float = 1.0) -> dict[str, float]:
+        """Per cluster, ``fraction`` of its final target (its own ``target``, else ``sparsity``)."""
+        return {rc.name: fraction * (sparsity if rc.target is None else rc.target) for rc in self.clusters}
+
+
+def _named(params: nn.Module | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    return dict(params.named_parameters(remove_duplicate=False)) if isinstance(params, nn.Module) else params
+
+
+def make_plan(
+    params: nn.Module | Mapping[str, Tensor],
+    clusters: Sequence[ResolvedCluster] | Cluster | Mapping | Sequence[Cluster | Mapping],
+    *,
+    score: ScoreType = "rms",
+    executor: ExecutorKind = "auto",
+    group_count_ref: int | None = None,
+) -> Plan:
+    """Validate options, resolve declarations (unless already resolved) and route every cluster; mutates nothing.
+
+    Raises:
+        ValueError: If an option is unknown or out of range, a declaration is invalid (see
+            :func:`~lightning_pat.resolve_clusters`), or no executor can serve a cluster correctly.
+    """
+    _check_options(score=score, method="hard")
+    if group_count_ref is not None and (
+        isinstance(group_count_ref, bool) or not isinstance(group_count_ref, int) or group_count_ref <= 0
+    ):
+        raise ValueError(f"`group_count_ref` must be a positive int or None, got {group_count_ref!r}.")
+    named = _named(params)
+    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+    if all(isinstance(c, ResolvedCluster) for c in items):
+        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
+    else:
+        resolved = resolve_clusters(named, items)  # type: ignore[arg-type]
+    mine = tuple(rc for rc in resolved if D.participates(named[rc.members[0].name]))
+    return Plan(mine, route(mine, named, executor=executor), score, group_count_ref)
+
+
 class Pruner:
     """Coupled pruning over a fixed set of resolved clusters.
 
@@ -87,16 +145,30 @@ class Pruner:
         executor: ExecutorKind = "auto",
         group_count_ref: int | None = None,
     ) -> None:
-        _check_options(score=score, method="hard")
-        if group_count_ref is not None and (isinstance(group_count_ref, bool) or group_count_ref <= 0):
-            raise ValueError(f"`group_count_ref` must be a positive int or None, got {group_count_ref!r}.")
-        named = dict(params.named_parameters(remove_duplicate=False)) if isinstance(params, nn.Module) else params
-        self.score = score
-        self.group_count_ref = group_count_ref
-        self.clusters = [rc for rc in clusters if D.participates(named[rc.members[0].name])]
-        self.routes = route(self.clusters, named, executor=executor)
-        self.executors: list[Executor] = build_executors(self.clusters, named, self.routes)
+        self._init(params, make_plan(params, clusters, score=score, executor=executor, group_count_ref=group_count_ref))
+
+    @classmethod
+    def from_plan(cls, params: nn.Module | Mapping[str, Tensor], plan: Plan) -> Pruner:
+        """A pruner over ``params`` for an already validated and routed :class:`Plan` (builds executors)."""
+        pruner = cls.__new__(cls)
+        pruner._init(params, plan)
+        return pruner
+
+    def _init(self, params: nn.Module | Mapping[str, Tensor], plan: Plan) -> None:
+        self.plan = plan
+        self.score = plan.score
+        self.group_count_ref = plan.group_count_ref
+        self.clusters = list(plan.clusters)
+        self.routes = dict(plan.routes)
+        self.executors: list[Executor] = build_executors(self.clusters, _named(params), self.routes)
         self.last: dict[str, UnitAction] = {}
+
+    @contextmanager
+    def _session(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for ex in self.executors:
+                stack.enter_context(ex.session())
+            yield
 
     # ------------------------------------------------------------------ selection
     def _scores(self, q: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -117,8 +189,14 @@ class Pruner:
         """
         _check_options(score=self.score, method=method)
         q: dict[str, Tensor] = {}
-        for ex in self.executors:
-            q.update(ex.unit_sq_norms())
+        with self._session():  # dense copies (if any) do not outlive the call
+            for ex in self.executors:
+                q.update(ex.unit_sq_norms())
+        return self._decide(q, targets, method=method, threshold=threshold)
+
+    def _decide(
+        self, q: Mapping[str, Tensor], targets: Mapping[str, float], *, method: Method, threshold: float
+    ) -> dict[str, UnitAction]:
         scores = self._scores(q)
         dropped = self._hard_floor(scores, targets)
         actions = {}
@@ -155,7 +233,11 @@ class Pruner:
     def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
         """Apply actions to the weights (or gradients) of every executor's clusters."""
         for ex in self.executors:
-            ex.apply(actions, grads=grads)
+            if not ex.in_session and not grads:
+                with ex.session():
+                    ex.apply(actions, grads=grads)
+            else:
+                ex.apply(actions, grads=grads)
 
     def step(
         self,
@@ -166,10 +248,15 @@ class Pruner:
         count: bool = False,
     ) -> PruneResult:
         """Select and apply a fresh projection; remember it as the current mask."""
-        actions = self.select(targets, method=method, threshold=threshold)
-        self.apply(actions)
-        self.last = actions
-        return self.result(count=count)
+        _check_options(score=self.score, method=method)
+        with self._session():  # one dense copy per parameter for the whole step, none afterwards
+            q: dict[str, Tensor] = {}
+            for ex in self.executors:
+                q.update(ex.unit_sq_norms())
+            actions = self._decide(q, targets, method=method, threshold=threshold)
+            self.apply(actions)
+            self.last = actions
+            return self.result(count=count)
 
     def hold(self, *, rescale: bool = False) -> None:
         """Re-apply the current mask (zero the dropped units; with ``rescale``, also the group-lasso factors)."""
@@ -209,13 +296,21 @@ class Pruner:
         action = self.last.get(name)
         return [] if action is None else action.dropped.tolist()
 
-    def load_dropped(self, dropped: Mapping[str, Sequence[int]]) -> None:
-        """Set the current mask from index lists (resume); units are not applied until :meth:`hold`."""
+    def factors(self) -> dict[str, Tensor]:
+        """Cluster name -> group-lasso factors of the current mask (only clusters that have them)."""
+        return {k: a.factors for k, a in self.last.items() if a.factors is not None}
+
+    def load_dropped(self, dropped: Mapping[str, Sequence[int]], factors: Mapping[str, Tensor] | None = None) -> None:
+        """Set the current mask from index lists (and group-lasso factors), e.g. on resume; nothing is applied."""
         by_name = {rc.name: rc for rc in self.clusters}
+        factors = factors or {}
         self.last = {}
         for name, idx in dropped.items():
             if name in by_name:
-                self.last[name] = UnitAction(torch.tensor(sorted(idx), dtype=torch.long))
+                f = factors.get(name)
+                self.last[name] = UnitAction(
+                    torch.tensor(sorted(idx), dtype=torch.long), None if f is None else torch.as_tensor(f).clone()
+                )
 
     def rebind(self, params: Mapping[str, Tensor]) -> None:
         """Point the executors at new tensor objects with the same names, shapes and layouts (routes are kept).
@@ -271,8 +366,7 @@ def prune_clusters(
     _check_options(score=score, method=method)
     if reg_lambda < 0 or gamma < 0:
         raise ValueError(f"`reg_lambda` and `gamma` must be >= 0, got {reg_lambda!r} and {gamma!r}.")
-    resolved = resolve_clusters(model, clusters)
-    pruner = Pruner(model, resolved, score=score, executor=executor, group_count_ref=group_count_ref)
-    targets = {rc.name: float(sparsity if rc.target is None else rc.target) for rc in pruner.clusters}
+    plan = make_plan(model, clusters, score=score, executor=executor, group_count_ref=group_count_ref)
+    pruner = Pruner.from_plan(model, plan)
     with torch.no_grad():
-        return pruner.step(targets, method=method, threshold=reg_lambda * gamma, count=True)
+        return pruner.step(plan.targets(float(sparsity)), method=method, threshold=reg_lambda * gamma, count=True)

@@ -16,6 +16,7 @@ from typing import Literal
 
 Phase = Literal["warmup", "ramp", "final", "healing"]
 RampShape = Literal["cubic", "linear"]
+Action = Literal["none", "select", "hold", "freeze"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,30 @@ class Schedule:
             return 1.0
         tau = (step - self.warmup_steps) / self.ramp_steps
         return 1.0 - (1.0 - tau) ** 3 if self.shape == "cubic" else tau
+
+    def action(self, step: int, *, heal: bool = True) -> Action:
+        """What to do right after completed step ``step``.
+
+        ``"none"`` (warmup: dense training), ``"select"`` (a fresh selection), ``"hold"`` (re-apply the current
+        mask between selections), ``"freeze"`` (healing: the mask is final and gradients of dropped units are
+        zeroed). Without healing (``heal=False``) the final target keeps being re-selected on cadence.
+
+        Example::
+
+            >>> s = Schedule(warmup_steps=1, ramp_steps=4, every_n_steps=2)
+            >>> [s.action(t) for t in range(1, 8)]
+            ['none', 'hold', 'select', 'hold', 'select', 'freeze', 'freeze']
+            >>> [s.action(t, heal=False) for t in range(6, 9)]
+            ['hold', 'select', 'hold']
+        """
+        phase = self.phase(step)
+        if phase == "warmup":
+            return "none"
+        if phase == "healing":
+            if heal:
+                return "freeze"
+            return "select" if (step - self.final_step) % self.every_n_steps == 0 else "hold"
+        return "select" if self.is_due(step) else "hold"
 
     def is_due(self, step: int) -> bool:
         """Whether a fresh selection happens after step ``step`` (ramp cadence, or the forced final step)."""

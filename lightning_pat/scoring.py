@@ -1,7 +1,10 @@
 """Per-unit squared norms and scores (pure torch, no communication).
 
 The canonical partial is the sum of squares per channel of a (local) tensor along the member's channel axis,
-accumulated in ``promote_types(dtype, float32)``. Channel sums fold into unit sums by index; a rank that holds a
+accumulated in float64 on every path and for every parameter dtype: a square of a float32 (or bf16/fp16) value is
+exact in float64 and sums of them keep about 16 digits, so pieces added in another order (another world size,
+another layout, the materializing path) give the same selection except at exact or sub-1e-15 ties.
+Channel sums fold into unit sums by index; a rank that holds a
 piece of a tensor produces partial unit sums that add up, over pieces, to the full ones.
 
 Legend for shape suffixes: ``C`` units in a cluster, ``L`` channels held locally.
@@ -22,21 +25,25 @@ SCORE_TYPES: tuple[str, ...] = ("rms", "l2", "param_cost")
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The dtype scores accumulate in: at least float32, float64 stays float64.
+    """The dtype scores accumulate in: float64 for every parameter dtype (layout-invariant selections).
 
     Example::
 
-        >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float64)
-        (torch.float32, torch.float64)
+        >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float32, torch.float64)
+        (torch.float64, torch.float64)
     """
-    out = torch.float32
-    for dt in dtypes:
-        out = torch.promote_types(out, dt)
-    return out
+    del dtypes  # kept in the signature: callers state what they accumulate
+    return torch.float64
+
+
+_CHUNK_ELEMS = 1 << 22  # float64 temporaries of at most 32 MiB
 
 
 def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
     """Sum of squares of every channel (index along ``dim``) of ``tensor``, in ``acc_dtype``.
+
+    Each element is converted to ``acc_dtype`` before it is squared (a float32 square is exact in float64), in
+    chunks of channels so that the temporary stays small.
 
     Args:
         tensor: A 1-D or 2-D (local) tensor.
@@ -49,9 +56,14 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     if tensor.dim() == 1:
         return tensor.to(acc_dtype).square()
     other = 1 - dim
-    if tensor.shape[other] == 0 or tensor.shape[dim] == 0:
-        return torch.zeros(tensor.shape[dim], dtype=acc_dtype, device=tensor.device)
-    return torch.linalg.vector_norm(tensor, dim=other, dtype=acc_dtype).square()
+    num, width = tensor.shape[dim], tensor.shape[other]
+    if width == 0 or num == 0:
+        return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
+    step = max(1, _CHUNK_ELEMS // width)
+    parts = [
+        tensor.narrow(dim, i, min(step, num - i)).to(acc_dtype).square().sum(dim=other) for i in range(0, num, step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def unit_of_channels(*, start: int, block: int, offset: int, length: int, device: torch.device) -> Tensor:

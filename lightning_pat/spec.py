@@ -246,6 +246,16 @@ def _check_declaration(decl: Cluster) -> None:
         patterns = getattr(decl, key)
         if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
             raise ValueError(f"{where}: `{key}` must be a list of non-empty pattern strings, got {patterns!r}.")
+        for pattern in patterns:
+            base = _split_slice(pattern)[0]
+            if base.startswith("re:"):
+                try:
+                    re.compile(base[3:])
+                except re.error as err:
+                    raise ValueError(
+                        f"{where}: {key[:-1]} pattern {pattern!r} is not a valid regular expression ({err}); fix it, "
+                        "or drop the `re:` prefix to use an exact name or a glob."
+                    ) from err
     for key in ("head_dim", "num_units"):
         value = getattr(decl, key)
         if value is not None and (not _is_int(value) or value <= 0):
@@ -258,6 +268,21 @@ def _check_declaration(decl: Cluster) -> None:
         isinstance(decl.target, bool) or not isinstance(decl.target, (int, float)) or not 0.0 <= decl.target <= 1.0
     ):
         raise ValueError(f"{where}: `target` must be a number in [0, 1], got {decl.target!r}.")
+
+
+def check_declaration(decl: Cluster | Mapping) -> Cluster:
+    """Static checks of one declaration (no model needed): fields, types, ranges, regex syntax.
+
+    Returns:
+        The declaration as a :class:`Cluster`.
+
+    Raises:
+        ValueError: If a field is missing, unknown, of the wrong type or out of range, or a regex does not compile.
+        TypeError: If ``decl`` is neither a ``Cluster`` nor a mapping.
+    """
+    cluster = _as_cluster(decl)
+    _check_declaration(cluster)
+    return cluster
 
 
 def _split_slice(pattern: str) -> tuple[str, tuple[int, int] | tuple[int, int, str] | None]:

@@ -3,12 +3,16 @@
 An executor owns a fixed list of resolved clusters and the parameters they name. It answers three questions for
 the engine: the squared norm of every unit (identical on every participating rank), how to apply a selection to the
 weights (or gradients) in place, and how many literal zeros each parameter holds. It never sees a Trainer.
+
+Executors are stateless between calls: dense copies (materializing path) live only inside one :meth:`session`
+(one pruning step: score, select, apply), so a later call can never write stale values back over newer weights.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -44,6 +48,21 @@ class Executor(ABC):
         self.clusters = list(clusters)
         self.params = {n: params[n] for rc in self.clusters for n in rc.param_names}
         self._channels: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._cache: dict[str, Tensor] | None = None  # dense copies, only inside a session
+
+    @property
+    def in_session(self) -> bool:
+        """Whether a :meth:`session` is open."""
+        return self._cache is not None
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Share dense copies between the calls of one step (score, then apply); all are dropped on exit."""
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
 
     def _zero_units(
         self, tensor: Tensor, rc: ResolvedCluster, m: Member, dropped: Tensor, *, offset: int = 0, length: int = -1
@@ -75,5 +94,7 @@ class Executor(ABC):
     def zero_counts(self) -> dict[str, tuple[int, int]]:
         """Per parameter, ``(literal zeros, numel)`` over the whole (global) tensor, identical on every rank."""
 
-    def release(self) -> None:  # noqa: B027 - optional hook
-        """Drop any cache held between ``unit_sq_norms`` and ``apply``."""
+    def release(self) -> None:
+        """Drop dense copies of the current session, if any (kept for callers that score without a session)."""
+        if self._cache is not None:
+            self._cache.clear()

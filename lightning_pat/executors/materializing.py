@@ -2,7 +2,11 @@
 
 Each parameter is made dense on every rank (``full_tensor`` for a DTensor), scored, masked, and written back: a
 DTensor rank slices its own shard from its identical dense copy (``src_data_rank=None``), so there is no broadcast.
-A parameter shared by several clusters is gathered once per step and written back once.
+A parameter shared by several clusters is gathered once per step (inside one :meth:`Executor.session`) and
+written back once; nothing outlives the call or session.
+
+A gradient is made dense only where every rank holds one (agreed with one int64 collective for DTensors), so
+that a rank without a gradient can never leave the others waiting in a gather.
 """
 
 from __future__ import annotations
@@ -25,22 +29,54 @@ class MaterializingExecutor(Executor):
 
     def __init__(self, clusters, params) -> None:  # noqa: ANN001 - same as base
         super().__init__(clusters, params)
-        self._dense: dict[str, Tensor] = {}
+        self._groups: dict[tuple[int, ...], object] = {}
 
-    def _get(self, name: str, *, grads: bool = False) -> Tensor:
+    def _get(self, name: str, dense: dict[str, Tensor], *, grads: bool = False) -> Tensor:
         key = f"{name}.grad" if grads else name
-        if key not in self._dense:
+        if key not in dense:
             src = self.params[name].grad if grads else self.params[name]
-            self._dense[key] = D.full_tensor(src)
-        return self._dense[key]
+            dense[key] = D.full_tensor(src)
+        return dense[key]
+
+    def _dense(self) -> dict[str, Tensor]:
+        return self._cache if self._cache is not None else {}
+
+    def _grads_present(self, names: list[str]) -> set[str]:
+        """Names whose gradient exists, decided identically on every rank for DTensors (one small collective).
+
+        Raises:
+            ValueError: If a DTensor parameter has a gradient on some ranks of its mesh and none on others.
+        """
+        present = {n for n in names if self.params[n].grad is not None}
+        by_group: dict[tuple[int, ...], tuple[object, list[str]]] = {}
+        for name in names:
+            param = self.params[name]
+            if D.is_dtensor(param):
+                group = D.mesh_group(param.device_mesh, cache=self._groups)
+                by_group.setdefault(D.group_key(group), (group, []))[1].append(name)
+        for group, group_names in by_group.values():
+            has = [n in present for n in group_names]
+            flags = D.any_rank([not h for h in has] + has, group=group)
+            for i, name in enumerate(group_names):
+                missing_somewhere, has_somewhere = flags[i], flags[len(group_names) + i]
+                if missing_somewhere and has_somewhere:
+                    raise ValueError(
+                        f"Parameter {name!r} has a gradient on some ranks only; every rank of its mesh must run the "
+                        "same backward over it (a parameter unused on one rank: multiply it by 0 in the forward)."
+                    )
+                if missing_somewhere:
+                    present.discard(name)
+        return present
 
     def unit_sq_norms(self) -> dict[str, Tensor]:
         """See :meth:`Executor.unit_sq_norms`."""
         out = {}
+        dense = self._dense()
         for rc in self.clusters:
             acc = accumulation_dtype(*(self.params[m.name].dtype for m in rc.members))
             parts = [
-                member_unit_sq_sums(self._get(m.name), m, num_units=rc.num_units, acc_dtype=acc) for m in rc.members
+                member_unit_sq_sums(self._get(m.name, dense), m, num_units=rc.num_units, acc_dtype=acc)
+                for m in rc.members
             ]
             out[rc.name] = torch.stack(parts).sum(dim=0) if len(parts) > 1 else parts[0]
         return out
@@ -49,14 +85,17 @@ class MaterializingExecutor(Executor):
     def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
         """See :meth:`Executor.apply`."""
         touched: list[str] = []
-        for rc in self.clusters:
-            action = actions.get(rc.name)
-            if action is None:
-                continue
+        cache = {} if grads else self._dense()
+        acting = [rc for rc in self.clusters if rc.name in actions]
+        present = (
+            self._grads_present(list(dict.fromkeys(n for rc in acting for n in rc.param_names))) if grads else None
+        )
+        for rc in acting:
+            action = actions[rc.name]
             for m in rc.members:
-                if grads and self.params[m.name].grad is None:
+                if present is not None and m.name not in present:
                     continue
-                dense = self._get(m.name, grads=grads)
+                dense = self._get(m.name, cache, grads=grads)
                 if action.factors is not None:
                     scale_units_(dense, m, action.factors)
                 else:
@@ -64,17 +103,12 @@ class MaterializingExecutor(Executor):
                 touched.append(m.name)
         for name in dict.fromkeys(touched):
             target = self.params[name].grad if grads else self.params[name]
-            D.write_back_(target, self._dense[f"{name}.grad" if grads else name])
-        self.release()
+            D.write_back_(target, cache[f"{name}.grad" if grads else name])
 
     @torch.no_grad()
     def zero_counts(self) -> dict[str, tuple[int, int]]:
         """See :meth:`Executor.zero_counts`."""
         names = list(self.params)
-        zeros = torch.stack([count_zeros(self._get(n)) for n in names]).tolist() if names else []
-        self.release()
+        dense = self._dense()
+        zeros = torch.stack([count_zeros(self._get(n, dense)) for n in names]).tolist() if names else []
         return {n: (z, self.params[n].numel()) for n, z in zip(names, zeros, strict=True)}
-
-    def release(self) -> None:
-        """See :meth:`Executor.release`."""
-        self._dense.clear()

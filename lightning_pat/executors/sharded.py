@@ -66,31 +66,33 @@ class ShardedExecutor(Executor):
 
     def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
         super().__init__(clusters, params)
+        self._groups: dict[tuple[int, ...], object] = {}  # multi-axis process groups, owned by this executor
         self._pieces: dict[tuple[str, str], _Piece] = {}
         self._acc: dict[str, torch.dtype] = {}
         self._ungathered: list[ResolvedCluster] = []  # every member replicated: the local partial is complete
         packs: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pack] = {}  # (group ranks, order) -> pack
+        mismatches: list[str] = []
         for rc in self.clusters:
             first = self.params[rc.members[0].name]
             mesh = first.device_mesh
             coord = mesh.get_coordinate()
             placements = [tuple(self.params[m.name].placements) for m in rc.members]
             reason = P.cluster_reason(rc, placements, mesh_shape=tuple(mesh.shape))
-            if reason is not None:
+            if reason is not None:  # global metadata: every rank raises here, before any collective
                 raise ValueError(f"Cluster {rc.name!r} cannot take the sharded path: {reason}.")
             axes = P.gather_axes(placements)
             for m, ps in zip(rc.members, placements, strict=True):
                 box = P.local_box(m.shape, ps, mesh_shape=tuple(mesh.shape), coordinate=coord)
                 local_shape = tuple(D.local_tensor(self.params[m.name]).shape)
-                if local_shape != tuple(n for _, n in box):  # torch's layout rules changed under us: stop loudly
-                    raise AssertionError(f"{m.name}: local shape {local_shape} != expected box {box} for {ps}")
+                if local_shape != tuple(n for _, n in box):  # torch's layout rules changed under us
+                    mismatches.append(f"{m.name}: local shape {local_shape} != expected box {box} for {ps}")
                 offset, length = box[m.dim]
                 self._pieces[(rc.name, m.name)] = _Piece(offset, length, P.contributes(ps, coordinate=coord, axes=axes))
             self._acc[rc.name] = accumulation_dtype(*(self.params[m.name].dtype for m in rc.members))
             if not axes:
                 self._ungathered.append(rc)
                 continue
-            group = D.axes_group(mesh, axes)
+            group = D.axes_group(mesh, axes, cache=self._groups)
             order = D.gather_order(mesh, axes, group)
             packs.setdefault((D.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
         self._packs = list(packs.values())
@@ -101,9 +103,16 @@ class ShardedExecutor(Executor):
             pack.two_phase = n > 2 and one_phase_bytes > self.two_phase_min_bytes
         counts: dict[tuple[int, ...], tuple[object, list[str]]] = {}  # whole-mesh group -> parameter names
         for name, tensor in self.params.items():
-            group = D.axes_group(tensor.device_mesh, tuple(range(tensor.device_mesh.ndim)))
+            group = D.mesh_group(tensor.device_mesh, cache=self._groups)
             counts.setdefault(D.group_key(group), (group, []))[1].append(name)
         self._count_groups = list(counts.values())
+        # a local shape check must not make one rank raise while the others go on into a gather: agree first
+        flags = [D.any_rank([bool(mismatches)], group=group)[0] for group, _ in self._count_groups]  # no short cut
+        if any(flags):
+            raise ValueError(
+                "The sharded path found local shards whose shapes differ from the layout it computed (on some "
+                f"rank; here: {mismatches or 'none'}); use executor='materializing' and report this torch version."
+            )
 
     # ------------------------------------------------------------------ scores
     def _partial(self, rc: ResolvedCluster) -> Tensor:
@@ -148,6 +157,12 @@ class ShardedExecutor(Executor):
             local = D.local_tensor(target)
             offset, length = piece.offset, piece.length
         else:  # a gradient laid out differently: same decision on every rank (placements are global metadata)
+            if not D.mesh_is_increasing(target.device_mesh):
+                raise ValueError(
+                    f"Cluster {rc.name!r}, member {m.name!r}: the gradient is laid out as {tuple(target.placements)}, "
+                    "unlike its parameter, on a mesh whose ranks do not increase along every axis, where torch's "
+                    "full_tensor is wrong; keep gradients in their parameter's layout."
+                )
             local = D.full_tensor(target).clone()
             offset, length = 0, local.shape[m.dim]
         if action.factors is not None:

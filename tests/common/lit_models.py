@@ -65,3 +65,14 @@ class MLPModule(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=4, shuffle=False)
+
+
+class StepDataModule(MLPModule):
+    """MLPModule whose batch is a function of ``global_step`` only (the loader's position does not matter), so a
+    resumed run sees the same data as an uninterrupted one whatever Lightning replays inside an epoch."""
+
+    def training_step(self, batch, batch_idx):
+        g = torch.Generator().manual_seed(10_000 + self.global_step)
+        x = torch.randn(4, 8, generator=g)
+        y = torch.randn(4, 4, generator=g)
+        return super().training_step((x, y), batch_idx)

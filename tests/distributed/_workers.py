@@ -206,8 +206,12 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
             ref = M.reference(full, refs, targets, score=score, method=method, threshold=thr)
             got: dict[str, Any] = {}
             # DTensor's own full_tensor gathers in process-group rank order, which is wrong on a mesh whose rank
-            # layout is not increasing along an axis (torch 2.13); the materializing path is only run elsewhere.
-            paths = ("auto",) if lname.startswith("permuted") else ("auto", "materializing")
+            # layout is not increasing along an axis (torch 2.13): there the materializing path must be refused
+            # before anything changes (checked here), and "auto" must take the sharded path (checked below).
+            paths = ("auto", "materializing")
+            if lname.startswith("permuted"):
+                paths = ("auto",)
+                failures += _materializing_refused(tag, full, lmesh, layout, shared, mult)
             for executor in paths:
                 module = build(full, lmesh, layout)
                 decls = M.declarations(shared_mlp=shared, resid_multiple_of=mult)
@@ -267,6 +271,23 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
         "zeros": zeros,
         "mesh": mesh.mesh.tolist(),
     }
+
+
+def _materializing_refused(tag: str, full: dict, mesh: DeviceMesh, layout: dict, shared: bool, mult: int) -> list[str]:
+    """On a permuted mesh, executor='materializing' raises a ValueError naming the mesh problem; nothing changes."""
+    from lightning_pat import resolve_clusters
+    from lightning_pat.engine import Pruner
+
+    module = build(full, mesh, layout)
+    before = {n: p.to_local().clone() for n, p in module.named_parameters()}
+    decls = M.declarations(shared_mlp=shared, resid_multiple_of=mult)
+    try:
+        Pruner(module, resolve_clusters(module, decls), executor="materializing")
+        return [f"{tag}/materializing: not refused on a permuted mesh"]
+    except ValueError as err:
+        bad = [] if "do not increase along every axis" in str(err) else [f"{tag}/materializing: message {err}"]
+    changed = [n for n, p in module.named_parameters() if not torch.equal(p.to_local(), before[n])]
+    return bad + ([f"{tag}/materializing: changed {changed}"] if changed else [])
 
 
 def _hold_and_grads(
@@ -473,8 +494,15 @@ def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
     mine: list[Any] = []
     for mi, mesh in enumerate(meshes):
         for ps2, ps1 in combos:
-            for executor in ("auto", "materializing") if mi == 0 else ("auto",):  # see parity_suite on permuted
+            for executor in ("auto", "materializing"):
                 module, decls = _tie_module(mesh, ps2, ps1)
+                if mi == 1 and executor == "materializing":  # permuted mesh: refused (see parity_suite)
+                    try:
+                        Pruner(module, resolve_clusters(module, decls), executor=executor)
+                        mine.append((f"mesh{mi}/{ps2}/{ps1}/materializing", "not refused", {}, {}))
+                    except ValueError:
+                        pass
+                    continue
                 pruner = Pruner(module, resolve_clusters(module, decls), executor=executor)
                 q = {}
                 for ex in pruner.executors:

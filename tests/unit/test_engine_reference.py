@@ -350,18 +350,18 @@ def test_float64_scores_resolve_differences_below_float32_precision():
     assert model.w.dtype == torch.float64
 
 
-def test_accumulation_dtype():
-    assert accumulation_dtype(torch.bfloat16) == torch.float32
-    assert accumulation_dtype(torch.float16) == torch.float32
-    assert accumulation_dtype(torch.float32) == torch.float32
-    assert accumulation_dtype(torch.float64) == torch.float64
-    assert accumulation_dtype(torch.bfloat16, torch.float64) == torch.float64
-    assert accumulation_dtype() == torch.float32
+def test_accumulation_dtype_is_float64_for_every_dtype():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        assert accumulation_dtype(dtype) == torch.float64
+    assert accumulation_dtype() == torch.float64
     # bf16 partial sums do not round to bf16: 257 ones sum to 257 (bf16 would give 256)
     x = torch.ones(2, 257, dtype=torch.bfloat16)
     sums = channel_sq_sums(x, dim=0, acc_dtype=accumulation_dtype(x.dtype))
-    assert sums.dtype == torch.float32
+    assert sums.dtype == torch.float64
     assert sums.tolist() == [257.0, 257.0]
+    # float32 partial sums: 2^24 + 1 is not representable in float32 but is in float64
+    y = torch.tensor([[4096.0, 1.0]], dtype=torch.float32)
+    assert channel_sq_sums(y, dim=0, acc_dtype=accumulation_dtype(y.dtype)).item() == 2.0**24 + 1
 
 
 def test_bfloat16_model_prunes_the_same_units_as_its_float64_copy():

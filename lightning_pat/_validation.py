@@ -1,0 +1,289 @@
+"""Checks and warnings of :class:`~lightning_pat.CoupledPruningCallback` (kept out of the hook logic).
+
+Static checks run at construction (options, declarations, preset names); environmental ones at ``setup`` and fit
+start (strategy, optimization mode, frozen parameters, run length); resume checks compare the saved options with
+the current ones. Every error is a ``MisconfigurationException`` naming the argument or cluster, what was expected,
+what was found and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_pat import distributed as D
+from lightning_pat import presets
+from lightning_pat.schedule import Schedule
+from lightning_pat.selection import num_to_drop
+from lightning_pat.spec import Cluster, check_declaration
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_pat.engine import Plan, Pruner
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
+
+
+def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
+    """Raise unless ``value`` is one of ``valid``."""
+    if value not in valid:
+        raise MisconfigurationException(f"`{name}` must be one of {tuple(valid)}, got {value!r}.")
+
+
+def check_number(name: str, value: object, *, low: float, high: float | None = None, integer: bool = False) -> None:
+    """Raise unless ``value`` is a number (an int if ``integer``) in ``[low, high]``."""
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        kind = "an int" if integer else "a number"
+        raise MisconfigurationException(f"`{name}` must be {kind} {span}, got {value!r}.")
+
+
+def _preset_name(name: str) -> str:
+    try:
+        presets.get(name)
+    except ValueError as err:
+        raise MisconfigurationException(f"`clusters`: {err}") from err
+    return name
+
+
+def _declaration(entry: object, index: int) -> Cluster:
+    try:
+        return check_declaration(_fields(entry, index))
+    except (ValueError, TypeError) as err:
+        raise MisconfigurationException(f"`clusters`: {err}") from err
+
+
+def _fields(entry: object, index: int) -> Cluster:
+    if isinstance(entry, Cluster):
+        return entry
+    if isinstance(entry, Mapping):
+        label = entry.get("name", f"#{index}")
+        unknown = sorted(str(k) for k in entry if k not in _FIELDS)
+        if unknown:
+            raise MisconfigurationException(
+                f"Cluster {label!r}: unknown key(s) {unknown}; a cluster declaration has the fields {list(_FIELDS)}."
+            )
+        if "name" not in entry:
+            raise MisconfigurationException(
+                f"Cluster #{index}: the mapping {dict(entry)!r} has no `name`; every declaration needs one."
+            )
+        return Cluster(**entry)
+    raise MisconfigurationException(
+        f"`clusters` entry #{index} must be a Cluster, a mapping of its fields or a preset name, got "
+        f"{type(entry).__name__} ({entry!r})."
+    )
+
+
+def normalize_clusters(clusters: object) -> str | list[Cluster | str]:
+    """A preset name (checked), or a list of declarations and preset names (checked; mappings become Clusters).
+
+    Raises:
+        MisconfigurationException: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a
+            mapping has an unknown key or no name.
+    """
+    if isinstance(clusters, str):
+        return _preset_name(clusters)
+    if isinstance(clusters, (Cluster, Mapping)):
+        clusters = [clusters]
+    if not isinstance(clusters, Sequence) or not clusters:
+        raise MisconfigurationException(
+            f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
+        )
+    return [_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters)]
+
+
+def check_options(
+    *,
+    target_sparsity: object,
+    reg_lambda: object,
+    method: object,
+    methods: Sequence[str],
+    score: object,
+    scores: Sequence[str],
+    mode: object,
+    modes: Sequence[str],
+    executor: object,
+    executors: Sequence[str],
+    group_count_ref: object,
+    preset_options: object,
+) -> None:
+    """Static option checks (see the callback's ``Raises:``)."""
+    check_number("target_sparsity", target_sparsity, low=0.0, high=1.0)
+    check_number("reg_lambda", reg_lambda, low=0.0)
+    check_choice("method", method, methods)
+    check_choice("score", score, scores)
+    check_choice("mode", mode, modes)
+    check_choice("executor", executor, executors)
+    if group_count_ref is not None:
+        check_number("group_count_ref", group_count_ref, low=1, integer=True)
+    if method == "group_lasso" and reg_lambda == 0.0:
+        raise MisconfigurationException(
+            "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
+        )
+    if preset_options is not None:
+        bad = {k: v for k, v in dict(preset_options).items() if k not in presets.OPTIONS or not isinstance(v, bool)}
+        if bad:
+            raise MisconfigurationException(
+                f"`preset_options` must map some of {presets.OPTIONS} to bools, got {bad}; e.g. {{'residual': True}}."
+            )
+    if target_sparsity == 1.0:
+        rank_zero_warn(
+            "CoupledPruningCallback: `target_sparsity=1.0` removes every unit of each cluster without its own target; "
+            "the model's output will not depend on those weights at all. Use a value below 1 unless that is intended."
+        )
+
+
+def make_schedule(**kwargs: Any) -> Schedule:
+    """A :class:`Schedule`, with its ``ValueError`` turned into a ``MisconfigurationException``."""
+    try:
+        return Schedule(**kwargs)
+    except ValueError as err:
+        raise MisconfigurationException(str(err)) from err
+
+
+def check_strategy_and_optimization(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Refuse DeepSpeed and manual optimization at ``setup``, before any step.
+
+    Raises:
+        MisconfigurationException: On a DeepSpeed strategy or ``automatic_optimization = False``.
+    """
+    name = type(trainer.strategy).__name__
+    if "DeepSpeed" in name:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback does not support {name}: DeepSpeed partitions parameters into flat buffers "
+            "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
+        )
+    if not getattr(pl_module, "automatic_optimization", True):
+        raise MisconfigurationException(
+            f"CoupledPruningCallback does not support manual optimization ({type(pl_module).__name__}."
+            "automatic_optimization is False): it must see every optimizer step between the backward and the "
+            "update (a raw optimizer bypasses Lightning's hooks, and with several optimizers the schedule could not "
+            "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
+            "call lightning_pat.prune_clusters yourself after your optimizer steps."
+        )
+
+
+def warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:
+    """Warn about clustered parameters that are frozen or in no optimizer (they are masked but never updated)."""
+    in_opt = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    frozen = [n for n in names if not params[n].requires_grad]
+    orphan = [n for n in names if params[n].requires_grad and id(params[n]) not in in_opt]
+    if frozen:
+        rank_zero_warn(
+            f"CoupledPruningCallback: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
+            "dropped units are set to zero and stay zero, but they are never trained; unfreeze them or remove them "
+            "from the clusters if they must not be pruned."
+        )
+    if orphan:
+        rank_zero_warn(
+            f"CoupledPruningCallback: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
+            "set to zero but they are never updated; add them to `configure_optimizers` or remove them from the "
+            "clusters."
+        )
+
+
+def warn_short_fit(*, schedule: Schedule, step: int, steps_left: float) -> None:
+    """Warn when the fit ends before the final ramp step (the final target would never be applied)."""
+    if steps_left == float("inf"):
+        return
+    end = step + int(steps_left)
+    if end < schedule.final_step:
+        frac = schedule.fraction(end)
+        rank_zero_warn(
+            f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
+            f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will only "
+            f"reach {frac:.0%} of the target and is not frozen. Raise max_steps/max_epochs or shorten the schedule."
+        )
+
+
+def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int, final: bool) -> None:
+    """Compare the options a checkpoint was written with to the current ones (resume).
+
+    Changed options apply from the saved step on (a warning lists them), except where they could not take effect.
+
+    Raises:
+        MisconfigurationException: If the saved step lies in the ramp but the new schedule's final step is already
+            past (the final mask would never be applied), or the mask is frozen (healing) and an option that
+            shapes it changed.
+    """
+    changed = {k: (saved[k], current.get(k)) for k in saved if k in current and saved[k] != current[k]}
+    if not changed:
+        return
+    desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
+    new_final = int(current["warmup_steps"]) + int(current["ramp_steps"])
+    if not final and step >= new_final:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: the checkpoint was taken at step {step} inside the ramp, but the changed options "
+            f"({desc}) put the final ramp step at {new_final}, already past; the final mask would never be applied. "
+            f"Keep warmup_steps + ramp_steps > {step}."
+        )
+    shaping = {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode"}
+    if final and current.get("heal", True) and shaping & set(changed):
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
+            f"is frozen; the changed options ({desc}) cannot change it. Resume with the saved options "
+            f"({ {k: saved[k] for k in shaping & set(changed)} }), or start a new run (a fresh Trainer) to prune again."
+        )
+    rank_zero_warn(
+        f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
+        "the saved step with the new options."
+    )
+
+
+def check_rank_agreement(digest: dict[str, Any], error: str | None) -> None:
+    """Compare (clusters, routes, options) or a rank's local error across all ranks in one collective.
+
+    Raises:
+        MisconfigurationException: The same error on every rank if any rank failed to resolve its clusters (its
+            message, naming the rank) or the digests differ (naming the parts and the ranks).
+    """
+    mine = error or hashlib.sha256(json.dumps(digest, sort_keys=True, default=str).encode()).hexdigest()
+    everyone = D.gather_objects((error is not None, mine, digest), group=D.world_group())
+    failed = [(r, m) for r, (bad, m, _) in enumerate(everyone) if bad]
+    if failed:
+        rank, msg = failed[0]
+        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise MisconfigurationException(f"{msg} [raised on rank {rank}{others}; all ranks stop here]")
+    if len({m for _, m, _ in everyone}) > 1:
+        ref = everyone[0][2]
+        diff = sorted({k for _, _, d in everyone for k in d if d[k] != ref[k]})
+        ranks = [r for r, (_, m, _) in enumerate(everyone) if m != everyone[0][1]]
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: ranks disagree on {diff} (ranks {ranks} differ from rank 0). Every rank "
+            "must build the same model and pass the same cluster declarations and options; check code that "
+            "depends on the rank (e.g. `if trainer.global_rank == 0`)."
+        )
+
+
+def check_mask_not_empty(
+    plan: Plan, pruner: Pruner, *, schedule: Schedule, step: int, heal: bool, target_sparsity: float
+) -> None:
+    """Never heal with an empty mask where the final target requires dropped units.
+
+    Raises:
+        MisconfigurationException: If, past the final ramp step with healing, a cluster whose target drops units
+            has none dropped.
+    """
+    if schedule.phase(step) not in ("final", "healing") or not heal:
+        return
+    targets = plan.targets(target_sparsity)
+    empty = [
+        rc.name
+        for rc in plan.clusters
+        if not pruner.dropped(rc.name) and num_to_drop(targets[rc.name], rc.num_units) > 0
+    ]
+    if empty:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters {empty[:5]} have no dropped "
+            "units although the target requires some; refusing to heal with an empty mask. Resume from a checkpoint "
+            "of this run, or start a new run with a fresh Trainer."
+        )

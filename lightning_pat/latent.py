@@ -1,0 +1,97 @@
+"""The dense latent copies of latent mode: swap in before the update, commit after it, restore on resume.
+
+In latent mode the optimizer updates a dense copy of every pruned parameter while the model trains its
+projection. :class:`LatentStore` owns those copies (rank-local pieces, so a DTensor's latent is its local shard)
+for the ramp only; it knows nothing about Lightning, schedules or checkpoints beyond its own ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from torch import Tensor
+
+from lightning_pat import distributed as D
+
+
+class LatentStore:
+    """Latent copies of ``names`` (rank-local pieces), created on the first :meth:`commit`.
+
+    Args:
+        params: Parameter name -> live parameter (plain tensor or DTensor).
+        names: The parameters that get a latent copy.
+    """
+
+    def __init__(self, params: Mapping[str, Tensor], names: Sequence[str]) -> None:
+        self.params = params
+        self.names = list(names)
+        self._latents: dict[str, Tensor] = {}
+        self._swapped: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether latent copies exist."""
+        return bool(self._latents)
+
+    @property
+    def swapped(self) -> bool:
+        """Whether some latent is in the weights right now (between :meth:`swap_in` and :meth:`commit`)."""
+        return bool(self._swapped)
+
+    def swap_in(self, optimizer_params: Collection[int]) -> None:
+        """Copy the latents of parameters the optimizer updates (by ``id``) into the weights, before the update."""
+        for name, latent in self._latents.items():
+            param = self.params[name]
+            if id(param) in optimizer_params:
+                D.local_tensor(param).copy_(latent)
+                self._swapped.add(name)
+
+    def commit(self) -> None:
+        """After the update: keep the updated weights as latents, and put every other latent back into its weight.
+
+        The first call creates the latents from the current weights.
+        """
+        if not self._latents:
+            self._latents = {n: D.local_tensor(self.params[n]).clone() for n in self.names}
+        for name, latent in self._latents.items():
+            local = D.local_tensor(self.params[name])
+            if name in self._swapped:
+                latent.copy_(local)
+            else:
+                local.copy_(latent)
+        self._swapped.clear()
+
+    def clear(self) -> None:
+        """Free the latents (the mask is frozen)."""
+        self._latents.clear()
+        self._swapped.clear()
+
+    def rebind(self, params: Mapping[str, Tensor]) -> None:
+        """Point at new parameter objects with the same names and local shapes (the latents are kept)."""
+        self.params = params
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Name -> rank-local latent (the live tensors; clone before mutating)."""
+        return dict(self._latents)
+
+    def load_state_dict(self, latents: Mapping[str, Tensor]) -> None:
+        """Set the latents from rank-local tensors (copied).
+
+        Raises:
+            ValueError: If names or local shapes do not match the parameters.
+        """
+        missing = sorted(set(self.names) - set(latents))
+        if missing:
+            raise ValueError(f"The saved latent copies lack parameters {missing[:5]}; resume with the same model.")
+        out = {}
+        for name in self.names:
+            local = D.local_tensor(self.params[name])
+            saved = latents[name]
+            if tuple(saved.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"The saved latent of {name!r} has shape {tuple(saved.shape)}, the parameter's local piece "
+                    f"{tuple(local.shape)}; resume with the same model and the same parallel layout."
+                )
+            out[name] = saved.to(device=local.device, dtype=local.dtype).clone()
+        self._latents = out
+        self._swapped.clear()

@@ -1,0 +1,100 @@
+"""One rank of the multi-process resume matrix (launched per rank by test_resume_distributed.py).
+
+    python resume_worker.py {ddp|mp} {latent|direct} K1,K2,...
+
+Runs the fit uninterrupted with a checkpoint after every step, then, for each K, a fresh module, callback and Trainer
+resumed from the step-K checkpoint; prints one ``RESULT {json}`` line with every mismatch (weights of the whole
+model, masks and logged sparsity per step) between the resumed runs and the uninterrupted one. ``mp`` shards the
+MLP with FSDP2 under ModelParallelStrategy (sharded path, latents as DTensors in a distributed checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from lightning_pat import CoupledPruningCallback
+from tests.common.dist import finish_worker
+from tests.common.lit_models import StepDataModule, mlp_cluster
+
+TOTAL = 10
+SCHEDULE = {"warmup_steps": 2, "ramp_steps": 5, "every_n_steps": 1}
+
+
+class ShardedStepModule(StepDataModule):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
+class Recorder(pl.Callback):
+    def __init__(self, cb: CoupledPruningCallback) -> None:
+        self.cb, self.rows = cb, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pruning/")}
+        self.rows[self.cb.step] = [copy.deepcopy(self.cb.dropped), logged]
+
+
+def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = False) -> tuple[dict, dict, dict]:
+    module = (ShardedStepModule if kind == "mp" else StepDataModule)(optimizer="adamw", lr=0.2, seed=0)
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, mode=mode, **SCHEDULE)
+    rec = Recorder(cb)
+    callbacks = [cb, rec]
+    if save:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath="ckpts", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        )
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if kind == "mp"
+        else DDPStrategy(process_group_backend="gloo")
+    )
+    trainer = pl.Trainer(
+        max_steps=TOTAL,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=save,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    with torch.no_grad():
+        weights = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).double().flatten().tolist()
+            for n, p in module.named_parameters()
+        }
+    routes = {k: v[0] for k, v in cb.pruner.routes.items()}
+    return weights, rec.rows, routes
+
+
+def main(kind: str, mode: str, stops: list[int]) -> None:
+    want_w, want_rows, routes = fit(kind, mode, save=True)
+    mismatches = []
+    for k in stops:
+        path = f"ckpts/step={k}.ckpt"
+        got_w, rows, _ = fit(kind, mode, ckpt_path=path)
+        if sorted(rows) != list(range(k + 1, TOTAL + 1)):
+            mismatches.append(f"k={k}: resumed steps {sorted(rows)}")
+        mismatches += [f"k={k} step {s}: {rows[s]} != {want_rows[s]}" for s in rows if rows[s] != want_rows.get(s)]
+        mismatches += [f"k={k}: weights of {n} differ" for n in want_w if got_w[n] != want_w[n]]
+    masks = [set(want_rows[s][0]["hidden"]) for s in range(SCHEDULE["warmup_steps"] + 1, TOTAL + 1)]
+    revived = any(a - b for a, b in zip(masks, masks[1:], strict=False))
+    out = {"rank": dist.get_rank(), "mismatches": mismatches, "routes": routes, "revived": revived}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], [int(k) for k in sys.argv[3].split(",")])
+    finish_worker()
