@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-shrink clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,9 +26,14 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-bench: setup
+bench: setup bench-shrink
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_sharded.py
+
+# Torch-Pruning is a baseline of the shrink benchmark only (never a test dependency); --no-deps keeps the CPU torch.
+bench-shrink: setup
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
+	$(PY) bench/bench_shrink.py --reps 5 --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output

@@ -304,9 +304,9 @@ def analytic_table(cfg: Llama, worlds: tuple[int, ...] = (8, 64)) -> str:
         for kind, c, count in (("mlp", c_mlp, cfg.layers), ("heads", c_heads, cfg.layers), ("resid", c_resid, 1)):
             tao += count * (ring * 4 * c + (n - 1) / n * 4 * writers[kind] * c)
         tao_counts = sum(ring * 8 * members[k] * cnt for k, cnt in (("mlp", 32), ("heads", 32), ("resid", 1)))
-        ours = (n - 1) * 4 * sum_c
+        ours = (n - 1) * 8 * sum_c  # float64 partial sums (layout-invariant scores)
         ours_counts = ring * 8 * num_tensors
-        two_phase = 2 * (n - 1) / n * 4 * -(-sum_c // n) * n
+        two_phase = 2 * (n - 1) / n * 8 * -(-sum_c // n) * n
         heads_note = "" if c_heads % n == 0 else "; its head clusters (C=8 not divisible by n) would materialize"
         lines += [
             f"| {n} | materializing (full_tensor per weight) | {num_tensors} (+{num_tensors}) | {_fmt_bytes(mat)} "
@@ -316,10 +316,10 @@ def analytic_table(cfg: Llama, worlds: tuple[int, ...] = (8, 64)) -> str:
             "O(n_w C) fp32 per cluster |",
             f"| {n} | lightning_pat, one packed all_gather per shard group (its choice up to 4 MiB received) | "
             f"1 (+1) | {_fmt_bytes(ours)} (+{_fmt_bytes(ours_counts)}) | {mat / ours:,.0f}x | "
-            f"{_fmt_bytes(4 * sum_c * n)} gathered fp32 |",
+            f"{_fmt_bytes(8 * sum_c * n)} gathered fp64 |",
             f"| {n} | lightning_pat, all_to_all + all_gather, same bits (its choice above 4 MiB: **used here**) | "
             f"2 (+1) | {_fmt_bytes(two_phase)} (+{_fmt_bytes(ours_counts)}) | {mat / two_phase:,.0f}x | "
-            f"{_fmt_bytes(4 * 4 * sum_c)} fp32 buffers |",
+            f"{_fmt_bytes(4 * 8 * sum_c)} fp64 buffers |",
         ]
     return "\n".join(lines)
 

@@ -172,6 +172,23 @@ def check_strategy_and_optimization(trainer: pl.Trainer, pl_module: pl.Lightning
         )
 
 
+def check_shrink_on_freeze(trainer: pl.Trainer) -> None:
+    """``shrink_on_freeze`` runs on a single device only (for now).
+
+    Raises:
+        MisconfigurationException: Under any strategy but ``SingleDeviceStrategy``.
+    """
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    if not isinstance(trainer.strategy, SingleDeviceStrategy):
+        raise MisconfigurationException(
+            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
+            f"{type(trainer.strategy).__name__}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
+            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
+            "(lightning_pat.shrink(model, callback)), or train on one device."
+        )
+
+
 def warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:
     """Warn about clustered parameters that are frozen or in no optimizer (they are masked but never updated)."""
     in_opt = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
@@ -286,4 +303,58 @@ def check_mask_not_empty(
             f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters {empty[:5]} have no dropped "
             "units although the target requires some; refusing to heal with an empty mask. Resume from a checkpoint "
             "of this run, or start a new run with a fresh Trainer."
+        )
+
+
+def check_restorable(
+    state: Mapping[str, Any],
+    *,
+    fingerprints: Mapping[str, str],
+    options: Mapping[str, Any],
+    schedule: Schedule,
+    latent_mode: bool,
+    heal: bool,
+) -> bool:
+    """Check that a saved callback state can be continued exactly; return whether latent copies must be restored.
+
+    Raises:
+        MisconfigurationException: If the clusters' fingerprints differ, changed options cannot take effect (see
+            :func:`check_resumed_options`), or latent mode must continue a ramp but the state has no latents.
+    """
+    saved = state.get("fingerprints", {})
+    if saved and saved != fingerprints:
+        changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
+            "resume with the same cluster declarations and model, or start a new run."
+        )
+    step = int(state.get("step", 0))
+    saved_options = state.get("options")
+    if saved_options is not None:
+        final = step >= int(saved_options["warmup_steps"]) + int(saved_options["ramp_steps"])
+        check_resumed_options(saved_options, options, step=step, final=final)
+    needs = latent_mode and schedule.phase(step) != "warmup"
+    needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
+    if needs and state.get("latent") is None:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: the checkpoint (state version {state.get('version', 1)}, step {step}, final "
+            f"step {schedule.final_step}) holds no latent copies, so latent mode cannot continue the ramp exactly. "
+            "Resume with mode='direct', or resume from a checkpoint written by this version."
+        )
+    return needs
+
+
+def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) -> None:
+    """Debug check: compare a hash of the selection across all ranks (one small collective).
+
+    Raises:
+        RuntimeError: On every rank, if some rank selected different units than rank 0.
+    """
+    digest = hashlib.sha256(json.dumps(dropped, sort_keys=True).encode()).hexdigest()
+    everyone = D.gather_objects(digest, group=D.world_group())
+    if len(set(everyone)) > 1:
+        ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        raise RuntimeError(
+            f"CoupledPruningCallback (debug_check_selection): at step {step} ranks {ranks} selected different units "
+            "than rank 0; the selection is not identical across the mesh."
         )

@@ -16,8 +16,6 @@ projected (pruned) weights:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import weakref
 from collections.abc import Iterator, Mapping
@@ -41,6 +39,7 @@ from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.latent import LatentStore
 from lightning_pat.metrics import PruningMetrics
 from lightning_pat.scoring import SCORE_TYPES, ScoreType
+from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
 from lightning_pat.spec import Cluster, ResolvedCluster
 
 if TYPE_CHECKING:
@@ -99,11 +98,16 @@ class CoupledPruningCallback(Callback):
             the final ramp step (literal zeros are counted only then).
         debug_check_selection: After every fresh selection, compare a hash of the selection across all ranks and
             raise if they differ (one small collective per selection; off by default).
+        shrink_on_freeze: At the final ramp step, once the mask is frozen, physically shrink the LightningModule's
+            model in place and slice the optimizer state the same way, so healing runs on the small model (single
+            device only; needs ``heal=True``). A checkpoint written afterwards resumes: the fresh module is shrunk
+            before its weights load.
 
     Raises:
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
-            manual optimization (at setup); if the clusters do not resolve against the model, or ranks disagree on
+            manual optimization, or ``shrink_on_freeze`` runs under another strategy than a single device (at setup);
+            if the clusters do not resolve against the model, or ranks disagree on
             clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if a
             checkpoint's state cannot be restored (at train start).
 
@@ -136,6 +140,7 @@ class CoupledPruningCallback(Callback):
         preset_options: dict[str, Any] | None = None,
         log_metrics: bool = True,
         debug_check_selection: bool = False,
+        shrink_on_freeze: bool = False,
     ) -> None:
         V.check_options(
             target_sparsity=target_sparsity,
@@ -166,6 +171,13 @@ class CoupledPruningCallback(Callback):
         self.preset_options = dict(preset_options or {})
         self.log_metrics = log_metrics
         self.debug_check_selection = debug_check_selection
+        if shrink_on_freeze and not heal:
+            raise MisconfigurationException(
+                "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
+            )
+        self.shrink_on_freeze = shrink_on_freeze
+        self._shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
+        self._restore_hook: Any = None
 
         self.pruner: Pruner | None = None
         self.plan: Plan | None = None
@@ -195,6 +207,13 @@ class CoupledPruningCallback(Callback):
         return self._generate_state_key(clusters=names if isinstance(names, str) else ",".join(names))
 
     @property
+    @override
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        """The key of state version 1 (it included ``target_sparsity``): such checkpoints are still found."""
+        names = self.state_key[len(type(self).__qualname__) :]
+        return type(self).__qualname__ + names[:-1] + f", 'target_sparsity': {self.target_sparsity!r}}}"
+
+    @property
     def step(self) -> int:
         """Completed real optimizer steps seen by the schedule."""
         return self._step
@@ -202,6 +221,8 @@ class CoupledPruningCallback(Callback):
     @property
     def dropped(self) -> dict[str, list[int]]:
         """Cluster name -> sorted dropped unit indices of the current mask."""
+        if self._shrunk is not None:
+            return dict(self._shrunk)
         return {} if self.pruner is None else {rc.name: self.pruner.dropped(rc.name) for rc in self.pruner.clusters}
 
     def targets(self, step: int) -> dict[str, float]:
@@ -245,6 +266,7 @@ class CoupledPruningCallback(Callback):
             "clusters": [rc.to_dict() for rc in self.resolved],
             "options": self._options(),
             "latent": self._latent_state(),
+            "shrunk": self._shrunk is not None,
         }
 
     def _latent_format(self) -> str:
@@ -275,6 +297,25 @@ class CoupledPruningCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Reject what cannot be supported, before any step: DeepSpeed, manual optimization."""
         V.check_strategy_and_optimization(trainer, pl_module)
+        if self.shrink_on_freeze:
+            V.check_shrink_on_freeze(trainer)
+            connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook
+            self._restore_hook = pl_module.register_load_state_dict_pre_hook(
+                lambda module, _sd, prefix, *_: self._shrink_before_restore(module, connector, prefix)
+            )
+
+    def _shrink_before_restore(self, module: torch.nn.Module, connector: Any, prefix: str) -> None:
+        """Resume after ``shrink_on_freeze``: give the fresh module the checkpoint's shapes before its weights load."""
+        checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if prefix or self._shrunk is not None or not state or not state.get("shrunk"):
+            return
+        try:
+            restore_shrunk(module, state)
+        except ValueError as err:
+            raise MisconfigurationException(f"CoupledPruningCallback: cannot resume the shrunk model: {err}") from err
+        self.resolved = [ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
+        self._shrunk = {k: list(v) for k, v in state["dropped"].items()}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,6 +328,13 @@ class CoupledPruningCallback(Callback):
         self._strategy = trainer.strategy
         self._fsdp1_root = trainer.strategy.model if isinstance(trainer.strategy, FSDPStrategy) else None
         self._params = dict(pl_module.named_parameters(remove_duplicate=False))
+        if self._restore_hook is not None:  # the checkpoint's weights are loaded by now
+            self._restore_hook.remove()
+            self._restore_hook = None
+        if self._shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
+            self.pruner, self._latents = None, None
+            self._tracker.attach(trainer.optimizers)
+            return
         plan, error = None, None
         with self._weights(pl_module) as params:
             try:
@@ -306,6 +354,11 @@ class CoupledPruningCallback(Callback):
             self.plan = plan
             self.resolved = list(plan.clusters)
             self.pruner = Pruner.from_plan(params, plan)
+            if self.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
+                try:
+                    check_shrinkable(pl_module, self.resolved)
+                except ValueError as err:
+                    raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
         clustered = sorted({n for rc in self.resolved for n in rc.param_names})
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
         self._latents = LatentStore(self._params, list(self._params) if self._fsdp1_root is not None else clustered)
@@ -346,6 +399,11 @@ class CoupledPruningCallback(Callback):
         A restored state continues; the same Trainer's next fit continues its in-memory state; otherwise a new
         schedule starts at step 0. A resume whose checkpoint holds no state for this callback is an error.
         """
+        if self._shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps from here
+            state = self._pending_state or self._carry or {}
+            self._step, self._gamma = int(state.get("step", self._step)), float(state.get("gamma", self._gamma))
+            self._pending_state = self._carry = None
+            return
         assert self.pruner is not None
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -396,33 +454,20 @@ class CoupledPruningCallback(Callback):
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: dict[str, Any]) -> None:
         assert self.pruner is not None
         assert self._latents is not None
-        saved = state.get("fingerprints", {})
-        current = {rc.name: rc.fingerprint() for rc in self.resolved}
-        if saved and saved != current:
-            changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-            raise MisconfigurationException(
-                f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
-                "resume with the same cluster declarations and model, or start a new run."
-            )
         step = int(state.get("step", 0))
-        old = self.schedule.warmup_steps + self.schedule.ramp_steps
-        options = state.get("options")
-        if options is not None:
-            final = step >= int(options["warmup_steps"]) + int(options["ramp_steps"])
-            V.check_resumed_options(options, self._options(), step=step, final=final)
+        needs_latent = V.check_restorable(
+            state,
+            fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
+            options=self._options(),
+            schedule=self.schedule,
+            latent_mode=self.mode == "latent",
+            heal=self.heal,
+        )
         latent = state.get("latent")
-        needs_latent = self.mode == "latent" and self.schedule.action(step + 1, heal=self.heal) in ("select", "hold")
-        needs_latent = needs_latent and self.schedule.phase(step) != "warmup"
-        if needs_latent and latent is None:
-            raise MisconfigurationException(
-                f"CoupledPruningCallback: the checkpoint (state version {state.get('version', 1)}, step {step}, "
-                f"final step {old}) holds no latent copies, so latent mode cannot continue the ramp exactly. Resume "
-                "with mode='direct', or resume from a checkpoint written by this version."
-            )
         self._step = step
         self._gamma = float(state.get("gamma", 0.0))
         self.pruner.load_dropped(state.get("dropped", {}), state.get("factors", {}))
-        if needs_latent and latent is not None:
+        if needs_latent:
             self._latents.load_state_dict(S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path))
         else:
             self._latents.clear()
@@ -432,6 +477,9 @@ class CoupledPruningCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what the same Trainer's next ``fit`` needs to continue (the latents only during the ramp)."""
+        if self._shrunk is not None:
+            self._carry = {"step": self._step, "gamma": self._gamma}
+            return
         assert self.pruner is not None
         self._last_fit = (weakref.ref(trainer), trainer.global_step)
         latents = self._latents.state_dict() if self._latents is not None and self._latents.active else {}
@@ -469,6 +517,11 @@ class CoupledPruningCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After a real optimizer step: advance the schedule and act (select, hold or freeze)."""
+        if self._shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
+            if self._tracker.consume():
+                self._step += 1
+                self._gamma += self._tracker.last_lr or 0.0
+            return
         if self.pruner is None or self._latents is None:
             return
         latent = self.mode == "latent"
@@ -498,8 +551,23 @@ class CoupledPruningCallback(Callback):
                 result = self.pruner.result(count=True) if count else None  # counting may communicate
             if self.heal and self.schedule.phase(step) == "final":
                 self._latents.clear()  # the mask is frozen from here on
+                if self.shrink_on_freeze:
+                    self._shrink_model(trainer, pl_module)
             if result is not None:
                 self._log(pl_module, result)
+
+    def _shrink_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``shrink_on_freeze``: cut the frozen mask's units out of the module and the optimizer state."""
+        dropped = self.dropped
+        try:
+            shrink_for_training(pl_module, self.resolved, dropped, optimizers=trainer.optimizers)
+        except ValueError as err:
+            raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
+        self._shrunk, self.pruner, self._latents = dropped, None, None
+        rank_zero_info(
+            f"CoupledPruningCallback: shrunk the model at step {self._step} to "
+            f"{sum(p.numel() for p in pl_module.parameters()):,} parameters; healing runs on the small model."
+        )
 
     def _select(self, pl_module: pl.LightningModule) -> None:
         """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
@@ -511,17 +579,7 @@ class CoupledPruningCallback(Callback):
             targets = dict.fromkeys(targets, 0.0)
         self.pruner.step(targets, method=method, threshold=self.reg_lambda * self._gamma)
         if self.debug_check_selection:
-            self._check_selection()
-
-    def _check_selection(self) -> None:
-        digest = hashlib.sha256(json.dumps(self.dropped, sort_keys=True).encode()).hexdigest()
-        everyone = D.gather_objects(digest, group=D.world_group())
-        if len(set(everyone)) > 1:
-            ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
-            raise RuntimeError(
-                f"CoupledPruningCallback (debug_check_selection): at step {self._step} ranks {ranks} selected "
-                "different units than rank 0; the selection is not identical across the mesh."
-            )
+            V.check_selection_agreement(self.dropped, step=self._step)
 
     def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:

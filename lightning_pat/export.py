@@ -146,40 +146,51 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
     return directory
 
 
+def _stock_differences(model: nn.Module) -> list[str]:
+    """Why a stock model built from ``model.config`` would not be this model (empty: it would be)."""
+    config = copy.deepcopy(model.config)
+    try:
+        if callable(getattr(config, "validate", None)):
+            config.validate()  # e.g. Llama: hidden_size must be a multiple of the head count
+        return _differences(model, _build_empty(type(model), config))
+    except Exception as err:  # noqa: BLE001 - a config that cannot validate or build is "not expressible"
+        return [f"the stock config does not validate or build: {type(err).__name__}: {str(err).strip()[-200:]}"]
+
+
 def _save_hf(model: nn.Module, directory: Path) -> None:
-    model.save_pretrained(directory)
-    cls = type(model)
-    try:
-        stock = _build_empty(cls, copy.deepcopy(model.config))
-        diffs = _differences(model, stock)
-    except Exception as err:  # noqa: BLE001 - a config that cannot even build a model is "not expressible"
-        diffs = [f"building {cls.__name__} from the new config fails: {err}"]
+    diffs = _stock_differences(model)
     if not diffs:
-        log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", cls.__name__)
+        model.save_pretrained(directory)
+        log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", type(model).__name__)
         return
-    base_config = getattr(model, BASE_CONFIG_ATTR, None) or model.config.to_dict()
+    cls = type(model)
+    base_dict = getattr(model, BASE_CONFIG_ATTR, None) or model.config.to_dict()
     try:
-        base = _build_empty(cls, cls.config_class.from_dict(copy.deepcopy(base_config)))
+        base_config = cls.config_class.from_dict(copy.deepcopy(base_dict))
+        base = _build_empty(cls, base_config)
     except Exception as err:  # noqa: BLE001 - re-raised with the fix
         raise ValueError(
             f"save_pretrained: {cls.__name__}'s shapes are not expressible by its config ({diffs[:3]}), and no model "
             f"can be built from the config it was shrunk from ({err}). Shrink with lightning_pat.shrink, which "
             "records that config."
         ) from err
-    base_attrs, attrs = _attributes(base), _attributes(model)
-    entry = {
+    shrunk_config = model.config
+    model.config = base_config  # transformers validates the config it writes; the weights are written as they are
+    try:
+        model.save_pretrained(directory)
+    finally:
+        model.config = shrunk_config
+    config = {**shrunk_config.to_dict(), "architectures": [cls.__name__]}
+    config[ENTRY] = {
         "loader": LOADER,
         "version": _VERSION,
         "class": cls.__name__,
-        "base_config": base_config,
+        "base_config": base_dict,
         "shapes": _shapes(model),
-        "attributes": _changed(attrs, base_attrs),
+        "attributes": _changed(_attributes(model), _attributes(base)),
         "why": diffs[:10],
     }
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    config[ENTRY] = entry
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     log.warning(
         "save_pretrained: the stock %s config cannot express this model (%s); load it with "
         "lightning_pat.load_pretrained(%r)",

@@ -23,8 +23,9 @@ Norms over a shrunk residual: a dropped residual channel is exactly zero, but th
 ``d``. RMSNorm over the ``d'`` kept channels reproduces it with weight ``w * sqrt(d / d')`` and eps
 ``eps * d / d'`` (``nn.RMSNorm(eps=None)`` gets ``finfo(weight.dtype).eps * d / d'``), which :func:`apply_plan` does.
 LayerNorm subtracts the mean over all ``d`` channels, zeros included, which no LayerNorm over ``d'`` channels can
-reproduce: the shrink warns (``LayerNormShrinkWarning``); on the tiny GPT-2 of the tests, 50% of the residual
-changes the logits by about 30% relative (see ``BENCHMARKS.md``), so fine-tune after such a shrink.
+reproduce: the shrink warns (``LayerNormShrinkWarning``); on the tiny GPT-2 models of the tests, shrinking 25/50/75%
+of the residual changes the logits by about 17/40/80% relative (``python bench/bench_shrink.py --layernorm``, see
+``BENCHMARKS.md``), so fine-tune after such a shrink.
 """
 
 from __future__ import annotations
@@ -493,11 +494,25 @@ def _set_config(config: Any, names: Sequence[str], value: int | float | None, wh
             setattr(config, n, value)
 
 
-def _update_config(model: nn.Module, norm_eps: list[float], hidden_changed: bool) -> None:
+def _config_owners(model: nn.Module) -> list[nn.Module]:
+    """The outermost module holding each distinct ``config`` object.
+
+    For a LightningModule this is its inner HF model or TinyGPT; HF attention modules share their model's config
+    object and are skipped.
+    """
+    owners, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and not isinstance(config, (int, float, str, Mapping)):
+            seen.add(id(config))
+            owners.append(module)
+    return owners
+
+
+def _update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_changed: bool) -> None:
     """Write the new uniform sizes into ``model.config`` (Hugging Face configs and ``TinyGPTConfig``)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return
+    config = model.config
+    norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
     attns = [m for m in model.modules() if _is_llama_attention(m)]
     gpt2 = [m for m in model.modules() if _is_gpt2_attention(m) and not hasattr(m, "q_attn")]
     mlp_widths = [
@@ -559,6 +574,34 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
         )
 
 
+def _validate(
+    model: nn.Module, plan: ShrinkPlan, optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[dict[str, nn.Parameter], dict[int, _Edit], list[list[tuple[Tensor, str]]]]:
+    params, edits = _collect_edits(model, plan)
+    for edit in edits.values():
+        _check_edit(edit)
+    _check_attention(model, edits)
+    return params, edits, [_optimizer_cuts(opt, plan, params) for opt in optimizers]
+
+
+def check_shrinkable(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> None:
+    """Check, without changing anything, that a shrink of these clusters could rewrite ``model``.
+
+    Used before training with ``shrink_on_freeze`` (the dropped units are not known yet): a trial plan drops the first
+    unit of every cluster with more than one unit, which exercises every module type, every bias/weight pairing and
+    every attention module the clusters touch.
+
+    Args:
+        model: The module the clusters were resolved against.
+        clusters: The resolved clusters.
+
+    Raises:
+        ValueError: As for :func:`apply_plan`.
+    """
+    trial = {rc.name: [0] for rc in clusters if rc.num_units > 1}
+    _validate(model, _align_names(build_plan(clusters, trial), model), ())
+
+
 def apply_plan(
     model: nn.Module, plan: ShrinkPlan, *, optimizers: Sequence[torch.optim.Optimizer] = (), check_zeros: bool = True
 ) -> nn.Module:
@@ -579,20 +622,17 @@ def apply_plan(
             norm's weight and bias) would be cut differently, an attention module would lose partial heads or
             partial query groups, or an optimizer holds state it cannot slice.
     """
-    params, edits = _collect_edits(model, plan)
-    for edit in edits.values():
-        _check_edit(edit)
-    _check_attention(model, edits)
-    cut_by_opt = [_optimizer_cuts(opt, plan, params) for opt in optimizers]
+    params, edits, cut_by_opt = _validate(model, plan, optimizers)
     plan_names = {id(params[n]): n for n in plan.keep}
     if check_zeros:
         _check_zeros(edits, plan_names)
     # ---- validated; mutate from here on
-    config = getattr(model, "config", None)
-    if callable(getattr(config, "to_dict", None)) and not hasattr(model, BASE_CONFIG_ATTR):
-        setattr(model, BASE_CONFIG_ATTR, copy.deepcopy(config.to_dict()))
-    emb = _input_embedding(model)
-    hidden_before = emb.embedding_dim if emb is not None else None
+    owners = _config_owners(model)
+    for owner in owners:
+        if callable(getattr(owner.config, "to_dict", None)) and not hasattr(owner, BASE_CONFIG_ATTR):
+            setattr(owner, BASE_CONFIG_ATTR, copy.deepcopy(owner.config.to_dict()))
+    embeddings = {id(m): _input_embedding(m) for m in [model, *owners]}
+    hidden_before = {k: e.embedding_dim for k, e in embeddings.items() if e is not None}
     for opt, cuts in zip(optimizers, cut_by_opt, strict=True):
         slice_optimizer_state(opt, plan, {n: p for p, n in cuts})
     new_params: dict[int, Tensor] = {}
@@ -603,26 +643,29 @@ def apply_plan(
         if param.grad is not None:
             grads[name] = plan.slice(name, param.grad)
             param.grad = None
-    layernorms, norm_eps = [], []
+    layernorms, rescaled_eps = [], {}
     with torch.no_grad():
         for edit in edits.values():
             _rewrite(edit, new_params)
             if edit.kind == "layernorm":
                 layernorms.append(edit.name)
             elif edit.kind == "hf_rmsnorm":
-                norm_eps.append(edit.module.variance_epsilon)
+                rescaled_eps[id(edit.module)] = edit.module.variance_epsilon
             elif edit.kind == "rmsnorm":
-                norm_eps.append(edit.module.eps)
+                rescaled_eps[id(edit.module)] = edit.module.eps
     for name, grad in grads.items():
         params[name].grad = grad
-    hidden = (hidden_before, emb.embedding_dim) if emb is not None and hidden_before is not None else None
-    _update_containers(model, hidden)
-    _update_config(model, norm_eps, hidden is not None and hidden[0] != hidden[1])
+    emb = embeddings[id(model)]
+    _update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
+    for owner in owners:
+        emb = embeddings[id(owner)]
+        changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
+        _update_config(owner, rescaled_eps, changed)
     if layernorms:
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "
             "width (pruned zeros included), which no smaller LayerNorm reproduces, so the shrunk model is NOT "
-            "output-preserving (about 30% relative change of the logits at 50% of a tiny GPT-2's residual). "
+            "output-preserving (tiny GPT-2: 17/40/80% relative change of the logits at 25/50/75% of the residual). "
             "Fine-tune after the shrink, or do not prune the residual of LayerNorm models.",
             LayerNormShrinkWarning,
             stacklevel=2,
@@ -755,3 +798,52 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     plan = plan_for(model, source)
     target = model if inplace else copy.deepcopy(model)
     return apply_plan(target, plan)
+
+
+# ---------------------------------------------------------------------------------------------------- during training
+def shrink_for_training(
+    module: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    dropped: Mapping[str, Sequence[int]],
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> None:
+    """Shrink a model that is being trained, and its optimizers' state the same way (``shrink_on_freeze``).
+
+    The parameters stay the same objects (with smaller data), so the optimizers' param groups stay valid; their
+    state (momentum, Adam moments) keeps the kept indices, ``step`` counters are kept.
+
+    Args:
+        module: The module the clusters were resolved against (the LightningModule).
+        clusters: The resolved clusters.
+        dropped: The frozen mask: cluster name -> dropped unit indices.
+        optimizers: The optimizers training ``module``.
+
+    Raises:
+        ValueError: As for :func:`apply_plan` (before anything changes).
+    """
+    apply_plan(module, build_plan(clusters, dropped), optimizers=optimizers)
+
+
+def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
+    """Give a freshly built module the shapes a checkpoint written after ``shrink_on_freeze`` holds.
+
+    Call it before loading the checkpoint's weights (the values are about to be overwritten, so no zero check).
+
+    Args:
+        module: The full-size module the clusters were resolved against.
+        state: The callback's state, or a whole Lightning checkpoint dict.
+
+    Returns:
+        Whether the state records a shrink (and ``module`` was shrunk).
+
+    Raises:
+        ValueError: As for :func:`read_source` and :func:`apply_plan`.
+    """
+    if "callbacks" in state and "clusters" not in state:
+        state = _checkpoint_state(state)
+    if not state.get("shrunk"):
+        return False
+    clusters, dropped = _from_state(state, "the callback state")
+    apply_plan(module, _align_names(build_plan(clusters, dropped), module), check_zeros=False)
+    return True

@@ -71,7 +71,25 @@ def test_readme_has_the_front_door_sections():
     assert len(blocks("bash")) >= 3
 
 
+def fitted_tiny_gpt():
+    """A TinyGPT LightningModule after a few steps of pruning-aware training, and its callback."""
+    import lightning.pytorch as pl
+
+    from lightning_pat import CoupledPruningCallback
+    from lightning_pat.demo import StdlibText, TinyGPTModule
+
+    model = TinyGPTModule()
+    pruning = CoupledPruningCallback("tiny_gpt", 0.5, warmup_steps=1, ramp_steps=2)
+    trainer = pl.Trainer(
+        max_steps=3, callbacks=[pruning], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(model, datamodule=StdlibText(max_bytes=50_000, batch_size=4))
+    return model, pruning
+
+
 def test_python_blocks_run(tmp_path, monkeypatch):
+    import torch
+
     from lightning_pat import Cluster, resolve_clusters
     from lightning_pat.demo import TinyGPTModule
 
@@ -84,14 +102,29 @@ def test_python_blocks_run(tmp_path, monkeypatch):
     small = namespace["model"].model
     assert [layer.mlp.gate_proj.out_features for layer in small.layers] == [128, 128]  # really cut out
     assert (tmp_path / "tinygpt-small").is_dir()
+    checked = {"declaration": False, "shrink": False}
     for code in rest:
         namespace = {}
+        uses_a_fitted_model = "shrink(model, pruning)" in code and "pruning =" not in code
+        if uses_a_fitted_model:  # the block continues a training run: the test provides one
+            namespace["model"], namespace["pruning"] = fitted_tiny_gpt()
+            x = torch.randint(0, 256, (2, 16))
+            with torch.no_grad():
+                masked = namespace["model"](x)
         exec(compile(tiny(code), "README.md", "exec"), namespace)  # noqa: S102
-    mlp = namespace["mlp"]  # the hand-written declaration resolves on a real model
-    assert isinstance(mlp, Cluster)
-    resolved = resolve_clusters(TinyGPTModule(), [mlp])
-    assert [rc.name for rc in resolved] == ["mlp.0", "mlp.1"]
-    assert all(rc.num_units == 256 and len(rc.members) == 3 for rc in resolved)
+        if uses_a_fitted_model:
+            with torch.no_grad():
+                assert torch.allclose(namespace["small"](x), masked, atol=1e-5)
+            assert namespace["model"].model.layers[0].mlp.gate_proj.out_features == 128
+            checked["shrink"] = True
+        if "mlp" in namespace:  # the hand-written declaration resolves on a real model
+            mlp = namespace["mlp"]
+            assert isinstance(mlp, Cluster)
+            resolved = resolve_clusters(TinyGPTModule(), [mlp])
+            assert [rc.name for rc in resolved] == ["mlp.0", "mlp.1"]
+            assert all(rc.num_units == 256 and len(rc.members) == 3 for rc in resolved)
+            checked["declaration"] = True
+    assert all(checked.values()), checked
 
 
 @pytest.mark.timeout(240)

@@ -91,3 +91,10 @@ def test_gradient_on_some_ranks_only_raises_on_every_rank(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_select_leaves_no_stale_dense_copy(world):
     assert all(out["stale"]["ok"] for out in results(world))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_local_layout_check_raises_on_every_rank(world):
+    errors = [out["shape_check"]["error"] for out in results(world)]
+    assert errors[0] == "The sharded path found local shards whose shapes differ from the layout it computed"
+    assert all(e == errors[0] for e in errors)

@@ -1,11 +1,14 @@
 """One rank of the multi-process resume matrix (launched per rank by test_resume_distributed.py).
 
-    python resume_worker.py {ddp|mp} {latent|direct} K1,K2,...
+    python resume_worker.py {ddp|mp|mp-full|fsdp1} {latent|direct} K1,K2,...
 
 Runs the fit uninterrupted with a checkpoint after every step, then, for each K, a fresh module, callback and Trainer
 resumed from the step-K checkpoint; prints one ``RESULT {json}`` line with every mismatch (weights of the whole
 model, masks and logged sparsity per step) between the resumed runs and the uninterrupted one. ``mp`` shards the
-MLP with FSDP2 under ModelParallelStrategy (sharded path, latents as DTensors in a distributed checkpoint).
+MLP with FSDP2 under ModelParallelStrategy (sharded path, latents as DTensors in a distributed checkpoint);
+``mp-full`` writes a full (gathered) checkpoint instead; ``fsdp1`` uses FSDPStrategy (flat parameters, latents of
+every rank's flat shard gathered into the callback state; not in the test matrix: FSDP1 checkpointing on CPU
+crashes, see test_resume_distributed.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_pat import CoupledPruningCallback
 from tests.common.dist import finish_worker
@@ -34,6 +38,13 @@ class ShardedStepModule(StepDataModule):
         fully_shard(self, mesh=self.device_mesh["data_parallel"])
 
 
+class CPUFSDPStrategy(FSDPStrategy):
+    """Test-only: Lightning's FSDPStrategy refuses CPU, but FSDP1 runs on CPU when given ``device_id=cpu``."""
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return FullyShardedDataParallel(module=model, device_id=torch.device("cpu"), use_orig_params=True)
+
+
 class Recorder(pl.Callback):
     def __init__(self, cb: CoupledPruningCallback) -> None:
         self.cb, self.rows = cb, {}
@@ -44,7 +55,7 @@ class Recorder(pl.Callback):
 
 
 def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = False) -> tuple[dict, dict, dict]:
-    module = (ShardedStepModule if kind == "mp" else StepDataModule)(optimizer="adamw", lr=0.2, seed=0)
+    module = (ShardedStepModule if kind.startswith("mp") else StepDataModule)(optimizer="adamw", lr=0.2, seed=0)
     cb = CoupledPruningCallback(mlp_cluster(), 0.5, mode=mode, **SCHEDULE)
     rec = Recorder(cb)
     callbacks = [cb, rec]
@@ -52,11 +63,14 @@ def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = Fals
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath="ckpts", filename="{step}", every_n_train_steps=1, save_top_k=-1)
         )
-    strategy = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        if kind == "mp"
-        else DDPStrategy(process_group_backend="gloo")
-    )
+    strategy = {
+        "mp": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "mp-full": lambda: ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+        ),
+        "fsdp1": lambda: CPUFSDPStrategy(process_group_backend="gloo"),
+        "ddp": lambda: DDPStrategy(process_group_backend="gloo"),
+    }[kind]()
     trainer = pl.Trainer(
         max_steps=TOTAL,
         accelerator="cpu",
@@ -70,7 +84,10 @@ def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = Fals
         log_every_n_steps=1,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
-    with torch.no_grad():
+    context = (
+        FullyShardedDataParallel.summon_full_params(trainer.strategy.model) if kind == "fsdp1" else torch.no_grad()
+    )
+    with context, torch.no_grad():
         weights = {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).double().flatten().tolist()
             for n, p in module.named_parameters()

@@ -172,3 +172,78 @@ def test_plain_sequential_round_trip_and_errors(tmp_path):
         load_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither config.json"):
         load_pretrained(tmp_path / "missing")
+
+
+def test_head_count_the_stock_config_refuses_still_exports(tmp_path):
+    """Llama validates hidden_size % num_attention_heads == 0 even with an explicit head_dim: 3 heads of 8 in d=32."""
+    case = llama_like("llama", n_head=4, n_kv=4)
+    model = shrunk(case, ("heads",), frac=0.25)
+    assert model.config.num_attention_heads == 3
+    ids = token_ids()
+    ref = logits(model, ids)
+    save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_attention_heads"] == 3
+    assert "does not validate" in config[ENTRY]["why"][0]
+    with pytest.raises(Exception, match="multiple of the number of attention heads"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert max_err(logits(eager(load_pretrained(tmp_path)), ids), ref) < 1e-6
+
+
+def test_readme_shrink_block_runs(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"## Shrink and export\n\n.*?```python\n(.*?)```", readme, re.S)
+    assert code is not None, "README lost its shrink example"
+    case = tiny_gpt(n_head=4, n_kv=2)
+    model = case.fresh()
+    pruning = prune_clusters(model, presets.tiny_gpt(model), 0.5)
+    ids = token_ids()
+    ref = logits(model, ids)
+    namespace = {"model": model, "pruning": pruning}
+    exec(code.group(1).replace("out/small", str(tmp_path / "small")), namespace)  # noqa: S102 - our own README
+    assert max_err(logits(namespace["small"], ids), ref) < 1e-6
+
+
+def test_export_errors(tmp_path):
+    from lightning_pat.shrink import BASE_CONFIG_ATTR
+
+    model = shrunk(gpt2(n_head=4), ("heads",))
+    setattr(model, BASE_CONFIG_ATTR, {"model_type": "gpt2", "n_embd": 32, "n_head": 5})  # cannot build
+    with pytest.raises(ValueError, match="not expressible by its config"):
+        save_pretrained(model, tmp_path / "bad")
+    model = shrunk(gpt2(n_head=4), ("heads",))
+    save_pretrained(model, tmp_path / "ok")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    config[ENTRY]["version"] = 99
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="export version 99"):
+        load_pretrained(tmp_path / "ok")
+
+
+def test_shrinking_a_wrapper_updates_and_exports_the_inner_model(tmp_path):
+    """A LightningModule holds the HF model as `self.model`: its config and base config are the inner model's."""
+    from lightning_pat.shrink import BASE_CONFIG_ATTR
+
+    case = llama_like("llama", n_head=4, n_kv=2, bias=True, tied=True)
+
+    class Lit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = case.fresh()
+
+    lit = Lit()
+    result = prune_clusters(lit, presets.llama(lit), 0.5)
+    ids = token_ids()
+    ref = logits(lit.model, ids)
+    shrink(lit, result)
+    config = lit.model.config
+    assert config.intermediate_size == case.ff - len(result.dropped["mlp.0"])
+    assert config.num_key_value_heads == case.n_kv - len(result.dropped["heads.0"])
+    assert getattr(lit.model, BASE_CONFIG_ATTR)["intermediate_size"] == case.ff
+    save_pretrained(lit.model, tmp_path)
+    assert ENTRY not in json.loads((tmp_path / "config.json").read_text())
+    again = eager(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    assert max_err(logits(again, ids), ref) < 1e-6

@@ -314,6 +314,9 @@ def test_source_errors():
         shrink(model, {"dropped": {}, "step": 3})
     with pytest.raises(ValueError, match="not among the clusters"):
         build_plan([], {"mlp.0": [1]})
+    [rc] = resolve_clusters(nn.Sequential(nn.Linear(2, 4)), Cluster("h", writers=["0.weight", "0.bias"]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\)"):
+        build_plan([rc], {"h": [4]})
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -450,3 +453,40 @@ def test_optimizer_state_of_another_shape_raises_before_anything_changes():
 
 def test_public_names():
     assert lightning_pat.shrink is shrink
+
+
+@pytest.mark.parametrize("kinds", [("mlp", "heads"), ("mlp", "heads", "residual")])
+def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
+    """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
+    from lightning_pat.demo_model import TinyGPT
+    from lightning_pat.export import _differences
+
+    case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
+    model = case.fresh()
+    shrink(model, prune_clusters(model, clusters_of(case, model, kinds), 0.5))
+    fresh = TinyGPT(copy.deepcopy(model.config))
+    diffs = _differences(model, fresh)
+    if "residual" in kinds:  # TinyGPTConfig has no eps field: only the rescaled RMSNorm eps differs
+        assert diffs
+        assert all(d.split(":")[0].endswith(".eps") for d in diffs)
+    else:
+        assert diffs == []
+    assert {n: (p.shape, p.stride()) for n, p in model.named_parameters()} == {
+        n: (p.shape, p.stride()) for n, p in fresh.named_parameters()
+    }
+    assert all(not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks) for m in model.modules())
+    assert {n for n, _ in model.named_buffers()} == {n for n, _ in fresh.named_buffers()}
+
+
+def test_check_shrinkable_changes_nothing_and_names_the_problem():
+    from lightning_pat.shrink import check_shrinkable
+
+    case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
+    model = case.fresh()
+    before = snapshot(model)
+    check_shrinkable(model, resolve_clusters(model, clusters_of(case, model, ("mlp", "heads", "residual"))))
+    assert_unchanged(model, before)
+    no_bias = resolve_clusters(model, Cluster("h", writers=["layers.0.mlp.up_proj.weight"]))
+    with pytest.raises(ValueError, match=r"list `layers\.0\.mlp\.up_proj\.bias` in the same cluster"):
+        check_shrinkable(model, no_bias)
+    assert_unchanged(model, before)
