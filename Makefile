@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-shrink clean
+.PHONY: setup demo test lint bench bench-shrink bench-components bench-gpu clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,9 +26,18 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-bench: setup bench-shrink
+bench: setup bench-shrink bench-components
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_sharded.py
+
+# torchao (its prototype PAT optimizer) is a baseline of the component benchmark only; --no-deps keeps the CPU torch.
+bench-components: setup
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torchao==0.18.0"
+	$(PY) bench/bench_components.py --rounds 20
+
+# On a CUDA machine (TORCH_SPEC set to a CUDA build): the prepared ~1B-parameter run, about 3-4 minutes on one H200.
+bench-gpu: setup
+	$(PY) bench/gpu.py
 
 # Torch-Pruning is a baseline of the shrink benchmark only (never a test dependency); --no-deps keeps the CPU torch.
 bench-shrink: setup

@@ -18,7 +18,15 @@ from torch import Tensor, nn
 from lightning_pat import distributed as D
 from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
 from lightning_pat.scoring import SCORE_TYPES, ScoreType, group_count_correction, normalise
-from lightning_pat.selection import bottom_k, bottom_k_shared, check_finite, num_to_drop, round_kept, shrink_factors
+from lightning_pat.selection import (
+    bottom_k,
+    bottom_k_rows,
+    bottom_k_shared,
+    check_finite,
+    num_to_drop,
+    round_kept,
+    shrink_factors,
+)
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
 
 Method = Literal["hard", "group_lasso"]
@@ -212,12 +220,26 @@ class Pruner:
     def _hard_floor(self, scores: Mapping[str, Tensor], targets: Mapping[str, float]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         budgets: dict[str, list[ResolvedCluster]] = {}
+        same: dict[tuple[int, int, torch.dtype, torch.device], list[ResolvedCluster]] = {}
         for rc in self.clusters:
             if rc.budget is not None:
                 budgets.setdefault(rc.budget, []).append(rc)
                 continue
             num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
-            out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
+            s = scores[rc.name]
+            same.setdefault((rc.num_units, num, s.dtype, s.device), []).append(rc)
+        for (_, num, _, _), group in same.items():  # one finite check and one sort per equal-sized group
+            if len(group) == 1:
+                rc = group[0]
+                out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
+                continue
+            stacked_KC = torch.stack([scores[rc.name] for rc in group])
+            if not bool(torch.isfinite(stacked_KC).all()):
+                for rc in group:  # name the first cluster with a non-finite score
+                    check_finite(scores[rc.name], f"Cluster {rc.name!r}")
+            picked_KN = bottom_k_rows(stacked_KC, num_drop=num)
+            for rc, row in zip(group, picked_KN, strict=True):
+                out[rc.name] = row
         for budget, group in budgets.items():
             for rc in group:  # name the cluster, not only the budget (joint indices would mislead)
                 check_finite(scores[rc.name], f"Cluster {rc.name!r} (budget {budget!r})")
@@ -282,7 +304,7 @@ class Pruner:
         """The current mask as a :class:`PruneResult` (with literal-zero counts if ``count``)."""
         zeros, numel = self.counts() if count else ({}, {})
         return PruneResult(
-            dropped={rc.name: self.dropped(rc.name) for rc in self.clusters},
+            dropped=self._dropped_lists(),
             num_units={rc.name: rc.num_units for rc in self.clusters},
             zeros=zeros,
             numel=numel,
@@ -291,6 +313,20 @@ class Pruner:
         )
 
     # ------------------------------------------------------------------ state
+    def _dropped_lists(self) -> dict[str, list[int]]:
+        """Every cluster's dropped indices as lists, with one device-to-host copy for all of them."""
+        held = [self.last[rc.name].dropped if rc.name in self.last else None for rc in self.clusters]
+        present = [d for d in held if d is not None]
+        if len({d.device for d in present}) > 1:
+            present = [d.cpu() for d in present]
+        flat = torch.cat(present).tolist() if present else []
+        out, start = {}, 0
+        for rc, d in zip(self.clusters, held, strict=True):
+            n = 0 if d is None else d.numel()
+            out[rc.name] = flat[start : start + n]
+            start += n
+        return out
+
     def dropped(self, name: str) -> list[int]:
         """Sorted dropped unit indices of cluster ``name`` in the current mask."""
         action = self.last.get(name)

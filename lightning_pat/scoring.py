@@ -100,13 +100,23 @@ def member_unit_sq_sums(
 
     Only the channels inside the member's slice are read; a tensor holding a piece of the reduction axis gives
     partial sums that add up over pieces. Per-channel sums do not depend on which channels are held, so a full
-    tensor and its shards produce the same per-channel values.
+    tensor and its shards produce the same per-channel values. Where the held channels are whole units (always for a
+    full tensor), channel sums fold into unit sums with a reshape; otherwise by index.
     """
     lo = max(member.start, offset)
     hi = min(member.stop, offset + tensor.shape[member.dim])
     if hi <= lo:
         return torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
     sums_L = channel_sq_sums(tensor.narrow(member.dim, lo - offset, hi - lo), dim=member.dim, acc_dtype=acc_dtype)
+    first, last = lo - member.start, hi - member.start
+    if first % member.block == 0 and last % member.block == 0 and last // member.block <= num_units:
+        u0, u1 = first // member.block, last // member.block
+        units_U = sums_L if member.block == 1 else sums_L.view(u1 - u0, member.block).sum(dim=1)
+        if u0 == 0 and u1 == num_units:
+            return units_U
+        out_C = torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
+        out_C[u0:u1] = units_U
+        return out_C
     units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=tensor.device)
     return fold_to_units(sums_L, units_L, num_units=num_units)
 

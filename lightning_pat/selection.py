@@ -72,6 +72,25 @@ def bottom_k(scores_C: Tensor, *, num_drop: int, what: str = "scores") -> Tensor
     return torch.sort(order[:num_drop]).values
 
 
+def bottom_k_rows(scores_KC: Tensor, *, num_drop: int) -> Tensor:
+    """Row by row, what :func:`bottom_k` returns: ``[K, num_drop]`` sorted indices of the lowest scores per row.
+
+    One stable sort over ``K`` stacked clusters of equal size (ties drop the lower index first, as in
+    :func:`bottom_k`); scores must already be checked finite.
+
+    Example::
+
+        >>> bottom_k_rows(torch.tensor([[1.0, 0.5, 0.5, 2.0], [0.0, 3.0, 1.0, 0.0]]), num_drop=2)
+        tensor([[1, 2],
+                [0, 3]])
+    """
+    num_drop = max(0, min(num_drop, scores_KC.shape[1]))
+    if num_drop == 0:
+        return torch.zeros(scores_KC.shape[0], 0, dtype=torch.long, device=scores_KC.device)
+    order_KC = torch.sort(scores_KC, dim=1, stable=True).indices
+    return torch.sort(order_KC[:, :num_drop], dim=1).values
+
+
 def bottom_k_shared(scores: Sequence[Tensor], *, num_drop: int, what: str = "budget") -> list[Tensor]:
     """Joint bottom-k over several clusters; ties break by (cluster order, unit index).
 
