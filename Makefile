@@ -12,10 +12,10 @@ TORCH_SPEC ?= torch==2.13.0
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"
-	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[test,examples]"
 
 demo: setup
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py --output_dir demo_output
 
 test: setup
 	$(PY) -m ruff check .
@@ -45,4 +45,4 @@ bench-shrink: setup
 	$(PY) bench/bench_shrink.py --reps 5 --threads 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output

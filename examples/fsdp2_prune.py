@@ -1,10 +1,13 @@
 """Prune a tiny GPT while training it with FSDP2 (`fully_shard`) under Lightning's ModelParallelStrategy.
 
+`TinyGPTModule.configure_model` shards every block and the root with `fully_shard` over the data-parallel mesh.
+
 Every weight is a DTensor sharded `Shard(0)` across ranks; the callback takes its sharded path: each pruning step
 moves one packed vector of per-unit partial scores between ranks and never gathers a weight.
 
     python examples/fsdp2_prune.py                           # 2 CPU processes (gloo), launched by Lightning
     python examples/fsdp2_prune.py --accelerator=gpu --devices=8
+    torchrun --nproc_per_node=8 examples/fsdp2_prune.py --accelerator=gpu --devices=8   # or launched by torchrun
 """
 
 from __future__ import annotations
@@ -14,25 +17,15 @@ import argparse
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import fully_shard
 
-from examples.demo import TextData, TinyGPTModule
 from lightning_pat import CoupledPruningCallback
-
-
-class ShardedTinyGPT(TinyGPTModule):
-    """The demo module, sharded with FSDP2 per block and at the root."""
-
-    def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+from lightning_pat.demo import StdlibText, TinyGPTModule
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max_steps", type=int, default=100)
+    parser.add_argument("--max_bytes", type=int, default=None, help="cap the data (tests)")
     parser.add_argument("--warmup_steps", type=int, default=10)
     parser.add_argument("--ramp_steps", type=int, default=50)
     parser.add_argument("--accelerator", default="cpu")
@@ -52,9 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
+        limit_val_batches=0,
         log_every_n_steps=10,
     )
-    trainer.fit(ShardedTinyGPT(), datamodule=TextData())
+    data = StdlibText(seq_len=64, batch_size=16, max_bytes=args.max_bytes)
+    trainer.fit(TinyGPTModule(), datamodule=data)
     if trainer.is_global_zero:
         routes = {name: kind for name, (kind, _) in pruning.pruner.routes.items()}
         print(f"\nranks: {trainer.world_size}   steps: {pruning.step}   routes: {routes}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -293,3 +294,40 @@ def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
 
     with FullyShardedDataParallel.summon_full_params(root, writeback=True):
         yield
+
+
+def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
+    """Convert a distributed checkpoint directory (``torch.distributed.checkpoint``) into one ``torch.save`` file.
+
+    Uses torch's own ``dcp_to_torch_save``; runs in one process, no process group needed. An existing ``output``
+    newer than every file of ``directory`` is reused.
+
+    Args:
+        directory: The checkpoint directory (e.g. written by Lightning's ``ModelParallelStrategy``).
+        output: The file to write.
+
+    Returns:
+        The path of the consolidated file.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(output)
+    newest = max((f.stat().st_mtime for f in Path(directory).iterdir()), default=0.0)
+    if not out.is_file() or out.stat().st_mtime < newest:
+        dcp_to_torch_save(directory, out)
+    return out
+
+
+def fully_shard_blocks(root: torch.nn.Module, blocks: Sequence[torch.nn.Module], mesh: Any) -> None:
+    """FSDP2: ``fully_shard`` each block, then the root, over a 1-D device mesh (parameters become DTensors).
+
+    Args:
+        root: The model.
+        blocks: Its repeated blocks (each becomes one FSDP2 unit).
+        mesh: The data-parallel device mesh.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)

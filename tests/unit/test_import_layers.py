@@ -6,8 +6,8 @@
   DTensor / placement types from ``torch.distributed.tensor`` (and the mesh type) but call no collectives;
 * collectives (all_gather, all_reduce, broadcast, reduce_scatter, all_to_all, barrier and their variants) are
   called only inside distributed.py;
-* ``lightning`` is imported only by callback.py, _validation.py, cli.py and _imports.py; ``torchmetrics`` only by
-  metrics.py;
+* ``lightning`` is imported only by callback.py, _validation.py, cli.py, demo.py (the demo task's Lightning
+  classes) and _imports.py; ``torchmetrics`` only by metrics.py;
 * executors never import lightning nor the Trainer-facing modules;
 * shrink.py imports only the stdlib, torch and the pure modules; export.py adds shrink.py, transformers and
   safetensors (imported lazily, inside functions), never lightning.
@@ -31,7 +31,7 @@ PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "mask
 TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed"}
 DTENSOR_TYPES_OK = {f"{PKG}.executors.sharded", f"{PKG}.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
-LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}._imports", f"{PKG}._validation"}
+LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}.demo", f"{PKG}._imports", f"{PKG}._validation"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.metrics"}
 TRAINER_FACING = {

@@ -1,0 +1,162 @@
+"""Every code block of README.md runs (with tiny step counts), except the commands listed in NOT_RUN.
+
+python blocks are executed, yaml blocks are run as LightningCLI configs, bash blocks line by line in one scratch
+directory (so `lightning-pat shrink` finds the checkpoint the `fit` line wrote); ``lightning-pat`` is run as
+``python -m lightning_pat.cli`` (the same entry point). text blocks are sample output and are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, re.S | re.M)
+pytestmark = pytest.mark.integration
+
+NOT_RUN = {
+    "make demo": "the full demo; examples/demo.py runs in test_examples.py",
+    "make test": "this test suite",
+    "python examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
+    "torchrun --nproc_per_node=8 examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
+    "lightning-pat fit --config examples/configs/fsdp2.yaml --trainer.accelerator=gpu --trainer.devices=8 "
+    "--trainer.strategy.init_args.data_parallel_size=8": "needs 8 GPUs",
+}
+TINY_FIT = [
+    "--trainer.max_steps=2",
+    "--trainer.val_check_interval=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.callbacks.init_args.warmup_steps=0",
+    "--trainer.callbacks.init_args.ramp_steps=2",
+    "--trainer.callbacks.init_args.every_n_steps=1",
+    "--data.max_bytes=50000",
+    "--data.batch_size=4",
+]
+TINY_SCRIPT = {
+    "examples/fsdp2_prune.py": ["--max_steps=4", "--warmup_steps=1", "--ramp_steps=2", "--max_bytes=50000"],
+}
+
+
+def blocks(lang: str) -> list[str]:
+    return [code for kind, code in BLOCKS if kind == lang]
+
+
+def tiny(code: str) -> str:
+    """The same code with a few steps and a slice of the data."""
+    for name, value in (("max_steps", 3), ("warmup_steps", 1), ("ramp_steps", 2)):
+        code = re.sub(rf"\b{name}=\d+", f"{name}={value}", code)
+    return code.replace("StdlibText()", "StdlibText(max_bytes=50_000, batch_size=4)")
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def test_readme_has_the_front_door_sections():
+    assert [kind for kind, _ in BLOCKS if kind not in ("python", "yaml", "bash", "text")] == []
+    for heading in ("## Quickstart", "## Use it from a Trainer", "## Shrink and export", "## Several GPUs"):
+        assert heading in README
+    assert len(blocks("python")) >= 2
+    assert len(blocks("yaml")) >= 1
+    assert len(blocks("bash")) >= 3
+
+
+def fitted_tiny_gpt():
+    """A TinyGPT LightningModule after a few steps of pruning-aware training, and its callback."""
+    import lightning.pytorch as pl
+
+    from lightning_pat import CoupledPruningCallback
+    from lightning_pat.demo import StdlibText, TinyGPTModule
+
+    model = TinyGPTModule()
+    pruning = CoupledPruningCallback("tiny_gpt", 0.5, warmup_steps=1, ramp_steps=2)
+    trainer = pl.Trainer(
+        max_steps=3, callbacks=[pruning], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(model, datamodule=StdlibText(max_bytes=50_000, batch_size=4))
+    return model, pruning
+
+
+def test_python_blocks_run(tmp_path, monkeypatch):
+    import torch
+
+    from lightning_pat import Cluster, resolve_clusters
+    from lightning_pat.demo import TinyGPTModule
+
+    monkeypatch.chdir(tmp_path)
+    first, *rest = blocks("python")
+    namespace: dict = {}
+    exec(compile(tiny(first), "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    dropped = namespace["pruning"].dropped
+    assert {len(dropped[f"mlp.{i}"]) for i in range(2)} == {128}  # 50% of 256 channels in both layers
+    small = namespace["model"].model
+    assert [layer.mlp.gate_proj.out_features for layer in small.layers] == [128, 128]  # really cut out
+    assert (tmp_path / "tinygpt-small").is_dir()
+    checked = {"declaration": False, "shrink": False}
+    for code in rest:
+        namespace = {}
+        uses_a_fitted_model = "shrink(model, pruning)" in code and "pruning =" not in code
+        if uses_a_fitted_model:  # the block continues a training run: the test provides one
+            namespace["model"], namespace["pruning"] = fitted_tiny_gpt()
+            x = torch.randint(0, 256, (2, 16))
+            with torch.no_grad():
+                masked = namespace["model"](x)
+        exec(compile(tiny(code), "README.md", "exec"), namespace)  # noqa: S102
+        if uses_a_fitted_model:
+            with torch.no_grad():
+                assert torch.allclose(namespace["small"](x), masked, atol=1e-5)
+            assert namespace["model"].model.layers[0].mlp.gate_proj.out_features == 128
+            checked["shrink"] = True
+        if "mlp" in namespace:  # the hand-written declaration resolves on a real model
+            mlp = namespace["mlp"]
+            assert isinstance(mlp, Cluster)
+            resolved = resolve_clusters(TinyGPTModule(), [mlp])
+            assert [rc.name for rc in resolved] == ["mlp.0", "mlp.1"]
+            assert all(rc.num_units == 256 and len(rc.members) == 3 for rc in resolved)
+            checked["declaration"] = True
+    assert all(checked.values()), checked
+
+
+@pytest.mark.timeout(240)
+def test_yaml_block_runs(tmp_path):
+    (config,) = blocks("yaml")
+    path = tmp_path / "readme.yaml"
+    path.write_text(config)
+    out = run([sys.executable, "-m", "lightning_pat.cli", "fit", f"--config={path}", *TINY_FIT], tmp_path)
+    assert "pruning/unit_sparsity=0.500" in out
+
+
+@pytest.mark.timeout(600)
+def test_bash_blocks_run(tmp_path):
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    ran = []
+    for block in blocks("bash"):
+        for line in block.splitlines():
+            command = line.split("  #")[0].strip()
+            if not command or command in NOT_RUN:
+                continue
+            args = shlex.split(command)
+            if args[0] == "lightning-pat":
+                args = [sys.executable, "-m", "lightning_pat.cli", *args[1:]]
+                if args[3] == "fit" and "--help" not in args:
+                    args += TINY_FIT
+            elif args[0] == "python":
+                args = [sys.executable, *args[1:], *TINY_SCRIPT[args[1]]]
+            else:
+                raise AssertionError(f"README bash line neither run nor listed in NOT_RUN: {command!r}")
+            run(args, tmp_path)
+            ran.append(command)
+    assert any(c.startswith("lightning-pat shrink") for c in ran)
+    assert (tmp_path / "runs" / "demo" / "shrunk").is_dir()
+    skipped = {line.split("  #")[0].strip() for block in blocks("bash") for line in block.splitlines()} - set(ran)
+    assert skipped - {""} == set(NOT_RUN), "NOT_RUN lists a command the README no longer has"
