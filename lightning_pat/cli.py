@@ -22,6 +22,8 @@ import inspect
 import re
 import sys
 import textwrap
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from typing_extensions import override
 
+from lightning_pat._state import DCP_PREFIX
 from lightning_pat.callback import CoupledPruningCallback
+from lightning_pat.shrink import checkpoint_state, restore_shrunk
 
 _CALLBACK_PATH = "lightning_pat.CoupledPruningCallback"
 
@@ -297,11 +301,7 @@ def shrink_checkpoint(
     from lightning_pat.export import save_pretrained
 
     checkpoint = load_checkpoint(ckpt_path)
-    states = [k for k in checkpoint.get("callbacks", {}) if str(k).startswith("CoupledPruningCallback")]
-    if not states:
-        raise ValueError(
-            f"{ckpt_path} holds no CoupledPruningCallback state: was it written by a run with the callback?"
-        )
+    state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     if config is None and model_class is None:
         config = find_config(ckpt_path)
@@ -316,10 +316,30 @@ def shrink_checkpoint(
             f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
             "(the run's LightningCLI config) or `--model_class` (a LightningModule that saved its hyperparameters)."
         )
-    module.load_state_dict(checkpoint["state_dict"])
-    target = _export_target(module, submodule).eval()
-    shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
-    return save_pretrained(target, output)
+    target = _export_target(module, submodule)
+    # a run with `shrink_on_freeze=True` saved the small weights: give the fresh module their shapes first
+    already_small = restore_shrunk(target, checkpoint)
+    # mid-ramp distributed checkpoints carry the sharded latent copies next to the weights: not model state
+    weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(DCP_PREFIX)}
+    module.load_state_dict(weights)
+    if not already_small:
+        _warn_if_not_final(state)
+        shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
+    return save_pretrained(target.eval(), output)
+
+
+def _warn_if_not_final(state: Mapping[str, Any]) -> None:
+    """Warn when the checkpoint was written before the schedule's final step (the mask may still change)."""
+    options = state.get("options") or {}
+    final = int(options.get("warmup_steps", 0)) + int(options.get("ramp_steps", 0))
+    if options and int(state.get("step", 0)) < final:
+        warnings.warn(
+            f"lightning-pat shrink: the checkpoint was written at pruning step {state.get('step')}, before the final "
+            f"ramp step {final}; the shrunk model removes the units dropped so far (the mask was not final). Shrink "
+            "a checkpoint from the end of the ramp or later for the final widths.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def shrink_main(args: list[str] | None = None) -> Path:

@@ -685,7 +685,18 @@ def _from_state(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedClust
     return clusters, {str(k): [int(i) for i in v] for k, v in state["dropped"].items()}
 
 
-def _checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
+def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The one ``CoupledPruningCallback`` state in a Lightning checkpoint dict.
+
+    Args:
+        ckpt: The checkpoint (``torch.load`` of a ``.ckpt`` file).
+
+    Returns:
+        The callback's state (what its ``state_dict()`` returned).
+
+    Raises:
+        ValueError: If the checkpoint holds no such state, or several.
+    """
     callbacks = ckpt.get("callbacks") or {}
     keys = [k for k in callbacks if str(k).startswith("CoupledPruningCallback")]
     if len(keys) != 1:
@@ -713,7 +724,7 @@ def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]
     """
     if isinstance(source, Mapping):
         if "callbacks" in source and "clusters" not in source:
-            return _from_state(_checkpoint_state(source), "the checkpoint's callback state")
+            return _from_state(checkpoint_state(source), "the checkpoint's callback state")
         return _from_state(source, "the mapping")
     if hasattr(source, "resolved") and hasattr(source, "dropped"):  # the callback, without importing Lightning
         if not source.resolved:
@@ -841,7 +852,7 @@ def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
         ValueError: As for :func:`read_source` and :func:`apply_plan`.
     """
     if "callbacks" in state and "clusters" not in state:
-        state = _checkpoint_state(state)
+        state = checkpoint_state(state)
     if not state.get("shrunk"):
         return False
     clusters, dropped = _from_state(state, "the callback state")

@@ -221,6 +221,44 @@ def test_cli_shrink_checkpoint(tmp_path):
     for name, extra in (("auto", []), ("explicit", ["--model_class=lightning_pat.demo.TinyGPTModule"])):
         cli(tmp_path, "shrink", f"--ckpt_path={alone}", f"--output={name}", *extra)
         _assert_same_outputs(masked, load_pretrained(tmp_path / name))
+    # a checkpoint from before the final ramp step, carrying a distributed checkpoint's latent keys: the latent keys
+    # are not model weights (dropped), and the shrink says that the mask was not final yet
+    from lightning_pat._state import DCP_PREFIX
+    from lightning_pat.cli import shrink_checkpoint
+
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    (key,) = [k for k in ckpt["callbacks"] if k.startswith("CoupledPruningCallback")]
+    ckpt["callbacks"][key]["step"] = 1  # the run's ramp ends at step 2
+    ckpt["state_dict"][DCP_PREFIX + "model.layers.0.mlp.up_proj.weight"] = torch.zeros(1)
+    early = run_dir / "checkpoints" / "early.ckpt"
+    torch.save(ckpt, early)
+    with pytest.warns(UserWarning, match="before the final ramp step 2"):
+        shrink_checkpoint(early, tmp_path / "early")
+    _assert_same_outputs(masked, load_pretrained(tmp_path / "early"))
+
+
+def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
+    """After `shrink_on_freeze=True` the checkpoint holds the small weights: shrink restores shapes, then exports."""
+    import torch
+
+    from lightning_pat import load_pretrained
+    from lightning_pat.cli import model_from_config
+    from lightning_pat.shrink import restore_shrunk
+
+    args = tiny_fit_args(tmp_path, "demo.yaml")
+    args = [a.replace("--trainer.max_steps=2", "--trainer.max_steps=3") for a in args]
+    cli(tmp_path, *args, "--trainer.callbacks.init_args.shrink_on_freeze=true")
+    run_dir = tmp_path / "runs" / "demo" / "version_0"
+    ckpt_path = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    assert ckpt["state_dict"]["model.layers.0.mlp.gate_proj.weight"].shape[0] == 256  # saved small
+    cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    reference = model_from_config(run_dir / "config.yaml")  # independent: restore shapes, load, no shrink call
+    assert restore_shrunk(reference, ckpt)
+    reference.load_state_dict(ckpt["state_dict"])
+    small = load_pretrained(tmp_path / "small").eval()
+    assert small.layers[0].mlp.gate_proj.out_features == 256
+    _assert_same_outputs(reference.model.eval(), small)
 
 
 @pytest.mark.distributed
