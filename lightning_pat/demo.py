@@ -142,7 +142,38 @@ class StdlibText(pl.LightningDataModule):
         return DataLoader(ByteWindows(self.val_data, self.seq_len, self.val_windows), batch_size=self.batch_size)
 
 
-class TinyGPTModule(pl.LightningModule):
+class _NextTokenModule(pl.LightningModule):
+    """Next-token prediction with AdamW: the loss, steps and optimizer shared by the demo's modules.
+
+    Subclasses build ``self.model``, set ``self.lr`` and ``self.weight_decay``, and define ``forward`` (ids -> logits).
+    """
+
+    lr: float
+    weight_decay: float
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Mean next-token cross-entropy of a batch (nats per byte on the byte-level demo data)."""
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """One training step; logs ``train_loss`` (shown in the progress bar)."""
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Logs ``val_loss``, averaged over the validation set."""
+        loss = self.loss(batch)
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW over every parameter."""
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+class TinyGPTModule(_NextTokenModule):
     """Next-byte language modelling with :class:`~lightning_pat.demo_model.TinyGPT` (AdamW, constant learning rate).
 
     Args:
@@ -194,29 +225,8 @@ class TinyGPTModule(pl.LightningModule):
         """Token ids ``(B, T)`` -> logits ``(B, T, V)``."""
         return self.model(idx)
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        """Mean next-byte cross-entropy (nats per byte) of a batch."""
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """One training step; logs ``train_loss`` (shown in the progress bar)."""
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Logs ``val_loss``, averaged over the validation set."""
-        loss = self.loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """AdamW over every parameter."""
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-
-
-class CausalLMModule(pl.LightningModule):
+class CausalLMModule(_NextTokenModule):
     """A Hugging Face causal language model built from a config dict (no download), for next-token prediction.
 
     Args:
@@ -250,24 +260,3 @@ class CausalLMModule(pl.LightningModule):
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(B, T)`` -> logits ``(B, T, V)``."""
         return self.model(input_ids=idx).logits
-
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        """Mean next-token cross-entropy of a batch."""
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """One training step; logs ``train_loss``."""
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Logs ``val_loss``."""
-        loss = self.loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """AdamW over every parameter."""
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
