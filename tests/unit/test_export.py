@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,14 +17,7 @@ from lightning_pat.export import ENTRY, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def shrunk(case: FamilyCase, kinds: tuple[str, ...], frac: float = 0.5, *, budget: bool = False) -> nn.Module:

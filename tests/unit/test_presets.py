@@ -24,19 +24,13 @@ from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
 from tests.common.tiny_families import CASES, FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")  # a guard only: the test extra installs it, so these tests run in CI
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 KINDS = ("mlp", "heads", "residual")
 case_params = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and they slow the file down on a busy machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import copy
 import json
 import math
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,18 +22,11 @@ from lightning_pat.spec import ResolvedCluster
 from tests.common.tiny_families import CASES, FamilyCase, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 KINDS = {"mlp": ("mlp",), "heads": ("heads",), "residual": ("residual",), "all": ("mlp", "heads", "residual")}
 FRACTIONS = (0.25, 0.5, 0.75)
 case_params = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def clusters_of(case: FamilyCase, model: nn.Module, kinds: tuple[str, ...]) -> list[Cluster]:
