@@ -148,17 +148,22 @@ def reinit(rank: int, world: int, store_dir: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- rank-local grads
-def grads_on_some_ranks(rank: int, world: int) -> dict[str, Any]:
-    """Materializing DTensor cluster whose gradient exists on rank 0 only: every rank raises the same error."""
+def _materializing_pair(world: int, *, seed: int) -> tuple[nn.Module, Any]:
+    """A writer ``w`` (Shard(0)) and a reader ``r`` (Shard(1)) of one 8-unit cluster, on the materializing path."""
     from lightning_pat import Cluster, resolve_clusters
     from lightning_pat.engine import Pruner
 
     mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     m = nn.Module()
     m.w = nn.Parameter(distribute_tensor(torch.randn(8, 6, generator=gen), mesh, [S0], src_data_rank=None))
     m.r = nn.Parameter(distribute_tensor(torch.randn(6, 8, generator=gen), mesh, [S1], src_data_rank=None))
-    pruner = Pruner(m, resolve_clusters(m, Cluster("h", writers=["w"], readers=["r"])), executor="materializing")
+    return m, Pruner(m, resolve_clusters(m, Cluster("h", writers=["w"], readers=["r"])), executor="materializing")
+
+
+def grads_on_some_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Materializing DTensor cluster whose gradient exists on rank 0 only: every rank raises the same error."""
+    m, pruner = _materializing_pair(world, seed=2)
     with torch.no_grad():
         pruner.step({"h": 0.5})
     for p in m.parameters():
@@ -174,15 +179,7 @@ def grads_on_some_ranks(rank: int, world: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- stateless
 def stale_copies(rank: int, world: int) -> dict[str, Any]:
     """select() keeps no dense copy: a later hold() zeroes the newer weights instead of writing old ones back."""
-    from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.engine import Pruner
-
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(4)
-    m = nn.Module()
-    m.w = nn.Parameter(distribute_tensor(torch.randn(8, 6, generator=gen), mesh, [S0], src_data_rank=None))
-    m.r = nn.Parameter(distribute_tensor(torch.randn(6, 8, generator=gen), mesh, [S1], src_data_rank=None))
-    pruner = Pruner(m, resolve_clusters(m, Cluster("h", writers=["w"], readers=["r"])), executor="materializing")
+    m, pruner = _materializing_pair(world, seed=4)
     with torch.no_grad():
         dropped = pruner.step({"h": 0.5}).dropped["h"]
         pruner.select({"h": 0.5})  # scores only
