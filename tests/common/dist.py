@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -75,8 +77,81 @@ def _context() -> Any:
     return ctx
 
 
+_TRANSPORT_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+class DistributedRunError(RuntimeError):
+    """A failed :func:`run_distributed` run; ``transport_only`` when every rank's error is a gloo transport error."""
+
+    def __init__(self, message: str, *, transport_only: bool) -> None:
+        super().__init__(message)
+        self.transport_only = transport_only
+
+
+def is_transport_error(trace: str) -> bool:
+    """Whether a rank's traceback is a gloo TCP transport failure (a peer's socket went away), not a Python error.
+
+    Example::
+
+        >>> is_transport_error("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+        True
+        >>> is_transport_error("ValueError: cluster 'mlp' has 3 units")
+        False
+    """
+    last = trace.strip().splitlines()[-1] if trace.strip() else ""
+    return "gloo" in last and any(e in last for e in _TRANSPORT_ERRORS)
+
+
+def _failure(
+    first: tuple[int, str] | None, results: Any, procs: Sequence[Any], grace: float = 5.0
+) -> DistributedRunError:
+    """Every rank's failure, not only the first to arrive.
+
+    The first traceback is often a consequence (a gloo "connection reset" on a rank whose peer failed or died), so
+    the other ranks get ``grace`` seconds to report theirs, and dead workers are named with their exit codes.
+    """
+    errors = dict([first]) if first else {}
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            other, status, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for i, p in enumerate(procs) if i not in errors):
+                break
+            continue
+        if status == "error":
+            errors[other] = value
+    dead = {i: p.exitcode for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)}
+    dead = {i: code for i, code in dead.items() if i not in errors}
+    head = f"failed ranks: {sorted(errors)}; dead workers without a report (exit codes): {dead or 'none'}"
+    if first:
+        head = f"rank {first[0]} failed first; " + head
+    body = "".join(f"\n----- rank {r} -----\n{t}" for r, t in sorted(errors.items()))
+    transport_only = bool(errors) and all(is_transport_error(t) for t in errors.values())
+    return DistributedRunError(head + body, transport_only=transport_only)
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
+
+    A run whose only errors are gloo TCP transport failures (a peer's socket reset, with no Python error on any
+    rank: a known, rare gloo flake on loaded machines) is run once more from scratch, with a ``RuntimeWarning``
+    that carries the first run's report; any other failure, or a second transport failure, fails the test.
+
+    Raises:
+        DistributedRunError: If a rank raises or dies.
+        TimeoutError: If the ranks do not all finish within ``timeout`` seconds (each attempt).
+    """
+    try:
+        return _run_distributed_once(fn, world_size, args, timeout)
+    except DistributedRunError as err:
+        if not err.transport_only:
+            raise
+        warnings.warn(f"run_distributed: retrying after a gloo transport failure:\n{err}", RuntimeWarning, stacklevel=2)
+    return _run_distributed_once(fn, world_size, args, timeout)
+
+
+def _run_distributed_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,13 +172,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 try:
                     rank, status, value = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
-                    dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out and p.exitcode]
-                    if dead:
-                        codes = [procs[i].exitcode for i in dead]
-                        raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
+                    if any(not p.is_alive() and i not in out and p.exitcode for i, p in enumerate(procs)):
+                        raise _failure(None, results, procs) from None
                     continue
                 if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                    raise _failure((rank, value), results, procs)
                 out[rank] = value
         finally:
             _kill(procs)
@@ -120,8 +193,9 @@ def run_rank_scripts(
 ) -> list[str]:
     """Run ``script`` once per rank with the rank environment set; return each rank's combined output.
 
-    A run that fails because the rendezvous port was taken in the meantime (other test processes on the machine)
-    is retried once on a new port.
+    A run that fails because the rendezvous port was taken in the meantime (other test processes on the machine),
+    or whose only errors are gloo TCP transport failures (see :func:`run_distributed`), is retried once on a new
+    port, with a ``RuntimeWarning`` for the latter.
 
     Raises:
         TimeoutError: If the ranks do not all finish within ``timeout`` seconds (all are killed).
@@ -129,10 +203,27 @@ def run_rank_scripts(
     """
     try:
         return _run_rank_scripts_once(script, world_size, args=args, timeout=timeout, env=env)
+    except TimeoutError:
+        raise
     except RuntimeError as err:
-        if "address already in use" not in str(err).lower():
+        if "address already in use" in str(err).lower():
+            pass
+        elif only_transport_errors(str(err)):
+            warnings.warn(
+                f"run_rank_scripts: retrying after a gloo transport failure:\n{err}", RuntimeWarning, stacklevel=2
+            )
+        else:
             raise
         return _run_rank_scripts_once(script, world_size, args=args, timeout=timeout, env=env)
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)): .*$", re.MULTILINE)
+
+
+def only_transport_errors(output: str) -> bool:
+    """Whether the exception lines of the ranks' ``output`` are all gloo transport failures (and there is one)."""
+    errors = _EXCEPTION_LINE.findall(output)
+    return bool(errors) and all(is_transport_error(e) for e in errors)
 
 
 def _run_rank_scripts_once(
