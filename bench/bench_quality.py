@@ -406,14 +406,15 @@ def dense_checkpoint(seed: int, train: torch.Tensor, M: int, cache: Path | None)
 
 
 # ---------------------------------------------------------------------------------------------------- table
-def table(rows: list[dict], M: int, R: int) -> str:
+def table(rows: list[dict], M: int, R: int, ref_name: str = "oneshot") -> str:
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["variant"], []).append(r)
-    ref = by.get("oneshot")
+    ref = by.get(ref_name)
     ref_mean = statistics.mean(r["val"] for r in ref) if ref else None
+    head = "one-shot" if ref_name == "oneshot" else ref_name
     lines = [
-        "| variant | seeds | val loss mean ± std | min - max | minus one-shot (paired) | active | same units | s/run |",
+        f"| variant | seeds | val loss mean ± std | min - max | minus {head} (paired) | active | same units | s/run |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in [v for v in VARIANTS if v in by] + [v for v in by if v not in VARIANTS]:
@@ -464,12 +465,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
     parser.add_argument("--R", type=int, default=150, help="steps of the pruning / recovery budget")
-    parser.add_argument("--variants", default="default", help="comma list of VARIANTS keys, 'default' or 'all'")
+    parser.add_argument(
+        "--variants",
+        default="main",
+        help="comma list of VARIANTS keys ('default' is the defaults' variant), 'main' or 'all'",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: M=40, R=20, 1 seed, few variants")
     parser.add_argument("--jsonl", type=Path, default=None, help="append each run's result here")
     parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
     parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
     parser.add_argument("--val-windows", type=int, default=128)
+    parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
@@ -478,7 +484,7 @@ def main() -> None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:
         rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
-        print(table(rows, args.M, args.R))
+        print(table(rows, args.M, args.R, args.ref))
         return
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -487,13 +493,13 @@ def main() -> None:
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_pat").setLevel(logging.ERROR)
-    variants = DEFAULT_SET if args.variants == "default" else args.variants.split(",")
+    variants = DEFAULT_SET if args.variants == "main" else args.variants.split(",")
     variants = list(VARIANTS) if args.variants == "all" else variants
     if args.quick:
         args.M, args.R, args.seeds, args.val_windows = 40, 20, args.seeds[:1], 32
         variants = (
             variants
-            if args.variants not in ("all", "default")
+            if args.variants not in ("all", "main")
             else ["dense", "default", "oneshot", "scratch_R", "kd", "act"]
         )
     train, val = corpus()

@@ -630,7 +630,7 @@ class CoupledPruningCallback(Callback):
             shrink_for_training(pl_module, self.resolved, dropped, optimizers=trainer.optimizers)
         except ValueError as err:
             raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
-        self._shrunk, self.pruner, self._latents = dropped, None, None
+        self._shrunk, self.pruner, self._latents, self._act = dropped, None, None, None
         rank_zero_info(
             f"CoupledPruningCallback: shrunk the model at step {self._step} to "
             f"{sum(p.numel() for p in pl_module.parameters()):,} parameters; healing runs on the small model."

@@ -139,7 +139,8 @@ class Pruner:
     Args:
         params: The model, or a mapping of parameter names to tensors, holding every member.
         clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`).
-        score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``.
+        score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
+            are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (see :func:`~lightning_pat.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 

@@ -148,3 +148,19 @@ def test_a_reader_that_is_not_a_linear_is_refused_at_fit_start():
         trainer.fit(module)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
     assert hooks(module) == 0
+
+
+def test_tiny_gpt_preset_heads_and_mlp_then_shrink_on_freeze():
+    """The preset's MLP and GQA head clusters (readers down_proj / o_proj) score by activation, then shrink."""
+    from tests.integration.test_shrink_on_freeze import LM
+
+    module = LM()
+    cb = CoupledPruningCallback(
+        "tiny_gpt", 0.5, warmup_steps=1, ramp_steps=3, score="activation", shrink_on_freeze=True
+    )
+    trainer_for([cb], 6).fit(module)
+    assert cb._act is None  # the statistics went with the shrink
+    layers = module.model.layers
+    assert [layer.mlp.gate_proj.out_features for layer in layers] == [32, 32]
+    assert all(len(v) > 0 for v in cb.dropped.values())
+    assert not any(m._forward_pre_hooks for m in module.modules())
