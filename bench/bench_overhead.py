@@ -3,6 +3,7 @@
     python bench/bench_overhead.py                 # TinyGPT d=256, ffn=1024, 4 layers, batch 8 x 128 tokens, CPU
     python bench/bench_overhead.py --steps 30      # quicker
     OMP_NUM_THREADS=1 python bench/bench_overhead.py --clock cpu   # on a shared machine: CPU time, one thread
+    python bench/bench_overhead.py --activation    # also score="activation" (reader statistics every forward)
 
 Every variant trains the same model on the same batches with AdamW in one process, one after another; the table
 reports the median wall time of a training step (forward, backward, optimizer step and the pruning work) over the
@@ -104,6 +105,7 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_
             warmup_steps=0,
             ramp_steps=1 if healing else 10**6,
             mode=mode,
+            score="activation" if "activation" in variant else "rms",
             preset_options={"mlp": True, "heads": False},
         )
         time_hooks(cb, timer.hook_times)
@@ -158,6 +160,7 @@ def main() -> None:
         default="wall",
         help="cpu: process CPU time (use with OMP_NUM_THREADS=1 on a shared machine, where wall time mostly waits)",
     )
+    parser.add_argument("--activation", action="store_true", help='add score="activation" (latent, every step)')
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -182,6 +185,8 @@ def main() -> None:
         "lightning_pat healing (mask held)",
         "ModelPruning ln_structured (after first prune)",
     ]
+    if args.activation:  # before ModelPruning, which stays the last row (the "vs ModelPruning" reference)
+        variants.insert(3, "lightning_pat latent, score=activation, fresh selection every step")
     best: dict[str, tuple[float, float, float]] = {}
     for _ in range(args.rounds):  # interleaved, so a noisy neighbour hurts every variant alike
         for v in variants:

@@ -15,10 +15,17 @@ layer (the same active-parameter count for every pruned variant). The small mode
 trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation loss
 (nats per byte) on a fixed set of held-out windows, after the last step.
 
-Variants (``--variants``): see ``VARIANTS``. Benchmark-side helpers, not library features: knowledge distillation
-from the frozen dense checkpoint (``kd``), an activation-aware score (``act``: per-unit mean squared activation,
-an exponential average over training batches, times the reader's column norm, as in Minitron), Lightning's
-``ModelPruning`` (per tensor, rows, not coupled, not shrinkable) and torchao's ``PruneOptimizer`` (per tensor).
+Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
+statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
+``prune_clusters(score="activation")``). Benchmark-side helpers, not library features: knowledge distillation from
+the frozen dense checkpoint (``kd``), the earlier benchmark-side activation score (``act_patch``, a cross-check of
+the library's: EMA of each unit's mean squared reader input times the reader column's squared norm, patched into the
+pruner's score method), Lightning's ``ModelPruning`` (per tensor, rows, not coupled, not shrinkable) and torchao's
+``PruneOptimizer`` (per tensor).
+
+The group-lasso rows measured before the library fix (commit eacc1b9: the ramp target was 0, and direct mode used
+the cumulative lr as its prox step) are kept in BENCHMARKS.md; ``steplasso*`` and ``floorlasso*`` were the
+benchmark-side versions of the two fixes and are now plain library options (the same as ``lasso*``).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import CoupledPruningCallback, presets  # noqa: E402
+from lightning_pat.activation import calibrate  # noqa: E402
 from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import prune_clusters  # noqa: E402
 
@@ -158,31 +166,6 @@ def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bo
     return out
 
 
-class StepLassoCallback(CoupledPruningCallback):
-    """Benchmark-side: direct-mode group lasso as a plain proximal gradient step (threshold from this step's lr).
-
-    The library's threshold is ``reg_lambda * gamma`` with ``gamma`` the *sum* of learning rates since warmup, which
-    is the right step for latent mode (the prox of the unshrunk latent); in direct mode the weights were already
-    shrunk by every earlier step, so the cumulative threshold compounds. This variant uses ``reg_lambda * lr``.
-    """
-
-    def _select(self, pl_module):
-        gamma, self._gamma = self._gamma, self._tracker.last_lr or 0.0
-        try:
-            super()._select(pl_module)
-        finally:
-            self._gamma = gamma
-
-
-class FloorLassoCallback(CoupledPruningCallback):
-    """Benchmark-side: group lasso on top of the hard ramp (the scheduled target is a floor; the library uses 0)."""
-
-    def _select(self, pl_module):
-        final = self.schedule.phase(self._step) in ("final", "healing")
-        method = "hard" if final else self.method
-        self.pruner.step(self.targets(self._step), method=method, threshold=self.reg_lambda * self._gamma)
-
-
 class ActivationScore(pl.Callback):
     """Benchmark-side activation-aware score: EMA of per-unit mean squared activation x reader column norm.
 
@@ -214,7 +197,7 @@ class ActivationScore(pl.Callback):
                 out[rc.name] = (act * col).double().sqrt()
             return out
 
-        pruner._scores = scores
+        pruner._scores = lambda q, given=None: scores(q)
 
     def _hook(self, module: nn.Module, name: str, block: int) -> None:
         def hook(mod, args):
@@ -274,14 +257,19 @@ VARIANTS: dict[str, dict | None] = {
     "lasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1},
     "lasso1e-3": {"method": "group_lasso", "reg_lambda": 1e-3},
     "lasso1e-2_direct": {"method": "group_lasso", "reg_lambda": 1e-2, "mode": "direct"},
-    "steplasso1e-1_direct": {"method": "group_lasso", "reg_lambda": 1e-1, "mode": "direct", "steplasso": True},
-    "floorlasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1, "floor": True},
+    "lasso1e-1_direct": {"method": "group_lasso", "reg_lambda": 1e-1, "mode": "direct"},
+    # the benchmark-side fixes of eacc1b9, now what the library does (kept so that old commands still run)
+    "steplasso1e-1_direct": {"method": "group_lasso", "reg_lambda": 1e-1, "mode": "direct"},
+    "floorlasso1e-1": {"method": "group_lasso", "reg_lambda": 1e-1},
     "cut_at_50": {"warmup_steps": 50, "ramp_steps": 1},  # diagnostic: one-shot cut after 50 dense steps
-    "steplasso1_direct": {"method": "group_lasso", "reg_lambda": 1.0, "mode": "direct", "steplasso": True},
+    "steplasso1_direct": {"method": "group_lasso", "reg_lambda": 1.0, "mode": "direct"},
     "shared_heads": {"shared_heads": True},
     "shared_heads_l2": {"shared_heads": True, "score": "l2"},
     "shared_all": {"shared_heads": True, "shared_mlp": True},
-    "act": {"act": True},
+    "act": {"score": "activation"},
+    "act_direct": {"score": "activation", "mode": "direct"},
+    "act_ramp50": {"score": "activation", "ramp_steps": 50},
+    "act_patch": {"act": True},  # cross-check: the benchmark-side score of eacc1b9
     "kd": {"kd": 0.5},
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
@@ -294,14 +282,16 @@ VARIANTS: dict[str, dict | None] = {
 
 
 #: The variants of the recorded table (the others in VARIANTS are extra knobs, run with --variants all).
-DEFAULT_SET = ["dense", "default", "oneshot", "scratch_R", "kd", "oneshot_kd", "lasso1e-1", "scratch_MR", "act",
-               "shared_heads", "ramp50", "direct", "modelpruning", "torchao"]  # fmt: skip
+DEFAULT_SET = ["dense", "default", "oneshot", "scratch_R", "kd", "oneshot_kd", "lasso1e-2", "lasso1e-2_direct",
+               "scratch_MR", "act", "act_direct", "act_ramp50", "oneshot_act", "shared_heads", "ramp50", "direct",
+               "modelpruning", "torchao"]  # fmt: skip
 
 
 def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
     train, val = data
     weights, opt_state = ckpt
     t0 = time.time()
+    torch.manual_seed(seed)  # the same global RNG state for every variant, whatever ran before in the process
     loader = batches(train, R, seed=10_000 + seed)
     model = TinyGPT(CFG)
     model.load_state_dict(weights)
@@ -319,22 +309,19 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         opts = dict(opts)
         opts.pop("kd", None)
         act = opts.pop("act", False)
-        cls = StepLassoCallback if opts.pop("steplasso", False) else CoupledPruningCallback
-        cls = FloorLassoCallback if opts.pop("floor", False) else cls
         shared = {k: opts.pop(k) for k in ("shared_heads", "shared_mlp") if k in opts}
-        cb = cls(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
+        cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
         callbacks = [cb] + ([ActivationScore(cb)] if act else [])
     elif name.startswith("oneshot"):
-        if name == "oneshot_act":  # one calibration pass on training batches, then one selection, then R steps
-            cb = CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)
-            act_cb = ActivationScore(cb, beta=0.0)
-            calib = next(iter(batches(train, 8, seed=20_000 + seed)))[0]
-            callbacks = [cb, act_cb, _Calibrate(act_cb, calib)]
+        if name == "oneshot_act":  # calibration on 8 training batches, one selection, then R steps
+            calib = [b[0][:, :-1] for b in batches(train, 8, seed=20_000 + seed)]
+            stats = calibrate(model, clusters_for(model), calib)
+            prune_clusters(model, clusters_for(model), SPARSITY, score="activation", activations=stats)
         else:
             prune_clusters(model, clusters_for(model), SPARSITY)
-            # the mask is held by the callback in healing from its first step (ramp_steps=1 re-selects the same
-            # units: the pruned ones are exact zeros, the lowest score)
-            callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)]
+        # the mask is held by the callback in healing from its first step (ramp_steps=1 re-selects the same
+        # units: the pruned ones are exact zeros, the lowest score)
+        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)]
     elif name.startswith("scratch"):
         torch.manual_seed(seed)
         steps = R if name == "scratch_R" else M + R
@@ -383,18 +370,6 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
     return row
 
 
-class _Calibrate(pl.Callback):
-    """Fill the activation statistics with one forward pass of training windows before the first step."""
-
-    def __init__(self, act_cb: ActivationScore, x: torch.Tensor) -> None:
-        self.act_cb, self.x = act_cb, x
-
-    def on_train_start(self, trainer, pl_module):
-        with torch.no_grad():
-            pl_module.model(self.x[:, :-1])
-        self.act_cb.beta = 0.9
-
-
 class _Epochs:
     """Iterate a loader in consecutive slices of ``n`` batches, one slice per epoch (continuing, not restarting)."""
 
@@ -431,14 +406,15 @@ def dense_checkpoint(seed: int, train: torch.Tensor, M: int, cache: Path | None)
 
 
 # ---------------------------------------------------------------------------------------------------- table
-def table(rows: list[dict], M: int, R: int) -> str:
+def table(rows: list[dict], M: int, R: int, ref_name: str = "oneshot") -> str:
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["variant"], []).append(r)
-    ref = by.get("oneshot")
+    ref = by.get(ref_name)
     ref_mean = statistics.mean(r["val"] for r in ref) if ref else None
+    head = "one-shot" if ref_name == "oneshot" else ref_name
     lines = [
-        "| variant | seeds | val loss mean ± std | min - max | minus one-shot (paired) | active | same units | s/run |",
+        f"| variant | seeds | val loss mean ± std | min - max | minus {head} (paired) | active | same units | s/run |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in [v for v in VARIANTS if v in by] + [v for v in by if v not in VARIANTS]:
@@ -464,21 +440,51 @@ def table(rows: list[dict], M: int, R: int) -> str:
     return "\n".join(lines)
 
 
+def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """One (variant, seed) in a fresh process with the same options (the dense checkpoint comes from ``--cache``).
+
+    Within one process a run's result depends, at the float-rounding level, on what ran before it (measured: the
+    same variant and seed after another variant differ by 1e-4 to 3e-2 nats, CPU kernels and allocation history;
+    not the RNG), so a table from one process depends on the variant order; a fresh process per run does not.
+    """
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.jsonl"
+        cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
+               "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows)]  # fmt: skip
+        if args.cache:
+            cmd += ["--cache", str(args.cache)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
     parser.add_argument("--R", type=int, default=150, help="steps of the pruning / recovery budget")
-    parser.add_argument("--variants", default="default", help="comma list of VARIANTS keys, 'default' or 'all'")
+    parser.add_argument(
+        "--variants",
+        default="main",
+        help="comma list of VARIANTS keys ('default' is the defaults' variant), 'main' or 'all'",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: M=40, R=20, 1 seed, few variants")
     parser.add_argument("--jsonl", type=Path, default=None, help="append each run's result here")
     parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
     parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
     parser.add_argument("--val-windows", type=int, default=128)
+    parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
+    parser.add_argument(
+        "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
+    )
     args = parser.parse_args()
+    if args.isolate and args.cache is None:
+        parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:
         rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
-        print(table(rows, args.M, args.R))
+        print(table(rows, args.M, args.R, args.ref))
         return
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -487,13 +493,13 @@ def main() -> None:
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_pat").setLevel(logging.ERROR)
-    variants = DEFAULT_SET if args.variants == "default" else args.variants.split(",")
+    variants = DEFAULT_SET if args.variants == "main" else args.variants.split(",")
     variants = list(VARIANTS) if args.variants == "all" else variants
     if args.quick:
         args.M, args.R, args.seeds, args.val_windows = 40, 20, args.seeds[:1], 32
         variants = (
             variants
-            if args.variants not in ("all", "default")
+            if args.variants not in ("all", "main")
             else ["dense", "default", "oneshot", "scratch_R", "kd", "act"]
         )
     train, val = corpus()
@@ -504,7 +510,10 @@ def main() -> None:
         ckpt = dense_checkpoint(seed, train, args.M, args.cache)
         print(f"seed {seed}: dense checkpoint ({args.M} steps) in {time.time() - t0:.0f}s", flush=True)
         for name in variants:
-            row = run_variant(name, seed, ckpt, (train, val), args.M, args.R)
+            if args.isolate:
+                row = _isolated(name, seed, args)
+            else:
+                row = run_variant(name, seed, ckpt, (train, val), args.M, args.R)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.jsonl:

@@ -172,6 +172,24 @@ def check_strategy_and_optimization(trainer: pl.Trainer, pl_module: pl.Lightning
         )
 
 
+def check_activation_strategy(trainer: pl.Trainer) -> None:
+    """``score="activation"`` runs with plain parameters only: one device or DDP (the same on every rank).
+
+    Raises:
+        MisconfigurationException: Under ``FSDPStrategy`` (flat parameters) or ``ModelParallelStrategy`` (DTensor
+            parameters).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+        raise MisconfigurationException(
+            f"CoupledPruningCallback(score='activation') supports a single device and DDP (plain parameters), got "
+            f"{type(trainer.strategy).__name__}: with sharded or flat parameters the readers' inputs and weights are "
+            "split across ranks and the activation statistics are not collected there. Use a weight score "
+            "(score='rms', the default) under FSDP and ModelParallelStrategy."
+        )
+
+
 def check_shrink_on_freeze(trainer: pl.Trainer) -> None:
     """``shrink_on_freeze`` runs on a single device only (for now).
 

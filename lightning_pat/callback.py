@@ -34,6 +34,7 @@ from lightning_pat import _state as S
 from lightning_pat import _validation as V
 from lightning_pat import distributed as D
 from lightning_pat import presets
+from lightning_pat.activation import ActivationStats
 from lightning_pat.engine import METHODS, Method, Plan, Pruner, PruneResult, make_plan
 from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.latent import LatentStore
@@ -83,11 +84,20 @@ class CoupledPruningCallback(Callback):
         ramp: Ramp shape, ``"cubic"`` (default) or ``"linear"``.
         heal: After the ramp, freeze the mask and keep dropped units at zero (default). If false, keep
             re-selecting at the final target every ``every_n_steps``.
-        method: ``"hard"`` (drop the lowest-scoring units) or ``"group_lasso"`` (block soft-threshold during the
-            ramp with strength ``reg_lambda``; the final step always applies the exact target).
-        reg_lambda: Group-lasso strength ``lambda``; the threshold is ``lambda * gamma * sqrt(G)`` with ``gamma``
-            the sum of learning rates since warmup.
-        score: Unit score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"``.
+        method: ``"hard"`` (drop the lowest-scoring units) or ``"group_lasso"`` (during the ramp, the scheduled
+            target is a floor: the lowest-scoring units are dropped as with ``"hard"``, and every other unit is
+            shrunk by a block soft-threshold of strength ``reg_lambda``, which may zero more; the final step always
+            applies the exact target).
+        reg_lambda: Group-lasso strength ``lambda``. A unit of norm ``||u||`` over all members is scaled by
+            ``max(0, 1 - lambda * gamma * sqrt(G) / ||u||)``. In ``latent`` mode the prox acts on the unshrunk
+            latent and ``gamma`` is the sum of learning rates since warmup; in ``direct`` mode it acts on weights
+            that earlier steps already shrank and ``gamma`` is the sum of learning rates since the previous fresh
+            selection (this step's lr with ``every_n_steps=1``): a proximal gradient step.
+        score: Unit score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"`` (from the weights), or
+            ``"activation"`` (opt-in, Minitron-style: each unit's expected squared contribution to its readers'
+            outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
+            over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
+            weights; one device or DDP only; see :mod:`lightning_pat.activation`).
         mode: ``"latent"`` (default: the optimizer updates a dense latent copy, the model uses its projection) or
             ``"direct"`` (project the weights themselves; no extra memory).
         executor: ``"auto"`` (sharded path for eligible DTensor clusters, else materializing), ``"materializing"``
@@ -108,8 +118,10 @@ class CoupledPruningCallback(Callback):
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
             manual optimization, or ``shrink_on_freeze`` runs under another strategy than a single device (at setup);
             if the clusters do not resolve against the model, or ranks disagree on
-            clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if a
-            checkpoint's state cannot be restored (at train start).
+            clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if
+            ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
+            are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
+            start).
 
     Example::
 
@@ -185,8 +197,10 @@ class CoupledPruningCallback(Callback):
         self.metrics: PruningMetrics | None = None
         self._step = 0  # completed real optimizer steps
         self._gamma = 0.0  # sum of learning rates since warmup
+        self._gamma_prox = 0.0  # ``_gamma`` at the last fresh selection (direct-mode group lasso steps from there)
         self._tracker = S.StepTracker()
         self._latents: LatentStore | None = None
+        self._act: ActivationStats | None = None  # score="activation": the readers' input statistics
         self._pending_state: dict[str, Any] | None = None
         self._params: dict[str, Tensor] = {}
         self._fsdp1_root: torch.nn.Module | None = None
@@ -260,6 +274,7 @@ class CoupledPruningCallback(Callback):
             "version": _STATE_VERSION,
             "step": self._step,
             "gamma": self._gamma,
+            "gamma_prox": self._gamma_prox,
             "dropped": self.dropped,
             "factors": factors,
             "fingerprints": {rc.name: rc.fingerprint() for rc in self.resolved},
@@ -267,7 +282,14 @@ class CoupledPruningCallback(Callback):
             "options": self._options(),
             "latent": self._latent_state(),
             "shrunk": self._shrunk is not None,
+            "activation": self._activation_state(),
         }
+
+    def _activation_state(self) -> list[dict[str, Any]] | None:
+        """Every rank's activation statistics, in rank order (ranks see other batches; each resumes its own)."""
+        if self._act is None:
+            return None
+        return D.gather_objects(self._act.state_dict(), group=D.world_group())
 
     def _latent_format(self) -> str:
         sharded_ckpt = isinstance(self._strategy, ModelParallelStrategy) and getattr(
@@ -297,6 +319,8 @@ class CoupledPruningCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Reject what cannot be supported, before any step: DeepSpeed, manual optimization."""
         V.check_strategy_and_optimization(trainer, pl_module)
+        if self.score == "activation":
+            V.check_activation_strategy(trainer)
         if self.shrink_on_freeze:
             V.check_shrink_on_freeze(trainer)
             connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook
@@ -354,6 +378,11 @@ class CoupledPruningCallback(Callback):
             self.plan = plan
             self.resolved = list(plan.clusters)
             self.pruner = Pruner.from_plan(params, plan)
+            if self.score == "activation":
+                try:
+                    self._act = ActivationStats(pl_module, self.resolved)
+                except ValueError as err:
+                    raise MisconfigurationException(f"CoupledPruningCallback(score='activation'): {err}") from err
             if self.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 try:
                     check_shrinkable(pl_module, self.resolved)
@@ -420,7 +449,9 @@ class CoupledPruningCallback(Callback):
         else:
             if self._carry is not None:
                 rank_zero_info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
-            self._step, self._gamma = 0, 0.0
+            self._step, self._gamma, self._gamma_prox = 0, 0.0, 0.0
+            if self._act is not None:
+                self._act.reset()
         self._carry = None
         assert self.plan is not None
         V.check_mask_not_empty(
@@ -431,8 +462,14 @@ class CoupledPruningCallback(Callback):
             heal=self.heal,
             target_sparsity=self.target_sparsity,
         )
+        if self._act is not None and not self._frozen(self._step):
+            self._act.attach()  # removed at the freeze and at the end of the fit
         steps_left = getattr(trainer, "estimated_stepping_batches", float("inf"))
         V.warn_short_fit(schedule=self.schedule, step=self._step, steps_left=steps_left - trainer.global_step)
+
+    def _frozen(self, step: int) -> bool:
+        """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
+        return self.heal and self.schedule.phase(step) in ("final", "healing")
 
     def _same_trainer(self, trainer: pl.Trainer) -> bool:
         return (
@@ -444,10 +481,12 @@ class CoupledPruningCallback(Callback):
         assert self._latents is not None
         assert self._carry is not None
         carry = self._carry
-        self._step, self._gamma = carry["step"], carry["gamma"]
+        self._step, self._gamma, self._gamma_prox = carry["step"], carry["gamma"], carry["gamma_prox"]
         self.pruner.load_dropped(carry["dropped"], carry["factors"])
         if carry["latents"]:
             self._latents.load_state_dict(carry["latents"])
+        if self._act is not None:
+            self._act.load_state_dict(carry.get("activation") or {})
         with torch.no_grad(), self._weights(pl_module):
             self.pruner.hold()
 
@@ -466,13 +505,26 @@ class CoupledPruningCallback(Callback):
         latent = state.get("latent")
         self._step = step
         self._gamma = float(state.get("gamma", 0.0))
+        # states written before "gamma_prox" existed: the next direct-mode prox step starts from the saved gamma
+        self._gamma_prox = float(state.get("gamma_prox", self._gamma))
         self.pruner.load_dropped(state.get("dropped", {}), state.get("factors", {}))
         if needs_latent:
             self._latents.load_state_dict(S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path))
         else:
             self._latents.clear()
+        if self._act is not None:
+            self._restore_activation(state.get("activation"))
         with torch.no_grad(), self._weights(pl_module):
             self.pruner.hold()
+
+    def _restore_activation(self, saved: list[dict[str, Any]] | None) -> None:
+        """This rank's saved statistics (rank 0's if the checkpoint has fewer ranks); none saved: start empty."""
+        assert self._act is not None
+        if not saved:
+            self._act.reset()  # e.g. the score was changed on resume (a warning said so): collected from here on
+            return
+        rank = D.world_rank()
+        self._act.load_state_dict(saved[rank] if rank < len(saved) else saved[0])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -486,15 +538,28 @@ class CoupledPruningCallback(Callback):
         self._carry = {
             "step": self._step,
             "gamma": self._gamma,
+            "gamma_prox": self._gamma_prox,
             "dropped": self.dropped,
             "factors": self.pruner.factors(),
             "latents": latents,
+            "activation": None if self._act is None else self._act.state_dict(),
         }
+        if self._act is not None:
+            self._act.detach()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove optimizer hooks (the in-memory state for a next fit of the same Trainer is kept)."""
+        """Remove optimizer and activation hooks (the in-memory state for a next fit of the same Trainer is kept)."""
         self._tracker.detach()
+        if self._act is not None:
+            self._act.detach()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A failed fit does not reach ``teardown``: remove the hooks here (no leak into the next cell's fit)."""
+        self._tracker.detach()
+        if self._act is not None:
+            self._act.detach()
 
     # ------------------------------------------------------------------ per step
     @override
@@ -551,6 +616,8 @@ class CoupledPruningCallback(Callback):
                 result = self.pruner.result(count=True) if count else None  # counting may communicate
             if self.heal and self.schedule.phase(step) == "final":
                 self._latents.clear()  # the mask is frozen from here on
+                if self._act is not None:
+                    self._act.detach()  # no per-forward cost during healing
                 if self.shrink_on_freeze:
                     self._shrink_model(trainer, pl_module)
             if result is not None:
@@ -563,7 +630,7 @@ class CoupledPruningCallback(Callback):
             shrink_for_training(pl_module, self.resolved, dropped, optimizers=trainer.optimizers)
         except ValueError as err:
             raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
-        self._shrunk, self.pruner, self._latents = dropped, None, None
+        self._shrunk, self.pruner, self._latents, self._act = dropped, None, None, None
         rank_zero_info(
             f"CoupledPruningCallback: shrunk the model at step {self._step} to "
             f"{sum(p.numel() for p in pl_module.parameters()):,} parameters; healing runs on the small model."
@@ -574,12 +641,31 @@ class CoupledPruningCallback(Callback):
         assert self.pruner is not None
         final = self.schedule.phase(self._step) in ("final", "healing")
         method: Method = "hard" if final else self.method
-        targets = self.targets(self._step)
-        if method == "group_lasso":
-            targets = dict.fromkeys(targets, 0.0)
-        self.pruner.step(targets, method=method, threshold=self.reg_lambda * self._gamma)
+        scores = None if self._act is None else self._activation_scores()
+        self.pruner.step(
+            self.targets(self._step), method=method, threshold=self.reg_lambda * self._prox_step(), scores=scores
+        )
+        self._gamma_prox = self._gamma
         if self.debug_check_selection:
             V.check_selection_agreement(self.dropped, step=self._step)
+
+    def _activation_scores(self) -> dict[str, Tensor]:
+        """Activation-aware unit scores from the statistics summed over ranks (one collective under DDP)."""
+        assert self._act is not None
+        summed = D.sum_over_ranks(self._act.stacked(), group=D.world_group())
+        try:
+            return self._act.unit_scores(self._params, summed=summed)
+        except ValueError as err:
+            raise MisconfigurationException(f"CoupledPruningCallback(score='activation'): {err}") from err
+
+    def _prox_step(self) -> float:
+        """The group-lasso step size ``gamma`` of this fresh selection (see ``reg_lambda``).
+
+        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
+        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
+        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
+        """
+        return self._gamma if self.mode == "latent" else self._gamma - self._gamma_prox
 
     def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:

@@ -236,6 +236,18 @@ def scatter_gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) ->
     return torch.cat([rows_nB[row] for row in order])[:length]
 
 
+def sum_over_ranks(buffer_L: Tensor, *, group: Any) -> Tensor:
+    """Sum of every rank's float ``buffer_L`` over ``group``, bitwise identical on every rank (one collective).
+
+    Used for the activation statistics of ``score="activation"`` under DDP, where every rank sees other batches:
+    one all_gather, then the rows are added in group-rank order (a float all_reduce would not promise the same
+    bits on every rank). Without a process group, or in a group of one rank, ``buffer_L`` itself.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return buffer_L
+    return gather_sum(buffer_L, group=group, order=list(range(dist.get_world_size(group))))
+
+
 def world_group() -> Any:
     """The default (WORLD) process group, or ``None`` when torch.distributed is not initialised."""
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

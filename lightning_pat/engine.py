@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pat import distributed as D
 from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
-from lightning_pat.scoring import SCORE_TYPES, ScoreType, group_count_correction, normalise
+from lightning_pat.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.selection import (
     bottom_k,
     bottom_k_rows,
@@ -28,6 +28,9 @@ from lightning_pat.selection import (
     shrink_factors,
 )
 from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+
+if TYPE_CHECKING:
+    from lightning_pat.activation import ActivationStats
 
 Method = Literal["hard", "group_lasso"]
 METHODS: tuple[str, ...] = ("hard", "group_lasso")
@@ -136,7 +139,8 @@ class Pruner:
     Args:
         params: The model, or a mapping of parameter names to tensors, holding every member.
         clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`).
-        score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``.
+        score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
+            are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (see :func:`~lightning_pat.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
@@ -179,11 +183,31 @@ class Pruner:
             yield
 
     # ------------------------------------------------------------------ selection
-    def _scores(self, q: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def _scores(self, q: Mapping[str, Tensor], given: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+        """Unit scores: ``given`` (e.g. activation-aware scores) if passed, else the weight score of ``q``."""
+        if given is not None:
+            missing = [rc.name for rc in self.clusters if rc.name not in given]
+            wrong = [rc.name for rc in self.clusters if rc.name in given and given[rc.name].shape != (rc.num_units,)]
+            if missing or wrong:
+                raise ValueError(
+                    f"`scores` must hold one [C] tensor per cluster; missing {missing[:5]}, wrong shape {wrong[:5]}."
+                )
+            return {rc.name: given[rc.name] for rc in self.clusters}
+        if self.score not in WEIGHT_SCORES:
+            raise ValueError(
+                f"score={self.score!r} needs precomputed unit scores: pass `scores=` (see "
+                "lightning_pat.activation.ActivationStats.unit_scores), or use a weight score "
+                f"{WEIGHT_SCORES}."
+            )
         return {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=self.score) for rc in self.clusters}
 
     def select(
-        self, targets: Mapping[str, float], *, method: Method = "hard", threshold: float = 0.0
+        self,
+        targets: Mapping[str, float],
+        *,
+        method: Method = "hard",
+        threshold: float = 0.0,
+        scores: Mapping[str, Tensor] | None = None,
     ) -> dict[str, UnitAction]:
         """Score every cluster and decide what to drop (no mutation).
 
@@ -191,21 +215,33 @@ class Pruner:
             targets: Cluster name -> fraction of units to drop (a floor for ``group_lasso``).
             method: ``"hard"`` or ``"group_lasso"``.
             threshold: ``lambda * gamma`` for ``group_lasso``.
+            scores: Cluster name -> ``[C]`` unit scores that replace the weight score for ranking (the group-lasso
+                shrinkage still acts on the weights' unit norms). Required when the pruner's score is
+                ``"activation"``; identical on every rank, or ranks select differently.
 
         Returns:
             Cluster name -> action.
+
+        Raises:
+            ValueError: If ``scores`` lacks a cluster or has a wrong shape, or the score type needs ``scores``.
         """
         _check_options(score=self.score, method=method)
         q: dict[str, Tensor] = {}
         with self._session():  # dense copies (if any) do not outlive the call
             for ex in self.executors:
                 q.update(ex.unit_sq_norms())
-        return self._decide(q, targets, method=method, threshold=threshold)
+        return self._decide(q, targets, method=method, threshold=threshold, scores=scores)
 
     def _decide(
-        self, q: Mapping[str, Tensor], targets: Mapping[str, float], *, method: Method, threshold: float
+        self,
+        q: Mapping[str, Tensor],
+        targets: Mapping[str, float],
+        *,
+        method: Method,
+        threshold: float,
+        scores: Mapping[str, Tensor] | None = None,
     ) -> dict[str, UnitAction]:
-        scores = self._scores(q)
+        scores = self._scores(q, scores)
         dropped = self._hard_floor(scores, targets)
         actions = {}
         for rc in self.clusters:
@@ -268,14 +304,15 @@ class Pruner:
         method: Method = "hard",
         threshold: float = 0.0,
         count: bool = False,
+        scores: Mapping[str, Tensor] | None = None,
     ) -> PruneResult:
-        """Select and apply a fresh projection; remember it as the current mask."""
+        """Select and apply a fresh projection; remember it as the current mask (``scores``: see :meth:`select`)."""
         _check_options(score=self.score, method=method)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
             q: dict[str, Tensor] = {}
             for ex in self.executors:
                 q.update(ex.unit_sq_norms())
-            actions = self._decide(q, targets, method=method, threshold=threshold)
+            actions = self._decide(q, targets, method=method, threshold=threshold, scores=scores)
             self.apply(actions)
             self.last = actions
             return self.result(count=count)
@@ -367,6 +404,7 @@ def prune_clusters(
     reg_lambda: float = 0.0,
     gamma: float = 1.0,
     group_count_ref: int | None = None,
+    activations: ActivationStats | None = None,
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -376,18 +414,22 @@ def prune_clusters(
         model: The module to prune in place.
         clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`).
         sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``.
-        score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"``.
+        score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
         reg_lambda: Group-lasso strength ``lambda``.
-        gamma: Group-lasso step size ``gamma`` (the callback uses the sum of learning rates since warmup).
+        gamma: Group-lasso step size ``gamma``: the units are scaled by ``max(0, 1 - lambda * gamma * sqrt(G) /
+            ||u||)`` (the callback uses the sum of learning rates since warmup in latent mode, since the previous
+            selection in direct mode).
         group_count_ref: Opt-in score correction for shared budgets.
+        activations: Statistics from :func:`lightning_pat.activation.calibrate` for ``score="activation"``.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
 
     Raises:
-        ValueError: On an invalid declaration or option; nothing is mutated then.
+        ValueError: On an invalid declaration or option, or ``score="activation"`` without ``activations`` (or with
+            statistics of other clusters); nothing is mutated then.
 
     Example::
 
@@ -402,7 +444,16 @@ def prune_clusters(
     _check_options(score=score, method=method)
     if reg_lambda < 0 or gamma < 0:
         raise ValueError(f"`reg_lambda` and `gamma` must be >= 0, got {reg_lambda!r} and {gamma!r}.")
+    if (score == "activation") != (activations is not None):
+        raise ValueError(
+            "score='activation' and `activations` go together: pass "
+            "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
+            f"or neither; got score={score!r} and activations={type(activations).__name__}."
+        )
     plan = make_plan(model, clusters, score=score, executor=executor, group_count_ref=group_count_ref)
     pruner = Pruner.from_plan(model, plan)
     with torch.no_grad():
-        return pruner.step(plan.targets(float(sparsity)), method=method, threshold=reg_lambda * gamma, count=True)
+        scores = None if activations is None else activations.unit_scores(_named(model))
+        return pruner.step(
+            plan.targets(float(sparsity)), method=method, threshold=reg_lambda * gamma, count=True, scores=scores
+        )

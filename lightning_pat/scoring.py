@@ -20,8 +20,11 @@ from torch import Tensor
 
 from lightning_pat.spec import Member
 
-ScoreType = Literal["rms", "l2", "param_cost"]
-SCORE_TYPES: tuple[str, ...] = ("rms", "l2", "param_cost")
+ScoreType = Literal["rms", "l2", "param_cost", "activation"]
+#: Scores computed from the weights alone (every executor, every layout).
+WEIGHT_SCORES: tuple[str, ...] = ("rms", "l2", "param_cost")
+#: Every score type; ``"activation"`` needs activation statistics (see ``lightning_pat.activation``).
+SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, "activation")
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -139,7 +142,9 @@ def normalise(q_C: Tensor, *, unit_numel: int, score: ScoreType) -> Tensor:
         return norm
     if score == "param_cost":
         return norm / unit_numel
-    raise ValueError(f"`score` must be one of {SCORE_TYPES}, got {score!r}.")
+    raise ValueError(
+        f"`score` must be one of {WEIGHT_SCORES}, got {score!r} (activation scores: lightning_pat.activation)."
+    )
 
 
 def group_count_correction(scores_C: Tensor, *, reference: int | None) -> Tensor:

@@ -1,6 +1,6 @@
 """One rank of the multi-process resume matrix (launched per rank by test_resume_distributed.py).
 
-    python resume_worker.py {ddp|mp|mp-full|fsdp1} {latent|direct} K1,K2,...
+    python resume_worker.py {ddp|mp|mp-full|fsdp1} {latent|direct} K1,K2,... [score]
 
 Runs the fit uninterrupted with a checkpoint after every step, then, for each K, a fresh module, callback and Trainer
 resumed from the step-K checkpoint; prints one ``RESULT {json}`` line with every mismatch (weights of the whole
@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_pat import CoupledPruningCallback
 from tests.common.dist import finish_worker
-from tests.common.lit_models import StepDataModule, mlp_cluster
+from tests.common.lit_models import MLPModule, StepDataModule, mlp_cluster
 
 TOTAL = 10
 SCHEDULE = {"warmup_steps": 2, "ramp_steps": 5, "every_n_steps": 1}
@@ -45,6 +45,16 @@ class CPUFSDPStrategy(FSDPStrategy):
         return FullyShardedDataParallel(module=model, device_id=torch.device("cpu"), use_orig_params=True)
 
 
+class RankStepModule(StepDataModule):
+    """Data from (global_step, rank): the ranks see different batches (activation statistics differ per rank)."""
+
+    def training_step(self, batch, batch_idx):
+        g = torch.Generator().manual_seed(10_000 + self.global_step + 7919 * self.global_rank)
+        x = torch.randn(4, 8, generator=g)
+        y = torch.randn(4, 4, generator=g)
+        return MLPModule.training_step(self, (x, y), batch_idx)
+
+
 class Recorder(pl.Callback):
     def __init__(self, cb: CoupledPruningCallback) -> None:
         self.cb, self.rows = cb, {}
@@ -54,9 +64,12 @@ class Recorder(pl.Callback):
         self.rows[self.cb.step] = [copy.deepcopy(self.cb.dropped), logged]
 
 
-def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = False) -> tuple[dict, dict, dict]:
-    module = (ShardedStepModule if kind.startswith("mp") else StepDataModule)(optimizer="adamw", lr=0.2, seed=0)
-    cb = CoupledPruningCallback(mlp_cluster(), 0.5, mode=mode, **SCHEDULE)
+def fit(
+    kind: str, mode: str, *, score: str = "rms", ckpt_path: str | None = None, save: bool = False
+) -> tuple[dict, dict, dict]:
+    cls = ShardedStepModule if kind.startswith("mp") else RankStepModule if score == "activation" else StepDataModule
+    module = cls(optimizer="adamw", lr=0.2, seed=0)
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, mode=mode, score=score, **SCHEDULE)
     rec = Recorder(cb)
     callbacks = [cb, rec]
     if save:
@@ -96,12 +109,12 @@ def fit(kind: str, mode: str, *, ckpt_path: str | None = None, save: bool = Fals
     return weights, rec.rows, routes
 
 
-def main(kind: str, mode: str, stops: list[int]) -> None:
-    want_w, want_rows, routes = fit(kind, mode, save=True)
+def main(kind: str, mode: str, stops: list[int], score: str = "rms") -> None:
+    want_w, want_rows, routes = fit(kind, mode, score=score, save=True)
     mismatches = []
     for k in stops:
         path = f"ckpts/step={k}.ckpt"
-        got_w, rows, _ = fit(kind, mode, ckpt_path=path)
+        got_w, rows, _ = fit(kind, mode, score=score, ckpt_path=path)
         if sorted(rows) != list(range(k + 1, TOTAL + 1)):
             mismatches.append(f"k={k}: resumed steps {sorted(rows)}")
         mismatches += [f"k={k} step {s}: {rows[s]} != {want_rows[s]}" for s in rows if rows[s] != want_rows.get(s)]
@@ -113,5 +126,5 @@ def main(kind: str, mode: str, stops: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], [int(k) for k in sys.argv[3].split(",")])
+    main(sys.argv[1], sys.argv[2], [int(k) for k in sys.argv[3].split(",")], *sys.argv[4:])
     finish_worker()

@@ -1,6 +1,6 @@
 """One rank of a multi-process Trainer test (DDP or FSDP1 on CPU); launched per rank by the tests.
 
-    python strategy_worker.py {ddp|fsdp1} {latent|direct}
+    python strategy_worker.py {ddp|fsdp1} {latent|direct} [score]
 
 Prints one ``RESULT {json}`` line with what the test asserts: the mask, the zero rows/columns of the full weights,
 routes, logged sparsity, and whether every rank agreed after every step.
@@ -42,9 +42,9 @@ class AgreementCheck(pl.Callback):
         self.disagreements += any(r != records[0] for r in records)
 
 
-def main(strategy_name: str, mode: str) -> None:
+def main(strategy_name: str, mode: str, score: str = "rms") -> None:
     module = MLPModule(optimizer="adamw" if strategy_name == "ddp" else "sgd", n_batches=16)
-    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode)
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode, score=score)
     check = AgreementCheck(cb, check_weights=strategy_name == "ddp")
     strategy = (
         CPUFSDPStrategy(process_group_backend="gloo")
@@ -85,6 +85,7 @@ def main(strategy_name: str, mode: str) -> None:
                 "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
                 "flat_shapes": flat_shapes,
                 "disagreements": check.disagreements,
+                "activation": cb._act.state_dict()["ema"]["fc2"].tolist() if cb._act is not None else None,
             }
         ),
         flush=True,
@@ -92,5 +93,5 @@ def main(strategy_name: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
     finish_worker()

@@ -142,6 +142,13 @@ CASES = [
         "fit",
     ),
     ("preset-wrong-family", {"clusters": "llama"}, r"presets.llama: no parameter of the model matches", "fit"),
+    (
+        "activation-no-reader",
+        {"score": "activation", "clusters": [Cluster("hidden", writers=[W, B])]},
+        r"Cluster 'hidden': score='activation' scores units by the input of their readers, but the cluster has only "
+        r"writers \['fc1.weight', 'fc1.bias'\]\. Add the member that reads these channels",
+        "fit",
+    ),
 ]
 
 

@@ -65,29 +65,36 @@ def make_cb(mode, method, **overrides):
 
 
 @pytest.mark.parametrize(
-    ("mode", "method", "optimizer"),
+    ("mode", "method", "optimizer", "score"),
     [
-        ("latent", "hard", "sgd"),
-        ("latent", "hard", "adamw"),
-        ("direct", "hard", "sgd"),
-        ("latent", "group_lasso", "sgd"),
+        ("latent", "hard", "sgd", "rms"),
+        ("latent", "hard", "adamw", "rms"),
+        ("direct", "hard", "sgd", "rms"),
+        ("latent", "group_lasso", "sgd", "rms"),
+        ("direct", "group_lasso", "sgd", "rms"),
+        ("latent", "hard", "adamw", "activation"),
+        ("direct", "hard", "sgd", "activation"),
+        ("latent", "group_lasso", "sgd", "activation"),
     ],
 )
-def test_stop_anywhere_and_resume_equals_uninterrupted(tmp_path, mode, method, optimizer):
+def test_stop_anywhere_and_resume_equals_uninterrupted(tmp_path, mode, method, optimizer, score):
     module = StepDataModule(optimizer=optimizer, lr=0.2)
-    cb = make_cb(mode, method)
+    cb = make_cb(mode, method, score=score)
     trainer = trainer_for(cb, max_steps=TOTAL, tmp_path=tmp_path, every=1)
     trainer.fit(module)
     want_rows = trainer.callbacks[1].rows
     want = weights(module)
-    if mode == "latent" and method == "hard":
+    if score == "activation":  # the statistics really are in the state, and they matter for the selection
+        state = torch.load(tmp_path / "step=5.ckpt", weights_only=False)["callbacks"][cb.state_key]
+        assert state["activation"][0]["count"] == {"fc2": 5}
+    if mode == "latent" and method == "hard" and score == "rms":
         # the fixture really exercises latent mode: some unit dropped during the ramp comes back later
         masks = [set(want_rows[s][0]["hidden"]) for s in range(3, 9)]
         assert any(a - b for a, b in zip(masks, masks[1:], strict=False)), masks
 
     for where, k in STOPS.items():
         resumed = StepDataModule(optimizer=optimizer, lr=0.2, seed=99)  # other init: everything comes from the ckpt
-        cb2 = make_cb(mode, method)
+        cb2 = make_cb(mode, method, score=score)
         trainer2 = trainer_for(cb2, max_steps=TOTAL)
         trainer2.fit(resumed, ckpt_path=str(tmp_path / f"step={k}.ckpt"))
         rows = trainer2.callbacks[1].rows

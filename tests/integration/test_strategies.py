@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).with_name("strategy_worker.py")
 
 
-def launch(strategy: str, mode: str) -> list[dict]:
-    outputs = run_rank_scripts(WORKER, 2, args=[strategy, mode], timeout=200)
+def launch(strategy: str, mode: str, score: str = "rms") -> list[dict]:
+    outputs = run_rank_scripts(WORKER, 2, args=[strategy, mode, score], timeout=200)
     results = [
         json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
     ]
@@ -57,3 +57,12 @@ def test_fsdp1_materializing_path_prunes_full_params(mode):
     # the parameters really were flat shards (FSDP1), and different on the two ranks
     assert all(len(s) == 1 for r in results for s in r["flat_shapes"])
     assert results[0]["flat_shapes"] != results[1]["flat_shapes"]
+
+
+@pytest.mark.timeout(240)
+def test_ddp_activation_score_selects_the_same_units_from_different_batches():
+    results = launch("ddp", "latent", "activation")
+    check_pruned(results)  # the same mask on both ranks after every step
+    # each rank saw its own half of the data (DistributedSampler), so the ranks' own statistics differ: only their
+    # average, taken before each selection, makes the selections agree
+    assert results[0]["activation"] != results[1]["activation"]

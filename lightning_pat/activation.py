@@ -1,0 +1,320 @@
+r"""Activation-aware unit scores: input statistics of each cluster's readers (opt-in, ``score="activation"``).
+
+A reader member (channel axis on dim 1) is the ``weight`` of an ``nn.Linear`` whose input channel ``j`` carries
+the cluster's unit ``c(j)``. A forward pre-hook on that module keeps, per input channel, an exponential moving
+average (``beta``, deterministic, float64) of the mean of ``x_j^2`` over all leading dims, taken only in training
+forwards (``module.training`` and grad enabled). The score of unit ``c`` is the expected squared contribution of
+its channels to the readers' outputs::
+
+    score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
+
+(Minitron-style: a unit whose weights are large but whose inputs are small scores low.) A dropped unit's input is
+zero, so its average decays towards 0 (by ``beta`` per forward) and latent mode rarely revives it, unlike with a
+weight score.
+
+Cost: one float64 reduction over every reader's input per training forward (``rows x in_features`` squares; about
+the cost of an elementwise op on the input, against a matmul by the reader), and ``in_features`` float64 values per
+reader module of memory. The callback removes the hooks once the mask is frozen and at the end of every fit.
+
+Legend: ``C`` units of a cluster, ``I`` input channels of a reader module, ``N`` rows (all leading dims), ``S`` the
+input channels of every reader module, stacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat import distributed as D
+from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
+from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+
+_CHUNK_ELEMS = 1 << 22  # float64 temporaries of at most 32 MiB per reduction step
+
+
+def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module | None, str]:
+    path, _, attr = name.rpartition(".")
+    return path, modules.get(path), attr
+
+
+class ActivationStats:
+    """Per-input-channel ``E[x^2]`` of every cluster's reader modules, and the unit scores built from them.
+
+    Args:
+        model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
+        clusters: The resolved clusters.
+        beta: Weight of the previous average: ``ema = beta * ema + (1 - beta) * batch_mean`` (the first batch sets
+            it). ``None`` keeps the plain mean over all batches seen (calibration).
+
+    Raises:
+        ValueError: If ``beta`` is outside ``[0, 1)``, a cluster has no reader, a reader is not the ``weight`` of an
+            ``nn.Linear``, or a reader weight is a DTensor.
+
+    Example::
+
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> stats = calibrate(mlp, Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"]),
+        ...                   [torch.randn(16, 4)])
+        >>> stats.unit_scores(dict(mlp.named_parameters()))["h"].shape
+        torch.Size([8])
+    """
+
+    def __init__(self, model: nn.Module, clusters: Sequence[ResolvedCluster], *, beta: float | None = 0.9) -> None:
+        if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
+            raise ValueError(f"`beta` must be None or a number in [0, 1), got {beta!r}.")
+        self.beta = beta
+        self.clusters = list(clusters)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]
+        self.modules: dict[str, nn.Linear] = {}  # reader module name -> module, in first-seen order
+        for rc in self.clusters:
+            readers = [m for m in rc.members if m.role == "reader"]
+            if not readers:
+                raise ValueError(
+                    f"Cluster {rc.name!r}: score='activation' scores units by the input of their readers, but the "
+                    f"cluster has only writers {[m.name for m in rc.members][:5]}. Add the member that reads these "
+                    "channels (e.g. down_proj/o_proj columns) to `readers`, or use a weight score ('rms')."
+                )
+            self.readers[rc.name] = [(m, self._reader_module(rc, m, modules, params)) for m in readers]
+        self._ema: dict[str, Tensor] = {}
+        self._count: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._forced = False
+
+    def _reader_module(
+        self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
+    ) -> str:
+        """The ``nn.Linear`` whose ``weight`` is reader ``m`` (under any name: tied tensors have several owners)."""
+        tensor = params.get(m.name)
+        owners = [
+            (path, module)
+            for path, module in modules.items()
+            if tensor is not None and module._parameters.get("weight") is tensor  # noqa: SLF001 - identity only
+        ]
+        for path, module in owners:
+            if isinstance(module, nn.Linear):
+                if D.is_dtensor(module.weight):
+                    raise ValueError(
+                        f"Cluster {rc.name!r}: reader {m.name!r} is a DTensor; score='activation' supports plain "
+                        "parameters (one device, DDP) only. Use a weight score ('rms') with sharded parameters."
+                    )
+                self.modules.setdefault(path, module)
+                return path
+        path, module, attr = _owner(modules, m.name)
+        where = f"{type(module).__name__} {path!r}" if path else f"the root module ({type(module).__name__})"
+        found = f"the `{attr}` of {where}" if module is not None else "not a parameter of a module"
+        raise ValueError(
+            f"Cluster {rc.name!r}: score='activation' needs every reader to be the `weight` of an nn.Linear (its "
+            f"input channels are the cluster's units), but reader {m.name!r} is {found}. Use a weight score "
+            "('rms') for this model, or leave this cluster out (e.g. the residual cluster, read by the embedding)."
+        )
+
+    # ------------------------------------------------------------------ collection
+    @property
+    def attached(self) -> bool:
+        """Whether the forward pre-hooks are registered."""
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        """Register one forward pre-hook per reader module (again: a no-op)."""
+        if self._handles:
+            return
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
+
+    def detach(self) -> None:
+        """Remove the hooks (the statistics are kept)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """Forget every statistic."""
+        self._ema, self._count = {}, {}
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Record every forward while inside (also in eval mode or under ``no_grad``): calibration."""
+        attached = self.attached
+        self.attach()
+        self._forced = True
+        try:
+            yield
+        finally:
+            self._forced = False
+            if not attached:
+                self.detach()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not (self._forced or (module.training and torch.is_grad_enabled())):
+                return
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, Tensor):
+                self.observe(name, x)
+
+        return hook
+
+    @torch.no_grad()
+    def observe(self, name: str, x: Tensor) -> None:
+        """Fold one input batch of reader module ``name`` into its average (float64, chunked over rows)."""
+        x_NI = x.detach().reshape(-1, x.shape[-1])
+        rows, width = x_NI.shape
+        if rows == 0:
+            return
+        sum_I = torch.zeros(width, dtype=torch.float64, device=x.device)
+        step = max(1, _CHUNK_ELEMS // max(width, 1))
+        for i in range(0, rows, step):
+            sum_I += x_NI[i : i + step].to(torch.float64).square().sum(dim=0)
+        mean_I = sum_I / rows
+        prev, count = self._ema.get(name), self._count.get(name, 0)
+        if prev is None:
+            self._ema[name] = mean_I
+        elif self.beta is None:
+            prev += (mean_I - prev) / (count + 1)
+        else:
+            prev.mul_(self.beta).add_(mean_I, alpha=1.0 - self.beta)
+        self._count[name] = count + 1
+
+    # ------------------------------------------------------------------ scores
+    def stacked(self) -> Tensor:
+        """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
+
+        Summed over ranks (see :func:`lightning_pat.distributed.sum_over_ranks`) and passed to :meth:`unit_scores`,
+        it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty.
+        """
+        values, seen = [], []
+        for name, module in self.modules.items():
+            ema = self._ema.get(name)
+            width = module.in_features
+            device = module.weight.device
+            values.append(ema if ema is not None else torch.zeros(width, dtype=torch.float64, device=device))
+            seen.append(torch.full((width,), float(ema is not None), dtype=torch.float64, device=device))
+        return torch.cat(values + seen)
+
+    def averages(self, summed: Tensor | None = None) -> dict[str, Tensor]:
+        """Module name -> ``[I]`` mean ``E[x^2]`` (over the ranks that saw it when ``summed`` is given).
+
+        Raises:
+            ValueError: If a reader module has no statistics, or ``summed`` has the wrong shape.
+        """
+        summed = self.stacked() if summed is None else summed
+        total = sum(m.in_features for m in self.modules.values())
+        if summed.shape != (2 * total,):
+            raise ValueError(f"`summed` must have shape ({2 * total},) (see stacked()), got {tuple(summed.shape)}.")
+        out, start = {}, 0
+        for name, module in self.modules.items():
+            width = module.in_features
+            value, seen = summed[start : start + width], summed[total + start : total + start + width]
+            start += width
+            if not bool((seen > 0).all()):
+                cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
+                raise ValueError(
+                    f"Cluster {cluster!r}: score='activation' has no statistics for reader {param!r} (module "
+                    f"{name!r}): no training forward (module.training and grad enabled) has reached it yet. Run "
+                    "at least one training step before the first selection, or calibrate() first for one-shot use."
+                )
+            out[name] = value / seen
+        return out
+
+    def unit_scores(self, params: Mapping[str, Tensor], *, summed: Tensor | None = None) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` float64 scores ``sqrt(sum_r sum_j E[x_j^2] ||W_r[:, j]||^2)``.
+
+        Args:
+            params: Parameter name -> tensor, holding every reader weight (the weights to score now).
+            summed: :meth:`stacked` summed over ranks; ``None`` uses this rank's statistics.
+
+        Raises:
+            ValueError: If a reader module has no statistics yet, or ``summed`` has the wrong shape.
+        """
+        averages = self.averages(summed)
+        out = {}
+        for rc in self.clusters:
+            total_C: Tensor | None = None
+            for m, name in self.readers[rc.name]:
+                weight = params[m.name].detach()
+                col_I = channel_sq_sums(weight, dim=1, acc_dtype=torch.float64)  # ||W[:, j]||^2
+                contrib_I = col_I * averages[name].to(col_I.device)
+                units_I = unit_of_channels(
+                    start=m.start, block=m.block, offset=0, length=contrib_I.numel(), device=contrib_I.device
+                )
+                part_C = fold_to_units(contrib_I, units_I, num_units=rc.num_units)
+                total_C = part_C if total_C is None else total_C + part_C
+            assert total_C is not None  # every cluster has a reader (checked at construction)
+            out[rc.name] = total_C.sqrt()
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain types and CPU float64 tensors: ``beta``, per module the average and the number of batches seen."""
+        return {
+            "beta": self.beta,
+            "ema": {k: v.detach().cpu().clone() for k, v in self._ema.items()},
+            "count": dict(self._count),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (exactly; modules unknown to this model are ignored).
+
+        Raises:
+            ValueError: If a saved average's length differs from its module's ``in_features``.
+        """
+        self.reset()
+        for name, ema in state.get("ema", {}).items():
+            module = self.modules.get(name)
+            if module is None:
+                continue
+            if ema.numel() != module.in_features:
+                raise ValueError(
+                    f"The saved activation statistics of {name!r} have {ema.numel()} channels, the module "
+                    f"{module.in_features}; resume with the same model."
+                )
+            self._ema[name] = ema.to(device=module.weight.device, dtype=torch.float64).clone()
+            self._count[name] = int(state.get("count", {}).get(name, 1))
+
+
+def calibrate(
+    model: nn.Module,
+    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    batches: Iterable[Any],
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> ActivationStats:
+    """Activation statistics from forward passes over ``batches`` (no grad; the plain mean over batches).
+
+    The model runs in the mode it is in (``model.eval()`` first to switch dropout off); nothing is mutated. The
+    result feeds :func:`~lightning_pat.prune_clusters` with ``score="activation"``. Statistics are this process's
+    own: with several ranks, calibrate on the same batches on every rank.
+
+    Args:
+        model: The module to calibrate.
+        clusters: Cluster declarations (or resolved clusters).
+        batches: Inputs; each is passed as ``model(batch)`` unless ``forward`` is given.
+        forward: ``forward(model, batch)`` for models that take something else (e.g. ``model(**batch)``).
+
+    Returns:
+        The statistics.
+
+    Raises:
+        ValueError: If a declaration is invalid, a cluster's readers are not ``nn.Linear`` weights (see
+            :class:`ActivationStats`), or no batch reached some reader.
+    """
+    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+    if items and all(isinstance(c, ResolvedCluster) for c in items):
+        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
+    else:
+        resolved = resolve_clusters(model, items)  # type: ignore[arg-type]
+    stats = ActivationStats(model, resolved, beta=None)
+    with stats.collecting(), torch.no_grad():
+        for batch in batches:
+            if forward is not None:
+                forward(model, batch)
+            else:
+                model(batch)
+    stats.averages()  # every reader was reached, or a clear error now
+    return stats

@@ -1,0 +1,197 @@
+"""Activation statistics and activation-aware unit scores (lightning_pat.activation) against plain float64 math.
+
+The references below are written from the formula in the module docstring with plain torch (per-channel mean of
+x^2 over all leading dims, an exponential average with the first batch as its start, and
+``sqrt(sum_j E[x_j^2] * ||W[:, j]||^2)`` per unit), not with the library's helpers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pat import Cluster, prune_clusters, resolve_clusters
+from lightning_pat.activation import ActivationStats, calibrate
+from lightning_pat.engine import Pruner, make_plan
+
+MLP = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def ref_mean_sq(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().double()
+    return (x * x).reshape(-1, x.shape[-1]).mean(dim=0)
+
+
+def ref_ema(xs: list[torch.Tensor], beta: float | None) -> torch.Tensor:
+    ema = None
+    for i, x in enumerate(xs):
+        m = ref_mean_sq(x)
+        if ema is None:
+            ema = m
+        elif beta is None:
+            ema = ema * i / (i + 1) + m / (i + 1)
+        else:
+            ema = beta * ema + (1 - beta) * m
+    return ema
+
+
+def ref_scores(weight: torch.Tensor, e_sq: torch.Tensor, num_units: int, start: int = 0) -> list[float]:
+    w = weight.detach().double()
+    block = (w.shape[1] - start) // num_units
+    out = []
+    for c in range(num_units):
+        total = 0.0
+        for j in range(start + c * block, start + (c + 1) * block):
+            total += float(e_sq[j]) * float((w[:, j] ** 2).sum())
+        out.append(total**0.5)
+    return out
+
+
+def test_training_forwards_update_an_exponential_average_and_nothing_else_does():
+    model = mlp()
+    stats = ActivationStats(model, resolve_clusters(model, MLP), beta=0.9)
+    stats.attach()
+    xs = [torch.randn(2, 5, 6) for _ in range(3)]  # leading dims (2, 5) are averaged over
+    seen = []
+    mine = model[2].register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    for x in xs:
+        model(x)
+    model.eval()
+    model(torch.randn(4, 6) * 100)  # eval forward: not a training forward
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(4, 6) * 100)  # no grad: not a training forward either
+    got = stats.averages()["2"]
+    want = ref_ema(seen[:3], 0.9)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert got.dtype == torch.float64
+    mine.remove()
+    stats.detach()
+    assert not model[2]._forward_pre_hooks
+    model(torch.randn(4, 6))
+    assert torch.equal(stats.averages()["2"], got)  # detached: no more updates
+
+
+def test_unit_scores_with_blocks_and_two_readers_match_the_formula():
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"a": nn.Linear(12, 5), "b": nn.Linear(6, 2), "w": nn.Linear(4, 12, bias=False)})
+    # units of 3 channels in "a" (block 3), of 1 channel in the slice [2:6] of "b"
+    cluster = Cluster("u", writers=["w.weight"], readers=["a.weight", "b.weight[2:6]"], num_units=4)
+    resolved = resolve_clusters(model, cluster)
+    stats = ActivationStats(model, resolved, beta=0.5)
+    xa, xb = [torch.randn(7, 12) for _ in range(2)], [torch.randn(3, 6) for _ in range(2)]
+    for x in xa:
+        stats.observe("a", x)
+    for x in xb:
+        stats.observe("b", x)
+    got = stats.unit_scores(dict(model.named_parameters()))["u"]
+    ea, eb = ref_ema(xa, 0.5), ref_ema(xb, 0.5)
+    sa = ref_scores(model["a"].weight, ea, 4)
+    sb = ref_scores(model["b"].weight, eb, 4, start=2)
+    want = [(x**2 + y**2) ** 0.5 for x, y in zip(sa, sb, strict=True)]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_summed_statistics_over_ranks_are_averaged_by_the_ranks_that_saw_each_module():
+    model = mlp()
+    stats = ActivationStats(model, resolve_clusters(model, MLP))
+    x0, x1 = torch.randn(4, 8), torch.randn(4, 8)
+    stats.observe("2", x0)
+    mine = stats.stacked()
+    other = ActivationStats(model, resolve_clusters(model, MLP))
+    other.observe("2", x1)
+    summed = mine + other.stacked()
+    want = (ref_mean_sq(x0) + ref_mean_sq(x1)) / 2
+    torch.testing.assert_close(stats.averages(summed)["2"], want, rtol=1e-12, atol=0)
+    empty = ActivationStats(model, resolve_clusters(model, MLP)).stacked()
+    torch.testing.assert_close(stats.averages(mine + empty)["2"], ref_mean_sq(x0), rtol=0, atol=0)
+
+
+def test_state_dict_round_trip_is_exact():
+    model = mlp()
+    stats = ActivationStats(model, resolve_clusters(model, MLP))
+    for _ in range(3):
+        stats.observe("2", torch.randn(5, 8))
+    again = ActivationStats(model, resolve_clusters(model, MLP))
+    again.load_state_dict(stats.state_dict())
+    assert torch.equal(again.averages()["2"], stats.averages()["2"])
+    x = torch.randn(5, 8)
+    stats.observe("2", x)
+    again.observe("2", x)
+    assert torch.equal(again.averages()["2"], stats.averages()["2"])
+    with pytest.raises(ValueError, match=r"saved activation statistics of '2' have 3 channels, the module 8"):
+        again.load_state_dict({"ema": {"2": torch.zeros(3, dtype=torch.float64)}})
+
+
+def test_calibrate_then_prune_clusters_drops_the_lowest_activation_scores():
+    model = mlp(3)
+    batches = [torch.randn(16, 6) for _ in range(3)]
+    with torch.no_grad():
+        hidden = [torch.relu(model[0](b)) for b in batches]
+    stats = calibrate(model, MLP, batches)
+    assert not model[2]._forward_pre_hooks  # calibrate leaves no hook behind
+    want_scores = ref_scores(model[2].weight, ref_ema(hidden, None), 8)
+    want = sorted(sorted(range(8), key=lambda c: (want_scores[c], c))[:4])
+    res = prune_clusters(model, MLP, 0.5, score="activation", activations=stats)
+    assert res.dropped["h"] == want
+    assert torch.all(model[0].weight[want] == 0)
+    assert torch.all(model[2].weight[:, want] == 0)
+    # the weight score would pick other units here (the test would not tell the scores apart otherwise)
+    assert prune_clusters(mlp(3), MLP, 0.5).dropped["h"] != want
+
+
+def test_prune_clusters_activation_needs_statistics_and_nothing_is_mutated():
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"score='activation' and `activations` go together"):
+        prune_clusters(model, MLP, 0.5, score="activation")
+    stats = calibrate(model, MLP, [torch.randn(2, 6)])
+    with pytest.raises(ValueError, match=r"go together.*got score='rms' and activations=ActivationStats"):
+        prune_clusters(model, MLP, 0.5, activations=stats)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_errors_name_the_cluster_the_parameter_and_the_fix():
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "lin": nn.Linear(4, 4), "conv": nn.Conv1d(4, 2, 1)})
+    with pytest.raises(ValueError, match=r"Cluster 'w': score='activation' .* only writers \['lin.weight'\]"):
+        ActivationStats(model, resolve_clusters(model, Cluster("w", writers=["lin.weight"])))
+    with pytest.raises(
+        ValueError, match=r"Cluster 'r': .*reader 'emb.weight' is the `weight` of Embedding 'emb'.*weight score"
+    ):
+        ActivationStats(model, resolve_clusters(model, Cluster("r", writers=["lin.weight"], readers=["emb.weight"])))
+    stats = ActivationStats(model, resolve_clusters(model, Cluster("ok", readers=["lin.weight"])))
+    with pytest.raises(ValueError, match=r"Cluster 'ok': score='activation' has no statistics for reader 'lin.weigh"):
+        stats.unit_scores(dict(model.named_parameters()))
+    with pytest.raises(ValueError, match=r"`beta` must be None or a number in \[0, 1\), got 1.0"):
+        ActivationStats(model, [], beta=1.0)
+
+
+def test_a_tied_reader_is_found_through_its_linear_alias():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight  # [10, 4]: the head reads the 4 channels
+
+    model = Tied()
+    resolved = resolve_clusters(model, Cluster("res", readers=["emb.weight"]))
+    stats = ActivationStats(model, resolved)
+    assert list(stats.modules) == ["head"]
+
+
+def test_pruner_without_scores_for_activation_raises():
+    model = mlp()
+    plan = make_plan(model, MLP, score="activation")
+    pruner = Pruner.from_plan(model, plan)
+    with pytest.raises(ValueError, match=r"score='activation' needs precomputed unit scores: pass `scores=`"):
+        pruner.select({"h": 0.5})
+    with pytest.raises(ValueError, match=r"`scores` must hold one \[C\] tensor per cluster; missing \['h'\]"):
+        pruner.select({"h": 0.5}, scores={})
