@@ -76,3 +76,17 @@ class StepDataModule(MLPModule):
         x = torch.randn(4, 8, generator=g)
         y = torch.randn(4, 4, generator=g)
         return super().training_step((x, y), batch_idx)
+
+
+def quiet_trainer(*, max_steps: int, callbacks: list, checkpointing: bool = False, **kwargs) -> pl.Trainer:
+    """A CPU Trainer without logger, progress bar or model summary (and without checkpointing unless asked)."""
+    return pl.Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=checkpointing,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        **kwargs,
+    )

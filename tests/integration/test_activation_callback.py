@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 
 from lightning_pat import Cluster, CoupledPruningCallback
 from tests.common.capture import Capture
-from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster
+from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +46,7 @@ class RefStats(pl.Callback):
 
 
 def trainer_for(callbacks, max_steps):
-    return pl.Trainer(
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
+    return quiet_trainer(max_steps=max_steps, callbacks=callbacks)
 
 
 def hooks(module) -> int:

@@ -7,13 +7,12 @@ before the first step. README.md's "Bad input" table lists these cases.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_pat import Cluster, CoupledPruningCallback
-from tests.common.lit_models import MLPModule, mlp_cluster
+from tests.common.lit_models import MLPModule, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -162,15 +161,7 @@ def test_bad_input_raises_clearly_and_changes_nothing(kwargs, match, when):
         with pytest.raises(MisconfigurationException, match=match):
             CoupledPruningCallback(**kwargs)
     else:
-        trainer = pl.Trainer(
-            max_steps=2,
-            callbacks=[CoupledPruningCallback(**kwargs)],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            accelerator="cpu",
-        )
+        trainer = quiet_trainer(max_steps=2, callbacks=[CoupledPruningCallback(**kwargs)])
         with pytest.raises(MisconfigurationException, match=match):
             trainer.fit(module)
     assert (trainer is None) == (when == "init")

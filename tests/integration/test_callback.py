@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_pat import Cluster, CoupledPruningCallback
-from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster
+from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -31,14 +31,9 @@ class Recorder(pl.Callback):
 
 def fit(module, cb, *, max_steps=12, accumulate=1, extra=(), ckpt_path=None, **kwargs):
     rec = Recorder(cb)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=max_steps,
         callbacks=[cb, rec, *extra],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
         log_every_n_steps=1,
         accumulate_grad_batches=accumulate,
         **kwargs,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_pat import CoupledPruningCallback
 from tests.common.capture import NAMES, Capture
-from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster
+from tests.common.lit_models import HIDDEN, MLPModule, mlp_cluster, quiet_trainer
 from tests.common.reference import RefCluster, RefMember, reference_step
 
 pytestmark = pytest.mark.integration
@@ -44,15 +43,7 @@ def run(mode: str, *, lr_decay: bool) -> tuple[CoupledPruningCallback, Capture]:
         mlp_cluster(), 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, method="group_lasso", reg_lambda=LAMBDA, mode=mode
     )
     cap = Capture(cb)
-    trainer = pl.Trainer(
-        max_steps=WARMUP + RAMP + 2,
-        callbacks=[cb, cap],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
+    trainer = quiet_trainer(max_steps=WARMUP + RAMP + 2, callbacks=[cb, cap])
     trainer.fit(module)
     return cb, cap
 

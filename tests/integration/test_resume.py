@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_pat import Cluster, CoupledPruningCallback
-from tests.common.lit_models import StepDataModule, mlp_cluster
+from tests.common.lit_models import StepDataModule, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +43,7 @@ def trainer_for(cb, *, max_steps, tmp_path=None, every=0, extra=()):
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every, save_top_k=-1)
         )
-    return pl.Trainer(
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=bool(every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        log_every_n_steps=1,
-    )
+    return quiet_trainer(max_steps=max_steps, callbacks=callbacks, checkpointing=bool(every), log_every_n_steps=1)
 
 
 def weights(module) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
 from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from tests.common.lit_models import quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -77,15 +78,7 @@ class Probe(pl.Callback):
 
 def fit(module, cb, *, max_steps, ckpt_path=None, save_to=None):
     probe = Probe(cb)
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        callbacks=[cb, probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=[cb, probe])
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
