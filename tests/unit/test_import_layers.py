@@ -9,8 +9,9 @@
 * ``lightning`` is imported only by callback.py, _validation.py, cli.py, demo.py (the demo task's Lightning
   classes) and _imports.py; ``torchmetrics`` only by metrics.py;
 * executors never import lightning nor the Trainer-facing modules;
-* shrink.py imports only the stdlib, torch and the pure modules; export.py adds shrink.py, transformers and
-  safetensors (imported lazily, inside functions), never lightning.
+* the shrink modules (shrink.py and what it is built from: shrink_plan.py, surgery.py, model_meta.py) import only
+  the stdlib, torch, the pure modules and each other; export.py adds shrink.py, transformers and safetensors
+  (imported lazily, inside functions), never lightning.
 
 Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
 known to detect what they look for.
@@ -38,6 +39,8 @@ TRAINER_FACING = {
     f"{PKG}.{n}" for n in ("callback", "cli", "metrics", "engine", "presets", "shrink", "_validation", "_state")
 }
 SHRINK = f"{PKG}.shrink"
+#: The shrink and the modules it is built from (plan, surgery, module metadata).
+SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "model_meta")}
 EXPORT = f"{PKG}.export"
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
@@ -168,10 +171,12 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
             errors.append(f"{where}: torchmetrics is imported only by metrics.py")
         if mod.startswith(f"{PKG}.executors") and (top in LIGHTNING_PACKAGES or name in TRAINER_FACING or name == PKG):
             errors.append(f"{where}: executors never see a Trainer")
-        if mod == SHRINK:
+        if mod in SHRINK_FAMILY:
             torch_ok = top == "torch" and not _is_torch_distributed(name)
-            if not (_is_stdlib(name) or torch_ok or name in PURE):
-                errors.append(f"{where}: shrink.py imports only the stdlib, torch and the pure modules")
+            if not (_is_stdlib(name) or torch_ok or name in PURE or name in SHRINK_FAMILY):
+                errors.append(
+                    f"{where}: the shrink modules import only the stdlib, torch, the pure modules and each other"
+                )
         if mod == EXPORT:
             torch_ok = top == "torch" and not _is_torch_distributed(name)
             if not (
@@ -247,9 +252,10 @@ KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "
         ("engine.py", "from lightning_pat import distributed as D\nD.barrier()\n", "collectives"),
         ("callback.py", "import torch.distributed as dist\ndist.all_reduce(t)\n", "collectives"),
         ("callback.py", "strategy.barrier()\n", "collectives"),
-        ("shrink.py", "from lightning_pat.engine import PruneResult\n", "shrink.py imports only"),
+        ("shrink.py", "from lightning_pat.engine import PruneResult\n", "the shrink modules import only"),
+        ("surgery.py", "from lightning_pat.engine import Pruner\n", "the shrink modules import only"),
         ("shrink.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
-        ("shrink.py", "import transformers\n", "shrink.py imports only"),
+        ("shrink.py", "import transformers\n", "the shrink modules import only"),
         ("export.py", "import lightning\n", "lightning is imported only"),
         ("export.py", "from lightning_pat import callback\n", "export.py imports only"),
     ],

@@ -1,0 +1,157 @@
+"""What a module is, for the shrink, and the size metadata it and its model's config carry.
+
+Module kinds (:func:`module_kind`: the rewrite rule of a module that owns a shrunk parameter), attention layouts the
+shrink understands (Llama-style ``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``), and the updates of
+head counts, MLP widths, hidden sizes and ``model.config`` after the parameters were cut (:func:`update_containers`,
+:func:`update_config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger("lightning_pat.shrink")
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The rewrite rule for a module that owns a shrunk parameter, or ``None`` if it has none."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(module, nn.RMSNorm):
+        return "rmsnorm"
+    if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "variance_epsilon", None), float):
+        return "hf_rmsnorm"
+    return None
+
+
+def is_llama_attention(m: nn.Module) -> bool:
+    """Whether ``m`` is a Llama-style attention: ``nn.Linear`` ``q/k/v/o_proj`` and an int ``head_dim``."""
+    return all(isinstance(getattr(m, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) and (
+        isinstance(getattr(m, "head_dim", None), int)
+    )
+
+
+def is_gpt2_attention(m: nn.Module) -> bool:
+    """Whether ``m`` is a GPT-2 attention: a packed ``Conv1D`` ``c_attn`` and an int ``split_size``."""
+    packed = module_kind(getattr(m, "c_attn", nn.Identity())) == "conv1d"
+    return packed and isinstance(getattr(m, "split_size", None), int)
+
+
+def _set_if_int(module: nn.Module, attr: str, value: int) -> None:
+    if isinstance(getattr(module, attr, None), int) and not isinstance(getattr(module, attr), bool):
+        setattr(module, attr, value)
+
+
+def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
+    """Head counts of attention modules, MLP widths and hidden-size attributes of every container module."""
+    for module in model.modules():
+        if is_llama_attention(module):
+            hd = module.head_dim
+            n_q, n_kv = module.q_proj.out_features // hd, module.k_proj.out_features // hd
+            for attr in ("num_heads", "num_attention_heads", "n_head"):
+                _set_if_int(module, attr, n_q)
+            for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_head"):
+                _set_if_int(module, attr, n_kv)
+        elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
+            module.split_size = module.c_attn.nf // 3
+            _set_if_int(module, "num_heads", module.split_size // module.head_dim)
+        down = getattr(module, "down_proj", None)
+        if isinstance(down, nn.Linear) and isinstance(getattr(module, "up_proj", None), nn.Linear):
+            _set_if_int(module, "intermediate_size", down.in_features)
+        if hidden is not None and hidden[0] != hidden[1]:
+            for attr in ("hidden_size", "embed_dim", "d_model"):
+                if getattr(module, attr, None) == hidden[0]:
+                    _set_if_int(module, attr, hidden[1])
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's input embedding (``get_input_embeddings()``, else its first ``nn.Embedding``), or ``None``."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, nn.Embedding):
+            return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _uniform(values: Iterable[int | float]) -> int | float | None:
+    found = set(values)
+    return found.pop() if len(found) == 1 else None
+
+
+def _set_config(config: Any, names: Sequence[str], value: int | float | None, what: str) -> None:
+    if value is None:
+        if any(hasattr(config, n) for n in names):
+            log.info("shrink: %s differs between layers; `config` keeps its value, the export records per layer", what)
+        return
+    for n in names:
+        if hasattr(config, n):
+            setattr(config, n, value)
+
+
+def config_owners(model: nn.Module) -> list[nn.Module]:
+    """The outermost module holding each distinct ``config`` object.
+
+    For a LightningModule this is its inner HF model or TinyGPT; HF attention modules share their model's config
+    object and are skipped.
+    """
+    owners, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and not isinstance(config, (int, float, str, Mapping)):
+            seen.add(id(config))
+            owners.append(module)
+    return owners
+
+
+def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_changed: bool) -> None:
+    """Write the new uniform sizes into ``model.config`` (Hugging Face configs and ``TinyGPTConfig``)."""
+    config = model.config
+    norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
+    attns = [m for m in model.modules() if is_llama_attention(m)]
+    gpt2 = [m for m in model.modules() if is_gpt2_attention(m) and not hasattr(m, "q_attn")]
+    mlp_widths = [
+        m.down_proj.in_features
+        for m in model.modules()
+        if isinstance(getattr(m, "down_proj", None), nn.Linear) and isinstance(getattr(m, "up_proj", None), nn.Linear)
+    ]
+    mlp_widths += [m.c_fc.nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"]
+    if mlp_widths:
+        _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
+    if attns:
+        _set_config(
+            config,
+            ("num_attention_heads", "n_head"),
+            _uniform(a.q_proj.out_features // a.head_dim for a in attns),
+            "the head count",
+        )
+        _set_config(
+            config,
+            ("num_key_value_heads", "n_kv_head"),
+            _uniform(a.k_proj.out_features // a.head_dim for a in attns),
+            "the KV head count",
+        )
+        head_dim = _uniform(a.head_dim for a in attns)
+        if head_dim is not None and not hasattr(config, "head_dim") and hasattr(config, "model_type"):
+            config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
+        _set_config(config, ("head_dim",), head_dim, "head_dim")
+    if gpt2:
+        _set_config(config, ("n_head",), _uniform(a.split_size // a.head_dim for a in gpt2), "the head count")
+    emb = input_embedding(model)
+    if emb is not None and hidden_changed:
+        _set_config(config, ("hidden_size", "n_embd", "d_model"), emb.embedding_dim, "the hidden size")
+    if norm_eps:
+        _set_config(config, ("rms_norm_eps",), _uniform(norm_eps), "the RMSNorm eps")
