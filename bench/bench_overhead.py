@@ -145,6 +145,32 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_
     return statistics.median(times) * 1e3, statistics.median(hooks) * 1e3, extra_bytes / 2**20
 
 
+def activation_cost(cfg: TinyGPTConfig, data: DataLoader, *, reps: int) -> tuple[float, float]:
+    """Median forward+backward time without and with ``score="activation"``'s statistics hooks (interleaved)."""
+    from lightning_pat import presets, resolve_clusters
+    from lightning_pat.activation import ActivationStats
+
+    module = LM(cfg)
+    model = module.model
+    clusters = resolve_clusters(model, presets.tiny_gpt(model))
+    stats = ActivationStats(model, clusters)
+    x = next(iter(data))[0]
+    plain, hooked = [], []
+    for i in range(2 * reps + 2):
+        with_hooks = i % 2 == 1
+        if with_hooks:
+            stats.attach()
+        t0 = CLOCK()
+        logits = model(x[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        dt = CLOCK() - t0
+        stats.detach()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:  # the first pair warms up
+            (hooked if with_hooks else plain).append(dt)
+    return statistics.median(plain) * 1e3, statistics.median(hooked) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -207,6 +233,13 @@ def main() -> None:
     for name, ms, hook_ms, mib in rows:
         hooks = f"{hook_ms:.2f}" if name.startswith("lightning_pat") else "n/a (forward pre-hooks)"
         print(f"| {name} | {ms:.1f} | {ms / dense:.3f}x | {ms / mp:.3f}x | {hooks} | {mib:.3f} |")
+    if args.activation:
+        plain, hooked = activation_cost(cfg, data, reps=max(args.steps // 2, 5))
+        print(
+            f"\nscore='activation' statistics (MLP + head readers, every training forward): forward+backward "
+            f"{plain:.1f} ms without, {hooked:.1f} ms with the hooks (+{hooked - plain:.2f} ms, "
+            f"{(hooked - plain) / plain:+.1%}), median of interleaved calls, {args.clock} time"
+        )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ r"""Activation-aware unit scores: input statistics of each cluster's readers (op
 A reader member (channel axis on dim 1) is the ``weight`` of an ``nn.Linear`` whose input channel ``j`` carries
 the cluster's unit ``c(j)``. A forward pre-hook on that module keeps, per input channel, an exponential moving
 average (``beta``, deterministic, float64) of the mean of ``x_j^2`` over all leading dims, taken only in training
-forwards (``module.training`` and grad enabled). The score of unit ``c`` is the expected squared contribution of
-its channels to the readers' outputs::
+forwards (``module.training`` and grad enabled; squares summed in float32). The score of unit ``c`` is the
+expected squared contribution of its channels to the readers' outputs::
 
     score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
 
@@ -12,9 +12,9 @@ its channels to the readers' outputs::
 zero, so its average decays towards 0 (by ``beta`` per forward) and latent mode rarely revives it, unlike with a
 weight score.
 
-Cost: one float64 reduction over every reader's input per training forward (``rows x in_features`` squares; about
-the cost of an elementwise op on the input, against a matmul by the reader), and ``in_features`` float64 values per
-reader module of memory. The callback removes the hooks once the mask is frozen and at the end of every fit.
+Cost: one square-and-sum over every reader's input per training forward (``rows x in_features`` elements, an
+elementwise op against the reader's matmul), and ``in_features`` float64 values per reader module of memory. The
+callback removes the hooks once the mask is frozen and at the end of every fit.
 
 Legend: ``C`` units of a cluster, ``I`` input channels of a reader module, ``N`` rows (all leading dims), ``S`` the
 input channels of every reader module, stacked.
@@ -32,8 +32,6 @@ from torch import Tensor, nn
 from lightning_pat import distributed as D
 from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
 from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
-
-_CHUNK_ELEMS = 1 << 22  # float64 temporaries of at most 32 MiB per reduction step
 
 
 def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module | None, str]:
@@ -162,16 +160,19 @@ class ActivationStats:
 
     @torch.no_grad()
     def observe(self, name: str, x: Tensor) -> None:
-        """Fold one input batch of reader module ``name`` into its average (float64, chunked over rows)."""
+        """Fold one input batch of reader module ``name`` into its average.
+
+        The squares are summed over rows in the input's precision, at least float32 (a relative error of about
+        1e-7, far below the batch-to-batch spread of the statistic, and 5x cheaper than float64 on CPU); the mean
+        and the average are float64.
+        """
         x_NI = x.detach().reshape(-1, x.shape[-1])
-        rows, width = x_NI.shape
+        rows = x_NI.shape[0]
         if rows == 0:
             return
-        sum_I = torch.zeros(width, dtype=torch.float64, device=x.device)
-        step = max(1, _CHUNK_ELEMS // max(width, 1))
-        for i in range(0, rows, step):
-            sum_I += x_NI[i : i + step].to(torch.float64).square().sum(dim=0)
-        mean_I = sum_I / rows
+        if x_NI.dtype not in (torch.float32, torch.float64):
+            x_NI = x_NI.float()
+        mean_I = x_NI.square().sum(dim=0).to(torch.float64) / rows
         prev, count = self._ema.get(name), self._count.get(name, 0)
         if prev is None:
             self._ema[name] = mean_I

@@ -317,7 +317,7 @@ class CoupledPruningCallback(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Reject what cannot be supported, before any step: DeepSpeed, manual optimization."""
+        """Reject what cannot be supported, before any step (DeepSpeed, manual optimization, activation score)."""
         V.check_strategy_and_optimization(trainer, pl_module)
         if self.score == "activation":
             V.check_activation_strategy(trainer)

@@ -80,9 +80,9 @@ def test_two_ranks_average_their_statistics_and_select_identically():
     assert r0["dropped"] == r1["dropped"]
     assert len(r0["dropped"]) == 8
     average = torch.tensor(r0["average"], dtype=torch.float64)
-    torch.testing.assert_close(average, _reference(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(average, _reference(), rtol=1e-6, atol=0)  # squares summed in float32
     w = _model()[2].weight.detach().double()
     want = (_reference() * (w * w).sum(dim=0)).sqrt()
-    torch.testing.assert_close(torch.tensor(r0["scores"], dtype=torch.float64), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.tensor(r0["scores"], dtype=torch.float64), want, rtol=1e-6, atol=0)
     assert len(r0["calls"]) == 1  # one collective per selection
     assert r0["calls"][0][1] == "torch.float64"
