@@ -29,6 +29,7 @@ def _attempt(marker_dir: str, rank: int) -> int:
 def _dies_on_first_attempt(rank: int, world: int, marker_dir: str) -> float:
     attempt = _attempt(marker_dir, rank)
     value = torch.tensor([float(rank + 1)])
+    dist.barrier()  # both ranks are connected and counted their attempt before rank 1 leaves
     if rank == 1 and attempt == 1:
         os._exit(3)  # leaves without a Python error: the peer sees only a transport failure
     dist.all_reduce(value)
@@ -37,6 +38,7 @@ def _dies_on_first_attempt(rank: int, world: int, marker_dir: str) -> float:
 
 def _raises_on_rank_1(rank: int, world: int, marker_dir: str) -> float:
     _attempt(marker_dir, rank)
+    dist.barrier()
     if rank == 1:
         raise ValueError("rank 1 refuses")
     value = torch.tensor([1.0])
