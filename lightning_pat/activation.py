@@ -3,8 +3,10 @@ r"""Activation-aware unit scores: input statistics of each cluster's readers (op
 A reader member (channel axis on dim 1) is the ``weight`` of an ``nn.Linear`` whose input channel ``j`` carries
 the cluster's unit ``c(j)``. A forward pre-hook on that module keeps, per input channel, an exponential moving
 average (``beta``, deterministic, float64) of the mean of ``x_j^2`` over all leading dims, taken only in training
-forwards (``module.training`` and grad enabled; squares summed in float32). The score of unit ``c`` is the
-expected squared contribution of its channels to the readers' outputs::
+forwards (``module.training`` and grad enabled; squares summed in float32). Under activation checkpointing each
+batch still counts once: a forward recomputed during the backward is skipped when its first pass was counted
+(non-reentrant checkpoint) and counted when that pass ran under ``no_grad`` (reentrant checkpoint). The score of
+unit ``c`` is the expected squared contribution of its channels to the readers' outputs::
 
     score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
 
@@ -32,6 +34,15 @@ from torch import Tensor, nn
 from lightning_pat import distributed as D
 from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
 from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass right now (a checkpointed forward being recomputed).
+
+    ``torch.utils.checkpoint`` (reentrant or not) recomputes a forward inside the backward's graph task; a training
+    forward runs outside any. Tested against both checkpoint variants on the pinned torch.
+    """
+    return torch._C._current_graph_task_id() != -1  # noqa: SLF001 - the check torch.utils.checkpoint itself relies on
 
 
 def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module | None, str]:
@@ -83,6 +94,7 @@ class ActivationStats:
         self._count: dict[str, int] = {}
         self._handles: list[Any] = []
         self._forced = False
+        self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
 
     def _reader_module(
         self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
@@ -133,7 +145,7 @@ class ActivationStats:
 
     def reset(self) -> None:
         """Forget every statistic."""
-        self._ema, self._count = {}, {}
+        self._ema, self._count, self._unrecomputed = {}, {}, {}
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
@@ -150,8 +162,18 @@ class ActivationStats:
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not (self._forced or (module.training and torch.is_grad_enabled())):
-                return
+            if not self._forced:
+                if not module.training:
+                    return
+                if _in_backward():  # activation checkpointing recomputes this forward during the backward
+                    if self._unrecomputed.get(name, 0) > 0:  # its first pass was counted (non-reentrant)
+                        self._unrecomputed[name] -= 1
+                        return
+                    # else the first pass ran under no_grad (reentrant checkpoint): count the batch now
+                elif torch.is_grad_enabled():
+                    self._unrecomputed[name] = self._unrecomputed.get(name, 0) + 1
+                else:
+                    return
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, Tensor):
                 self.observe(name, x)

@@ -195,3 +195,23 @@ def test_pruner_without_scores_for_activation_raises():
         pruner.select({"h": 0.5})
     with pytest.raises(ValueError, match=r"`scores` must hold one \[C\] tensor per cluster; missing \['h'\]"):
         pruner.select({"h": 0.5}, scores={})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant):
+    """Gradient checkpointing reruns the reader's forward inside the backward: the statistics must equal a plain run."""
+    from torch.utils.checkpoint import checkpoint
+
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    runs = {}
+    for checkpointed in (False, True):
+        model = mlp()
+        stats = ActivationStats(model, resolve_clusters(model, MLP), beta=0.9)
+        stats.attach()
+        for x in xs:
+            x = x.clone().requires_grad_(True)  # the reentrant variant needs an input that requires grad
+            out = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+            out.sum().backward()
+        runs[checkpointed] = (stats.averages()["2"], stats.state_dict()["count"])
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=0)
+    assert runs[True][1] == runs[False][1] == {"2": 3}
