@@ -79,7 +79,8 @@ class CoupledPruningCallback(Callback):
             family), or a list mixing preset names and declarations.
         target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
         warmup_steps: Optimizer steps of dense training before pruning starts.
-        ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once.
+        ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once. Keep it
+            to about a third of the steps spent pruning or less, so that most of them heal (BENCHMARKS.md).
         every_n_steps: Cadence of fresh selections during the ramp; in between, the current mask is held.
         ramp: Ramp shape, ``"cubic"`` (default) or ``"linear"``.
         heal: After the ramp, freeze the mask and keep dropped units at zero (default). If false, keep
