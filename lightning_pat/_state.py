@@ -1,6 +1,7 @@
 """What the callback keeps between steps and across checkpoints (no Lightning here).
 
 * :class:`StepTracker`: whether a real optimizer step happened (a step post-hook), and its learning rate.
+* :class:`Progress`: where the schedule stands (real steps) and the group-lasso step sizes (sums of learning rates).
 * Latent copies in a checkpoint, by format: ``tensors`` (plain parameters, identical on every rank: DDP, one
   device), ``per_rank`` (FSDP1 flat shards: every rank's pieces, gathered), ``full`` (DTensors in a full
   checkpoint: gathered into full tensors, each rank slices its piece back on restore) and ``dcp`` (DTensors in a
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +47,60 @@ class StepTracker:
     def consume(self) -> bool:
         stepped, self.stepped = self.stepped, False
         return stepped
+
+
+@dataclass
+class Progress:
+    """Completed real optimizer steps and the sums of learning rates the group-lasso prox step is sized from.
+
+    Attributes:
+        step: Completed real optimizer steps seen by the schedule.
+        gamma: Sum of learning rates of the steps since warmup.
+        gamma_prox: ``gamma`` at the last fresh selection (a direct-mode prox step sums the lrs from there).
+    """
+
+    step: int = 0
+    gamma: float = 0.0
+    gamma_prox: float = 0.0
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Progress:
+        """From a checkpoint or carried state; a missing key starts fresh.
+
+        A state written before ``gamma_prox`` existed starts the next direct-mode prox step from the saved ``gamma``.
+        """
+        gamma = float(state.get("gamma", 0.0))
+        return cls(int(state.get("step", 0)), gamma, float(state.get("gamma_prox", gamma)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``step``, ``gamma`` and ``gamma_prox`` as plain numbers."""
+        return {"step": self.step, "gamma": self.gamma, "gamma_prox": self.gamma_prox}
+
+    def count_from(self, state: Mapping[str, Any]) -> None:
+        """Take ``step`` and ``gamma`` from ``state`` where present (a shrunk model only counts steps)."""
+        self.step, self.gamma = int(state.get("step", self.step)), float(state.get("gamma", self.gamma))
+
+    def tick(self) -> int:
+        """Count one real optimizer step; return the new step."""
+        self.step += 1
+        return self.step
+
+    def add_lr(self, lr: float | None) -> None:
+        """Add a step's learning rate to ``gamma`` (past warmup; an unknown lr adds nothing)."""
+        self.gamma += lr or 0.0
+
+    def prox_step(self, *, latent: bool) -> float:
+        """The group-lasso step size of a fresh selection now (see the callback's ``reg_lambda``).
+
+        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
+        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
+        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
+        """
+        return self.gamma if latent else self.gamma - self.gamma_prox
+
+    def mark_selection(self) -> None:
+        """A fresh selection happened: the next direct-mode prox step sums the learning rates from here."""
+        self.gamma_prox = self.gamma
 
 
 def latent_format(params: Iterable[Tensor], *, fsdp1: bool, sharded_ckpt: bool) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -99,6 +100,34 @@ def normalize_clusters(clusters: object) -> str | list[Cluster | str]:
             f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
         )
     return [_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters)]
+
+
+@contextmanager
+def user_error(prefix: str) -> Iterator[None]:
+    """Re-raise a ``ValueError`` of the enclosed code as a ``MisconfigurationException`` ``"{prefix}: {error}"``.
+
+    Raises:
+        MisconfigurationException: If the enclosed code raises a ``ValueError``.
+    """
+    try:
+        yield
+    except ValueError as err:
+        raise MisconfigurationException(f"{prefix}: {err}") from err
+
+
+def declarations(
+    clusters: str | list[Cluster | str], pl_module: pl.LightningModule, *, preset_options: dict[str, Any]
+) -> list[Cluster]:
+    """The cluster declarations for ``pl_module``: the given ones, or the presets' (expanded from preset names).
+
+    Raises:
+        ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module.
+    """
+    if not isinstance(clusters, str) and all(isinstance(c, Cluster) for c in clusters):
+        if preset_options:
+            raise ValueError(f"`preset_options` {preset_options} apply to preset names only; none was given.")
+        return list(clusters)  # type: ignore[arg-type]
+    return presets.resolve_preset(clusters, pl_module, **preset_options)
 
 
 def check_options(
@@ -321,6 +350,22 @@ def check_mask_not_empty(
             f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters {empty[:5]} have no dropped "
             "units although the target requires some; refusing to heal with an empty mask. Resume from a checkpoint "
             "of this run, or start a new run with a fresh Trainer."
+        )
+
+
+def check_fresh_start(trainer: pl.Trainer, *, state_key: str) -> None:
+    """Check that a fit without a saved or carried callback state really starts at step 0.
+
+    Raises:
+        MisconfigurationException: If the fit resumes from a checkpoint (global step > 0) that holds no state under
+            ``state_key``.
+    """
+    if trainer.global_step > 0:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback: the fit resumes at global step {trainer.global_step} from "
+            f"{trainer.ckpt_path!r}, which holds no state under this callback's key {state_key!r} (the "
+            "cluster declaration names identify it). Resume with the same cluster names, or, to start pruning "
+            "from trained weights, load them into the module and fit with a fresh Trainer without `ckpt_path`."
         )
 
 

@@ -30,10 +30,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pat import _resume as R
 from lightning_pat import _state as S
 from lightning_pat import _validation as V
 from lightning_pat import distributed as D
-from lightning_pat import presets
 from lightning_pat.activation import ActivationStats
 from lightning_pat.engine import METHODS, Method, Plan, Pruner, PruneResult, make_plan
 from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
-_STATE_VERSION = 2
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 _OPTIONS = (
@@ -196,9 +195,7 @@ class CoupledPruningCallback(Callback):
         self.plan: Plan | None = None
         self.resolved: list[ResolvedCluster] = []
         self.metrics: PruningMetrics | None = None
-        self._step = 0  # completed real optimizer steps
-        self._gamma = 0.0  # sum of learning rates since warmup
-        self._gamma_prox = 0.0  # ``_gamma`` at the last fresh selection (direct-mode group lasso steps from there)
+        self._progress = S.Progress()  # real steps and the group-lasso step sizes
         self._tracker = S.StepTracker()
         self._latents: LatentStore | None = None
         self._act: ActivationStats | None = None  # score="activation": the readers' input statistics
@@ -231,7 +228,7 @@ class CoupledPruningCallback(Callback):
     @property
     def step(self) -> int:
         """Completed real optimizer steps seen by the schedule."""
-        return self._step
+        return self._progress.step
 
     @property
     def dropped(self) -> dict[str, list[int]]:
@@ -247,20 +244,11 @@ class CoupledPruningCallback(Callback):
         return self.plan.targets(self.target_sparsity, fraction=self.schedule.fraction(step))
 
     def _options(self) -> dict[str, Any]:
+        """The options that may change on resume, by name (``ramp`` is the schedule's shape)."""
         s = self.schedule
-        return {
-            "target_sparsity": self.target_sparsity,
-            "warmup_steps": s.warmup_steps,
-            "ramp_steps": s.ramp_steps,
-            "every_n_steps": s.every_n_steps,
-            "ramp": s.shape,
-            "heal": self.heal,
-            "method": self.method,
-            "reg_lambda": self.reg_lambda,
-            "score": self.score,
-            "mode": self.mode,
-            "group_count_ref": self.group_count_ref,
-        }
+        held = {"warmup_steps": s.warmup_steps, "ramp_steps": s.ramp_steps, "every_n_steps": s.every_n_steps}
+        held["ramp"] = s.shape
+        return {k: held[k] if k in held else getattr(self, k) for k in _OPTIONS}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -270,27 +258,16 @@ class CoupledPruningCallback(Callback):
         itself, as DTensors next to the model's shards (each rank writes its own); with a full checkpoint they
         are gathered into full tensors. Every rank calls this (Lightning does), so a gather is safe here.
         """
-        factors = {} if self.pruner is None else {k: v.detach().cpu() for k, v in self.pruner.factors().items()}
-        return {
-            "version": _STATE_VERSION,
-            "step": self._step,
-            "gamma": self._gamma,
-            "gamma_prox": self._gamma_prox,
-            "dropped": self.dropped,
-            "factors": factors,
-            "fingerprints": {rc.name: rc.fingerprint() for rc in self.resolved},
-            "clusters": [rc.to_dict() for rc in self.resolved],
-            "options": self._options(),
-            "latent": self._latent_state(),
-            "shrunk": self._shrunk is not None,
-            "activation": self._activation_state(),
-        }
-
-    def _activation_state(self) -> list[dict[str, Any]] | None:
-        """Every rank's activation statistics, in rank order (ranks see other batches; each resumes its own)."""
-        if self._act is None:
-            return None
-        return D.gather_objects(self._act.state_dict(), group=D.world_group())
+        return R.checkpoint_state(
+            self._progress,
+            pruner=self.pruner,
+            dropped=self.dropped,
+            resolved=self.resolved,
+            options=self._options(),
+            latent=self._latent_state(),
+            shrunk=self._shrunk is not None,
+            act=self._act,  # every rank's statistics, in rank order (ranks see other batches; each resumes its own)
+        )
 
     def _latent_format(self) -> str:
         sharded_ckpt = isinstance(self._strategy, ModelParallelStrategy) and getattr(
@@ -335,10 +312,8 @@ class CoupledPruningCallback(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if prefix or self._shrunk is not None or not state or not state.get("shrunk"):
             return
-        try:
+        with V.user_error("CoupledPruningCallback: cannot resume the shrunk model"):
             restore_shrunk(module, state)
-        except ValueError as err:
-            raise MisconfigurationException(f"CoupledPruningCallback: cannot resume the shrunk model: {err}") from err
         self.resolved = [ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
         self._shrunk = {k: list(v) for k, v in state["dropped"].items()}
 
@@ -365,7 +340,7 @@ class CoupledPruningCallback(Callback):
             try:
                 plan = make_plan(
                     params,
-                    self._declarations(pl_module),
+                    V.declarations(self.clusters, pl_module, preset_options=self.preset_options),
                     score=self.score,
                     executor=self.executor,
                     group_count_ref=self.group_count_ref,
@@ -380,15 +355,11 @@ class CoupledPruningCallback(Callback):
             self.resolved = list(plan.clusters)
             self.pruner = Pruner.from_plan(params, plan)
             if self.score == "activation":
-                try:
+                with V.user_error("CoupledPruningCallback(score='activation')"):
                     self._act = ActivationStats(pl_module, self.resolved)
-                except ValueError as err:
-                    raise MisconfigurationException(f"CoupledPruningCallback(score='activation'): {err}") from err
             if self.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
-                try:
+                with V.user_error("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(pl_module, self.resolved)
-                except ValueError as err:
-                    raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
         clustered = sorted({n for rc in self.resolved for n in rc.param_names})
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
         self._latents = LatentStore(self._params, list(self._params) if self._fsdp1_root is not None else clustered)
@@ -409,13 +380,6 @@ class CoupledPruningCallback(Callback):
                 self.pruner.rebind(params)
             yield params
 
-    def _declarations(self, pl_module: pl.LightningModule) -> list[Cluster]:
-        if not isinstance(self.clusters, str) and all(isinstance(c, Cluster) for c in self.clusters):
-            if self.preset_options:
-                raise ValueError(f"`preset_options` {self.preset_options} apply to preset names only; none was given.")
-            return list(self.clusters)  # type: ignore[arg-type]
-        return presets.resolve_preset(self.clusters, pl_module, **self.preset_options)
-
     def _log_routes(self) -> None:
         assert self.pruner is not None
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in self.pruner.routes.items()]
@@ -430,8 +394,7 @@ class CoupledPruningCallback(Callback):
         schedule starts at step 0. A resume whose checkpoint holds no state for this callback is an error.
         """
         if self._shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps from here
-            state = self._pending_state or self._carry or {}
-            self._step, self._gamma = int(state.get("step", self._step)), float(state.get("gamma", self._gamma))
+            self._progress.count_from(self._pending_state or self._carry or {})
             self._pending_state = self._carry = None
             return
         assert self.pruner is not None
@@ -440,17 +403,11 @@ class CoupledPruningCallback(Callback):
             self._restore(trainer, pl_module, state)
         elif self._carry is not None and self._same_trainer(trainer):
             self._continue(pl_module)
-        elif trainer.global_step > 0:
-            raise MisconfigurationException(
-                f"CoupledPruningCallback: the fit resumes at global step {trainer.global_step} from "
-                f"{trainer.ckpt_path!r}, which holds no state under this callback's key {self.state_key!r} (the "
-                "cluster declaration names identify it). Resume with the same cluster names, or, to start pruning "
-                "from trained weights, load them into the module and fit with a fresh Trainer without `ckpt_path`."
-            )
         else:
+            V.check_fresh_start(trainer, state_key=self.state_key)
             if self._carry is not None:
                 rank_zero_info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
-            self._step, self._gamma, self._gamma_prox = 0, 0.0, 0.0
+            self._progress = S.Progress()
             if self._act is not None:
                 self._act.reset()
         self._carry = None
@@ -459,14 +416,14 @@ class CoupledPruningCallback(Callback):
             self.plan,
             self.pruner,
             schedule=self.schedule,
-            step=self._step,
+            step=self._progress.step,
             heal=self.heal,
             target_sparsity=self.target_sparsity,
         )
-        if self._act is not None and not self._frozen(self._step):
+        if self._act is not None and not self._frozen(self._progress.step):
             self._act.attach()  # removed at the freeze and at the end of the fit
         steps_left = getattr(trainer, "estimated_stepping_batches", float("inf"))
-        V.warn_short_fit(schedule=self.schedule, step=self._step, steps_left=steps_left - trainer.global_step)
+        V.warn_short_fit(schedule=self.schedule, step=self._progress.step, steps_left=steps_left - trainer.global_step)
 
     def _frozen(self, step: int) -> bool:
         """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
@@ -478,23 +435,13 @@ class CoupledPruningCallback(Callback):
         )
 
     def _continue(self, pl_module: pl.LightningModule) -> None:
-        assert self.pruner is not None
-        assert self._latents is not None
+        """The same Trainer's next fit: continue from the in-memory state of the previous one."""
         assert self._carry is not None
         carry = self._carry
-        self._step, self._gamma, self._gamma_prox = carry["step"], carry["gamma"], carry["gamma_prox"]
-        self.pruner.load_dropped(carry["dropped"], carry["factors"])
-        if carry["latents"]:
-            self._latents.load_state_dict(carry["latents"])
-        if self._act is not None:
-            self._act.load_state_dict(carry.get("activation") or {})
-        with torch.no_grad(), self._weights(pl_module):
-            self.pruner.hold()
+        self._apply(pl_module, carry, saved_latents=carry["latents"] or None, activation=carry.get("activation"))
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: dict[str, Any]) -> None:
-        assert self.pruner is not None
-        assert self._latents is not None
-        step = int(state.get("step", 0))
+        """A checkpoint's state, once checked; the latents are read back in the format they were written in."""
         needs_latent = V.check_restorable(
             state,
             fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
@@ -504,47 +451,42 @@ class CoupledPruningCallback(Callback):
             heal=self.heal,
         )
         latent = state.get("latent")
-        self._step = step
-        self._gamma = float(state.get("gamma", 0.0))
-        # states written before "gamma_prox" existed: the next direct-mode prox step starts from the saved gamma
-        self._gamma_prox = float(state.get("gamma_prox", self._gamma))
-        self.pruner.load_dropped(state.get("dropped", {}), state.get("factors", {}))
-        if needs_latent:
-            self._latents.load_state_dict(S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path))
-        else:
-            self._latents.clear()
-        if self._act is not None:
-            self._restore_activation(state.get("activation"))
+        latents = S.saved_latents(latent, self._params, ckpt_path=trainer.ckpt_path) if needs_latent else None
+        self._apply(pl_module, state, saved_latents=latents, activation=R.rank_activation(state.get("activation")))
+
+    def _apply(
+        self,
+        pl_module: pl.LightningModule,
+        state: Mapping[str, Any],
+        *,
+        saved_latents: Mapping[str, Tensor] | None,
+        activation: Mapping[str, Any] | None,
+    ) -> None:
+        """Set progress, mask, latents and activation statistics from ``state``; project the weights."""
+        assert self.pruner is not None
+        assert self._latents is not None
+        self._progress = R.apply_state(
+            state,
+            pruner=self.pruner,
+            latents=self._latents,
+            act=self._act,
+            saved_latents=saved_latents,
+            activation=activation,
+        )
         with torch.no_grad(), self._weights(pl_module):
             self.pruner.hold()
-
-    def _restore_activation(self, saved: list[dict[str, Any]] | None) -> None:
-        """This rank's saved statistics (rank 0's if the checkpoint has fewer ranks); none saved: start empty."""
-        assert self._act is not None
-        if not saved:
-            self._act.reset()  # e.g. the score was changed on resume (a warning said so): collected from here on
-            return
-        rank = D.world_rank()
-        self._act.load_state_dict(saved[rank] if rank < len(saved) else saved[0])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what the same Trainer's next ``fit`` needs to continue (the latents only during the ramp)."""
         if self._shrunk is not None:
-            self._carry = {"step": self._step, "gamma": self._gamma}
+            self._carry = self._progress.state_dict()  # only the step count goes on
             return
         assert self.pruner is not None
         self._last_fit = (weakref.ref(trainer), trainer.global_step)
-        latents = self._latents.state_dict() if self._latents is not None and self._latents.active else {}
-        self._carry = {
-            "step": self._step,
-            "gamma": self._gamma,
-            "gamma_prox": self._gamma_prox,
-            "dropped": self.dropped,
-            "factors": self.pruner.factors(),
-            "latents": latents,
-            "activation": None if self._act is None else self._act.state_dict(),
-        }
+        self._carry = R.carry_state(
+            self._progress, pruner=self.pruner, dropped=self.dropped, latents=self._latents, act=self._act
+        )
         if self._act is not None:
             self._act.detach()
 
@@ -570,7 +512,7 @@ class CoupledPruningCallback(Callback):
         """After the backward: zero dropped gradients (healing) or swap latents in (latent mode, ramp)."""
         if self.pruner is None or self._latents is None:
             return
-        action = self.schedule.action(self._step + 1, heal=self.heal)
+        action = self.schedule.action(self._progress.step + 1, heal=self.heal)
         with torch.no_grad():
             if action == "freeze":
                 if self._fsdp1_root is None:  # FSDP1: grads live in flat shards; the weights are re-zeroed after
@@ -585,8 +527,8 @@ class CoupledPruningCallback(Callback):
         """After a real optimizer step: advance the schedule and act (select, hold or freeze)."""
         if self._shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if self._tracker.consume():
-                self._step += 1
-                self._gamma += self._tracker.last_lr or 0.0
+                self._progress.tick()
+                self._progress.add_lr(self._tracker.last_lr)
             return
         if self.pruner is None or self._latents is None:
             return
@@ -598,12 +540,11 @@ class CoupledPruningCallback(Callback):
                     with self._weights(pl_module):
                         self.pruner.hold(rescale=latent)
                 return
-            self._step += 1
-            step = self._step
+            step = self._progress.tick()
             action = self.schedule.action(step, heal=self.heal)
             if action == "none":
                 return
-            self._gamma += self._tracker.last_lr or 0.0
+            self._progress.add_lr(self._tracker.last_lr)
             if latent and action != "freeze":
                 self._latents.commit()
             with self._weights(pl_module):
@@ -627,46 +568,32 @@ class CoupledPruningCallback(Callback):
     def _shrink_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``shrink_on_freeze``: cut the frozen mask's units out of the module and the optimizer state."""
         dropped = self.dropped
-        try:
+        with V.user_error("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(pl_module, self.resolved, dropped, optimizers=trainer.optimizers)
-        except ValueError as err:
-            raise MisconfigurationException(f"CoupledPruningCallback(shrink_on_freeze=True): {err}") from err
         self._shrunk, self.pruner, self._latents, self._act = dropped, None, None, None
         rank_zero_info(
-            f"CoupledPruningCallback: shrunk the model at step {self._step} to "
+            f"CoupledPruningCallback: shrunk the model at step {self._progress.step} to "
             f"{sum(p.numel() for p in pl_module.parameters()):,} parameters; healing runs on the small model."
         )
 
     def _select(self, pl_module: pl.LightningModule) -> None:
         """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
         assert self.pruner is not None
-        final = self.schedule.phase(self._step) in ("final", "healing")
-        method: Method = "hard" if final else self.method
+        step = self._progress.step
+        method: Method = "hard" if self.schedule.phase(step) in ("final", "healing") else self.method
         scores = None if self._act is None else self._activation_scores()
-        self.pruner.step(
-            self.targets(self._step), method=method, threshold=self.reg_lambda * self._prox_step(), scores=scores
-        )
-        self._gamma_prox = self._gamma
+        threshold = self.reg_lambda * self._progress.prox_step(latent=self.mode == "latent")
+        self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores)
+        self._progress.mark_selection()
         if self.debug_check_selection:
-            V.check_selection_agreement(self.dropped, step=self._step)
+            V.check_selection_agreement(self.dropped, step=step)
 
     def _activation_scores(self) -> dict[str, Tensor]:
         """Activation-aware unit scores from the statistics summed over ranks (one collective under DDP)."""
         assert self._act is not None
         summed = D.sum_over_ranks(self._act.stacked(), group=D.world_group())
-        try:
+        with V.user_error("CoupledPruningCallback(score='activation')"):
             return self._act.unit_scores(self._params, summed=summed)
-        except ValueError as err:
-            raise MisconfigurationException(f"CoupledPruningCallback(score='activation'): {err}") from err
-
-    def _prox_step(self) -> float:
-        """The group-lasso step size ``gamma`` of this fresh selection (see ``reg_lambda``).
-
-        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
-        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
-        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
-        """
-        return self._gamma if self.mode == "latent" else self._gamma - self._gamma_prox
 
     def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:
