@@ -272,6 +272,14 @@ class ActivationStats:
             out[rc.name] = total_C.sqrt()
         return out
 
+    def summed_unit_scores(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`unit_scores` from the statistics summed over all ranks (one collective when distributed).
+
+        Raises:
+            ValueError: If a reader module has no statistics on any rank yet.
+        """
+        return self.unit_scores(params, summed=D.sum_over_ranks(self.stacked(), group=D.world_group()))
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Plain types and CPU float64 tensors: ``beta``, per module the average and the number of batches seen."""

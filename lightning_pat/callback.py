@@ -31,6 +31,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pat import _resume as R
+from lightning_pat import _shrinking
 from lightning_pat import _state as S
 from lightning_pat import _validation as V
 from lightning_pat import distributed as D
@@ -40,7 +41,7 @@ from lightning_pat.executors import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.latent import LatentStore
 from lightning_pat.metrics import PruningMetrics
 from lightning_pat.scoring import SCORE_TYPES, ScoreType
-from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
+from lightning_pat.shrink import check_shrinkable
 from lightning_pat.spec import Cluster, ResolvedCluster
 
 if TYPE_CHECKING:
@@ -188,8 +189,7 @@ class CoupledPruningCallback(Callback):
                 "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
             )
         self.shrink_on_freeze = shrink_on_freeze
-        self._shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
-        self._restore_hook: Any = None
+        self._shrinking = _shrinking.ShrinkOnFreeze()  # the dropped units, once the model has been shrunk
 
         self.pruner: Pruner | None = None
         self.plan: Plan | None = None
@@ -233,8 +233,8 @@ class CoupledPruningCallback(Callback):
     @property
     def dropped(self) -> dict[str, list[int]]:
         """Cluster name -> sorted dropped unit indices of the current mask."""
-        if self._shrunk is not None:
-            return dict(self._shrunk)
+        if self._shrinking.dropped is not None:
+            return dict(self._shrinking.dropped)
         return {} if self.pruner is None else {rc.name: self.pruner.dropped(rc.name) for rc in self.pruner.clusters}
 
     def targets(self, step: int) -> dict[str, float]:
@@ -265,7 +265,7 @@ class CoupledPruningCallback(Callback):
             resolved=self.resolved,
             options=self._options(),
             latent=self._latent_state(),
-            shrunk=self._shrunk is not None,
+            shrunk=self._shrinking.dropped is not None,
             act=self._act,  # every rank's statistics, in rank order (ranks see other batches; each resumes its own)
         )
 
@@ -302,20 +302,9 @@ class CoupledPruningCallback(Callback):
         if self.shrink_on_freeze:
             V.check_shrink_on_freeze(trainer)
             connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook
-            self._restore_hook = pl_module.register_load_state_dict_pre_hook(
-                lambda module, _sd, prefix, *_: self._shrink_before_restore(module, connector, prefix)
+            self._shrinking.watch(
+                pl_module, checkpoint=lambda: getattr(connector, "_loaded_checkpoint", None), state_key=self.state_key
             )
-
-    def _shrink_before_restore(self, module: torch.nn.Module, connector: Any, prefix: str) -> None:
-        """Resume after ``shrink_on_freeze``: give the fresh module the checkpoint's shapes before its weights load."""
-        checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
-        state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if prefix or self._shrunk is not None or not state or not state.get("shrunk"):
-            return
-        with V.user_error("CoupledPruningCallback: cannot resume the shrunk model"):
-            restore_shrunk(module, state)
-        self.resolved = [ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
-        self._shrunk = {k: list(v) for k, v in state["dropped"].items()}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,10 +317,9 @@ class CoupledPruningCallback(Callback):
         self._strategy = trainer.strategy
         self._fsdp1_root = trainer.strategy.model if isinstance(trainer.strategy, FSDPStrategy) else None
         self._params = dict(pl_module.named_parameters(remove_duplicate=False))
-        if self._restore_hook is not None:  # the checkpoint's weights are loaded by now
-            self._restore_hook.remove()
-            self._restore_hook = None
-        if self._shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
+        self._shrinking.unwatch()  # the checkpoint's weights are loaded by now
+        if self._shrinking.dropped is not None:  # the model was shrunk: nothing is left to prune, only steps to count
+            self.resolved = self._shrinking.resolved
             self.pruner, self._latents = None, None
             self._tracker.attach(trainer.optimizers)
             return
@@ -393,7 +381,7 @@ class CoupledPruningCallback(Callback):
         A restored state continues; the same Trainer's next fit continues its in-memory state; otherwise a new
         schedule starts at step 0. A resume whose checkpoint holds no state for this callback is an error.
         """
-        if self._shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps from here
+        if self._shrinking.dropped is not None:  # shrunk (before the restore, or by an earlier fit): count steps
             self._progress.count_from(self._pending_state or self._carry or {})
             self._pending_state = self._carry = None
             return
@@ -401,8 +389,9 @@ class CoupledPruningCallback(Callback):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._restore(trainer, pl_module, state)
-        elif self._carry is not None and self._same_trainer(trainer):
-            self._continue(pl_module)
+        elif self._carry is not None and self._same_trainer(trainer):  # continue the in-memory state
+            carry = self._carry
+            self._apply(pl_module, carry, saved_latents=carry["latents"] or None, activation=carry.get("activation"))
         else:
             V.check_fresh_start(trainer, state_key=self.state_key)
             if self._carry is not None:
@@ -433,12 +422,6 @@ class CoupledPruningCallback(Callback):
         return (
             self._last_fit is not None and self._last_fit[0]() is trainer and self._last_fit[1] == trainer.global_step
         )
-
-    def _continue(self, pl_module: pl.LightningModule) -> None:
-        """The same Trainer's next fit: continue from the in-memory state of the previous one."""
-        assert self._carry is not None
-        carry = self._carry
-        self._apply(pl_module, carry, saved_latents=carry["latents"] or None, activation=carry.get("activation"))
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: dict[str, Any]) -> None:
         """A checkpoint's state, once checked; the latents are read back in the format they were written in."""
@@ -479,7 +462,7 @@ class CoupledPruningCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what the same Trainer's next ``fit`` needs to continue (the latents only during the ramp)."""
-        if self._shrunk is not None:
+        if self._shrinking.dropped is not None:
             self._carry = self._progress.state_dict()  # only the step count goes on
             return
         assert self.pruner is not None
@@ -525,7 +508,7 @@ class CoupledPruningCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After a real optimizer step: advance the schedule and act (select, hold or freeze)."""
-        if self._shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
+        if self._shrinking.dropped is not None:  # healing on the shrunk model: the dropped units no longer exist
             if self._tracker.consume():
                 self._progress.tick()
                 self._progress.add_lr(self._tracker.last_lr)
@@ -567,10 +550,8 @@ class CoupledPruningCallback(Callback):
 
     def _shrink_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``shrink_on_freeze``: cut the frozen mask's units out of the module and the optimizer state."""
-        dropped = self.dropped
-        with V.user_error("CoupledPruningCallback(shrink_on_freeze=True)"):
-            shrink_for_training(pl_module, self.resolved, dropped, optimizers=trainer.optimizers)
-        self._shrunk, self.pruner, self._latents, self._act = dropped, None, None, None
+        self._shrinking.shrink(pl_module, self.resolved, self.dropped, optimizers=trainer.optimizers)
+        self.pruner, self._latents, self._act = None, None, None
         rank_zero_info(
             f"CoupledPruningCallback: shrunk the model at step {self._progress.step} to "
             f"{sum(p.numel() for p in pl_module.parameters()):,} parameters; healing runs on the small model."
@@ -581,19 +562,15 @@ class CoupledPruningCallback(Callback):
         assert self.pruner is not None
         step = self._progress.step
         method: Method = "hard" if self.schedule.phase(step) in ("final", "healing") else self.method
-        scores = None if self._act is None else self._activation_scores()
+        scores = None
+        if self._act is not None:
+            with V.user_error("CoupledPruningCallback(score='activation')"):
+                scores = self._act.summed_unit_scores(self._params)  # one collective under DDP
         threshold = self.reg_lambda * self._progress.prox_step(latent=self.mode == "latent")
         self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores)
         self._progress.mark_selection()
         if self.debug_check_selection:
             V.check_selection_agreement(self.dropped, step=step)
-
-    def _activation_scores(self) -> dict[str, Tensor]:
-        """Activation-aware unit scores from the statistics summed over ranks (one collective under DDP)."""
-        assert self._act is not None
-        summed = D.sum_over_ranks(self._act.stacked(), group=D.world_group())
-        with V.user_error("CoupledPruningCallback(score='activation')"):
-            return self._act.unit_scores(self._params, summed=summed)
 
     def _should_count(self, trainer: pl.Trainer, step: int) -> bool:
         if not self.log_metrics:
