@@ -1,5 +1,6 @@
 """The callback's state across fits: build a checkpoint entry or a carried state, and apply one (no Lightning here).
 
+* :func:`key_names`, :func:`legacy_state_key`: what identifies the callback's entry in a checkpoint.
 * :func:`checkpoint_state`: the callback's ``state_dict`` (format version :data:`STATE_VERSION`): progress, mask,
   group-lasso factors, fingerprints and resolved clusters, options, latent copies, whether the model was shrunk, and
   every rank's activation statistics.
@@ -22,10 +23,29 @@ if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import Pruner
     from lightning_pat.latent import LatentStore
-    from lightning_pat.spec import ResolvedCluster
+    from lightning_pat.spec import Cluster, ResolvedCluster
 
 #: Version 1 had no ``options``, no ``gamma_prox`` and a state key that included ``target_sparsity``.
 STATE_VERSION = 2
+
+
+def key_names(clusters: str | Sequence[Cluster | str]) -> str:
+    """The state key's ``clusters`` value: the preset name, or the declarations' names joined by commas."""
+    if isinstance(clusters, str):
+        return clusters
+    return ",".join(c if isinstance(c, str) else c.name for c in clusters)
+
+
+def legacy_state_key(state_key: str, *, qualname: str, target_sparsity: float) -> str:
+    """The key state version 1 used for the same callback (it included ``target_sparsity``).
+
+    Example::
+
+        >>> legacy_state_key("Cb{'clusters': 'llama'}", qualname="Cb", target_sparsity=0.5)
+        "Cb{'clusters': 'llama', 'target_sparsity': 0.5}"
+    """
+    names = state_key[len(qualname) :]
+    return qualname + names[:-1] + f", 'target_sparsity': {target_sparsity!r}}}"
 
 
 def checkpoint_state(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +171,18 @@ def check_options(
         )
 
 
+def check_shrink_needs_heal(*, shrink_on_freeze: bool, heal: bool) -> None:
+    """``shrink_on_freeze`` removes the frozen mask's units, so the mask must freeze.
+
+    Raises:
+        MisconfigurationException: If ``shrink_on_freeze`` is set without ``heal``.
+    """
+    if shrink_on_freeze and not heal:
+        raise MisconfigurationException(
+            "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
+        )
+
+
 def make_schedule(**kwargs: Any) -> Schedule:
     """A :class:`Schedule`, with its ``ValueError`` turned into a ``MisconfigurationException``."""
     try:
@@ -301,6 +313,25 @@ def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], 
         f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
         "the saved step with the new options."
     )
+
+
+def agreed_plan(build: Callable[[], Plan], *, options: Mapping[str, Any]) -> Plan:
+    """Build the plan on every rank and compare its clusters and routes (or this rank's error) across ranks.
+
+    Raises:
+        MisconfigurationException: If ``build`` raises a ``ValueError`` on any rank or the ranks disagree (every
+            rank raises the same error, see :func:`check_rank_agreement`).
+    """
+    plan, error = None, None
+    try:
+        plan = build()
+    except ValueError as err:
+        error = f"CoupledPruningCallback: {err}"
+    clusters = [rc.fingerprint() for rc in plan.clusters] if plan is not None else None
+    routes = plan.routes if plan is not None else None
+    check_rank_agreement({"clusters": clusters, "routes": routes, "options": options}, error)
+    assert plan is not None
+    return plan
 
 
 def check_rank_agreement(digest: dict[str, Any], error: str | None) -> None:

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -51,18 +50,11 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 _OPTIONS = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
     "score", "mode", "group_count_ref",
 )  # fmt: skip
-
-
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 class CoupledPruningCallback(Callback):
@@ -184,10 +176,7 @@ class CoupledPruningCallback(Callback):
         self.preset_options = dict(preset_options or {})
         self.log_metrics = log_metrics
         self.debug_check_selection = debug_check_selection
-        if shrink_on_freeze and not heal:
-            raise MisconfigurationException(
-                "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
-            )
+        V.check_shrink_needs_heal(shrink_on_freeze=shrink_on_freeze, heal=heal)
         self.shrink_on_freeze = shrink_on_freeze
         self._shrinking = _shrinking.ShrinkOnFreeze()  # the dropped units, once the model has been shrunk
 
@@ -211,19 +200,14 @@ class CoupledPruningCallback(Callback):
     @override
     def state_key(self) -> str:
         """Identity in a checkpoint: the cluster declarations' names only (options may change on resume)."""
-        names = (
-            self.clusters
-            if isinstance(self.clusters, str)
-            else [c if isinstance(c, str) else c.name for c in self.clusters]
-        )
-        return self._generate_state_key(clusters=names if isinstance(names, str) else ",".join(names))
+        return self._generate_state_key(clusters=R.key_names(self.clusters))
 
     @property
     @override
     def _legacy_state_key(self) -> str:  # type: ignore[override]
         """The key of state version 1 (it included ``target_sparsity``): such checkpoints are still found."""
-        names = self.state_key[len(type(self).__qualname__) :]
-        return type(self).__qualname__ + names[:-1] + f", 'target_sparsity': {self.target_sparsity!r}}}"
+        qualname = type(self).__qualname__
+        return R.legacy_state_key(self.state_key, qualname=qualname, target_sparsity=self.target_sparsity)
 
     @property
     def step(self) -> int:
@@ -323,23 +307,15 @@ class CoupledPruningCallback(Callback):
             self.pruner, self._latents = None, None
             self._tracker.attach(trainer.optimizers)
             return
-        plan, error = None, None
         with self._weights(pl_module) as params:
-            try:
-                plan = make_plan(
-                    params,
-                    V.declarations(self.clusters, pl_module, preset_options=self.preset_options),
-                    score=self.score,
-                    executor=self.executor,
-                    group_count_ref=self.group_count_ref,
+
+            def build() -> Plan:
+                declared = V.declarations(self.clusters, pl_module, preset_options=self.preset_options)
+                return make_plan(
+                    params, declared, score=self.score, executor=self.executor, group_count_ref=self.group_count_ref
                 )
-            except ValueError as err:
-                error = f"CoupledPruningCallback: {err}"
-            clusters = [rc.fingerprint() for rc in plan.clusters] if plan is not None else None
-            routes = plan.routes if plan is not None else None
-            V.check_rank_agreement({"clusters": clusters, "routes": routes, "options": self._options()}, error)
-            assert plan is not None
-            self.plan = plan
+
+            self.plan = plan = V.agreed_plan(build, options=self._options())
             self.resolved = list(plan.clusters)
             self.pruner = Pruner.from_plan(params, plan)
             if self.score == "activation":
@@ -362,8 +338,7 @@ class CoupledPruningCallback(Callback):
         if self._fsdp1_root is None:
             yield self._params
             return
-        with D.summon_full_params(self._fsdp1_root):
-            params = {_clean_name(n): p for n, p in pl_module.named_parameters(remove_duplicate=False)}
+        with D.summoned_params(self._fsdp1_root, pl_module) as params:
             if self.pruner is not None:
                 self.pruner.rebind(params)
             yield params

@@ -308,6 +308,22 @@ def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+#: Name segments FSDP1, activation checkpointing and ``torch.compile`` insert into parameter names.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@contextmanager
+def summoned_params(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """FSDP1: ``module``'s full parameters by their unwrapped names while summoned (:func:`summon_full_params`)."""
+    with summon_full_params(root):
+        params = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            for prefix in _WRAPPER_PREFIXES:
+                name = name.replace(prefix, "")
+            params[name] = param
+        yield params
+
+
 def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
     """Convert a distributed checkpoint directory (``torch.distributed.checkpoint``) into one ``torch.save`` file.
 
