@@ -54,3 +54,27 @@ def test_step_tracker_counts_only_real_steps():
     tracker.detach()
     opt.step()
     assert not tracker.consume()
+
+
+def test_progress_prox_step_per_mode_and_old_checkpoints():
+    """Latent mode steps by the lr sum since warmup; direct mode by the lrs since the last selection."""
+    from lightning_pat._state import Progress
+
+    p = Progress()
+    for lr in (0.5, 0.25):
+        p.tick()
+        p.add_lr(lr)
+    assert (p.step, p.gamma) == (2, 0.75)
+    assert p.prox_step(latent=True) == 0.75
+    assert p.prox_step(latent=False) == 0.75
+    p.mark_selection()
+    p.tick()
+    p.add_lr(0.125)
+    p.add_lr(None)  # an unknown lr adds nothing
+    assert p.prox_step(latent=True) == 0.875
+    assert p.prox_step(latent=False) == 0.125
+    again = Progress.from_state(p.state_dict())
+    assert again == p
+    old = Progress.from_state({"step": 7, "gamma": 1.5})  # written before gamma_prox existed
+    assert (old.step, old.gamma, old.gamma_prox, old.prox_step(latent=False)) == (7, 1.5, 1.5, 0.0)
+    assert Progress.from_state({}) == Progress()
