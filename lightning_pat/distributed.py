@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pat.spec import WRAPPER_NAMES
+
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 except ImportError:  # pragma: no cover - old torch
@@ -308,18 +310,14 @@ def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-#: Name segments FSDP1, activation checkpointing and ``torch.compile`` insert into parameter names.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
 @contextmanager
 def summoned_params(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """FSDP1: ``module``'s full parameters by their unwrapped names while summoned (:func:`summon_full_params`)."""
     with summon_full_params(root):
         params = {}
         for name, param in module.named_parameters(remove_duplicate=False):
-            for prefix in _WRAPPER_PREFIXES:
-                name = name.replace(prefix, "")
+            for wrapper in WRAPPER_NAMES:
+                name = name.replace(f"{wrapper}.", "")
             params[name] = param
         yield params
 

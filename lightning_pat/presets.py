@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.spec import Cluster, _as_cluster
+from lightning_pat.spec import WRAPPER_NAMES, Cluster, _as_cluster
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,12 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3":
 _LM_HEAD = re.compile(r"(?:.*\.)?lm_head\.weight")
 # module wrappers that may sit between `layers.N.` and the layer's own names (activation checkpointing, FSDP1 and
 # per-block torch.compile); anywhere above the layer list they are simply part of the prefix
-_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
-_WRAPPERS = rf"(?:(?:{'|'.join(_WRAPPER_NAMES)})\.)*"
+_WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
 def _wrappers(names: Sequence[str]) -> str:
     """``_WRAPPERS`` if any name holds a wrapper segment, else nothing (so that patterns stay short)."""
-    return _WRAPPERS if any(f".{w}." in n for n in names for w in _WRAPPER_NAMES) else ""
+    return _WRAPPERS if any(f".{w}." in n for n in names for w in WRAPPER_NAMES) else ""
 
 
 def _param_names(model: nn.Module) -> list[str]:

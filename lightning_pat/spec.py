@@ -29,6 +29,9 @@ from torch import nn
 
 Role = Literal["writer", "reader"]
 
+#: Module name segments that wrappers insert into parameter names (activation checkpointing, FSDP1, ``torch.compile``).
+WRAPPER_NAMES: tuple[str, ...] = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
 _SLICE_RE = re.compile(r"^(?P<pattern>.*)\[(?:(?P<start>\d+):(?P<stop>\d+)|(?P<index>\d+)/(?P<parts>\d+))\]$")
 
 
