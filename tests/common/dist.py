@@ -203,17 +203,14 @@ def run_rank_scripts(
     """
     try:
         return _run_rank_scripts_once(script, world_size, args=args, timeout=timeout, env=env)
-    except TimeoutError:
-        raise
-    except RuntimeError as err:
-        if "address already in use" in str(err).lower():
-            pass
-        elif only_transport_errors(str(err)):
+    except RuntimeError as err:  # a TimeoutError is not one: never retried
+        port_taken = "address already in use" in str(err).lower()
+        if not (port_taken or only_transport_errors(str(err))):
+            raise
+        if not port_taken:
             warnings.warn(
                 f"run_rank_scripts: retrying after a gloo transport failure:\n{err}", RuntimeWarning, stacklevel=2
             )
-        else:
-            raise
         return _run_rank_scripts_once(script, world_size, args=args, timeout=timeout, env=env)
 
 
