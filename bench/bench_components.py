@@ -158,13 +158,13 @@ def measure(args: argparse.Namespace, *, heads: bool) -> dict:
             pruner.step(targets)
 
     def fresh_float32_sums() -> None:  # ablation: what the float64 sums cost (not what the library does)
-        original = materializing.accumulation_dtype
-        materializing.accumulation_dtype = lambda *dtypes: torch.float32
+        original = materializing.ACCUMULATION_DTYPE
+        materializing.ACCUMULATION_DTYPE = torch.float32
         try:
             with torch.no_grad():
                 pruner.step(targets)
         finally:
-            materializing.accumulation_dtype = original
+            materializing.ACCUMULATION_DTYPE = original
 
     def hold() -> None:
         with torch.no_grad():

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed as D
+from lightning_pat import distributed
 from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
 from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
 
@@ -108,7 +108,7 @@ class ActivationStats:
         ]
         for path, module in owners:
             if isinstance(module, nn.Linear):
-                if D.is_dtensor(module.weight):
+                if distributed.is_dtensor(module.weight):
                     raise ValueError(
                         f"Cluster {rc.name!r}: reader {m.name!r} is a DTensor; score='activation' supports plain "
                         "parameters (one device, DDP) only. Use a weight score ('rms') with sharded parameters."
@@ -278,7 +278,9 @@ class ActivationStats:
         Raises:
             ValueError: If a reader module has no statistics on any rank yet.
         """
-        return self.unit_scores(params, summed=D.sum_over_ranks(self.stacked(), group=D.world_group()))
+        return self.unit_scores(
+            params, summed=distributed.sum_over_ranks(self.stacked(), group=distributed.world_group())
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -35,9 +35,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from typing_extensions import override
 
-from lightning_pat._state import DCP_PREFIX
 from lightning_pat.callback import CoupledPruningCallback
 from lightning_pat.shrink import checkpoint_state, restore_shrunk
+from lightning_pat.state import DCP_PREFIX
 
 _CALLBACK_PATH = "lightning_pat.CoupledPruningCallback"
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_pat import distributed as D
+from lightning_pat import distributed
 from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
 
 
@@ -218,8 +219,8 @@ class TinyGPTModule(_NextTokenModule):
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``: shard every block and the root with FSDP2 over the data-parallel axis."""
         mesh = self._device_mesh
-        if mesh is not None and not D.is_dtensor(self.model.embed.weight):
-            D.fully_shard_blocks(self.model, list(self.model.layers), mesh["data_parallel"])
+        if mesh is not None and not distributed.is_dtensor(self.model.embed.weight):
+            fully_shard_blocks(self.model, list(self.model.layers), mesh["data_parallel"])
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(B, T)`` -> logits ``(B, T, V)``."""
@@ -260,3 +261,18 @@ class CausalLMModule(_NextTokenModule):
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(B, T)`` -> logits ``(B, T, V)``."""
         return self.model(input_ids=idx).logits
+
+
+def fully_shard_blocks(root: torch.nn.Module, blocks: Sequence[torch.nn.Module], mesh: Any) -> None:
+    """FSDP2: ``fully_shard`` each block, then the root, over a 1-D device mesh (parameters become DTensors).
+
+    Args:
+        root: The model.
+        blocks: Its repeated blocks (each becomes one FSDP2 unit).
+        mesh: The data-parallel device mesh.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)

@@ -7,28 +7,24 @@ may be all-reduced (exact).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import hashlib
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from lightning_pat.spec import WRAPPER_NAMES
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-except ImportError:  # pragma: no cover - old torch
-    DTensor = None  # type: ignore[assignment,misc]
-    Replicate = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 
 def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (parameters included)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    return isinstance(tensor, DTensor)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -260,6 +256,69 @@ def world_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _launch_rank() -> int:
+    """This process's global rank; before the process group exists, the launcher's ``RANK`` (else 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+def rank_zero_warn(message: str) -> None:
+    """A ``UserWarning`` on global rank 0 only (every rank reaches the same conclusion; one rank says it)."""
+    if _launch_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def rank_zero_info(message: str, *, logger: logging.Logger) -> None:
+    """``logger.info(message)`` on global rank 0 only."""
+    if _launch_rank() == 0:
+        logger.info(message)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_rank_agreement(digest: Mapping[str, Any], error: str | None) -> None:
+    """Compare ``digest`` (e.g. clusters, routes, options), or this rank's error, across all ranks (one collective).
+
+    Raises:
+        ValueError: The same error on every rank if any rank failed (its message, naming the rank) or the digests
+            differ (naming the parts and the ranks).
+    """
+    mine = error or _digest(digest)
+    everyone = gather_objects((error is not None, mine, dict(digest)), group=world_group())
+    failed = [(r, m) for r, (bad, m, _) in enumerate(everyone) if bad]
+    if failed:
+        rank, msg = failed[0]
+        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise ValueError(f"{msg} [raised on rank {rank}{others}; all ranks stop here]")
+    if len({m for _, m, _ in everyone}) > 1:
+        ref = everyone[0][2]
+        diff = sorted({k for _, _, d in everyone for k in d if d[k] != ref[k]})
+        ranks = [r for r, (_, m, _) in enumerate(everyone) if m != everyone[0][1]]
+        raise ValueError(
+            f"CoupledPruningCallback: ranks disagree on {diff} (ranks {ranks} differ from rank 0). Every rank "
+            "must build the same model and pass the same cluster declarations and options; check code that "
+            "depends on the rank (e.g. `if trainer.global_rank == 0`)."
+        )
+
+
+def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) -> None:
+    """Debug check: compare a hash of the selection across all ranks (one small collective).
+
+    Raises:
+        RuntimeError: On every rank, if some rank selected different units than rank 0.
+    """
+    everyone = gather_objects(_digest(dropped), group=world_group())
+    if len(set(everyone)) > 1:
+        ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        raise RuntimeError(
+            f"CoupledPruningCallback (debug_check_selection): at step {step} ranks {ranks} selected different units "
+            "than rank 0; the selection is not identical across the mesh."
+        )
+
+
 def gather_objects(obj: Any, *, group: Any) -> list[Any]:
     """Every rank's picklable ``obj`` in group-rank order (``[obj]`` without a process group)."""
     if group is None or dist.get_world_size(group) == 1:
@@ -301,27 +360,6 @@ def reduce_counts(counts: Tensor, *, group: Any) -> Tensor:
     return all_reduce_sum_(counts, group=group)
 
 
-@contextmanager
-def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
-    """FSDP1: gather every flat parameter into full original parameters; write local changes back on exit."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    with FullyShardedDataParallel.summon_full_params(root, writeback=True):
-        yield
-
-
-@contextmanager
-def summoned_params(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """FSDP1: ``module``'s full parameters by their unwrapped names while summoned (:func:`summon_full_params`)."""
-    with summon_full_params(root):
-        params = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            for wrapper in WRAPPER_NAMES:
-                name = name.replace(f"{wrapper}.", "")
-            params[name] = param
-        yield params
-
-
 def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
     """Convert a distributed checkpoint directory (``torch.distributed.checkpoint``) into one ``torch.save`` file.
 
@@ -342,18 +380,3 @@ def consolidate_checkpoint(directory: str | Path, output: str | Path) -> Path:
     if not out.is_file() or out.stat().st_mtime < newest:
         dcp_to_torch_save(directory, out)
     return out
-
-
-def fully_shard_blocks(root: torch.nn.Module, blocks: Sequence[torch.nn.Module], mesh: Any) -> None:
-    """FSDP2: ``fully_shard`` each block, then the root, over a 1-D device mesh (parameters become DTensors).
-
-    Args:
-        root: The model.
-        blocks: Its repeated blocks (each becomes one FSDP2 unit).
-        mesh: The data-parallel device mesh.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(root, mesh=mesh)

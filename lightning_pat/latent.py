@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed as D
+from lightning_pat import distributed
 
 
 def _copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
@@ -48,7 +48,7 @@ class LatentStore:
     def swap_in(self, optimizer_params: Collection[int]) -> None:
         """Copy the latents of parameters the optimizer updates (by ``id``) into the weights, before the update."""
         names = [n for n in self._latents if id(self.params[n]) in optimizer_params]
-        _copy_all([D.local_tensor(self.params[n]) for n in names], [self._latents[n] for n in names])
+        _copy_all([distributed.local_tensor(self.params[n]) for n in names], [self._latents[n] for n in names])
         self._swapped.update(names)
 
     def commit(self) -> None:
@@ -57,21 +57,17 @@ class LatentStore:
         The first call creates the latents from the current weights.
         """
         if not self._latents:
-            self._latents = {n: D.local_tensor(self.params[n]).clone() for n in self.names}
+            self._latents = {n: distributed.local_tensor(self.params[n]).clone() for n in self.names}
         kept = [n for n in self._latents if n in self._swapped]
         back = [n for n in self._latents if n not in self._swapped]
-        _copy_all([self._latents[n] for n in kept], [D.local_tensor(self.params[n]) for n in kept])
-        _copy_all([D.local_tensor(self.params[n]) for n in back], [self._latents[n] for n in back])
+        _copy_all([self._latents[n] for n in kept], [distributed.local_tensor(self.params[n]) for n in kept])
+        _copy_all([distributed.local_tensor(self.params[n]) for n in back], [self._latents[n] for n in back])
         self._swapped.clear()
 
     def clear(self) -> None:
         """Free the latents (the mask is frozen)."""
         self._latents.clear()
         self._swapped.clear()
-
-    def rebind(self, params: Mapping[str, Tensor]) -> None:
-        """Point at new parameter objects with the same names and local shapes (the latents are kept)."""
-        self.params = params
 
     def state_dict(self) -> dict[str, Tensor]:
         """Name -> rank-local latent (the live tensors; clone before mutating)."""
@@ -88,7 +84,7 @@ class LatentStore:
             raise ValueError(f"The saved latent copies lack parameters {missing[:5]}; resume with the same model.")
         out = {}
         for name in self.names:
-            local = D.local_tensor(self.params[name])
+            local = distributed.local_tensor(self.params[name])
             saved = latents[name]
             if tuple(saved.shape) != tuple(local.shape):
                 raise ValueError(

@@ -51,41 +51,50 @@ class Sparsity(Metric):
 
 
 class PruningMetrics:
-    """The metric set of the callback: global unit sparsity, parameter sparsity, per-cluster unit sparsity.
+    """The logged metric set: global unit sparsity, parameter sparsity and per-cluster unit sparsity.
 
-    Each update is a snapshot: the metrics are reset and refilled, because sparsity is a state, not an average.
+    Sparsity is a per-step state, not an average over steps: every update goes through the metric's ``forward``,
+    whose value (``_forward_cache``) is that step's ratio, and Lightning logs it with ``on_step=True,
+    on_epoch=False`` and resets the metrics at the epoch end. The counts fed here are already global and identical
+    on every rank (the engine reduced them exactly), so no rank syncs (``dist_sync_on_step=False``,
+    ``sync_on_compute=False``): a sum over ranks would only multiply both states by the world size. The metrics
+    are kept in a plain dict rather than a ``MetricCollection`` because cluster names may contain dots, which a
+    module dict refuses as keys.
 
     Args:
         cluster_names: Names of the resolved clusters.
         prefix: Key prefix, ``"pruning"`` by default.
+
+    Example::
+
+        >>> m = PruningMetrics(["a", "b"])
+        >>> m.update({"a": [0, 1], "b": []}, {"a": 4, "b": 4}, zeros={"w": 3}, numel={"w": 12})
+        >>> sorted(m.values().items())  # doctest: +NORMALIZE_WHITESPACE
+        [('pruning/a/unit_sparsity', 0.5), ('pruning/b/unit_sparsity', 0.0), ('pruning/param_sparsity', 0.25),
+         ('pruning/unit_sparsity', 0.25)]
     """
 
     def __init__(self, cluster_names: list[str], *, prefix: str = "pruning") -> None:
         self.prefix = prefix
-        self.unit = Sparsity()
-        self.param = Sparsity()
-        self.clusters = {name: Sparsity() for name in cluster_names}
-        self._param_value: float | None = None
+        self.main = f"{prefix}/unit_sparsity"
+        self.metrics: dict[str, Sparsity] = {self.main: Sparsity(), f"{prefix}/param_sparsity": Sparsity()}
+        self._clusters = {name: f"{prefix}/{name}/unit_sparsity" for name in cluster_names}
+        self.metrics.update({key: Sparsity() for key in self._clusters.values()})
 
-    def update_units(self, dropped: dict[str, int], num_units: dict[str, int]) -> None:
-        """Snapshot unit sparsity from dropped counts per cluster."""
-        self.unit.reset()
-        for name, metric in self.clusters.items():
-            metric.reset()
-            metric.update(dropped.get(name, 0), num_units[name])
-            self.unit.update(dropped.get(name, 0), num_units[name])
-
-    def update_params(self, zeros: dict[str, int], numel: dict[str, int]) -> None:
-        """Snapshot parameter sparsity from literal-zero counts per parameter (each parameter once)."""
-        self.param.reset()
-        self.param.update(sum(zeros.values()), sum(numel.values()))
-        self._param_value = float(self.param.compute())
+    def update(
+        self,
+        dropped: dict[str, list[int]],
+        num_units: dict[str, int],
+        *,
+        zeros: dict[str, int],
+        numel: dict[str, int],
+    ) -> None:
+        """One step's snapshot: dropped units per cluster, literal zeros and numel per parameter (each once)."""
+        self.metrics[self.main](sum(len(v) for v in dropped.values()), sum(num_units.values()))
+        self.metrics[f"{self.prefix}/param_sparsity"](sum(zeros.values()), sum(numel.values()))
+        for name, key in self._clusters.items():
+            self.metrics[key](len(dropped.get(name, ())), num_units[name])
 
     def values(self) -> dict[str, float]:
-        """Current values by log key (parameter sparsity only once it has been counted)."""
-        out = {f"{self.prefix}/unit_sparsity": float(self.unit.compute())}
-        if self._param_value is not None:
-            out[f"{self.prefix}/param_sparsity"] = self._param_value
-        for name, metric in self.clusters.items():
-            out[f"{self.prefix}/{name}/unit_sparsity"] = float(metric.compute())
-        return out
+        """The last step's values by log key (empty before the first update)."""
+        return {k: float(m._forward_cache) for k, m in self.metrics.items() if m._forward_cache is not None}

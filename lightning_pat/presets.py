@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.spec import WRAPPER_NAMES, Cluster, _as_cluster
+from lightning_pat.spec import WRAPPER_NAMES, Cluster, as_cluster
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +419,17 @@ def get(name: str) -> Preset:
     return PRESETS[key]
 
 
+def check_options(options: Mapping[str, object]) -> None:
+    """Raise unless ``options`` maps preset option names (:data:`OPTIONS`) to bools.
+
+    Raises:
+        ValueError: If a key is unknown or a value is not a bool.
+    """
+    bad = {k: v for k, v in dict(options).items() if k not in OPTIONS or not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"`preset_options` must map some of {OPTIONS} to bools, got {bad}; e.g. {{'residual': True}}.")
+
+
 def resolve_preset(
     clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
 ) -> list[Cluster]:
@@ -438,13 +449,11 @@ def resolve_preset(
             are given without any preset name.
         TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
     """
-    bad = {k: v for k, v in options.items() if k not in OPTIONS or not isinstance(v, bool)}
-    if bad:
-        raise ValueError(f"Preset options must be bools among {OPTIONS}, got {bad}.")
+    check_options(options)
     entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
     if options and not any(isinstance(e, str) for e in entries):
-        raise ValueError(f"Preset options {sorted(options)} apply to preset names only; none was given.")
+        raise ValueError(f"`preset_options` {dict(options)} apply to preset names only; none was given.")
     out: list[Cluster] = []
     for entry in entries:
-        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [_as_cluster(entry)])
+        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [as_cluster(entry)])
     return out

@@ -102,6 +102,25 @@ class Schedule:
             return "select" if (step - self.final_step) % self.every_n_steps == 0 else "hold"
         return "select" if self.is_due(step) else "hold"
 
+    def frozen(self, step: int, *, heal: bool = True) -> bool:
+        """Whether the mask is frozen after step ``step``: healing is on and the final ramp step is reached.
+
+        Example::
+
+            >>> s = Schedule(warmup_steps=1, ramp_steps=2)
+            >>> [s.frozen(t) for t in range(1, 5)], s.frozen(4, heal=False)
+            ([False, False, True, True], False)
+        """
+        return heal and step >= self.final_step
+
+    def freezes(self, step: int, *, heal: bool = True) -> bool:
+        """Whether step ``step`` is the freeze transition (the final ramp step, with healing).
+
+        From here on nothing is selected again: the latent copies and activation statistics are no longer needed,
+        and a model may be shrunk.
+        """
+        return heal and step == self.final_step
+
     def is_due(self, step: int) -> bool:
         """Whether a fresh selection happens after step ``step`` (ramp cadence, or the forced final step)."""
         phase = self.phase(step)

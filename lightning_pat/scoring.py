@@ -27,16 +27,8 @@ WEIGHT_SCORES: tuple[str, ...] = ("rms", "l2", "param_cost")
 SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, "activation")
 
 
-def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The dtype scores accumulate in: float64 for every parameter dtype (layout-invariant selections).
-
-    Example::
-
-        >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float32, torch.float64)
-        (torch.float64, torch.float64)
-    """
-    del dtypes  # kept in the signature: callers state what they accumulate
-    return torch.float64
+#: The dtype scores accumulate in, for every parameter dtype: selections do not depend on the layout.
+ACCUMULATION_DTYPE = torch.float64
 
 
 _CHUNK_ELEMS = 1 << 18  # float64 temporaries of at most 2 MiB (cache-sized: faster than larger chunks)

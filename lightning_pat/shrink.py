@@ -38,8 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.shrink_plan import ShrinkPlan, align_names, build_plan, checkpoint_state, plan_for, read_source
-from lightning_pat.shrink_plan import state_source as _state_source
+from lightning_pat.shrink_plan import (
+    ShrinkPlan,
+    align_names,
+    build_plan,
+    checkpoint_state,
+    plan_for,
+    read_source,
+    state_source,
+)
 from lightning_pat.spec import ResolvedCluster
 from lightning_pat.surgery import (
     BASE_CONFIG_ATTR,
@@ -148,6 +155,6 @@ def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
         state = checkpoint_state(state)
     if not state.get("shrunk"):
         return False
-    clusters, dropped = _state_source(state, "the callback state")
+    clusters, dropped = state_source(state, "the callback state")
     apply_plan(module, align_names(build_plan(clusters, dropped), module), check_zeros=False)
     return True

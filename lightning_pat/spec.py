@@ -224,7 +224,13 @@ class ResolvedCluster:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _as_cluster(obj: Cluster | Mapping) -> Cluster:
+def as_cluster(obj: Cluster | Mapping) -> Cluster:
+    """``obj`` as a :class:`Cluster` (a mapping of its fields is constructed).
+
+    Raises:
+        ValueError: If the mapping has unknown fields.
+        TypeError: If ``obj`` is neither a Cluster nor a mapping.
+    """
     if isinstance(obj, Cluster):
         return obj
     if isinstance(obj, Mapping):
@@ -283,7 +289,7 @@ def check_declaration(decl: Cluster | Mapping) -> Cluster:
         ValueError: If a field is missing, unknown, of the wrong type or out of range, or a regex does not compile.
         TypeError: If ``decl`` is neither a ``Cluster`` nor a mapping.
     """
-    cluster = _as_cluster(decl)
+    cluster = as_cluster(decl)
     _check_declaration(cluster)
     return cluster
 
@@ -452,7 +458,7 @@ def resolve_clusters(
         >>> rc.num_units, rc.unit_numel
         (8, 9)
     """
-    decls = [_as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
+    decls = [as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
     params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
     names = list(params)
     first_name: dict[int, str] = {}

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed as D
+from lightning_pat import distributed
 from lightning_pat.executors.base import Executor, UnitAction
 from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import accumulation_dtype, member_unit_sq_sums
+from lightning_pat.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
 
 
 class MaterializingExecutor(Executor):
@@ -35,7 +35,7 @@ class MaterializingExecutor(Executor):
         key = f"{name}.grad" if grads else name
         if key not in dense:
             src = self.params[name].grad if grads else self.params[name]
-            dense[key] = D.full_tensor(src)
+            dense[key] = distributed.full_tensor(src)
         return dense[key]
 
     def _dense(self) -> dict[str, Tensor]:
@@ -51,12 +51,12 @@ class MaterializingExecutor(Executor):
         by_group: dict[tuple[int, ...], tuple[object, list[str]]] = {}
         for name in names:
             param = self.params[name]
-            if D.is_dtensor(param):
-                group = D.mesh_group(param.device_mesh, cache=self._groups)
-                by_group.setdefault(D.group_key(group), (group, []))[1].append(name)
+            if distributed.is_dtensor(param):
+                group = distributed.mesh_group(param.device_mesh, cache=self._groups)
+                by_group.setdefault(distributed.group_key(group), (group, []))[1].append(name)
         for group, group_names in by_group.values():
             has = [n in present for n in group_names]
-            flags = D.any_rank([not h for h in has] + has, group=group)
+            flags = distributed.any_rank([not h for h in has] + has, group=group)
             for i, name in enumerate(group_names):
                 missing_somewhere, has_somewhere = flags[i], flags[len(group_names) + i]
                 if missing_somewhere and has_somewhere:
@@ -73,9 +73,8 @@ class MaterializingExecutor(Executor):
         out = {}
         dense = self._dense()
         for rc in self.clusters:
-            acc = accumulation_dtype(*(self.params[m.name].dtype for m in rc.members))
             parts = [
-                member_unit_sq_sums(self._get(m.name, dense), m, num_units=rc.num_units, acc_dtype=acc)
+                member_unit_sq_sums(self._get(m.name, dense), m, num_units=rc.num_units, acc_dtype=ACCUMULATION_DTYPE)
                 for m in rc.members
             ]
             out[rc.name] = torch.stack(parts).sum(dim=0) if len(parts) > 1 else parts[0]
@@ -103,7 +102,7 @@ class MaterializingExecutor(Executor):
                 touched.append(m.name)
         for name in dict.fromkeys(touched):
             target = self.params[name].grad if grads else self.params[name]
-            D.write_back_(target, cache[f"{name}.grad" if grads else name])
+            distributed.write_back_(target, cache[f"{name}.grad" if grads else name])
 
     @torch.no_grad()
     def zero_counts(self) -> dict[str, tuple[int, int]]:

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed as D
-from lightning_pat import placement as P
+from lightning_pat import distributed, placement
 from lightning_pat.executors.base import Executor, UnitAction
 from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import accumulation_dtype, member_unit_sq_sums
+from lightning_pat.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
 from lightning_pat.spec import Member, ResolvedCluster
 
 
@@ -68,7 +67,6 @@ class ShardedExecutor(Executor):
         super().__init__(clusters, params)
         self._groups: dict[tuple[int, ...], object] = {}  # multi-axis process groups, owned by this executor
         self._pieces: dict[tuple[str, str], _Piece] = {}
-        self._acc: dict[str, torch.dtype] = {}
         self._ungathered: list[ResolvedCluster] = []  # every member replicated: the local partial is complete
         packs: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pack] = {}  # (group ranks, order) -> pack
         mismatches: list[str] = []
@@ -77,37 +75,40 @@ class ShardedExecutor(Executor):
             mesh = first.device_mesh
             coord = mesh.get_coordinate()
             placements = [tuple(self.params[m.name].placements) for m in rc.members]
-            reason = P.cluster_reason(rc, placements, mesh_shape=tuple(mesh.shape))
+            reason = placement.cluster_reason(rc, placements, mesh_shape=tuple(mesh.shape))
             if reason is not None:  # global metadata: every rank raises here, before any collective
                 raise ValueError(f"Cluster {rc.name!r} cannot take the sharded path: {reason}.")
-            axes = P.gather_axes(placements)
+            axes = placement.gather_axes(placements)
             for m, ps in zip(rc.members, placements, strict=True):
-                box = P.local_box(m.shape, ps, mesh_shape=tuple(mesh.shape), coordinate=coord)
-                local_shape = tuple(D.local_tensor(self.params[m.name]).shape)
-                if local_shape != tuple(n for _, n in box):  # torch's layout rules changed under us
+                box = placement.local_box(m.shape, ps, mesh_shape=tuple(mesh.shape), coordinate=coord)
+                local_shape = tuple(distributed.local_tensor(self.params[m.name]).shape)
+                if local_shape != tuple(n for _, n in box):  # a torch whose DTensor layout differs from ours
                     mismatches.append(f"{m.name}: local shape {local_shape} != expected box {box} for {ps}")
                 offset, length = box[m.dim]
-                self._pieces[(rc.name, m.name)] = _Piece(offset, length, P.contributes(ps, coordinate=coord, axes=axes))
-            self._acc[rc.name] = accumulation_dtype(*(self.params[m.name].dtype for m in rc.members))
+                self._pieces[(rc.name, m.name)] = _Piece(
+                    offset, length, placement.contributes(ps, coordinate=coord, axes=axes)
+                )
             if not axes:
                 self._ungathered.append(rc)
                 continue
-            group = D.axes_group(mesh, axes, cache=self._groups)
-            order = D.gather_order(mesh, axes, group)
-            packs.setdefault((D.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
+            group = distributed.axes_group(mesh, axes, cache=self._groups)
+            order = distributed.gather_order(mesh, axes, group)
+            packs.setdefault((distributed.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
         self._packs = list(packs.values())
         for pack in self._packs:  # global metadata only: every rank of the group decides the same
-            n = D.group_size(pack.group)
-            itemsize = accumulation_dtype(*(self._acc[rc.name] for rc in pack.clusters)).itemsize
+            n = distributed.group_size(pack.group)
+            itemsize = ACCUMULATION_DTYPE.itemsize
             one_phase_bytes = (n - 1) * sum(rc.num_units for rc in pack.clusters) * itemsize
             pack.two_phase = n > 2 and one_phase_bytes > self.two_phase_min_bytes
         counts: dict[tuple[int, ...], tuple[object, list[str]]] = {}  # whole-mesh group -> parameter names
         for name, tensor in self.params.items():
-            group = D.mesh_group(tensor.device_mesh, cache=self._groups)
-            counts.setdefault(D.group_key(group), (group, []))[1].append(name)
+            group = distributed.mesh_group(tensor.device_mesh, cache=self._groups)
+            counts.setdefault(distributed.group_key(group), (group, []))[1].append(name)
         self._count_groups = list(counts.values())
         # a local shape check must not make one rank raise while the others go on into a gather: agree first
-        flags = [D.any_rank([bool(mismatches)], group=group)[0] for group, _ in self._count_groups]  # no short cut
+        flags = [
+            distributed.any_rank([bool(mismatches)], group=group)[0] for group, _ in self._count_groups
+        ]  # no short cut
         if any(flags):
             raise ValueError(
                 "The sharded path found local shards whose shapes differ from the layout it computed (on some "
@@ -117,11 +118,11 @@ class ShardedExecutor(Executor):
     # ------------------------------------------------------------------ scores
     def _partial(self, rc: ResolvedCluster) -> Tensor:
         """This rank's partial ``[C]`` unit sums of squares over all members of ``rc``."""
-        acc = self._acc[rc.name]
+        acc = ACCUMULATION_DTYPE
         q_C = None
         for m in rc.members:
             piece = self._pieces[(rc.name, m.name)]
-            local = D.local_tensor(self.params[m.name])
+            local = distributed.local_tensor(self.params[m.name])
             if piece.contributes:
                 part_C = member_unit_sq_sums(local, m, num_units=rc.num_units, acc_dtype=acc, offset=piece.offset)
             else:
@@ -139,38 +140,37 @@ class ShardedExecutor(Executor):
         out = {rc.name: self._partial(rc) for rc in self._ungathered}
         for pack in self._packs:
             partials = [self._partial(rc) for rc in pack.clusters]
-            dtype = accumulation_dtype(*(p.dtype for p in partials))
-            buffer_L = torch.cat([p.to(dtype) for p in partials])
-            reduce = D.scatter_gather_sum if pack.two_phase else D.gather_sum
+            buffer_L = torch.cat(partials)
+            reduce = distributed.scatter_gather_sum if pack.two_phase else distributed.gather_sum
             q_L = reduce(buffer_L, group=pack.group, order=pack.order)
             start = 0
-            for rc, part in zip(pack.clusters, partials, strict=True):
-                out[rc.name] = q_L[start : start + rc.num_units].to(part.dtype)
+            for rc in pack.clusters:
+                out[rc.name] = q_L[start : start + rc.num_units]
                 start += rc.num_units
         return out
 
     # ------------------------------------------------------------------ masking
     def _apply_member(self, target: Tensor, rc: ResolvedCluster, m: Member, action: UnitAction) -> None:
         piece = self._pieces[(rc.name, m.name)]
-        in_place = D.is_dtensor(target) and tuple(target.placements) == tuple(self.params[m.name].placements)
+        in_place = distributed.is_dtensor(target) and tuple(target.placements) == tuple(self.params[m.name].placements)
         if in_place:
-            local = D.local_tensor(target)
+            local = distributed.local_tensor(target)
             offset, length = piece.offset, piece.length
         else:  # a gradient laid out differently: same decision on every rank (placements are global metadata)
-            if not D.mesh_is_increasing(target.device_mesh):
+            if not distributed.mesh_is_increasing(target.device_mesh):
                 raise ValueError(
                     f"Cluster {rc.name!r}, member {m.name!r}: the gradient is laid out as {tuple(target.placements)}, "
                     "unlike its parameter, on a mesh whose ranks do not increase along every axis, where torch's "
                     "full_tensor is wrong; keep gradients in their parameter's layout."
                 )
-            local = D.full_tensor(target).clone()
+            local = distributed.full_tensor(target).clone()
             offset, length = 0, local.shape[m.dim]
         if action.factors is not None:
             scale_units_(local, m, action.factors, offset=offset, length=length)
         else:
             self._zero_units(local, rc, m, action.dropped, offset=offset, length=length)
         if not in_place:
-            D.write_back_(target, local)
+            distributed.write_back_(target, local)
 
     @torch.no_grad()
     def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
@@ -191,11 +191,11 @@ class ShardedExecutor(Executor):
         out: dict[str, tuple[int, int]] = {}
         for group, names in self._count_groups:
             local = [
-                count_zeros(D.local_tensor(self.params[n]))
-                if D.is_counting_replica(self.params[n])
-                else torch.zeros((), dtype=torch.int64, device=D.local_tensor(self.params[n]).device)
+                count_zeros(distributed.local_tensor(self.params[n]))
+                if distributed.is_counting_replica(self.params[n])
+                else torch.zeros((), dtype=torch.int64, device=distributed.local_tensor(self.params[n]).device)
                 for n in names
             ]
-            counts = D.reduce_counts(torch.stack(local).to(torch.int64), group=group).tolist()
+            counts = distributed.reduce_counts(torch.stack(local).to(torch.int64), group=group).tolist()
             out.update({n: (c, self.params[n].numel()) for n, c in zip(names, counts, strict=True)})
         return out

@@ -183,5 +183,5 @@ def test_at_least_25_bad_inputs_and_readme_lists_them():
 
 def test_a_list_may_mix_preset_names_and_declarations():
     cb = CoupledPruningCallback(["linear_chain", {"name": "extra", "writers": ["w"]}], 0.5)
-    assert cb.clusters[0] == "linear_chain"
-    assert cb.clusters[1] == Cluster("extra", writers=["w"])
+    assert cb.options.clusters[0] == "linear_chain"
+    assert cb.options.clusters[1] == Cluster("extra", writers=["w"])

@@ -29,14 +29,15 @@ PKG_DIR = Path(__file__).resolve().parents[2] / "lightning_pat"
 PKG = "lightning_pat"
 
 PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking")}
-TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed"}
+TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed", f"{PKG}.fsdp1", f"{PKG}.demo"}  # fsdp1, demo: wrappers only
 DTENSOR_TYPES_OK = {f"{PKG}.executors.sharded", f"{PKG}.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
-LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}.demo", f"{PKG}._imports", f"{PKG}._validation"}
+LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}.demo", f"{PKG}._imports"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.metrics"}
 TRAINER_FACING = {
-    f"{PKG}.{n}" for n in ("callback", "cli", "metrics", "engine", "presets", "shrink", "_validation", "_state")
+    f"{PKG}.{n}"
+    for n in ("callback", "cli", "metrics", "engine", "presets", "shrink", "controller", "state", "options")
 }
 SHRINK = f"{PKG}.shrink"
 #: The shrink and the modules it is built from (plan, surgery, module metadata).

@@ -315,9 +315,9 @@ def test_resolve_preset_accepts_names_auto_declarations_and_mixes():
 
 def test_resolve_preset_errors():
     model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32, n_layer=1))
-    with pytest.raises(ValueError, match=r"Preset options must be bools among \('mlp', 'heads', 'residual'\)"):
+    with pytest.raises(ValueError, match=r"`preset_options` must map some of \('mlp', 'heads', 'residual'\) to bools"):
         presets.resolve_preset("tiny_gpt", model, hidden=True)
-    with pytest.raises(ValueError, match="must be bools"):
+    with pytest.raises(ValueError, match="to bools"):
         presets.resolve_preset("tiny_gpt", model, residual="yes")
     with pytest.raises(ValueError, match="apply to preset names only"):
         presets.resolve_preset([Cluster(name="x", writers=["norm.weight"])], model, residual=True)
