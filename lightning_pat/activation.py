@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat import distributed
-from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
+from lightning_pat.scoring import channel_sq_sums
 from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.units import fold_to_units, unit_of_channels
 
 
 def _in_backward() -> bool:

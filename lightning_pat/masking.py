@@ -11,39 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_pat.scoring import unit_of_channels
 from lightning_pat.spec import Member
-
-
-def local_units(member: Member, *, num_units: int, offset: int, length: int, device: torch.device) -> Tensor:
-    """Unit index of each local channel, or -1 for channels outside the member's slice."""
-    units_L = unit_of_channels(start=member.start, block=member.block, offset=offset, length=length, device=device)
-    return torch.where(units_L < num_units, units_L, torch.full_like(units_L, -1))
-
-
-def unit_channels(
-    member: Member, units: Tensor, *, num_units: int, offset: int, length: int, device: torch.device
-) -> Tensor:
-    """Local indices (along ``member.dim``) of the channels of ``units`` held in ``[offset, offset + length)``.
-
-    ``units`` are sorted unit indices; the result is sorted too. Where the held part of the member's slice is whole
-    units (always for a full tensor), the channels are computed arithmetically from ``units``; otherwise by lookup.
-    """
-    if units.numel() == 0 or length == 0:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    units = units.to(device)
-    lo, hi = max(member.start, offset), min(member.stop, offset + length)
-    first, last = lo - member.start, hi - member.start
-    block = member.block
-    if hi > lo and first % block == 0 and last % block == 0 and last // block <= num_units:
-        u0, u1 = first // block, last // block
-        held = units if u0 == 0 and u1 == num_units else units[(units >= u0) & (units < u1)]
-        base = held * block + (member.start - offset)
-        if block == 1:
-            return base
-        return (base[:, None] + torch.arange(block, device=device)).flatten()
-    units_L = local_units(member, num_units=num_units, offset=offset, length=length, device=device)
-    return torch.nonzero(torch.isin(units_L, units)).flatten()
+from lightning_pat.units import local_units, unit_channels
 
 
 def zero_units_(

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.spec import Member
+from lightning_pat.units import fold_to_units, unit_of_channels
 
 ScoreType = Literal["rms", "l2", "param_cost", "activation"]
 #: Scores computed from the weights alone (every executor, every layout).
@@ -61,31 +62,6 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
         chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: squared in place below
         torch.sum(chunk.square_(), dim=other, out=out[i : i + n])
     return out
-
-
-def unit_of_channels(*, start: int, block: int, offset: int, length: int, device: torch.device) -> Tensor:
-    """Unit index of each of ``length`` channels beginning at global channel ``offset`` (-1 if outside the slice).
-
-    Args:
-        start: First channel of the member's slice.
-        block: Channels per unit.
-        offset: Global index of the first channel held.
-        length: Number of channels held.
-        device: Device of the result.
-
-    Returns:
-        A ``[length]`` int64 tensor.
-    """
-    idx = torch.arange(offset, offset + length, device=device) - start
-    units = torch.div(idx, block, rounding_mode="floor")
-    return torch.where(idx >= 0, units, torch.full_like(units, -1))
-
-
-def fold_to_units(sums_L: Tensor, units_L: Tensor, *, num_units: int) -> Tensor:
-    """Add channel sums into their units; channels with unit -1 or >= ``num_units`` are outside and ignored."""
-    out_C = torch.zeros(num_units, dtype=sums_L.dtype, device=sums_L.device)
-    keep = (units_L >= 0) & (units_L < num_units)
-    return out_C.index_add_(0, units_L[keep], sums_L[keep])
 
 
 def member_unit_sq_sums(

@@ -34,13 +34,6 @@ class ShrinkPlan:
     keep: dict[str, dict[int, Tensor]]
     shapes: dict[str, tuple[int, ...]]
 
-    def new_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of parameter ``name`` after the shrink."""
-        shape = list(self.shapes[name])
-        for dim, idx in self.keep.get(name, {}).items():
-            shape[dim] = idx.numel()
-        return tuple(shape)
-
     def slice(self, name: str, tensor: Tensor) -> Tensor:
         """``tensor`` (shaped like parameter ``name`` before the shrink) with only the kept indices, contiguous."""
         out = tensor

@@ -106,13 +106,5 @@ def build_executors(
     by_kind: dict[str, list[ResolvedCluster]] = {}
     for rc in clusters:
         by_kind.setdefault(routes[rc.name][0], []).append(rc)
-    executors: list[Executor] = []
-    for kind in sorted(by_kind, key=lambda k: k != "materializing"):
-        group = by_kind[kind]
-        if kind == "materializing":
-            executors.append(MaterializingExecutor(group, params))
-        elif kind == "sharded":
-            executors.append(ShardedExecutor(group, params))
-        else:  # pragma: no cover - guarded by route()
-            raise AssertionError(kind)
-    return executors
+    make: dict[str, type[Executor]] = {"materializing": MaterializingExecutor, "sharded": ShardedExecutor}
+    return [make[kind](by_kind[kind], params) for kind in sorted(by_kind, key=lambda k: k != "materializing")]

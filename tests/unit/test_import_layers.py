@@ -28,7 +28,7 @@ import pytest
 PKG_DIR = Path(__file__).resolve().parents[2] / "lightning_pat"
 PKG = "lightning_pat"
 
-PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking")}
+PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking", "units")}
 TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed", f"{PKG}.fsdp1", f"{PKG}.demo"}  # fsdp1, demo: wrappers only
 DTENSOR_TYPES_OK = {f"{PKG}.executors.sharded", f"{PKG}.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
