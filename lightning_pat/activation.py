@@ -209,7 +209,7 @@ class ActivationStats:
     def stacked(self) -> Tensor:
         """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
 
-        Summed over ranks (see :func:`lightning_pat.distributed.sum_over_ranks`) and passed to :meth:`unit_scores`,
+        Summed over ranks (:func:`~lightning_pat.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
         it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty.
         """
         values, seen = [], []

@@ -9,7 +9,7 @@ controller's ``ValueError`` into ``MisconfigurationException`` (one boundary, :f
 * ``on_train_start`` (the first hook after a checkpoint restore under every strategy): ``start``;
 * ``on_before_optimizer_step`` (inside ``optimizer.step(closure)``, after the backward): ``after_backward``;
 * ``on_train_batch_end``: ``after_step``, then log the result;
-* ``state_dict`` / ``load_state_dict`` / ``on_save_checkpoint``: the controller's state (:mod:`lightning_pat.state`).
+* ``state_dict`` / ``load_state_dict`` / ``on_save_checkpoint``: the controller's state (``state``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ activation statistics and the freeze transition. A training loop (the callback, 
   or zero the dropped units' gradients (healing);
 * :meth:`~PruningController.after_step` after the batch: if a real optimizer step happened, advance the schedule
   and act (select, hold or freeze; shrink at the freeze with ``shrink_on_freeze``); returns the result to log;
-* :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict` (see :mod:`lightning_pat.state`).
+* :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict` (the ``state`` schema).
 
 Timing (``pat-algorithm.md`` §10): under automatic optimization the forward and backward run inside
 ``optimizer.step(closure)``, so nothing here restores dense weights before that forward: the model always trains the

@@ -131,7 +131,7 @@ class Pruner:
             :func:`make_plan` (already validated and routed; the options below are then taken from it).
         score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
             are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
-        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (see :func:`~lightning_pat.executors.route`).
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
     Raises:

@@ -4,7 +4,7 @@ Two layers, both usable on their own (and re-exported here):
 
 * :class:`ShrinkPlan` (:func:`build_plan`, in :mod:`lightning_pat.shrink_plan`): per parameter, which indices
   survive on which dim. Pure data, built from resolved clusters and dropped unit indices.
-* :func:`apply_plan` (in :mod:`lightning_pat.surgery`, with :mod:`lightning_pat.model_meta`): module surgery.
+* :func:`apply_plan` (in :mod:`lightning_pat.surgery`, with :mod:`lightning_pat.model_meta`): surgery.
   Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must
   be a module whose metadata the shrink knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``,
   ``nn.Embedding`` (columns only), ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face ``*RMSNorm`` modules

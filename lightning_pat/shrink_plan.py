@@ -1,6 +1,6 @@
 """The shrink plan: which indices of which parameter survive, and where a plan comes from.
 
-Pure data, no module surgery (that is :mod:`lightning_pat.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
+Pure data, no module surgery (:mod:`lightning_pat.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
 resolved clusters and dropped unit indices into per-parameter kept indices; :func:`read_source` and :func:`plan_for`
 read clusters and dropped units from a ``PruneResult``, a ``CoupledPruningCallback``, its state or a Lightning
 checkpoint dict.
