@@ -93,8 +93,3 @@ class Executor(ABC):
     @abstractmethod
     def zero_counts(self) -> dict[str, tuple[int, int]]:
         """Per parameter, ``(literal zeros, numel)`` over the whole (global) tensor, identical on every rank."""
-
-    def release(self) -> None:
-        """Drop dense copies of the current session, if any (kept for callers that score without a session)."""
-        if self._cache is not None:
-            self._cache.clear()

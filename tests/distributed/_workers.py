@@ -224,7 +224,6 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
                 if executor == "auto":  # the sharded Q against the reference (cheap: one gather)
                     for ex in pruner.executors:
                         q.update(ex.unit_sq_norms())
-                        ex.release()
                 with torch.no_grad():
                     res = pruner.step(targets, method=method, threshold=thr, count=True)
                 params = dict(module.named_parameters())
@@ -377,7 +376,6 @@ def _q_bits(pruner: Any) -> dict[str, list[str]]:
     q = {}
     for ex in pruner.executors:
         q.update(ex.unit_sq_norms())
-        ex.release()
     return {k: _bits(v) for k, v in q.items()}
 
 
@@ -507,8 +505,6 @@ def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
                 q = {}
                 for ex in pruner.executors:
                     q.update(ex.unit_sq_norms())
-                for ex in pruner.executors:
-                    ex.release()
                 with torch.no_grad():
                     res = pruner.step({"tie": 0.5, "ulp": 0.5, "perm": 0.5})
                 mine.append(
