@@ -45,10 +45,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import presets, resolve_clusters  # noqa: E402
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import Pruner  # noqa: E402
-from lightning_pat.executors import materializing  # noqa: E402
-from lightning_pat.latent import LatentStore  # noqa: E402
+from lightning_pat.parallel.executors import materializing  # noqa: E402
+from lightning_pat.training.latent import LatentStore  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- the naive baseline

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed
-from lightning_pat.scoring import channel_sq_sums
-from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
-from lightning_pat.units import fold_to_units, unit_of_channels
+from lightning_pat.core.scoring import channel_sq_sums
+from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.core.units import fold_to_units, unit_of_channels
+from lightning_pat.parallel import distributed
 
 
 def _in_backward() -> bool:
@@ -209,7 +209,7 @@ class ActivationStats:
     def stacked(self) -> Tensor:
         """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
 
-        Summed over ranks (:func:`~lightning_pat.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
+        Summed over ranks (:func:`~lightning_pat.parallel.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
         it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty.
         """
         values, seen = [], []

@@ -15,11 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed
-from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
-from lightning_pat.options import METHODS, Method, check_choice, check_number
-from lightning_pat.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
-from lightning_pat.selection import (
+from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
+from lightning_pat.core.selection import (
     bottom_k,
     bottom_k_rows,
     bottom_k_shared,
@@ -28,7 +25,10 @@ from lightning_pat.selection import (
     round_kept,
     shrink_factors,
 )
-from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.options import METHODS, Method, check_choice, check_number
+from lightning_pat.parallel import distributed
+from lightning_pat.parallel.executors import Executor, ExecutorKind, UnitAction, build_executors, route
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
@@ -131,7 +131,7 @@ class Pruner:
             :func:`make_plan` (already validated and routed; the options below are then taken from it).
         score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
             are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
-        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.executors.route`).
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.parallel.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
     Raises:

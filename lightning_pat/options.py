@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_pat import presets
-from lightning_pat.distributed import rank_zero_warn
-from lightning_pat.executors.routing import EXECUTOR_KINDS, ExecutorKind
-from lightning_pat.schedule import RampShape, Schedule
-from lightning_pat.scoring import SCORE_TYPES, ScoreType
-from lightning_pat.spec import Cluster, check_declaration
+from lightning_pat.core.schedule import RampShape, Schedule
+from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
+from lightning_pat.core.spec import Cluster, check_declaration
+from lightning_pat.parallel.distributed import rank_zero_warn
+from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")

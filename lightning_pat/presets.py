@@ -23,7 +23,7 @@ Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_a
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
 ``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
 (``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``), ``tiny_gpt``
-(:class:`~lightning_pat.demo_model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
+(:class:`~lightning_pat.demo.model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
 
 Limitations:
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.spec import WRAPPER_NAMES, Cluster, as_cluster
+from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def gpt2(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bo
 
 
 def tiny_gpt(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
-    """Clusters of :class:`~lightning_pat.demo_model.TinyGPT` (same kinds as :func:`llama`).
+    """Clusters of :class:`~lightning_pat.demo.model.TinyGPT` (same kinds as :func:`llama`).
 
     Args:
         model: The model, or a module that holds exactly one TinyGPT.

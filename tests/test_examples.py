@@ -224,7 +224,7 @@ def test_cli_shrink_checkpoint(tmp_path):
     # a checkpoint from before the final ramp step, carrying a distributed checkpoint's latent keys: the latent keys
     # are not model weights (dropped), and the shrink says that the mask was not final yet
     from lightning_pat.cli import shrink_checkpoint
-    from lightning_pat.state import DCP_PREFIX
+    from lightning_pat.training.state import DCP_PREFIX
 
     ckpt = torch.load(ckpt_path, weights_only=False)
     (key,) = [k for k in ckpt["callbacks"] if k.startswith("CoupledPruningCallback")]

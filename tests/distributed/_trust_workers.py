@@ -198,7 +198,7 @@ def local_shape_mismatch(rank: int, world: int) -> dict[str, Any]:
     raise before the first gather, instead of leaving the others waiting in it."""
     from lightning_pat import Cluster, resolve_clusters
     from lightning_pat.engine import Pruner
-    from lightning_pat.executors import sharded
+    from lightning_pat.parallel.executors import sharded
 
     mesh = init_device_mesh("cpu", (world,))
     m = nn.Module()

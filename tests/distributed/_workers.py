@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from lightning_pat.executors.sharded import ShardedExecutor
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
 from tests.common.cases import make_module
 from tests.distributed import _model as M
 from tests.distributed._recorder import Recorder
@@ -397,7 +397,7 @@ def _forced_sharded_raises(lname: str, full: dict, mesh: DeviceMesh, layout: dic
 def _partial_routes(mesh: DeviceMesh) -> list[str]:
     """A member with a Partial placement routes to materializing with a reason; forced sharded raises."""
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.executors import route
+    from lightning_pat.parallel.executors import route
 
     n = mesh.ndim
     module = nn.Module()

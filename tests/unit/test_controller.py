@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster
-from lightning_pat.controller import PruningController
 from lightning_pat.options import PruningOptions
+from lightning_pat.training.controller import PruningController
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]
 

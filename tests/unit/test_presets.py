@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from tests.common.tiny_families import CASES, FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")  # a guard only: the test extra installs it, so these tests run in CI
@@ -460,7 +460,7 @@ def test_tiny_gpt_is_causal():
         assert not torch.allclose(model(ids)[:, 5:], model(changed)[:, 5:])
 
 
-@pytest.mark.parametrize("module", ["presets.py", "demo_model.py"])
+@pytest.mark.parametrize("module", ["presets.py", "demo/model.py"])
 def test_no_lightning_or_transformers_import(module):
     path = Path(__file__).resolve().parents[2] / "lightning_pat" / module
     roots = set()

@@ -17,8 +17,8 @@ from torch import nn
 
 import lightning_pat
 from lightning_pat import Cluster, Pruner, presets, prune_clusters, resolve_clusters, shrink
+from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import LayerNormShrinkWarning, ShrinkPlan, apply_plan, build_plan, slice_optimizer_state
-from lightning_pat.spec import ResolvedCluster
 from tests.common.tiny_families import CASES, FamilyCase, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")
@@ -450,8 +450,8 @@ def test_public_names():
 @pytest.mark.parametrize("kinds", [("mlp", "heads"), ("mlp", "heads", "residual")])
 def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
     """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
-    from lightning_pat.demo_model import TinyGPT
-    from lightning_pat.export import _differences
+    from lightning_pat.demo.model import TinyGPT
+    from lightning_pat.shrink.export import _differences
 
     case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
     model = case.fresh()

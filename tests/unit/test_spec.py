@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, Pruner, prune_clusters, resolve_clusters
-from lightning_pat.spec import Member, ResolvedCluster
+from lightning_pat.core.spec import Member, ResolvedCluster
 from tests.common.cases import assert_state_unchanged, clone_state, make_module
 
 

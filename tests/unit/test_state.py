@@ -1,13 +1,13 @@
-"""The state schema (lightning_pat.state): latent formats, progress, one spelling of every key."""
+"""The state schema (lightning_pat.training.state): latent formats, progress, one spelling of every key."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_pat import state
-from lightning_pat.controller import StepTracker
-from lightning_pat.latent import LatentStore
+from lightning_pat.training import state
+from lightning_pat.training.controller import StepTracker
+from lightning_pat.training.latent import LatentStore
 
 
 def test_latent_format_by_layout():

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lightning_pat.masking import unit_channels, zero_channels_
-from lightning_pat.spec import Member, ResolvedCluster
+from lightning_pat.core.masking import unit_channels, zero_channels_
+from lightning_pat.core.spec import Member, ResolvedCluster
 
 
 @dataclass(frozen=True)

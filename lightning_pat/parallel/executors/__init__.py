@@ -1,8 +1,8 @@
 """Executors: how unit norms are computed and selections applied, per layout (see :mod:`.routing` for the choice)."""
 
-from lightning_pat.executors.base import Executor, UnitAction
-from lightning_pat.executors.materializing import MaterializingExecutor
-from lightning_pat.executors.routing import (
+from lightning_pat.parallel.executors.base import Executor, UnitAction
+from lightning_pat.parallel.executors.materializing import MaterializingExecutor
+from lightning_pat.parallel.executors.routing import (
     EXECUTOR_KINDS,
     ExecutorKind,
     build_executors,
@@ -10,7 +10,7 @@ from lightning_pat.executors.routing import (
     route,
     sharded_reason,
 )
-from lightning_pat.executors.sharded import ShardedExecutor
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
 __all__ = [
     "EXECUTOR_KINDS",

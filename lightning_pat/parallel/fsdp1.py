@@ -1,9 +1,9 @@
 """FSDP1 (``FSDPStrategy``) compatibility, in one place.
 
 FSDP1 keeps parameters in flat shards between steps, under wrapped names (``_fsdp_wrapped_module.`` and the
-other :data:`~lightning_pat.spec.WRAPPER_NAMES`). The controller works on full parameters by their unwrapped names
+other :data:`~lightning_pat.core.spec.WRAPPER_NAMES`). The controller works on full parameters by their unwrapped names
 only while they are summoned (:func:`summoned_params`), writes its changes back on exit, and keeps latent copies of
-every local flat shard (the ``per_rank`` latent format of :mod:`lightning_pat.state`).
+every local flat shard (the ``per_rank`` latent format of :mod:`lightning_pat.training.state`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_pat.spec import WRAPPER_NAMES
+from lightning_pat.core.spec import WRAPPER_NAMES
 
 
 @contextmanager

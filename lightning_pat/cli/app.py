@@ -17,27 +17,21 @@ with their types and defaults.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import re
 import sys
 import textwrap
-import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from torch import nn
+from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
-from lightning_pat.callback import CoupledPruningCallback
-from lightning_pat.shrink import checkpoint_state, restore_shrunk
-from lightning_pat.state import DCP_PREFIX
+from lightning_pat.cli.checkpoint import shrink_checkpoint
+from lightning_pat.training.callback import CoupledPruningCallback
 
 _CALLBACK_PATH = "lightning_pat.CoupledPruningCallback"
 
@@ -158,188 +152,6 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> PatCLI:
         args=args,
         run=run,
     )
-
-
-# ---------------------------------------------------------------------- shrink
-
-
-def _import(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    if not module:
-        raise ValueError(f"Expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
-    return getattr(importlib.import_module(module), name)
-
-
-def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
-    """Read a Lightning checkpoint: a ``.ckpt`` file, or a distributed checkpoint directory.
-
-    A directory written under ``ModelParallelStrategy`` (``save_distributed_checkpoint=True``) holds the sharded
-    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters). It is
-    converted with torch's ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` into one file next to
-    it (``<dir>.consolidated.pt``, kept for reuse), then read like a ``.ckpt`` file.
-
-    Args:
-        ckpt_path: The checkpoint file or directory.
-
-    Returns:
-        The checkpoint dict (``state_dict``, ``callbacks``, ``hyper_parameters``, ...).
-
-    Raises:
-        FileNotFoundError: If the path does not exist or a directory lacks ``meta.pt``.
-    """
-    path = Path(ckpt_path)
-    if not path.exists():
-        raise FileNotFoundError(f"Checkpoint not found: {path}")
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = path / "meta.pt"
-    if not meta.is_file():
-        raise FileNotFoundError(
-            f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
-        )
-    from lightning_pat.distributed import consolidate_checkpoint
-
-    consolidated = consolidate_checkpoint(path, path.with_name(path.name + ".consolidated.pt"))
-    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = torch.load(consolidated, map_location="cpu", weights_only=False)["state_dict"]
-    return checkpoint
-
-
-def find_config(ckpt_path: str | Path) -> Path | None:
-    """The ``config.yaml`` LightningCLI saved for the run that wrote a checkpoint, if any.
-
-    LightningCLI writes it into the log directory; checkpoints go to ``<log dir>/checkpoints/``. The checkpoint's
-    directory and the two above it are searched.
-
-    Args:
-        ckpt_path: The checkpoint file or directory.
-
-    Returns:
-        The path of ``config.yaml``, or ``None``.
-    """
-    parent = Path(ckpt_path).resolve().parent
-    for folder in (parent, parent.parent, parent.parent.parent):
-        if (folder / "config.yaml").is_file():
-            return folder / "config.yaml"
-    return None
-
-
-def model_from_config(config: str | Path) -> LightningModule:
-    """Instantiate the ``model`` section of a LightningCLI config (``class_path`` and ``init_args``).
-
-    Args:
-        config: A YAML file such as the ``config.yaml`` LightningCLI saves next to a run's logs.
-
-    Returns:
-        The LightningModule, freshly initialised (``configure_model`` is not called).
-
-    Raises:
-        ValueError: If the file has no ``model.class_path``.
-    """
-    import yaml
-
-    section = (yaml.safe_load(Path(config).read_text()) or {}).get("model")
-    if not isinstance(section, dict) or "class_path" not in section:
-        raise ValueError(f"{config} has no `model: {{class_path: ..., init_args: ...}}` section.")
-    parser = LightningArgumentParser(exit_on_error=False)
-    parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
-    parsed = parser.parse_object({"model": section})
-    return parser.instantiate_classes(parsed).model
-
-
-def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:
-    if attribute:
-        target = module.get_submodule(attribute)
-        if target is None:
-            raise ValueError(f"The model has no submodule {attribute!r}.")
-        return target
-    try:
-        from transformers import PreTrainedModel
-
-        pretrained = [m for m in module.children() if isinstance(m, PreTrainedModel)]
-    except ImportError:  # pragma: no cover - transformers is optional
-        pretrained = []
-    if len(pretrained) == 1:
-        return pretrained[0]
-    children = list(module.named_children())
-    if len(children) == 1:
-        return children[0][1]
-    return module
-
-
-def shrink_checkpoint(
-    ckpt_path: str | Path,
-    output: str | Path,
-    *,
-    config: str | Path | None = None,
-    model_class: str | None = None,
-    submodule: str | None = None,
-) -> Path:
-    """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
-
-    The model is named by ``config`` or ``model_class`` if given (a LightningModule class path, instantiated with
-    the hyperparameters saved in the checkpoint), else by the run's LightningCLI ``config.yaml`` found next to the
-    checkpoint, else by the class path LightningCLI records in the checkpoint's hyperparameters. The weights load
-    from the checkpoint, the shrink reads the :class:`~lightning_pat.CoupledPruningCallback` state in it, and the
-    exported model is the LightningModule's only transformers model (``save_pretrained``), else its only child
-    module, else ``submodule`` or the whole module (a ``torch.save``'d module plus its sizes).
-
-    Args:
-        ckpt_path: A ``.ckpt`` file, or a distributed checkpoint directory written under ``ModelParallelStrategy``.
-        output: Directory to write.
-        config: The run's config (default: the ``config.yaml`` next to the checkpoint's logs).
-        model_class: LightningModule class path, used when there is no config.
-        submodule: Attribute path of the module to export (default: see above).
-
-    Returns:
-        The output directory.
-
-    Raises:
-        ValueError: If the model cannot be named or the checkpoint holds no pruning state.
-    """
-    from lightning_pat import shrink
-    from lightning_pat.export import save_pretrained
-
-    checkpoint = load_checkpoint(ckpt_path)
-    state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    if config is None and model_class is None:
-        config = find_config(ckpt_path)
-        model_class = hparams.get("_class_path") if config is None else None  # LightningCLI stores it
-    if config is not None:
-        module = model_from_config(config)
-    elif model_class is not None:
-        init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
-        module = _import(model_class)(**init_args)
-    else:
-        raise ValueError(
-            f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
-            "(the run's LightningCLI config) or `--model_class` (a LightningModule that saved its hyperparameters)."
-        )
-    target = _export_target(module, submodule)
-    # a run with `shrink_on_freeze=True` saved the small weights: give the fresh module their shapes first
-    already_small = restore_shrunk(target, checkpoint)
-    # mid-ramp distributed checkpoints carry the sharded latent copies next to the weights: not model state
-    weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(DCP_PREFIX)}
-    module.load_state_dict(weights)
-    if not already_small:
-        _warn_if_not_final(state)
-        shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
-    return save_pretrained(target.eval(), output)
-
-
-def _warn_if_not_final(state: Mapping[str, Any]) -> None:
-    """Warn when the checkpoint was written before the schedule's final step (the mask may still change)."""
-    options = state.get("options") or {}
-    final = int(options.get("warmup_steps", 0)) + int(options.get("ramp_steps", 0))
-    if options and int(state.get("step", 0)) < final:
-        warnings.warn(
-            f"lightning-pat shrink: the checkpoint was written at pruning step {state.get('step')}, before the final "
-            f"ramp step {final}; the shrunk model removes the units dropped so far (the mask was not final). Shrink "
-            "a checkpoint from the end of the ramp or later for the final widths.",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def shrink_main(args: list[str] | None = None) -> Path:

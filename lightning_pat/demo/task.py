@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_pat import distributed
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
+from lightning_pat.parallel import distributed
 
 
 def stdlib_sources() -> list[Path]:
@@ -175,7 +175,7 @@ class _NextTokenModule(pl.LightningModule):
 
 
 class TinyGPTModule(_NextTokenModule):
-    """Next-byte language modelling with :class:`~lightning_pat.demo_model.TinyGPT` (AdamW, constant learning rate).
+    """Next-byte language modelling with :class:`~lightning_pat.demo.model.TinyGPT` (AdamW, constant learning rate).
 
     Args:
         n_layer: Decoder blocks.

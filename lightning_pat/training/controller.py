@@ -28,14 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed, fsdp1, state
 from lightning_pat.activation import ActivationStats
+from lightning_pat.core.selection import num_to_drop
+from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
-from lightning_pat.latent import LatentStore
 from lightning_pat.options import PruningOptions
-from lightning_pat.selection import num_to_drop
+from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.training import state
+from lightning_pat.training.latent import LatentStore
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ class PruningController:
         Raises:
             ConfigurationError: If ``score="activation"`` statistics cannot score the clusters, or the model cannot
                 be shrunk at the freeze (``shrink_on_freeze``).
-            ValueError: If a score is not finite (see :func:`~lightning_pat.selection.check_finite`).
+            ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
         stepped = self.tracker.consume()
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
@@ -469,7 +470,7 @@ class PruningController:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The state (see :mod:`lightning_pat.state`); a collective where latents or statistics are gathered.
+        """The state (see :mod:`lightning_pat.training.state`); a collective where latents or statistics are gathered.
 
         Every rank must call this: FSDP1 latents, full DTensor latents and the activation statistics are gathered.
         """

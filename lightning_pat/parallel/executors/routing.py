@@ -7,11 +7,11 @@ from typing import Literal
 
 from torch import Tensor
 
-from lightning_pat import distributed, placement
-from lightning_pat.executors.base import Executor
-from lightning_pat.executors.materializing import MaterializingExecutor
-from lightning_pat.executors.sharded import ShardedExecutor
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel.executors.base import Executor
+from lightning_pat.parallel.executors.materializing import MaterializingExecutor
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
 ExecutorKind = Literal["auto", "materializing", "sharded"]
 EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")

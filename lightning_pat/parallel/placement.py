@@ -19,7 +19,7 @@ from functools import lru_cache
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.core.spec import ResolvedCluster
 
 Range = tuple[int, int]  # (global offset, length)
 _Intervals = tuple[Range, ...]
@@ -204,7 +204,7 @@ def cluster_reason(
 
     Example::
 
-        >>> from lightning_pat.spec import Member
+        >>> from lightning_pat.core.spec import Member
         >>> rc = ResolvedCluster("h", (Member("w", "writer", 0, 0, 8, 1, (8, 4)),), num_units=8)
         >>> cluster_reason(rc, [(Shard(1),)], mesh_shape=(4,)) is None
         True

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_pat.spec import Member
-from lightning_pat.units import fold_to_units, unit_of_channels
+from lightning_pat.core.spec import Member
+from lightning_pat.core.units import fold_to_units, unit_of_channels
 
 ScoreType = Literal["rms", "l2", "param_cost", "activation"]
 #: Scores computed from the weights alone (every executor, every layout).

@@ -18,7 +18,7 @@ Loading ``model.pt`` unpickles Python objects: load only files you trust.
 Example::
 
     small = lightning_pat.shrink(model, trainer_callback)
-    lightning_pat.export.save_pretrained(small, "out/small")
+    lightning_pat.shrink.export.save_pretrained(small, "out/small")
     again = lightning_pat.load_pretrained("out/small")
 """
 
@@ -237,7 +237,7 @@ def load_pretrained(directory: str | Path) -> nn.Module:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"load_pretrained: {directory} holds neither config.json nor {SIZES_FILE}; pass a directory written by "
-            "lightning_pat.export.save_pretrained or by a transformers model's save_pretrained."
+            "lightning_pat.shrink.export.save_pretrained or by a transformers model's save_pretrained."
         )
     import transformers
 

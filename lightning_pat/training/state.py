@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed
+from lightning_pat.core.schedule import Schedule
 from lightning_pat.options import MASK_SHAPING
-from lightning_pat.schedule import Schedule
+from lightning_pat.parallel import distributed
 
 DCP_PREFIX = "_lightning_pat.latent."  # model-state keys that carry sharded latents in a distributed checkpoint
 

@@ -1,4 +1,4 @@
-r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.shrink_plan.ShrinkPlan`.
+r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.shrink.plan.ShrinkPlan`.
 
 Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must be a
 module whose metadata the surgery knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding``
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.model_meta import (
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.shrink.model_meta import (
     config_owners,
     input_embedding,
     is_gpt2_attention,
@@ -30,8 +31,7 @@ from lightning_pat.model_meta import (
     update_config,
     update_containers,
 )
-from lightning_pat.shrink_plan import ShrinkPlan, align_names, build_plan
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
 
 log = logging.getLogger(__name__)
 

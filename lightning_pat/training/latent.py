@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed
+from lightning_pat.parallel import distributed
 
 
 def _copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:

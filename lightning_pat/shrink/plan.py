@@ -1,6 +1,6 @@
 """The shrink plan: which indices of which parameter survive, and where a plan comes from.
 
-Pure data, no module surgery (:mod:`lightning_pat.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
+Pure data, no module surgery (:mod:`lightning_pat.shrink.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
 resolved clusters and dropped unit indices into per-parameter kept indices; :func:`read_source` and :func:`plan_for`
 read clusters and dropped units from a ``PruneResult``, a ``CoupledPruningCallback``, its state or a Lightning
 checkpoint dict.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.spec import ResolvedCluster
+from lightning_pat.core.spec import ResolvedCluster
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def build_plan(clusters: Sequence[ResolvedCluster], dropped: Mapping[str, Sequen
 
     Example::
 
-        >>> from lightning_pat.spec import Member
+        >>> from lightning_pat.core.spec import Member
         >>> rc = ResolvedCluster("h", (Member("a.weight", "writer", 0, 0, 4, 1, (4, 2)),), num_units=4)
         >>> build_plan([rc], {"h": [1, 2]}).keep["a.weight"][0].tolist()
         [0, 3]

@@ -1,4 +1,4 @@
-"""CoupledPruningCallback: the Lightning face of :class:`~lightning_pat.controller.PruningController`.
+"""CoupledPruningCallback: the Lightning face of :class:`~lightning_pat.training.controller.PruningController`.
 
 The callback routes Lightning's hooks to the controller's verbs, logs the sparsity metrics and turns the
 controller's ``ValueError`` into ``MisconfigurationException`` (one boundary, :func:`_user_errors`):
@@ -32,14 +32,14 @@ from lightning.pytorch.strategies import (
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pat.controller import ConfigurationError, PruningController
+from lightning_pat.core.schedule import Schedule
+from lightning_pat.core.scoring import ScoreType
+from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.engine import Pruner
-from lightning_pat.executors import ExecutorKind
-from lightning_pat.metrics import PruningMetrics
 from lightning_pat.options import Method, Mode, PruningOptions, StrategyKind, check_environment
-from lightning_pat.schedule import Schedule
-from lightning_pat.scoring import ScoreType
-from lightning_pat.spec import Cluster, ResolvedCluster
+from lightning_pat.parallel.executors import ExecutorKind
+from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.metrics import PruningMetrics
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

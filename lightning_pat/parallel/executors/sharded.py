@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed, placement
-from lightning_pat.executors.base import Executor, UnitAction
-from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
-from lightning_pat.spec import Member, ResolvedCluster
+from lightning_pat.core.masking import count_zeros, scale_units_
+from lightning_pat.core.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.core.spec import Member, ResolvedCluster
+from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel.executors.base import Executor, UnitAction
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ShardedExecutor(Executor):
     """Scores and masks eligible DTensor clusters on local shards (see module docstring).
 
     Raises:
-        ValueError: If a member's layout is not eligible (see :func:`lightning_pat.placement.cluster_reason`).
+        ValueError: If a member's layout is not eligible (see :func:`lightning_pat.parallel.placement.cluster_reason`).
     """
 
     kind = "sharded"

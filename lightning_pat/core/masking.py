@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_pat.spec import Member
-from lightning_pat.units import local_units, unit_channels
+from lightning_pat.core.spec import Member
+from lightning_pat.core.units import local_units, unit_channels
 
 
 def zero_units_(

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from lightning_pat import distributed
-from lightning_pat.executors.base import Executor, UnitAction
-from lightning_pat.masking import count_zeros, scale_units_
-from lightning_pat.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.core.masking import count_zeros, scale_units_
+from lightning_pat.core.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.parallel import distributed
+from lightning_pat.parallel.executors.base import Executor, UnitAction
 
 
 class MaterializingExecutor(Executor):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_pat.spec import Member
+from lightning_pat.core.spec import Member
 
 
 def unit_of_channels(*, start: int, block: int, offset: int, length: int, device: torch.device) -> Tensor:

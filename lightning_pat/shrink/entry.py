@@ -2,9 +2,9 @@ r"""Physical shrink: cut the dropped units out of a model, so it becomes a small
 
 Two layers, both usable on their own (and re-exported here):
 
-* :class:`ShrinkPlan` (:func:`build_plan`, in :mod:`lightning_pat.shrink_plan`): per parameter, which indices
+* :class:`ShrinkPlan` (:func:`build_plan`, in :mod:`lightning_pat.shrink.plan`): per parameter, which indices
   survive on which dim. Pure data, built from resolved clusters and dropped unit indices.
-* :func:`apply_plan` (in :mod:`lightning_pat.surgery`, with :mod:`lightning_pat.model_meta`): surgery.
+* :func:`apply_plan` (in :mod:`lightning_pat.shrink.surgery`, with :mod:`lightning_pat.shrink.model_meta`): surgery.
   Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must
   be a module whose metadata the shrink knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``,
   ``nn.Embedding`` (columns only), ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face ``*RMSNorm`` modules
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.shrink_plan import (
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.shrink.plan import (
     ShrinkPlan,
     align_names,
     build_plan,
@@ -47,8 +48,7 @@ from lightning_pat.shrink_plan import (
     read_source,
     state_source,
 )
-from lightning_pat.spec import ResolvedCluster
-from lightning_pat.surgery import (
+from lightning_pat.shrink.surgery import (
     BASE_CONFIG_ATTR,
     LayerNormShrinkWarning,
     apply_plan,
