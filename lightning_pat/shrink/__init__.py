@@ -4,19 +4,13 @@ Cut dropped units out of a model (``entry``, built from ``plan``, ``surgery`` an
 shrunk model (``export``).
 """
 
-from lightning_pat.shrink.entry import (
+from lightning_pat.shrink.entry import restore_shrunk, shrink, shrink_for_training
+from lightning_pat.shrink.plan import ShrinkPlan, build_plan, checkpoint_state, plan_for, read_source
+from lightning_pat.shrink.surgery import (
     BASE_CONFIG_ATTR,
     LayerNormShrinkWarning,
-    ShrinkPlan,
     apply_plan,
-    build_plan,
     check_shrinkable,
-    checkpoint_state,
-    plan_for,
-    read_source,
-    restore_shrunk,
-    shrink,
-    shrink_for_training,
     slice_optimizer_state,
 )
 

@@ -1,6 +1,6 @@
 r"""Physical shrink: cut the dropped units out of a model, so it becomes a smaller dense model of the same class.
 
-Two layers, both usable on their own (and re-exported here):
+Two layers, both usable on their own (both re-exported by :mod:`lightning_pat.shrink`):
 
 * :class:`ShrinkPlan` (:func:`build_plan`, in :mod:`lightning_pat.shrink.plan`): per parameter, which indices
   survive on which dim. Pure data, built from resolved clusters and dropped unit indices.
@@ -39,38 +39,8 @@ import torch
 from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.shrink.plan import (
-    ShrinkPlan,
-    align_names,
-    build_plan,
-    checkpoint_state,
-    plan_for,
-    read_source,
-    state_source,
-)
-from lightning_pat.shrink.surgery import (
-    BASE_CONFIG_ATTR,
-    LayerNormShrinkWarning,
-    apply_plan,
-    check_shrinkable,
-    slice_optimizer_state,
-)
-
-__all__ = [
-    "BASE_CONFIG_ATTR",
-    "LayerNormShrinkWarning",
-    "ShrinkPlan",
-    "apply_plan",
-    "build_plan",
-    "check_shrinkable",
-    "checkpoint_state",
-    "plan_for",
-    "read_source",
-    "restore_shrunk",
-    "shrink",
-    "shrink_for_training",
-    "slice_optimizer_state",
-]
+from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, plan_for, state_source
+from lightning_pat.shrink.surgery import apply_plan
 
 
 def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.shrink import BASE_CONFIG_ATTR
+from lightning_pat.shrink.surgery import BASE_CONFIG_ATTR
 
 log = logging.getLogger(__name__)
 
