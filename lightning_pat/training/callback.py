@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -168,7 +169,7 @@ class CoupledPruningCallback(Callback):
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
             )  # fmt: skip
-        self.controller = PruningController(self.options)
+        self.controller = PruningController(self.options, info=rank_zero_info)
         self.metrics: PruningMetrics | None = None
         self._restore_hook: Any = None
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the Trainer, its global_step) at the last fit end

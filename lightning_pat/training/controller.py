@@ -92,6 +92,8 @@ class PruningController:
 
     Args:
         options: The run's options.
+        info: Where informational messages go (the routes, the shrink, a new schedule), on rank zero; by default
+            this module's logger. The callback passes Lightning's ``rank_zero_info`` so that they show in the console.
 
     Example::
 
@@ -111,8 +113,9 @@ class PruningController:
         (4, True)
     """
 
-    def __init__(self, options: PruningOptions) -> None:
+    def __init__(self, options: PruningOptions, *, info: Callable[[str], None] | None = None) -> None:
         self.options = options
+        self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
         self.progress = state.Progress()
         self.tracker = StepTracker()
@@ -213,9 +216,7 @@ class PruningController:
         self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
         _warn_unoptimized(self._params, clustered, optimizers)
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
-        distributed.rank_zero_info(
-            f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines), logger=log
-        )
+        self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 
     @contextmanager
     def _weights(self) -> Iterator[dict[str, Tensor]]:
@@ -265,9 +266,7 @@ class PruningController:
             self._apply(self._carry, latents=self._carry["latents"]["tensors"] if self._carry["latents"] else None)
         else:
             if self._carry is not None:
-                distributed.rank_zero_info(
-                    "CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.", logger=log
-                )
+                self._info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
@@ -445,10 +444,9 @@ class PruningController:
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
         self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
-        distributed.rank_zero_info(
+        self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
-            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model.",
-            logger=log,
+            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
         )
 
     # ------------------------------------------------------------------ state
