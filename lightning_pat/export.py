@@ -13,7 +13,8 @@ r"""Save and load shrunk models, without pickle.
 * any other module as ``model.safetensors`` (its tensors, ties stored once) plus ``lightning_pat.json``: its
   parameter shapes and a description of every submodule (class path, plain attributes, parameters, buffers, children;
   :mod:`lightning_pat.module_tree`) from which :func:`load_pretrained` rebuilds it without running any constructor
-  or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat`` and ``transformers`` classes, and
+  or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat``, ``transformers`` and ``lightning``
+  classes, and
   the classes the caller passes (``load_pretrained(dir, classes=[MyNet])``).
 * only with ``unsafe_pickle=True``: a module the safe format cannot describe (an attribute holding a function or an
   object of another class) as a pickled ``model.pt``, which loads only with ``load_pretrained(dir,
@@ -174,7 +175,7 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     Args:
         directory: The export directory.
         classes: Module (and dataclass config) classes the export may name besides ``torch.nn``, ``lightning_pat``
-            and ``transformers`` classes: your own ``nn.Module`` subclasses.
+            ``transformers`` and ``lightning`` classes: your own ``nn.Module`` / LightningModule subclasses.
         unsafe_pickle: Allow loading a pickled ``model.pt`` (written with ``save_pretrained(..., unsafe_pickle=True)``
             or by lightning_pat before 0.2). Unpickling runs any code the file contains: only for files you trust.
 

@@ -1,13 +1,15 @@
 """Describe an ``nn.Module`` as JSON plus named tensors, and rebuild it without pickle.
 
 The description lists every submodule with its class path, its plain attributes (numbers, strings, tuples, lists,
-dicts, dtypes and dataclass configs such as ``TinyGPTConfig``), its parameters and buffers (names of tensors in the
-safetensors file; tied tensors are stored once) and its children in order. Rebuilding does what unpickling a module
-does (``cls.__new__`` and the module's attribute dict), restricted to these plain values: no constructor runs, no
-function named in the file is called.
+dicts and allow-listed dict subclasses such as Lightning's ``AttributeDict``, dtypes, devices and dataclass configs
+such as ``TinyGPTConfig``; what the module's ``__getstate__`` returns, as for pickle), its parameters and buffers
+(names of tensors in the safetensors file; tied tensors are stored once) and its children in order. Rebuilding does
+what unpickling a module does (``cls.__new__`` and the module's attribute dict), restricted to these plain values:
+no constructor runs, no function named in the file is called.
 
 Classes are allow-listed (:func:`resolve_class`): a class the caller passes in ``classes``, or an ``nn.Module``
-subclass (a dataclass for configs) defined in a module under ``torch.nn``, ``lightning_pat`` or ``transformers``,
+subclass (a dataclass for configs, a dict subclass for mappings) defined in a module under ``torch.nn``,
+``lightning_pat``, ``transformers`` or ``lightning``,
 found by importing exactly that module and checked before anything is built. A user's own class (defined in a
 script, a notebook or a package of theirs) is passed by the caller: ``load_pretrained(dir, classes=[MyNet])``.
 """
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-ALLOWED_MODULE_PREFIXES = ("torch.nn", "lightning_pat", "transformers")
+ALLOWED_MODULE_PREFIXES = ("torch.nn", "lightning_pat", "transformers", "lightning", "pytorch_lightning")
 """Modules whose ``nn.Module`` subclasses (and dataclasses) an export may name without being passed ``classes``."""
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -43,7 +45,7 @@ def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | No
     Args:
         path: ``module.QualName`` read from the file.
         classes: Classes the caller allows explicitly (matched by their path, nothing is imported).
-        base: The class must subclass it (``None``: it must be a dataclass).
+        base: The class must subclass it (``None``: it must be a dataclass; ``dict`` for a mapping attribute).
 
     Returns:
         The class.
@@ -91,10 +93,15 @@ def _encode(value: Any, where: str) -> Any:
         return {"tuple": [_encode(v, where) for v in value]}
     if type(value) is list:
         return [_encode(v, where) for v in value]
-    if type(value) is dict and all(type(k) is str for k in value):
-        return {"dict": {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        out: dict[str, Any] = {"dict": {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
+        if type(value) is not dict:  # e.g. Lightning's AttributeDict (hyperparameters)
+            out["mapping"] = class_path(type(value))
+        return out
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         if any(not f.init for f in fields):
@@ -112,7 +119,14 @@ def _decode(value: Any, classes: Iterable[type]) -> Any:
     if "tuple" in value:
         return tuple(_decode(v, classes) for v in value["tuple"])
     if "dict" in value:
-        return {k: _decode(v, classes) for k, v in value["dict"].items()}
+        items = {k: _decode(v, classes) for k, v in value["dict"].items()}
+        if "mapping" not in value:
+            return items
+        mapping = resolve_class(value["mapping"], classes=classes, base=dict)()
+        mapping.update(items)
+        return mapping
+    if "device" in value:
+        return torch.device(str(value["device"]))
     if "dtype" in value:
         dtype = getattr(torch, str(value["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
@@ -170,7 +184,8 @@ def describe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         prefix = f"{name}." if name else ""
         where = f"module {name or '(root)'} ({type(module).__name__})"
         attributes = {}
-        for key, value in vars(module).items():
+        state = module.__getstate__()  # what pickle would store (LightningModule leaves out its trainer)
+        for key, value in (state if isinstance(state, dict) else vars(module)).items():
             if key in _MODULE_INTERNALS:
                 continue
             attributes[key] = _encode(value, f"{where}: attribute {key!r}")
