@@ -286,7 +286,7 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
 
         checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
         if isinstance(checkpoint, dict):
-            checkpoint["state_dict"] = read_distributed_checkpoint(path)["state_dict"]
+            checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"cannot read checkpoint {path}: not a Lightning checkpoint (no `state_dict` mapping)")
     return checkpoint
