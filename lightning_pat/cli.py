@@ -17,6 +17,7 @@ with their types and defaults.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import inspect
 import re
@@ -25,9 +26,8 @@ import textwrap
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_pat._state import DCP_PREFIX
 from lightning_pat.callback import CoupledPruningCallback
+from lightning_pat.safe_io import confined, load_torch_file
 from lightning_pat.shrink import checkpoint_state, restore_shrunk
 
 _CALLBACK_PATH = "lightning_pat.CoupledPruningCallback"
@@ -118,6 +119,61 @@ class _HelpFormatter(DefaultHelpFormatter):
         return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
+_NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
+_KEY = re.compile(r'Parser key "([\w.]+)"')
+
+
+def _init_parameters(class_path: str) -> list[str]:
+    """The keyword arguments a class path's ``__init__`` takes (empty if it cannot be imported)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [name for name, p in params.items() if name != "self" and p.kind not in variadic]
+
+
+def summarize_error(message: str) -> str | None:
+    """The one line that matters in a jsonargparse error, or ``None`` if there is no better line than the first.
+
+    An unknown option in a class's ``init_args`` (a callback under ``trainer.callbacks``, the model) is reported by
+    jsonargparse inside a list of every type the value failed to match; this names the option, the class and the
+    closest valid option.
+
+    Args:
+        message: The error message jsonargparse produced.
+
+    Returns:
+        For example ``trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback;
+        did you mean `target_sparsity`?``.
+    """
+    match = _NOT_ACCEPTED.search(message)
+    if match is None:
+        return None
+    class_path, option = match.groups()
+    key = _KEY.search(message)
+    where = f"{key.group(1)}: " if key else ""
+    close = difflib.get_close_matches(option, _init_parameters(class_path), n=1)
+    hint = f"did you mean `{close[0]}`?" if close else "see `--help` for the options."
+    return f"{where}`{option}` is not an option of {class_path}; {hint}"
+
+
+class PatArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors start with the line that matters (an unknown option and its fix)."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print a summary line before jsonargparse's detailed message, without the 60-line usage."""
+        summary = summarize_error(message)
+        if summary is None or not self.exit_on_error:
+            super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {summary}\n(for every option: {prog} --help)\n\ndetails: {message}\n")
+        self.exit(2)
+
+
 class PatCLI(LightningCLI):
     """LightningCLI whose Trainer shows a step-counted progress bar (see :class:`StepProgressBar`)."""
 
@@ -146,6 +202,7 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> PatCLI:
     epilog = callback_options_help()
     sub = {"epilog": epilog}
     return PatCLI(
+        parser_class=PatArgumentParser,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
@@ -163,20 +220,45 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> PatCLI:
 # ---------------------------------------------------------------------- shrink
 
 
-def _import(class_path: str) -> Any:
+def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
+    """The ``nn.Module`` (LightningModule) subclass a class path names, checked before anything is called.
+
+    Raises:
+        ValueError: If the path is not a dotted name, cannot be imported, or names anything but an ``nn.Module``
+            subclass (a function such as ``os.system``, another class).
+    """
+    if not isinstance(class_path, str) or "." not in class_path.strip("."):
+        raise ValueError(f"{where}: expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
     module, _, name = class_path.rpartition(".")
-    if not module:
-        raise ValueError(f"Expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
-    return getattr(importlib.import_module(module), name)
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{where}: cannot import {class_path!r} ({err}).") from None
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise ValueError(
+            f"{where}: {class_path!r} is not a LightningModule (or nn.Module) class but a {type(obj).__name__}; "
+            "refused (only a model class is instantiated). Pass `--config` (the run's LightningCLI config) or "
+            "`--model_class`."
+        )
+    return obj
+
+
+def _checkpoint_globals() -> list[Any]:
+    """The classes besides tensors, containers and plain values that Lightning writes into checkpoints."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
 
 
 def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
-    """Read a Lightning checkpoint: a ``.ckpt`` file, or a distributed checkpoint directory.
+    """Read a Lightning checkpoint, a ``.ckpt`` file or a distributed checkpoint directory, without running code.
 
+    Files are read with ``torch.load(weights_only=True)`` (tensors, containers, plain values and Lightning's
+    ``AttributeDict``): a checkpoint that asks for any other Python object is refused before anything is called.
     A directory written under ``ModelParallelStrategy`` (``save_distributed_checkpoint=True``) holds the sharded
-    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters). It is
-    converted with torch's ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` into one file next to
-    it (``<dir>.consolidated.pt``, kept for reuse), then read like a ``.ckpt`` file.
+    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters); its shards are
+    read in memory (:func:`~lightning_pat.distributed.read_distributed_checkpoint`: the ``.metadata`` file through an
+    allow-list unpickler, shard names confined to the directory), nothing is written next to it.
 
     Args:
         ckpt_path: The checkpoint file or directory.
@@ -186,22 +268,27 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: If the path does not exist or a directory lacks ``meta.pt``.
+        ValueError: If a file is not a torch checkpoint, is truncated, or holds objects outside the allow-list.
     """
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint not found: {path}")
+    allowed = _checkpoint_globals()
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = path / "meta.pt"
-    if not meta.is_file():
-        raise FileNotFoundError(
-            f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
-        )
-    from lightning_pat.distributed import consolidate_checkpoint
+        checkpoint = load_torch_file(path, what="checkpoint", allowed=allowed)
+    else:
+        meta = path / "meta.pt"
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
+            )
+        from lightning_pat.distributed import read_distributed_checkpoint
 
-    consolidated = consolidate_checkpoint(path, path.with_name(path.name + ".consolidated.pt"))
-    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = torch.load(consolidated, map_location="cpu", weights_only=False)["state_dict"]
+        checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
+        if isinstance(checkpoint, dict):
+            checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise ValueError(f"cannot read checkpoint {path}: not a Lightning checkpoint (no `state_dict` mapping)")
     return checkpoint
 
 
@@ -241,6 +328,7 @@ def model_from_config(config: str | Path) -> LightningModule:
     section = (yaml.safe_load(Path(config).read_text()) or {}).get("model")
     if not isinstance(section, dict) or "class_path" not in section:
         raise ValueError(f"{config} has no `model: {{class_path: ..., init_args: ...}}` section.")
+    _module_class(section["class_path"], where=f"{config}: model.class_path")  # before jsonargparse calls anything
     parser = LightningArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
     parsed = parser.parse_object({"model": section})
@@ -274,6 +362,7 @@ def shrink_checkpoint(
     config: str | Path | None = None,
     model_class: str | None = None,
     submodule: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
 
@@ -290,16 +379,20 @@ def shrink_checkpoint(
         config: The run's config (default: the ``config.yaml`` next to the checkpoint's logs).
         model_class: LightningModule class path, used when there is no config.
         submodule: Attribute path of the module to export (default: see above).
+        overwrite: Replace an earlier export in ``output`` (a non-empty ``output`` is refused otherwise).
 
     Returns:
         The output directory.
 
     Raises:
-        ValueError: If the model cannot be named or the checkpoint holds no pruning state.
+        ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
+            anything but a LightningModule / ``nn.Module`` class), or the checkpoint holds no pruning state.
+        FileExistsError: If ``output`` is not empty and ``overwrite`` is false.
     """
     from lightning_pat import shrink
-    from lightning_pat.export import save_pretrained
+    from lightning_pat.export import check_directory, save_pretrained
 
+    check_directory(output, overwrite=overwrite)  # before the (long) load
     checkpoint = load_checkpoint(ckpt_path)
     state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
     hparams = dict(checkpoint.get("hyper_parameters") or {})
@@ -309,8 +402,9 @@ def shrink_checkpoint(
     if config is not None:
         module = model_from_config(config)
     elif model_class is not None:
+        cls = _module_class(model_class, where=f"the model class of {ckpt_path}")
         init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
-        module = _import(model_class)(**init_args)
+        module = cls(**init_args)
     else:
         raise ValueError(
             f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
@@ -325,7 +419,7 @@ def shrink_checkpoint(
     if not already_small:
         _warn_if_not_final(state)
         shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
-    return save_pretrained(target.eval(), output)
+    return save_pretrained(target.eval(), output, overwrite=overwrite)
 
 
 def _warn_if_not_final(state: Mapping[str, Any]) -> None:
@@ -350,43 +444,65 @@ def shrink_main(args: list[str] | None = None) -> Path:
 
     Returns:
         The output directory.
+
+    Raises:
+        ValueError: As for :func:`shrink_checkpoint` (:func:`main` prints it as one line and exits with 1).
+        FileNotFoundError: If the checkpoint does not exist.
+        FileExistsError: If ``--output`` is not empty and ``--overwrite`` is not given.
     """
     parser = argparse.ArgumentParser(
         prog="lightning-pat shrink",
         description=(
             "Cut the units a CoupledPruningCallback dropped out of a checkpoint's model and save the smaller model "
-            "(save_pretrained for transformers models, else a torch.save'd module plus its sizes)."
+            "(save_pretrained for transformers models, else safetensors plus a JSON description). The checkpoint is "
+            "read without running code from it."
         ),
     )
     parser.add_argument(
         "--ckpt_path", required=True, help="a .ckpt file, or a ModelParallelStrategy distributed checkpoint directory"
     )
-    parser.add_argument("--output", required=True, help="directory to write the shrunk model to")
+    parser.add_argument("--output", required=True, help="directory to write the shrunk model to (empty or new)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
     parser.add_argument("--config", help="the run's LightningCLI config (default: config.yaml next to the logs)")
     parser.add_argument("--model_class", help="LightningModule class path, instead of a config (uses saved hparams)")
     parser.add_argument("--submodule", help="attribute path of the module to export (default: the wrapped model)")
     ns = parser.parse_args(args)
     out = shrink_checkpoint(
-        ns.ckpt_path, ns.output, config=ns.config, model_class=ns.model_class, submodule=ns.submodule
+        ns.ckpt_path,
+        ns.output,
+        config=ns.config,
+        model_class=ns.model_class,
+        submodule=ns.submodule,
+        overwrite=ns.overwrite,
     )
     sys.stdout.write(f"shrunk model written to {out}\n")
     return out
 
 
-def main(args: list[str] | None = None) -> PatCLI | Path:
+def main(args: list[str] | None = None) -> int:
     """Entry point of ``lightning-pat``: ``shrink`` is handled here, every other subcommand by LightningCLI.
+
+    The console script runs ``sys.exit(main())``: 0 on success, so ``lightning-pat fit ... && lightning-pat shrink
+    ...`` works. A ``shrink`` that cannot read its input or write its output prints one line naming the problem and
+    exits with 1 (no traceback); argument errors exit with 2.
 
     Args:
         args: Command-line arguments (defaults to ``sys.argv[1:]``).
 
     Returns:
-        The CLI object, or the output directory of ``shrink``.
+        The exit status.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] == "shrink":
-        return shrink_main(argv[1:])
-    return cli_main(args)
+        try:
+            shrink_main(argv[1:])
+        except (ValueError, FileNotFoundError, FileExistsError) as err:
+            sys.stderr.write(f"lightning-pat shrink: error: {err}\n")
+            return 1
+        return 0
+    cli_main(args)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through subprocess in tests
-    main()
+    sys.exit(main())

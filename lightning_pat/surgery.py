@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_pat import hf_entry
+from lightning_pat.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.model_meta import (
     config_owners,
     input_embedding,
@@ -39,10 +41,6 @@ _FIX_MODULE = (
     "Remove this parameter from the cluster, or replace the module by one the shrink can rewrite (nn.Linear, "
     "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm)."
 )
-
-
-# the model's config before its first shrink (plain dict), kept on the model so that an export can say what to build
-BASE_CONFIG_ATTR = "_lightning_pat_base_config"
 
 
 class LayerNormShrinkWarning(UserWarning):
@@ -372,6 +370,16 @@ def check_shrinkable(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> N
     _validate(model, align_names(build_plan(clusters, trial), model), ())
 
 
+def _record_entry(owner: nn.Module) -> None:
+    """Put the export entry on a Hugging Face model's config, so that its own ``save_pretrained`` can be reloaded."""
+    if not hf_entry.is_hf(owner):
+        return
+    try:
+        hf_entry.record(owner)
+    except ValueError as err:  # the shrink itself is done; lightning_pat.save_pretrained raises this again
+        log.warning("shrink: cannot describe the new sizes of %s in its config: %s", type(owner).__name__, err)
+
+
 def apply_plan(
     model: nn.Module, plan: ShrinkPlan, *, optimizers: Sequence[torch.optim.Optimizer] = (), check_zeros: bool = True
 ) -> nn.Module:
@@ -431,6 +439,7 @@ def apply_plan(
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
         update_config(owner, rescaled_eps, changed)
+        _record_entry(owner)
     if layernorms:
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "

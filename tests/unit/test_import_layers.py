@@ -1,7 +1,7 @@
 """Layering from DESIGN.md, checked statically with ``ast`` on every module of lightning_pat/.
 
-* pure modules (spec, schedule, scoring, selection, masking) import only the standard library, torch (not
-  torch.distributed) and other pure modules;
+* pure modules (spec, schedule, scoring, selection, masking, and the file helpers safe_io, module_tree) import only
+  the standard library, torch (not torch.distributed) and other pure modules;
 * ``torch.distributed`` is imported only by distributed.py; executors/sharded.py and placement.py may import the
   DTensor / placement types from ``torch.distributed.tensor`` (and the mesh type) but call no collectives;
 * collectives (all_gather, all_reduce, broadcast, reduce_scatter, all_to_all, barrier and their variants) are
@@ -10,7 +10,8 @@
   classes) and _imports.py; ``torchmetrics`` only by metrics.py;
 * executors never import lightning nor the Trainer-facing modules;
 * the shrink modules (shrink.py and what it is built from: shrink_plan.py, surgery.py, model_meta.py) import only
-  the stdlib, torch, the pure modules and each other; export.py adds shrink.py, transformers and safetensors
+  the stdlib, torch, the pure modules and each other (hf_entry.py: the config entry of a shrunk Hugging Face
+  model); export.py adds the shrink modules, transformers and safetensors
   (imported lazily, inside functions), never lightning.
 
 Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
@@ -28,7 +29,7 @@ import pytest
 PKG_DIR = Path(__file__).resolve().parents[2] / "lightning_pat"
 PKG = "lightning_pat"
 
-PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking")}
+PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking", "safe_io", "module_tree")}
 TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed"}
 DTENSOR_TYPES_OK = {f"{PKG}.executors.sharded", f"{PKG}.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
@@ -40,7 +41,7 @@ TRAINER_FACING = {
 }
 SHRINK = f"{PKG}.shrink"
 #: The shrink and the modules it is built from (plan, surgery, module metadata).
-SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "model_meta")}
+SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "model_meta", "hf_entry")}
 EXPORT = f"{PKG}.export"
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
@@ -180,7 +181,11 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
         if mod == EXPORT:
             torch_ok = top == "torch" and not _is_torch_distributed(name)
             if not (
-                _is_stdlib(name) or torch_ok or name in PURE or name == SHRINK or top in ("transformers", "safetensors")
+                _is_stdlib(name)
+                or torch_ok
+                or name in PURE
+                or name in SHRINK_FAMILY
+                or top in ("transformers", "safetensors")
             ):
                 errors.append(
                     f"{where}: export.py imports only the stdlib, torch, transformers, shrink and pure modules"

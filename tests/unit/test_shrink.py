@@ -451,7 +451,7 @@ def test_public_names():
 def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
     """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
     from lightning_pat.demo_model import TinyGPT
-    from lightning_pat.export import _differences
+    from lightning_pat.hf_entry import differences as _differences
 
     case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
     model = case.fresh()
