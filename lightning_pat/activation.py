@@ -24,6 +24,7 @@ input channels of every reader module, stacked.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -95,6 +96,9 @@ class ActivationStats:
         self._handles: list[Any] = []
         self._forced = False
         self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
+        #: Reader module name -> input batches skipped because their squares were not finite (rank-local; the
+        #: statistics are summed over ranks at selection, so every rank still selects from the same numbers).
+        self.skipped: dict[str, int] = {}
 
     def _reader_module(
         self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
@@ -145,7 +149,7 @@ class ActivationStats:
 
     def reset(self) -> None:
         """Forget every statistic."""
-        self._ema, self._count, self._unrecomputed = {}, {}, {}
+        self._ema, self._count, self._unrecomputed, self.skipped = {}, {}, {}, {}
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
@@ -195,6 +199,16 @@ class ActivationStats:
         if x_NI.dtype not in (torch.float32, torch.float64):
             x_NI = x_NI.float()
         mean_I = x_NI.square().sum(dim=0).to(torch.float64) / rows
+        if not bool(torch.isfinite(mean_I).all()):  # NaN/Inf input, or squares overflowing: would poison the average
+            self.skipped[name] = self.skipped.get(name, 0) + 1
+            warnings.warn(
+                f"score='activation': skipped a non-finite input batch of reader module {name!r} (NaN/Inf, or values "
+                "whose squares overflow float32); its statistics keep the finite batches only. "
+                "`ActivationStats.skipped` counts such batches per module.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         prev, count = self._ema.get(name), self._count.get(name, 0)
         if prev is None:
             self._ema[name] = mean_I
@@ -242,6 +256,13 @@ class ActivationStats:
                     f"{name!r}): no training forward (module.training and grad enabled) has reached it yet. Run "
                     "at least one training step before the first selection, or calibrate() first for one-shot use."
                 )
+            if not bool(torch.isfinite(value).all()):
+                cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
+                raise ValueError(
+                    f"Cluster {cluster!r}: the score='activation' statistics of reader {param!r} (module {name!r}) "
+                    "are not finite (the weights are not the cause); they were loaded or summed that way. Reset "
+                    "them (a fresh run or calibrate()), or use a weight score ('rms')."
+                )
             out[name] = value / seen
         return out
 
@@ -269,6 +290,13 @@ class ActivationStats:
                 part_C = fold_to_units(contrib_I, units_I, num_units=rc.num_units)
                 total_C = part_C if total_C is None else total_C + part_C
             assert total_C is not None  # every cluster has a reader (checked at construction)
+            if not bool(torch.isfinite(total_C).all()):
+                bad = [m.name for m, _ in self.readers[rc.name] if not bool(torch.isfinite(params[m.name]).all())]
+                cause = f"reader weights {bad[:3]} hold NaN/Inf" if bad else "E[x^2] * ||W[:, j]||^2 overflows"
+                raise ValueError(
+                    f"Cluster {rc.name!r}: score='activation' unit scores are not finite ({cause}; the input "
+                    "statistics are finite); no units were pruned. Check the learning rate or loss scaling."
+                )
             out[rc.name] = total_C.sqrt()
         return out
 
