@@ -244,7 +244,7 @@ def weight_averaging(trainer: pl.Trainer, *, shrink_on_freeze: bool) -> bool:
     """
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-    swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
+    swa = [type(cb).__name__ for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, StochasticWeightAveraging)]
     if swa and shrink_on_freeze:
         raise MisconfigurationException(
             f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {swa[0]}: it keeps a full-size averaged "
