@@ -190,7 +190,9 @@ class ActivationStats:
 
         The squares are summed over rows in the input's precision, at least float32 (a relative error of about
         1e-7, far below the batch-to-batch spread of the statistic, and 5x cheaper than float64 on CPU); the mean
-        and the average are float64.
+        and the average are float64. A batch whose mean square is not finite (NaN/Inf input, or squares overflowing
+        float32) is skipped, counted in :attr:`skipped` and warned about: it would poison the average for good.
+        The check reads one flag back from the device per call.
         """
         x_NI = x.detach().reshape(-1, x.shape[-1])
         rows = x_NI.shape[0]

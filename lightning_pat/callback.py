@@ -110,8 +110,12 @@ class CoupledPruningCallback(Callback):
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
             manual optimization, or ``shrink_on_freeze`` runs under another strategy than a single device (at setup);
-            if the clusters do not resolve against the model, or ranks disagree on
+            if the clusters do not resolve against the model, a target below 1 would drop every unit of a cluster
+            (a 1-unit cluster, ``multiple_of``, one KV head), or ranks disagree on
             clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if
+            ``StochasticWeightAveraging`` runs with ``shrink_on_freeze`` (at setup; without it, the mask is re-applied
+            after SWA's weight transfers); if a checkpoint written before a ``shrink_on_freeze`` shrink is restored
+            into the shrunk module (``validate``/``test``/``predict``/``fit`` with ``ckpt_path``); if
             ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
             are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
             start).

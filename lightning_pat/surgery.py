@@ -2,7 +2,9 @@ r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.s
 
 Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must be a
 module whose metadata the surgery knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding``
-(columns only), ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face ``*RMSNorm`` modules. Attention modules
+(columns only), ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face ``*RMSNorm`` modules and affine BatchNorms (their
+running statistics are cut with their weight). A module between a cut writer and its reader that holds per-channel
+tensors of the cut width that no member covers is refused (the shrunk model could not run). Attention modules
 (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups
 and get their head counts updated; MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where
 uniform. Everything is validated before the first tensor changes; the optimizer state is sliced in the same pass
