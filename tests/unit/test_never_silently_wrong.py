@@ -138,7 +138,7 @@ def test_a_non_finite_batch_is_skipped_counted_and_warned_not_folded_into_the_st
     good = [torch.randn(16, 4) for _ in range(3)]
     bad = torch.full((16, 4), float("nan")) if poison == "nan" else torch.full((16, 4), 1e20)
     clean = calibrate(_mlp(), H, good)
-    with pytest.warns(RuntimeWarning, match=r"skipped a non-finite input batch of reader module '2'"):
+    with pytest.warns(RuntimeWarning, match=r"skipped non-finite input batches of reader modules \{'2': 1\}"):
         dirty = calibrate(_mlp(), H, [good[0], bad, good[1], good[2]])
     assert dirty.skipped == {"2": 1}
     params = dict(_mlp().named_parameters())
@@ -222,3 +222,27 @@ def test_a_batchnorm_declared_in_the_cluster_is_shrunk_exactly_with_its_running_
     assert torch.equal(small.bn.running_var, var)
     with torch.no_grad():
         torch.testing.assert_close(small(x), masked, rtol=0, atol=1e-6)
+
+
+def test_training_average_skips_a_non_finite_batch_and_a_module_seeing_only_those_counts_as_unseen():
+    from lightning_pat.activation import ActivationStats
+
+    net = _mlp()
+    resolved = resolve_clusters(net, [H])
+    a, b = torch.randn(16, 8), torch.randn(16, 8)
+    clean, dirty, only_bad = (ActivationStats(net, resolved, beta=0.9) for _ in range(3))
+    for x in (a, b):
+        clean.observe("2", x)
+    for x in (a, torch.full((16, 8), float("nan")), b):
+        dirty.observe("2", x)
+    assert torch.equal(dirty.stacked(), clean.stacked())  # the EMA of a and b, "seen"
+    only_bad.observe("2", torch.full((16, 8), 1e20))
+    assert only_bad.skipped == {"2": 1}
+    assert not bool(only_bad.stacked().any())  # no average and not seen: summed over ranks, the others decide
+    with pytest.raises(ValueError, match=r"with finite inputs has reached it yet \(1 non-finite batch\(es\) skipped"):
+        only_bad.unit_scores(dict(net.named_parameters()))
+    state = dirty.state_dict()
+    assert state["count"] == {"2": 2}
+    again = ActivationStats(net, resolved, beta=0.9)
+    again.load_state_dict(state)
+    assert torch.equal(again.stacked(), clean.stacked())
