@@ -196,9 +196,9 @@ def check_not_emptied(clusters: Sequence[ResolvedCluster], sparsity: float) -> N
         raise ValueError(
             f"A target below 1 would remove every unit of {len(bad)} cluster(s): {shown}. Nothing was pruned. "
             "Exclude such a cluster: give its declaration `target=0.0` (or a target that keeps a unit), leave it out "
-            "of `clusters`, lower `multiple_of`, or for a preset turn its kind off (e.g. "
-            "`preset_options={'heads': False}` for a model with one KV head); use target 1.0 only if removing "
-            "everything is intended."
+            "of `clusters`, lower `multiple_of`, or for a preset turn its kind off (e.g. for a model with one KV "
+            "head: `preset_options={'heads': False}` in the callback, `presets.resolve_preset(name, model, "
+            "heads=False)` for prune_clusters); use target 1.0 only if removing everything is intended."
         )
 
 
