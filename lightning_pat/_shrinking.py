@@ -17,6 +17,16 @@ from lightning_pat.shrink import restore_shrunk, shrink_for_training
 from lightning_pat.spec import ResolvedCluster
 
 
+def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        other = weights.get(name)
+        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
+            out[name] = (tuple(tensor.shape), tuple(other.shape))
+    return out
+
+
 class ShrinkOnFreeze:
     """Whether and how the model was shrunk, and the pre-hook that resumes a shrunk run.
 
@@ -38,8 +48,9 @@ class ShrinkOnFreeze:
             checkpoint: Returns the checkpoint being loaded (``None`` or empty when there is none).
             state_key: The callback's key in the checkpoint's ``callbacks``.
         """
+        self.unwatch()  # one hook at a time (setup runs for every fit, validate, test and predict)
         self._hook = module.register_load_state_dict_pre_hook(
-            lambda mod, _sd, prefix, *_: self._before_restore(mod, checkpoint() or {}, prefix, state_key)
+            lambda mod, sd, prefix, *_: self._before_restore(mod, checkpoint() or {}, sd, prefix, state_key)
         )
 
     def unwatch(self) -> None:
@@ -48,14 +59,32 @@ class ShrinkOnFreeze:
             self._hook.remove()
             self._hook = None
 
-    def _before_restore(self, module: nn.Module, checkpoint: Mapping[str, Any], prefix: str, state_key: str) -> None:
-        state = checkpoint.get("callbacks", {}).get(state_key)
-        if prefix or self.dropped is not None or not state or not state.get("shrunk"):
+    def _before_restore(
+        self, module: nn.Module, checkpoint: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, state_key: str
+    ) -> None:
+        if prefix:
             return
-        with V.user_error("CoupledPruningCallback: cannot resume the shrunk model"):
-            restore_shrunk(module, state)
-        self.resolved = [ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
-        self.dropped = {k: list(v) for k, v in state["dropped"].items()}
+        differ = _shape_mismatches(module, weights)
+        if not differ:
+            return
+        state = checkpoint.get("callbacks", {}).get(state_key)
+        if state and state.get("shrunk"):  # a checkpoint written after the shrink: give the module its shapes
+            with V.user_error("CoupledPruningCallback: cannot resume the shrunk model"):
+                restore_shrunk(module, state)
+            if self.dropped is None:
+                self.resolved = [ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
+                self.dropped = {k: list(v) for k, v in state["dropped"].items()}
+            return
+        if self.dropped is not None:  # this module was shrunk; the checkpoint holds the full-size weights
+            name, (mine, theirs) = next(iter(differ.items()))
+            with V.user_error("CoupledPruningCallback(shrink_on_freeze=True)"):
+                raise ValueError(
+                    f"the checkpoint predates the shrink: it holds the full-size weights ({name!r} of shape {theirs}), "
+                    f"but this module was shrunk at the final ramp step ({name!r} is now {mine}; "
+                    f"{len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, full-size module "
+                    "(`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the shrink, or "
+                    "omit `ckpt_path` to use the shrunk module's current weights."
+                )
 
     def shrink(
         self,

@@ -231,6 +231,30 @@ def check_activation_strategy(trainer: pl.Trainer) -> None:
         )
 
 
+def weight_averaging(trainer: pl.Trainer, *, shrink_on_freeze: bool) -> bool:
+    """Whether a ``StochasticWeightAveraging`` callback runs with this one (the mask must then be re-applied).
+
+    SWA copies its averaged weights into the model at the end of fit (and before its BatchNorm-update epoch); the
+    average includes snapshots taken before units were dropped, so the callback zeroes the dropped units again after
+    each copy (exact: the kept units keep SWA's average, BatchNorm statistics are taken on the masked model).
+
+    Raises:
+        MisconfigurationException: With ``shrink_on_freeze``: SWA's full-size average cannot be copied into the
+            shrunk model.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    swa = [type(cb).__name__ for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, StochasticWeightAveraging)]
+    if swa and shrink_on_freeze:
+        raise MisconfigurationException(
+            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {swa[0]}: it keeps a full-size averaged "
+            "copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. Use "
+            "shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
+            "callback."
+        )
+    return bool(swa)
+
+
 def check_shrink_on_freeze(trainer: pl.Trainer) -> None:
     """``shrink_on_freeze`` runs on a single device only (for now).
 

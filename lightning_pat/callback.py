@@ -110,8 +110,12 @@ class CoupledPruningCallback(Callback):
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
             manual optimization, or ``shrink_on_freeze`` runs under another strategy than a single device (at setup);
-            if the clusters do not resolve against the model, or ranks disagree on
+            if the clusters do not resolve against the model, a target below 1 would drop every unit of a cluster
+            (a 1-unit cluster, ``multiple_of``, one KV head), or ranks disagree on
             clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if
+            ``StochasticWeightAveraging`` runs with ``shrink_on_freeze`` (at setup; without it, the mask is re-applied
+            after SWA's weight transfers); if a checkpoint written before a ``shrink_on_freeze`` shrink is restored
+            into the shrunk module (``validate``/``test``/``predict``/``fit`` with ``ckpt_path``); if
             ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
             are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
             start).
@@ -194,6 +198,7 @@ class CoupledPruningCallback(Callback):
         self._strategy: Any = None
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the Trainer, its global_step) at the last fit end
         self._carry: dict[str, Any] | None = None  # in-memory state kept for the same Trainer's next fit
+        self._reproject = False  # a weight-averaging callback may write averaged weights into dropped units
 
     # ------------------------------------------------------------------ identity and state
     @property
@@ -283,6 +288,7 @@ class CoupledPruningCallback(Callback):
         V.check_strategy_and_optimization(trainer, pl_module)
         if self.score == "activation":
             V.check_activation_strategy(trainer)
+        self._reproject = V.weight_averaging(trainer, shrink_on_freeze=self.shrink_on_freeze)
         if self.shrink_on_freeze:
             V.check_shrink_on_freeze(trainer)
             connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook
@@ -312,7 +318,12 @@ class CoupledPruningCallback(Callback):
             def build() -> Plan:
                 declared = V.declarations(self.clusters, pl_module, preset_options=self.preset_options)
                 return make_plan(
-                    params, declared, score=self.score, executor=self.executor, group_count_ref=self.group_count_ref
+                    params,
+                    declared,
+                    score=self.score,
+                    executor=self.executor,
+                    group_count_ref=self.group_count_ref,
+                    sparsity=self.target_sparsity,
                 )
 
             self.plan = plan = V.agreed_plan(build, options=self._options())
@@ -435,6 +446,30 @@ class CoupledPruningCallback(Callback):
             self.pruner.hold()
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With weight averaging: re-apply the mask once per epoch, after the averaging callbacks' epoch start.
+
+        ``StochasticWeightAveraging`` copies its averaged weights (dropped units included) into the model at the start
+        of its BatchNorm-update epoch; re-projecting before that epoch's first forward keeps the statistics exact.
+        """
+        if self._reproject and batch_idx == 0:
+            self._reproject_mask(pl_module)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With weight averaging: zero the dropped units again after its final weight transfer (``on_train_end``)."""
+        if self._reproject:
+            self._reproject_mask(pl_module)
+
+    def _reproject_mask(self, pl_module: pl.LightningModule) -> None:
+        if self.pruner is None or self._shrinking.dropped is not None:
+            return
+        with torch.no_grad(), self._weights(pl_module):
+            self.pruner.hold()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what the same Trainer's next ``fit`` needs to continue (the latents only during the ramp)."""
         if self._shrinking.dropped is not None:
@@ -452,6 +487,7 @@ class CoupledPruningCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove optimizer and activation hooks (the in-memory state for a next fit of the same Trainer is kept)."""
         self._tracker.detach()
+        self._shrinking.unwatch()
         if self._act is not None:
             self._act.detach()
 

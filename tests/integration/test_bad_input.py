@@ -148,6 +148,26 @@ CASES = [
         r"writers \['fc1.weight', 'fc1.bias'\]\. Add the member that reads these channels",
         "fit",
     ),
+    # ---- never silently wrong: a target below 1 that would empty a cluster (DESIGN invariant 11)
+    (
+        "target-empties-1-unit-cluster",
+        {"clusters": [hidden(num_units=1)], "target_sparsity": 0.25},
+        r"A target below 1 would remove every unit of 1 cluster\(s\): 'hidden' \(target 0.25: ceil\(0.25 \* 1\) = 1 "
+        r"of its 1 unit\(s\) are dropped\).*Nothing was pruned.*`target=0.0`",
+        "fit",
+    ),
+    (
+        "multiple-of-empties",
+        {"clusters": [hidden(multiple_of=64)], "target_sparsity": 0.1},
+        r"every unit of 1 cluster\(s\): 'hidden' \(target 0.1: `multiple_of=64` is larger than its 32 unit\(s\)",
+        "fit",
+    ),
+    (
+        "cluster-target-empties",
+        {"clusters": [hidden(num_units=4, target=0.8)]},
+        r"'hidden' \(target 0.8: ceil\(0.8 \* 4\) = 4 of its 4 unit\(s\) are dropped\)",
+        "fit",
+    ),
 ]
 
 
