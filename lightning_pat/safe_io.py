@@ -28,6 +28,14 @@ import torch
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global|Unsupported global: (?!GLOBAL)([\w.]+)")
 
 
+def _unpickler_reason(err: Exception) -> str:
+    """The one line of torch's weights-only error that says what was wrong (not its advice to drop the check)."""
+    text = str(err)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    reason = rest.split("Check the documentation", 1)[0].strip() if found else ""
+    return reason.splitlines()[0] if reason else text.strip().splitlines()[0]
+
+
 def load_torch_file(path: str | Path, *, what: str = "checkpoint", allowed: Sequence[Any] = ()) -> Any:
     """``torch.load`` a file without executing code from it (``weights_only=True`` plus an explicit allow-list).
 
@@ -61,7 +69,9 @@ def load_torch_file(path: str | Path, *, what: str = "checkpoint", allowed: Sequ
                 "allow-list are read). Re-save the checkpoint without that object, or load it yourself if you "
                 "trust the file."
             ) from None
-        raise ValueError(f"cannot read {what} {path}: not a torch checkpoint or truncated ({err})") from None
+        raise ValueError(
+            f"cannot read {what} {path}: not a torch checkpoint or truncated ({_unpickler_reason(err)})"
+        ) from None
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, ValueError, OSError, EOFError on bad bytes
         raise ValueError(
             f"cannot read {what} {path}: not a torch checkpoint or truncated ({type(err).__name__}: {err})"
