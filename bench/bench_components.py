@@ -45,10 +45,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import presets, resolve_clusters  # noqa: E402
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import Pruner  # noqa: E402
-from lightning_pat.executors import materializing  # noqa: E402
-from lightning_pat.latent import LatentStore  # noqa: E402
+from lightning_pat.parallel.executors import materializing  # noqa: E402
+from lightning_pat.training.latent import LatentStore  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- the naive baseline
@@ -158,13 +158,13 @@ def measure(args: argparse.Namespace, *, heads: bool) -> dict:
             pruner.step(targets)
 
     def fresh_float32_sums() -> None:  # ablation: what the float64 sums cost (not what the library does)
-        original = materializing.accumulation_dtype
-        materializing.accumulation_dtype = lambda *dtypes: torch.float32
+        original = materializing.ACCUMULATION_DTYPE
+        materializing.ACCUMULATION_DTYPE = torch.float32
         try:
             with torch.no_grad():
                 pruner.step(targets)
         finally:
-            materializing.accumulation_dtype = original
+            materializing.ACCUMULATION_DTYPE = original
 
     def hold() -> None:
         with torch.no_grad():

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import CoupledPruningCallback  # noqa: E402
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (with one intra-op thread: CPU time of the process)
 

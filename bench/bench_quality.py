@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import CoupledPruningCallback, presets  # noqa: E402
 from lightning_pat.activation import calibrate  # noqa: E402
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig  # noqa: E402
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import prune_clusters  # noqa: E402
 
 SEQ, BATCH, LR, LR_END, WARMUP, SPARSITY = 64, 16, 3e-3, 3e-4, 50, 0.5

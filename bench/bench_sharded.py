@@ -142,7 +142,7 @@ def worker(rank: int, world: int, store_path: str, sizes: list[str], steps: int,
 
     mesh = init_device_mesh("cpu", (world,))
     rows = []
-    from lightning_pat.executors.sharded import ShardedExecutor
+    from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
     for size in sizes:
         for variant in ("sharded", "sharded, forced 2-phase", "materializing"):

@@ -136,7 +136,7 @@ def healing_time(*, steps: int, rounds: int) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_pat import CoupledPruningCallback
-    from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+    from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 
     warmup, ramp = 5, 10
 

@@ -4,13 +4,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
+from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
-from lightning_pat.export import load_pretrained, save_pretrained
 from lightning_pat.shrink import shrink
-from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.shrink.export import load_pretrained, save_pretrained
 
 if TYPE_CHECKING:
-    from lightning_pat.callback import CoupledPruningCallback
+    from lightning_pat.training.callback import CoupledPruningCallback
 
 __all__ = [
     "Cluster",
@@ -31,7 +31,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Import the callback (and Lightning) only when it is used: the engine alone stays light."""
     if name == "CoupledPruningCallback":
-        from lightning_pat.callback import CoupledPruningCallback
+        from lightning_pat.training.callback import CoupledPruningCallback
 
         return CoupledPruningCallback
     raise AttributeError(f"module 'lightning_pat' has no attribute {name!r}")

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed as D
-from lightning_pat.scoring import channel_sq_sums, fold_to_units, unit_of_channels
-from lightning_pat.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.core.scoring import channel_sq_sums
+from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.core.units import fold_to_units, unit_of_channels
+from lightning_pat.parallel import distributed
 
 
 def _in_backward() -> bool:
@@ -113,7 +114,7 @@ class ActivationStats:
         ]
         for path, module in owners:
             if isinstance(module, nn.Linear):
-                if D.is_dtensor(module.weight):
+                if distributed.is_dtensor(module.weight):
                     raise ValueError(
                         f"Cluster {rc.name!r}: reader {m.name!r} is a DTensor; score='activation' supports plain "
                         "parameters (one device, DDP) only. Use a weight score ('rms') with sharded parameters."
@@ -243,7 +244,7 @@ class ActivationStats:
     def stacked(self) -> Tensor:
         """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
 
-        Summed over ranks (see :func:`lightning_pat.distributed.sum_over_ranks`) and passed to :meth:`unit_scores`,
+        Summed over ranks (:func:`~lightning_pat.parallel.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
         it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty.
         """
         values, seen = [], []
@@ -333,7 +334,9 @@ class ActivationStats:
         Raises:
             ValueError: If a reader module has no statistics on any rank yet.
         """
-        return self.unit_scores(params, summed=D.sum_over_ranks(self.stacked(), group=D.world_group()))
+        return self.unit_scores(
+            params, summed=distributed.sum_over_ranks(self.stacked(), group=distributed.world_group())
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -11,15 +11,14 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pat import distributed as D
-from lightning_pat.executors import Executor, ExecutorKind, UnitAction, build_executors, route
-from lightning_pat.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
-from lightning_pat.selection import (
+from lightning_pat import presets
+from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
+from lightning_pat.core.selection import (
     bottom_k,
     bottom_k_rows,
     bottom_k_shared,
@@ -28,13 +27,13 @@ from lightning_pat.selection import (
     round_kept,
     shrink_factors,
 )
-from lightning_pat.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.options import METHODS, Method, check_choice, check_number
+from lightning_pat.parallel import distributed
+from lightning_pat.parallel.executors import Executor, ExecutorKind, UnitAction, build_executors, route
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
-
-Method = Literal["hard", "group_lasso"]
-METHODS: tuple[str, ...] = ("hard", "group_lasso")
 
 
 @dataclass(frozen=True)
@@ -68,13 +67,6 @@ class PruneResult:
         """Literal zeros over elements of the clustered parameters (each counted once), if counted."""
         total = sum(self.numel.values())
         return sum(self.zeros.values()) / total if total else None
-
-
-def _check_options(*, score: str, method: str) -> None:
-    if score not in SCORE_TYPES:
-        raise ValueError(f"`score` must be one of {SCORE_TYPES}, got {score!r}.")
-    if method not in METHODS:
-        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
 
 
 @dataclass(frozen=True)
@@ -130,11 +122,9 @@ def make_plan(
             :func:`~lightning_pat.resolve_clusters`), no executor can serve a cluster correctly, or a target below
             1 would empty a cluster.
     """
-    _check_options(score=score, method="hard")
-    if group_count_ref is not None and (
-        isinstance(group_count_ref, bool) or not isinstance(group_count_ref, int) or group_count_ref <= 0
-    ):
-        raise ValueError(f"`group_count_ref` must be a positive int or None, got {group_count_ref!r}.")
+    check_choice("score", score, SCORE_TYPES)
+    if group_count_ref is not None:
+        check_number("group_count_ref", group_count_ref, low=1, integer=True)
     named = _named(params)
     items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
     if all(isinstance(c, ResolvedCluster) for c in items):
@@ -143,7 +133,7 @@ def make_plan(
         resolved = resolve_clusters(named, items)  # type: ignore[arg-type]
     if sparsity is not None:  # every cluster, not only this rank's: every rank raises the same error
         check_not_emptied(resolved, sparsity)
-    mine = tuple(rc for rc in resolved if D.participates(named[rc.members[0].name]))
+    mine = tuple(rc for rc in resolved if distributed.participates(named[rc.members[0].name]))
     return Plan(mine, route(mine, named, executor=executor), score, group_count_ref)
 
 
@@ -207,10 +197,11 @@ class Pruner:
 
     Args:
         params: The model, or a mapping of parameter names to tensors, holding every member.
-        clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`).
+        clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`), or a :class:`Plan` from
+            :func:`make_plan` (already validated and routed; the options below are then taken from it).
         score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
             are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
-        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (see :func:`~lightning_pat.executors.route`).
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.parallel.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
     Raises:
@@ -220,22 +211,15 @@ class Pruner:
     def __init__(
         self,
         params: nn.Module | Mapping[str, Tensor],
-        clusters: Sequence[ResolvedCluster],
+        clusters: Sequence[ResolvedCluster] | Plan,
         *,
         score: ScoreType = "rms",
         executor: ExecutorKind = "auto",
         group_count_ref: int | None = None,
     ) -> None:
-        self._init(params, make_plan(params, clusters, score=score, executor=executor, group_count_ref=group_count_ref))
-
-    @classmethod
-    def from_plan(cls, params: nn.Module | Mapping[str, Tensor], plan: Plan) -> Pruner:
-        """A pruner over ``params`` for an already validated and routed :class:`Plan` (builds executors)."""
-        pruner = cls.__new__(cls)
-        pruner._init(params, plan)
-        return pruner
-
-    def _init(self, params: nn.Module | Mapping[str, Tensor], plan: Plan) -> None:
+        plan = clusters if isinstance(clusters, Plan) else make_plan(
+            params, clusters, score=score, executor=executor, group_count_ref=group_count_ref
+        )  # fmt: skip
         self.plan = plan
         self.score = plan.score
         self.group_count_ref = plan.group_count_ref
@@ -294,7 +278,7 @@ class Pruner:
         Raises:
             ValueError: If ``scores`` lacks a cluster or has a wrong shape, or the score type needs ``scores``.
         """
-        _check_options(score=self.score, method=method)
+        check_choice("method", method, METHODS)
         q: dict[str, Tensor] = {}
         with self._session():  # dense copies (if any) do not outlive the call
             for ex in self.executors:
@@ -376,7 +360,7 @@ class Pruner:
         scores: Mapping[str, Tensor] | None = None,
     ) -> PruneResult:
         """Select and apply a fresh projection; remember it as the current mask (``scores``: see :meth:`select`)."""
-        _check_options(score=self.score, method=method)
+        check_choice("method", method, METHODS)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
             q: dict[str, Tensor] = {}
             for ex in self.executors:
@@ -510,11 +494,11 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity <= 1.0:
-        raise ValueError(f"`sparsity` must be a number in [0, 1], got {sparsity!r}.")
-    _check_options(score=score, method=method)
-    if reg_lambda < 0 or gamma < 0:
-        raise ValueError(f"`reg_lambda` and `gamma` must be >= 0, got {reg_lambda!r} and {gamma!r}.")
+    check_number("sparsity", sparsity, low=0.0, high=1.0)
+    check_choice("score", score, SCORE_TYPES)
+    check_choice("method", method, METHODS)
+    check_number("reg_lambda", reg_lambda, low=0.0)
+    check_number("gamma", gamma, low=0.0)
     if (score == "activation") != (activations is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
@@ -526,13 +510,11 @@ def prune_clusters(
         and not isinstance(clusters, Mapping)
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
-        from lightning_pat import presets
-
         clusters = presets.resolve_preset(clusters, model)
     plan = make_plan(
         model, clusters, score=score, executor=executor, group_count_ref=group_count_ref, sparsity=float(sparsity)
     )
-    pruner = Pruner.from_plan(model, plan)
+    pruner = Pruner(model, plan)
     with torch.no_grad():
         scores = None if activations is None else activations.unit_scores(_named(model))
         return pruner.step(

@@ -23,7 +23,7 @@ Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_a
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
 ``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
 (``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``), ``tiny_gpt``
-(:class:`~lightning_pat.demo_model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
+(:class:`~lightning_pat.demo.model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
 
 Limitations:
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.spec import WRAPPER_NAMES, Cluster, _as_cluster
+from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def gpt2(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bo
 
 
 def tiny_gpt(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
-    """Clusters of :class:`~lightning_pat.demo_model.TinyGPT` (same kinds as :func:`llama`).
+    """Clusters of :class:`~lightning_pat.demo.model.TinyGPT` (same kinds as :func:`llama`).
 
     Args:
         model: The model, or a module that holds exactly one TinyGPT.
@@ -419,6 +419,17 @@ def get(name: str) -> Preset:
     return PRESETS[key]
 
 
+def check_options(options: Mapping[str, object]) -> None:
+    """Raise unless ``options`` maps preset option names (:data:`OPTIONS`) to bools.
+
+    Raises:
+        ValueError: If a key is unknown or a value is not a bool.
+    """
+    bad = {k: v for k, v in dict(options).items() if k not in OPTIONS or not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"`preset_options` must map some of {OPTIONS} to bools, got {bad}; e.g. {{'residual': True}}.")
+
+
 def resolve_preset(
     clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
 ) -> list[Cluster]:
@@ -438,13 +449,11 @@ def resolve_preset(
             are given without any preset name.
         TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
     """
-    bad = {k: v for k, v in options.items() if k not in OPTIONS or not isinstance(v, bool)}
-    if bad:
-        raise ValueError(f"Preset options must be bools among {OPTIONS}, got {bad}.")
+    check_options(options)
     entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
     if options and not any(isinstance(e, str) for e in entries):
-        raise ValueError(f"Preset options {sorted(options)} apply to preset names only; none was given.")
+        raise ValueError(f"`preset_options` {dict(options)} apply to preset names only; none was given.")
     out: list[Cluster] = []
     for entry in entries:
-        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [_as_cluster(entry)])
+        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [as_cluster(entry)])
     return out

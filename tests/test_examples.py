@@ -297,8 +297,8 @@ def test_cli_shrink_checkpoint(tmp_path):
         _assert_same_outputs(masked, load_pretrained(tmp_path / name))
     # a checkpoint from before the final ramp step, carrying a distributed checkpoint's latent keys: the latent keys
     # are not model weights (dropped), and the shrink says that the mask was not final yet
-    from lightning_pat._state import DCP_PREFIX
     from lightning_pat.cli import shrink_checkpoint
+    from lightning_pat.training.state import DCP_PREFIX
 
     ckpt = torch.load(ckpt_path, weights_only=False)
     (key,) = [k for k in ckpt["callbacks"] if k.startswith("CoupledPruningCallback")]

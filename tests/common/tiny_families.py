@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 
 VOCAB = 64
 SEQ = 12

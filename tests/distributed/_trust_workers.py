@@ -198,22 +198,22 @@ def local_shape_mismatch(rank: int, world: int) -> dict[str, Any]:
     raise before the first gather, instead of leaving the others waiting in it."""
     from lightning_pat import Cluster, resolve_clusters
     from lightning_pat.engine import Pruner
-    from lightning_pat.executors import sharded
+    from lightning_pat.parallel.executors import sharded
 
     mesh = init_device_mesh("cpu", (world,))
     m = nn.Module()
     m.w = nn.Parameter(distribute_tensor(torch.ones(8, 6), mesh, [S0], src_data_rank=None))
     m.r = nn.Parameter(distribute_tensor(torch.ones(6, 8), mesh, [S1], src_data_rank=None))
-    real = sharded.P.local_box
+    real = sharded.placement.local_box
     if rank == world - 1:
-        sharded.P.local_box = lambda *a, **k: tuple((o, n + 1) for o, n in real(*a, **k))
+        sharded.placement.local_box = lambda *a, **k: tuple((o, n + 1) for o, n in real(*a, **k))
     try:
         Pruner(m, resolve_clusters(m, Cluster("h", writers=["w"], readers=["r"])), executor="sharded")
         return {"error": None}
     except ValueError as err:
         return {"error": str(err).split(" (on some rank")[0]}
     finally:
-        sharded.P.local_box = real
+        sharded.placement.local_box = real
 
 
 def suite(rank: int, world: int, store_dir: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from lightning_pat.executors.sharded import ShardedExecutor
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
 from tests.common.cases import make_module
 from tests.distributed import _model as M
 from tests.distributed._recorder import Recorder
@@ -224,7 +224,6 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
                 if executor == "auto":  # the sharded Q against the reference (cheap: one gather)
                     for ex in pruner.executors:
                         q.update(ex.unit_sq_norms())
-                        ex.release()
                 with torch.no_grad():
                     res = pruner.step(targets, method=method, threshold=thr, count=True)
                 params = dict(module.named_parameters())
@@ -377,7 +376,6 @@ def _q_bits(pruner: Any) -> dict[str, list[str]]:
     q = {}
     for ex in pruner.executors:
         q.update(ex.unit_sq_norms())
-        ex.release()
     return {k: _bits(v) for k, v in q.items()}
 
 
@@ -399,7 +397,7 @@ def _forced_sharded_raises(lname: str, full: dict, mesh: DeviceMesh, layout: dic
 def _partial_routes(mesh: DeviceMesh) -> list[str]:
     """A member with a Partial placement routes to materializing with a reason; forced sharded raises."""
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.executors import route
+    from lightning_pat.parallel.executors import route
 
     n = mesh.ndim
     module = nn.Module()
@@ -507,8 +505,6 @@ def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
                 q = {}
                 for ex in pruner.executors:
                     q.update(ex.unit_sq_norms())
-                for ex in pruner.executors:
-                    ex.release()
                 with torch.no_grad():
                     res = pruner.step({"tie": 0.5, "ulp": 0.5, "perm": 0.5})
                 mine.append(

@@ -29,9 +29,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_pat.distributed as lpd
+import lightning_pat.parallel.distributed as lpd
 from lightning_pat import Cluster, CoupledPruningCallback
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from tests.common.dist import finish_worker
 
 CFG = TinyGPTConfig(

@@ -28,9 +28,9 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 
 def _worker(rank: int, world_size: int) -> dict:
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat import distributed as D
     from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.parallel import distributed as D
     from tests.distributed._recorder import Recorder
 
     model = _model()
@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int) -> dict:
     with Recorder() as rec:
         summed = D.sum_over_ranks(stats.stacked(), group=dist.group.WORLD)
     scores = stats.unit_scores(params, summed=summed)
-    pruner = Pruner.from_plan(model, make_plan(model, cluster, score="activation"))
+    pruner = Pruner(model, make_plan(model, cluster, score="activation"))
     with torch.no_grad():
         result = pruner.step({"h": 0.5}, scores=scores)
     return {

@@ -2,7 +2,7 @@
 
 The reference is torch's own DTensor metadata code (``_compute_local_shape_and_global_offset`` for the box and
 ``Shard/_StridedShard.local_shard_size_and_offset`` for the exact index set a rank holds), which is independent of
-``lightning_pat.placement``.
+``lightning_pat.parallel.placement``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from lightning_pat.placement import (
+from lightning_pat.core.spec import Member, ResolvedCluster
+from lightning_pat.parallel.placement import (
     chunk_range,
     cluster_reason,
     contributes,
@@ -24,7 +25,6 @@ from lightning_pat.placement import (
     local_box,
     unsupported_reason,
 )
-from lightning_pat.spec import Member, ResolvedCluster
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_pat import presets, prune_clusters
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 
 pytestmark = [
     pytest.mark.gpu,

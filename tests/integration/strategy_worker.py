@@ -85,7 +85,9 @@ def main(strategy_name: str, mode: str, score: str = "rms") -> None:
                 "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
                 "flat_shapes": flat_shapes,
                 "disagreements": check.disagreements,
-                "activation": cb._act.state_dict()["ema"]["fc2"].tolist() if cb._act is not None else None,
+                "activation": cb.controller.act.state_dict()["ema"]["fc2"].tolist()
+                if cb.controller.act is not None
+                else None,
             }
         ),
         flush=True,

@@ -170,17 +170,13 @@ def test_resume_without_state_for_this_callback_raises(tmp_path):
 
 
 def test_latent_resume_from_a_checkpoint_without_latents_raises(tmp_path):
-    """A version-1 checkpoint (its key held the target; no latent copies) is found, but cannot continue a
-    latent-mode ramp exactly: a clear error; direct mode resumes from it."""
-    path = _checkpoint(tmp_path, make_cb("latent", "hard"), 4)
-    ckpt = torch.load(path, weights_only=False)
-    (key,) = [k for k in ckpt["callbacks"] if k.startswith("CoupledPruningCallback")]
-    state = ckpt["callbacks"][key]
-    v1 = {k: state[k] for k in ("step", "gamma", "dropped", "fingerprints")} | {"version": 1}
-    del ckpt["callbacks"][key]
-    ckpt["callbacks"]["CoupledPruningCallback{'clusters': 'hidden', 'target_sparsity': 0.5}"] = v1  # the v1 key
-    torch.save(ckpt, path)
-    with pytest.raises(MisconfigurationException, match=r"state version 1, step 4.*no latent copies.*mode='direct'"):
+    """A direct-mode checkpoint inside the ramp holds no latent copies: latent mode cannot continue it exactly (a
+    clear error); direct mode resumes from it."""
+    path = _checkpoint(tmp_path, make_cb("direct", "hard"), 4)
+    state = next(v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if "Pruning" in k)
+    assert state["latents"] is None
+    assert state["options"]["mode"] == "direct"
+    with pytest.raises(MisconfigurationException, match=r"step 4, final step 8.*no latent copies.*mode='direct'"):
         trainer_for(make_cb("latent", "hard"), max_steps=TOTAL).fit(StepDataModule(), ckpt_path=path)
     cb = make_cb("direct", "hard")
     trainer_for(cb, max_steps=TOTAL).fit(StepDataModule(), ckpt_path=path)  # direct: fine

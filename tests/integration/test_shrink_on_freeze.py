@@ -15,7 +15,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from tests.common.lit_models import quiet_trainer
 
 pytestmark = pytest.mark.integration

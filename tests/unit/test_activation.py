@@ -190,7 +190,7 @@ def test_a_tied_reader_is_found_through_its_linear_alias():
 def test_pruner_without_scores_for_activation_raises():
     model = mlp()
     plan = make_plan(model, MLP, score="activation")
-    pruner = Pruner.from_plan(model, plan)
+    pruner = Pruner(model, plan)
     with pytest.raises(ValueError, match=r"score='activation' needs precomputed unit scores: pass `scores=`"):
         pruner.select({"h": 0.5})
     with pytest.raises(ValueError, match=r"`scores` must hold one \[C\] tensor per cluster; missing \['h'\]"):

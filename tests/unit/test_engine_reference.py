@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, Pruner, prune_clusters, resolve_clusters
-from lightning_pat.scoring import accumulation_dtype, channel_sq_sums
+from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums
 from tests.common.cases import Case, make_module, random_case
 from tests.common.reference import RefCluster, RefMember, reference_step
 
@@ -350,18 +350,16 @@ def test_float64_scores_resolve_differences_below_float32_precision():
     assert model.w.dtype == torch.float64
 
 
-def test_accumulation_dtype_is_float64_for_every_dtype():
-    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        assert accumulation_dtype(dtype) == torch.float64
-    assert accumulation_dtype() == torch.float64
+def test_accumulation_dtype_is_float64():
+    assert torch.float64 == ACCUMULATION_DTYPE
     # bf16 partial sums do not round to bf16: 257 ones sum to 257 (bf16 would give 256)
     x = torch.ones(2, 257, dtype=torch.bfloat16)
-    sums = channel_sq_sums(x, dim=0, acc_dtype=accumulation_dtype(x.dtype))
+    sums = channel_sq_sums(x, dim=0, acc_dtype=ACCUMULATION_DTYPE)
     assert sums.dtype == torch.float64
     assert sums.tolist() == [257.0, 257.0]
     # float32 partial sums: 2^24 + 1 is not representable in float32 but is in float64
     y = torch.tensor([[4096.0, 1.0]], dtype=torch.float32)
-    assert channel_sq_sums(y, dim=0, acc_dtype=accumulation_dtype(y.dtype)).item() == 2.0**24 + 1
+    assert channel_sq_sums(y, dim=0, acc_dtype=ACCUMULATION_DTYPE).item() == 2.0**24 + 1
 
 
 def test_bfloat16_model_prunes_the_same_units_as_its_float64_copy():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
-from lightning_pat.export import ENTRY, SIZES_FILE
+from lightning_pat.shrink.export import ENTRY, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")

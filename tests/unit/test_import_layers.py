@@ -1,21 +1,24 @@
-"""Layering from DESIGN.md, checked statically with ``ast`` on every module of lightning_pat/.
+"""The floors of ARCHITECTURE.md, checked statically with ``ast`` on every module of lightning_pat/.
 
-* pure modules (spec, schedule, scoring, selection, masking, and the file helpers safe_io, module_tree) import only
-  the standard library, torch (not torch.distributed) and other pure modules;
-* ``torch.distributed`` is imported only by distributed.py; executors/sharded.py and placement.py may import the
-  DTensor / placement types from ``torch.distributed.tensor`` (and the mesh type) but call no collectives;
-* collectives (all_gather, all_reduce, broadcast, reduce_scatter, all_to_all, barrier and their variants) are
-  called only inside distributed.py;
-* ``lightning`` is imported only by callback.py, _validation.py, cli.py, demo.py (the demo task's Lightning
-  classes) and _imports.py; ``torchmetrics`` only by metrics.py;
-* executors never import lightning nor the Trainer-facing modules;
-* the shrink modules (shrink.py and what it is built from: shrink_plan.py, surgery.py, model_meta.py) import only
-  the stdlib, torch, the pure modules and each other (hf_entry.py: the config entry of a shrunk Hugging Face
-  model); export.py adds the shrink modules, transformers and safetensors
-  (imported lazily, inside functions), never lightning.
+Every module belongs to exactly one floor (a module that none claims fails the test), and imports only from the
+floors listed for its own:
 
-Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
-known to detect what they look for.
+* ``core`` (spec, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
+  and torch (not torch.distributed);
+* ``parallel`` (distributed, placement, fsdp1, executors): adds core; ``torch.distributed`` is imported only by
+  parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
+  parallel/placement.py and parallel/executors/sharded.py;
+* ``pruning`` (options, presets, activation, engine: the one-shot API): adds parallel;
+* ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
+  transformers and safetensors;
+* ``training`` (options' users: controller, state, latent, metrics, callback): adds pruning and shrink;
+  ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py;
+* ``cli`` and ``demo`` (the top): anything but each other; they may import lightning; the demo may shard with FSDP2;
+* the package face (``__init__``, ``__about__``): the floors below cli and demo.
+
+Collectives are called only inside parallel/distributed.py. Names that cross modules are public (no
+``from lightning_pat.x import _y``) and no module is imported under a one-letter alias. The checkers are also run on
+small bad sources so that they are known to detect what they look for.
 """
 
 from __future__ import annotations
@@ -29,20 +32,37 @@ import pytest
 PKG_DIR = Path(__file__).resolve().parents[2] / "lightning_pat"
 PKG = "lightning_pat"
 
-PURE = {f"{PKG}.{n}" for n in ("spec", "schedule", "scoring", "selection", "masking", "safe_io", "module_tree")}
-TORCH_DISTRIBUTED_OK = {f"{PKG}.distributed"}
-DTENSOR_TYPES_OK = {f"{PKG}.executors.sharded", f"{PKG}.placement"}
-DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
-LIGHTNING_OK = {f"{PKG}.callback", f"{PKG}.cli", f"{PKG}.demo", f"{PKG}._imports", f"{PKG}._validation"}
-LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
-TORCHMETRICS_OK = {f"{PKG}.metrics"}
-TRAINER_FACING = {
-    f"{PKG}.{n}" for n in ("callback", "cli", "metrics", "engine", "presets", "shrink", "_validation", "_state")
+#: floor -> the modules (dotted, under lightning_pat.) or packages (ending in ".") it holds
+FLOORS: dict[str, tuple[str, ...]] = {
+    "core": ("core.",),
+    "parallel": ("parallel.",),
+    "pruning": ("options", "presets", "activation", "engine"),
+    "shrink": ("shrink.",),
+    "training": ("training.",),
+    "cli": ("cli.",),
+    "demo": ("demo.",),
+    "face": ("", "__about__"),
 }
-SHRINK = f"{PKG}.shrink"
-#: The shrink and the modules it is built from (plan, surgery, module metadata).
-SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "model_meta", "hf_entry")}
-EXPORT = f"{PKG}.export"
+#: floor -> the floors it may import from
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": {"core"},
+    "parallel": {"core", "parallel"},
+    "pruning": {"core", "parallel", "pruning"},
+    "shrink": {"core", "shrink"},
+    "training": {"core", "parallel", "pruning", "shrink", "training"},
+    "cli": {"core", "parallel", "pruning", "shrink", "training", "cli", "face"},
+    "demo": {"core", "parallel", "pruning", "shrink", "training", "demo", "face"},
+    "face": {"core", "parallel", "pruning", "shrink", "training", "face"},
+}
+TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
+DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
+DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
+LIGHTNING_OK_FLOORS = {"cli", "demo"}
+LIGHTNING_OK = {f"{PKG}.training.callback"}
+LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
+TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
+EXPORT = f"{PKG}.shrink.export"
+COLLECTIVES_OK = {f"{PKG}.parallel.distributed"}
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
 
@@ -52,6 +72,18 @@ def _module_name(rel: str) -> str:
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join([PKG, *parts])
+
+
+def floor_of(mod: str) -> str | None:
+    """The floor of dotted module ``mod`` (``lightning_pat`` itself is the face), or ``None`` if none claims it."""
+    rel = mod[len(PKG) + 1 :] if mod != PKG else ""
+    for floor, members in FLOORS.items():
+        for member in members:
+            if member.endswith(".") and (rel == member[:-1] or rel.startswith(member)):
+                return floor
+            if rel == member:
+                return floor
+    return None
 
 
 def _is_package(rel: str) -> bool:
@@ -66,15 +98,18 @@ def _is_submodule(name: str, known: set[str] | None) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imported_modules(rel: str, source: str, known: set[str] | None = None) -> list[tuple[int, str]]:
-    """(line, absolute dotted name) of everything a module imports, lazily or not (``from a import b`` -> a.b)."""
+def imported_modules(rel: str, source: str, known: set[str] | None = None) -> list[tuple[int, str, str]]:
+    """(line, absolute dotted name, alias) of everything a module imports, lazily or not (``from a import b`` -> a.b).
+
+    ``alias`` is the local name for plain and ``from`` imports (``""`` for dynamic imports).
+    """
     tree = ast.parse(source)
     this = _module_name(rel)
     package = this if _is_package(rel) else this.rpartition(".")[0]
-    out: list[tuple[int, str]] = []
+    out: list[tuple[int, str, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
+            out += [(node.lineno, alias.name, alias.asname or "") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base_parts = package.split(".")
@@ -83,19 +118,25 @@ def imported_modules(rel: str, source: str, known: set[str] | None = None) -> li
             else:
                 base = node.module or ""
             for alias in node.names:
+                local = alias.asname or ""
                 if alias.name == "*":
-                    out.append((node.lineno, base))
+                    out.append((node.lineno, base, ""))
                 elif base.split(".")[0] == PKG:
                     candidate = f"{base}.{alias.name}"
-                    out.append((node.lineno, candidate if _is_submodule(candidate, known) else base))
+                    out.append((node.lineno, candidate if _is_submodule(candidate, known) else candidate, local))
                 else:
-                    out.append((node.lineno, f"{base}.{alias.name}"))
+                    out.append((node.lineno, f"{base}.{alias.name}", local))
         elif isinstance(node, ast.Call):
             func = node.func
             fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
             if fname in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-                out.append((node.lineno, str(node.args[0].value)))
+                out.append((node.lineno, str(node.args[0].value), ""))
     return out
+
+
+def _target_module(name: str, known: set[str] | None) -> str:
+    """The module ``name`` refers to: itself if it is a module of the package, else its parent (an imported name)."""
+    return name if name == PKG or _is_submodule(name, known) else name.rpartition(".")[0]
 
 
 def _aliases(source: str) -> dict[str, str]:
@@ -155,46 +196,39 @@ def _is_torch_distributed(name: str) -> bool:
 def violations(rel: str, source: str, known: set[str] | None = None) -> list[str]:
     """Every layering rule broken by module ``rel`` (path relative to lightning_pat/)."""
     mod = _module_name(rel)
+    floor = floor_of(mod)
+    if floor is None:
+        return [f"{rel}: belongs to no floor; add it to FLOORS (and ARCHITECTURE.md)"]
     errors = []
-    for line, name in imported_modules(rel, source, known):
+    for line, name, alias in imported_modules(rel, source, known):
         top = name.split(".")[0]
         where = f"{rel}:{line} imports {name}"
-        if mod in PURE:
-            torch_ok = top == "torch" and not _is_torch_distributed(name)
-            if not (_is_stdlib(name) or torch_ok or name in PURE):
-                errors.append(f"{where}: pure modules import only the stdlib, torch and other pure modules")
+        if top == PKG:
+            target = _target_module(name, known)
+            other = floor_of(target)
+            if other is not None and other not in MAY_IMPORT[floor]:
+                errors.append(f"{where}: the {floor} floor imports only from {sorted(MAY_IMPORT[floor])}")
+            leaf = name.rpartition(".")[2]
+            if target != name and leaf.startswith("_") and not leaf.startswith("__"):
+                errors.append(f"{where}: a name that crosses modules is public (drop the underscore)")
+            if len(alias) == 1:
+                errors.append(f"{where} as {alias}: no one-letter module aliases")
+            continue
+        if floor in ("core", "shrink") and not (_is_stdlib(name) or top == "torch"):
+            ok_export = mod == EXPORT and top in ("transformers", "safetensors")
+            if not ok_export:
+                errors.append(f"{where}: the {floor} floor imports only the stdlib and torch")
         dtensor_types = mod in DTENSOR_TYPES_OK and name.startswith(DTENSOR_TYPE_MODULES)
         if _is_torch_distributed(name) and mod not in TORCH_DISTRIBUTED_OK and not dtensor_types:
-            errors.append(f"{where}: torch.distributed is imported only by distributed.py")
-        if top in LIGHTNING_PACKAGES and mod not in LIGHTNING_OK:
-            errors.append(f"{where}: lightning is imported only by callback.py, _validation.py, cli.py, _imports.py")
+            errors.append(f"{where}: torch.distributed is imported only by parallel/distributed.py (and fsdp1.py)")
+        if top in LIGHTNING_PACKAGES and mod not in LIGHTNING_OK and floor not in LIGHTNING_OK_FLOORS:
+            errors.append(f"{where}: lightning is imported only by training/callback.py, cli/ and demo/")
         if top == "torchmetrics" and mod not in TORCHMETRICS_OK:
-            errors.append(f"{where}: torchmetrics is imported only by metrics.py")
-        if mod.startswith(f"{PKG}.executors") and (top in LIGHTNING_PACKAGES or name in TRAINER_FACING or name == PKG):
-            errors.append(f"{where}: executors never see a Trainer")
-        if mod in SHRINK_FAMILY:
-            torch_ok = top == "torch" and not _is_torch_distributed(name)
-            if not (_is_stdlib(name) or torch_ok or name in PURE or name in SHRINK_FAMILY):
-                errors.append(
-                    f"{where}: the shrink modules import only the stdlib, torch, the pure modules and each other"
-                )
-        if mod == EXPORT:
-            torch_ok = top == "torch" and not _is_torch_distributed(name)
-            if not (
-                _is_stdlib(name)
-                or torch_ok
-                or name in PURE
-                or name in SHRINK_FAMILY
-                or top in ("transformers", "safetensors")
-            ):
-                errors.append(
-                    f"{where}: export.py imports only the stdlib, torch, transformers, shrink and pure modules"
-                )
-        if mod == f"{PKG}.distributed" and top == PKG and name not in PURE:
-            errors.append(f"{where}: distributed.py sits below everything but the pure modules")
-    if mod not in TORCH_DISTRIBUTED_OK:
+            errors.append(f"{where}: torchmetrics is imported only by training/metrics.py")
+    if mod not in COLLECTIVES_OK:
         errors += [
-            f"{rel}:{line} calls {call}: collectives live in distributed.py" for line, call in collective_calls(source)
+            f"{rel}:{line} calls {call}: collectives live in parallel/distributed.py"
+            for line, call in collective_calls(source)
         ]
     return errors
 
@@ -209,60 +243,69 @@ def test_module_respects_layering(rel):
     assert violations(rel, source) == []
 
 
-def test_core_modules_are_checked():
-    files = set(_package_files())
-    for rel in (
-        "spec.py",
-        "schedule.py",
-        "scoring.py",
-        "selection.py",
-        "masking.py",
-        "distributed.py",
-        "engine.py",
-        "executors/materializing.py",
-        "shrink.py",
-    ):
-        assert rel in files
+def test_every_module_has_a_floor_and_the_floors_exist():
+    files = _package_files()
+    assert len(files) > 30
+    assert all(floor_of(_module_name(rel)) is not None for rel in files)
+    for floor, members in FLOORS.items():
+        for member in members:
+            if member.endswith("."):
+                assert (PKG_DIR / member[:-1] / "__init__.py").is_file(), (floor, member)
+            elif member:
+                assert (PKG_DIR / f"{member}.py").is_file(), (floor, member)
 
 
 # ---------------------------------------------------------------------------------------------------- the checkers
 
 
-KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "engine", "callback", "shrink")}
+KNOWN = {
+    f"{PKG}.{n}"
+    for n in (
+        "core", "core.spec", "core.scoring", "parallel", "parallel.distributed", "parallel.placement", "engine",
+        "options", "training", "training.callback", "training.controller", "shrink", "shrink.entry", "demo", "cli",
+    )
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("rel", "source", "needle"),
     [
-        ("spec.py", "import numpy\n", "pure modules"),
-        ("scoring.py", "from lightning_pat import distributed as D\n", "pure modules"),
-        ("scoring.py", "from . import engine\n", "pure modules"),
-        ("masking.py", "from lightning_pat import Cluster\n", "pure modules"),  # the package pulls in everything
-        ("selection.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
-        ("selection.py", "from torch import distributed\n", "torch.distributed is imported only"),
+        ("core/spec.py", "import numpy\n", "imports only the stdlib and torch"),
+        ("core/scoring.py", "from lightning_pat.parallel import distributed\n", "the core floor imports only"),
+        ("core/scoring.py", "from .. import engine\n", "the core floor imports only"),
+        ("core/masking.py", "from lightning_pat import Cluster\n", "the core floor imports only"),
+        ("core/selection.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
+        ("core/selection.py", "from torch import distributed\n", "torch.distributed is imported only"),
         ("engine.py", "def f():\n    import torch.distributed\n", "torch.distributed is imported only"),
-        ("placement.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
-        ("executors/sharded.py", "from torch.distributed import all_gather\n", "torch.distributed is imported only"),
+        ("parallel/placement.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
+        ("parallel/executors/sharded.py", "from torch.distributed import all_gather\n", "torch.distributed is"),
         ("engine.py", "from torch.distributed.tensor import DTensor\n", "torch.distributed is imported only"),
         ("engine.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
         ("presets.py", "from pytorch_lightning import Trainer\n", "lightning is imported only"),
         ("engine.py", "import importlib\nimportlib.import_module('lightning')\n", "lightning is imported only"),
-        ("callback.py", "import torchmetrics\n", "torchmetrics is imported only"),
-        ("executors/materializing.py", "from lightning_pat.callback import X\n", "executors never see a Trainer"),
-        ("executors/base.py", "from ..engine import Pruner\n", "executors never see a Trainer"),
-        ("distributed.py", "from lightning_pat import engine\n", "distributed.py sits below"),
-        ("executors/sharded.py", "import torch\ntorch.distributed.all_gather_into_tensor(a, b)\n", "collectives"),
-        ("executors/sharded.py", "def f(mesh):\n    mesh.get_group().allreduce(t)\n", "collectives"),
-        ("placement.py", "from torch.distributed import broadcast as b\nb(t, 0)\n", "collectives"),
-        ("engine.py", "from lightning_pat import distributed as D\nD.barrier()\n", "collectives"),
-        ("callback.py", "import torch.distributed as dist\ndist.all_reduce(t)\n", "collectives"),
-        ("callback.py", "strategy.barrier()\n", "collectives"),
-        ("shrink.py", "from lightning_pat.engine import PruneResult\n", "the shrink modules import only"),
-        ("surgery.py", "from lightning_pat.engine import Pruner\n", "the shrink modules import only"),
-        ("shrink.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
-        ("shrink.py", "import transformers\n", "the shrink modules import only"),
-        ("export.py", "import lightning\n", "lightning is imported only"),
-        ("export.py", "from lightning_pat import callback\n", "export.py imports only"),
+        ("training/controller.py", "import lightning\n", "lightning is imported only"),
+        ("training/callback.py", "import torchmetrics\n", "torchmetrics is imported only"),
+        ("parallel/executors/base.py", "from lightning_pat.training.callback import X\n", "parallel floor imports"),
+        ("parallel/executors/base.py", "from ...engine import Pruner\n", "the parallel floor imports only"),
+        ("parallel/distributed.py", "from lightning_pat import engine\n", "the parallel floor imports only"),
+        ("engine.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
+        ("engine.py", "from lightning_pat.demo import TinyGPT\n", "the pruning floor imports only"),
+        ("training/callback.py", "from lightning_pat.cli import main\n", "the training floor imports only"),
+        ("shrink/entry.py", "from lightning_pat.engine import PruneResult\n", "the shrink floor imports only"),
+        ("shrink/surgery.py", "from lightning_pat.parallel import distributed\n", "the shrink floor imports only"),
+        ("shrink/entry.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
+        ("shrink/entry.py", "import transformers\n", "imports only the stdlib and torch"),
+        ("shrink/export.py", "import lightning\n", "lightning is imported only"),
+        ("cli/app.py", "from lightning_pat.demo import TinyGPT\n", "the cli floor imports only"),
+        ("engine.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
+        ("engine.py", "from lightning_pat.parallel import distributed as D\n", "no one-letter module aliases"),
+        ("new_module.py", "import torch\n", "belongs to no floor"),
+        ("parallel/executors/sharded.py", "import torch\ntorch.distributed.all_gather_into_tensor(a, b)\n", "collect"),
+        ("parallel/executors/sharded.py", "def f(mesh):\n    mesh.get_group().allreduce(t)\n", "collectives"),
+        ("parallel/placement.py", "from torch.distributed import broadcast as b\nb(t, 0)\n", "collectives"),
+        ("engine.py", "from lightning_pat.parallel import distributed\ndistributed.barrier()\n", "collectives"),
+        ("training/callback.py", "import torch.distributed as dist\ndist.all_reduce(t)\n", "collectives"),
+        ("training/callback.py", "strategy.barrier()\n", "collectives"),
     ],
 )
 def test_checkers_detect_violations(rel, source, needle):
@@ -273,19 +316,22 @@ def test_checkers_detect_violations(rel, source, needle):
 @pytest.mark.parametrize(
     ("rel", "source"),
     [
-        ("spec.py", "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.scoring import x\n"),
-        ("masking.py", "from .scoring import unit_of_channels\nfrom .spec import Member\n"),
-        ("distributed.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
-        ("placement.py", "from torch.distributed.tensor import Replicate, Shard\n"),
+        ("core/spec.py", "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.scoring import x\n"),
+        ("core/masking.py", "from .scoring import unit_of_channels\nfrom .spec import Member\n"),
+        ("parallel/distributed.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
+        ("parallel/placement.py", "from torch.distributed.tensor import Replicate, Shard\n"),
         (
-            "executors/sharded.py",
+            "parallel/executors/sharded.py",
             "from torch.distributed.tensor.placement_types import Placement\n"
-            "from lightning_pat import distributed as D\nD.all_gather_stacked(x, group=g)\n",
+            "from lightning_pat.parallel import distributed\ndistributed.all_gather_stacked(x, group=g)\n",
         ),
-        ("callback.py", "import lightning.pytorch as pl\n"),
-        ("metrics.py", "from torchmetrics import Metric\n"),
-        ("shrink.py", "import math\nimport torch\nfrom lightning_pat.spec import ResolvedCluster\n"),
-        ("export.py", "from lightning_pat.shrink import shrink\ndef f():\n    import transformers\n"),
+        ("training/callback.py", "import lightning.pytorch as pl\nfrom lightning_pat.training import controller\n"),
+        ("training/controller.py", "from lightning_pat.engine import Pruner\nfrom lightning_pat.shrink import entry\n"),
+        ("training/metrics.py", "from torchmetrics import Metric\n"),
+        ("shrink/entry.py", "import math\nimport torch\nfrom lightning_pat.core.spec import ResolvedCluster\n"),
+        ("shrink/export.py", "from lightning_pat.shrink import entry\ndef f():\n    import transformers\n"),
+        ("demo/task.py", "import lightning.pytorch as pl\nfrom torch.distributed.fsdp import fully_shard\n"),
+        ("cli/app.py", "from lightning.pytorch.cli import LightningCLI\nfrom lightning_pat.training import callback\n"),
     ],
 )
 def test_checkers_accept_allowed_imports(rel, source):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters
-from lightning_pat.spec import resolve_clusters
+from lightning_pat.core.spec import resolve_clusters
 from tests.common.tiny_families import llama_like
 
 H = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])

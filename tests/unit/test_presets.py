@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters
-from lightning_pat.demo_model import TinyGPT, TinyGPTConfig
+from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from tests.common.tiny_families import CASES, FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")  # a guard only: the test extra installs it, so these tests run in CI
@@ -338,9 +338,9 @@ def test_resolve_preset_accepts_names_auto_declarations_and_mixes():
 
 def test_resolve_preset_errors():
     model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32, n_layer=1))
-    with pytest.raises(ValueError, match=r"Preset options must be bools among \('mlp', 'heads', 'residual'\)"):
+    with pytest.raises(ValueError, match=r"`preset_options` must map some of \('mlp', 'heads', 'residual'\) to bools"):
         presets.resolve_preset("tiny_gpt", model, hidden=True)
-    with pytest.raises(ValueError, match="must be bools"):
+    with pytest.raises(ValueError, match="to bools"):
         presets.resolve_preset("tiny_gpt", model, residual="yes")
     with pytest.raises(ValueError, match="apply to preset names only"):
         presets.resolve_preset([Cluster(name="x", writers=["norm.weight"])], model, residual=True)
@@ -483,7 +483,7 @@ def test_tiny_gpt_is_causal():
         assert not torch.allclose(model(ids)[:, 5:], model(changed)[:, 5:])
 
 
-@pytest.mark.parametrize("module", ["presets.py", "demo_model.py"])
+@pytest.mark.parametrize("module", ["presets.py", "demo/model.py"])
 def test_no_lightning_or_transformers_import(module):
     path = Path(__file__).resolve().parents[2] / "lightning_pat" / module
     roots = set()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from lightning_pat.schedule import Schedule
+from lightning_pat.core.schedule import Schedule
 
 
 def _cubic(tau: float) -> float:

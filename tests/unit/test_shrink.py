@@ -17,8 +17,8 @@ from torch import nn
 
 import lightning_pat
 from lightning_pat import Cluster, Pruner, presets, prune_clusters, resolve_clusters, shrink
+from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import LayerNormShrinkWarning, ShrinkPlan, apply_plan, build_plan, slice_optimizer_state
-from lightning_pat.spec import ResolvedCluster
 from tests.common.tiny_families import CASES, FamilyCase, llama_like, logits, tiny_gpt, token_ids
 
 pytest.importorskip("transformers")
@@ -404,7 +404,7 @@ def test_plan_and_optimizer_state_slicing_against_a_reference():
     plan = build_plan([rc], {"h": [1, 5, 6]})
     kept = [0, 2, 3, 4, 7]
     assert isinstance(plan, ShrinkPlan)
-    assert plan.new_shape("2.weight") == (3, 5)
+    assert tuple(plan.slice("2.weight", net[2].weight).shape) == (3, 5)
     opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), torch.optim.AdamW(net.parameters(), lr=1e-2)]
     for _ in range(2):
         for opt in opts:
@@ -457,8 +457,8 @@ def test_public_names():
 @pytest.mark.parametrize("kinds", [("mlp", "heads"), ("mlp", "heads", "residual")])
 def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
     """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
-    from lightning_pat.demo_model import TinyGPT
-    from lightning_pat.hf_entry import differences as _differences
+    from lightning_pat.demo.model import TinyGPT
+    from lightning_pat.shrink.hf_entry import differences as _differences
 
     case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
     model = case.fresh()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, Pruner, prune_clusters, resolve_clusters
-from lightning_pat.spec import Member, ResolvedCluster
+from lightning_pat.core.spec import Member, ResolvedCluster
 from tests.common.cases import assert_state_unchanged, clone_state, make_module
 
 
@@ -183,10 +183,13 @@ BAD_OPTIONS = {
     "method": ({"method": "lasso"}, r"`method` must be one of \('hard', 'group_lasso'\), got 'lasso'"),
     "executor": ({"executor": "fast"}, r"`executor` must be one of"),
     "sharded on plain tensors": ({"executor": "sharded"}, r"Cluster 'ok': executor='sharded'"),
-    "group_count_ref zero": ({"group_count_ref": 0}, r"`group_count_ref` must be a positive int"),
-    "group_count_ref bool": ({"group_count_ref": True}, r"`group_count_ref` must be a positive int"),
-    "negative lambda": ({"method": "group_lasso", "reg_lambda": -1.0}, r"`reg_lambda` and `gamma` must be >= 0"),
-    "negative gamma": ({"method": "group_lasso", "gamma": -1.0}, r"`reg_lambda` and `gamma` must be >= 0"),
+    "group_count_ref zero": ({"group_count_ref": 0}, r"`group_count_ref` must be an int >= 1"),
+    "group_count_ref bool": ({"group_count_ref": True}, r"`group_count_ref` must be an int >= 1"),
+    "negative lambda": (
+        {"method": "group_lasso", "reg_lambda": -1.0},
+        r"`reg_lambda` must be a number >= 0.0, got -1.0",
+    ),
+    "negative gamma": ({"method": "group_lasso", "gamma": -1.0}, r"`gamma` must be a number >= 0.0, got -1.0"),
 }
 
 
@@ -204,7 +207,7 @@ def test_bad_option_raises_before_any_mutation(case):
 def test_sparsity_outside_unit_interval(sparsity):
     model = _tiny()
     before = clone_state(model)
-    with pytest.raises(ValueError, match=r"`sparsity` must be a number in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"`sparsity` must be a number \[0.0, 1.0\]"):
         prune_clusters(model, VALID, sparsity)
     assert_state_unchanged(model, before)
 
@@ -234,7 +237,7 @@ def test_pruner_rejects_bad_options():
     resolved = resolve_clusters(model, VALID)
     with pytest.raises(ValueError, match=r"`score` must be one of"):
         Pruner(model, resolved, score="linf")
-    with pytest.raises(ValueError, match=r"`group_count_ref` must be a positive int or None, got -3"):
+    with pytest.raises(ValueError, match=r"`group_count_ref` must be an int >= 1, got -3"):
         Pruner(model, resolved, group_count_ref=-3)
     with pytest.raises(ValueError, match=r"`method` must be one of"):
         Pruner(model, resolved).select({"ok": 0.5}, method="soft")

@@ -1,0 +1,284 @@
+"""The ``lightning-pat`` command: LightningCLI with pruning, plus ``lightning-pat shrink`` for checkpoints.
+
+::
+
+    lightning-pat fit --config examples/configs/demo.yaml        # train (and prune) from a YAML file
+    lightning-pat validate --config ... --ckpt_path CKPT          # evaluate a checkpoint
+    lightning-pat shrink --ckpt_path CKPT --output DIR            # cut the pruned units out of a checkpoint's model
+    python -m lightning_pat.cli ...                               # the same without the console script
+
+Any LightningModule / LightningDataModule can be named by ``class_path`` in the config, and
+``lightning_pat.CoupledPruningCallback`` goes under ``trainer.callbacks`` with its ``init_args``: a preset name
+(``clusters: tiny_gpt``) or a list of cluster declarations (``clusters: [{name: ..., writers: [...], ...}]``).
+``fit --help`` lists the callback's options; ``fit --trainer.callbacks.help CoupledPruningCallback`` prints them
+with their types and defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+from lightning_pat.cli.checkpoint import shrink_checkpoint
+from lightning_pat.training.callback import CoupledPruningCallback
+
+_CALLBACK_PATH = "lightning_pat.CoupledPruningCallback"
+
+
+class StepProgressBar(TQDMProgressBar):
+    """A TQDM progress bar counted in optimizer steps up to ``max_steps``, without an epoch counter.
+
+    Step-based runs (``max_steps`` with ``max_epochs=-1``) otherwise show ``Epoch 4/-2``; this bar reads
+    ``train: 120/300 [.., train_loss=1.9, pruning/unit_sparsity=0.25]``. Runs without ``max_steps`` keep the
+    standard per-epoch bar.
+    """
+
+    def _by_steps(self, trainer: Trainer) -> bool:
+        return trainer.max_steps is not None and trainer.max_steps > 0
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        """Set the bar's total to ``max_steps`` once (it is not reset per epoch)."""
+        if not self._by_steps(trainer):
+            super().on_train_epoch_start(trainer, *args)
+            return
+        bar = self.train_progress_bar
+        if bar.total != trainer.max_steps:
+            bar.reset(total=trainer.max_steps)
+            bar.initial = 0
+        bar.set_description("train")
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """Advance to the number of optimizer steps taken and refresh the metrics."""
+        if not self._by_steps(trainer):
+            super().on_train_batch_end(trainer, pl_module, *args)
+            return
+        bar = self.train_progress_bar
+        if bar is not None and self._should_update(trainer.global_step, bar.total):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict]:
+        """The progress-bar metrics without the logger's version number."""
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+def callback_options_help() -> str:
+    """The ``Args:`` section of :class:`~lightning_pat.CoupledPruningCallback`'s docstring, as help text.
+
+    Returns:
+        One line per option (``  name  description``), for the epilog of ``lightning-pat fit --help``.
+    """
+    doc = inspect.getdoc(CoupledPruningCallback) or ""
+    section = doc.split("Args:\n", 1)[1].split("\n\n", 1)[0] if "Args:\n" in doc else ""
+    options: list[tuple[str, str]] = []
+    for line in section.splitlines():
+        match = re.match(r"^    (\w+): (.*)$", line)
+        if match:
+            options.append((match.group(1), match.group(2)))
+        elif options and line.strip():
+            options[-1] = (options[-1][0], f"{options[-1][1]} {line.strip()}")
+    width = max((len(name) for name, _ in options), default=0)
+    lines = [
+        f"Pruning: add the callback under trainer.callbacks (class_path: {_CALLBACK_PATH}) with these init_args",
+        "(`--trainer.callbacks.help CoupledPruningCallback` prints their types and defaults):",
+    ]
+    for name, text in options:
+        text = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"\1", text).replace("``", "")  # reST markup -> plain
+        wrapped = textwrap.wrap(text, width=max(100 - width - 4, 40))
+        lines += [f"  {name if i == 0 else '':<{width}}  {line}" for i, line in enumerate(wrapped)]
+    return "\n".join(lines)
+
+
+class _HelpFormatter(DefaultHelpFormatter):
+    """Keep the epilog's line breaks (the option table)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+_NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
+_KEY = re.compile(r'Parser key "([\w.]+)"')
+
+
+def _init_parameters(class_path: str) -> list[str]:
+    """The keyword arguments a class path's ``__init__`` takes (empty if it cannot be imported)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [name for name, p in params.items() if name != "self" and p.kind not in variadic]
+
+
+def summarize_error(message: str) -> str | None:
+    """The one line that matters in a jsonargparse error, or ``None`` if there is no better line than the first.
+
+    An unknown option in a class's ``init_args`` (a callback under ``trainer.callbacks``, the model) is reported by
+    jsonargparse inside a list of every type the value failed to match; this names the option, the class and the
+    closest valid option.
+
+    Args:
+        message: The error message jsonargparse produced.
+
+    Returns:
+        For example ``trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback;
+        did you mean `target_sparsity`?``.
+    """
+    match = _NOT_ACCEPTED.search(message)
+    if match is None:
+        return None
+    class_path, option = match.groups()
+    key = _KEY.search(message)
+    where = f"{key.group(1)}: " if key else ""
+    close = difflib.get_close_matches(option, _init_parameters(class_path), n=1)
+    hint = f"did you mean `{close[0]}`?" if close else "see `--help` for the options."
+    return f"{where}`{option}` is not an option of {class_path}; {hint}"
+
+
+class PatArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors start with the line that matters (an unknown option and its fix)."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print a summary line before jsonargparse's detailed message, without the 60-line usage."""
+        summary = summarize_error(message)
+        if summary is None or not self.exit_on_error:
+            super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {summary}\n(for every option: {prog} --help)\n\ndetails: {message}\n")
+        self.exit(2)
+
+
+class PatCLI(LightningCLI):
+    """LightningCLI whose Trainer shows a step-counted progress bar (see :class:`StepProgressBar`)."""
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Add a :class:`StepProgressBar` unless the config disables the bar or brings its own."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        wants_bar = config.get("enable_progress_bar", True) is not False
+        if wants_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+            config["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def cli_main(args: list[str] | None = None, *, run: bool = True) -> PatCLI:
+    """Run the Lightning CLI (``fit``, ``validate``, ``test``, ``predict``) with subclass mode for model and data.
+
+    Args:
+        args: Command-line arguments (defaults to ``sys.argv[1:]``).
+        run: Whether to run the subcommand (``False``: parse and instantiate only).
+
+    Returns:
+        The CLI object (its ``trainer`` and ``model`` are available after the subcommand ran).
+    """
+    epilog = callback_options_help()
+    sub = {"epilog": epilog}
+    return PatCLI(
+        parser_class=PatArgumentParser,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={
+            "description": "Pruning-aware training with LightningCLI. Also: `lightning-pat shrink --help`.",
+            "formatter_class": _HelpFormatter,  # subcommand parsers inherit it
+            "fit": dict(sub),
+            "validate": dict(sub),
+        },
+        args=args,
+        run=run,
+    )
+
+
+def shrink_main(args: list[str] | None = None) -> Path:
+    """``lightning-pat shrink``: parse the arguments and run :func:`shrink_checkpoint`.
+
+    Args:
+        args: Arguments after ``shrink``.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ValueError: As for :func:`shrink_checkpoint` (:func:`main` prints it as one line and exits with 1).
+        FileNotFoundError: If the checkpoint does not exist.
+        FileExistsError: If ``--output`` is not empty and ``--overwrite`` is not given.
+    """
+    parser = argparse.ArgumentParser(
+        prog="lightning-pat shrink",
+        description=(
+            "Cut the units a CoupledPruningCallback dropped out of a checkpoint's model and save the smaller model "
+            "(save_pretrained for transformers models, else safetensors plus a JSON description). The checkpoint is "
+            "read without running code from it."
+        ),
+    )
+    parser.add_argument(
+        "--ckpt_path", required=True, help="a .ckpt file, or a ModelParallelStrategy distributed checkpoint directory"
+    )
+    parser.add_argument("--output", required=True, help="directory to write the shrunk model to (empty or new)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
+    parser.add_argument("--config", help="the run's LightningCLI config (default: config.yaml next to the logs)")
+    parser.add_argument("--model_class", help="LightningModule class path, instead of a config (uses saved hparams)")
+    parser.add_argument("--submodule", help="attribute path of the module to export (default: the wrapped model)")
+    ns = parser.parse_args(args)
+    out = shrink_checkpoint(
+        ns.ckpt_path,
+        ns.output,
+        config=ns.config,
+        model_class=ns.model_class,
+        submodule=ns.submodule,
+        overwrite=ns.overwrite,
+    )
+    sys.stdout.write(f"shrunk model written to {out}\n")
+    return out
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of ``lightning-pat``: ``shrink`` is handled here, every other subcommand by LightningCLI.
+
+    The console script runs ``sys.exit(main())``: 0 on success, so ``lightning-pat fit ... && lightning-pat shrink
+    ...`` works. A ``shrink`` that cannot read its input or write its output prints one line naming the problem and
+    exits with 1 (no traceback); argument errors exit with 2.
+
+    Args:
+        args: Command-line arguments (defaults to ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] == "shrink":
+        try:
+            shrink_main(argv[1:])
+        except (ValueError, FileNotFoundError, FileExistsError) as err:
+            sys.stderr.write(f"lightning-pat shrink: error: {err}\n")
+            return 1
+        return 0
+    cli_main(args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through subprocess in tests
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The checkpoint reader behind ``lightning-pat shrink``: read a run's checkpoint, rebuild its model, shrink, export.
+
+No argument parsing here (that is :mod:`lightning_pat.cli.app`); every function is usable from Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningArgumentParser
+from torch import nn
+
+from lightning_pat.core.safe_io import confined, load_torch_file
+from lightning_pat.shrink import checkpoint_state, restore_shrunk
+from lightning_pat.training.state import DCP_PREFIX
+
+
+def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
+    """The ``nn.Module`` (LightningModule) subclass a class path names, checked before anything is called.
+
+    Raises:
+        ValueError: If the path is not a dotted name, cannot be imported, or names anything but an ``nn.Module``
+            subclass (a function such as ``os.system``, another class).
+    """
+    if not isinstance(class_path, str) or "." not in class_path.strip("."):
+        raise ValueError(f"{where}: expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
+    module, _, name = class_path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{where}: cannot import {class_path!r} ({err}).") from None
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise ValueError(
+            f"{where}: {class_path!r} is not a LightningModule (or nn.Module) class but a {type(obj).__name__}; "
+            "refused (only a model class is instantiated). Pass `--config` (the run's LightningCLI config) or "
+            "`--model_class`."
+        )
+    return obj
+
+
+def _checkpoint_globals() -> list[Any]:
+    """The classes besides tensors, containers and plain values that Lightning writes into checkpoints."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
+
+
+def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """Read a Lightning checkpoint, a ``.ckpt`` file or a distributed checkpoint directory, without running code.
+
+    Files are read with ``torch.load(weights_only=True)`` (tensors, containers, plain values and Lightning's
+    ``AttributeDict``): a checkpoint that asks for any other Python object is refused before anything is called.
+    A directory written under ``ModelParallelStrategy`` (``save_distributed_checkpoint=True``) holds the sharded
+    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters); its shards are
+    read in memory (:func:`~lightning_pat.parallel.distributed.read_distributed_checkpoint`: the ``.metadata``
+    file through an allow-list unpickler, shard names confined to the directory), nothing is written next to it.
+
+    Args:
+        ckpt_path: The checkpoint file or directory.
+
+    Returns:
+        The checkpoint dict (``state_dict``, ``callbacks``, ``hyper_parameters``, ...).
+
+    Raises:
+        FileNotFoundError: If the path does not exist or a directory lacks ``meta.pt``.
+        ValueError: If a file is not a torch checkpoint, is truncated, or holds objects outside the allow-list.
+    """
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint not found: {path}")
+    allowed = _checkpoint_globals()
+    if path.is_file():
+        checkpoint = load_torch_file(path, what="checkpoint", allowed=allowed)
+    else:
+        meta = path / "meta.pt"
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
+            )
+        from lightning_pat.parallel.distributed import read_distributed_checkpoint
+
+        checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
+        if isinstance(checkpoint, dict):
+            checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise ValueError(f"cannot read checkpoint {path}: not a Lightning checkpoint (no `state_dict` mapping)")
+    return checkpoint
+
+
+def find_config(ckpt_path: str | Path) -> Path | None:
+    """The ``config.yaml`` LightningCLI saved for the run that wrote a checkpoint, if any.
+
+    LightningCLI writes it into the log directory; checkpoints go to ``<log dir>/checkpoints/``. The checkpoint's
+    directory and the two above it are searched.
+
+    Args:
+        ckpt_path: The checkpoint file or directory.
+
+    Returns:
+        The path of ``config.yaml``, or ``None``.
+    """
+    parent = Path(ckpt_path).resolve().parent
+    for folder in (parent, parent.parent, parent.parent.parent):
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    return None
+
+
+def model_from_config(config: str | Path) -> LightningModule:
+    """Instantiate the ``model`` section of a LightningCLI config (``class_path`` and ``init_args``).
+
+    Args:
+        config: A YAML file such as the ``config.yaml`` LightningCLI saves next to a run's logs.
+
+    Returns:
+        The LightningModule, freshly initialised (``configure_model`` is not called).
+
+    Raises:
+        ValueError: If the file has no ``model.class_path``.
+    """
+    import yaml
+
+    section = (yaml.safe_load(Path(config).read_text()) or {}).get("model")
+    if not isinstance(section, dict) or "class_path" not in section:
+        raise ValueError(f"{config} has no `model: {{class_path: ..., init_args: ...}}` section.")
+    _module_class(section["class_path"], where=f"{config}: model.class_path")  # before jsonargparse calls anything
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
+    parsed = parser.parse_object({"model": section})
+    return parser.instantiate_classes(parsed).model
+
+
+def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:
+    if attribute:
+        target = module.get_submodule(attribute)
+        if target is None:
+            raise ValueError(f"The model has no submodule {attribute!r}.")
+        return target
+    try:
+        from transformers import PreTrainedModel
+
+        pretrained = [m for m in module.children() if isinstance(m, PreTrainedModel)]
+    except ImportError:  # pragma: no cover - transformers is optional
+        pretrained = []
+    if len(pretrained) == 1:
+        return pretrained[0]
+    children = list(module.named_children())
+    if len(children) == 1:
+        return children[0][1]
+    return module
+
+
+def shrink_checkpoint(
+    ckpt_path: str | Path,
+    output: str | Path,
+    *,
+    config: str | Path | None = None,
+    model_class: str | None = None,
+    submodule: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
+
+    The model is named by ``config`` or ``model_class`` if given (a LightningModule class path, instantiated with
+    the hyperparameters saved in the checkpoint), else by the run's LightningCLI ``config.yaml`` found next to the
+    checkpoint, else by the class path LightningCLI records in the checkpoint's hyperparameters. The weights load
+    from the checkpoint, the shrink reads the :class:`~lightning_pat.CoupledPruningCallback` state in it, and the
+    exported model is the LightningModule's only transformers model (``save_pretrained``), else its only child
+    module, else ``submodule`` or the whole module (a ``torch.save``'d module plus its sizes).
+
+    Args:
+        ckpt_path: A ``.ckpt`` file, or a distributed checkpoint directory written under ``ModelParallelStrategy``.
+        output: Directory to write.
+        config: The run's config (default: the ``config.yaml`` next to the checkpoint's logs).
+        model_class: LightningModule class path, used when there is no config.
+        submodule: Attribute path of the module to export (default: see above).
+        overwrite: Replace an earlier export in ``output`` (a non-empty ``output`` is refused otherwise).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
+            anything but a LightningModule / ``nn.Module`` class), or the checkpoint holds no pruning state.
+        FileExistsError: If ``output`` is not empty and ``overwrite`` is false.
+    """
+    from lightning_pat import shrink
+    from lightning_pat.shrink.export import check_directory, save_pretrained
+
+    check_directory(output, overwrite=overwrite)  # before the (long) load
+    checkpoint = load_checkpoint(ckpt_path)
+    state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    if config is None and model_class is None:
+        config = find_config(ckpt_path)
+        model_class = hparams.get("_class_path") if config is None else None  # LightningCLI stores it
+    if config is not None:
+        module = model_from_config(config)
+    elif model_class is not None:
+        cls = _module_class(model_class, where=f"the model class of {ckpt_path}")
+        init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
+        module = cls(**init_args)
+    else:
+        raise ValueError(
+            f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
+            "(the run's LightningCLI config) or `--model_class` (a LightningModule that saved its hyperparameters)."
+        )
+    target = _export_target(module, submodule)
+    # a run with `shrink_on_freeze=True` saved the small weights: give the fresh module their shapes first
+    already_small = restore_shrunk(target, checkpoint)
+    # mid-ramp distributed checkpoints carry the sharded latent copies next to the weights: not model state
+    weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(DCP_PREFIX)}
+    module.load_state_dict(weights)
+    if not already_small:
+        _warn_if_not_final(state)
+        shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
+    return save_pretrained(target.eval(), output, overwrite=overwrite)
+
+
+def _warn_if_not_final(state: Mapping[str, Any]) -> None:
+    """Warn when the checkpoint was written before the schedule's final step (the mask may still change)."""
+    options = state.get("options") or {}
+    final = int(options.get("warmup_steps", 0)) + int(options.get("ramp_steps", 0))
+    if options and int(state.get("step", 0)) < final:
+        warnings.warn(
+            f"lightning-pat shrink: the checkpoint was written at pruning step {state.get('step')}, before the final "
+            f"ramp step {final}; the shrunk model removes the units dropped so far (the mask was not final). Shrink "
+            "a checkpoint from the end of the ramp or later for the final widths.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,271 @@
+"""The pruning options, built and checked in one place (no Lightning here).
+
+:class:`PruningOptions` is a frozen dataclass: constructing one validates every option (numbers, enums, cluster
+declarations, preset names and options, the schedule) and raises ``ValueError``/``TypeError`` naming the option,
+what was expected, what was found and the fix. The callback, :func:`~lightning_pat.prune_clusters`, the plan and
+the presets use the same checkers; the callback turns their errors into ``MisconfigurationException`` at its
+boundary. :func:`check_environment` refuses, before any step, the training setups the callback cannot serve; it
+takes the strategy as plain facts (its class name and :data:`StrategyKind`), so it needs no Lightning either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lightning_pat import presets
+from lightning_pat.core.schedule import RampShape, Schedule
+from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
+from lightning_pat.core.spec import Cluster, check_declaration
+from lightning_pat.parallel.distributed import rank_zero_warn
+from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
+
+Mode = Literal["latent", "direct"]
+MODES: tuple[str, ...] = ("latent", "direct")
+Method = Literal["hard", "group_lasso"]
+METHODS: tuple[str, ...] = ("hard", "group_lasso")
+#: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
+StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
+#: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
+RESUMABLE: tuple[str, ...] = (
+    "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
+    "score", "mode", "group_count_ref",
+)  # fmt: skip
+#: Options that shape a frozen mask: they cannot change on a resume after the final ramp step (with healing).
+MASK_SHAPING: frozenset[str] = frozenset(
+    {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode"}
+)
+_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
+
+
+def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
+    """Raise unless ``value`` is one of ``valid``.
+
+    Raises:
+        ValueError: If ``value`` is not in ``valid``.
+    """
+    if value not in valid:
+        raise ValueError(f"`{name}` must be one of {tuple(valid)}, got {value!r}.")
+
+
+def check_number(name: str, value: object, *, low: float, high: float | None = None, integer: bool = False) -> None:
+    """Raise unless ``value`` is a number (an int if ``integer``) in ``[low, high]``.
+
+    Raises:
+        ValueError: If ``value`` is a bool, not a number (not an int), NaN or out of range.
+    """
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    in_range = ok_type and value >= low and (high is None or value <= high)  # type: ignore[operator]  # NaN: False
+    if isinstance(value, bool) or not in_range:
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"`{name}` must be {kind} {span}, got {value!r}.")
+
+
+def _preset_name(name: str) -> str:
+    try:
+        presets.get(name)
+    except ValueError as err:
+        raise ValueError(f"`clusters`: {err}") from err
+    return name
+
+
+def _declaration(entry: object, index: int) -> Cluster:
+    if isinstance(entry, Mapping):
+        label = entry.get("name", f"#{index}")
+        unknown = sorted(str(k) for k in entry if k not in _FIELDS)
+        if unknown:
+            raise ValueError(
+                f"Cluster {label!r}: unknown key(s) {unknown}; a cluster declaration has the fields {list(_FIELDS)}."
+            )
+        if "name" not in entry:
+            raise ValueError(
+                f"Cluster #{index}: the mapping {dict(entry)!r} has no `name`; every declaration needs one."
+            )
+    elif not isinstance(entry, Cluster):
+        raise ValueError(
+            f"`clusters` entry #{index} must be a Cluster, a mapping of its fields or a preset name, got "
+            f"{type(entry).__name__} ({entry!r})."
+        )
+    try:
+        return check_declaration(entry if isinstance(entry, Cluster) else Cluster(**entry))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"`clusters`: {err}") from err
+
+
+def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
+    """A preset name (checked), or declarations and preset names (checked; mappings become Clusters).
+
+    Raises:
+        ValueError: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a declaration is
+            invalid (a mapping with an unknown key or no name included).
+    """
+    if isinstance(clusters, str):
+        return _preset_name(clusters)
+    if isinstance(clusters, (Cluster, Mapping)):
+        clusters = [clusters]
+    if not isinstance(clusters, Sequence) or not clusters:
+        raise ValueError(
+            f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
+        )
+    return tuple(_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters))
+
+
+@dataclass(frozen=True)
+class PruningOptions:
+    """Every option of a pruning run, checked once at construction (see the callback's ``Args:`` for each).
+
+    Raises:
+        ValueError: If an option is out of range or unknown, a declaration is invalid, a preset name or preset
+            option is unknown, ``method="group_lasso"`` has no ``reg_lambda``, or ``shrink_on_freeze`` is set without
+            ``heal``.
+
+    Example::
+
+        >>> opts = PruningOptions(clusters="llama", target_sparsity=0.5, warmup_steps=10, ramp_steps=100)
+        >>> opts.schedule.final_step, opts.resumable()["ramp"]
+        (110, 'cubic')
+    """
+
+    clusters: str | tuple[Cluster | str, ...] = "auto"
+    target_sparsity: float = 0.5
+    warmup_steps: int = 0
+    ramp_steps: int = 100
+    every_n_steps: int = 1
+    ramp: RampShape = "cubic"
+    heal: bool = True
+    method: Method = "hard"
+    reg_lambda: float = 0.0
+    score: ScoreType = "rms"
+    mode: Mode = "latent"
+    executor: ExecutorKind = "auto"
+    group_count_ref: int | None = None
+    preset_options: Mapping[str, bool] = field(default_factory=dict)
+    log_metrics: bool = True
+    debug_check_selection: bool = False
+    shrink_on_freeze: bool = False
+    schedule: Schedule = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
+        check_number("reg_lambda", self.reg_lambda, low=0.0)
+        check_choice("method", self.method, METHODS)
+        check_choice("score", self.score, SCORE_TYPES)
+        check_choice("mode", self.mode, MODES)
+        check_choice("executor", self.executor, EXECUTOR_KINDS)
+        if self.group_count_ref is not None:
+            check_number("group_count_ref", self.group_count_ref, low=1, integer=True)
+        if self.method == "group_lasso" and self.reg_lambda == 0.0:
+            raise ValueError(
+                "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
+            )
+        presets.check_options(self.preset_options or {})
+        if self.target_sparsity == 1.0:
+            rank_zero_warn(
+                "CoupledPruningCallback: `target_sparsity=1.0` removes every unit of each cluster without its own "
+                "target; the model's output will not depend on those weights at all. Use a value below 1 unless that "
+                "is intended."
+            )
+        clusters = normalize_clusters(self.clusters)
+        schedule = Schedule(
+            warmup_steps=self.warmup_steps,
+            ramp_steps=self.ramp_steps,
+            every_n_steps=self.every_n_steps,
+            shape=self.ramp,
+        )
+        if self.shrink_on_freeze and not self.heal:
+            raise ValueError(
+                "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
+            )
+        object.__setattr__(self, "clusters", clusters)
+        object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
+        object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
+        object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
+        object.__setattr__(self, "schedule", schedule)
+
+    def resumable(self) -> dict[str, Any]:
+        """The options that may change on resume (:data:`RESUMABLE`), by name; they are saved in the state."""
+        return {k: getattr(self, k) for k in RESUMABLE}
+
+    def key_names(self) -> str:
+        """The state key's ``clusters`` value: the preset name, or the declarations' names joined by commas."""
+        if isinstance(self.clusters, str):
+            return self.clusters
+        return ",".join(c if isinstance(c, str) else c.name for c in self.clusters)
+
+    def declarations(self, module: Any) -> list[Cluster]:
+        """The cluster declarations for ``module``: the given ones, or the presets' (expanded from preset names).
+
+        Raises:
+            ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module.
+        """
+        clusters = self.clusters if isinstance(self.clusters, str) else list(self.clusters)
+        return presets.resolve_preset(clusters, module, **self.preset_options)
+
+    def frozen(self, step: int) -> bool:
+        """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
+        return self.schedule.frozen(step, heal=self.heal)
+
+
+def check_environment(
+    options: PruningOptions,
+    *,
+    strategy: str,
+    kind: StrategyKind,
+    automatic_optimization: bool,
+    module: str,
+    weight_averaging: str | None = None,
+) -> None:
+    """Refuse, before any step, a training setup the callback cannot serve with these options.
+
+    Args:
+        options: The run's options.
+        strategy: The strategy's class name (for the messages).
+        kind: How the strategy holds parameters.
+        automatic_optimization: The LightningModule's ``automatic_optimization``.
+        module: The LightningModule's class name (for the messages).
+        weight_averaging: The class name of a weight-averaging callback (``StochasticWeightAveraging``) that runs
+            too, if any. It copies averaged weights into the model; the callback then re-applies the mask after each
+            copy (the average includes snapshots taken before units were dropped).
+
+    Raises:
+        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP or ModelParallelStrategy,
+            ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
+            averaging (its full-size average cannot be copied into the shrunk model).
+    """
+    if kind == "deepspeed":
+        raise ValueError(
+            f"CoupledPruningCallback does not support {strategy}: DeepSpeed partitions parameters into flat buffers "
+            "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
+        )
+    if not automatic_optimization:
+        raise ValueError(
+            f"CoupledPruningCallback does not support manual optimization ({module}."
+            "automatic_optimization is False): it must see every optimizer step between the backward and the "
+            "update (a raw optimizer bypasses Lightning's hooks, and with several optimizers the schedule could not "
+            "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
+            "call lightning_pat.prune_clusters yourself after your optimizer steps."
+        )
+    if options.score == "activation" and kind in ("fsdp1", "model_parallel"):
+        raise ValueError(
+            f"CoupledPruningCallback(score='activation') supports a single device and DDP (plain parameters), got "
+            f"{strategy}: with sharded or flat parameters the readers' inputs and weights are "
+            "split across ranks and the activation statistics are not collected there. Use a weight score "
+            "(score='rms', the default) under FSDP and ModelParallelStrategy."
+        )
+    if options.shrink_on_freeze and weight_averaging is not None:
+        raise ValueError(
+            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
+            "averaged copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. "
+            "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
+            "callback."
+        )
+    if options.shrink_on_freeze and kind != "single":
+        raise ValueError(
+            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
+            f"{strategy}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
+            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
+            "(lightning_pat.shrink(model, callback)), or train on one device."
+        )

@@ -1,0 +1,5 @@
+"""Layouts and communication: collectives, DTensor layouts, FSDP1, executors.
+
+Every collective (``distributed``), DTensor layout arithmetic (``placement``), FSDP1 compatibility (``fsdp1``) and
+the ``executors`` that score and mask clusters per layout (materializing or sharded) and the routing between them.
+"""

@@ -1,0 +1,443 @@
+"""The only module that calls ``torch.distributed`` collectives; DTensor and mesh helpers.
+
+Every function that communicates takes an explicit group or mesh and returns a result identical on every
+participating rank. Float partials are gathered and summed in fixed rank order, never all-reduced; integer counts
+may be all-reduced (exact).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (parameters included)."""
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The rank-local storage of ``tensor`` (itself for a plain tensor); in-place writes reach the parameter."""
+    data = tensor.detach()
+    if is_dtensor(data):
+        with torch.no_grad():
+            return data.to_local()  # a view of the local shard: in-place writes reach the storage
+    return data
+
+
+def participates(tensor: Tensor) -> bool:
+    """False on a rank outside the mesh of a DTensor (it must issue no collectives for it)."""
+    return not is_dtensor(tensor) or tensor.device_mesh.get_coordinate() is not None
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """A dense copy of ``tensor`` on this rank: an all-gather over every sharded mesh dim for a DTensor."""
+    data = tensor.detach()
+    if is_dtensor(data):
+        return data.full_tensor()
+    return data
+
+
+def write_back_(tensor: Tensor, dense: Tensor) -> None:
+    """Copy a dense tensor (identical on every rank) into ``tensor``; each rank slices its own shard, no broadcast."""
+    data = tensor.detach()
+    if is_dtensor(data):
+        shard = distribute_tensor(dense, data.device_mesh, data.placements, src_data_rank=None)
+        local_tensor(data).copy_(shard.to_local())
+    elif dense.data_ptr() != data.data_ptr():
+        data.copy_(dense)
+
+
+def is_counting_replica(tensor: Tensor) -> bool:
+    """Whether this rank's piece of ``tensor`` should be counted, so that per-rank counts sum to the truth.
+
+    A DTensor is counted only by ranks at coordinate 0 of every mesh dim on which it is replicated. A plain tensor
+    is replicated over the whole default group (DDP), so only global rank 0 counts it when one is initialised.
+    """
+    if is_dtensor(tensor):
+        coord = tensor.device_mesh.get_coordinate()
+        if coord is None:
+            return False
+        return all(c == 0 for c, p in zip(coord, tensor.placements, strict=True) if isinstance(p, Replicate))
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def all_reduce_sum_(counts: Tensor, *, group: Any) -> Tensor:
+    """Sum an integer tensor over ``group`` in place (exact) and return it.
+
+    Raises:
+        TypeError: If ``counts`` is floating point (float sums are order dependent; gather instead).
+    """
+    if counts.dtype.is_floating_point:
+        raise TypeError("all_reduce_sum_ takes integer tensors only; gather float partials and sum in rank order.")
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- sharded path
+def mesh_ranks_along(mesh: Any, axes: Sequence[int]) -> list[int]:
+    """Global ranks of this rank's sub-grid spanning mesh ``axes``, in row-major coordinate order over ``axes``.
+
+    Raises:
+        ValueError: If this rank is not in ``mesh``.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("This rank is not part of the mesh; it must not take part in the mesh's collectives.")
+    index = tuple(slice(None) if a in axes else coord[a] for a in range(mesh.ndim))
+    return mesh.mesh[index].flatten().tolist()
+
+
+def mesh_is_increasing(mesh: Any) -> bool:
+    """Whether global ranks increase along every axis of ``mesh`` (global metadata, the same on every rank).
+
+    ``DTensor.full_tensor`` gathers each mesh axis in process-group rank order, which is the coordinate order only
+    on such meshes; on others it assembles rows in the wrong order (torch 2.13).
+
+    Example::
+
+        >>> class _Mesh:
+        ...     def __init__(self, ranks): self.mesh = torch.tensor(ranks)
+        >>> mesh_is_increasing(_Mesh([[0, 1], [2, 3]])), mesh_is_increasing(_Mesh([[2, 0], [1, 3]]))
+        (True, False)
+    """
+    ranks = mesh.mesh
+    return all(bool((ranks.diff(dim=d) > 0).all()) for d in range(ranks.dim()) if ranks.shape[d] > 1)
+
+
+def axes_group(mesh: Any, axes: Sequence[int], *, cache: dict[tuple[int, ...], Any]) -> Any:
+    """The process group spanning mesh ``axes`` through this rank; only the group's members create it.
+
+    One axis is the mesh's own group. Several axes reuse WORLD when they cover every rank, and otherwise create
+    a group once per ``cache`` (owned by the caller, e.g. an executor, so that a group never outlives the process
+    group it was made from) with local synchronisation (only its members call ``new_group``, in the same order).
+
+    Raises:
+        ValueError: If ``axes`` is empty or this rank is not in ``mesh``.
+    """
+    axes = tuple(sorted(axes))
+    if not axes:
+        raise ValueError("`axes` must name at least one mesh axis.")
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    key = tuple(sorted(mesh_ranks_along(mesh, axes)))
+    if key == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if key not in cache:
+        cache[key] = dist.new_group(ranks=list(key), use_local_synchronization=True)
+    return cache[key]
+
+
+def mesh_group(mesh: Any, *, cache: dict[tuple[int, ...], Any]) -> Any:
+    """The process group over every rank of ``mesh`` (see :func:`axes_group`)."""
+    return axes_group(mesh, tuple(range(mesh.ndim)), cache=cache)
+
+
+def any_rank(flags: Sequence[bool], *, group: Any) -> list[bool]:
+    """Per flag, whether it is true on any rank of ``group`` (one int64 all_reduce; the same on every rank).
+
+    Used where a rank-local condition (a local shape, a missing gradient) decides whether to raise or to enter a
+    collective, so that every rank takes the same branch.
+    """
+    if not flags or group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(flags)
+    value = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU only
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in value.tolist()]
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def group_key(group: Any) -> tuple[int, ...]:
+    """The sorted global ranks of ``group``: groups with equal keys connect the same ranks."""
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+def gather_order(mesh: Any, axes: Sequence[int], group: Any) -> list[int]:
+    """Row indices of an :func:`all_gather_packed` result over ``group``, in mesh-coordinate order over ``axes``.
+
+    Summing the gathered rows in this order makes every replica group run the same additions on the same data,
+    whatever rank numbering its process group uses.
+    """
+    group_ranks = dist.get_process_group_ranks(group)
+    return [group_ranks.index(r) for r in mesh_ranks_along(mesh, tuple(sorted(axes)))]
+
+
+def all_gather_packed(buffer_L: Tensor, *, group: Any) -> Tensor:
+    """Gather one 1-D buffer from every rank of ``group``: an ``[n, L]`` tensor, row ``i`` from group rank ``i``.
+
+    Exact (no arithmetic); a group of one rank issues no collective.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return buffer_L.unsqueeze(0)
+    out = torch.empty(n * buffer_L.numel(), dtype=buffer_L.dtype, device=buffer_L.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+    gather(out, buffer_L.contiguous(), group=group)
+    return out.view(n, buffer_L.numel())
+
+
+def ordered_sum(rows_nL: Tensor, order: Sequence[int]) -> Tensor:
+    """Sum the rows of ``rows_nL`` one at a time in ``order`` (a fixed association: bitwise reproducible)."""
+    acc_L = rows_nL[order[0]].clone()
+    for i in order[1:]:
+        acc_L += rows_nL[i]
+    return acc_L
+
+
+def gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) -> Tensor:
+    """Exact sum of every rank's ``buffer_L`` over ``group``: one all_gather, then :func:`ordered_sum` locally.
+
+    Each rank receives ``(n - 1) * L`` elements. Every rank of every replica group runs the same additions in the
+    same (mesh-coordinate) order on the same data, so the result is bitwise identical everywhere.
+    """
+    return ordered_sum(all_gather_packed(buffer_L, group=group), order)
+
+
+def scatter_gather_sum(buffer_L: Tensor, *, group: Any, order: Sequence[int]) -> Tensor:
+    """The same bits as :func:`gather_sum` with ``2 (n - 1) / n * L`` elements received: two collectives.
+
+    The buffer is cut into ``n`` blocks; block ``j`` goes to the rank at coordinate index ``j`` (``all_to_all``),
+    which adds the ``n`` pieces in coordinate order exactly as :func:`ordered_sum` would, then the summed blocks are
+    all-gathered. Every element sees the same additions in the same order as on the one-collective path.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return buffer_L.clone()
+    length = buffer_L.numel()
+    block = -(-length // n)
+    padded = torch.zeros(n * block, dtype=buffer_L.dtype, device=buffer_L.device)
+    padded[:length] = buffer_L
+    send_nB = torch.empty(n, block, dtype=buffer_L.dtype, device=buffer_L.device)
+    for j, row in enumerate(order):  # the group rank at coordinate index j owns block j
+        send_nB[row] = padded[j * block : (j + 1) * block]
+    recv_nB = torch.empty_like(send_nB)
+    dist.all_to_all_single(recv_nB, send_nB, group=group)  # row g: rank g's piece of my block
+    mine_B = ordered_sum(recv_nB, order)
+    rows_nB = all_gather_packed(mine_B, group=group)
+    return torch.cat([rows_nB[row] for row in order])[:length]
+
+
+def sum_over_ranks(buffer_L: Tensor, *, group: Any) -> Tensor:
+    """Sum of every rank's float ``buffer_L`` over ``group``, bitwise identical on every rank (one collective).
+
+    Used for the activation statistics of ``score="activation"`` under DDP, where every rank sees other batches:
+    one all_gather, then the rows are added in group-rank order (a float all_reduce would not promise the same
+    bits on every rank). Without a process group, or in a group of one rank, ``buffer_L`` itself.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return buffer_L
+    return gather_sum(buffer_L, group=group, order=list(range(dist.get_world_size(group))))
+
+
+def world_group() -> Any:
+    """The default (WORLD) process group, or ``None`` when torch.distributed is not initialised."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def world_rank() -> int:
+    """This process's global rank (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _launch_rank() -> int:
+    """This process's global rank; before the process group exists, the launcher's ``RANK`` (else 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+def rank_zero_warn(message: str) -> None:
+    """A ``UserWarning`` on global rank 0 only (every rank reaches the same conclusion; one rank says it)."""
+    if _launch_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def rank_zero_info(message: str, *, logger: logging.Logger) -> None:
+    """``logger.info(message)`` on global rank 0 only."""
+    if _launch_rank() == 0:
+        logger.info(message)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_rank_agreement(digest: Mapping[str, Any], error: str | None) -> None:
+    """Compare ``digest`` (e.g. clusters, routes, options), or this rank's error, across all ranks (one collective).
+
+    Raises:
+        ValueError: The same error on every rank if any rank failed (its message, naming the rank) or the digests
+            differ (naming the parts and the ranks).
+    """
+    mine = error or _digest(digest)
+    everyone = gather_objects((error is not None, mine, dict(digest)), group=world_group())
+    failed = [(r, m) for r, (bad, m, _) in enumerate(everyone) if bad]
+    if failed:
+        rank, msg = failed[0]
+        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise ValueError(f"{msg} [raised on rank {rank}{others}; all ranks stop here]")
+    if len({m for _, m, _ in everyone}) > 1:
+        ref = everyone[0][2]
+        diff = sorted({k for _, _, d in everyone for k in d if d[k] != ref[k]})
+        ranks = [r for r, (_, m, _) in enumerate(everyone) if m != everyone[0][1]]
+        raise ValueError(
+            f"CoupledPruningCallback: ranks disagree on {diff} (ranks {ranks} differ from rank 0). Every rank "
+            "must build the same model and pass the same cluster declarations and options; check code that "
+            "depends on the rank (e.g. `if trainer.global_rank == 0`)."
+        )
+
+
+def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) -> None:
+    """Debug check: compare a hash of the selection across all ranks (one small collective).
+
+    Raises:
+        RuntimeError: On every rank, if some rank selected different units than rank 0.
+    """
+    everyone = gather_objects(_digest(dropped), group=world_group())
+    if len(set(everyone)) > 1:
+        ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        raise RuntimeError(
+            f"CoupledPruningCallback (debug_check_selection): at step {step} ranks {ranks} selected different units "
+            "than rank 0; the selection is not identical across the mesh."
+        )
+
+
+def gather_objects(obj: Any, *, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` in group-rank order (``[obj]`` without a process group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
+    """Wrap a rank-local tensor laid out like DTensor ``like`` (same mesh, placements, global shape) as a DTensor."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def shard_like(dense: Tensor, like: Tensor) -> Tensor:
+    """This rank's piece of a dense tensor (identical on every rank) laid out like ``like``; no communication."""
+    if not is_dtensor(like):
+        return dense
+    return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def load_sharded_(state: dict[str, Any], path: Any) -> None:
+    """Fill the (DTensor) entries of ``state`` in place from a torch distributed checkpoint at ``path``.
+
+    Every rank of the checkpoint's process group must call this (it communicates); entries absent from ``state``
+    are not read.
+    """
+    from torch.distributed.checkpoint import load
+
+    load(state, checkpoint_id=path)
+
+
+def reduce_counts(counts: Tensor, *, group: Any) -> Tensor:
+    """Sum int64 counts over ``group`` (one collective, exact) and return them."""
+    if dist.get_world_size(group) == 1:
+        return counts
+    return all_reduce_sum_(counts, group=group)
+
+
+def _dcp_metadata_global(module: str, name: str) -> bool:
+    """The globals a ``torch.distributed.checkpoint`` ``.metadata`` pickle may name (its dataclasses, sizes, dtypes)."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return isinstance(getattr(importlib.import_module(module), name, None), type)
+    if (module, name) in {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided etc.
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }:
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def read_distributed_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """Read a distributed checkpoint directory (``torch.distributed.checkpoint``) into one state dict in memory.
+
+    Like torch's ``dcp_to_torch_save`` (one process, no process group), but without running code from the files:
+    the ``.metadata`` pickle is read through an allow-list (its own dataclasses, sizes, dtypes), every shard file it
+    names must lie inside ``directory``, and non-tensor entries load with ``torch.load(weights_only=True)``. Nothing is
+    written.
+
+    Args:
+        directory: The checkpoint directory (e.g. written by Lightning's ``ModelParallelStrategy``).
+
+    Returns:
+        The full (unsharded) state dict, nested as it was saved.
+
+    Raises:
+        ValueError: If ``.metadata`` names an object outside the allow-list, a shard name leads outside
+            ``directory``, or a file is truncated.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from lightning_pat.core.safe_io import confined, restricted_unpickle
+
+    root = Path(directory)
+    what = f"distributed checkpoint {root}"
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            name = Path(self._get_metadata_path(kwargs.get("rank"))).name
+            path = confined(root, name, what=what)
+            if not path.is_file():  # torch first asks for a rank-local file, then for the global one
+                raise FileNotFoundError(f"{what}: no {name}")
+            metadata = restricted_unpickle(path, allowed=_dcp_metadata_global, what=f"{what}: {name}")
+            for info in (getattr(metadata, "storage_data", None) or {}).values():
+                confined(root, getattr(info, "relative_path", None), what=f"{what}: {name}")
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    state: dict[str, Any] = {}
+    reader = SafeReader(root)
+    reader.read_metadata()  # the refusals above, raised as they are (torch would wrap them)
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch wraps reader errors in CheckpointException
+        cause = getattr(err, "failures", None) or err
+        raise ValueError(f"cannot read {what}: not a valid distributed checkpoint or truncated ({cause})") from None
+    return state

@@ -1,0 +1,26 @@
+"""Executors: how unit norms are computed and selections applied, per layout (see :mod:`.routing` for the choice)."""
+
+from lightning_pat.parallel.executors.base import Executor, UnitAction
+from lightning_pat.parallel.executors.materializing import MaterializingExecutor
+from lightning_pat.parallel.executors.routing import (
+    EXECUTOR_KINDS,
+    ExecutorKind,
+    build_executors,
+    materializing_reason,
+    route,
+    sharded_reason,
+)
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
+
+__all__ = [
+    "EXECUTOR_KINDS",
+    "Executor",
+    "ExecutorKind",
+    "MaterializingExecutor",
+    "ShardedExecutor",
+    "UnitAction",
+    "build_executors",
+    "materializing_reason",
+    "route",
+    "sharded_reason",
+]

@@ -1,0 +1,110 @@
+"""Routing: which executor serves each cluster, decided from global metadata only; and the executors' construction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from torch import Tensor
+
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel.executors.base import Executor
+from lightning_pat.parallel.executors.materializing import MaterializingExecutor
+from lightning_pat.parallel.executors.sharded import ShardedExecutor
+
+ExecutorKind = Literal["auto", "materializing", "sharded"]
+EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")
+
+
+def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
+    """Why ``cluster`` cannot take the sharded path (global metadata only), or ``None`` if it can."""
+    tensors = [params[m.name] for m in cluster.members]
+    if not all(distributed.is_dtensor(t) for t in tensors):
+        return "plain tensors (not DTensors)"
+    mesh = tensors[0].device_mesh
+    if any(t.device_mesh != mesh for t in tensors):
+        return "members live on different device meshes"
+    return placement.cluster_reason(cluster, [tuple(t.placements) for t in tensors], mesh_shape=tuple(mesh.shape))
+
+
+def materializing_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
+    """Why the materializing path would be wrong for ``cluster`` (global metadata only), or ``None`` if it is right.
+
+    ``DTensor.full_tensor`` assembles pieces in process-group rank order, which differs from mesh-coordinate order
+    on a mesh whose ranks do not increase along every axis: it would pick different units on different ranks and
+    write rows back to the wrong places.
+    """
+    for m in cluster.members:
+        tensor = params[m.name]
+        if distributed.is_dtensor(tensor) and not distributed.mesh_is_increasing(tensor.device_mesh):
+            return (
+                f"member {m.name!r} lives on a DeviceMesh whose ranks do not increase along every axis "
+                f"({tensor.device_mesh.mesh.tolist()}), where torch's full_tensor assembles pieces in the wrong order"
+            )
+    return None
+
+
+def route(
+    clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], *, executor: ExecutorKind = "auto"
+) -> dict[str, tuple[str, str]]:
+    """Decide, from global metadata only, which executor serves each cluster.
+
+    ``"auto"`` takes the sharded path for every cluster whose members are all eligible DTensors and the
+    materializing path otherwise; ``"sharded"`` and ``"materializing"`` force one path. A cluster on a mesh whose
+    ranks do not increase along every axis can only take the sharded path (see :func:`materializing_reason`).
+
+    Returns:
+        Cluster name -> ``(kind, reason)``.
+
+    Raises:
+        ValueError: If ``executor`` is unknown, ``"sharded"`` is forced for a cluster that is not eligible, or a
+            cluster needs the materializing path (forced, or not eligible for the sharded one) on a mesh where it
+            would be wrong. Raised before anything is mutated.
+    """
+    if executor not in EXECUTOR_KINDS:
+        raise ValueError(f"`executor` must be one of {EXECUTOR_KINDS}, got {executor!r}.")
+    out = {}
+    for rc in clusters:
+        wrong = materializing_reason(rc, params)
+        if executor == "materializing":
+            if wrong is not None:
+                raise ValueError(
+                    f"Cluster {rc.name!r}: executor='materializing' would be wrong here: {wrong}. Use "
+                    "executor='auto' or 'sharded', or build the mesh with increasing ranks (init_device_mesh)."
+                )
+            out[rc.name] = ("materializing", "forced by executor='materializing'")
+            continue
+        reason = sharded_reason(rc, params)
+        if reason is not None and wrong is not None:
+            raise ValueError(
+                f"Cluster {rc.name!r} cannot take the sharded path ({reason}), and the materializing path would be "
+                f"wrong: {wrong}. Build the mesh with increasing ranks (init_device_mesh), or lay the members out "
+                "as Shard/Replicate boxes."
+            )
+        if reason is None:
+            how = "forced by executor='sharded'" if executor == "sharded" else "eligible DTensor layout"
+            out[rc.name] = ("sharded", how)
+        elif executor == "sharded":
+            raise ValueError(
+                f"Cluster {rc.name!r}: executor='sharded' cannot serve this cluster: {reason}. Use executor='auto' "
+                "(falls back to materializing for this cluster) or executor='materializing'."
+            )
+        else:
+            out[rc.name] = ("materializing", reason)
+    return out
+
+
+def build_executors(
+    clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], routes: Mapping[str, tuple[str, str]]
+) -> list[Executor]:
+    """One executor per kind, each owning the clusters routed to it (in cluster order).
+
+    The materializing executor comes first: it writes whole tensors back from dense copies taken when scoring, so
+    it must apply before the sharded executor zeroes local pieces of a parameter the two may share.
+    """
+    by_kind: dict[str, list[ResolvedCluster]] = {}
+    for rc in clusters:
+        by_kind.setdefault(routes[rc.name][0], []).append(rc)
+    make: dict[str, type[Executor]] = {"materializing": MaterializingExecutor, "sharded": ShardedExecutor}
+    return [make[kind](by_kind[kind], params) for kind in sorted(by_kind, key=lambda k: k != "materializing")]

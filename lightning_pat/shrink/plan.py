@@ -1,0 +1,205 @@
+"""The shrink plan: which indices of which parameter survive, and where a plan comes from.
+
+Pure data, no module surgery (:mod:`lightning_pat.shrink.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
+resolved clusters and dropped unit indices into per-parameter kept indices; :func:`read_source` and :func:`plan_for`
+read clusters and dropped units from a ``PruneResult``, a ``CoupledPruningCallback``, its state or a Lightning
+checkpoint dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat.core.spec import ResolvedCluster
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """Which indices of which parameter survive a shrink.
+
+    Attributes:
+        keep: Parameter name -> tensor dim -> sorted kept indices (a ``LongTensor``).
+        shapes: Parameter name -> shape before the shrink.
+    """
+
+    keep: dict[str, dict[int, Tensor]]
+    shapes: dict[str, tuple[int, ...]]
+
+    def slice(self, name: str, tensor: Tensor) -> Tensor:
+        """``tensor`` (shaped like parameter ``name`` before the shrink) with only the kept indices, contiguous."""
+        out = tensor
+        for dim, idx in sorted(self.keep.get(name, {}).items()):
+            out = out.index_select(dim, idx.to(out.device))
+        return out.contiguous()
+
+    def renamed(self, mapping: Mapping[str, str]) -> ShrinkPlan:
+        """The same plan with parameter names replaced through ``mapping`` (names not in it are kept)."""
+        return ShrinkPlan(
+            keep={mapping.get(n, n): v for n, v in self.keep.items()},
+            shapes={mapping.get(n, n): v for n, v in self.shapes.items()},
+        )
+
+
+def build_plan(clusters: Sequence[ResolvedCluster], dropped: Mapping[str, Sequence[int]]) -> ShrinkPlan:
+    """Turn resolved clusters and their dropped units into per-parameter kept indices.
+
+    Args:
+        clusters: The resolved clusters (``PruneResult.clusters``, ``callback.resolved``).
+        dropped: Cluster name -> dropped unit indices (clusters not listed drop nothing).
+
+    Returns:
+        The plan; parameters with nothing dropped are left out.
+
+    Raises:
+        ValueError: If ``dropped`` names an unknown cluster or an index is outside ``[0, C)``.
+
+    Example::
+
+        >>> from lightning_pat.core.spec import Member
+        >>> rc = ResolvedCluster("h", (Member("a.weight", "writer", 0, 0, 4, 1, (4, 2)),), num_units=4)
+        >>> build_plan([rc], {"h": [1, 2]}).keep["a.weight"][0].tolist()
+        [0, 3]
+    """
+    by_name = {rc.name: rc for rc in clusters}
+    unknown = sorted(set(dropped) - set(by_name))
+    if unknown:
+        raise ValueError(
+            f"`dropped` names clusters {unknown[:5]} that are not among the clusters {sorted(by_name)[:5]}...; pass "
+            "the dropped units and the clusters of the same run."
+        )
+    cut: dict[tuple[str, int], set[int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, units in dropped.items():
+        rc = by_name[name]
+        units = sorted({int(u) for u in units})
+        if not units:
+            continue
+        if units[0] < 0 or units[-1] >= rc.num_units:
+            raise ValueError(
+                f"Cluster {name!r}: dropped unit indices must lie in [0, {rc.num_units}), got {units[:8]}; the dropped "
+                "units do not belong to these clusters."
+            )
+        for m in rc.members:
+            shapes[m.name] = m.shape
+            channels = cut.setdefault((m.name, m.dim), set())
+            for u in units:
+                channels.update(range(m.start + u * m.block, m.start + (u + 1) * m.block))
+    keep: dict[str, dict[int, Tensor]] = {}
+    for (name, dim), channels in cut.items():
+        kept = [i for i in range(shapes[name][dim]) if i not in channels]
+        keep.setdefault(name, {})[dim] = torch.tensor(kept, dtype=torch.long)
+    return ShrinkPlan(keep=keep, shapes={n: shapes[n] for n in keep})
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
+    """The clusters and dropped units of a callback state (``what`` names it in the error).
+
+    Raises:
+        ValueError: If the state has no ``clusters`` or no ``dropped`` entry.
+    """
+    if "clusters" not in state or "dropped" not in state:
+        raise ValueError(
+            f"shrink: {what} has no {'clusters' if 'clusters' not in state else 'dropped'!r} entry (keys: "
+            f"{sorted(state)[:8]}); pass a PruneResult, a CoupledPruningCallback after fit, its state_dict() or a "
+            "checkpoint written by a version of lightning_pat that stores the clusters."
+        )
+    clusters = [rc if isinstance(rc, ResolvedCluster) else ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
+    return clusters, {str(k): [int(i) for i in v] for k, v in state["dropped"].items()}
+
+
+def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The one ``CoupledPruningCallback`` state in a Lightning checkpoint dict.
+
+    Args:
+        ckpt: The checkpoint (``torch.load`` of a ``.ckpt`` file).
+
+    Returns:
+        The callback's state (what its ``state_dict()`` returned).
+
+    Raises:
+        ValueError: If the checkpoint holds no such state, or several.
+    """
+    callbacks = ckpt.get("callbacks") or {}
+    keys = [k for k in callbacks if str(k).startswith("CoupledPruningCallback")]
+    if len(keys) != 1:
+        found = "no CoupledPruningCallback state" if not keys else f"{len(keys)} CoupledPruningCallback states {keys}"
+        raise ValueError(
+            f"shrink: the checkpoint holds {found} under 'callbacks' (keys: {list(callbacks)[:5]}); pass the "
+            "callback's state itself (ckpt['callbacks'][key]) or a checkpoint of a run with exactly one such callback."
+        )
+    return callbacks[keys[0]]
+
+
+def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
+    """The resolved clusters and dropped units held by ``source``.
+
+    Args:
+        source: A ``PruneResult``, a ``CoupledPruningCallback`` after ``fit``, the callback's ``state_dict()``, or a
+            Lightning checkpoint dict (the callback state is found under ``ckpt["callbacks"]``).
+
+    Returns:
+        ``(clusters, dropped)``.
+
+    Raises:
+        ValueError: If the source holds no clusters, or a checkpoint holds no or several callback states.
+        TypeError: If ``source`` is none of the above.
+    """
+    if isinstance(source, Mapping):
+        if "callbacks" in source and "clusters" not in source:
+            return state_source(checkpoint_state(source), "the checkpoint's callback state")
+        return state_source(source, "the mapping")
+    if hasattr(source, "resolved") and hasattr(source, "dropped"):  # the callback, without importing Lightning
+        if not source.resolved:
+            raise ValueError("shrink: the callback has no resolved clusters; call `trainer.fit` first.")
+        return list(source.resolved), {k: list(v) for k, v in source.dropped.items()}
+    if hasattr(source, "clusters") and hasattr(source, "dropped"):  # a PruneResult
+        if not source.clusters and any(source.dropped.values()):
+            raise ValueError("shrink: the PruneResult carries no clusters; get it from `prune_clusters` or a Pruner.")
+        return list(source.clusters), {k: list(v) for k, v in source.dropped.items()}
+    raise TypeError(
+        f"shrink: `source` must be a PruneResult, a CoupledPruningCallback, its state_dict() or a Lightning "
+        f"checkpoint dict, got {type(source).__name__}."
+    )
+
+
+def align_names(plan: ShrinkPlan, model: nn.Module) -> ShrinkPlan:
+    """``plan`` with one common prefix stripped from its names when the model is the inner module (``lit.model``)."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    if not plan.keep or all(n in names for n in plan.keep):
+        return plan
+    first = next(iter(plan.keep))
+    parts = first.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i]) + "."
+        if all(n.startswith(prefix) and n[len(prefix) :] in names for n in plan.keep):
+            log.info("shrink: the clusters name parameters under %r; stripped it to match the model", prefix)
+            return plan.renamed({n: n[len(prefix) :] for n in plan.keep})
+    return plan  # the missing name is reported by apply_plan
+
+
+def plan_for(model: nn.Module, source: Any) -> ShrinkPlan:
+    """The :class:`ShrinkPlan` of ``source`` (see :func:`read_source`), with names matched to ``model``.
+
+    Args:
+        model: The model to shrink.
+        source: As for :func:`shrink`.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: As for :func:`read_source` and :func:`build_plan`.
+        TypeError: As for :func:`read_source`.
+    """
+    clusters, dropped = read_source(source)
+    return align_names(build_plan(clusters, dropped), model)

@@ -1,0 +1,564 @@
+"""The training controller: what happens to the weights around each real optimizer step (no Lightning here).
+
+:class:`PruningController` owns the progress counters, the real-step tracker, the latent copies, the pruner, the
+activation statistics and the freeze transition. A training loop (the callback, or any loop of your own) calls:
+
+* :meth:`~PruningController.bind` once the model and optimizers are final: resolve the clusters, agree across
+  ranks, route them to executors (nothing is mutated);
+* :meth:`~PruningController.start` before the first step: continue a saved or carried state, or begin at step 0;
+* :meth:`~PruningController.after_backward` between the backward and the update: swap the latents in (latent mode)
+  or zero the dropped units' gradients (healing);
+* :meth:`~PruningController.after_step` after the batch: if a real optimizer step happened, advance the schedule
+  and act (select, hold or freeze; shrink at the freeze with ``shrink_on_freeze``); returns the result to log;
+* :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict` (the ``state`` schema).
+
+Timing (``pat-algorithm.md`` §10): under automatic optimization the forward and backward run inside
+``optimizer.step(closure)``, so nothing here restores dense weights before that forward: the model always trains the
+projected weights, and the latent is swapped in only after the backward. Errors are ``ValueError`` naming the option
+or cluster; the callback turns them into ``MisconfigurationException``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat.activation import ActivationStats
+from lightning_pat.core.selection import num_to_drop
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
+from lightning_pat.options import PruningOptions
+from lightning_pat.parallel import distributed, fsdp1
+from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
+from lightning_pat.training import state
+from lightning_pat.training.latent import LatentStore
+
+log = logging.getLogger(__name__)
+
+
+class ConfigurationError(ValueError):
+    """A ``ValueError`` during training that the run's configuration caused (the callback reports it as such)."""
+
+
+@contextmanager
+def prefixed(prefix: str) -> Iterator[None]:
+    """Re-raise a ``ValueError`` of the enclosed code as ``ConfigurationError(f"{prefix}: {error}")``.
+
+    Raises:
+        ConfigurationError: If the enclosed code raises a ``ValueError``.
+    """
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigurationError(f"{prefix}: {err}") from err
+
+
+class StepTracker:
+    """Whether a real optimizer step happened since the last batch end (not on accumulation or AMP-skipped steps)."""
+
+    def __init__(self) -> None:
+        self.stepped = False
+        self.last_lr: float | None = None
+        self._hooks: list[Any] = []
+
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Watch ``optimizers`` through step post-hooks (replacing earlier ones)."""
+        self.detach()
+        self._hooks = [opt.register_step_post_hook(self._on_step) for opt in optimizers]
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.stepped = True
+        self.last_lr = next((float(g["lr"]) for g in optimizer.param_groups if "lr" in g), self.last_lr)
+
+    def consume(self) -> bool:
+        """Whether a step happened since the last call."""
+        stepped, self.stepped = self.stepped, False
+        return stepped
+
+
+class PruningController:
+    """Coupled pruning around a training loop's optimizer steps (see the module docstring).
+
+    Args:
+        options: The run's options.
+        info: Where informational messages go (the routes, the shrink, a new schedule), on rank zero; by default
+            this module's logger. The callback passes Lightning's ``rank_zero_info`` so that they show in the console.
+
+    Example::
+
+        >>> import torch.nn as nn
+        >>> from lightning_pat import Cluster
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        >>> opts = PruningOptions([Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])],
+        ...                       target_sparsity=0.5, ramp_steps=1, mode="direct")
+        >>> opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+        >>> ctl = PruningController(opts)
+        >>> ctl.bind(mlp, optimizers=[opt])
+        >>> ctl.start()
+        >>> mlp(torch.ones(2, 4)).sum().backward()
+        >>> ctl.after_backward(opt)
+        >>> opt.step()
+        >>> len(ctl.after_step(count=True).dropped["h"]), ctl.frozen
+        (4, True)
+    """
+
+    def __init__(self, options: PruningOptions, *, info: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
+        self.schedule = options.schedule
+        self.progress = state.Progress()
+        self.tracker = StepTracker()
+        self.plan: Plan | None = None
+        self.pruner: Pruner | None = None
+        self.resolved: list[ResolvedCluster] = []
+        self.latents: LatentStore | None = None
+        self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
+        self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
+        self._module: nn.Module | None = None
+        self._optimizers: Sequence[torch.optim.Optimizer] = ()
+        self._params: dict[str, Tensor] = {}
+        self._fsdp1_root: nn.Module | None = None
+        self._sharded_ckpt = False
+        self._carry: dict[str, Any] | None = None  # in-memory state kept for the next fit (see finish_fit)
+        self._pending: dict[str, Any] | None = None  # a loaded state, applied by the next start()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def frozen(self) -> bool:
+        """Whether the mask is frozen (healing) at the current step."""
+        return self.schedule.frozen(self.progress.step, heal=self.options.heal)
+
+    @property
+    def dropped(self) -> dict[str, list[int]]:
+        """Cluster name -> sorted dropped unit indices of the current mask."""
+        if self.shrunk is not None:
+            return dict(self.shrunk)
+        return {} if self.pruner is None else self.pruner.result().dropped
+
+    def targets(self, step: int) -> dict[str, float]:
+        """Per-cluster target fraction in force after optimizer step ``step``."""
+        if self.plan is None:
+            return {}
+        return self.plan.targets(self.options.target_sparsity, fraction=self.schedule.fraction(step))
+
+    # ------------------------------------------------------------------ build
+    def bind(
+        self,
+        module: nn.Module,
+        *,
+        optimizers: Sequence[torch.optim.Optimizer],
+        fsdp1_root: nn.Module | None = None,
+        sharded_ckpt: bool = False,
+    ) -> None:
+        """Resolve the clusters against ``module``'s final (possibly sharded) parameters, agree, build executors.
+
+        Nothing is mutated. Resolution and routing use global metadata only; their outcome (or a rank's error) is
+        compared across ranks in one collective, so a rank with a different declaration or model makes every rank
+        raise the same error instead of hanging in a later collective.
+
+        Args:
+            module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
+            optimizers: The optimizers whose steps count.
+            fsdp1_root: The FSDP1-wrapped root module, if any (parameters are summoned whole around each action).
+            sharded_ckpt: Whether checkpoints are distributed checkpoints (latents of DTensors are then written
+                next to the model's shards).
+
+        Raises:
+            ValueError: If the clusters do not resolve or route on some rank, a target below 1 would drop every unit
+                of a cluster, or ranks disagree; if
+                ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze`` could not
+                shrink the model.
+        """
+        self._module, self._optimizers = module, list(optimizers)
+        self._fsdp1_root, self._sharded_ckpt = fsdp1_root, sharded_ckpt
+        self._params = dict(module.named_parameters(remove_duplicate=False))
+        self.tracker.attach(self._optimizers)
+        if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
+            self.plan, self.pruner, self.latents, self.act = None, None, None, None
+            return
+        opts = self.options
+        with self._weights() as params:
+            plan, error = None, None
+            try:
+                plan = make_plan(
+                    params, opts.declarations(module), score=opts.score, executor=opts.executor,
+                    group_count_ref=opts.group_count_ref, sparsity=opts.target_sparsity,
+                )  # fmt: skip
+            except ValueError as err:
+                error = f"CoupledPruningCallback: {err}"
+            digest = {
+                "clusters": None if plan is None else [rc.fingerprint() for rc in plan.clusters],
+                "routes": None if plan is None else plan.routes,
+                "options": opts.resumable(),
+            }
+            distributed.check_rank_agreement(digest, error)
+            assert plan is not None
+            self.plan, self.resolved = plan, list(plan.clusters)
+            self.pruner = Pruner(params, plan)
+            if opts.score == "activation":
+                with prefixed("CoupledPruningCallback(score='activation')"):
+                    self.act = ActivationStats(module, self.resolved)
+            if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
+                with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
+                    check_shrinkable(module, self.resolved)
+        clustered = sorted({n for rc in self.resolved for n in rc.param_names})
+        # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
+        self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
+        _warn_unoptimized(self._params, clustered, optimizers)
+        lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
+        self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
+
+    @contextmanager
+    def _weights(self) -> Iterator[dict[str, Tensor]]:
+        """The parameters the engine works on: the live ones, or FSDP1's summoned full ones (written back on exit)."""
+        if self._fsdp1_root is None:
+            yield self._params
+            return
+        assert self._module is not None
+        with fsdp1.summoned_params(self._fsdp1_root, self._module) as params:
+            if self.pruner is not None:
+                self.pruner.rebind(params)
+            yield params
+
+    # ------------------------------------------------------------------ start and end of a fit
+    @property
+    def restoring(self) -> bool:
+        """Whether a loaded state waits for :meth:`start`."""
+        return self._pending is not None
+
+    def start(self, *, carry: bool = False, ckpt_path: Any = None) -> None:
+        """Decide where the schedule stands and project the weights accordingly.
+
+        A state given to :meth:`load_state_dict` continues; else, with ``carry``, the in-memory state of the previous
+        fit (the same Trainer's next ``fit``); else a new schedule starts at step 0.
+
+        Args:
+            carry: Continue the in-memory state of the previous fit, if there is one.
+            ckpt_path: The checkpoint the loaded state came from (a distributed checkpoint's latents are read there).
+
+        Raises:
+            ValueError: If the loaded state cannot be continued exactly (other clusters, options that cannot take
+                effect, missing latents), its latents or statistics do not match the model, or the mask is empty
+                after the final ramp step although the target requires dropped units.
+        """
+        restored, self._pending = self._pending, None
+        if self.shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps
+            saved = restored or self._carry or {}
+            self.progress.step = int(saved.get("step", self.progress.step))
+            self.progress.gamma = float(saved.get("gamma", self.progress.gamma))
+            self._carry = None
+            return
+        assert self.pruner is not None
+        assert self.plan is not None
+        if restored is not None:
+            self._restore(restored, ckpt_path=ckpt_path)
+        elif carry and self._carry is not None:
+            self._apply(self._carry, latents=self._carry["latents"]["tensors"] if self._carry["latents"] else None)
+        else:
+            if self._carry is not None:
+                self._info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
+            self.progress = state.Progress()
+            if self.act is not None:
+                self.act.reset()
+        self._carry = None
+        self._check_mask_not_empty()
+        if self.act is not None and not self.frozen:
+            self.act.attach()  # removed at the freeze and at the end of the fit
+
+    def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any) -> None:
+        opts = self.options
+        needs_latents = state.check_restorable(
+            saved,
+            fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
+            options=opts.resumable(),
+            schedule=self.schedule,
+            latent_mode=opts.mode == "latent",
+            heal=opts.heal,
+        )
+        entry = saved.get("latents")
+        latents = state.read_latents(entry, self._params, ckpt_path=ckpt_path) if needs_latents and entry else None
+        self._apply(saved, latents=latents)
+
+    def _apply(self, saved: Mapping[str, Any], *, latents: Mapping[str, Tensor] | None) -> None:
+        """Set progress, mask, latents and activation statistics from a state; project the weights."""
+        assert self.pruner is not None
+        assert self.latents is not None
+        self.progress = state.Progress.from_state(saved)
+        self.pruner.load_dropped(saved.get("dropped", {}), saved.get("factors", {}))
+        if latents is None:
+            self.latents.clear()
+        else:
+            self.latents.load_state_dict(latents)
+        if self.act is not None:  # no saved statistics (e.g. the score changed on resume): collect from here on
+            self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
+        with torch.no_grad(), self._weights():
+            self.pruner.hold()
+
+    def _check_mask_not_empty(self) -> None:
+        """Never heal with an empty mask where the final target requires dropped units."""
+        assert self.plan is not None
+        assert self.pruner is not None
+        if not self.frozen:
+            return
+        targets = self.plan.targets(self.options.target_sparsity)
+        dropped = self.pruner.result().dropped
+        empty = [
+            rc.name for rc in self.plan.clusters if not dropped[rc.name] and num_to_drop(targets[rc.name], rc.num_units)
+        ]
+        if empty:
+            raise ValueError(
+                f"CoupledPruningCallback: at step {self.progress.step} (after the final ramp step) clusters "
+                f"{empty[:5]} have no dropped units although the target requires some; refusing to heal with an empty "
+                "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
+            )
+
+    def warn_short_fit(self, steps_left: float) -> None:
+        """Warn when a fit of ``steps_left`` more steps ends before the final ramp step (the target is never met)."""
+        if steps_left == float("inf"):
+            return
+        schedule, end = self.schedule, self.progress.step + int(steps_left)
+        if end < schedule.final_step:
+            distributed.rank_zero_warn(
+                f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
+                f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will "
+                f"only reach {schedule.fraction(end):.0%} of the target and is not frozen. Raise max_steps/max_epochs "
+                "or shorten the schedule."
+            )
+
+    def finish_fit(self) -> None:
+        """Keep what a next :meth:`start` with ``carry=True`` continues from (this rank's own; no collective)."""
+        self.release()
+        if self.shrunk is not None:
+            self._carry = self.progress.state_dict()  # only the step count goes on
+            return
+        assert self.pruner is not None
+        latents = self.latents if self.latents is not None and self.latents.active else None
+        self._carry = self._state(latents=None if latents is None else state.latent_entry(
+            latents.state_dict(), self._params, fmt="local"
+        ), activation=None if self.act is None else [self.act.state_dict()])  # fmt: skip
+
+    def release(self) -> None:
+        """Remove the optimizer and activation hooks (the state for a next fit is kept)."""
+        self.tracker.detach()
+        if self.act is not None:
+            self.act.detach()
+
+    # ------------------------------------------------------------------ per step
+    def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the backward, before ``optimizer`` updates: swap latents in (ramp) or zero dropped grads (healing)."""
+        if self.pruner is None or self.latents is None:
+            return
+        action = self.schedule.action(self.progress.step + 1, heal=self.options.heal)
+        with torch.no_grad():
+            if action == "freeze":
+                if self._fsdp1_root is None:  # FSDP1: grads live in flat shards; the weights are re-zeroed after
+                    self.pruner.zero_grads()
+            elif action != "none" and self.latents.active:
+                self.latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
+
+    def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
+        """After a batch: if a real optimizer step happened, advance the schedule and act.
+
+        Args:
+            count: Whether to return a result with literal-zero counts (which may communicate): a bool, or a
+                function of the new step. Nothing is returned without it.
+
+        Returns:
+            The current mask with its literal-zero counts, when counted; else ``None``.
+
+        Raises:
+            ConfigurationError: If ``score="activation"`` statistics cannot score the clusters, or the model cannot
+                be shrunk at the freeze (``shrink_on_freeze``).
+            ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
+        """
+        stepped = self.tracker.consume()
+        if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
+            if stepped:
+                self.progress.tick()
+                self.progress.add_lr(self.tracker.last_lr)
+            return None
+        if self.pruner is None or self.latents is None:
+            return None
+        latent = self.options.mode == "latent"
+        with torch.no_grad():
+            if not stepped:
+                if self.latents.swapped:  # the scaler skipped the step: show the projection again
+                    self.latents.commit()
+                    with self._weights():
+                        self.pruner.hold(rescale=latent)
+                return None
+            step = self.progress.tick()
+            action = self.schedule.action(step, heal=self.options.heal)
+            if action == "none":
+                return None
+            self.progress.add_lr(self.tracker.last_lr)
+            if latent and action != "freeze":
+                self.latents.commit()
+            counted = count(step) if callable(count) else count
+            with self._weights():
+                if action == "select":
+                    result = self._select(step, count=counted)
+                else:
+                    self.pruner.hold(rescale=latent and action == "hold")
+                    result = self.pruner.result(count=True) if counted else None
+            if self.schedule.freezes(step, heal=self.options.heal):
+                self._freeze()
+        return result
+
+    def reproject(self) -> None:
+        """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
+        if self.pruner is None or self.shrunk is not None:
+            return
+        with torch.no_grad(), self._weights():
+            self.pruner.hold()
+
+    def _select(self, step: int, *, count: bool) -> PruneResult:
+        """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
+        assert self.pruner is not None
+        opts = self.options
+        method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
+        scores = None
+        if self.act is not None:
+            with prefixed("CoupledPruningCallback(score='activation')"):
+                scores = self.act.summed_unit_scores(self._params)  # one collective under DDP
+        threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
+        result = self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores, count=count)
+        self.progress.mark_selection()
+        if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
+            distributed.check_selection_agreement(self.dropped, step=step)
+        return result
+
+    def _freeze(self) -> None:
+        """The mask is final: free the latents, stop collecting statistics, and shrink if asked to."""
+        assert self.latents is not None
+        self.latents.clear()
+        if self.act is not None:
+            self.act.detach()  # no per-forward cost during healing
+        if not self.options.shrink_on_freeze:
+            return
+        assert self._module is not None
+        dropped = self.dropped
+        with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
+            shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
+        self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
+        self._info(
+            f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
+            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
+        )
+
+    # ------------------------------------------------------------------ state
+    def _latent_format(self) -> str:
+        return state.latent_format(
+            self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=self._sharded_ckpt
+        )
+
+    def _state(self, *, latents: dict[str, Any] | None, activation: list[Any] | None) -> dict[str, Any]:
+        return state.build(
+            self.progress,
+            dropped=self.dropped,
+            factors={} if self.pruner is None else self.pruner.factors(),
+            clusters=self.resolved,
+            options=self.options.resumable(),
+            latents=latents,
+            shrunk=self.shrunk is not None,
+            activation=activation,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state (see :mod:`lightning_pat.training.state`); a collective where latents or statistics are gathered.
+
+        Every rank must call this: FSDP1 latents, full DTensor latents and the activation statistics are gathered.
+        """
+        latents = None
+        if self.latents is not None and self.latents.active:
+            latents = state.latent_entry(self.latents.state_dict(), self._params, fmt=self._latent_format())
+        activation = None
+        if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
+            activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
+        return self._state(latents=latents, activation=activation)
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""
+        self._pending = dict(saved)
+
+    def sharded_latents(self) -> dict[str, Tensor]:
+        """For a distributed checkpoint: the latents as model-state entries next to the model's shards, else ``{}``."""
+        if self.latents is None or not self.latents.active or self._latent_format() != "dcp":
+            return {}
+        return state.sharded_latents(self.latents.state_dict(), self._params)
+
+    # ------------------------------------------------------------------ resuming a shrunk model
+    def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:
+        """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
+
+        A checkpoint written after the shrink (``saved`` says ``shrunk``) gives a full-size module the small shapes; a
+        checkpoint written before it cannot load into a module this controller already shrank.
+
+        Args:
+            module: The module whose weights the checkpoint restores.
+            saved: This run's state in that checkpoint, if any.
+            weights: The checkpoint's weights for ``module``.
+
+        Raises:
+            ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
+                shrink of this (shrunk) module.
+        """
+        differ = _shape_mismatches(module, weights)
+        if not differ:
+            return
+        if saved and saved.get("shrunk"):  # a checkpoint written after the shrink: give the module its shapes
+            with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+                restore_shrunk(module, saved)
+            if self.shrunk is None:
+                self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
+                self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+            return
+        if self.shrunk is not None:  # this module was shrunk; the checkpoint holds the full-size weights
+            name, (mine, theirs) = next(iter(differ.items()))
+            raise ConfigurationError(
+                f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+                f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
+                f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
+                "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
+                "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
+            )
+
+
+def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        other = weights.get(name)
+        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
+            out[name] = (tuple(tensor.shape), tuple(other.shape))
+    return out
+
+
+def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:
+    """Warn about clustered parameters that are frozen or in no optimizer (they are masked but never updated)."""
+    in_opt = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    frozen = [n for n in names if not params[n].requires_grad]
+    orphan = [n for n in names if params[n].requires_grad and id(params[n]) not in in_opt]
+    if frozen:
+        distributed.rank_zero_warn(
+            f"CoupledPruningCallback: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
+            "dropped units are set to zero and stay zero, but they are never trained; unfreeze them or remove them "
+            "from the clusters if they must not be pruned."
+        )
+    if orphan:
+        distributed.rank_zero_warn(
+            f"CoupledPruningCallback: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
+            "set to zero but they are never updated; add them to `configure_optimizers` or remove them from the "
+            "clusters."
+        )

@@ -1,0 +1,235 @@
+"""The pruning state: one schema, built and read here, for checkpoints and for the same Trainer's next fit.
+
+A state is a dict of plain types and CPU tensors::
+
+    step, gamma, gamma_prox   progress (real optimizer steps, sums of learning rates for the group-lasso prox step)
+    dropped                   cluster name -> dropped unit indices of the current mask
+    factors                   cluster name -> group-lasso factors of the current mask
+    fingerprints, clusters    the resolved clusters (fingerprints to refuse another model, definitions to shrink)
+    options                   the options that may change on resume (see :data:`lightning_pat.options.RESUMABLE`)
+    latents                   the latent copies during the ramp (``None`` otherwise), ``{"format": ..., ...}``
+    shrunk                    whether the model was physically shrunk (``shrink_on_freeze``)
+    activation                the ranks' activation statistics in rank order (``score="activation"``), else ``None``;
+                              a list shorter than the world gives every missing rank the first entry
+
+Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
+(plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
+gathered), ``full`` (DTensors in a full checkpoint: gathered into full tensors, each rank slices its piece back on
+restore) and ``dcp`` (DTensors in a distributed checkpoint). A ``dcp`` state holds only the names: Lightning writes
+the callbacks' states with rank 0's metadata, so the sharded latents travel as model-state entries under
+:data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
+distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pat.core.schedule import Schedule
+from lightning_pat.options import MASK_SHAPING
+from lightning_pat.parallel import distributed
+
+DCP_PREFIX = "_lightning_pat.latent."  # model-state keys that carry sharded latents in a distributed checkpoint
+
+
+@dataclass
+class Progress:
+    """Completed real optimizer steps and the sums of learning rates the group-lasso prox step is sized from.
+
+    Attributes:
+        step: Completed real optimizer steps seen by the schedule.
+        gamma: Sum of learning rates of the steps since warmup.
+        gamma_prox: ``gamma`` at the last fresh selection (a direct-mode prox step sums the lrs from there).
+    """
+
+    step: int = 0
+    gamma: float = 0.0
+    gamma_prox: float = 0.0
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Progress:
+        """From a state (missing keys start fresh)."""
+        return cls(int(state.get("step", 0)), float(state.get("gamma", 0.0)), float(state.get("gamma_prox", 0.0)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``step``, ``gamma`` and ``gamma_prox`` as plain numbers."""
+        return {"step": self.step, "gamma": self.gamma, "gamma_prox": self.gamma_prox}
+
+    def tick(self) -> int:
+        """Count one real optimizer step; return the new step."""
+        self.step += 1
+        return self.step
+
+    def add_lr(self, lr: float | None) -> None:
+        """Add a step's learning rate to ``gamma`` (past warmup; an unknown lr adds nothing)."""
+        self.gamma += lr or 0.0
+
+    def prox_step(self, *, latent: bool) -> float:
+        """The group-lasso step size of a fresh selection now (see the callback's ``reg_lambda``).
+
+        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
+        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
+        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
+        """
+        return self.gamma if latent else self.gamma - self.gamma_prox
+
+    def mark_selection(self) -> None:
+        """A fresh selection happened: the next direct-mode prox step sums the learning rates from here."""
+        self.gamma_prox = self.gamma
+
+
+def build(
+    progress: Progress,
+    *,
+    dropped: Mapping[str, list[int]],
+    factors: Mapping[str, Tensor],
+    clusters: Sequence[Any],
+    options: Mapping[str, Any],
+    latents: dict[str, Any] | None,
+    shrunk: bool,
+    activation: list[Any] | None,
+) -> dict[str, Any]:
+    """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
+    return {
+        **progress.state_dict(),
+        "dropped": {k: list(v) for k, v in dropped.items()},
+        "factors": {k: v.detach().cpu() for k, v in factors.items()},
+        "fingerprints": {rc.name: rc.fingerprint() for rc in clusters},
+        "clusters": [rc.to_dict() for rc in clusters],
+        "options": dict(options),
+        "latents": latents,
+        "shrunk": shrunk,
+        "activation": activation,
+    }
+
+
+# ---------------------------------------------------------------------- latents
+def latent_format(params: Iterable[Tensor], *, fsdp1: bool, sharded_ckpt: bool) -> str:
+    """How latents of these parameters are written to a checkpoint (see the module docstring)."""
+    if fsdp1:
+        return "per_rank"
+    if any(distributed.is_dtensor(p) for p in params):
+        return "dcp" if sharded_ckpt else "full"
+    return "tensors"
+
+
+def latent_entry(local: Mapping[str, Tensor], params: Mapping[str, Tensor], *, fmt: str) -> dict[str, Any]:
+    """The ``latents`` entry for rank-local latents ``local`` (a collective for ``per_rank`` and ``full``)."""
+    if fmt == "local":
+        return {"format": fmt, "tensors": dict(local)}
+    if fmt == "tensors":
+        return {"format": fmt, "tensors": {n: t.detach().cpu().clone() for n, t in local.items()}}
+    if fmt == "per_rank":
+        mine = {n: t.detach().cpu().clone() for n, t in local.items()}
+        return {"format": fmt, "tensors": distributed.gather_objects(mine, group=distributed.world_group())}
+    if fmt == "full":
+        full = {n: distributed.full_tensor(distributed.as_dtensor(t, params[n])).cpu() for n, t in local.items()}
+        return {"format": fmt, "tensors": full}
+    return {"format": fmt, "names": sorted(local)}
+
+
+def sharded_latents(local: Mapping[str, Tensor], params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Model-state entries (DTensors laid out like their parameters) for a ``dcp`` checkpoint."""
+    return {DCP_PREFIX + n: distributed.as_dtensor(t, params[n]) for n, t in local.items()}
+
+
+def read_latents(entry: Mapping[str, Any], params: Mapping[str, Tensor], *, ckpt_path: Any) -> dict[str, Tensor]:
+    """Rank-local latents from a ``latents`` entry (reads the distributed checkpoint at ``ckpt_path`` for ``dcp``)."""
+    fmt = entry["format"]
+    if fmt in ("local", "tensors"):
+        return dict(entry["tensors"])
+    if fmt == "per_rank":
+        return dict(entry["tensors"][distributed.world_rank()])
+    if fmt == "full":
+        return {n: distributed.shard_like(t, params[n]) for n, t in entry["tensors"].items()}
+    like = {n: params[n] for n in entry["names"]}
+    holders = {
+        DCP_PREFIX + n: distributed.as_dtensor(torch.empty_like(distributed.local_tensor(p)), p)
+        for n, p in like.items()
+    }
+    distributed.load_sharded_({"state_dict": holders}, ckpt_path)
+    return {n: distributed.local_tensor(holders[DCP_PREFIX + n]) for n in like}
+
+
+def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:
+    """This rank's activation statistics from a state's ``activation`` list; ``None`` if there are none."""
+    if not saved:
+        return None
+    rank = distributed.world_rank()
+    return saved[rank] if rank < len(saved) else saved[0]
+
+
+# ---------------------------------------------------------------------- resume checks
+def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int, final: bool) -> None:
+    """Compare the options a state was written with to the current ones (resume).
+
+    Changed options apply from the saved step on (a warning lists them), except where they could not take effect.
+
+    Raises:
+        ValueError: If the saved step lies in the ramp but the new schedule's final step is already past (the final
+            mask would never be applied), or the mask is frozen (healing) and an option that shapes it changed.
+    """
+    changed = {k: (saved[k], current.get(k)) for k in saved if k in current and saved[k] != current[k]}
+    if not changed:
+        return
+    desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
+    new_final = int(current["warmup_steps"]) + int(current["ramp_steps"])
+    if not final and step >= new_final:
+        raise ValueError(
+            f"CoupledPruningCallback: the checkpoint was taken at step {step} inside the ramp, but the changed options "
+            f"({desc}) put the final ramp step at {new_final}, already past; the final mask would never be applied. "
+            f"Keep warmup_steps + ramp_steps > {step}."
+        )
+    shaping = MASK_SHAPING & set(changed)
+    if final and current.get("heal", True) and shaping:
+        raise ValueError(
+            f"CoupledPruningCallback: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
+            f"is frozen; the changed options ({desc}) cannot change it. Resume with the saved options "
+            f"({ {k: saved[k] for k in shaping} }), or start a new run (a fresh Trainer) to prune again."
+        )
+    distributed.rank_zero_warn(
+        f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
+        "the saved step with the new options."
+    )
+
+
+def check_restorable(
+    state: Mapping[str, Any],
+    *,
+    fingerprints: Mapping[str, str],
+    options: Mapping[str, Any],
+    schedule: Schedule,
+    latent_mode: bool,
+    heal: bool,
+) -> bool:
+    """Check that a saved state can be continued exactly; return whether latent copies must be restored.
+
+    Raises:
+        ValueError: If the clusters' fingerprints differ, changed options cannot take effect (see
+            :func:`check_resumed_options`), or latent mode must continue a ramp but the state has no latents.
+    """
+    saved = state.get("fingerprints", {})
+    if saved != fingerprints:
+        changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
+        raise ValueError(
+            f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
+            "resume with the same cluster declarations and model, or start a new run."
+        )
+    step = int(state.get("step", 0))
+    saved_options = state.get("options", {})
+    final = step >= int(saved_options.get("warmup_steps", 0)) + int(saved_options.get("ramp_steps", 1))
+    check_resumed_options(saved_options, options, step=step, final=final)
+    needs = latent_mode and schedule.phase(step) != "warmup"
+    needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
+    if needs and state.get("latents") is None:
+        raise ValueError(
+            f"CoupledPruningCallback: the checkpoint (step {step}, final step {schedule.final_step}, mode "
+            f"{saved_options.get('mode')!r}) holds no latent copies, so latent mode cannot continue the ramp exactly. "
+            "Resume with mode='direct', or resume from a checkpoint written in latent mode."
+        )
+    return needs
