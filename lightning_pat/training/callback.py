@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import (
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pat.core.budget import SizeSolution
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.spec import Cluster, ResolvedCluster
@@ -120,6 +121,15 @@ class CoupledPruningCallback(Callback):
             device only; needs ``heal=True``). A checkpoint written afterwards resumes: the fresh module is shrunk
             before its weights load.
 
+        target_params: A size instead of a fraction: an absolute parameter count (``4e9``, ``"4B"``, ``"350M"``) or a
+            fraction of the model's parameters (``0.5``, ``"50%"``). At fit start the per-cluster widths that reach it
+            are solved (one width per declaration, as a stock config loads; every parameter a unit carries is counted,
+            tied weights once; clusters with their own ``target`` keep it; layer units drop whole layers) and the
+            ramp goes towards them; ``target_sparsity`` is then unused. :attr:`size` reports the achieved count and
+            the nearest achievable counts on either side. ``method="hard"`` only.
+        target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``:
+            the closest not below it.
+
     Raises:
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
@@ -127,8 +137,9 @@ class CoupledPruningCallback(Callback):
             if the clusters do not resolve against the model, or ranks disagree on
             clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if
             ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
-            are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
-            start).
+            are not ``nn.Linear`` weights (at fit start); if ``target_params`` is malformed (at construction) or
+            above the model's size or below what the clusters can reach (at fit start, with the numbers); if a
+            checkpoint's state cannot be restored (at train start).
 
     Example::
 
@@ -160,6 +171,8 @@ class CoupledPruningCallback(Callback):
         log_metrics: bool = True,
         debug_check_selection: bool = False,
         shrink_on_freeze: bool = False,
+        target_params: int | float | str | None = None,
+        target_side: Literal["below", "above"] = "below",
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
@@ -167,6 +180,7 @@ class CoupledPruningCallback(Callback):
                 every_n_steps=every_n_steps, ramp=ramp, heal=heal, method=method, reg_lambda=reg_lambda, score=score,
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
+                target_params=target_params, target_side=target_side,
             )  # fmt: skip
         self.controller = PruningController(self.options)
         self.metrics: PruningMetrics | None = None
@@ -183,6 +197,11 @@ class CoupledPruningCallback(Callback):
     def target_sparsity(self) -> float:
         """Fraction of each cluster's units removed at the end of the ramp (clusters may override)."""
         return self.options.target_sparsity
+
+    @property
+    def size(self) -> SizeSolution | None:
+        """With ``target_params``, after fit start: the solved widths, the achieved count and its neighbours."""
+        return self.controller.size
 
     @property
     def step(self) -> int:
