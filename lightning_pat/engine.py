@@ -98,16 +98,20 @@ class Plan:
         *,
         side: Side = "below",
         declarations: Sequence[Cluster | Mapping] = (),
+        keep_layers: int | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
-        The clusters of one of ``declarations`` keep one width (uniform over the layers).
+        The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
+        number of layers kept (layer units).
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
         """
         declared = declaration_labels(params, declarations)
-        clusters, solution = sized_clusters(params, self.clusters, target_params, side=side, declared=declared)
+        clusters, solution = sized_clusters(
+            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers
+        )
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
         return dataclasses.replace(self, clusters=tuple(clusters), routes=routes), solution
 
@@ -408,6 +412,7 @@ def prune_clusters(
     *,
     target_params: int | float | str | None = None,
     target_side: Side = "below",
+    target_layers: int | None = None,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -430,6 +435,8 @@ def prune_clusters(
             parameter a unit carries; see :mod:`lightning_pat.core.budget`); ``result.size`` reports the achieved
             count and the nearest achievable ones on either side.
         target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``.
+        target_layers: With layer units and ``target_params``: the number of layers to keep; the widths make up the
+            rest. By default the solver balances depth and widths (the same kept fraction).
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -462,7 +469,7 @@ def prune_clusters(
             f"'350M' or 0.5 of the model), exactly one of them; got sparsity={sparsity!r}, "
             f"target_params={target_params!r}."
         )
-    check_target(target_params, target_side)
+    check_target(target_params, target_side, target_layers)
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
@@ -479,7 +486,9 @@ def prune_clusters(
     size = None
     if target_params is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
-        plan, size = plan.sized(_named(model), target_params, side=target_side, declarations=decls)
+        plan, size = plan.sized(
+            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers
+        )
     pruner = Pruner(model, plan)
     with torch.no_grad():
         scores = None if activations is None else activations.unit_scores(_named(model))

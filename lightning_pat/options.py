@@ -150,6 +150,7 @@ class PruningOptions:
     shrink_on_freeze: bool = False
     target_params: int | float | str | None = None
     target_side: Side = "below"
+    target_layers: int | None = None
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -166,7 +167,7 @@ class PruningOptions:
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
         presets.check_options(self.preset_options or {})
-        check_target(self.target_params, self.target_side)
+        check_target(self.target_params, self.target_side, self.target_layers)
         if self.target_params is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "

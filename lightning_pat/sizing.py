@@ -41,14 +41,20 @@ def distinct_shapes(params: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_target(target_params: object, side: object) -> None:
-    """Static checks of ``target_params`` and ``target_side`` (no model needed).
+def check_target(target_params: object, side: object, target_layers: object = None) -> None:
+    """Static checks of ``target_params``, ``target_side`` and ``target_layers`` (no model needed).
 
     Raises:
-        ValueError: If the target is not a positive count, fraction or size string, or the side is unknown.
+        ValueError: If the target is not a positive count, fraction or size string, the side is unknown, or
+            ``target_layers`` is not a positive int or is given without ``target_params``.
     """
     if target_params is not None:
         parse_size(target_params, total=10**18)
+    if target_layers is not None:
+        if isinstance(target_layers, bool) or not isinstance(target_layers, int) or target_layers < 1:
+            raise ValueError(f"`target_layers` (layers to keep) must be an int >= 1, got {target_layers!r}.")
+        if target_params is None:
+            raise ValueError("`target_layers` splits a size target between depth and widths; set `target_params` too.")
     if side not in SIDES:
         raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
 
@@ -74,6 +80,7 @@ def sized_clusters(
     *,
     side: Side = "below",
     declared: Mapping[str, str] | None = None,
+    keep_layers: int | None = None,
 ) -> tuple[list[ResolvedCluster], SizeSolution]:
     """The clusters with the targets that reach ``target_params``, and the solution.
 
@@ -84,6 +91,7 @@ def sized_clusters(
         side: ``"below"``: the closest achievable count not above the target; ``"above"``: not below it.
         declared: Cluster name -> declaration label (:func:`declaration_labels`): the clusters of one declaration
             keep one width. Without it every cluster is solved on its own.
+        keep_layers: Layers to keep (layer units); by default the solver balances depth and widths.
 
     Returns:
         ``(clusters, solution)``.
@@ -95,7 +103,7 @@ def sized_clusters(
     shapes = distinct_shapes(params)
     total = sum(_numel(s) for s in shapes.values())
     target = parse_size(target_params, total=total)
-    axes, groups, owners = size_problem(shapes, clusters, declared=declared)
+    axes, groups, owners = size_problem(shapes, clusters, declared=declared, keep_layers=keep_layers)
     solution = solve(shapes, axes, groups, target=target, side=side, owners=owners)
     num_layers = sum(1 for rc in clusters if is_layer_cluster(rc))
     out = []

@@ -247,7 +247,7 @@ def solve(
     """
     if side not in SIDES:
         raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
-    full = {g.name: g.kept_values()[0] for g in groups}
+    full = {g.name: g.size for g in groups}  # the unpruned model (fixed groups too)
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
     if target > total:
@@ -350,6 +350,7 @@ def size_problem(
     clusters: Sequence[ResolvedCluster],
     *,
     declared: Mapping[str, str] | None = None,
+    keep_layers: int | None = None,
 ) -> tuple[dict[tuple[str, int], list[tuple[str, int, int]]], list[Group], dict[str, str]]:
     """The solver's inputs from resolved clusters: member axes, groups and layer ownership.
 
@@ -362,12 +363,15 @@ def size_problem(
         shapes: Distinct parameter name -> global shape.
         clusters: The resolved clusters.
         declared: Cluster name -> label of the declaration it was expanded from.
+        keep_layers: If set, the number of layers kept (the widths make up the rest of the target); else the solver
+            balances layers and widths.
 
     Returns:
         ``(axes, groups, owners)`` for :func:`solve`.
 
     Raises:
-        ValueError: If a cluster shares a budget (other than layer units): a shared budget decides widths by score.
+        ValueError: If a cluster shares a budget (other than layer units): a shared budget decides widths by score;
+            if ``keep_layers`` is given without layer units or outside ``[1, layers]``.
     """
     axes: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
     owners: dict[str, str] = {}
@@ -399,6 +403,11 @@ def size_problem(
         if any(g.name == label for g in groups):
             label = f"{label}({rc.name})"
         groups.append(Group(label, tuple(r.name for r in members), rc.num_units, rc.multiple_of, fixed=fixed))
+    if keep_layers is not None and not 1 <= keep_layers <= len(layers):
+        raise ValueError(
+            f"`target_layers` = {keep_layers} layers to keep, but the clusters hold {len(layers)} layer units; "
+            + ("add them with preset_options={'layers': True}." if not layers else f"ask for 1 to {len(layers)}.")
+        )
     if layers:
-        groups.append(Group(LAYER_BUDGET, tuple(rc.name for rc in layers), 1, layers=True))
+        groups.append(Group(LAYER_BUDGET, tuple(rc.name for rc in layers), 1, layers=True, fixed=keep_layers))
     return axes, groups, owners

@@ -129,6 +129,8 @@ class CoupledPruningCallback(Callback):
             the nearest achievable counts on either side. ``method="hard"`` only.
         target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``:
             the closest not below it.
+        target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
+            to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
 
     Raises:
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
@@ -173,6 +175,7 @@ class CoupledPruningCallback(Callback):
         shrink_on_freeze: bool = False,
         target_params: int | float | str | None = None,
         target_side: Literal["below", "above"] = "below",
+        target_layers: int | None = None,
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
@@ -180,7 +183,7 @@ class CoupledPruningCallback(Callback):
                 every_n_steps=every_n_steps, ramp=ramp, heal=heal, method=method, reg_lambda=reg_lambda, score=score,
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
-                target_params=target_params, target_side=target_side,
+                target_params=target_params, target_side=target_side, target_layers=target_layers,
             )  # fmt: skip
         self.controller = PruningController(self.options)
         self.metrics: PruningMetrics | None = None

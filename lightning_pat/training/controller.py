@@ -196,8 +196,9 @@ class PruningController:
                 )  # fmt: skip
                 if opts.target_params is not None:
                     plan, self.size = plan.sized(
-                        params, opts.target_params, side=opts.target_side, declarations=declarations
-                    )
+                        params, opts.target_params, side=opts.target_side, declarations=declarations,
+                        keep_layers=opts.target_layers,
+                    )  # fmt: skip
             except ValueError as err:
                 error = f"CoupledPruningCallback: {err}"
             digest = {

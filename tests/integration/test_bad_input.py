@@ -89,6 +89,13 @@ CASES = [
         r"`target_params` solves exact widths for `method='hard'`",
         "init",
     ),
+    ("size-layers-alone", {"target_layers": 2}, r"`target_layers` splits a size target .* set `target_params`", "init"),
+    (
+        "size-layers-without-units",
+        {"target_params": 0.5, "target_layers": 2},
+        r"`target_layers` = 2 layers to keep, but the clusters hold 0 layer units; add them with preset_options",
+        "fit",
+    ),
     (
         "size-above-model",
         {"target_params": 1000},

@@ -145,3 +145,27 @@ def test_custom_declaration_of_layer_units():
     with pytest.raises(ValueError, match="not an element of an nn.ModuleList"):
         shrink(net, result, inplace=False)  # nn.Sequential is not a ModuleList: refused before any change
     assert torch.equal(net(x), ref)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_target_layers_fixes_the_depth_and_widths_make_up_the_rest(keep):
+    model = LLAMA.fresh()
+    total = sum(p.numel() for p in model.parameters())
+    result = prune_clusters(model, presets.llama(model, layers=True), target_params=0.6, target_layers=keep)
+    assert result.size is not None
+    assert result.size.kept["layers"] == keep
+    assert result.size.achieved <= parse_size(0.6, total=total)
+    small = shrink(model, result)
+    assert len(small.model.layers) == keep
+    assert sum(p.numel() for p in small.parameters()) == result.size.achieved
+
+
+def test_target_layers_refusals():
+    model = LLAMA.fresh()
+    with pytest.raises(ValueError, match=r"`target_layers` = 5 layers to keep, but the clusters hold 4 .*1 to 4"):
+        prune_clusters(model, presets.llama(model, layers=True), target_params=0.6, target_layers=5)
+    with pytest.raises(ValueError, match=r"hold 0 layer units; add them with preset_options=\{'layers': True\}"):
+        prune_clusters(model, presets.llama(model), target_params=0.6, target_layers=2)
+    with pytest.raises(ValueError, match="set `target_params` too"):
+        prune_clusters(model, presets.llama(model, layers=True), 0.5, target_layers=2)
+    assert all(bool(p.ne(0).any()) for p in model.parameters())
