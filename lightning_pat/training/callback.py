@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -298,6 +299,8 @@ class CoupledPruningCallback(Callback):
             )
         if self.controller.pruner is not None:
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
+        if self.controller.size is not None:  # shown with Lightning's own messages (the CLI user sees it)
+            rank_zero_info(f"CoupledPruningCallback target_params: {self.controller.size.describe()}")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
