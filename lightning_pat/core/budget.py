@@ -4,16 +4,19 @@ The count model is exact for a shrunk model: every distinct parameter (a tied te
 channels no cluster owns plus ``block * kept`` channels of every member slice on that dim, and its count is the
 product of its dims. A GQA group thus counts its query heads' rows in ``q_proj`` and its KV rows in ``k/v``; a residual
 channel counts its column in every ``q/k/v/gate/up`` of every layer, its row in ``o/down``, norms and the embedding.
-A dropped layer (a unit of a layer group, see :mod:`lightning_pat.depth`) removes every parameter it owns, so the
+A dropped layer (a layer unit, see :func:`lightning_pat.presets.layer_units`) removes every parameter it owns, so the
 widths of its other clusters no longer count.
 
 Search: clusters that must keep the same width (one declaration over the layers: ``mlp.0``, ``mlp.1``, ...) form a
 *group* with one kept count ``k``. Starting from the full model, one *granule* (``multiple_of`` units in every
 cluster of the group, or one layer) is removed at a time from the group whose kept fraction ``k / C`` is highest
 (ties: the group declared first), down to each group's floor (``multiple_of`` units; one layer). Counts decrease
-along this path; the solution is the first configuration whose count is not above the target (``side="below"``)
-or the last one not below it (``side="above"``), and the two neighbours on the path are reported. Consecutive
-configurations differ by one granule, so the achieved count is within one granule of the target.
+along this path; the first configuration whose count is not above the target (``side="below"``; ``"above"``: the
+last one not below it) fixes the number of layers. The slack it leaves is then filled with width granules: while one
+fits under the target, the group with the lowest kept fraction gets one back (``"above"``: while one can go without
+falling under the target, the group with the highest kept fraction loses one). No single granule can then be added
+(removed) without crossing the target, so the achieved count is within one granule of the target and of the best
+configuration on its side. The nearest achievable counts one granule up and down are reported.
 
 Example::
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -90,10 +93,12 @@ class SizeSolution:
         achieved: Parameters of the model after the shrink.
         target: The target asked for.
         total: Parameters of the full model.
-        below: The nearest achievable count not above the target (the solution with ``side="below"``).
-        above: The nearest achievable count above it (``None`` if the target is the full size).
+        below: The achieved count if it is not above the target, else the nearest count one granule down.
+        above: The achieved count if it is above the target, else the nearest count one granule up (``None`` if
+            nothing can be added).
         minimum: The smallest count the groups can reach.
         dropped_layers: Number of dropped layers (layer groups).
+        fractions: Width cluster name -> fraction of its units dropped (its ``target``).
     """
 
     kept: dict[str, int]
@@ -199,11 +204,51 @@ def _path(groups: Sequence[Group]) -> list[int]:
     return [g for _, g, _ in steps]
 
 
-def _config(groups: Sequence[Group], path: Sequence[int], position: int) -> dict[str, int]:
+def _indices(groups: Sequence[Group], path: Sequence[int], position: int) -> list[int]:
+    """Granules removed from each group after ``position`` steps of the path."""
     removed = [0] * len(groups)
     for g in path[:position]:
         removed[g] += 1
+    return removed
+
+
+def _config(groups: Sequence[Group], path: Sequence[int], position: int) -> dict[str, int]:
+    removed = _indices(groups, path, position)
     return {group.name: group.kept_values()[removed[g]] for g, group in enumerate(groups)}
+
+
+def _neighbours(groups: Sequence[Group], index: Sequence[int], *, up: bool, widths_only: bool) -> list[list[int]]:
+    """Configurations one granule of one group away (``up``: one granule kept more), in group order."""
+    out = []
+    for g, group in enumerate(groups):
+        if widths_only and group.layers:
+            continue
+        i = index[g] + (-1 if up else 1)
+        if 0 <= i < len(group.kept_values()):
+            out.append([*index[:g], i, *index[g + 1 :]])
+    return out
+
+
+def _polish(
+    groups: Sequence[Group], index: list[int], count_of: Callable[[Sequence[int]], int], target: int, *, up: bool
+) -> list[int]:
+    """Fill the slack the path left with width granules (layers stay as the path chose them).
+
+    ``up`` (side ``"below"``): while a width granule fits under the target, give it back to the group with the lowest
+    kept fraction; else (side ``"above"``) while one can go without falling under the target, take it from the group
+    with the highest kept fraction. Ties: the group declared first.
+    """
+    while True:
+        options = []
+        for n in _neighbours(groups, index, up=up, widths_only=True):
+            c = count_of(n)
+            if (c <= target) if up else (c >= target):
+                g = next(k for k in range(len(groups)) if n[k] != index[k])
+                fraction = groups[g].kept_values()[index[g]] / groups[g].size
+                options.append((fraction if up else -fraction, g, n))
+        if not options:
+            return index
+        index = min(options)[2]
 
 
 def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, int]:
@@ -277,14 +322,22 @@ def solve(
         else:
             lo = mid + 1
     first_below = lo
-    below_count = count_at(first_below)
-    above_count = count_at(first_below - 1) if first_below > 0 else None
-    if side == "below" or below_count == target or above_count is None:
-        position = first_below
-    else:
+    position = first_below
+    if side == "above" and first_below > 0 and count_at(first_below) != target:
         position = first_below - 1
-    kept = _config(groups, path, position)
-    achieved = count_at(position)
+    index = _indices(groups, path, position)
+
+    def count_of(idx: Sequence[int]) -> int:
+        cfg = {g.name: g.kept_values()[i] for g, i in zip(groups, idx, strict=True)}
+        return count_params(shapes, axes, cluster_kept(groups, cfg), owners=owners)
+
+    index = _polish(groups, index, count_of, target, up=side == "below")
+    achieved = count_of(index)
+    ups = [count_of(n) for n in _neighbours(groups, index, up=True, widths_only=False)]
+    downs = [count_of(n) for n in _neighbours(groups, index, up=False, widths_only=False)]
+    below = achieved if achieved <= target else max((c for c in downs if c <= target), default=None)
+    above = achieved if achieved > target else min((c for c in ups if c > target), default=None)
+    kept = {g.name: g.kept_values()[i] for g, i in zip(groups, index, strict=True)}
     per_cluster = cluster_kept(groups, kept)
     fractions = {}
     for group in groups:
@@ -297,8 +350,8 @@ def solve(
         achieved=achieved,
         target=target,
         total=total,
-        below=below_count,
-        above=above_count,
+        below=below,
+        above=above,
         minimum=minimum,
         dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
         fractions=fractions,
@@ -325,7 +378,7 @@ def _check_equal_layers(
             )
 
 
-#: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.depth`).
+#: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
 LAYER_BUDGET = "layers"
 
 

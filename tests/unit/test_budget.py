@@ -94,33 +94,52 @@ def greedy_path(sizes: list[int], mults: list[int]) -> list[tuple[int, ...]]:
         out.append(tuple(kept))
 
 
+def reachable(size: int, mult: int) -> list[int]:
+    """Kept widths a cluster can have: all of it, or a positive multiple of ``mult`` below it."""
+    return [size] + [k for k in range(size - 1, 0, -1) if k % mult == 0]
+
+
 @pytest.mark.parametrize(("mult1", "mult2"), [(1, 1), (2, 1), (3, 2)])
 @pytest.mark.parametrize("side", ["below", "above"])
 def test_solver_against_brute_force(mult1, mult2, side):
+    """Every target between the smallest and the full size, against all configurations enumerated here."""
     shapes, axes, groups, _ = chain_problem(mult1, mult2)
     path = greedy_path([WIDTHS[1], WIDTHS[2]], [mult1, mult2])
     counts = [chain_count(*cfg) for cfg in path]
     assert counts == sorted(counts, reverse=True)
-    everything = {chain_count(h1, h2) for h1 in range(1, 7) for h2 in range(1, 5)}
-    total, minimum = counts[0], counts[-1]
+    r1, r2 = reachable(WIDTHS[1], mult1), reachable(WIDTHS[2], mult2)
+    configs = {(h1, h2): chain_count(h1, h2) for h1 in r1 for h2 in r2}
+    total, minimum = chain_count(WIDTHS[1], WIDTHS[2]), min(configs.values())
+
+    def neighbours(h1: int, h2: int, step: int) -> list[int]:
+        out = []
+        for values, pos, other in ((r1, 0, h2), (r2, 1, h1)):
+            i = values.index((h1, h2)[pos]) - step
+            if 0 <= i < len(values):
+                out.append(configs[(values[i], other) if pos == 0 else (other, values[i])])
+        return out
+
     for target in range(minimum, total + 1):
         sol = solve(shapes, axes, groups, target=target, side=side)
+        kept = (sol.kept["h1"], sol.kept["h2"])
+        assert sol.achieved == configs[kept]
+        assert (sol.total, sol.minimum) == (total, minimum)
+        ups, downs = neighbours(*kept, 1), neighbours(*kept, -1)
         if side == "below":
-            expected = next(i for i, c in enumerate(counts) if c <= target)
+            on_path = next(c for c in counts if c <= target)
+            best = max(c for c in configs.values() if c <= target)
+            assert on_path <= sol.achieved <= target  # the path's choice, then the slack filled
+            assert all(c > target for c in ups)  # no granule fits any more
+            assert best - sol.achieved < min(ups, default=best + 1) - sol.achieved  # within one granule of the best
+            assert sol.below == sol.achieved
+            assert sol.above == min((c for c in ups if c > target), default=None)
         else:
-            expected = max(i for i, c in enumerate(counts) if c >= target)
-        assert (sol.kept["h1"], sol.kept["h2"]) == path[expected]
-        assert sol.achieved == counts[expected] == chain_count(*path[expected])
-        assert sol.achieved <= target if side == "below" else sol.achieved >= target
-        assert sol.total == total
-        assert sol.minimum == minimum
-        # the neighbours on the path are one granule away, and the achieved count is within one granule of the target
-        assert sol.below is not None
-        assert sol.below <= target
-        assert sol.above is None or sol.above > target or sol.above == sol.below
-        assert sol.achieved in everything
-        granule = max(counts[i] - counts[i + 1] for i in range(len(counts) - 1))
-        assert abs(sol.achieved - target) <= granule
+            on_path = min(c for c in counts if c >= target)
+            best = min(c for c in configs.values() if c >= target)
+            assert target <= sol.achieved <= on_path
+            assert all(c < target for c in downs)
+            assert sol.achieved - best < sol.achieved - max(downs, default=best - 1)
+            assert sol.above == sol.achieved or sol.achieved == target
 
 
 def test_one_group_is_the_best_of_all_widths():
