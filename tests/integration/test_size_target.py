@@ -83,3 +83,29 @@ def test_a_second_fit_keeps_the_solved_widths():
     trainer.fit(lit)
     assert cb.size == first
     assert count(shrink(lit, cb).model) == first.achieved
+
+
+def test_resume_mid_ramp_with_target_params_and_layer_units(tmp_path):
+    """A run stopped inside the ramp and resumed from its checkpoint ends with the mask of an uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def callback() -> CoupledPruningCallback:
+        return CoupledPruningCallback(
+            "llama", target_params=0.5, preset_options={"layers": True}, warmup_steps=1, ramp_steps=4, mode="latent"
+        )
+
+    reference = LM()
+    ref_cb = callback()
+    quiet_trainer(max_steps=7, callbacks=[ref_cb]).fit(reference)
+
+    first = LM()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    quiet_trainer(max_steps=3, callbacks=[callback(), ckpt], checkpointing=True).fit(first)
+    resumed = LM()
+    cb = callback()
+    quiet_trainer(max_steps=7, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+    assert cb.dropped == ref_cb.dropped
+    assert cb.size == ref_cb.size
+    assert any(cb.dropped[f"layer.{i}"] for i in range(CASE.n_layer))
+    for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
