@@ -109,3 +109,16 @@ def test_resume_mid_ramp_with_target_params_and_layer_units(tmp_path):
     assert any(cb.dropped[f"layer.{i}"] for i in range(CASE.n_layer))
     for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_layer_units_refuse_shrink_on_freeze_before_any_step():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    lit = LM()
+    before = {k: v.clone() for k, v in lit.state_dict().items()}
+    cb = CoupledPruningCallback("llama", preset_options={"layers": True}, shrink_on_freeze=True, ramp_steps=2)
+    trainer = quiet_trainer(max_steps=3, callbacks=[cb])
+    with pytest.raises(MisconfigurationException, match=r"layer units .* are removed by `lightning_pat.shrink`"):
+        trainer.fit(lit)
+    assert trainer.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in lit.state_dict().items())
