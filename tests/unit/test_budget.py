@@ -245,3 +245,13 @@ def test_prune_clusters_needs_exactly_one_size():
     with pytest.raises(ValueError, match="below the smallest size"):
         prune_clusters(model, decl, target_params=10)
     assert all(bool(p.ne(0).any()) for p in model.parameters())  # nothing mutated
+
+
+def test_a_shared_budget_is_refused_with_a_size_target():
+    model = chain()
+    decls = [
+        Cluster("h1", ["0.weight", "0.bias"], ["2.weight"], budget="b"),
+        Cluster("h2", ["2.weight", "2.bias"], ["4.weight"], budget="b"),
+    ]
+    with pytest.raises(ValueError, match=r"Cluster 'h1' shares budget 'b': a size target solves the widths itself"):
+        prune_clusters(model, decls, target_params=0.8)
