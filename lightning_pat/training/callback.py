@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -186,7 +186,7 @@ class CoupledPruningCallback(Callback):
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
             )  # fmt: skip
-        self.controller = PruningController(self.options)
+        self.controller = PruningController(self.options, info=rank_zero_info)
         self.metrics: PruningMetrics | None = None
         self._restore_hook: Any = None
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the Trainer, its global_step) at the last fit end
@@ -299,8 +299,6 @@ class CoupledPruningCallback(Callback):
             )
         if self.controller.pruner is not None:
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
-        if self.controller.size is not None:  # shown with Lightning's own messages (the CLI user sees it)
-            rank_zero_info(f"CoupledPruningCallback target_params: {self.controller.size.describe()}")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

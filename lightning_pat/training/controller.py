@@ -93,6 +93,8 @@ class PruningController:
 
     Args:
         options: The run's options.
+        info: Where informational messages go (the routes, the shrink, a new schedule), on rank zero; by default
+            this module's logger. The callback passes Lightning's ``rank_zero_info`` so that they show in the console.
 
     Example::
 
@@ -112,8 +114,9 @@ class PruningController:
         (4, True)
     """
 
-    def __init__(self, options: PruningOptions) -> None:
+    def __init__(self, options: PruningOptions, *, info: Callable[[str], None] | None = None) -> None:
         self.options = options
+        self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
         self.progress = state.Progress()
         self.tracker = StepTracker()
@@ -225,10 +228,10 @@ class PruningController:
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
         self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
         _warn_unoptimized(self._params, clustered, optimizers)
+        if self.size is not None:
+            self._info(f"CoupledPruningCallback target_params: {self.size.describe()}")
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
-        distributed.rank_zero_info(
-            f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines), logger=log
-        )
+        self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 
     @contextmanager
     def _weights(self) -> Iterator[dict[str, Tensor]]:
@@ -278,9 +281,7 @@ class PruningController:
             self._apply(self._carry, latents=self._carry["latents"]["tensors"] if self._carry["latents"] else None)
         else:
             if self._carry is not None:
-                distributed.rank_zero_info(
-                    "CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.", logger=log
-                )
+                self._info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
@@ -458,10 +459,9 @@ class PruningController:
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
         self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
-        distributed.rank_zero_info(
+        self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
-            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model.",
-            logger=log,
+            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
         )
 
     # ------------------------------------------------------------------ state
