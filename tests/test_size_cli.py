@@ -1,4 +1,4 @@
-"""``target_params`` and layer units through the ``lightning-pat`` command: fit, then shrink.
+"""``target_params`` and layer units through the installed ``lightning-pat`` console script: fit, then shrink.
 
 Reference: the shrunk export's own parameter count and layer count, against the achieved count the fit logged.
 """
@@ -15,13 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+SCRIPT = Path(sys.executable).parent / "lightning-pat"
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def run(tmp_path: Path, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_pat.cli", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=600,
+        [str(SCRIPT), *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -177,7 +177,8 @@ class PruningController:
                 next to the model's shards).
 
         Raises:
-            ValueError: If the clusters do not resolve or route on some rank, or ranks disagree; if
+            ValueError: If the clusters do not resolve or route on some rank, a target below 1 would drop every unit
+                of a cluster, or ranks disagree; if
                 ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze`` could not
                 shrink the model.
         """
@@ -196,6 +197,7 @@ class PruningController:
                 plan = make_plan(
                     params, declarations, score=opts.score, executor=opts.executor,
                     group_count_ref=opts.group_count_ref,
+                    sparsity=opts.target_sparsity if opts.target_params is None else None,  # else: checked when sized
                 )  # fmt: skip
                 if opts.target_params is not None:
                     plan, self.size = plan.sized(
@@ -430,6 +432,13 @@ class PruningController:
                 self._freeze()
         return result
 
+    def reproject(self) -> None:
+        """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
+        if self.pruner is None or self.shrunk is not None:
+            return
+        with torch.no_grad(), self._weights():
+            self.pruner.hold()
+
     def _select(self, step: int, *, count: bool) -> PruneResult:
         """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
         assert self.pruner is not None
@@ -506,22 +515,50 @@ class PruningController:
         return state.sharded_latents(self.latents.state_dict(), self._params)
 
     # ------------------------------------------------------------------ resuming a shrunk model
-    def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None) -> None:
-        """Before a checkpoint's weights load into ``module``: give it the shrunk shapes if ``saved`` says so.
+    def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:
+        """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
+
+        A checkpoint written after the shrink (``saved`` says ``shrunk``) gives a full-size module the small shapes; a
+        checkpoint written before it cannot load into a module this controller already shrank.
 
         Args:
             module: The module whose weights the checkpoint restores.
             saved: This run's state in that checkpoint, if any.
+            weights: The checkpoint's weights for ``module``.
 
         Raises:
-            ValueError: If the module cannot be shrunk to the saved shapes.
+            ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
+                shrink of this (shrunk) module.
         """
-        if self.shrunk is not None or not saved or not saved.get("shrunk"):
+        differ = _shape_mismatches(module, weights)
+        if not differ:
             return
-        with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
-            restore_shrunk(module, saved)
-        self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
-        self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+        if saved and saved.get("shrunk"):  # a checkpoint written after the shrink: give the module its shapes
+            with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+                restore_shrunk(module, saved)
+            if self.shrunk is None:
+                self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
+                self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+            return
+        if self.shrunk is not None:  # this module was shrunk; the checkpoint holds the full-size weights
+            name, (mine, theirs) = next(iter(differ.items()))
+            raise ConfigurationError(
+                f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+                f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
+                f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
+                "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
+                "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
+            )
+
+
+def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        other = weights.get(name)
+        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
+            out[name] = (tuple(tensor.shape), tuple(other.shape))
+    return out
 
 
 def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:
