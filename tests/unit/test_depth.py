@@ -169,3 +169,16 @@ def test_target_layers_refusals():
     with pytest.raises(ValueError, match="set `target_params` too"):
         prune_clusters(model, presets.llama(model, layers=True), 0.5, target_layers=2)
     assert all(bool(p.ne(0).any()) for p in model.parameters())
+
+
+def test_target_params_never_empties_a_one_unit_cluster():
+    """MQA (one KV head): `target_sparsity` would empty the heads clusters and is refused; a size target keeps them."""
+    case = llama_like("llama", n_head=4, n_kv=1, n_layer=2)
+    model = case.fresh()
+    with pytest.raises(ValueError, match="would remove every unit"):
+        prune_clusters(case.fresh(), presets.llama(model), 0.5)
+    result = prune_clusters(model, presets.llama(model), target_params=0.7)
+    assert result.size is not None
+    assert result.size.kept["heads"] == 1
+    assert not any(result.dropped[f"heads.{i}"] for i in range(2))
+    assert sum(p.numel() for p in shrink(model, result).parameters()) == result.size.achieved
