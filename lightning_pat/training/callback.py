@@ -267,7 +267,8 @@ class CoupledPruningCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse what cannot be supported, before any step; watch for a shrunk checkpoint (``shrink_on_freeze``)."""
-        swa = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
+        callbacks = getattr(trainer, "callbacks", ())  # a stand-in Trainer may have none
+        swa = [type(cb).__name__ for cb in callbacks if isinstance(cb, StochasticWeightAveraging)]
         with _user_errors():
             check_environment(
                 self.options,
