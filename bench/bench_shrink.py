@@ -5,6 +5,7 @@
     python bench/bench_shrink.py --quick                # a tiny model, for a smoke test
     python bench/bench_shrink.py --layernorm            # how far a GPT-2 (LayerNorm) residual shrink moves the logits
     python bench/bench_shrink.py --healing              # healing-phase wall time with and without shrink_on_freeze
+    python bench/bench_shrink.py --size                 # depth vs width at one parameter count (bench_size.py)
 
 Model: a Llama-style ``LlamaForCausalLM`` (transformers) of about 15M parameters: d=384, ffn=1024, 6 layers, 6 heads
 of 64 (MHA, so that Torch-Pruning's dependency graph can follow the MLP; see below), vocabulary 6144, untied
@@ -199,6 +200,11 @@ def healing_time(*, steps: int, rounds: int) -> None:
 
 
 def main() -> None:
+    if "--size" in sys.argv:  # depth vs width at one size: its own options (bench_size.py --help)
+        import bench_size
+
+        bench_size.main([a for a in sys.argv[1:] if a != "--size"])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)

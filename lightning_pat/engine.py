@@ -7,6 +7,7 @@ that it can be held (re-applied) between fresh selections and frozen during heal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat import presets
+from lightning_pat.core.budget import Side, SizeSolution
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -31,6 +33,7 @@ from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.options import METHODS, Method, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import Executor, ExecutorKind, UnitAction, build_executors, route
+from lightning_pat.sizing import check_target, declaration_labels, sized_clusters
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
@@ -47,6 +50,7 @@ class PruneResult:
         numel: Parameter name -> number of elements (only when counted).
         routes: Cluster name -> executor kind that served it.
         clusters: The resolved clusters the result refers to (what :func:`~lightning_pat.shrink` needs).
+        size: With ``target_params``: the solved widths, the achieved count and its neighbours.
     """
 
     dropped: dict[str, list[int]]
@@ -55,6 +59,7 @@ class PruneResult:
     numel: dict[str, int] = field(default_factory=dict)
     routes: dict[str, str] = field(default_factory=dict)
     clusters: tuple[ResolvedCluster, ...] = ()
+    size: SizeSolution | None = None
 
     @property
     def unit_sparsity(self) -> float:
@@ -87,6 +92,31 @@ class Plan:
     routes: dict[str, tuple[str, str]]
     score: ScoreType = "rms"
     group_count_ref: int | None = None
+
+    def sized(
+        self,
+        params: Mapping[str, Tensor],
+        target_params: object,
+        *,
+        side: Side = "below",
+        declarations: Sequence[Cluster | Mapping] = (),
+        keep_layers: int | None = None,
+    ) -> tuple[Plan, SizeSolution]:
+        """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
+
+        The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
+        number of layers kept (layer units).
+
+        Raises:
+            ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
+        """
+        declared = declaration_labels(params, declarations)
+        clusters, solution = sized_clusters(
+            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers
+        )
+        check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
+        routes = {rc.name: self.routes[rc.name] for rc in clusters}
+        return dataclasses.replace(self, clusters=tuple(clusters), routes=routes), solution
 
     def targets(self, sparsity: float, *, fraction: float = 1.0) -> dict[str, float]:
         """Per cluster, ``fraction`` of its final target (its own ``target``, else ``sparsity``)."""
@@ -449,8 +479,11 @@ class Pruner:
 def prune_clusters(
     model: nn.Module,
     clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
-    sparsity: float,
+    sparsity: float | None = None,
     *,
+    target_params: int | float | str | None = None,
+    target_side: Side = "below",
+    target_layers: int | None = None,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -467,7 +500,15 @@ def prune_clusters(
         model: The module to prune in place.
         clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a preset name (``"llama"``,
             ``"linear_chain"``, ``"auto"``, ...) or a list mixing both, as for the callback.
-        sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``.
+        sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``. Give it or
+            ``target_params``, not both.
+        target_params: A size to reach instead: an absolute count (``4e9``, ``"4B"``, ``"350M"``) or a fraction of
+            the model's parameters. The per-cluster widths are solved (uniform per declaration, counting every
+            parameter a unit carries; see :mod:`lightning_pat.core.budget`); ``result.size`` reports the achieved
+            count and the nearest achievable ones on either side.
+        target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``.
+        target_layers: With layer units and ``target_params``: the number of layers to keep; the widths make up the
+            rest. By default the solver balances depth and widths (the same kept fraction).
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -483,8 +524,9 @@ def prune_clusters(
 
     Raises:
         ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
-            of a cluster, or ``score="activation"`` without ``activations`` (or with statistics of other clusters);
-            nothing is mutated then.
+            of a cluster, ``score="activation"`` without ``activations`` (or with statistics of other clusters), both
+            or neither of ``sparsity`` and ``target_params``, or a size target above the model or below what the
+            clusters can reach; nothing is mutated then.
 
     Example::
 
@@ -494,7 +536,15 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
-    check_number("sparsity", sparsity, low=0.0, high=1.0)
+    if (sparsity is None) == (target_params is None):
+        raise ValueError(
+            "prune_clusters needs `sparsity` (a fraction of each cluster's units) or `target_params` (a size such as "
+            f"'350M' or 0.5 of the model), exactly one of them; got sparsity={sparsity!r}, "
+            f"target_params={target_params!r}."
+        )
+    check_target(target_params, target_side, target_layers)
+    if sparsity is not None:
+        check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
     check_choice("method", method, METHODS)
     check_number("reg_lambda", reg_lambda, low=0.0)
@@ -512,11 +562,20 @@ def prune_clusters(
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
         clusters = presets.resolve_preset(clusters, model)
     plan = make_plan(
-        model, clusters, score=score, executor=executor, group_count_ref=group_count_ref, sparsity=float(sparsity)
-    )
+        model, clusters, score=score, executor=executor, group_count_ref=group_count_ref,
+        sparsity=None if sparsity is None else float(sparsity),
+    )  # fmt: skip
+    size = None
+    if target_params is not None:
+        decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+        plan, size = plan.sized(
+            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers
+        )
     pruner = Pruner(model, plan)
     with torch.no_grad():
         scores = None if activations is None else activations.unit_scores(_named(model))
-        return pruner.step(
-            plan.targets(float(sparsity)), method=method, threshold=reg_lambda * gamma, count=True, scores=scores
-        )
+        result = pruner.step(
+            plan.targets(float(sparsity or 0.0)), method=method, threshold=reg_lambda * gamma, count=True,
+            scores=scores,
+        )  # fmt: skip
+    return result if size is None else dataclasses.replace(result, size=size)

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_pat import presets
+from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
 from lightning_pat.core.spec import Cluster, check_declaration
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
+from lightning_pat.sizing import check_target
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
@@ -146,6 +148,9 @@ class PruningOptions:
     log_metrics: bool = True
     debug_check_selection: bool = False
     shrink_on_freeze: bool = False
+    target_params: int | float | str | None = None
+    target_side: Side = "below"
+    target_layers: int | None = None
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +167,12 @@ class PruningOptions:
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
         presets.check_options(self.preset_options or {})
+        check_target(self.target_params, self.target_side, self.target_layers)
+        if self.target_params is not None and self.method == "group_lasso":
+            raise ValueError(
+                "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
+                "solved widths. Use method='hard' with `target_params`, or `target_sparsity` with group lasso."
+            )
         if self.target_sparsity == 1.0:
             rank_zero_warn(
                 "CoupledPruningCallback: `target_sparsity=1.0` removes every unit of each cluster without its own "

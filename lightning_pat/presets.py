@@ -44,12 +44,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_pat.core.budget import LAYER_BUDGET
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
 
 log = logging.getLogger(__name__)
 
 Preset = Callable[..., list[Cluster]]
-OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual")
+OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers")
 
 _HOW_TO = (
     "Supported families: llama/mistral/qwen2 (`<prefix>layers.N.self_attn.q_proj.weight`), gpt2 "
@@ -72,6 +73,7 @@ class _Layout:
     residual: tuple[tuple[str, ...], tuple[str, ...]]  # per layer
     top: tuple[tuple[str, ...], tuple[str, ...]]  # residual members outside the layers (lm_head is found anywhere)
     layer_params: str  # every parameter a layer may hold
+    layer_out: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (writers, readers): zero => the layer is identity
 
 
 def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
@@ -89,6 +91,7 @@ def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
         # Qwen3's per-head q_norm/k_norm act over head_dim, on no unit axis: known, but in no cluster
         layer_params=rf"(?:{attn}\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias)|{norms}\.weight"
         rf"|{attn}\.[qk]_norm\.weight",
+        layer_out=((rf"{attn}\.o_proj\.(?:weight|bias)", r"mlp\.down_proj\.(?:weight|bias)"), ()),
     )
 
 
@@ -110,6 +113,7 @@ _LAYOUTS: dict[str, _Layout] = {
         ),
         top=((r"ln_f\.(?:weight|bias)",), (r"wte\.weight", r"wpe\.weight")),
         layer_params=r"(?:ln_[12]|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(?:weight|bias)",
+        layer_out=((r"(?:attn|mlp)\.c_proj\.bias",), (r"(?:attn|mlp)\.c_proj\.weight",)),  # Conv1D: [in, out]
     ),
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
@@ -188,10 +192,20 @@ def _residual(layout: _Layout, names: Sequence[str], prefix: str, preset: str) -
     return Cluster(name="residual", writers=writers, readers=readers + [n for n in names if _LM_HEAD.fullmatch(n)])
 
 
-def _build(layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool) -> list[Cluster]:
+def _build(
+    layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool, layers: bool = False
+) -> list[Cluster]:
     preset = layout.family
-    if not (mlp or heads or residual):
-        raise ValueError(f"presets.{preset}: select at least one of `mlp`, `heads`, `residual` (all are False).")
+    if not (mlp or heads or residual or layers):
+        raise ValueError(
+            f"presets.{preset}: select at least one of `mlp`, `heads`, `residual`, `layers` (all are False)."
+        )
+    if layers and residual:
+        raise ValueError(
+            f"presets.{preset}: `layers=True` with `residual=True` is not supported yet: a layer unit zeroes the "
+            "layer's output projections, which the residual cluster also prunes along the same axis. Choose one "
+            "of them (widths: mlp/heads combine with layers)."
+        )
     names = _param_names(model)
     backbone = _find_backbone(layout, names)
     if backbone is None:
@@ -215,10 +229,36 @@ def _build(layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residua
         )
     if residual:
         out.append(_residual(layout, names, prefix, preset))
+    if layers:
+        out.append(layer_units(per_layer, layout.layer_out))
     return out
 
 
-def llama(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+def layer_units(per_layer: str, out: tuple[tuple[str, ...], tuple[str, ...]]) -> Cluster:
+    r"""The layer units: one 1-unit cluster per layer over its output projections, in the ``layers`` budget.
+
+    In a pre-norm transformer a layer whose output projections (and their biases) are zero adds nothing to the
+    residual stream: it is the identity, so dropping the unit removes the layer exactly. The ``layers`` budget ranks
+    the layers jointly (lowest weight score first; the score is the RMS of the output projections, a weight-norm
+    stand-in for the ``1 - cos(input, output)`` of ShortGPT), and :func:`lightning_pat.shrink` deletes the dropped
+    layers and renumbers the rest.
+
+    Args:
+        per_layer: The ``re:`` prefix up to and including ``layers.(?P<layer>\d+).``.
+        out: (writers, readers) patterns of the output projections, relative to the layer.
+
+    Returns:
+        The declaration ``layer.{layer}`` (``num_units=1``, ``budget="layers"``).
+    """
+    return Cluster(
+        "layer.{layer}", [per_layer + w for w in out[0]], [per_layer + r for r in out[1]], num_units=1,
+        budget=LAYER_BUDGET,
+    )  # fmt: skip
+
+
+def llama(
+    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+) -> list[Cluster]:
     """Clusters of a Llama-style decoder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2/3ForCausalLM``, ...).
 
     Args:
@@ -226,18 +266,23 @@ def llama(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: b
         mlp: Add ``mlp.{layer}`` (gate/up rows and biases, down columns).
         heads: Add ``heads.{layer}`` (one unit per KV head: a head, or a GQA query group).
         residual: Add ``residual`` (the hidden size across the model).
+        layers: Add ``layer.{layer}``: whole decoder layers as units (see :func:`layer_units`); not with
+            ``residual``.
 
     Returns:
-        The declarations, in the order mlp, heads, residual.
+        The declarations, in the order mlp, heads, residual, layers.
 
     Raises:
         ValueError: If nothing is selected, the model has no or several Llama-style backbones, ``head_dim`` cannot
-            be read, or ``residual`` is asked for a model holding parameters outside the layout.
+            be read, ``residual`` is asked for a model holding parameters outside the layout, or ``layers`` with
+            ``residual``.
     """
-    return _build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual)
+    return _build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
-def gpt2(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+def gpt2(
+    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+) -> list[Cluster]:
     """Clusters of a GPT-2 model (``GPT2LMHeadModel``, ``GPT2Model``): ``Conv1D`` weights are ``[in, out]``.
 
     Args:
@@ -246,17 +291,21 @@ def gpt2(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bo
         heads: Add ``heads.{layer}`` (the q, k and v chunks of ``c_attn`` weight and bias, ``attn.c_proj`` rows).
         residual: Add ``residual`` (``wte``/``wpe`` columns, LayerNorm weights and biases, ``c_attn``/``c_fc`` rows,
             ``c_proj`` columns and biases, ``lm_head`` columns); see the LayerNorm limitation in the module docs.
+        layers: Add ``layer.{layer}`` (whole blocks: ``c_proj`` columns and biases; see :func:`layer_units`); not
+            with ``residual``.
 
     Returns:
-        The declarations, in the order mlp, heads, residual.
+        The declarations, in the order mlp, heads, residual, layers.
 
     Raises:
         ValueError: As for :func:`llama`.
     """
-    return _build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual)
+    return _build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
-def tiny_gpt(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False) -> list[Cluster]:
+def tiny_gpt(
+    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+) -> list[Cluster]:
     """Clusters of :class:`~lightning_pat.demo.model.TinyGPT` (same kinds as :func:`llama`).
 
     Args:
@@ -264,14 +313,15 @@ def tiny_gpt(model: nn.Module, *, mlp: bool = True, heads: bool = True, residual
         mlp: Add ``mlp.{layer}``.
         heads: Add ``heads.{layer}``.
         residual: Add ``residual``.
+        layers: Add ``layer.{layer}`` (see :func:`layer_units`).
 
     Returns:
-        The declarations, in the order mlp, heads, residual.
+        The declarations, in the order mlp, heads, residual, layers.
 
     Raises:
         ValueError: As for :func:`llama`.
     """
-    return _build(_LAYOUTS["tiny_gpt"], model, mlp=mlp, heads=heads, residual=residual)
+    return _build(_LAYOUTS["tiny_gpt"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
 _ELEMENTWISE = (
@@ -299,7 +349,9 @@ def _linear_pairs(model: nn.Module) -> list[tuple[str, nn.Linear, str]]:
     return pairs
 
 
-def linear_chain(model: nn.Module, *, mlp: bool = True, heads: bool = False, residual: bool = False) -> list[Cluster]:
+def linear_chain(
+    model: nn.Module, *, mlp: bool = True, heads: bool = False, residual: bool = False, layers: bool = False
+) -> list[Cluster]:
     """One cluster per hidden axis between consecutive ``nn.Linear`` layers of every ``nn.Sequential``.
 
     Linear ``i`` and the next Linear ``i+1`` in the same ``nn.Sequential`` are coupled when only elementwise modules
@@ -313,12 +365,14 @@ def linear_chain(model: nn.Module, *, mlp: bool = True, heads: bool = False, res
         mlp: Must be true (the hidden axes are the only kind here).
         heads: Must be false: a chain has no attention heads.
         residual: Must be false: a chain has no residual stream.
+        layers: Must be false: a chain has no residual layers to skip.
 
     Returns:
         One ``Cluster`` per hidden axis, named ``hidden.<writer module name>``.
 
     Raises:
-        ValueError: If ``mlp`` is false, ``heads`` or ``residual`` is true, or no pair of consecutive Linears exists.
+        ValueError: If ``mlp`` is false, ``heads``, ``residual`` or ``layers`` is true, or no pair of consecutive
+            Linears exists.
 
     Example::
 
@@ -326,10 +380,10 @@ def linear_chain(model: nn.Module, *, mlp: bool = True, heads: bool = False, res
         >>> [(c.name, c.writers, c.readers) for c in linear_chain(net)]
         [('hidden.0', ['0.weight', '0.bias'], ['2.weight'])]
     """
-    if not mlp or heads or residual:
+    if not mlp or heads or residual or layers:
         raise ValueError(
             "presets.linear_chain: only the hidden axes (mlp=True) exist in a chain of nn.Linear; got "
-            f"mlp={mlp}, heads={heads}, residual={residual}. Declare other clusters by hand."
+            f"mlp={mlp}, heads={heads}, residual={residual}, layers={layers}. Declare other clusters by hand."
         )
     pairs = _linear_pairs(model)
     if not pairs:

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, plan_for, state_source
+from lightning_pat.shrink import depth
+from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, read_source, state_source
 from lightning_pat.shrink.surgery import apply_plan
 
 
@@ -47,7 +48,9 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     """Physically remove the dropped units of ``model``: a smaller dense model of the same class.
 
     ``shrunk(x)`` equals the masked model's output (RMSNorm residuals are rescaled; a LayerNorm residual warns
-    because it cannot be exact). Module metadata (``in_features``/``out_features``, ``nf``, ``embedding_dim``,
+    because it cannot be exact). Dropped layer units (``preset_options={"layers": True}``) delete their layers and
+    renumber the rest (``layer_idx``, ``config.num_hidden_layers`` and ``layer_types`` follow; see
+    :mod:`lightning_pat.shrink.depth`). Module metadata (``in_features``/``out_features``, ``nf``, ``embedding_dim``,
     ``normalized_shape``, head counts, ``intermediate_size``, hidden sizes) and ``model.config`` (uniform values)
     are updated. Tied parameters stay one parameter.
 
@@ -64,7 +67,8 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     Raises:
         ValueError: Before anything changes, if the source holds no clusters, the plan does not match the model, a
             member belongs to a module the shrink cannot rewrite (the message names the parameter, the module type and
-            the fix), or an attention module would lose partial heads.
+            the fix), an attention module would lose partial heads, or a dropped layer is not an element of an
+            ``nn.ModuleList``.
         TypeError: If ``source`` is of an unknown type.
 
     Example::
@@ -76,9 +80,15 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
         >>> small[0], small[2]
         (Linear(in_features=4, out_features=4, bias=True), Linear(in_features=4, out_features=2, bias=True))
     """
-    plan = plan_for(model, source)
+    clusters, dropped = read_source(source)
+    cut = depth.split_layers(clusters, dropped)
     target = model if inplace else copy.deepcopy(model)
-    return apply_plan(target, plan)
+    where = depth.locate(target, cut)  # validated before anything changes
+    if where:
+        depth.check_identity(target, cut)
+    target = apply_plan(target, align_names(build_plan(cut.clusters, cut.dropped), target))
+    depth.remove_layers(target, where)
+    return target
 
 
 # ---------------------------------------------------------------------------------------------------- during training

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pat.core.budget import SizeSolution
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.spec import Cluster, ResolvedCluster
@@ -121,6 +122,17 @@ class CoupledPruningCallback(Callback):
             device only; needs ``heal=True``). A checkpoint written afterwards resumes: the fresh module is shrunk
             before its weights load.
 
+        target_params: A size instead of a fraction: an absolute parameter count (``4e9``, ``"4B"``, ``"350M"``) or a
+            fraction of the model's parameters (``0.5``, ``"50%"``). At fit start the per-cluster widths that reach it
+            are solved (one width per declaration, as a stock config loads; every parameter a unit carries is counted,
+            tied weights once; clusters with their own ``target`` keep it; layer units drop whole layers) and the
+            ramp goes towards them; ``target_sparsity`` is then unused. :attr:`size` reports the achieved count and
+            the nearest achievable counts on either side. ``method="hard"`` only.
+        target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``:
+            the closest not below it.
+        target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
+            to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
+
     Raises:
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
@@ -132,8 +144,9 @@ class CoupledPruningCallback(Callback):
             after SWA's weight transfers); if a checkpoint written before a ``shrink_on_freeze`` shrink is restored
             into the shrunk module (``validate``/``test``/``predict``/``fit`` with ``ckpt_path``); if
             ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
-            are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
-            start).
+            are not ``nn.Linear`` weights (at fit start); if ``target_params`` is malformed (at construction) or
+            above the model's size or below what the clusters can reach (at fit start, with the numbers); if a
+            checkpoint's state cannot be restored (at train start).
 
     Example::
 
@@ -165,6 +178,9 @@ class CoupledPruningCallback(Callback):
         log_metrics: bool = True,
         debug_check_selection: bool = False,
         shrink_on_freeze: bool = False,
+        target_params: int | float | str | None = None,
+        target_side: Literal["below", "above"] = "below",
+        target_layers: int | None = None,
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
@@ -172,6 +188,7 @@ class CoupledPruningCallback(Callback):
                 every_n_steps=every_n_steps, ramp=ramp, heal=heal, method=method, reg_lambda=reg_lambda, score=score,
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
+                target_params=target_params, target_side=target_side, target_layers=target_layers,
             )  # fmt: skip
         self.controller = PruningController(self.options, info=rank_zero_info)
         self.metrics: PruningMetrics | None = None
@@ -189,6 +206,11 @@ class CoupledPruningCallback(Callback):
     def target_sparsity(self) -> float:
         """Fraction of each cluster's units removed at the end of the ramp (clusters may override)."""
         return self.options.target_sparsity
+
+    @property
+    def size(self) -> SizeSolution | None:
+        """With ``target_params``, after fit start: the solved widths, the achieved count and its neighbours."""
+        return self.controller.size
 
     @property
     def step(self) -> int:

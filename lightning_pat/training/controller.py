@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.activation import ActivationStats
+from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
@@ -125,6 +126,7 @@ class PruningController:
         self.latents: LatentStore | None = None
         self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
+        self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
         self._optimizers: Sequence[torch.optim.Optimizer] = ()
         self._params: dict[str, Tensor] = {}
@@ -191,10 +193,17 @@ class PruningController:
         with self._weights() as params:
             plan, error = None, None
             try:
+                declarations = opts.declarations(module)
                 plan = make_plan(
-                    params, opts.declarations(module), score=opts.score, executor=opts.executor,
-                    group_count_ref=opts.group_count_ref, sparsity=opts.target_sparsity,
+                    params, declarations, score=opts.score, executor=opts.executor,
+                    group_count_ref=opts.group_count_ref,
+                    sparsity=opts.target_sparsity if opts.target_params is None else None,  # else: checked when sized
                 )  # fmt: skip
+                if opts.target_params is not None:
+                    plan, self.size = plan.sized(
+                        params, opts.target_params, side=opts.target_side, declarations=declarations,
+                        keep_layers=opts.target_layers,
+                    )  # fmt: skip
             except ValueError as err:
                 error = f"CoupledPruningCallback: {err}"
             digest = {
@@ -212,10 +221,17 @@ class PruningController:
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
+                    if any(is_layer_cluster(rc) for rc in self.resolved):
+                        raise ValueError(
+                            "layer units (preset_options={'layers': True}) are removed by `lightning_pat.shrink` "
+                            "after fit, not during training; use shrink_on_freeze=False."
+                        )
         clustered = sorted({n for rc in self.resolved for n in rc.param_names})
         # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
         self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
         _warn_unoptimized(self._params, clustered, optimizers)
+        if self.size is not None:
+            self._info(f"CoupledPruningCallback target_params: {self.size.describe()}")
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
         self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 

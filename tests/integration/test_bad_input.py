@@ -78,8 +78,41 @@ CASES = [
     (
         "preset-options-typo",
         {"clusters": "auto", "preset_options": {"residul": True}},
-        r"`preset_options` must map some of \('mlp', 'heads', 'residual'\) to bools, got \{'residul': True\}",
+        r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers'\) to bools, got \{'residul': True\}",
         "init",
+    ),
+    ("size-malformed", {"target_params": "4X"}, r"`target_params` must look like '4B', '350M'.* got '4X'", "init"),
+    ("size-side", {"target_params": 0.5, "target_side": "near"}, r"`target_side` must be one of .* got 'near'", "init"),
+    (
+        "size-with-lasso",
+        {"target_params": 0.5, "method": "group_lasso", "reg_lambda": 0.1},
+        r"`target_params` solves exact widths for `method='hard'`",
+        "init",
+    ),
+    ("size-layers-alone", {"target_layers": 2}, r"`target_layers` splits a size target .* set `target_params`", "init"),
+    (
+        "size-layers-without-units",
+        {"target_params": 0.5, "target_layers": 2},
+        r"`target_layers` = 2 layers to keep, but the clusters hold 0 layer units; add them with preset_options",
+        "fit",
+    ),
+    (
+        "size-above-model",
+        {"target_params": 1000},
+        r"`target_params` = 1000 \(1,000 parameters\) is above the model's size \(420\)",
+        "fit",
+    ),
+    (
+        "size-below-reach",
+        {"target_params": 10},
+        r"`target_params` \(10\) is below the smallest size the clusters can reach \(17, with hidden: 1 of 32",
+        "fit",
+    ),
+    (
+        "size-multiple-of",
+        {"target_params": 100, "clusters": [hidden(multiple_of=8)]},
+        r"below the smallest size .*\(108, with hidden: 8 of 32 \(multiple_of=8\).*lower `multiple_of`",
+        "fit",
     ),
     (
         "pattern-typo",

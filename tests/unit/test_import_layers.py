@@ -36,7 +36,7 @@ PKG = "lightning_pat"
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
-    "pruning": ("options", "presets", "activation", "engine"),
+    "pruning": ("options", "presets", "activation", "engine", "sizing"),
     "shrink": ("shrink.",),
     "training": ("training.",),
     "cli": ("cli.",),

@@ -338,7 +338,9 @@ def test_resolve_preset_accepts_names_auto_declarations_and_mixes():
 
 def test_resolve_preset_errors():
     model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32, n_layer=1))
-    with pytest.raises(ValueError, match=r"`preset_options` must map some of \('mlp', 'heads', 'residual'\) to bools"):
+    with pytest.raises(
+        ValueError, match=r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers'\) to bools"
+    ):
         presets.resolve_preset("tiny_gpt", model, hidden=True)
     with pytest.raises(ValueError, match="to bools"):
         presets.resolve_preset("tiny_gpt", model, residual="yes")

@@ -1,0 +1,466 @@
+"""Size targets: from "keep 4B parameters" to the number of units each cluster keeps (pure, no torch).
+
+The count model is exact for a shrunk model: every distinct parameter (a tied tensor once) keeps, on each dim, the
+channels no cluster owns plus ``block * kept`` channels of every member slice on that dim, and its count is the
+product of its dims. A GQA group thus counts its query heads' rows in ``q_proj`` and its KV rows in ``k/v``; a residual
+channel counts its column in every ``q/k/v/gate/up`` of every layer, its row in ``o/down``, norms and the embedding.
+A dropped layer (a layer unit, see :func:`lightning_pat.presets.layer_units`) removes every parameter it owns, so the
+widths of its other clusters no longer count.
+
+Search: clusters that must keep the same width (one declaration over the layers: ``mlp.0``, ``mlp.1``, ...) form a
+*group* with one kept count ``k``. Starting from the full model, one *granule* (``multiple_of`` units in every
+cluster of the group, or one layer) is removed at a time from the group whose kept fraction ``k / C`` is highest
+(ties: the group declared first), down to each group's floor (``multiple_of`` units; one layer). Counts decrease
+along this path; the first configuration whose count is not above the target (``side="below"``; ``"above"``: the
+last one not below it) fixes the number of layers. The slack it leaves is then filled with width granules: while one
+fits under the target, the group with the lowest kept fraction gets one back (``"above"``: while one can go without
+falling under the target, the group with the highest kept fraction loses one). No single granule can then be added
+(removed) without crossing the target, so the achieved count is within one granule of the target and of the best
+configuration on its side. The nearest achievable counts one granule up and down are reported.
+
+Example::
+
+    >>> groups = [Group("mlp", ("mlp",), num_units=8, multiple_of=1)]
+    >>> # a 4x8 writer and an 8x4 reader: 8 units of 8 parameters each
+    >>> sol = solve({"up": (8, 4), "down": (4, 8)}, {("up", 0): [("mlp", 1, 8)], ("down", 1): [("mlp", 1, 8)]},
+    ...             groups, target=40)
+    >>> sol.kept, sol.achieved, sol.above
+    ({'mlp': 5}, 40, 48)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_pat.core.selection import num_to_drop
+from lightning_pat.core.spec import ResolvedCluster
+
+Side = Literal["below", "above"]
+SIDES: tuple[str, ...] = ("below", "above")
+#: (parameter name, dim) -> [(cluster name, block, slice length)]: the member slices on that axis.
+Axes = Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?\s*(?P<unit>[kKmMbBgGtT%]?)\s*$")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Clusters that keep one common unit count.
+
+    Attributes:
+        name: Label (for messages).
+        clusters: Names of the member clusters.
+        num_units: ``C`` of each cluster (one for a layer group: see ``layers``).
+        multiple_of: The kept count is a multiple of this (once anything is dropped).
+        layers: Whether this is a layer group: its clusters are 1-unit layer clusters; ``k`` counts kept layers and
+            a granule is one layer.
+        fixed: If set, the group's kept count is fixed (a cluster's own ``target``) and does not take part.
+    """
+
+    name: str
+    clusters: tuple[str, ...]
+    num_units: int
+    multiple_of: int = 1
+    layers: bool = False
+    fixed: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Units the group's variable counts: layers for a layer group, else ``C``."""
+        return len(self.clusters) if self.layers else self.num_units
+
+    def kept_values(self) -> list[int]:
+        """The kept counts reachable, from the full size down to the floor (never zero)."""
+        if self.fixed is not None:
+            return [self.fixed]
+        full, step = self.size, (1 if self.layers else self.multiple_of)
+        below = (full - 1) // step * step
+        return [full] + list(range(below, step - 1, -step)) if below >= step else [full]
+
+
+@dataclass(frozen=True)
+class SizeSolution:
+    """Kept units per cluster for a parameter target.
+
+    Attributes:
+        kept: Group name -> kept count (units per cluster, or layers for a layer group).
+        cluster_kept: Cluster name -> kept units (a layer cluster: 1 kept, 0 dropped).
+        achieved: Parameters of the model after the shrink.
+        target: The target asked for.
+        total: Parameters of the full model.
+        below: The achieved count if it is not above the target, else the nearest count one granule down.
+        above: The achieved count if it is above the target, else the nearest count one granule up (``None`` if
+            nothing can be added).
+        minimum: The smallest count the groups can reach.
+        dropped_layers: Number of dropped layers (layer groups).
+        fractions: Width cluster name -> fraction of its units dropped (its ``target``).
+    """
+
+    kept: dict[str, int]
+    cluster_kept: dict[str, int]
+    achieved: int
+    target: int
+    total: int
+    below: int | None
+    above: int | None
+    minimum: int
+    dropped_layers: int = 0
+    fractions: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for logs: achieved, target, neighbours and kept widths."""
+        widths = ", ".join(f"{g}={k}" for g, k in self.kept.items())
+        return (
+            f"{self.achieved:,} parameters (target {self.target:,}, full {self.total:,}; nearest achievable "
+            f"below {self.below if self.below is None else f'{self.below:,}'}, above "
+            f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}"
+        )
+
+
+def parse_size(value: object, *, total: int, name: str = "target_params") -> int:
+    """An absolute parameter count from ``4e9``, ``"4B"``, ``"350M"``, ``"50%"`` or a fraction ``0 < x <= 1``.
+
+    Raises:
+        ValueError: If ``value`` is not a positive number or size string, or is above ``total``.
+
+    Example::
+
+        >>> parse_size("350M", total=10**9), parse_size(0.25, total=1000), parse_size("50%", total=1000)
+        (350000000, 250, 500)
+    """
+    count: float
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"`{name}` must be a count, a fraction or a size string like '4B', got {value!r}.")
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is None:
+            raise ValueError(f"`{name}` must look like '4B', '350M', '1.5e9', '120k' or '50%', got {value!r}.")
+        number = float(match["num"]) * 10 ** int(match["exp"] or 0)
+        unit = match["unit"].lower()
+        count = number / 100 * total if unit == "%" else number * _SUFFIX[unit]
+        if unit == "" and 0 < number <= 1:
+            count = number * total
+    else:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"`{name}` must be positive, got {value!r}.")
+        count = value * total if value <= 1 else value
+    result = round(count)
+    if result <= 0:
+        raise ValueError(f"`{name}` = {value!r} is {result} parameters; ask for a positive size.")
+    if result > total:
+        raise ValueError(
+            f"`{name}` = {value!r} ({result:,} parameters) is above the model's size ({total:,}); ask for at most "
+            f"{total:,} (or a fraction <= 1)."
+        )
+    return result
+
+
+def count_params(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    kept: Mapping[str, int],
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> int:
+    """Parameters left when each cluster keeps ``kept[name]`` units (clusters not listed keep all).
+
+    Args:
+        shapes: Distinct parameter name -> global shape (a tied tensor once).
+        axes: The member slices per ``(parameter, dim)``.
+        kept: Cluster name -> kept units.
+        owners: Parameter name -> the layer cluster that owns it (absent if in no layer); a layer cluster with 0
+            kept units removes the parameter.
+
+    Returns:
+        The count.
+    """
+    total = 0
+    for name, shape in shapes.items():
+        if owners is not None and name in owners and kept.get(owners[name], 1) == 0:
+            continue
+        numel = 1
+        for dim, length in enumerate(shape):
+            for cluster, block, span in axes.get((name, dim), ()):
+                if cluster in kept:
+                    length += block * kept[cluster] - span
+            numel *= length
+        total += numel
+    return total
+
+
+def _path(groups: Sequence[Group]) -> list[int]:
+    """Group index of each granule removal, in path order (highest kept fraction first, ties by group)."""
+    steps: list[tuple[float, int, int]] = []
+    for g, group in enumerate(groups):
+        values = group.kept_values()
+        for i in range(1, len(values)):
+            steps.append((-values[i - 1] / group.size, g, i))
+    steps.sort()
+    return [g for _, g, _ in steps]
+
+
+def _indices(groups: Sequence[Group], path: Sequence[int], position: int) -> list[int]:
+    """Granules removed from each group after ``position`` steps of the path."""
+    removed = [0] * len(groups)
+    for g in path[:position]:
+        removed[g] += 1
+    return removed
+
+
+def _config(groups: Sequence[Group], path: Sequence[int], position: int) -> dict[str, int]:
+    removed = _indices(groups, path, position)
+    return {group.name: group.kept_values()[removed[g]] for g, group in enumerate(groups)}
+
+
+def _neighbours(groups: Sequence[Group], index: Sequence[int], *, up: bool, widths_only: bool) -> list[list[int]]:
+    """Configurations one granule of one group away (``up``: one granule kept more), in group order."""
+    out = []
+    for g, group in enumerate(groups):
+        if widths_only and group.layers:
+            continue
+        i = index[g] + (-1 if up else 1)
+        if 0 <= i < len(group.kept_values()):
+            out.append([*index[:g], i, *index[g + 1 :]])
+    return out
+
+
+def _polish(
+    groups: Sequence[Group], index: list[int], count_of: Callable[[Sequence[int]], int], target: int, *, up: bool
+) -> list[int]:
+    """Fill the slack the path left with width granules (layers stay as the path chose them).
+
+    ``up`` (side ``"below"``): while a width granule fits under the target, give it back to the group with the lowest
+    kept fraction; else (side ``"above"``) while one can go without falling under the target, take it from the group
+    with the highest kept fraction. Ties: the group declared first.
+    """
+    while True:
+        options = []
+        for n in _neighbours(groups, index, up=up, widths_only=True):
+            c = count_of(n)
+            if (c <= target) if up else (c >= target):
+                g = next(k for k in range(len(groups)) if n[k] != index[k])
+                fraction = groups[g].kept_values()[index[g]] / groups[g].size
+                options.append((fraction if up else -fraction, g, n))
+        if not options:
+            return index
+        index = min(options)[2]
+
+
+def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, int]:
+    """Cluster name -> kept units, from a group configuration (a layer group keeps its first ``k`` layers)."""
+    out = {}
+    for group in groups:
+        k = kept[group.name]
+        for i, cluster in enumerate(group.clusters):
+            out[cluster] = (1 if i < k else 0) if group.layers else k
+    return out
+
+
+def solve(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    groups: Sequence[Group],
+    *,
+    target: int,
+    side: Side = "below",
+    owners: Mapping[str, str] | None = None,
+) -> SizeSolution:
+    """Kept units per group meeting a parameter target (see the module docs for the search).
+
+    Layer groups count the first ``k`` layers as kept; the layers must carry equal parameter counts (which ones
+    are dropped is decided later by score, and does not change the count then).
+
+    Args:
+        shapes: Distinct parameter name -> global shape.
+        axes: The member slices per ``(parameter, dim)``.
+        groups: The groups, in declaration order (ties go to the earlier group).
+        target: The parameter count asked for.
+        side: ``"below"`` (default: the closest count not above the target) or ``"above"`` (not below it).
+        owners: Parameter name -> owning layer cluster (for layer groups).
+
+    Returns:
+        The solution.
+
+    Raises:
+        ValueError: If ``side`` is unknown, the target is above the full size or below the smallest reachable count
+            (the message gives both numbers and the floors), or the layers of a layer group differ in size.
+    """
+    if side not in SIDES:
+        raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
+    full = {g.name: g.size for g in groups}  # the unpruned model (fixed groups too)
+    total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
+    _check_equal_layers(shapes, axes, groups, full, owners)
+    if target > total:
+        raise ValueError(f"`target_params` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
+    path = _path(groups)
+
+    def count_at(position: int) -> int:
+        return count_params(shapes, axes, cluster_kept(groups, _config(groups, path, position)), owners=owners)
+
+    minimum = count_at(len(path))
+    if target < minimum:
+        floors = ", ".join(
+            f"{g.name}: {g.kept_values()[-1]} of {g.size}"
+            + (f" (multiple_of={g.multiple_of})" if g.multiple_of > 1 else "")
+            for g in groups
+        )
+        raise ValueError(
+            f"`target_params` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
+            f"{floors}; {total - minimum:,} of {total:,} parameters are prunable). Ask for at least {minimum:,}, add "
+            "clusters (e.g. preset_options={'residual': True}), or lower `multiple_of`."
+        )
+    lo, hi = 0, len(path)  # first position whose count <= target (counts do not increase along the path)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count_at(mid) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    first_below = lo
+    position = first_below
+    if side == "above" and first_below > 0 and count_at(first_below) != target:
+        position = first_below - 1
+    index = _indices(groups, path, position)
+
+    def count_of(idx: Sequence[int]) -> int:
+        cfg = {g.name: g.kept_values()[i] for g, i in zip(groups, idx, strict=True)}
+        return count_params(shapes, axes, cluster_kept(groups, cfg), owners=owners)
+
+    index = _polish(groups, index, count_of, target, up=side == "below")
+    achieved = count_of(index)
+    ups = [count_of(n) for n in _neighbours(groups, index, up=True, widths_only=False)]
+    downs = [count_of(n) for n in _neighbours(groups, index, up=False, widths_only=False)]
+    below = achieved if achieved <= target else max((c for c in downs if c <= target), default=None)
+    above = achieved if achieved > target else min((c for c in ups if c > target), default=None)
+    kept = {g.name: g.kept_values()[i] for g, i in zip(groups, index, strict=True)}
+    per_cluster = cluster_kept(groups, kept)
+    fractions = {}
+    for group in groups:
+        if not group.layers:
+            for c in group.clusters:
+                fractions[c] = (group.num_units - kept[group.name]) / group.num_units
+    return SizeSolution(
+        kept=kept,
+        cluster_kept=per_cluster,
+        achieved=achieved,
+        target=target,
+        total=total,
+        below=below,
+        above=above,
+        minimum=minimum,
+        dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
+        fractions=fractions,
+    )
+
+
+def _check_equal_layers(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    groups: Sequence[Group],
+    full: Mapping[str, int],
+    owners: Mapping[str, str] | None,
+) -> None:
+    for group in groups:
+        if not group.layers or owners is None:
+            continue
+        base = cluster_kept(groups, full)
+        total = count_params(shapes, axes, base, owners=owners)
+        sizes = {c: total - count_params(shapes, axes, {**base, c: 0}, owners=owners) for c in group.clusters}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"Layer group {group.name!r}: layers carry different parameter counts {sizes}; a size target with "
+                "depth pruning needs equal layers. Drop `layers` from the preset options, or set `target_sparsity`."
+            )
+
+
+#: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
+LAYER_BUDGET = "layers"
+
+
+def is_layer_cluster(rc: ResolvedCluster) -> bool:
+    """Whether ``rc`` is a layer unit: a 1-unit cluster in the :data:`LAYER_BUDGET` budget."""
+    return rc.budget == LAYER_BUDGET and rc.num_units == 1
+
+
+def layer_prefix(rc: ResolvedCluster) -> str:
+    """The module path a layer cluster removes: the longest common dotted prefix of its members' modules."""
+    paths = [m.name.split(".")[:-1] for m in rc.members]
+    common: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def size_problem(
+    shapes: Mapping[str, Sequence[int]],
+    clusters: Sequence[ResolvedCluster],
+    *,
+    declared: Mapping[str, str] | None = None,
+    keep_layers: int | None = None,
+) -> tuple[dict[tuple[str, int], list[tuple[str, int, int]]], list[Group], dict[str, str]]:
+    """The solver's inputs from resolved clusters: member axes, groups and layer ownership.
+
+    Clusters of one declaration (``declared`` maps each cluster to its declaration's label, e.g. ``mlp.0`` and
+    ``mlp.1`` to ``"mlp"``) that have the same ``C``, ``multiple_of`` and ``target`` form one group: one width over
+    the layers, what a stock config can express. A cluster not in ``declared`` is its own group. A cluster with its
+    own ``target`` keeps it (fixed). Layer clusters form one layer group.
+
+    Args:
+        shapes: Distinct parameter name -> global shape.
+        clusters: The resolved clusters.
+        declared: Cluster name -> label of the declaration it was expanded from.
+        keep_layers: If set, the number of layers kept (the widths make up the rest of the target); else the solver
+            balances layers and widths.
+
+    Returns:
+        ``(axes, groups, owners)`` for :func:`solve`.
+
+    Raises:
+        ValueError: If a cluster shares a budget (other than layer units): a shared budget decides widths by score;
+            if ``keep_layers`` is given without layer units or outside ``[1, layers]``.
+    """
+    axes: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+    owners: dict[str, str] = {}
+    grouped: dict[tuple, list[ResolvedCluster]] = {}
+    layers: list[ResolvedCluster] = []
+    for rc in clusters:
+        if is_layer_cluster(rc):
+            layers.append(rc)
+            prefix = layer_prefix(rc) + "."
+            for name in shapes:
+                if name.startswith(prefix):
+                    owners[name] = rc.name
+            continue
+        if rc.budget is not None:
+            raise ValueError(
+                f"Cluster {rc.name!r} shares budget {rc.budget!r}: a size target solves the widths itself; remove "
+                "`budget` from the declaration, or use `target_sparsity`."
+            )
+        for m in rc.members:
+            axes.setdefault((m.name, m.dim), []).append((rc.name, m.block, m.stop - m.start))
+        label = (declared or {}).get(rc.name, rc.name)
+        grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target), []).append(rc)
+    groups = []
+    for (label, *_), members in grouped.items():
+        rc = members[0]
+        fixed = None
+        if rc.target is not None:
+            fixed = rc.num_units - num_to_drop(rc.target, rc.num_units, multiple_of=rc.multiple_of)
+        if any(g.name == label for g in groups):
+            label = f"{label}({rc.name})"
+        groups.append(Group(label, tuple(r.name for r in members), rc.num_units, rc.multiple_of, fixed=fixed))
+    if keep_layers is not None and not 1 <= keep_layers <= len(layers):
+        raise ValueError(
+            f"`target_layers` = {keep_layers} layers to keep, but the clusters hold {len(layers)} layer units; "
+            + ("add them with preset_options={'layers': True}." if not layers else f"ask for 1 to {len(layers)}.")
+        )
+    if layers:
+        groups.append(Group(LAYER_BUDGET, tuple(rc.name for rc in layers), 1, layers=True, fixed=keep_layers))
+    return axes, groups, owners

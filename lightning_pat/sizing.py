@@ -1,0 +1,129 @@
+"""Size targets on a model: resolved clusters -> the targets that reach a parameter count (no Lightning here).
+
+:func:`sized_clusters` counts the model's distinct parameters (a tied tensor once), runs the pure solver of
+:mod:`lightning_pat.core.budget` and returns the clusters with the per-cluster ``target`` that keeps the solved
+number of units (layer units share the ``layers`` budget's target: the number of dropped layers over the layers).
+The schedule then ramps every cluster towards its own target, so that the widths are met at the final step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from lightning_pat.core.budget import (
+    LAYER_BUDGET,
+    SIDES,
+    Side,
+    SizeSolution,
+    is_layer_cluster,
+    parse_size,
+    size_problem,
+    solve,
+)
+from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
+
+log = logging.getLogger(__name__)
+
+
+def distinct_shapes(params: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """First name -> global shape of every distinct tensor (tied tensors once; DTensors report global shapes)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in params.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tuple(tensor.shape)
+    return out
+
+
+def check_target(target_params: object, side: object, target_layers: object = None) -> None:
+    """Static checks of ``target_params``, ``target_side`` and ``target_layers`` (no model needed).
+
+    Raises:
+        ValueError: If the target is not a positive count, fraction or size string, the side is unknown, or
+            ``target_layers`` is not a positive int or is given without ``target_params``.
+    """
+    if target_params is not None:
+        parse_size(target_params, total=10**18)
+    if target_layers is not None:
+        if isinstance(target_layers, bool) or not isinstance(target_layers, int) or target_layers < 1:
+            raise ValueError(f"`target_layers` (layers to keep) must be an int >= 1, got {target_layers!r}.")
+        if target_params is None:
+            raise ValueError("`target_layers` splits a size target between depth and widths; set `target_params` too.")
+    if side not in SIDES:
+        raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
+
+
+def declaration_labels(params: Mapping[str, Tensor], declarations: Sequence[Cluster | Mapping]) -> dict[str, str]:
+    """Cluster name -> the label of the declaration it expands from (``"mlp.{layer}"`` -> ``"mlp"``).
+
+    Each declaration is expanded on its own (validation happens in :func:`~lightning_pat.resolve_clusters`).
+    """
+    out: dict[str, str] = {}
+    for decl in declarations:
+        cluster = as_cluster(decl)
+        label = re.sub(r"[._-]?\{[^}]*\}", "", cluster.name) or cluster.name
+        for rc in resolve_clusters(params, [cluster]):
+            out[rc.name] = label
+    return out
+
+
+def sized_clusters(
+    params: Mapping[str, Tensor],
+    clusters: Sequence[ResolvedCluster],
+    target_params: object,
+    *,
+    side: Side = "below",
+    declared: Mapping[str, str] | None = None,
+    keep_layers: int | None = None,
+) -> tuple[list[ResolvedCluster], SizeSolution]:
+    """The clusters with the targets that reach ``target_params``, and the solution.
+
+    Args:
+        params: Parameter name -> tensor (every name, tied tensors under each of theirs).
+        clusters: The resolved clusters.
+        target_params: An absolute count (``4e9``, ``"4B"``, ``"350M"``) or a fraction of the model's parameters.
+        side: ``"below"``: the closest achievable count not above the target; ``"above"``: not below it.
+        declared: Cluster name -> declaration label (:func:`declaration_labels`): the clusters of one declaration
+            keep one width. Without it every cluster is solved on its own.
+        keep_layers: Layers to keep (layer units); by default the solver balances depth and widths.
+
+    Returns:
+        ``(clusters, solution)``.
+
+    Raises:
+        ValueError: If the target is malformed, above the model's size or below what the clusters can reach, a
+            cluster shares a budget, or layer units differ in size.
+    """
+    shapes = distinct_shapes(params)
+    total = sum(_numel(s) for s in shapes.values())
+    target = parse_size(target_params, total=total)
+    axes, groups, owners = size_problem(shapes, clusters, declared=declared, keep_layers=keep_layers)
+    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners)
+    num_layers = sum(1 for rc in clusters if is_layer_cluster(rc))
+    out = []
+    for rc in clusters:
+        if is_layer_cluster(rc):
+            target_fraction = solution.dropped_layers / num_layers
+        elif rc.target is not None:
+            target_fraction = rc.target
+        else:
+            target_fraction = solution.fractions[rc.name]
+        out.append(dataclasses.replace(rc, target=target_fraction))
+    log.info("target_params: %s", solution.describe())
+    return out, solution
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = ["LAYER_BUDGET", "check_target", "declaration_labels", "distinct_shapes", "sized_clusters"]
