@@ -304,3 +304,56 @@ def test_ddp_two_ranks_gradient_is_the_average_blended_gradient():
         assert r["teacher_disagreements"] == 0
         assert not r["teacher_in_optimizer"]
         assert r["teacher_grads"] == 0
+
+
+class HFStep(pl.LightningModule):
+    """A tiny Hugging Face llama whose batch is a function of the step; ``training_step`` reads ``.logits``."""
+
+    CONFIG = {
+        "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "attn_implementation": "eager",
+    }  # fmt: skip
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        self.model = LlamaForCausalLM(LlamaConfig(**self.CONFIG))
+
+    @staticmethod
+    def ids(step: int) -> torch.Tensor:
+        return torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(500 + step))
+
+    def training_step(self, batch, batch_idx):
+        ids = self.ids(self.global_step)
+        logits = self.model(input_ids=ids[:, :-1]).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
+
+
+def test_hf_model_output_logits_with_keyword_inputs_get_the_blended_gradient():
+    module, teacher = HFStep(seed=0), HFStep(seed=1).model
+    rec = GradRecorder()
+    cb = CoupledPruningCallback(
+        "llama", 0.5, warmup_steps=0, ramp_steps=3, mode="direct", distill_alpha=0.8, distill_temperature=1.5,
+        distill_teacher=teacher, distill_module="model",
+    )  # fmt: skip
+    quiet_trainer(max_steps=3, callbacks=[rec, cb]).fit(module)
+    for step in range(3):
+        student, dense = HFStep().model.double(), HFStep(seed=1).model.double()
+        student.load_state_dict({k[len("model.") :]: v.double() for k, v in rec.params[step].items()})
+        ids = HFStep.ids(step)
+        s = student(input_ids=ids[:, :-1]).logits
+        t = dense(input_ids=ids[:, :-1]).logits
+        log_s = torch.log_softmax(s / 1.5, dim=-1)
+        log_t = torch.log_softmax(t / 1.5, dim=-1)
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+        (nn.functional.cross_entropy(s.flatten(0, 1), ids[:, 1:].flatten()) + 0.8 * 1.5**2 * kl).backward()
+        for name, param in student.named_parameters():
+            torch.testing.assert_close(rec.grads[step]["model." + name], param.grad.float(), rtol=1e-4, atol=1e-6)
