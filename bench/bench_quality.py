@@ -17,10 +17,11 @@ trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The 
 
 Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
 statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
-``prune_clusters(score="activation")``). Benchmark-side helpers, not library features: knowledge distillation from
-the frozen dense checkpoint (``kd``; ``distill*`` are the library's ``distill_alpha``), the earlier benchmark-side activation score (``act_patch``, a cross-check of
-the library's: EMA of each unit's mean squared reader input times the reader column's squared norm, patched into the
-pruner's score method), Lightning's ``ModelPruning`` (per tensor, rows, not coupled, not shrinkable) and torchao's
+``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``). Benchmark-side helpers, not
+library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
+activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
+the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
+rows, not coupled, not shrinkable) and torchao's
 ``PruneOptimizer`` (per tensor).
 
 The group-lasso rows measured before the library fix (commit eacc1b9: the ramp target was 0, and direct mode used
