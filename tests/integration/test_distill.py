@@ -357,3 +357,35 @@ def test_hf_model_output_logits_with_keyword_inputs_get_the_blended_gradient():
         (nn.functional.cross_entropy(s.flatten(0, 1), ids[:, 1:].flatten()) + 0.8 * 1.5**2 * kl).backward()
         for name, param in student.named_parameters():
             torch.testing.assert_close(rec.grads[step]["model." + name], param.grad.float(), rtol=1e-4, atol=1e-6)
+
+
+def test_teacher_forwards_do_not_reach_the_students_activation_statistics():
+    counts = {}
+
+    class Peek(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            act = trainer.callbacks[0].controller.act
+            if act is not None:
+                counts[trainer.global_step] = act.state_dict()["count"]
+
+    cb = make_cb(score="activation")
+    quiet_trainer(max_steps=5, callbacks=[cb, Peek()]).fit(StepNet(lr=0.2))
+    assert cb.teacher is not None
+    # one student forward per step: the teacher (a copy without hooks) adds nothing
+    assert counts == {step: {"fc2": step} for step in range(1, 6)}
+
+
+def test_frozen_copy_has_no_hooks_and_shares_what_it_is_told_to():
+    from lightning_pat.training.distill import frozen_copy
+
+    net, seen, shared = Net(0), [], object()
+    net.fc1.register_forward_pre_hook(lambda mod, args: seen.append(mod))
+    net.owner = shared
+    copy_ = frozen_copy(net, share=(shared,))
+    copy_(torch.randn(2, 8))
+    assert seen == []  # the student's hooks stayed with the student
+    assert copy_.owner is shared
+    assert not copy_.training
+    assert not any(p.requires_grad for p in copy_.parameters())
+    net(torch.randn(2, 8))
+    assert seen == [net.fc1]
