@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_pat import CoupledPruningCallback
 from tests.common.dist import finish_worker
+from tests.common.distill_reference import distill_term
 from tests.common.lit_models import MLPModule, mlp_cluster
 
 ALPHA, TEMPERATURE, WARMUP = 0.6, 1.5, 1
@@ -24,10 +25,7 @@ ALPHA, TEMPERATURE, WARMUP = 0.6, 1.5, 1
 
 def blended(student: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     s, t = student(x), teacher(x)
-    log_s = s / TEMPERATURE - torch.logsumexp(s / TEMPERATURE, dim=-1, keepdim=True)
-    log_t = t / TEMPERATURE - torch.logsumexp(t / TEMPERATURE, dim=-1, keepdim=True)
-    kl = (log_t.exp() * (log_t - log_s)).sum(dim=-1).mean()
-    return nn.functional.mse_loss(s, y) + ALPHA * TEMPERATURE**2 * kl
+    return nn.functional.mse_loss(s, y) + distill_term(s, t, alpha=ALPHA, temperature=TEMPERATURE)
 
 
 class Check(pl.Callback):

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.training.distill import Distiller
+from tests.common.distill_reference import distill_term
 from tests.common.lit_models import MLPModule, StepDataModule, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
@@ -28,10 +29,7 @@ TOTAL = 9  # final ramp step is 6; healing after it
 def blended_loss(student: nn.Module, teacher: nn.Module, x, y, *, alpha: float, temperature: float):
     """The loss whose gradient the hook must produce, written out by hand (any dtype)."""
     s, t = student(x), teacher(x)
-    log_s = s / temperature - torch.logsumexp(s / temperature, dim=-1, keepdim=True)
-    log_t = t / temperature - torch.logsumexp(t / temperature, dim=-1, keepdim=True)
-    kl = (log_t.exp() * (log_t - log_s)).sum(dim=-1).mean()
-    return nn.functional.mse_loss(s, y) + alpha * temperature**2 * kl
+    return nn.functional.mse_loss(s, y) + distill_term(s, t, alpha=alpha, temperature=temperature)
 
 
 class Net(nn.Module):
@@ -351,10 +349,8 @@ def test_hf_model_output_logits_with_keyword_inputs_get_the_blended_gradient():
         ids = HFStep.ids(step)
         s = student(input_ids=ids[:, :-1]).logits
         t = dense(input_ids=ids[:, :-1]).logits
-        log_s = torch.log_softmax(s / 1.5, dim=-1)
-        log_t = torch.log_softmax(t / 1.5, dim=-1)
-        kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
-        (nn.functional.cross_entropy(s.flatten(0, 1), ids[:, 1:].flatten()) + 0.8 * 1.5**2 * kl).backward()
+        ce = nn.functional.cross_entropy(s.flatten(0, 1), ids[:, 1:].flatten())
+        (ce + distill_term(s, t, alpha=0.8, temperature=1.5)).backward()
         for name, param in student.named_parameters():
             torch.testing.assert_close(rec.grads[step]["model." + name], param.grad.float(), rtol=1e-4, atol=1e-6)
 
