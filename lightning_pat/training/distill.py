@@ -222,6 +222,9 @@ class Distiller:
         if self._saved is not None:
             skeleton = self._skeleton if self._skeleton is not None else frozen_copy(self.student, share=share)
             skeleton.load_state_dict(self._saved, strict=True)
+            param = next(self.student.parameters(), None)
+            if param is not None:  # a skeleton copied before the Trainer moved the model to its device
+                skeleton.to(param.device)
             self.teacher, self._saved, self._skeleton = skeleton, None, None
         elif step == start:
             self.teacher = frozen_copy(self.student, share=share)
