@@ -393,8 +393,8 @@ class CoupledPruningCallback(Callback):
             MisconfigurationException: If distillation is on and the logits module's forward did not run.
         """
         distiller = self.distiller
-        if distiller is not None and distiller.on:
-            if distiller.calls == 0:
+        if distiller is not None:
+            if distiller.on and distiller.calls == 0:
                 raise MisconfigurationException(
                     f"CoupledPruningCallback(distill_alpha={distiller.alpha}): the forward of `distill_module="
                     f"{distiller.module_name!r}` did not run in this training step, so nothing was distilled. Call "
