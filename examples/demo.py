@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.inference_mode():
         r["max_abs_diff"] = float((small(x) - masked(x)).abs().max())
     r["val_loss_shrunk"] = evaluate(small, val_loader)
-    dense_dir, small_dir = save_pretrained(masked, out / "dense"), save_pretrained(small, out / "shrunk")
+    dense_dir, small_dir = (
+        save_pretrained(masked, out / "dense", overwrite=True),
+        save_pretrained(small, out / "shrunk", overwrite=True),
+    )
     with torch.inference_mode():
         r["reload_max_abs_diff"] = float((load_pretrained(small_dir)(x) - small(x)).abs().max())
     ms = forward_ms({"dense": masked, "shrunk": small}, x, reps=args.speed_reps)

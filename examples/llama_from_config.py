@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"kv heads {cfg.num_key_value_heads}, parameters {sum(p.numel() for p in model.parameters()):,}"
     )
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="llama-shrunk-"))
-    save_pretrained(model, out)  # model.save_pretrained(out), plus what a stock config cannot express
+    save_pretrained(model, out, overwrite=True)  # model.save_pretrained(out), plus what a stock config cannot express
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no lightning_pat code
     with torch.no_grad():
         diff = float((reloaded(x).logits - masked).abs().max())

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with torch.no_grad():
         masked = model(input_ids=x).logits
     shrink(model, pruning)  # 3. cut the dropped units out (in place)
-    path = save_pretrained(model, output_dir)  # 4. save: config.json describes the new sizes
+    path = save_pretrained(model, output_dir, overwrite=True)  # 4. save: config.json describes the new sizes
     reloaded = load_pretrained(path).eval()
     with torch.no_grad():
         diff = float((reloaded(input_ids=x).logits - masked).abs().max())

@@ -24,6 +24,7 @@ input channels of every reader module, stacked.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -92,7 +93,11 @@ class ActivationStats:
                 )
             self.readers[rc.name] = [(m, self._reader_module(rc, m, modules, params)) for m in readers]
         self._ema: dict[str, Tensor] = {}
-        self._count: dict[str, int] = {}
+        # per module, 0-d int64 tensors on its device: finite batches folded in, non-finite batches skipped (kept on
+        # the device so that a training forward never waits for the host)
+        self._count: dict[str, Tensor] = {}
+        self._bad: dict[str, Tensor] = {}
+        self._warned: dict[str, int] = {}
         self._handles: list[Any] = []
         self._forced = False
         self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
@@ -146,7 +151,7 @@ class ActivationStats:
 
     def reset(self) -> None:
         """Forget every statistic."""
-        self._ema, self._count, self._unrecomputed = {}, {}, {}
+        self._ema, self._count, self._bad, self._warned, self._unrecomputed = {}, {}, {}, {}, {}
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
@@ -187,7 +192,9 @@ class ActivationStats:
 
         The squares are summed over rows in the input's precision, at least float32 (a relative error of about
         1e-7, far below the batch-to-batch spread of the statistic, and 5x cheaper than float64 on CPU); the mean
-        and the average are float64.
+        and the average are float64. A batch whose mean square is not finite (NaN/Inf input, or squares overflowing
+        float32) is left out (it would poison the average for good) and counted in :attr:`skipped`, with a warning
+        when the statistics are next read; the decision stays on the device (no wait for the host per forward).
         """
         x_NI = x.detach().reshape(-1, x.shape[-1])
         rows = x_NI.shape[0]
@@ -196,14 +203,42 @@ class ActivationStats:
         if x_NI.dtype not in (torch.float32, torch.float64):
             x_NI = x_NI.float()
         mean_I = x_NI.square().sum(dim=0).to(torch.float64) / rows
-        prev, count = self._ema.get(name), self._count.get(name, 0)
+        ok = torch.isfinite(mean_I).all()  # a 0-d tensor: no wait for the host
+        prev = self._ema.get(name)
         if prev is None:
-            self._ema[name] = mean_I
-        elif self.beta is None:
-            prev += (mean_I - prev) / (count + 1)
+            prev = self._ema[name] = torch.zeros_like(mean_I)
+            self._count[name] = torch.zeros((), dtype=torch.long, device=mean_I.device)
+            self._bad[name] = torch.zeros((), dtype=torch.long, device=mean_I.device)
+        count = self._count[name]
+        if self.beta is None:
+            new = prev + (mean_I - prev) / (count + 1)
         else:
-            prev.mul_(self.beta).add_(mean_I, alpha=1.0 - self.beta)
-        self._count[name] = count + 1
+            new = torch.where(count == 0, mean_I, torch.add(prev * self.beta, mean_I, alpha=1.0 - self.beta))
+        self._ema[name] = torch.where(ok, new, prev)
+        count.add_(ok)
+        self._bad[name].add_(~ok)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Reader module name -> input batches skipped because their mean square was not finite (this rank's).
+
+        The skip is rank-local; the statistics are summed over ranks at selection, so every rank still selects
+        from the same numbers.
+        """
+        return {k: n for k, v in self._bad.items() if (n := int(v))}
+
+    def _warn_skipped(self) -> None:
+        """Warn once per module and new skip count (read at selection, where the host waits anyway)."""
+        new = {k: n for k, n in self.skipped.items() if n > self._warned.get(k, 0)}
+        if new:
+            self._warned.update(new)
+            warnings.warn(
+                f"score='activation': skipped non-finite input batches of reader modules {new} (NaN/Inf, or values "
+                "whose squares overflow float32); their statistics keep the finite batches only "
+                "(`ActivationStats.skipped`).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ scores
     def stacked(self) -> Tensor:
@@ -217,8 +252,12 @@ class ActivationStats:
             ema = self._ema.get(name)
             width = module.in_features
             device = module.weight.device
-            values.append(ema if ema is not None else torch.zeros(width, dtype=torch.float64, device=device))
-            seen.append(torch.full((width,), float(ema is not None), dtype=torch.float64, device=device))
+            if ema is None:
+                values.append(torch.zeros(width, dtype=torch.float64, device=device))
+                seen.append(torch.zeros(width, dtype=torch.float64, device=device))
+            else:  # a module whose batches were all skipped is not seen (its average stayed 0)
+                values.append(ema)
+                seen.append((self._count[name] > 0).to(torch.float64).expand(width))
         return torch.cat(values + seen)
 
     def averages(self, summed: Tensor | None = None) -> dict[str, Tensor]:
@@ -227,6 +266,7 @@ class ActivationStats:
         Raises:
             ValueError: If a reader module has no statistics, or ``summed`` has the wrong shape.
         """
+        self._warn_skipped()
         summed = self.stacked() if summed is None else summed
         total = sum(m.in_features for m in self.modules.values())
         if summed.shape != (2 * total,):
@@ -240,8 +280,16 @@ class ActivationStats:
                 cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
                 raise ValueError(
                     f"Cluster {cluster!r}: score='activation' has no statistics for reader {param!r} (module "
-                    f"{name!r}): no training forward (module.training and grad enabled) has reached it yet. Run "
+                    f"{name!r}): no training forward (module.training and grad enabled) with finite inputs has reached "
+                    f"it yet ({self.skipped.get(name, 0)} non-finite batch(es) skipped on this rank). Run "
                     "at least one training step before the first selection, or calibrate() first for one-shot use."
+                )
+            if not bool(torch.isfinite(value).all()):
+                cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
+                raise ValueError(
+                    f"Cluster {cluster!r}: the score='activation' statistics of reader {param!r} (module {name!r}) "
+                    "are not finite (the weights are not the cause); they were loaded or summed that way. Reset "
+                    "them (a fresh run or calibrate()), or use a weight score ('rms')."
                 )
             out[name] = value / seen
         return out
@@ -270,6 +318,13 @@ class ActivationStats:
                 part_C = fold_to_units(contrib_I, units_I, num_units=rc.num_units)
                 total_C = part_C if total_C is None else total_C + part_C
             assert total_C is not None  # every cluster has a reader (checked at construction)
+            if not bool(torch.isfinite(total_C).all()):
+                bad = [m.name for m, _ in self.readers[rc.name] if not bool(torch.isfinite(params[m.name]).all())]
+                cause = f"reader weights {bad[:3]} hold NaN/Inf" if bad else "E[x^2] * ||W[:, j]||^2 overflows"
+                raise ValueError(
+                    f"Cluster {rc.name!r}: score='activation' unit scores are not finite ({cause}; the input "
+                    "statistics are finite); no units were pruned. Check the learning rate or loss scaling."
+                )
             out[rc.name] = total_C.sqrt()
         return out
 
@@ -288,8 +343,8 @@ class ActivationStats:
         """Plain types and CPU float64 tensors: ``beta``, per module the average and the number of batches seen."""
         return {
             "beta": self.beta,
-            "ema": {k: v.detach().cpu().clone() for k, v in self._ema.items()},
-            "count": dict(self._count),
+            "ema": {k: v.detach().cpu().clone() for k, v in self._ema.items() if int(self._count[k])},
+            "count": {k: n for k, v in self._count.items() if (n := int(v))},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -308,8 +363,11 @@ class ActivationStats:
                     f"The saved activation statistics of {name!r} have {ema.numel()} channels, the module "
                     f"{module.in_features}; resume with the same model."
                 )
-            self._ema[name] = ema.to(device=module.weight.device, dtype=torch.float64).clone()
-            self._count[name] = int(state.get("count", {}).get(name, 1))
+            device = module.weight.device
+            self._ema[name] = ema.to(device=device, dtype=torch.float64).clone()
+            count = int(state.get("count", {}).get(name, 1))
+            self._count[name] = torch.tensor(count, dtype=torch.long, device=device)
+            self._bad[name] = torch.zeros((), dtype=torch.long, device=device)
 
 
 def calibrate(

@@ -7,6 +7,7 @@ that it can be held (re-applied) between fresh selections and frozen during heal
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from lightning_pat import presets
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -102,12 +104,23 @@ def make_plan(
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     group_count_ref: int | None = None,
+    sparsity: float | None = None,
 ) -> Plan:
     """Validate options, resolve declarations (unless already resolved) and route every cluster; mutates nothing.
 
+    Args:
+        params: The model, or a mapping of parameter names to tensors, holding every member.
+        clusters: Declarations, or already resolved clusters.
+        score: Score normalisation.
+        executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
+        group_count_ref: Opt-in score correction for shared budgets.
+        sparsity: The final target of clusters without their own ``target``; when given, a target below 1 that
+            would drop every unit of a cluster is refused (see :func:`check_not_emptied`).
+
     Raises:
         ValueError: If an option is unknown or out of range, a declaration is invalid (see
-            :func:`~lightning_pat.resolve_clusters`), or no executor can serve a cluster correctly.
+            :func:`~lightning_pat.resolve_clusters`), no executor can serve a cluster correctly, or a target below
+            1 would empty a cluster.
     """
     check_choice("score", score, SCORE_TYPES)
     if group_count_ref is not None:
@@ -118,8 +131,65 @@ def make_plan(
         resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
     else:
         resolved = resolve_clusters(named, items)  # type: ignore[arg-type]
+    if sparsity is not None:  # every cluster, not only this rank's: every rank raises the same error
+        check_not_emptied(resolved, sparsity)
     mine = tuple(rc for rc in resolved if distributed.participates(named[rc.members[0].name]))
     return Plan(mine, route(mine, named, executor=executor), score, group_count_ref)
+
+
+def _emptied(target: float, num_units: int, multiple_of: int) -> str | None:
+    """Why ``target`` (below 1) would drop every one of ``num_units`` units, or ``None`` if it keeps some."""
+    if target <= 0.0 or target >= 1.0 or num_units == 0:
+        return None
+    if multiple_of > num_units:
+        return f"`multiple_of={multiple_of}` is larger than its {num_units} unit(s), so any drop keeps none"
+    if num_to_drop(target, num_units, multiple_of=multiple_of) < num_units:
+        return None
+    raw = min(num_units, math.ceil(round(target * num_units, 9)))
+    why = f"ceil({target:g} * {num_units}) = {raw} of its {num_units} unit(s) are dropped"
+    return why + (f", and rounding the kept count to `multiple_of={multiple_of}` keeps none" if raw < num_units else "")
+
+
+def check_not_emptied(clusters: Sequence[ResolvedCluster], sparsity: float) -> None:
+    """Refuse a target below 1 that would drop every unit of a cluster (DESIGN invariant 11).
+
+    The number of dropped units is ``ceil(target * C)``, so a 1-unit cluster (e.g. the heads of a model with one KV
+    head), a tiny cluster at a high target, or a ``multiple_of`` larger than what would be kept empties the cluster
+    although the target is below 1. A shared budget is checked on its total and on each member's ``multiple_of``.
+    Only the final target is checked: the ramp's targets are smaller.
+
+    Args:
+        clusters: The resolved clusters (all of them, on every rank).
+        sparsity: The final target of clusters without their own ``target``.
+
+    Raises:
+        ValueError: Naming every such cluster, its units, target and ``multiple_of``, and how to exclude it.
+    """
+    bad: list[str] = []
+    budgets: dict[str, list[ResolvedCluster]] = {}
+    for rc in clusters:
+        target = sparsity if rc.target is None else rc.target
+        if rc.budget is not None:
+            budgets.setdefault(rc.budget, []).append(rc)
+            why = _emptied(target, rc.num_units, rc.multiple_of) if rc.multiple_of > rc.num_units else None
+        else:
+            why = _emptied(target, rc.num_units, rc.multiple_of)
+        if why is not None:
+            bad.append(f"{rc.name!r} (target {target:g}: {why})")
+    for budget, group in budgets.items():
+        target = sparsity if group[0].target is None else group[0].target
+        why = _emptied(target, sum(rc.num_units for rc in group), 1)
+        if why is not None:
+            bad.append(f"budget {budget!r} (target {target:g}: {why})")
+    if bad:
+        shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ValueError(
+            f"A target below 1 would remove every unit of {len(bad)} cluster(s): {shown}. Nothing was pruned. "
+            "Exclude such a cluster: give its declaration `target=0.0` (or a target that keeps a unit), leave it out "
+            "of `clusters`, lower `multiple_of`, or for a preset turn its kind off (e.g. for a model with one KV "
+            "head: `preset_options={'heads': False}` in the callback, `presets.resolve_preset(name, model, "
+            "heads=False)` for prune_clusters); use target 1.0 only if removing everything is intended."
+        )
 
 
 class Pruner:
@@ -378,7 +448,7 @@ class Pruner:
 
 def prune_clusters(
     model: nn.Module,
-    clusters: Cluster | Mapping | Sequence[Cluster | Mapping],
+    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
     sparsity: float,
     *,
     score: ScoreType = "rms",
@@ -395,7 +465,8 @@ def prune_clusters(
 
     Args:
         model: The module to prune in place.
-        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`).
+        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a preset name (``"llama"``,
+            ``"linear_chain"``, ``"auto"``, ...) or a list mixing both, as for the callback.
         sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``.
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
@@ -411,8 +482,9 @@ def prune_clusters(
         The dropped units per cluster and literal-zero counts per parameter.
 
     Raises:
-        ValueError: On an invalid declaration or option, or ``score="activation"`` without ``activations`` (or with
-            statistics of other clusters); nothing is mutated then.
+        ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
+            of a cluster, or ``score="activation"`` without ``activations`` (or with statistics of other clusters);
+            nothing is mutated then.
 
     Example::
 
@@ -433,7 +505,15 @@ def prune_clusters(
             "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
             f"or neither; got score={score!r} and activations={type(activations).__name__}."
         )
-    plan = make_plan(model, clusters, score=score, executor=executor, group_count_ref=group_count_ref)
+    if isinstance(clusters, str) or (
+        isinstance(clusters, Sequence)
+        and not isinstance(clusters, Mapping)
+        and any(isinstance(c, str) for c in clusters)
+    ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
+        clusters = presets.resolve_preset(clusters, model)
+    plan = make_plan(
+        model, clusters, score=score, executor=executor, group_count_ref=group_count_ref, sparsity=float(sparsity)
+    )
     pruner = Pruner(model, plan)
     with torch.no_grad():
         scores = None if activations is None else activations.unit_scores(_named(model))

@@ -248,7 +248,13 @@ def check_distillation(options: PruningOptions) -> None:
 
 
 def check_environment(
-    options: PruningOptions, *, strategy: str, kind: StrategyKind, automatic_optimization: bool, module: str
+    options: PruningOptions,
+    *,
+    strategy: str,
+    kind: StrategyKind,
+    automatic_optimization: bool,
+    module: str,
+    weight_averaging: str | None = None,
 ) -> None:
     """Refuse, before any step, a training setup the callback cannot serve with these options.
 
@@ -258,10 +264,14 @@ def check_environment(
         kind: How the strategy holds parameters.
         automatic_optimization: The LightningModule's ``automatic_optimization``.
         module: The LightningModule's class name (for the messages).
+        weight_averaging: The class name of a weight-averaging callback (``StochasticWeightAveraging``) that runs
+            too, if any. It copies averaged weights into the model; the callback then re-applies the mask after each
+            copy (the average includes snapshots taken before units were dropped).
 
     Raises:
         ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP or ModelParallelStrategy,
-            or ``shrink_on_freeze`` under another strategy than a single device.
+            ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
+            averaging (its full-size average cannot be copied into the shrunk model).
     """
     if kind == "deepspeed":
         raise ValueError(
@@ -288,6 +298,13 @@ def check_environment(
             f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device and DDP, got "
             f"{strategy}: the teacher (a frozen copy, or a `distill_teacher` module) is not sharded like the student "
             "yet. Set distill_alpha=0 under FSDP and ModelParallelStrategy, or train on one device or with DDP."
+        )
+    if options.shrink_on_freeze and weight_averaging is not None:
+        raise ValueError(
+            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
+            "averaged copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. "
+            "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
+            "callback."
         )
     if options.shrink_on_freeze and kind != "single":
         raise ValueError(

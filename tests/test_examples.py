@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,6 +143,78 @@ def test_console_script_is_declared():
     assert callable(getattr(cli_module, func))
 
 
+def console_script() -> str:
+    """The installed `lightning-pat` console script (next to this interpreter, else on PATH)."""
+    found = Path(sys.executable).parent / "lightning-pat"
+    path = str(found) if found.is_file() else shutil.which("lightning-pat")
+    assert path, "the lightning-pat console script is not installed (pip install -e .)"
+    return path
+
+
+def shell(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_console_script_fit_and_shrink_chain_in_a_shell(tmp_path):
+    """`lightning-pat fit ... && lightning-pat shrink ...`: exit 0 on success, one-line errors with exit 1."""
+    exe = console_script()
+    ckpt = tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
+    fit = shlex.join([exe, *tiny_fit_args(tmp_path, "demo.yaml")])
+    shrink = [exe, "shrink", f"--ckpt_path={ckpt}", f"--output={tmp_path / 'small'}"]
+    proc = shell(f"{fit} && {shlex.join(shrink)} && echo CHAIN-OK", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "CHAIN-OK"
+    assert "PatCLI object" not in proc.stdout + proc.stderr
+    assert (tmp_path / "small" / "model.safetensors").is_file()
+    # the same shrink again: the output is not empty -> one line, exit 1; --overwrite replaces it
+    again = shell(shlex.join(shrink), tmp_path)
+    assert again.returncode == 1
+    assert "Traceback" not in again.stderr
+    assert again.stderr.strip().splitlines()[-1].startswith("lightning-pat shrink: error: save_pretrained: ")
+    assert "is not empty" in again.stderr
+    assert "--overwrite" in again.stderr
+    assert shell(shlex.join([*shrink, "--overwrite"]), tmp_path).returncode == 0
+    # a truncated checkpoint: one line naming it, exit 1, no traceback
+    bad = tmp_path / "truncated.ckpt"
+    bad.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    proc = shell(shlex.join([exe, "shrink", f"--ckpt_path={bad}", f"--output={tmp_path / 'bad'}"]), tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"lightning-pat shrink: error: cannot read checkpoint {bad}: not a torch checkpoint or trunc"
+    )
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("where", ["command-line", "config-file"])
+def test_callback_option_typo_names_the_fix_first(tmp_path, where):
+    config = ROOT / "examples" / "configs" / "demo.yaml"
+    args = [console_script(), "fit"]
+    if where == "config-file":
+        typo = tmp_path / "typo.yaml"
+        typo.write_text(config.read_text().replace("target_sparsity:", "target_sparsty:"))
+        args += [f"--config={typo}"]
+    else:
+        args += [f"--config={config}", "--trainer.callbacks.init_args.target_sparsty=0.5"]
+    proc = shell(shlex.join(args), tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors[0] == (
+        "error: trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback; "
+        "did you mean `target_sparsity`?"
+    )
+    assert "usage:" not in proc.stderr  # not buried under 60 lines of usage
+
+
 def test_llama_example_shrinks_and_reloads_with_stock_transformers(tmp_path):
     out = run(
         [
@@ -273,6 +347,8 @@ def test_cli_shrink_model_parallel_distributed_checkpoint(tmp_path):
     assert ckpt_path.is_dir()  # a distributed checkpoint: one shard file per rank plus meta.pt
     cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
     masked, small = _masked_and_shrunk(ckpt_path.parents[1], load_checkpoint(ckpt_path), tmp_path / "small")
+    assert not list(tmp_path.rglob("*.consolidated.pt"))  # read in memory: nothing written next to the checkpoint
+    assert sorted(p.name for p in ckpt_path.parent.iterdir()) == [ckpt_path.name]
     assert small.layers[0].mlp.gate_proj.out_features == 256
     _assert_same_outputs(masked, small)
     assert isinstance(masked.layers[0].mlp.gate_proj.weight, torch.nn.Parameter)

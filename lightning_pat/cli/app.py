@@ -17,17 +17,19 @@ with their types and defaults.
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import inspect
 import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_pat.cli.checkpoint import shrink_checkpoint
@@ -112,6 +114,61 @@ class _HelpFormatter(DefaultHelpFormatter):
         return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
+_NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
+_KEY = re.compile(r'Parser key "([\w.]+)"')
+
+
+def _init_parameters(class_path: str) -> list[str]:
+    """The keyword arguments a class path's ``__init__`` takes (empty if it cannot be imported)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [name for name, p in params.items() if name != "self" and p.kind not in variadic]
+
+
+def summarize_error(message: str) -> str | None:
+    """The one line that matters in a jsonargparse error, or ``None`` if there is no better line than the first.
+
+    An unknown option in a class's ``init_args`` (a callback under ``trainer.callbacks``, the model) is reported by
+    jsonargparse inside a list of every type the value failed to match; this names the option, the class and the
+    closest valid option.
+
+    Args:
+        message: The error message jsonargparse produced.
+
+    Returns:
+        For example ``trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback;
+        did you mean `target_sparsity`?``.
+    """
+    match = _NOT_ACCEPTED.search(message)
+    if match is None:
+        return None
+    class_path, option = match.groups()
+    key = _KEY.search(message)
+    where = f"{key.group(1)}: " if key else ""
+    close = difflib.get_close_matches(option, _init_parameters(class_path), n=1)
+    hint = f"did you mean `{close[0]}`?" if close else "see `--help` for the options."
+    return f"{where}`{option}` is not an option of {class_path}; {hint}"
+
+
+class PatArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors start with the line that matters (an unknown option and its fix)."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print a summary line before jsonargparse's detailed message, without the 60-line usage."""
+        summary = summarize_error(message)
+        if summary is None or not self.exit_on_error:
+            super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {summary}\n(for every option: {prog} --help)\n\ndetails: {message}\n")
+        self.exit(2)
+
+
 class PatCLI(LightningCLI):
     """LightningCLI whose Trainer shows a step-counted progress bar (see :class:`StepProgressBar`)."""
 
@@ -140,6 +197,7 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> PatCLI:
     epilog = callback_options_help()
     sub = {"epilog": epilog}
     return PatCLI(
+        parser_class=PatArgumentParser,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
@@ -162,43 +220,65 @@ def shrink_main(args: list[str] | None = None) -> Path:
 
     Returns:
         The output directory.
+
+    Raises:
+        ValueError: As for :func:`shrink_checkpoint` (:func:`main` prints it as one line and exits with 1).
+        FileNotFoundError: If the checkpoint does not exist.
+        FileExistsError: If ``--output`` is not empty and ``--overwrite`` is not given.
     """
     parser = argparse.ArgumentParser(
         prog="lightning-pat shrink",
         description=(
             "Cut the units a CoupledPruningCallback dropped out of a checkpoint's model and save the smaller model "
-            "(save_pretrained for transformers models, else a torch.save'd module plus its sizes)."
+            "(save_pretrained for transformers models, else safetensors plus a JSON description). The checkpoint is "
+            "read without running code from it."
         ),
     )
     parser.add_argument(
         "--ckpt_path", required=True, help="a .ckpt file, or a ModelParallelStrategy distributed checkpoint directory"
     )
-    parser.add_argument("--output", required=True, help="directory to write the shrunk model to")
+    parser.add_argument("--output", required=True, help="directory to write the shrunk model to (empty or new)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
     parser.add_argument("--config", help="the run's LightningCLI config (default: config.yaml next to the logs)")
     parser.add_argument("--model_class", help="LightningModule class path, instead of a config (uses saved hparams)")
     parser.add_argument("--submodule", help="attribute path of the module to export (default: the wrapped model)")
     ns = parser.parse_args(args)
     out = shrink_checkpoint(
-        ns.ckpt_path, ns.output, config=ns.config, model_class=ns.model_class, submodule=ns.submodule
+        ns.ckpt_path,
+        ns.output,
+        config=ns.config,
+        model_class=ns.model_class,
+        submodule=ns.submodule,
+        overwrite=ns.overwrite,
     )
     sys.stdout.write(f"shrunk model written to {out}\n")
     return out
 
 
-def main(args: list[str] | None = None) -> PatCLI | Path:
+def main(args: list[str] | None = None) -> int:
     """Entry point of ``lightning-pat``: ``shrink`` is handled here, every other subcommand by LightningCLI.
+
+    The console script runs ``sys.exit(main())``: 0 on success, so ``lightning-pat fit ... && lightning-pat shrink
+    ...`` works. A ``shrink`` that cannot read its input or write its output prints one line naming the problem and
+    exits with 1 (no traceback); argument errors exit with 2.
 
     Args:
         args: Command-line arguments (defaults to ``sys.argv[1:]``).
 
     Returns:
-        The CLI object, or the output directory of ``shrink``.
+        The exit status.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] == "shrink":
-        return shrink_main(argv[1:])
-    return cli_main(args)
+        try:
+            shrink_main(argv[1:])
+        except (ValueError, FileNotFoundError, FileExistsError) as err:
+            sys.stderr.write(f"lightning-pat shrink: error: {err}\n")
+            return 1
+        return 0
+    cli_main(args)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through subprocess in tests
-    main()
+    sys.exit(main())

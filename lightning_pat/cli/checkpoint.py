@@ -11,29 +11,54 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser
 from torch import nn
 
+from lightning_pat.core.safe_io import confined, load_torch_file
 from lightning_pat.shrink import checkpoint_state, restore_shrunk
 from lightning_pat.training.state import DCP_PREFIX
 
 
-def _import(class_path: str) -> Any:
+def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
+    """The ``nn.Module`` (LightningModule) subclass a class path names, checked before anything is called.
+
+    Raises:
+        ValueError: If the path is not a dotted name, cannot be imported, or names anything but an ``nn.Module``
+            subclass (a function such as ``os.system``, another class).
+    """
+    if not isinstance(class_path, str) or "." not in class_path.strip("."):
+        raise ValueError(f"{where}: expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
     module, _, name = class_path.rpartition(".")
-    if not module:
-        raise ValueError(f"Expected a dotted class path such as `my_package.MyModule`, got {class_path!r}.")
-    return getattr(importlib.import_module(module), name)
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{where}: cannot import {class_path!r} ({err}).") from None
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise ValueError(
+            f"{where}: {class_path!r} is not a LightningModule (or nn.Module) class but a {type(obj).__name__}; "
+            "refused (only a model class is instantiated). Pass `--config` (the run's LightningCLI config) or "
+            "`--model_class`."
+        )
+    return obj
+
+
+def _checkpoint_globals() -> list[Any]:
+    """The classes besides tensors, containers and plain values that Lightning writes into checkpoints."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
 
 
 def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
-    """Read a Lightning checkpoint: a ``.ckpt`` file, or a distributed checkpoint directory.
+    """Read a Lightning checkpoint, a ``.ckpt`` file or a distributed checkpoint directory, without running code.
 
+    Files are read with ``torch.load(weights_only=True)`` (tensors, containers, plain values and Lightning's
+    ``AttributeDict``): a checkpoint that asks for any other Python object is refused before anything is called.
     A directory written under ``ModelParallelStrategy`` (``save_distributed_checkpoint=True``) holds the sharded
-    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters). It is
-    converted with torch's ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` into one file next to
-    it (``<dir>.consolidated.pt``, kept for reuse), then read like a ``.ckpt`` file.
+    ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters); its shards are
+    read in memory (:func:`~lightning_pat.parallel.distributed.read_distributed_checkpoint`: the ``.metadata``
+    file through an allow-list unpickler, shard names confined to the directory), nothing is written next to it.
 
     Args:
         ckpt_path: The checkpoint file or directory.
@@ -43,22 +68,27 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: If the path does not exist or a directory lacks ``meta.pt``.
+        ValueError: If a file is not a torch checkpoint, is truncated, or holds objects outside the allow-list.
     """
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint not found: {path}")
+    allowed = _checkpoint_globals()
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = path / "meta.pt"
-    if not meta.is_file():
-        raise FileNotFoundError(
-            f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
-        )
-    from lightning_pat.parallel.distributed import consolidate_checkpoint
+        checkpoint = load_torch_file(path, what="checkpoint", allowed=allowed)
+    else:
+        meta = path / "meta.pt"
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
+            )
+        from lightning_pat.parallel.distributed import read_distributed_checkpoint
 
-    consolidated = consolidate_checkpoint(path, path.with_name(path.name + ".consolidated.pt"))
-    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = torch.load(consolidated, map_location="cpu", weights_only=False)["state_dict"]
+        checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
+        if isinstance(checkpoint, dict):
+            checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise ValueError(f"cannot read checkpoint {path}: not a Lightning checkpoint (no `state_dict` mapping)")
     return checkpoint
 
 
@@ -98,6 +128,7 @@ def model_from_config(config: str | Path) -> LightningModule:
     section = (yaml.safe_load(Path(config).read_text()) or {}).get("model")
     if not isinstance(section, dict) or "class_path" not in section:
         raise ValueError(f"{config} has no `model: {{class_path: ..., init_args: ...}}` section.")
+    _module_class(section["class_path"], where=f"{config}: model.class_path")  # before jsonargparse calls anything
     parser = LightningArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
     parsed = parser.parse_object({"model": section})
@@ -131,6 +162,7 @@ def shrink_checkpoint(
     config: str | Path | None = None,
     model_class: str | None = None,
     submodule: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
 
@@ -147,16 +179,20 @@ def shrink_checkpoint(
         config: The run's config (default: the ``config.yaml`` next to the checkpoint's logs).
         model_class: LightningModule class path, used when there is no config.
         submodule: Attribute path of the module to export (default: see above).
+        overwrite: Replace an earlier export in ``output`` (a non-empty ``output`` is refused otherwise).
 
     Returns:
         The output directory.
 
     Raises:
-        ValueError: If the model cannot be named or the checkpoint holds no pruning state.
+        ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
+            anything but a LightningModule / ``nn.Module`` class), or the checkpoint holds no pruning state.
+        FileExistsError: If ``output`` is not empty and ``overwrite`` is false.
     """
     from lightning_pat import shrink
-    from lightning_pat.shrink.export import save_pretrained
+    from lightning_pat.shrink.export import check_directory, save_pretrained
 
+    check_directory(output, overwrite=overwrite)  # before the (long) load
     checkpoint = load_checkpoint(ckpt_path)
     state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
     hparams = dict(checkpoint.get("hyper_parameters") or {})
@@ -166,8 +202,9 @@ def shrink_checkpoint(
     if config is not None:
         module = model_from_config(config)
     elif model_class is not None:
+        cls = _module_class(model_class, where=f"the model class of {ckpt_path}")
         init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
-        module = _import(model_class)(**init_args)
+        module = cls(**init_args)
     else:
         raise ValueError(
             f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
@@ -182,7 +219,7 @@ def shrink_checkpoint(
     if not already_small:
         _warn_if_not_final(state)
         shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
-    return save_pretrained(target.eval(), output)
+    return save_pretrained(target.eval(), output, overwrite=overwrite)
 
 
 def _warn_if_not_final(state: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-r"""Save and load shrunk models.
+r"""Save and load shrunk models, without pickle.
 
 :func:`save_pretrained` writes
 
@@ -6,14 +6,23 @@ r"""Save and load shrunk models.
   model built from that config has exactly the shrunk model's parameter shapes and module attributes (uniform widths;
   ``head_dim`` is written explicitly), nothing else is added and ``AutoModelForCausalLM.from_pretrained(directory)``
   loads it with no lightning_pat code. Otherwise (GPT-2 with dropped heads, per-layer widths, a residual shrink whose
-  rescaled RMSNorm eps differs from Qwen3's q/k norms) ``config.json`` gets a ``"lightning_pat"`` entry naming the
-  loader, the class, the config to build before resizing, every parameter shape and every module attribute that
-  differs; stock ``from_pretrained`` then refuses the size mismatch, and :func:`load_pretrained` loads it.
-* any other module as ``model.pt`` (``torch.save`` of the module) plus ``lightning_pat.json`` (its class, parameter
-  shapes and, for a dataclass config such as ``TinyGPTConfig``, the config).
+  rescaled RMSNorm eps differs from Qwen3's q/k norms) ``config.json`` gets a ``"lightning_pat"`` entry (see
+  :mod:`lightning_pat.shrink.hf_entry`; the shrink already puts it on ``model.config``, so the model's own
+  ``small.save_pretrained(dir)`` writes it too); stock ``from_pretrained`` then refuses the size mismatch, and
+  :func:`load_pretrained` loads it.
+* any other module as ``model.safetensors`` (its tensors, ties stored once) plus ``lightning_pat.json``: its
+  parameter shapes and a description of every submodule (class path, plain attributes, parameters, buffers, children;
+  :mod:`~lightning_pat.shrink.module_tree`) from which :func:`load_pretrained` rebuilds it without running any
+  constructor or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat``, ``transformers``
+  and ``lightning`` classes, and the classes the caller passes (``load_pretrained(dir, classes=[MyNet])``).
+* only with ``unsafe_pickle=True``: a module the safe format cannot describe (an attribute holding a function or an
+  object of another class) as a pickled ``model.pt``, which loads only with ``load_pretrained(dir,
+  unsafe_pickle=True)`` because unpickling runs any code the file contains.
 
-:func:`load_pretrained` loads any of the three. ``transformers`` is imported only when a Hugging Face export is read.
-Loading ``model.pt`` unpickles Python objects: load only files you trust.
+The export is built in a temporary sibling directory and moved into place at the end: a failed save leaves the
+previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces an earlier
+export (and refuses a directory holding other files). Every file name read from an export is confined to its
+directory. ``transformers`` is imported only when a Hugging Face export is read or written.
 
 Example::
 
@@ -24,216 +33,163 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_pat.shrink.surgery import BASE_CONFIG_ATTR
+from lightning_pat.core.safe_io import atomic_directory, check_output, confined
+from lightning_pat.shrink import hf_entry
+from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
+from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
 
 log = logging.getLogger(__name__)
 
-ENTRY = "lightning_pat"
-LOADER = "lightning_pat.load_pretrained"
 MODULE_FILE = "model.pt"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 SIZES_FILE = "lightning_pat.json"
-_VERSION = 1
+_VERSION = hf_entry.VERSION
+_MODULE_VERSION = 2  # 1: a pickled model.pt (now only with unsafe_pickle); 2: safetensors + module description
+_EXPORT_FILES = re.compile(
+    r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
+    r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
+)
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-def _is_hf(model: nn.Module) -> bool:
-    return callable(getattr(model, "save_pretrained", None)) and callable(
-        getattr(getattr(model, "config", None), "to_dict", None)
-    )
+def is_export_file(name: str) -> bool:
+    """Whether ``name`` is a file an export writes (what ``overwrite=True`` may replace)."""
+    return _EXPORT_FILES.fullmatch(name) is not None
 
 
-def _shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {n: list(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+def check_directory(directory: str | Path, *, overwrite: bool) -> None:
+    """Raise now what :func:`save_pretrained` would raise about ``directory`` (before a long computation).
 
-
-def _scalar(value: object) -> bool:
-    if isinstance(value, (bool, int, float, str)):
-        return True
-    return isinstance(value, tuple) and all(isinstance(v, int) for v in value)
-
-
-def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Module name -> its public scalar attributes (sizes, head counts, eps, ...)."""
-    out = {}
-    for name, module in model.named_modules():
-        out[name] = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training" and _scalar(v)}
-    return out
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Build modules with parameters on the meta device (no memory, no init); buffers stay real."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:  # an already-meta parameter is a tie: keep its identity
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _build_empty(cls: type[nn.Module], config: Any) -> nn.Module:
-    with _parameters_on_meta():
-        return cls(config)
-
-
-def _differences(model: nn.Module, other: nn.Module) -> list[str]:
-    """What differs between two models' parameter shapes and module attributes (empty: same architecture)."""
-    diffs = []
-    mine, theirs = _shapes(model), _shapes(other)
-    if mine != theirs:
-        diffs += [
-            f"{n}: {mine.get(n)} vs {theirs.get(n)}"
-            for n in sorted(set(mine) | set(theirs))
-            if mine.get(n) != theirs.get(n)
-        ]
-    a, b = _attributes(model), _attributes(other)
-    for name in sorted(set(a) | set(b)):
-        for key in sorted(set(a.get(name, {})) | set(b.get(name, {}))):
-            if a.get(name, {}).get(key) != b.get(name, {}).get(key):
-                diffs.append(f"{name}.{key}: {a.get(name, {}).get(key)!r} vs {b.get(name, {}).get(key)!r}")
-    return diffs
-
-
-def _changed(attrs: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str, Any]]) -> dict[str, dict]:
-    """Module name -> the attributes whose value differs from ``base`` (modules with no change are left out)."""
-    out = {}
-    for name, values in attrs.items():
-        changed = {k: v for k, v in values.items() if base.get(name, {}).get(k) != v}
-        if changed:
-            out[name] = changed
-    return out
+    Raises:
+        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
+            of an export.
+    """
+    check_output(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained")
 
 
 # ---------------------------------------------------------------------------------------------------- save
-def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
+def save_pretrained(
+    model: nn.Module, directory: str | Path, *, overwrite: bool = False, unsafe_pickle: bool = False
+) -> Path:
     """Write a (shrunk) model so that :func:`load_pretrained` (and, where possible, stock tools) can load it.
 
     Args:
         model: A Hugging Face ``PreTrainedModel`` or any ``nn.Module``.
-        directory: Output directory (created if needed).
+        directory: Output directory (created if needed; must be empty or absent unless ``overwrite``).
+        overwrite: Replace an earlier export in ``directory`` (a directory holding other files is still refused).
+        unsafe_pickle: For a module the safe format cannot describe, write a pickled ``model.pt`` instead of refusing.
+            Loading it needs ``load_pretrained(..., unsafe_pickle=True)`` and runs whatever code the file contains.
 
     Returns:
         The directory.
 
     Raises:
         ValueError: If a Hugging Face model's shapes are not expressible by its config and the config it was built
-            from cannot be rebuilt (the message names the class and the fix).
+            from cannot be rebuilt, or a module holds state the safe format cannot describe and ``unsafe_pickle`` is
+            false (the messages name the class or attribute and the fix).
+        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
+            of an export.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if _is_hf(model):
-        _save_hf(model, directory)
-    else:
-        _save_module(model, directory)
+    with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained") as tmp:
+        if hf_entry.is_hf(model):
+            _save_hf(model, tmp)
+        else:
+            _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
     return directory
 
 
-def _stock_differences(model: nn.Module) -> list[str]:
-    """Why a stock model built from ``model.config`` would not be this model (empty: it would be)."""
-    config = copy.deepcopy(model.config)
-    try:
-        if callable(getattr(config, "validate", None)):
-            config.validate()  # e.g. Llama: hidden_size must be a multiple of the head count
-        return _differences(model, _build_empty(type(model), config))
-    except Exception as err:  # noqa: BLE001 - a config that cannot validate or build is "not expressible"
-        return [f"the stock config does not validate or build: {type(err).__name__}: {str(err).strip()[-200:]}"]
-
-
 def _save_hf(model: nn.Module, directory: Path) -> None:
-    diffs = _stock_differences(model)
-    if not diffs:
+    entry = hf_entry.record(model)
+    if entry is None:
         model.save_pretrained(directory)
         log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", type(model).__name__)
         return
     cls = type(model)
-    base_dict = getattr(model, BASE_CONFIG_ATTR, None) or model.config.to_dict()
-    try:
-        base_config = cls.config_class.from_dict(copy.deepcopy(base_dict))
-        base = _build_empty(cls, base_config)
-    except Exception as err:  # noqa: BLE001 - re-raised with the fix
-        raise ValueError(
-            f"save_pretrained: {cls.__name__}'s shapes are not expressible by its config ({diffs[:3]}), and no model "
-            f"can be built from the config it was shrunk from ({err}). Shrink with lightning_pat.shrink, which "
-            "records that config."
-        ) from err
+    _, base_config = hf_entry.base_config(model)
     shrunk_config = model.config
     model.config = base_config  # transformers validates the config it writes; the weights are written as they are
     try:
         model.save_pretrained(directory)
     finally:
         model.config = shrunk_config
-    config = {**shrunk_config.to_dict(), "architectures": [cls.__name__]}
-    config[ENTRY] = {
-        "loader": LOADER,
-        "version": _VERSION,
-        "class": cls.__name__,
-        "base_config": base_dict,
-        "shapes": _shapes(model),
-        "attributes": _changed(_attributes(model), _attributes(base)),
-        "why": diffs[:10],
-    }
+    config = {**shrunk_config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     log.warning(
         "save_pretrained: the stock %s config cannot express this model (%s); load it with "
         "lightning_pat.load_pretrained(%r)",
         cls.__name__,
-        diffs[0],
+        entry["why"][0],
         str(directory),
     )
 
 
-def _save_module(model: nn.Module, directory: Path) -> None:
-    torch.save(model, directory / MODULE_FILE)
+def _save_module(model: nn.Module, directory: Path, *, unsafe_pickle: bool) -> None:
     config = getattr(model, "config", None)
-    info = {
+    info: dict[str, Any] = {
         "loader": LOADER,
-        "version": _VERSION,
-        "format": "torch.save",
-        "file": MODULE_FILE,
+        "version": _MODULE_VERSION,
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "shapes": _shapes(model),
+        "shapes": hf_entry.shapes(model),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         info["config"] = dataclasses.asdict(config)
-    (directory / SIZES_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    try:
+        description, tensors = describe(model)
+    except UnsupportedStateError as err:
+        if not unsafe_pickle:
+            raise ValueError(
+                f"save_pretrained: the safe export format cannot store {err}: it stores plain values (numbers, "
+                "strings, tuples, lists, dicts, dtypes, dataclasses), tensors and submodules. Keep such state out of "
+                "the module (e.g. a function as a method), or pass unsafe_pickle=True to write a pickled model.pt, "
+                "which loads only with load_pretrained(..., unsafe_pickle=True) and runs any code the file contains."
+            ) from None
+        torch.save(model, directory / MODULE_FILE)
+        info.update(format="torch.save", file=MODULE_FILE, version=1)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        info.update(format="safetensors", file=WEIGHTS_FILE, modules=description["modules"])
+    (directory / SIZES_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def load_pretrained(directory: str | Path) -> nn.Module:
-    """Load anything :func:`save_pretrained` wrote (and plain Hugging Face model directories).
+def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsafe_pickle: bool = False) -> nn.Module:
+    """Load anything :func:`save_pretrained` wrote (and plain Hugging Face model directories), without running code.
 
     Args:
         directory: The export directory.
+        classes: Module (and dataclass config) classes the export may name besides ``torch.nn``, ``lightning_pat``
+            ``transformers`` and ``lightning`` classes: your own ``nn.Module`` / LightningModule subclasses.
+        unsafe_pickle: Allow loading a pickled ``model.pt`` (written with ``save_pretrained(..., unsafe_pickle=True)``
+            or by lightning_pat before 0.2). Unpickling runs any code the file contains: only for files you trust.
 
     Returns:
         The model, in eval mode for Hugging Face exports (as ``from_pretrained`` returns it).
 
     Raises:
         FileNotFoundError: If the directory holds neither ``config.json`` nor ``lightning_pat.json``.
-        ValueError: If the saved shapes and the loaded weights disagree, or the export's version is unknown.
+        ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
+            not allowed, a file name leads outside the directory, or the export is pickled and ``unsafe_pickle`` is
+            false.
     """
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():
-        return _load_module(directory)
+        return _load_module(directory, classes=list(classes), unsafe_pickle=unsafe_pickle)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"load_pretrained: {directory} holds neither config.json nor {SIZES_FILE}; pass a directory written by "
@@ -241,18 +197,20 @@ def load_pretrained(directory: str | Path) -> nn.Module:
         )
     import transformers
 
-    config = json.loads((directory / "config.json").read_text())
+    config = json.loads(confined(directory, "config.json", what="load_pretrained").read_text())
+    weights = _weight_files(directory)  # every name confined, before transformers opens anything
     entry = config.get(ENTRY)
     if entry is None:
         arch = (config.get("architectures") or [None])[0]
-        cls = getattr(transformers, arch, None) if arch else None
-        return (cls or transformers.AutoModelForCausalLM).from_pretrained(directory)
-    if entry.get("version") != _VERSION:
-        raise ValueError(f"load_pretrained: export version {entry.get('version')!r} is not {_VERSION}; upgrade.")
-    cls = getattr(transformers, entry["class"])
+        cls = _hf_class(transformers, arch) if arch else transformers.AutoModelForCausalLM
+        return cls.from_pretrained(directory, use_safetensors=True)
+    if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
+        version = entry.get("version") if isinstance(entry, Mapping) else entry
+        raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")
+    cls = _hf_class(transformers, entry["class"])
     base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
-    model = _build_empty(cls, base_config)
-    state = _read_safetensors(directory)
+    model = hf_entry.build_empty(cls, base_config)
+    state = _read_safetensors(weights)
     _materialize(model, entry["shapes"], state)
     for name, values in entry["attributes"].items():
         module = model.get_submodule(name)
@@ -260,20 +218,40 @@ def load_pretrained(directory: str | Path) -> nn.Module:
             old = getattr(module, key, None)
             setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
     model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
+    setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
     return model.eval()
 
 
-def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+def _hf_class(transformers: Any, name: object) -> type:
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"load_pretrained: config.json names {name!r}, which is not a transformers model class.")
+    return cls
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers would read: ``model.safetensors``, else the shards of the index."""
+    if (directory / WEIGHTS_FILE).exists():
+        return [confined(directory, WEIGHTS_FILE, what="load_pretrained")]
+    index = directory / INDEX_FILE
+    if not index.exists():
+        return []
+    weight_map = json.loads(confined(directory, INDEX_FILE, what="load_pretrained").read_text()).get("weight_map")
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"load_pretrained: {index} has no `weight_map`.")
+    names = sorted(set(weight_map.values()), key=str)
+    return [confined(directory, name, what=f"load_pretrained: {INDEX_FILE}") for name in names]
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    index = directory / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
+    if not files:
+        raise ValueError(f"load_pretrained: the export holds no {WEIGHTS_FILE} and no {INDEX_FILE}.")
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(directory / name))
+    for path in files:
+        state.update(load_file(path))
     return state
 
 
@@ -308,14 +286,36 @@ def _materialize(model: nn.Module, shapes: Mapping[str, list[int]], state: Mappi
             module._parameters[attr] = new
 
 
-def _load_module(directory: Path) -> nn.Module:
-    info = json.loads((directory / SIZES_FILE).read_text())
-    if info.get("version") != _VERSION:
-        raise ValueError(f"load_pretrained: export version {info.get('version')!r} is not {_VERSION}; upgrade.")
-    model = torch.load(directory / info.get("file", MODULE_FILE), weights_only=False)
-    if not isinstance(model, nn.Module) or _shapes(model) != info["shapes"]:
+def _load_module(directory: Path, *, classes: list[type], unsafe_pickle: bool) -> nn.Module:
+    info = json.loads(confined(directory, SIZES_FILE, what="load_pretrained").read_text())
+    fmt = info.get("format")
+    if fmt == "torch.save":
+        model = _load_pickled(directory, info, unsafe_pickle=unsafe_pickle)
+    elif fmt == "safetensors" and info.get("version") == _MODULE_VERSION:
+        from safetensors.torch import load_file
+
+        path = confined(directory, info.get("file"), what=f"load_pretrained: {SIZES_FILE} 'file'")
+        model = rebuild(info, load_file(path), classes=classes)
+    else:
         raise ValueError(
-            f"load_pretrained: {directory / MODULE_FILE} does not hold the module {SIZES_FILE} describes "
+            f"load_pretrained: {directory / SIZES_FILE} has format {fmt!r} version {info.get('version')!r}; this "
+            f"lightning_pat reads format 'safetensors' version {_MODULE_VERSION}; upgrade."
+        )
+    if not isinstance(model, nn.Module) or hf_entry.shapes(model) != info.get("shapes"):
+        raise ValueError(
+            f"load_pretrained: {directory} does not hold the module {SIZES_FILE} describes "
             f"({info.get('class')}); write the export again with save_pretrained."
         )
     return model
+
+
+def _load_pickled(directory: Path, info: Mapping[str, Any], *, unsafe_pickle: bool) -> Any:
+    path = confined(directory, info.get("file", MODULE_FILE), what=f"load_pretrained: {SIZES_FILE} 'file'")
+    if not unsafe_pickle:
+        raise ValueError(
+            f"load_pretrained: {path} is a pickled module (format 'torch.save'); unpickling runs any code the file "
+            "contains, so it is refused by default. If you wrote this file yourself or trust its source, pass "
+            "unsafe_pickle=True; better, load it once that way and save it again with save_pretrained (safetensors)."
+        )
+    log.warning("load_pretrained: unpickling %s (unsafe_pickle=True): this runs any code the file contains", path)
+    return torch.load(path, weights_only=False)  # opt-in, see the docstring

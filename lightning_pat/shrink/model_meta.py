@@ -27,6 +27,8 @@ def module_kind(module: nn.Module) -> str | None:
         return "embedding"
     if isinstance(module, nn.LayerNorm):
         return "layernorm"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:  # noqa: SLF001 - the common base
+        return "batchnorm"
     if isinstance(module, nn.RMSNorm):
         return "rmsnorm"
     if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "variance_epsilon", None), float):

@@ -2,7 +2,9 @@ r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.s
 
 Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must be a
 module whose metadata the surgery knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding``
-(columns only), ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face ``*RMSNorm`` modules. Attention modules
+(columns only), ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face ``*RMSNorm`` modules and affine BatchNorms (their
+running statistics are cut with their weight). A module between a cut writer and its reader that holds per-channel
+tensors of the cut width that no member covers is refused (the shrunk model could not run). Attention modules
 (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups
 and get their head counts updated; MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where
 uniform. Everything is validated before the first tensor changes; the optimizer state is sliced in the same pass
@@ -22,6 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.shrink import hf_entry
+from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
     input_embedding,
@@ -37,12 +41,8 @@ log = logging.getLogger(__name__)
 
 _FIX_MODULE = (
     "Remove this parameter from the cluster, or replace the module by one the shrink can rewrite (nn.Linear, "
-    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm)."
+    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm, an affine BatchNorm)."
 )
-
-
-# the model's config before its first shrink (plain dict), kept on the model so that an export can say what to build
-BASE_CONFIG_ATTR = "_lightning_pat_base_config"
 
 
 class LayerNormShrinkWarning(UserWarning):
@@ -61,6 +61,8 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("embedding", "weight"): (1,),
     ("layernorm", "weight"): (0,),
     ("layernorm", "bias"): (0,),
+    ("batchnorm", "weight"): (0,),
+    ("batchnorm", "bias"): (0,),
     ("rmsnorm", "weight"): (0,),
     ("hf_rmsnorm", "weight"): (0,),
 }
@@ -68,6 +70,7 @@ _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "linear": (("weight", 0), ("bias", 0)),  # output channel: row and bias
     "conv1d": (("weight", 1), ("bias", 0)),  # Conv1D weights are [in, out]
     "layernorm": (("weight", 0), ("bias", 0)),
+    "batchnorm": (("weight", 0), ("bias", 0)),
 }
 
 
@@ -312,6 +315,13 @@ def _rewrite(edit: _Edit, new_params: Mapping[int, Tensor]) -> None:
         module.nx, module.nf = w.shape
     elif edit.kind == "embedding":
         module.embedding_dim = w.shape[1]
+    elif edit.kind == "batchnorm":  # per-channel statistics go with the channels (exact: w = b = 0 when dropped)
+        kept = edit.cuts["weight"][0]
+        for stat in ("running_mean", "running_var"):
+            buf = getattr(module, stat, None)
+            if buf is not None:
+                setattr(module, stat, buf.index_select(0, kept.to(buf.device)).contiguous())
+        module.num_features = w.shape[0]
     else:
         if hasattr(module, "normalized_shape"):
             module.normalized_shape = (w.shape[0],)
@@ -344,6 +354,60 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
         )
 
 
+# (kind) -> (attribute, dim) of the output channels a module writes, and of the input channels it reads
+_WRITES: dict[str, tuple[str, int]] = {"linear": ("weight", 0), "conv1d": ("weight", 1)}
+_READS: dict[str, tuple[str, int]] = {"linear": ("weight", 1), "conv1d": ("weight", 0)}
+
+
+def _cut_width(edit: _Edit, attr: str, dim: int) -> int:
+    """The old length of ``attr``'s ``dim`` if the edit cuts it, else 0."""
+    if dim not in edit.cuts.get(attr, {}):
+        return 0
+    return int(edit.module._parameters[attr].shape[dim])  # noqa: SLF001 - the registered tensor itself
+
+
+def _check_between(model: nn.Module, edits: Mapping[int, _Edit]) -> None:
+    """Refuse a module between a shrunk writer and its reader that holds a per-channel tensor nobody cuts.
+
+    For every module whose output channels are cut (a writer), the next module in registration order whose input
+    channels of the same width are cut is taken as its reader; any module registered in between, not rewritten by
+    the shrink, that holds a 1-D parameter or buffer of that width (a BatchNorm's weight, bias and running
+    statistics, a norm left out of a cluster) would keep the old width and fail at the first forward of the shrunk
+    model.
+
+    Raises:
+        ValueError: Naming the module, its tensors and the fix.
+    """
+    order = [(name, m) for name, m in model.named_modules()]
+    position = {id(m): i for i, (_, m) in enumerate(order)}
+    reads: list[tuple[int, int]] = []  # (position, old input width) of every module whose input channels are cut
+    writes: list[tuple[int, int, str]] = []  # (position, old output width, name) of every cut writer
+    for edit in edits.values():
+        pos = position[id(edit.module)]
+        if edit.kind in _READS and (width := _cut_width(edit, *_READS[edit.kind])):
+            reads.append((pos, width))
+        if edit.kind in _WRITES and (width := _cut_width(edit, *_WRITES[edit.kind])):
+            writes.append((pos, width, edit.name))
+    for start, width, writer in writes:
+        ends = [p for p, w in reads if p > start and w == width]
+        if not ends:
+            continue
+        for name, module in order[start + 1 : min(ends)]:
+            if id(module) in edits:
+                continue
+            own = {**module._parameters, **module._buffers}  # noqa: SLF001 - this module's own tensors only
+            hit = [k for k, t in own.items() if t is not None and t.dim() == 1 and t.shape[0] == width]
+            if hit:
+                members = ", ".join(f"`{_full_name(name, k)}`" for k in hit if k in module._parameters)  # noqa: SLF001
+                raise ValueError(
+                    f"Shrink: module {name!r} ({type(module).__name__}) sits between {writer!r}, whose {width} output "
+                    f"channels are cut, and the module that reads them, and holds {hit} of width {width} that no "
+                    f"cluster member covers; the shrunk model would fail at its first forward. Add its per-channel "
+                    f"parameters ({members or 'none: make it affine or remove it'}) to the same cluster as 1-D "
+                    "writers (a BatchNorm's running statistics are then cut with them), or leave this axis unpruned."
+                )
+
+
 def _validate(
     model: nn.Module, plan: ShrinkPlan, optimizers: Sequence[torch.optim.Optimizer]
 ) -> tuple[dict[str, nn.Parameter], dict[int, _Edit], list[list[tuple[Tensor, str]]]]:
@@ -351,6 +415,7 @@ def _validate(
     for edit in edits.values():
         _check_edit(edit)
     _check_attention(model, edits)
+    _check_between(model, edits)
     return params, edits, [_optimizer_cuts(opt, plan, params) for opt in optimizers]
 
 
@@ -370,6 +435,16 @@ def check_shrinkable(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> N
     """
     trial = {rc.name: [0] for rc in clusters if rc.num_units > 1}
     _validate(model, align_names(build_plan(clusters, trial), model), ())
+
+
+def _record_entry(owner: nn.Module) -> None:
+    """Put the export entry on a Hugging Face model's config, so that its own ``save_pretrained`` can be reloaded."""
+    if not hf_entry.is_hf(owner):
+        return
+    try:
+        hf_entry.record(owner)
+    except ValueError as err:  # the shrink itself is done; lightning_pat.save_pretrained raises this again
+        log.warning("shrink: cannot describe the new sizes of %s in its config: %s", type(owner).__name__, err)
 
 
 def apply_plan(
@@ -431,6 +506,7 @@ def apply_plan(
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
         update_config(owner, rescaled_eps, changed)
+        _record_entry(owner)
     if layernorms:
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.strategies import (
     DDPStrategy,
     FSDPStrategy,
@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -138,8 +139,12 @@ class CoupledPruningCallback(Callback):
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
             key, or a preset name is unknown (at construction); if the strategy is DeepSpeed or the module uses
             manual optimization, or ``shrink_on_freeze`` runs under another strategy than a single device (at setup);
-            if the clusters do not resolve against the model, or ranks disagree on
+            if the clusters do not resolve against the model, a target below 1 would drop every unit of a cluster
+            (a 1-unit cluster, ``multiple_of``, one KV head), or ranks disagree on
             clusters, routes or schedule (at fit start, on every rank, before any weight is touched); if
+            ``StochasticWeightAveraging`` runs with ``shrink_on_freeze`` (at setup; without it, the mask is re-applied
+            after SWA's weight transfers); if a checkpoint written before a ``shrink_on_freeze`` shrink is restored
+            into the shrunk module (``validate``/``test``/``predict``/``fit`` with ``ckpt_path``); if
             ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
             are not ``nn.Linear`` weights (at fit start); if a checkpoint's state cannot be restored (at train
             start).
@@ -188,7 +193,7 @@ class CoupledPruningCallback(Callback):
                 distill_alpha=distill_alpha, distill_temperature=distill_temperature, distill_teacher=distill_teacher,
                 distill_module=distill_module,
             )  # fmt: skip
-        self.controller = PruningController(self.options)
+        self.controller = PruningController(self.options, info=rank_zero_info)
         opts = self.options
         self.distiller = (
             Distiller(
@@ -202,6 +207,7 @@ class CoupledPruningCallback(Callback):
         )
         self.metrics: PruningMetrics | None = None
         self._restore_hook: Any = None
+        self._reproject = False  # a weight-averaging callback may write averaged weights into dropped units
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the Trainer, its global_step) at the last fit end
 
     # ------------------------------------------------------------------ views
@@ -282,6 +288,8 @@ class CoupledPruningCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse what cannot be supported, before any step; watch for a shrunk checkpoint (``shrink_on_freeze``)."""
+        callbacks = getattr(trainer, "callbacks", ())  # a stand-in Trainer may have none
+        swa = [type(cb).__name__ for cb in callbacks if isinstance(cb, StochasticWeightAveraging)]
         with _user_errors():
             check_environment(
                 self.options,
@@ -289,28 +297,38 @@ class CoupledPruningCallback(Callback):
                 kind=_strategy_kind(trainer.strategy),
                 automatic_optimization=getattr(pl_module, "automatic_optimization", True),
                 module=type(pl_module).__name__,
+                weight_averaging=swa[0] if swa else None,
             )
+        self._reproject = bool(swa)
+        self._unwatch_restore()  # one hook at a time (setup runs for every fit, validate, test and predict)
         if self.options.shrink_on_freeze:
             connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook
             self._restore_hook = pl_module.register_load_state_dict_pre_hook(
-                lambda mod, _sd, prefix, *_: (
-                    None if prefix else self._before_restore(mod, getattr(connector, "_loaded_checkpoint", None))
+                lambda mod, weights, prefix, *_: (
+                    None
+                    if prefix
+                    else self._before_restore(mod, getattr(connector, "_loaded_checkpoint", None), weights)
                 )
             )
 
-    def _before_restore(self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None) -> None:
+    def _before_restore(
+        self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None, weights: Mapping[str, Any]
+    ) -> None:
         saved = (checkpoint or {}).get("callbacks", {}).get(self.state_key)
         if self.distiller is not None and saved and saved.get("shrunk"):  # a dense copy to rebuild the teacher into
             self.distiller.keep_skeleton(module, saved.get("distill"), self.options.distill_module)
         with _user_errors():
-            self.controller.before_restore(module, saved)
+            self.controller.before_restore(module, saved, weights=weights)
+
+    def _unwatch_restore(self) -> None:
+        if self._restore_hook is not None:
+            self._restore_hook.remove()
+            self._restore_hook = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve, route and agree across ranks on the final parameters (nothing is mutated)."""
-        if self._restore_hook is not None:  # the checkpoint's weights are loaded by now
-            self._restore_hook.remove()
-            self._restore_hook = None
+        self._unwatch_restore()  # the checkpoint's weights are loaded by now
         strategy = trainer.strategy
         with _user_errors():
             self.controller.bind(
@@ -361,6 +379,7 @@ class CoupledPruningCallback(Callback):
         self.controller.release()
         if self.distiller is not None:
             self.distiller.release()
+        self._unwatch_restore()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -369,20 +388,33 @@ class CoupledPruningCallback(Callback):
         if self.distiller is not None:
             self.distiller.release()
 
-    # ------------------------------------------------------------------ per step
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Distillation: build the teacher when pruning starts; open the window of the forward hook."""
-        if self.distiller is None:
-            return
-        with _user_errors():
-            self.distiller.ensure_teacher(
-                step=self.controller.progress.step, start=self.schedule.warmup_steps, share=(trainer,)
-            )
-        self.distiller.open()
+        """With weight averaging: re-apply the mask once per epoch, after the averaging callbacks' epoch start.
 
+        ``StochasticWeightAveraging`` copies its averaged weights (dropped units included) into the model at the start
+        of its BatchNorm-update epoch; re-projecting before that epoch's first forward keeps the statistics exact.
+
+        With distillation: build the teacher when pruning starts; open the window of the forward hook.
+        """
+        if self._reproject and batch_idx == 0:
+            self.controller.reproject()
+        if self.distiller is not None:
+            with _user_errors():
+                self.distiller.ensure_teacher(
+                    step=self.controller.progress.step, start=self.schedule.warmup_steps, share=(trainer,)
+                )
+            self.distiller.open()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With weight averaging: zero the dropped units again after its final weight transfer (``on_train_end``)."""
+        if self._reproject:
+            self.controller.reproject()
+
+    # ------------------------------------------------------------------ per step
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -92,6 +92,8 @@ class PruningController:
 
     Args:
         options: The run's options.
+        info: Where informational messages go (the routes, the shrink, a new schedule), on rank zero; by default
+            this module's logger. The callback passes Lightning's ``rank_zero_info`` so that they show in the console.
 
     Example::
 
@@ -111,8 +113,9 @@ class PruningController:
         (4, True)
     """
 
-    def __init__(self, options: PruningOptions) -> None:
+    def __init__(self, options: PruningOptions, *, info: Callable[[str], None] | None = None) -> None:
         self.options = options
+        self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
         self.progress = state.Progress()
         self.tracker = StepTracker()
@@ -172,7 +175,8 @@ class PruningController:
                 next to the model's shards).
 
         Raises:
-            ValueError: If the clusters do not resolve or route on some rank, or ranks disagree; if
+            ValueError: If the clusters do not resolve or route on some rank, a target below 1 would drop every unit
+                of a cluster, or ranks disagree; if
                 ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze`` could not
                 shrink the model.
         """
@@ -189,7 +193,7 @@ class PruningController:
             try:
                 plan = make_plan(
                     params, opts.declarations(module), score=opts.score, executor=opts.executor,
-                    group_count_ref=opts.group_count_ref,
+                    group_count_ref=opts.group_count_ref, sparsity=opts.target_sparsity,
                 )  # fmt: skip
             except ValueError as err:
                 error = f"CoupledPruningCallback: {err}"
@@ -213,9 +217,7 @@ class PruningController:
         self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
         _warn_unoptimized(self._params, clustered, optimizers)
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
-        distributed.rank_zero_info(
-            f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines), logger=log
-        )
+        self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 
     @contextmanager
     def _weights(self) -> Iterator[dict[str, Tensor]]:
@@ -265,9 +267,7 @@ class PruningController:
             self._apply(self._carry, latents=self._carry["latents"]["tensors"] if self._carry["latents"] else None)
         else:
             if self._carry is not None:
-                distributed.rank_zero_info(
-                    "CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.", logger=log
-                )
+                self._info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
@@ -416,6 +416,13 @@ class PruningController:
                 self._freeze()
         return result
 
+    def reproject(self) -> None:
+        """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
+        if self.pruner is None or self.shrunk is not None:
+            return
+        with torch.no_grad(), self._weights():
+            self.pruner.hold()
+
     def _select(self, step: int, *, count: bool) -> PruneResult:
         """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
         assert self.pruner is not None
@@ -445,10 +452,9 @@ class PruningController:
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
         self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
-        distributed.rank_zero_info(
+        self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
-            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model.",
-            logger=log,
+            f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
         )
 
     # ------------------------------------------------------------------ state
@@ -493,22 +499,50 @@ class PruningController:
         return state.sharded_latents(self.latents.state_dict(), self._params)
 
     # ------------------------------------------------------------------ resuming a shrunk model
-    def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None) -> None:
-        """Before a checkpoint's weights load into ``module``: give it the shrunk shapes if ``saved`` says so.
+    def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:
+        """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
+
+        A checkpoint written after the shrink (``saved`` says ``shrunk``) gives a full-size module the small shapes; a
+        checkpoint written before it cannot load into a module this controller already shrank.
 
         Args:
             module: The module whose weights the checkpoint restores.
             saved: This run's state in that checkpoint, if any.
+            weights: The checkpoint's weights for ``module``.
 
         Raises:
-            ValueError: If the module cannot be shrunk to the saved shapes.
+            ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
+                shrink of this (shrunk) module.
         """
-        if self.shrunk is not None or not saved or not saved.get("shrunk"):
+        differ = _shape_mismatches(module, weights)
+        if not differ:
             return
-        with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
-            restore_shrunk(module, saved)
-        self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
-        self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+        if saved and saved.get("shrunk"):  # a checkpoint written after the shrink: give the module its shapes
+            with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+                restore_shrunk(module, saved)
+            if self.shrunk is None:
+                self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
+                self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+            return
+        if self.shrunk is not None:  # this module was shrunk; the checkpoint holds the full-size weights
+            name, (mine, theirs) = next(iter(differ.items()))
+            raise ConfigurationError(
+                f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+                f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
+                f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
+                "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
+                "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
+            )
+
+
+def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        other = weights.get(name)
+        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
+            out[name] = (tuple(tensor.shape), tuple(other.shape))
+    return out
 
 
 def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:

@@ -80,6 +80,7 @@ class PruningMetrics:
         self.metrics: dict[str, Sparsity] = {self.main: Sparsity(), f"{prefix}/param_sparsity": Sparsity()}
         self._clusters = {name: f"{prefix}/{name}/unit_sparsity" for name in cluster_names}
         self.metrics.update({key: Sparsity() for key in self._clusters.values()})
+        self._last: dict[str, Tensor] = {}  # the last step's values (Lightning resets the metrics at epoch end)
 
     def update(
         self,
@@ -94,7 +95,8 @@ class PruningMetrics:
         self.metrics[f"{self.prefix}/param_sparsity"](sum(zeros.values()), sum(numel.values()))
         for name, key in self._clusters.items():
             self.metrics[key](len(dropped.get(name, ())), num_units[name])
+        self._last = {k: m._forward_cache for k, m in self.metrics.items() if m._forward_cache is not None}
 
     def values(self) -> dict[str, float]:
         """The last step's values by log key (empty before the first update)."""
-        return {k: float(m._forward_cache) for k, m in self.metrics.items() if m._forward_cache is not None}
+        return {k: float(v) for k, v in self._last.items()}

@@ -242,6 +242,40 @@ def random_case(seed: int, *, dtype: torch.dtype = torch.float64, method: str | 
     raise AssertionError(f"could not draw a well-separated case for seed {seed}")
 
 
+def _empties(target: float, units: int, multiple_of: int) -> bool:
+    """Whether a target strictly between 0 and 1 keeps no unit (``ceil``, then the kept count rounded down)."""
+    if not 0.0 < target < 1.0:
+        return False
+    kept = units - min(units, math.ceil(round(target * units, 9)))
+    return kept // multiple_of * multiple_of == 0
+
+
+def _no_silent_empty(b: _Builder, sparsity: float) -> None:
+    """Make a draw that would empty a cluster with a target below 1 (refused, DESIGN invariant 11) say target 1.0.
+
+    The dropped units are the same (all of them), so the draw's reference result does not change; a shared budget's
+    member whose ``multiple_of`` exceeds its units (which would keep all or nothing) gets ``multiple_of=1``.
+    """
+    groups: dict[str | None, list[int]] = {}
+    for i, rc in enumerate(b.refs):
+        groups.setdefault(rc.budget, []).append(i)
+    for budget, idx in groups.items():
+        if budget is None:
+            for i in idx:
+                rc = b.refs[i]
+                if _empties(sparsity if rc.target is None else rc.target, rc.num_units, rc.multiple_of):
+                    b.decls[i].target = b.refs[i].target = 1.0
+            continue
+        target = sparsity if b.refs[idx[0]].target is None else b.refs[idx[0]].target
+        if _empties(target, sum(b.refs[i].num_units for i in idx), 1):
+            for i in idx:
+                b.decls[i].target = b.refs[i].target = 1.0
+        elif 0.0 < target < 1.0:
+            for i in idx:
+                if b.refs[i].multiple_of > b.refs[i].num_units:
+                    b.decls[i].multiple_of = b.refs[i].multiple_of = 1
+
+
 def _draw(seed: int, *, method: str | None, step: float = 1.0) -> Case:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -278,11 +312,13 @@ def _draw(seed: int, *, method: str | None, step: float = 1.0) -> Case:
     }
     if budgets and rng.random() < 0.6:
         kwargs["group_count_ref"] = rng.randint(1, 8)
+    sparsity = rng.choice(TARGETS)
+    _no_silent_empty(b, sparsity)
     case = Case(
         b.tensors,
         b.decls,
         b.refs,
-        sparsity=rng.choice(TARGETS),
+        sparsity=sparsity,
         kwargs=kwargs,
         description=f"seed={seed} blocks={b.kinds} budgets={budgets} {kwargs}",
     )

@@ -15,6 +15,7 @@ import json
 import time
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -53,11 +54,19 @@ def run(cb: CoupledPruningCallback) -> dict:
         enable_model_summary=False,
     )
     start = time.monotonic()
+    module = MLPModule()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     try:
-        trainer.fit(MLPModule())
+        trainer.fit(module)
         return {"error": None, "seconds": time.monotonic() - start}
     except Exception as err:  # noqa: BLE001 - reported
-        return {"type": type(err).__name__, "error": str(err), "seconds": time.monotonic() - start}
+        unchanged = all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+        return {
+            "type": type(err).__name__,
+            "error": str(err),
+            "seconds": time.monotonic() - start,
+            "unchanged": unchanged,
+        }
 
 
 def main() -> None:
@@ -69,6 +78,8 @@ def main() -> None:
     writer = "fc1.weight" if rank == 0 else "fc1.wieght"
     typo = [Cluster(name="hidden", writers=[writer], readers=["fc2.weight"])]
     out["typo"] = run(CoupledPruningCallback(typo, 0.5, warmup_steps=0, ramp_steps=2))
+    one = [Cluster(name="hidden", writers=["fc1.weight", "fc1.bias"], readers=["fc2.weight"], num_units=1)]
+    out["empties"] = run(CoupledPruningCallback(one, 0.25, warmup_steps=0, ramp_steps=2))
     out["debug"] = run(SkewedSelection(mlp_cluster(), 0.5, warmup_steps=0, ramp_steps=2, debug_check_selection=True))
     out["debug_off"] = run(SkewedSelection(mlp_cluster(), 0.5, warmup_steps=0, ramp_steps=2))
     print("RESULT " + json.dumps({"rank": dist.get_rank(), **out}), flush=True)

@@ -45,6 +45,17 @@ def test_declaration_failing_on_one_rank_raises_on_every_rank(results):
 
 
 @pytest.mark.timeout(240)
+def test_a_target_that_empties_a_cluster_is_refused_on_every_rank_before_any_change(results):
+    errors = {r["empties"]["error"] for r in results}
+    assert len(errors) == 1
+    (msg,) = errors
+    assert "'hidden' (target 0.25: ceil(0.25 * 1) = 1 of its 1 unit(s) are dropped)" in msg
+    assert "raised on rank 0 (and ranks [1])" in msg
+    assert all(r["empties"]["type"] == "MisconfigurationException" for r in results)
+    assert all(r["empties"]["unchanged"] for r in results)
+
+
+@pytest.mark.timeout(240)
 def test_debug_selection_check_catches_divergence_and_is_off_by_default(results):
     for r in results:
         assert r["debug"]["type"] == "RuntimeError"

@@ -148,6 +148,26 @@ CASES = [
         r"writers \['fc1.weight', 'fc1.bias'\]\. Add the member that reads these channels",
         "fit",
     ),
+    # ---- never silently wrong: a target below 1 that would empty a cluster (DESIGN invariant 11)
+    (
+        "target-empties-1-unit-cluster",
+        {"clusters": [hidden(num_units=1)], "target_sparsity": 0.25},
+        r"A target below 1 would remove every unit of 1 cluster\(s\): 'hidden' \(target 0.25: ceil\(0.25 \* 1\) = 1 "
+        r"of its 1 unit\(s\) are dropped\).*Nothing was pruned.*`target=0.0`",
+        "fit",
+    ),
+    (
+        "multiple-of-empties",
+        {"clusters": [hidden(multiple_of=64)], "target_sparsity": 0.1},
+        r"every unit of 1 cluster\(s\): 'hidden' \(target 0.1: `multiple_of=64` is larger than its 32 unit\(s\)",
+        "fit",
+    ),
+    (
+        "cluster-target-empties",
+        {"clusters": [hidden(num_units=4, target=0.8)]},
+        r"'hidden' \(target 0.8: ceil\(0.8 \* 4\) = 4 of its 4 unit\(s\) are dropped\)",
+        "fit",
+    ),
     ("distill-alpha", {"distill_alpha": 1.5}, r"`distill_alpha` must be a number \[0.0, 1.0\], got 1.5", "init"),
     (
         "distill-temperature",
@@ -210,3 +230,305 @@ def test_a_list_may_mix_preset_names_and_declarations():
     cb = CoupledPruningCallback(["linear_chain", {"name": "extra", "writers": ["w"]}], 0.5)
     assert cb.options.clusters[0] == "linear_chain"
     assert cb.options.clusters[1] == Cluster("extra", writers=["w"])
+
+
+# ---------------------------------------------------------------------------------------------------- files
+# Files are untrusted input: each case crafts a malicious or broken export / checkpoint in `tmp_path` and returns the
+# call that reads it. Nothing may run (the pickle payloads would create `marker`), the error must name the problem.
+
+
+class Payload:
+    """Unpickling this object creates `marker` (any code could run instead)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _sequential_export(tmp_path):
+    from torch import nn
+
+    from lightning_pat import save_pretrained
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    return save_pretrained(net, tmp_path / "export")
+
+
+def _edit_json(path, edit):
+    import json
+
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _load(directory):
+    from lightning_pat import load_pretrained
+
+    return lambda: load_pretrained(directory)
+
+
+def _export_pickled_module(tmp_path, marker):
+    out = _sequential_export(tmp_path)
+    torch.save(Payload(marker), out / "model.pt")
+    _edit_json(out / "lightning_pat.json", lambda d: d.update(format="torch.save", file="model.pt", version=1))
+    return _load(out)
+
+
+def _export_class(path):
+    def build(tmp_path, marker):
+        out = _sequential_export(tmp_path)
+        _edit_json(out / "lightning_pat.json", lambda d: d["modules"][0].update({"class": path}))
+        return _load(out)
+
+    return build
+
+
+def _export_dataclass(tmp_path, marker):
+    out = _sequential_export(tmp_path)
+    value = {"dataclass": "os.system", "fields": {"command": f"touch {marker}"}}
+    _edit_json(out / "lightning_pat.json", lambda d: d["modules"][1]["attributes"].update(config=value))
+    return _load(out)
+
+
+def _export_file(name_of):
+    def build(tmp_path, marker):
+        out = _sequential_export(tmp_path)
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (out / "model.safetensors").rename(outside / "model.safetensors")  # a valid file, outside the export
+        name = name_of(out, outside / "model.safetensors")
+        _edit_json(out / "lightning_pat.json", lambda d: d.update(file=name))
+        return _load(out)
+
+    return build
+
+
+def _symlink(out, target):
+    (out / "weights.safetensors").symlink_to(target)
+    return "weights.safetensors"
+
+
+def _index_outside(tmp_path, marker):
+    import warnings
+
+    from lightning_pat import prune_clusters, save_pretrained, shrink
+    from lightning_pat.presets import PRESETS
+    from tests.common.tiny_families import gpt2
+
+    pytest.importorskip("transformers")
+    case = gpt2(n_head=4)
+    model = case.fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shrink(model, prune_clusters(model, PRESETS[case.preset](model, mlp=False, heads=True, residual=False), 0.5))
+    out = save_pretrained(model, tmp_path / "export")
+    (tmp_path / "outside").mkdir()
+    (out / "model.safetensors").rename(tmp_path / "outside" / "model.safetensors")
+    weight_map = {n: "../outside/model.safetensors" for n, _ in model.named_parameters()}
+    (out / "model.safetensors.index.json").write_text(__import__("json").dumps({"weight_map": weight_map}))
+    return _load(out)
+
+
+def _callback_state():
+    return {"CoupledPruningCallback{'clusters': 'x'}": {"clusters": [], "dropped": {}, "options": {}}}
+
+
+def _shrink(ckpt, tmp_path, **kwargs):
+    from lightning_pat.cli import shrink_checkpoint
+
+    return lambda: shrink_checkpoint(ckpt, tmp_path / "small", **kwargs)
+
+
+def _checkpoint_payload(tmp_path, marker):
+    ckpt = tmp_path / "run" / "last.ckpt"
+    ckpt.parent.mkdir()
+    torch.save({"state_dict": {}, "callbacks": _callback_state(), "hyper_parameters": {"x": Payload(marker)}}, ckpt)
+    return _shrink(ckpt, tmp_path, model_class="tests.common.lit_models.MLPModule")
+
+
+def _dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "run" / "epoch=0-step=2.ckpt"
+    dcp.save({"state_dict": {"fc1.weight": torch.ones(2, 2)}}, checkpoint_id=ckpt, no_dist=True)
+    torch.save({"callbacks": _callback_state(), "hyper_parameters": {}}, ckpt / "meta.pt")
+    return ckpt
+
+
+def _meta_payload(tmp_path, marker):
+    ckpt = _dcp_checkpoint(tmp_path)
+    torch.save({"callbacks": _callback_state(), "hyper_parameters": {"x": Payload(marker)}}, ckpt / "meta.pt")
+    return _shrink(ckpt, tmp_path, model_class="tests.common.lit_models.MLPModule")
+
+
+def _dcp_metadata_payload(tmp_path, marker):
+    import pickle
+
+    ckpt = _dcp_checkpoint(tmp_path)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    return _shrink(ckpt, tmp_path, model_class="tests.common.lit_models.MLPModule")
+
+
+def _dcp_shard_outside(tmp_path, marker):
+    import pickle
+
+    ckpt = _dcp_checkpoint(tmp_path)
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # noqa: S301 - written by this test
+    for info in metadata.storage_data.values():
+        (tmp_path / info.relative_path).write_bytes((ckpt / info.relative_path).read_bytes())
+        info.relative_path = f"../../{info.relative_path}"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    return _shrink(ckpt, tmp_path, model_class="tests.common.lit_models.MLPModule")
+
+
+def _class_path_function(tmp_path, marker):
+    ckpt = tmp_path / "run" / "last.ckpt"
+    ckpt.parent.mkdir()
+    hparams = {"_class_path": "os.system", "command": f"touch {marker}"}
+    torch.save({"state_dict": {}, "callbacks": _callback_state(), "hyper_parameters": hparams}, ckpt)
+    return _shrink(ckpt, tmp_path)
+
+
+def _config_class_path_function(tmp_path, marker):
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"state_dict": {}, "callbacks": _callback_state(), "hyper_parameters": {}}, ckpt)
+    config = f"model:\n  class_path: os.system\n  init_args:\n    command: touch {marker}\n"
+    (tmp_path / "run" / "config.yaml").write_text(config)
+    return _shrink(ckpt, tmp_path)
+
+
+def _truncated_checkpoint(tmp_path, marker):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "callbacks": _callback_state()}, ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:1500])
+    return _shrink(ckpt, tmp_path)
+
+
+def _not_a_checkpoint(tmp_path, marker):
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_text("model:\n  class_path: not a checkpoint\n")
+    return _shrink(ckpt, tmp_path)
+
+
+def _save_into_non_empty(tmp_path, marker):
+    from torch import nn
+
+    from lightning_pat import save_pretrained
+
+    out = _sequential_export(tmp_path)
+    return lambda: save_pretrained(nn.Linear(2, 2), out)
+
+
+def _overwrite_foreign_files(tmp_path, marker):
+    from torch import nn
+
+    from lightning_pat import save_pretrained
+
+    out = _sequential_export(tmp_path)
+    (out / "notes.txt").write_text("mine")
+    return lambda: save_pretrained(nn.Linear(2, 2), out, overwrite=True)
+
+
+# (id, builder(tmp_path, marker) -> the call that reads the input, expected exception, message regex)
+FILE_CASES = [
+    ("export-pickled-module", _export_pickled_module, ValueError, r"is a pickled module .* pass unsafe_pickle=True"),
+    (
+        "export-class-outside-allow-list",
+        _export_class("os.system"),
+        ValueError,
+        r"names the class 'os.system', which is not in a module lightning_pat imports .*classes=\[system\]",
+    ),
+    (
+        "export-class-not-a-module",
+        _export_class("torch.nn.functional.relu"),
+        ValueError,
+        r"'torch.nn.functional.relu' is not an torch.nn.modules.module.Module subclass",
+    ),
+    ("export-dataclass-outside-allow-list", _export_dataclass, ValueError, r"names the class 'os.system'"),
+    (
+        "export-file-traversal",
+        _export_file(lambda out, target: "../outside/model.safetensors"),
+        ValueError,
+        r"'file': '../outside/model.safetensors' is not a plain relative name",
+    ),
+    (
+        "export-file-absolute",
+        _export_file(lambda out, target: str(target)),
+        ValueError,
+        r"'file': '/.*' is not a plain relative name",
+    ),
+    ("export-file-symlink-outside", _export_file(_symlink), ValueError, r"leads outside .* \(a symlink to"),
+    ("export-index-traversal", _index_outside, ValueError, r"index.json: '../outside/model.safetensors' is not a"),
+    (
+        "checkpoint-pickle-payload",
+        _checkpoint_payload,
+        ValueError,
+        r"cannot read checkpoint .*last.ckpt: it asks to load the Python object `.*open`",
+    ),
+    ("checkpoint-meta-pt-payload", _meta_payload, ValueError, r"meta.pt: it asks to load the Python object `.*open`"),
+    (
+        "checkpoint-dcp-metadata-payload",
+        _dcp_metadata_payload,
+        ValueError,
+        r"\.metadata: it asks to load the Python object `io.open`, which is not on the allow-list",
+    ),
+    ("checkpoint-dcp-shard-outside", _dcp_shard_outside, ValueError, r"'\.\./\.\./__0_0.distcp' is not a plain"),
+    (
+        "checkpoint-class-path-function",
+        _class_path_function,
+        ValueError,
+        r"'os.system' is not a LightningModule \(or nn.Module\) class but a builtin_function_or_method; refused",
+    ),
+    (
+        "config-class-path-function",
+        _config_class_path_function,
+        ValueError,
+        r"config.yaml: model.class_path: 'os.system' is not a LightningModule",
+    ),
+    (
+        "checkpoint-truncated",
+        _truncated_checkpoint,
+        ValueError,
+        r"cannot read checkpoint .*last.ckpt: not a torch checkpoint or truncated",
+    ),
+    (
+        "checkpoint-not-torch",
+        _not_a_checkpoint,
+        ValueError,
+        r"cannot read checkpoint .*last.ckpt: not a torch checkpoint or truncated",
+    ),
+    ("save-into-non-empty", _save_into_non_empty, FileExistsError, r"is not empty .*pass overwrite=True"),
+    (
+        "save-overwrite-foreign-files",
+        _overwrite_foreign_files,
+        FileExistsError,
+        r"not part of an export \(\['notes.txt'\]\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "error", "match"), [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES])
+def test_untrusted_file_is_refused_and_runs_nothing(tmp_path, monkeypatch, build, error, match):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "marker"
+    call = build(tmp_path, marker)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(error, match=match) as caught:
+        call()
+    assert not marker.exists(), "code from the file ran"
+    # torch's own weights-only error advises `weights_only=False`; ours never passes that advice on
+    assert "weights_only" not in str(caught.value)
+    after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert after == before  # nothing written (no partial export, no consolidated checkpoint)
+
+
+def test_docs_list_the_file_cases():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "bad-input.md").read_text()
+    missing = [c[0] for c in FILE_CASES if f"`{c[0]}`" not in page]
+    assert not missing, f"docs/bad-input.md's tables lack {missing}"

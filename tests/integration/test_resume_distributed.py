@@ -6,7 +6,7 @@ ranks at the deadline.
 
 FSDP1 (``FSDPStrategy``) is not in the matrix: saving a checkpoint under the test-only CPU FSDP1 strategy crashes
 (SIGSEGV in the optimizer-state gather) with or without latent state, so its latent format (every rank's flat
-shards, gathered) is covered by the unit test of ``lightning_pat._state`` only."""
+shards, gathered) is covered by the unit test of ``lightning_pat.training.state`` only."""
 
 from __future__ import annotations
 

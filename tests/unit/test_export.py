@@ -239,3 +239,174 @@ def test_shrinking_a_wrapper_updates_and_exports_the_inner_model(tmp_path):
     assert ENTRY not in json.loads((tmp_path / "config.json").read_text())
     again = eager(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
     assert max_err(logits(again, ids), ref) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------- safe by default
+def test_module_export_is_safetensors_and_json_and_loads_without_unpickling(tmp_path, monkeypatch):
+    import pickle
+
+    model = shrunk(tiny_gpt(n_head=4, n_kv=2), ("mlp", "heads"), budget=True)
+    ids = token_ids()
+    ref = logits(model, ids)
+    save_pretrained(model, tmp_path / "small")
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == ["lightning_pat.json", "model.safetensors"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_pretrained unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    again = load_pretrained(tmp_path / "small")
+    assert type(again) is type(model)
+    assert again.config == model.config
+    assert (again.lm_head.weight is again.embed.weight) == (model.lm_head.weight is model.embed.weight)
+    assert {n: p.shape for n, p in again.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
+    assert [layer.mlp.down_proj.in_features for layer in again.layers] == [
+        layer.mlp.down_proj.in_features for layer in model.layers
+    ]
+    assert max_err(logits(again, ids), ref) == 0.0
+
+
+class _OwnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.GELU(approximate="tanh"), nn.Linear(6, 2))
+        self.scale = 0.5
+        self.register_buffer("offset", torch.arange(2.0))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale + self.offset
+
+
+def test_own_module_class_is_rebuilt_only_when_passed(tmp_path):
+    torch.manual_seed(0)
+    net = _OwnNet()
+    net.body[0].weight.requires_grad_(False)
+    save_pretrained(net, tmp_path)
+    with pytest.raises(ValueError, match=r"names the class 'tests.unit.test_export._OwnNet'.*classes=\[_OwnNet\]"):
+        load_pretrained(tmp_path)
+    again = load_pretrained(tmp_path, classes=[_OwnNet])
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(again(x), net(x))
+    assert again.scale == 0.5
+    assert again.body[1].approximate == "tanh"
+    assert not again.body[0].weight.requires_grad
+    assert again.body[2].weight.requires_grad
+    assert "scratch" not in again.state_dict()
+    assert torch.equal(again.scratch, net.scratch)
+
+
+class _WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.act = torch.tanh  # a function held as an attribute: the safe format cannot store it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_pickle_only_behind_the_explicit_opt_in(tmp_path):
+    net = _WithFunction()
+    with pytest.raises(
+        ValueError, match=r"cannot store module \(root\) \(_WithFunction\): attribute 'act'.*unsafe_pickle"
+    ):
+        save_pretrained(net, tmp_path / "safe")
+    assert not (tmp_path / "safe").exists()
+    save_pretrained(net, tmp_path / "pickled", unsafe_pickle=True)
+    assert json.loads((tmp_path / "pickled" / SIZES_FILE).read_text())["format"] == "torch.save"
+    with pytest.raises(ValueError, match="is a pickled module .*runs any code the file contains"):
+        load_pretrained(tmp_path / "pickled")
+    again = load_pretrained(tmp_path / "pickled", unsafe_pickle=True)
+    x = torch.randn(3, 2)
+    with torch.no_grad():
+        assert torch.equal(again(x), net(x))
+
+
+def test_failed_save_leaves_the_previous_export_intact(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(3, 4))
+    save_pretrained(first, tmp_path / "out")
+    real = safetensors.torch.save_file
+
+    def half_then_fail(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(20)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(nn.Sequential(nn.Linear(3, 5)), tmp_path / "out", overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial directory left behind
+    again = load_pretrained(tmp_path / "out")
+    assert torch.equal(again[0].weight, first[0].weight)
+
+
+def test_overwrite_replaces_the_whole_export_and_loads_what_transformers_loads(tmp_path):
+    out = tmp_path / "out"
+    save_pretrained(nn.Sequential(nn.Linear(3, 4)), out)
+    case = llama_like("llama", n_head=4, n_kv=2)
+    model = shrunk(case, ("mlp",))
+    with pytest.raises(FileExistsError, match="is not empty"):
+        save_pretrained(model, out)
+    assert isinstance(load_pretrained(out), nn.Sequential)  # refused: the old export is untouched
+    ids = token_ids()
+    ref = logits(model, ids)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # an earlier sharded export
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    save_pretrained(model, tmp_path / "sharded", overwrite=True)
+    assert not (tmp_path / "sharded" / "model.safetensors.index.json").exists()  # old files removed
+    save_pretrained(model, out, overwrite=True)
+    assert not (out / SIZES_FILE).exists()
+    assert max_err(logits(eager(load_pretrained(out)), ids), ref) < 1e-6
+    # a stale index next to model.safetensors (left by another tool): transformers reads model.safetensors, so do we
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00009.bin"}}))
+    assert max_err(logits(eager(load_pretrained(out)), ids), ref) < 1e-6
+
+
+def test_save_never_writes_through_a_symlink_in_the_target(tmp_path):
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SIZES_FILE).symlink_to(victim)
+    (out / "model.safetensors").symlink_to(tmp_path / "victim.safetensors")
+    net = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(FileExistsError, match="is not empty"):
+        save_pretrained(net, out)
+    save_pretrained(net, out, overwrite=True)
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "victim.safetensors").exists()
+    assert not (out / SIZES_FILE).is_symlink()
+    assert torch.equal(load_pretrained(out)[0].weight, net[0].weight)
+
+
+@pytest.mark.parametrize(
+    ("case", "kinds", "budget"),
+    [
+        (gpt2(n_head=4), ("mlp", "heads"), False),
+        (llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3), ("mlp", "heads"), True),
+    ],
+    ids=["gpt2-dropped-heads", "llama-per-layer-widths"],
+)
+def test_the_models_own_save_pretrained_reloads_exactly(tmp_path, case, kinds, budget):
+    """The Hugging Face habit `small.save_pretrained(dir)`: the shrink put the entry on `small.config`."""
+    model = shrunk(case, kinds, budget=budget)
+    ids = token_ids()
+    ref = logits(model, ids)
+    assert ENTRY in model.config.to_dict()
+    model.save_pretrained(tmp_path / "own")
+    again = load_pretrained(tmp_path / "own")
+    assert type(again) is type(model)
+    assert {n: p.shape for n, p in again.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
+    assert max_err(logits(eager(again), ids), ref) < 1e-6
+    again.save_pretrained(tmp_path / "again")  # a loaded export keeps the entry for its own save_pretrained
+    assert max_err(logits(eager(load_pretrained(tmp_path / "again")), ids), ref) < 1e-6

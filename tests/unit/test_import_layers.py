@@ -3,13 +3,14 @@
 Every module belongs to exactly one floor (a module that none claims fails the test), and imports only from the
 floors listed for its own:
 
-* ``core`` (spec, schedule, scoring, selection, masking): the standard library and torch (not torch.distributed);
+* ``core`` (spec, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
+  and torch (not torch.distributed);
 * ``parallel`` (distributed, placement, fsdp1, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
 * ``pruning`` (options, presets, activation, engine: the one-shot API): adds parallel;
-* ``shrink`` (entry, plan, surgery, model_meta, export): core and itself; export.py adds transformers and
-  safetensors;
+* ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
+  transformers and safetensors;
 * ``training`` (options' users: controller, state, latent, metrics, callback): adds pruning and shrink;
   ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py;
 * ``cli`` and ``demo`` (the top): anything but each other; they may import lightning; the demo may shard with FSDP2;

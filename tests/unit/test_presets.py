@@ -165,13 +165,36 @@ def test_target_zero_leaves_the_model_unchanged(case):
 @pytest.mark.parametrize("kind", KINDS)
 def test_pruned_units_are_dead(case, kind):
     model = case.fresh()
+    if kind == "heads" and case.n_kv == 1:
+        _refused_mqa(case, model, (kind,))
+        return
     result = prune_clusters(model, clusters_of(case, model, (kind,)), 0.5)
     CHECKS[kind](case, model, result.dropped)
+
+
+def _refused_mqa(case: FamilyCase, model: nn.Module, kinds: tuple[str, ...]) -> None:
+    """One KV head is one unit: any target below 1 would remove every layer's attention, so it is refused."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"every unit of {case.n_layer} cluster\(s\): 'heads\.0' \(target 0.5"):
+        prune_clusters(model, clusters_of(case, model, kinds), 0.5)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 @case_params
 def test_all_kinds_pruned_together_are_dead(case):
     model = case.fresh()
+    if case.n_kv == 1:
+        _refused_mqa(case, model, KINDS)
+        model = case.fresh()
+        declared = [
+            c if not c.name.startswith("heads") else dataclasses.replace(c, target=0.0)
+            for c in clusters_of(case, model, KINDS)
+        ]
+        result = prune_clusters(model, declared, 0.5)  # the documented fix: heads excluded with target=0
+        assert all(not v for k, v in result.dropped.items() if k.startswith("heads"))
+        for kind in ("mlp", "residual"):
+            CHECKS[kind](case, model, result.dropped)
+        return
     result = prune_clusters(model, clusters_of(case, model, KINDS), 0.5)
     for check in CHECKS.values():
         check(case, model, result.dropped)

@@ -65,8 +65,9 @@ def input_embedding(model: nn.Module) -> nn.Embedding:
     return model.embed if hasattr(model, "embed") else model.get_input_embeddings()
 
 
-def all_heads_dropped(result) -> bool:
-    return any(len(result.dropped[rc.name]) == rc.num_units for rc in result.clusters if rc.name.startswith("heads."))
+def heads_emptied(case: FamilyCase, kinds: tuple[str, ...], frac: float) -> bool:
+    """Whether ``ceil(frac * KV heads)`` drops every head of a layer (refused before anything changes)."""
+    return "heads" in kinds and math.ceil(round(frac * case.n_kv, 9)) >= case.n_kv
 
 
 # ---------------------------------------------------------------------------------------------------- exactness
@@ -75,15 +76,21 @@ def all_heads_dropped(result) -> bool:
 def test_shrunk_equals_masked(case, kind):
     for frac in FRACTIONS:
         model = case.fresh()
-        result = prune_clusters(model, clusters_of(case, model, KINDS[kind]), frac)
-        ids = token_ids()
-        masked = logits(model, ids)
-        if all_heads_dropped(result):  # e.g. 75% of 2 KV heads: an attention with no heads is refused, unchanged
+        clusters = clusters_of(case, model, KINDS[kind])
+        if heads_emptied(case, KINDS[kind], frac):  # e.g. 75% of 2 KV heads: refused up front, nothing changes
+            before = snapshot(model)
+            with pytest.raises(ValueError, match=r"A target below 1 would remove every unit of .*'heads\.0'"):
+                prune_clusters(model, clusters, frac)
+            assert_unchanged(model, before)
+            result = prune_clusters(model, clusters, 1.0)  # asked for explicitly: the shrink refuses it, unchanged
             before = snapshot(model)
             with pytest.raises(ValueError, match="every head would be dropped"):
                 shrink(model, result)
             assert_unchanged(model, before)
             continue
+        result = prune_clusters(model, clusters, frac)
+        ids = token_ids()
+        masked = logits(model, ids)
         layernorm = case.preset == "gpt2" and "residual" in KINDS[kind]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -451,7 +458,7 @@ def test_public_names():
 def test_shrunk_tiny_gpt_is_the_model_its_new_config_builds(kinds):
     """No leftover masks, hooks or odd strides: the shrunk model is structurally the model built from its config."""
     from lightning_pat.demo.model import TinyGPT
-    from lightning_pat.shrink.export import _differences
+    from lightning_pat.shrink.hf_entry import differences as _differences
 
     case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
     model = case.fresh()

@@ -1,0 +1,230 @@
+"""Files are untrusted input: torch files read without running code, paths confined to a directory, atomic writes.
+
+* :func:`load_torch_file` reads a ``torch.save`` file (a Lightning checkpoint, ``meta.pt``) with
+  ``torch.load(weights_only=True)``: tensors, containers and plain values only, plus the classes the caller allows
+  explicitly (the CLI: the few classes Lightning itself stores in checkpoints). Anything else in the pickle stream (a
+  ``__reduce__`` payload, ``os.system``) is refused before it is called.
+* :func:`confined` joins a name read from a file to the directory it came from, refusing absolute names, ``..`` and
+  symlinks that lead outside.
+* :func:`atomic_directory` builds a directory next to its destination and moves it into place at the end: a failure
+  half-way leaves the previous contents untouched, and nothing is ever written through a symlink already present in
+  the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, BinaryIO
+
+import torch
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global|Unsupported global: (?!GLOBAL)([\w.]+)")
+
+
+def _unpickler_reason(err: Exception) -> str:
+    """The one line of torch's weights-only error that says what was wrong (not its advice to drop the check)."""
+    text = str(err)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    reason = rest.split("Check the documentation", 1)[0].strip() if found else ""
+    return reason.splitlines()[0] if reason else text.strip().splitlines()[0]
+
+
+def load_torch_file(path: str | Path, *, what: str = "checkpoint", allowed: Sequence[Any] = ()) -> Any:
+    """``torch.load`` a file without executing code from it (``weights_only=True`` plus an explicit allow-list).
+
+    Args:
+        path: The file.
+        what: What the file is, for the error message.
+        allowed: Classes the file may hold besides tensors, containers and plain values (e.g. Lightning's
+            ``AttributeDict``, which ``save_hyperparameters()`` stores).
+
+    Returns:
+        The loaded object (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: If the file does not exist.
+        ValueError: If the file is not a torch file, is truncated, or holds a Python object outside the allow-list
+            (the message names it; nothing was called).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"cannot read {what} {path}: no such file")
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        match = _GLOBAL.search(str(err))
+        if match:
+            name = next(g for g in match.groups() if g)
+            raise ValueError(
+                f"cannot read {what} {path}: it asks to load the Python object `{name}`, which lightning_pat refuses "
+                "(loading a file never runs code: only tensors, containers, plain values and an explicit "
+                "allow-list are read). Re-save the checkpoint without that object, or load it yourself if you "
+                "trust the file."
+            ) from None
+        raise ValueError(
+            f"cannot read {what} {path}: not a torch checkpoint or truncated ({_unpickler_reason(err)})"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, ValueError, OSError, EOFError on bad bytes
+        raise ValueError(
+            f"cannot read {what} {path}: not a torch checkpoint or truncated ({type(err).__name__}: {err})"
+        ) from None
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, allowed: Callable[[str, str], bool], what: str) -> None:
+        super().__init__(file)
+        self._allowed, self._what = allowed, what
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not self._allowed(module, name):
+            raise ValueError(
+                f"cannot read {self._what}: it asks to load the Python object `{module}.{name}`, which is not on the "
+                "allow-list (loading a file never runs code); refused before anything was called."
+            )
+        return super().find_class(module, name)
+
+
+def restricted_unpickle(path: str | Path, *, allowed: Callable[[str, str], bool], what: str) -> Any:
+    """Unpickle a file whose globals must pass ``allowed(module, name)`` (for formats that are pickles by design).
+
+    Args:
+        path: The file.
+        allowed: Whether the pickle may name ``module.name`` (a class it reconstructs, a function it calls).
+        what: What the file is, for the error message.
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        ValueError: If the file names a global outside the allow-list (nothing was called), or is not a pickle.
+    """
+    with open(path, "rb") as file:
+        try:
+            return _AllowListUnpickler(file, allowed, what).load()
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - truncated or not a pickle
+            raise ValueError(
+                f"cannot read {what}: not a valid file or truncated ({type(err).__name__}: {err})"
+            ) from None
+
+
+def confined(directory: str | Path, name: object, *, what: str) -> Path:
+    """``directory / name`` for a ``name`` read from a file, refused if it could lead outside ``directory``.
+
+    Args:
+        directory: The directory the file came from.
+        name: The relative name found in the file.
+        what: Where the name was found, for the error message.
+
+    Returns:
+        The joined path (inside ``directory``, also after resolving symlinks).
+
+    Raises:
+        ValueError: If ``name`` is not a non-empty string, is absolute, contains ``..``, or resolves (through a
+            symlink) to a place outside ``directory``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what}: expected a file name inside {directory}, got {name!r}")
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive or ".." in posix.parts or ".." in windows.parts:
+        raise ValueError(
+            f"{what}: {name!r} is not a plain relative name inside {directory} (absolute names and `..` are refused: "
+            "an export only reads its own files)."
+        )
+    root = Path(directory).resolve()
+    path = Path(directory) / name
+    target = path.resolve()
+    if target != root and root not in target.parents:
+        raise ValueError(
+            f"{what}: {name!r} leads outside {directory} (a symlink to {target}); an export only reads its own files."
+        )
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_output(destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str) -> Path:
+    """Check that :func:`atomic_directory` may write ``destination`` (see there), before any work is done.
+
+    Returns:
+        The absolute destination (a symlink to a directory resolved).
+
+    Raises:
+        FileExistsError: As for :func:`atomic_directory`.
+    """
+    destination = Path(destination).absolute()
+    if destination.is_symlink():
+        destination = destination.resolve()
+    if destination.exists() and not destination.is_dir():
+        raise FileExistsError(f"{what}: {destination} exists and is not a directory.")
+    present = sorted(os.listdir(destination)) if destination.is_dir() else []
+    if present and not overwrite:
+        raise FileExistsError(
+            f"{what}: {destination} is not empty ({present[:5]}); pass overwrite=True (CLI: --overwrite) to replace "
+            "the export there, or choose an empty or new directory."
+        )
+    foreign = [n for n in present if not replaceable(n)]
+    if foreign:
+        raise FileExistsError(
+            f"{what}: {destination} holds files that are not part of an export ({foreign[:5]}); overwrite=True only "
+            "replaces an earlier export. Move those files away or choose another directory."
+        )
+    return destination
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str
+) -> Iterator[Path]:
+    """Build a directory in a temporary sibling and move it to ``destination`` when the block succeeds.
+
+    An existing non-empty ``destination`` is refused unless ``overwrite``; with ``overwrite`` it may hold only names
+    for which ``replaceable`` is true (the files of an earlier export), and is replaced as a whole. If the block
+    raises, the temporary directory is removed and ``destination`` is untouched.
+
+    Args:
+        destination: The directory to create or replace.
+        overwrite: Whether a non-empty ``destination`` may be replaced.
+        replaceable: Whether a name found in ``destination`` belongs to what is being written (so may be replaced).
+        what: The caller's name, for error messages.
+
+    Yields:
+        The temporary directory to write into.
+
+    Raises:
+        FileExistsError: If ``destination`` is a file, or is non-empty and ``overwrite`` is false, or holds names
+            that ``replaceable`` rejects (the message names them).
+    """
+    destination = check_output(destination, overwrite=overwrite, replaceable=replaceable, what=what)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
+    try:
+        os.chmod(partial, 0o777 & ~_umask())
+        yield partial
+        if destination.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
+            os.rename(destination, old / "export")
+            try:
+                os.rename(partial, destination)
+            except BaseException:
+                os.rename(old / "export", destination)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(partial, destination)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)

@@ -1,0 +1,272 @@
+"""Describe an ``nn.Module`` as JSON plus named tensors, and rebuild it without pickle.
+
+The description lists every submodule with its class path, its plain attributes (numbers, strings, tuples, lists,
+dicts and allow-listed dict subclasses such as Lightning's ``AttributeDict``, dtypes, devices and dataclass configs
+such as ``TinyGPTConfig``; what the module's ``__getstate__`` returns, as for pickle), its parameters and buffers
+(names of tensors in the safetensors file; tied tensors are stored once) and its children in order. Rebuilding does
+what unpickling a module does (``cls.__new__`` and the module's attribute dict), restricted to these plain values:
+no constructor runs, no function named in the file is called.
+
+Classes are allow-listed (:func:`resolve_class`): a class the caller passes in ``classes``, or an ``nn.Module``
+subclass (a dataclass for configs, a dict subclass for mappings) defined in a module under ``torch.nn``,
+``lightning_pat``, ``transformers`` or ``lightning``,
+found by importing exactly that module and checked before anything is built. A user's own class (defined in a
+script, a notebook or a package of theirs) is passed by the caller: ``load_pretrained(dir, classes=[MyNet])``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ALLOWED_MODULE_PREFIXES = ("torch.nn", "lightning_pat", "transformers", "lightning", "pytorch_lightning")
+"""Modules whose ``nn.Module`` subclasses (and dataclasses) an export may name without being passed ``classes``."""
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+class UnsupportedStateError(ValueError):
+    """A module holds a value that the safe format cannot describe (the message names it)."""
+
+
+def class_path(cls: type) -> str:
+    """``module.QualName`` of a class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | None = nn.Module) -> type:
+    """The class an export names, if it is allowed.
+
+    Args:
+        path: ``module.QualName`` read from the file.
+        classes: Classes the caller allows explicitly (matched by their path, nothing is imported).
+        base: The class must subclass it (``None``: it must be a dataclass; ``dict`` for a mapping attribute).
+
+    Returns:
+        The class.
+
+    Raises:
+        ValueError: If the path names a module outside :data:`ALLOWED_MODULE_PREFIXES` (and no passed class), is not
+            importable, or the object is not a subclass of ``base`` (a dataclass) defined under that path.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"load_pretrained: expected a class path, got {path!r}")
+    for cls in classes:
+        if class_path(cls) == path:
+            return cls
+    kind = f"an {base.__module__}.{base.__qualname__} subclass" if base is not None else "a dataclass"
+    parts = path.split(".")
+    modules = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]  # longest module name first
+    allowed = [m for m in modules if any(m == p or m.startswith(p + ".") for p in ALLOWED_MODULE_PREFIXES)]
+    if not allowed:
+        raise ValueError(
+            f"load_pretrained: the export names the class {path!r}, which is not in a module lightning_pat imports "
+            f"by itself ({', '.join(ALLOWED_MODULE_PREFIXES)}). If you trust it, pass the class: "
+            f"load_pretrained(directory, classes=[{parts[-1]}])."
+        )
+    obj: Any = None
+    for module_name in allowed:  # the longest importable module name, then attributes (nested classes)
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr in parts[module_name.count(".") + 1 :]:
+            obj = getattr(obj, attr, None)
+        break
+    ok = isinstance(obj, type) and class_path(obj) == path
+    ok = ok and (issubclass(obj, base) if base is not None else dataclasses.is_dataclass(obj))
+    if not ok:
+        raise ValueError(f"load_pretrained: {path!r} is not {kind} (found {type(obj).__name__}); refused.")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------- values
+def _encode(value: Any, where: str) -> Any:
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, torch.Size) or type(value) is tuple:
+        return {"tuple": [_encode(v, where) for v in value]}
+    if type(value) is list:
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        out: dict[str, Any] = {"dict": {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
+        if type(value) is not dict:  # e.g. Lightning's AttributeDict (hyperparameters)
+            out["mapping"] = class_path(type(value))
+        return out
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        if any(not f.init for f in fields):
+            raise UnsupportedStateError(f"{where}: the dataclass {type(value).__name__} has fields set outside init")
+        data = {f.name: _encode(getattr(value, f.name), f"{where}.{f.name}") for f in fields}
+        return {"dataclass": class_path(type(value)), "fields": data}
+    raise UnsupportedStateError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}")
+
+
+def _decode(value: Any, classes: Iterable[type]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, classes) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "tuple" in value:
+        return tuple(_decode(v, classes) for v in value["tuple"])
+    if "dict" in value:
+        items = {k: _decode(v, classes) for k, v in value["dict"].items()}
+        if "mapping" not in value:
+            return items
+        mapping = resolve_class(value["mapping"], classes=classes, base=dict)()
+        mapping.update(items)
+        return mapping
+    if "device" in value:
+        return torch.device(str(value["device"]))
+    if "dtype" in value:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"load_pretrained: {value['dtype']!r} is not a torch dtype")
+        return dtype
+    if "dataclass" in value:
+        cls = resolve_class(value["dataclass"], classes=classes, base=None)
+        fields = {k: _decode(v, classes) for k, v in value["fields"].items()}
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) - names:
+            raise ValueError(f"load_pretrained: {value['dataclass']} has no fields {sorted(set(fields) - names)}")
+        obj = cls.__new__(cls)  # the fields as saved, without running __init__/__post_init__
+        for k, v in fields.items():
+            object.__setattr__(obj, k, v)
+        return obj
+    raise ValueError(f"load_pretrained: unknown value {value!r} in the export's module description")
+
+
+# ---------------------------------------------------------------------------------------------------- describe
+def describe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The JSON description of ``model`` and the tensors to store (each tensor once, by its first name).
+
+    Args:
+        model: Any module.
+
+    Returns:
+        ``(description, tensors)``.
+
+    Raises:
+        UnsupportedStateError: If a module holds an attribute the format cannot store (a function, an object of
+            another class); the message names the module and the attribute.
+    """
+    tensors: dict[str, Tensor] = {}
+    names: dict[int, str] = {}  # id(tensor) -> its name in `tensors`
+    storages: set[int] = set()
+    modules: list[dict[str, Any]] = []
+    seen: dict[int, str] = {}
+
+    def store(full: str, tensor: Tensor) -> str:
+        if id(tensor) not in names:
+            data = tensor.detach().to("cpu").contiguous()
+            ptr = data.untyped_storage().data_ptr()
+            if ptr in storages and data.numel():  # a view of another stored tensor: safetensors wants distinct ones
+                data = data.clone()
+            storages.add(data.untyped_storage().data_ptr())
+            names[id(tensor)] = full
+            tensors[full] = data
+        return names[id(tensor)]
+
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen:
+            modules.append({"name": name, "same_as": seen[id(module)]})
+            continue
+        seen[id(module)] = name
+        prefix = f"{name}." if name else ""
+        where = f"module {name or '(root)'} ({type(module).__name__})"
+        attributes = {}
+        state = module.__getstate__()  # what pickle would store (LightningModule leaves out its trainer)
+        for key, value in (state if isinstance(state, dict) else vars(module)).items():
+            if key in _MODULE_INTERNALS:
+                continue
+            attributes[key] = _encode(value, f"{where}: attribute {key!r}")
+        modules.append(
+            {
+                "name": name,
+                "class": class_path(type(module)),
+                "training": module.training,
+                "attributes": attributes,
+                "parameters": {
+                    k: None if p is None else {"tensor": store(prefix + k, p), "requires_grad": p.requires_grad}
+                    for k, p in module._parameters.items()
+                },
+                "buffers": {k: None if b is None else store(prefix + k, b) for k, b in module._buffers.items()},
+                "non_persistent": sorted(module._non_persistent_buffers_set),
+                "children": [[k, c is not None] for k, c in module._modules.items()],
+            }
+        )
+    return {"modules": modules}, tensors
+
+
+# ---------------------------------------------------------------------------------------------------- rebuild
+def rebuild(
+    description: Mapping[str, Any], tensors: Mapping[str, Tensor], *, classes: Iterable[type] = ()
+) -> nn.Module:
+    """Build the module :func:`describe` described, with ``tensors`` as its parameters and buffers.
+
+    Args:
+        description: What :func:`describe` returned (read from JSON).
+        tensors: The stored tensors (read from safetensors).
+        classes: Classes allowed besides those of :data:`ALLOWED_MODULE_PREFIXES`.
+
+    Returns:
+        The module (same classes, attributes, parameter ties and ``requires_grad`` flags).
+
+    Raises:
+        ValueError: If a class is not allowed, a tensor is missing, or the description is malformed.
+    """
+    classes = list(classes)
+    entries = description.get("modules") if isinstance(description, Mapping) else None
+    if not isinstance(entries, list) or not entries or entries[0].get("name") != "":
+        raise ValueError("load_pretrained: the export's module description has no root module")
+    built: dict[str, nn.Module] = {}
+    params: dict[str, nn.Parameter] = {}
+
+    def tensor(key: object) -> Tensor:
+        if not isinstance(key, str) or key not in tensors:
+            raise ValueError(f"load_pretrained: the export names tensor {key!r}, which its safetensors file lacks")
+        return tensors[key]
+
+    for entry in entries:
+        name = entry["name"]
+        if "same_as" in entry:
+            module = built.get(entry["same_as"])
+            if module is None:
+                raise ValueError(f"load_pretrained: module {name!r} refers to unknown module {entry['same_as']!r}")
+        else:
+            cls = resolve_class(entry["class"], classes=classes)
+            module = cls.__new__(cls)
+            nn.Module.__init__(module)
+            for key, value in entry["attributes"].items():
+                if key in _MODULE_INTERNALS:
+                    raise ValueError(f"load_pretrained: module {name!r} sets the internal attribute {key!r}")
+                module.__dict__[key] = _decode(value, classes)
+            module.training = bool(entry["training"])
+            for key, spec in entry["parameters"].items():
+                if spec is not None and spec["tensor"] not in params:
+                    params[spec["tensor"]] = nn.Parameter(tensor(spec["tensor"]), bool(spec["requires_grad"]))
+                module._parameters[key] = None if spec is None else params[spec["tensor"]]
+            for key, ref in entry["buffers"].items():
+                module._buffers[key] = None if ref is None else tensor(ref)
+            module._non_persistent_buffers_set.update(entry["non_persistent"])
+            for key, present in entry["children"]:
+                module._modules[key] = None  # filled in order below; keeps the order of the original
+                if not present:
+                    continue
+        if name:
+            parent_name, _, attr = name.rpartition(".")
+            parent = built.get(parent_name)
+            if parent is None or attr not in parent._modules:
+                raise ValueError(f"load_pretrained: module {name!r} has no parent in the export's description")
+            parent._modules[attr] = module
+        built[name] = module
+    return built[""]
