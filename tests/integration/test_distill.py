@@ -309,7 +309,7 @@ class HFStep(pl.LightningModule):
 
     CONFIG = {
         "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "attn_implementation": "eager",
+        "num_attention_heads": 2, "num_key_value_heads": 2, "attn_implementation": "eager",
     }  # fmt: skip
 
     def __init__(self, seed: int = 0) -> None:
