@@ -17,10 +17,11 @@ trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The 
 
 Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
 statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
-``prune_clusters(score="activation")``). Benchmark-side helpers, not library features: knowledge distillation from
-the frozen dense checkpoint (``kd``), the earlier benchmark-side activation score (``act_patch``, a cross-check of
-the library's: EMA of each unit's mean squared reader input times the reader column's squared norm, patched into the
-pruner's score method), Lightning's ``ModelPruning`` (per tensor, rows, not coupled, not shrinkable) and torchao's
+``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``). Benchmark-side helpers, not
+library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
+activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
+the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
+rows, not coupled, not shrinkable) and torchao's
 ``PruneOptimizer`` (per tensor).
 
 The group-lasso rows measured before the library fix (commit eacc1b9: the ramp target was 0, and direct mode used
@@ -271,6 +272,10 @@ VARIANTS: dict[str, dict | None] = {
     "act_ramp50": {"score": "activation", "ramp_steps": 50},
     "act_patch": {"act": True},  # cross-check: the benchmark-side score of eacc1b9
     "kd": {"kd": 0.5},
+    # the library's distillation (CoupledPruningCallback(distill_alpha=...)): CE + alpha * T^2 * KL from the frozen copy
+    # of the model at the pruning start (here: the checkpoint), added through the logits' gradient
+    "distill": {"distill_alpha": 0.5, "distill_module": "model"},
+    "distill_t2": {"distill_alpha": 0.5, "distill_temperature": 2.0, "distill_module": "model"},
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
     "oneshot_act": None,

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from lightning_pat import presets
 from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
@@ -151,6 +153,10 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
+    distill_alpha: float = 0.0
+    distill_temperature: float = 1.0
+    distill_teacher: Any = field(default=None, repr=False, compare=False)
+    distill_module: str = ""
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -190,11 +196,19 @@ class PruningOptions:
             raise ValueError(
                 "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
             )
+        check_distillation(self)
         object.__setattr__(self, "clusters", clusters)
+        object.__setattr__(self, "distill_alpha", float(self.distill_alpha))
+        object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
         object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
         object.__setattr__(self, "schedule", schedule)
+
+    @property
+    def distill(self) -> bool:
+        """Whether the ramp and healing distill from a teacher (``distill_alpha > 0``)."""
+        return self.distill_alpha > 0
 
     def resumable(self) -> dict[str, Any]:
         """The options that may change on resume (:data:`RESUMABLE`), by name; they are saved in the state."""
@@ -218,6 +232,30 @@ class PruningOptions:
     def frozen(self, step: int) -> bool:
         """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
         return self.schedule.frozen(step, heal=self.heal)
+
+
+def check_distillation(options: PruningOptions) -> None:
+    """Check the distillation options (``distill_*``).
+
+    Raises:
+        ValueError: If ``distill_alpha`` is outside ``[0, 1]``, ``distill_temperature`` is not a number > 0, or a
+            ``distill_teacher`` is given with ``distill_alpha=0``.
+        TypeError: If ``distill_teacher`` is not a ``torch.nn.Module`` or ``distill_module`` is not a string.
+    """
+    check_number("distill_alpha", options.distill_alpha, low=0.0, high=1.0)
+    temperature = options.distill_temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"`distill_temperature` must be a number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
+    teacher = options.distill_teacher
+    if teacher is not None and not isinstance(teacher, torch.nn.Module):
+        raise TypeError(
+            f"`distill_teacher` must be a torch.nn.Module (or None for a frozen copy of the model when pruning "
+            f"starts), got {type(teacher).__name__}."
+        )
+    if teacher is not None and options.distill_alpha == 0:
+        raise ValueError("`distill_teacher` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill.")
+    if not isinstance(options.distill_module, str):
+        raise TypeError(f"`distill_module` must be a submodule name (str), got {options.distill_module!r}.")
 
 
 def check_environment(
@@ -265,6 +303,12 @@ def check_environment(
             f"{strategy}: with sharded or flat parameters the readers' inputs and weights are "
             "split across ranks and the activation statistics are not collected there. Use a weight score "
             "(score='rms', the default) under FSDP and ModelParallelStrategy."
+        )
+    if options.distill and kind not in ("single", "ddp"):
+        raise ValueError(
+            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device and DDP, got "
+            f"{strategy}: the teacher (a frozen copy, or a `distill_teacher` module) is not sharded like the student "
+            "yet. Set distill_alpha=0 under FSDP and ModelParallelStrategy, or train on one device or with DDP."
         )
     if options.shrink_on_freeze and weight_averaging is not None:
         raise ValueError(

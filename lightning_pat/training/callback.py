@@ -9,7 +9,9 @@ controller's ``ValueError`` into ``MisconfigurationException`` (one boundary, :f
 * ``on_train_start`` (the first hook after a checkpoint restore under every strategy): ``start``;
 * ``on_before_optimizer_step`` (inside ``optimizer.step(closure)``, after the backward): ``after_backward``;
 * ``on_train_batch_end``: ``after_step``, then log the result;
-* ``state_dict`` / ``load_state_dict`` / ``on_save_checkpoint``: the controller's state (``state``).
+* ``state_dict`` / ``load_state_dict`` / ``on_save_checkpoint``: the controller's state (``state``);
+* with ``distill_alpha > 0``, ``on_train_batch_start`` / ``on_train_batch_end`` open and close the window in which
+  the :class:`~lightning_pat.training.distill.Distiller`'s forward hook adds the teacher's gradient.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lightning_pat.engine import Pruner
 from lightning_pat.options import Method, Mode, PruningOptions, StrategyKind, check_environment
 from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.distill import Distiller
 from lightning_pat.training.metrics import PruningMetrics
 
 if TYPE_CHECKING:
@@ -121,6 +124,17 @@ class CoupledPruningCallback(Callback):
             model in place and slice the optimizer state the same way, so healing runs on the small model (single
             device only; needs ``heal=True``). A checkpoint written afterwards resumes: the fresh module is shrunk
             before its weights load.
+        distill_alpha: Distill from the dense model during the ramp and healing (0, the default, is off). The
+            student's gradient becomes that of ``loss + distill_alpha * T^2 * KL(teacher || student)`` (softmax of
+            the logits at temperature ``T``, mean over tokens), added through a forward hook on the logits: no change
+            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl``. Single
+            device and DDP (see :mod:`lightning_pat.training.distill`).
+        distill_temperature: The softmax temperature ``T`` (> 0).
+        distill_teacher: The teacher module (run on the student's inputs, never updated); ``None`` (default) takes
+            a frozen copy of the model when pruning starts, saved in the callback state for resume.
+        distill_module: The submodule whose forward returns the logits (a tensor, or an output with ``logits``,
+            such as a Hugging Face ``ModelOutput``); ``""`` (default) is the LightningModule itself, whose forward
+            ``training_step`` must call (``self(x)``).
 
         target_params: A size instead of a fraction: an absolute parameter count (``4e9``, ``"4B"``, ``"350M"``) or a
             fraction of the model's parameters (``0.5``, ``"50%"``). At fit start the per-cluster widths that reach it
@@ -181,6 +195,10 @@ class CoupledPruningCallback(Callback):
         target_params: int | float | str | None = None,
         target_side: Literal["below", "above"] = "below",
         target_layers: int | None = None,
+        distill_alpha: float = 0.0,
+        distill_temperature: float = 1.0,
+        distill_teacher: torch.nn.Module | None = None,
+        distill_module: str = "",
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
@@ -189,8 +207,21 @@ class CoupledPruningCallback(Callback):
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
+                distill_alpha=distill_alpha, distill_temperature=distill_temperature, distill_teacher=distill_teacher,
+                distill_module=distill_module,
             )  # fmt: skip
         self.controller = PruningController(self.options, info=rank_zero_info)
+        opts = self.options
+        self.distiller = (
+            Distiller(
+                alpha=opts.distill_alpha,
+                temperature=opts.distill_temperature,
+                teacher=opts.distill_teacher,
+                error=MisconfigurationException,
+            )  # fmt: skip
+            if opts.distill
+            else None
+        )
         self.metrics: PruningMetrics | None = None
         self._restore_hook: Any = None
         self._reproject = False  # a weight-averaging callback may write averaged weights into dropped units
@@ -232,6 +263,11 @@ class CoupledPruningCallback(Callback):
         """The engine (after fit start; ``None`` once the model was shrunk)."""
         return self.controller.pruner
 
+    @property
+    def teacher(self) -> torch.nn.Module | None:
+        """The distillation teacher (``None`` without distillation, or before pruning starts with a copied one)."""
+        return None if self.distiller is None else self.distiller.teacher
+
     def sparsity(self) -> dict[str, float]:
         """The latest logged values (unit, parameter and per-cluster sparsity)."""
         return {} if self.metrics is None else self.metrics.values()
@@ -251,7 +287,10 @@ class CoupledPruningCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The controller's state; every rank calls this (Lightning does), so its gathers are safe here."""
-        return self.controller.state_dict()
+        state = self.controller.state_dict()
+        if self.distiller is not None:
+            state["distill"] = self.distiller.state_dict()
+        return state
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -261,7 +300,11 @@ class CoupledPruningCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Stash the state; it is applied in ``on_train_start`` once the model, clusters and weights are restored."""
-        self.controller.load_state_dict(state_dict)
+        state = dict(state_dict)
+        distill = state.pop("distill", None) or {}
+        if self.distiller is not None:
+            self.distiller.load_state_dict(distill)
+        self.controller.load_state_dict(state)
 
     # ------------------------------------------------------------------ fit
     @override
@@ -294,6 +337,8 @@ class CoupledPruningCallback(Callback):
         self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None, weights: Mapping[str, Any]
     ) -> None:
         saved = (checkpoint or {}).get("callbacks", {}).get(self.state_key)
+        if self.distiller is not None and saved and saved.get("shrunk"):  # a dense copy to rebuild the teacher into
+            self.distiller.keep_skeleton(module, saved.get("distill"), self.options.distill_module)
         with _user_errors():
             self.controller.before_restore(module, saved, weights=weights)
 
@@ -315,6 +360,8 @@ class CoupledPruningCallback(Callback):
                 sharded_ckpt=isinstance(strategy, ModelParallelStrategy)
                 and bool(getattr(strategy, "_save_distributed_checkpoint", False)),
             )
+            if self.distiller is not None:
+                self.distiller.bind(pl_module, self.options.distill_module, accumulate=trainer.accumulate_grad_batches)
         if self.controller.pruner is not None:
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
 
@@ -334,6 +381,8 @@ class CoupledPruningCallback(Callback):
                 "cluster declaration names identify it). Resume with the same cluster names, or, to start pruning "
                 "from trained weights, load them into the module and fit with a fresh Trainer without `ckpt_path`."
             )
+        if self.distiller is not None and not ctl.restoring and not carry:
+            self.distiller.reset()  # a new schedule: a new teacher when pruning starts
         with _user_errors():
             ctl.start(carry=carry, ckpt_path=trainer.ckpt_path)
         if self.controller.shrunk is None:
@@ -350,12 +399,16 @@ class CoupledPruningCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove optimizer and activation hooks (the in-memory state for a next fit of the same Trainer is kept)."""
         self.controller.release()
+        if self.distiller is not None:
+            self.distiller.release()
         self._unwatch_restore()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A failed fit does not reach ``teardown``: remove the hooks here (no leak into the next cell's fit)."""
         self.controller.release()
+        if self.distiller is not None:
+            self.distiller.release()
 
     @override
     def on_train_batch_start(
@@ -365,9 +418,17 @@ class CoupledPruningCallback(Callback):
 
         ``StochasticWeightAveraging`` copies its averaged weights (dropped units included) into the model at the start
         of its BatchNorm-update epoch; re-projecting before that epoch's first forward keeps the statistics exact.
+
+        With distillation: build the teacher when pruning starts; open the window of the forward hook.
         """
         if self._reproject and batch_idx == 0:
             self.controller.reproject()
+        if self.distiller is not None:
+            with _user_errors():
+                self.distiller.ensure_teacher(
+                    step=self.controller.progress.step, start=self.schedule.warmup_steps, share=(trainer,)
+                )
+            self.distiller.open()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -380,7 +441,20 @@ class CoupledPruningCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """After the backward: zero dropped gradients (healing) or swap latents in (latent mode, ramp)."""
+        """After the backward: zero dropped gradients (healing) or swap latents in (latent mode, ramp).
+
+        Raises:
+            MisconfigurationException: If distillation is on and the logits module's forward did not run.
+        """
+        distiller = self.distiller
+        if distiller is not None:
+            if distiller.on and distiller.calls == 0:
+                raise MisconfigurationException(
+                    f"CoupledPruningCallback(distill_alpha={distiller.alpha}): the forward of `distill_module="
+                    f"{distiller.module_name!r}` did not run in this training step, so nothing was distilled. Call "
+                    "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
+                )
+            distiller.calls = 0
         self.controller.after_backward(optimizer)
 
     @override
@@ -394,6 +468,10 @@ class CoupledPruningCallback(Callback):
         def count(step: int) -> bool:
             return self.options.log_metrics and (schedule.phase(step) == "final" or step % every == 0)
 
+        if self.distiller is not None:
+            kl = self.distiller.close()
+            if kl is not None and self.options.log_metrics:
+                pl_module.log("pruning/distill_kl", kl, on_step=True, on_epoch=False)
         with _user_errors(ConfigurationError):  # a non-finite score is a failed run, not a configuration error
             result = self.controller.after_step(count=count)
         if result is None or self.metrics is None:

@@ -201,6 +201,31 @@ CASES = [
         r"'hidden' \(target 0.8: ceil\(0.8 \* 4\) = 4 of its 4 unit\(s\) are dropped\)",
         "fit",
     ),
+    ("distill-alpha", {"distill_alpha": 1.5}, r"`distill_alpha` must be a number \[0.0, 1.0\], got 1.5", "init"),
+    (
+        "distill-temperature",
+        {"distill_alpha": 0.5, "distill_temperature": 0.0},
+        r"`distill_temperature` must be a number > 0 \(e.g. 1.0 or 2.0\), got 0.0",
+        "init",
+    ),
+    (
+        "distill-teacher-without-alpha",
+        {"distill_teacher": torch.nn.Linear(8, 4)},
+        r"`distill_teacher` is set but `distill_alpha` is 0",
+        "init",
+    ),
+    (
+        "distill-teacher-shape",
+        {"distill_alpha": 0.5, "distill_teacher": torch.nn.Linear(8, 3)},
+        r"`distill_teacher` must return logits of the student's shape \(4, 4\) on the same inputs, got \(4, 3\)",
+        "fit",
+    ),
+    (
+        "distill-module-typo",
+        {"distill_alpha": 0.5, "distill_module": "fc"},
+        r"`distill_module='fc'` names no submodule of MLPModule .*or '' for the LightningModule itself",
+        "fit",
+    ),
 ]
 
 

@@ -1,0 +1,299 @@
+"""Distillation from the dense model while pruning heals: a forward hook that adds the teacher's gradient.
+
+Decision (DESIGN.md, "Distillation from a callback"): a callback cannot change the loss Lightning backpropagates,
+so the distillation term enters through the student's logits. A forward hook on the module that produces them
+(the LightningModule itself by default, or a named submodule) runs the teacher on the same inputs under
+``no_grad`` and returns the student's logits through :class:`DistillGrad`, an autograd function that is the
+identity forward and adds ``d(alpha * T^2 * KL(teacher || student)) / d logits`` to the incoming gradient
+backward. So the student's gradient is the gradient of the blended loss
+
+``user_loss + alpha * T^2 * mean_tokens KL(softmax(t / T) || softmax(s / T))``
+
+with no change to the user's ``training_step`` and nothing wrapped (it works inside ``optimizer.step(closure)``,
+under DDP, with gradient accumulation: the added gradient is divided by the accumulation factor as Lightning
+divides the loss). The logged loss is the user's; the KL is logged separately (``pruning/distill_kl``, per token,
+without ``alpha`` and ``T^2``). Rejected: an explicit ``loss + distill_loss(...)`` helper (asks for a code change)
+and wrapping ``training_step`` (fragile).
+
+The hook acts only inside a training batch with gradients enabled (validation and prediction forwards are
+untouched). The teacher is a frozen copy of the student's logits module taken when pruning starts (after the last
+warmup step, before the first selection; hooks are not copied), or a module the user passes; it is held outside the
+student (not a child: not in the model's ``state_dict`` nor in any optimizer), in eval mode, with
+``requires_grad=False``. A copied teacher's weights are saved in the callback state (a checkpoint written during
+pruning therefore holds the weights twice); a user's teacher is not saved. Caveats: the added gradient is computed
+over every token (padding included); if the logits module's forward is recomputed under activation checkpointing
+the teacher runs again (the gradient is still added once).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat.parallel import distributed
+
+log = logging.getLogger(__name__)
+
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+
+
+def kl_grad(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    """``d(T^2 * mean_tokens KL(softmax(t/T) || softmax(s/T))) / ds`` = ``T * (softmax(s/T) - softmax(t/T)) / N``.
+
+    ``N`` is the number of tokens (every dim but the last); computed in at least float32.
+    """
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    s = torch.softmax(student.to(dtype) / temperature, dim=-1)
+    t = torch.softmax(teacher.to(dtype) / temperature, dim=-1)
+    tokens = max(student.numel() // max(student.shape[-1], 1), 1)
+    return (s - t) * (temperature / tokens)
+
+
+def kl_value(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    """``mean_tokens KL(softmax(t/T) || softmax(s/T))`` (no ``T^2``), detached, in at least float32."""
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    with torch.no_grad():
+        log_s = torch.log_softmax(student.detach().to(dtype) / temperature, dim=-1)
+        log_t = torch.log_softmax(teacher.to(dtype) / temperature, dim=-1)
+        kl = (log_t.exp() * (log_t - log_s)).sum(dim=-1)
+    return kl.mean()
+
+
+class DistillGrad(torch.autograd.Function):
+    """Identity on the student's logits forward; backward adds ``scale * kl_grad(logits, teacher, T)``."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, teacher: Tensor, scale: float, temperature: float) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(logits, teacher)
+        ctx.scale, ctx.temperature = scale, temperature
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # noqa: D102
+        logits, teacher = ctx.saved_tensors
+        extra = kl_grad(logits, teacher, ctx.temperature) * ctx.scale
+        return grad + extra.to(grad.dtype), None, None, None
+
+
+def find_logits(output: Any) -> Tensor | None:
+    """The logits in a forward output: the tensor itself, a ``logits`` attribute (HF ``ModelOutput``) or key."""
+    if isinstance(output, Tensor):
+        return output
+    value = getattr(output, "logits", None)
+    if value is None and isinstance(output, Mapping):
+        value = output.get("logits")
+    return value if isinstance(value, Tensor) else None
+
+
+def replace_logits(output: Any, logits: Tensor) -> Any:
+    """``output`` with its logits replaced (a ``ModelOutput`` in place, a plain mapping copied)."""
+    if isinstance(output, Tensor):
+        return logits
+    if hasattr(output, "logits"):
+        output.logits = logits  # a ModelOutput updates its mapping too
+        return output
+    return {**output, "logits": logits}
+
+
+def frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
+    """A deep copy of ``module`` without hooks, in eval mode, with ``requires_grad=False``.
+
+    Args:
+        module: The module to copy.
+        share: Objects referenced by the module that must not be copied (e.g. the Trainer).
+    """
+    memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
+    for sub in module.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(sub, attr, None)
+            if hooks is not None:
+                memo[id(hooks)] = OrderedDict()
+    teacher = copy.deepcopy(module, memo)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def nbytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters and buffers."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Distiller:
+    """The teacher, the hook on the student's logits module, and the teacher's state for checkpoints.
+
+    Args:
+        alpha: Weight of the distillation term, in ``(0, 1]``.
+        temperature: Softmax temperature, ``> 0``.
+        teacher: A user's teacher module, or ``None`` for a frozen copy taken when pruning starts.
+        error: The exception type raised on misuse (the callback passes its configuration error).
+    """
+
+    def __init__(
+        self, *, alpha: float, temperature: float, teacher: nn.Module | None, error: type[Exception] = ValueError
+    ) -> None:
+        self.alpha, self.temperature, self.user_teacher, self.error = alpha, temperature, teacher, error
+        self.teacher: nn.Module | None = teacher
+        self.student: nn.Module | None = None
+        self.module_name = ""
+        self.scale = alpha
+        self.active = False  # inside a training batch (set by the callback)
+        self.on = False  # pruning has started: distill
+        self.calls = 0
+        self.last_kl: Tensor | None = None
+        self._checked = False
+        self._handles: list[Any] = []
+        self._calls_open: list[bool] = []  # per open student call: whether another student call ran inside it
+        self._saved: dict[str, Tensor] | None = None  # a restored teacher's weights, until the teacher is rebuilt
+        self._skeleton: nn.Module | None = None  # a dense copy taken before a shrunk checkpoint loaded
+
+    # ------------------------------------------------------------------ setup
+    def bind(self, root: nn.Module, module_name: str, *, accumulate: int = 1) -> None:
+        """Hook ``root.get_submodule(module_name)`` (the logits module); move a user's teacher to its device.
+
+        Raises:
+            Exception: ``self.error`` if ``module_name`` names no submodule.
+        """
+        try:
+            student = root.get_submodule(module_name)
+        except AttributeError as err:
+            names = [n for n, _ in root.named_modules() if n][:8]
+            raise self.error(
+                f"CoupledPruningCallback: `distill_module={module_name!r}` names no submodule of "
+                f"{type(root).__name__} (some are {names}). Name the module whose forward returns the logits, or '' "
+                "for the LightningModule itself."
+            ) from err
+        self.release()
+        self.student, self.module_name, self.scale = student, module_name, self.alpha / max(accumulate, 1)
+        if self.user_teacher is not None:
+            param = next(student.parameters(), None)
+            if param is not None:
+                self.user_teacher.to(param.device)
+            self.user_teacher.eval()
+            self.user_teacher.requires_grad_(False)
+        self._calls_open = []
+        self._handles = [
+            student.register_forward_pre_hook(self._enter),
+            student.register_forward_hook(self._hook, with_kwargs=True, always_call=True),
+        ]
+
+    def open(self) -> None:
+        """A training batch starts: distill its forwards (from the pruning start on)."""
+        self.active, self._calls_open = True, []
+
+    def close(self) -> Tensor | None:
+        """The training batch ended: stop; return the batch's last KL (``None`` if nothing was distilled)."""
+        self.active, self._calls_open = False, []
+        kl, self.last_kl = self.last_kl, None
+        return kl
+
+    def release(self) -> None:
+        """Remove the hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """A new schedule: forget a copied teacher and any restored state."""
+        self.teacher, self._saved, self._skeleton, self.on = self.user_teacher, None, None, False
+
+    # ------------------------------------------------------------------ the teacher
+    def ensure_teacher(self, *, step: int, start: int, share: tuple[Any, ...] = ()) -> None:
+        """Before a training batch at ``step``: build the teacher once pruning has started (``step >= start``).
+
+        Raises:
+            Exception: ``self.error`` if pruning started before this fit and no teacher state was restored.
+        """
+        self.on = step >= start
+        if self.teacher is not None or not self.on:
+            return
+        assert self.student is not None
+        if self._saved is not None:
+            skeleton = self._skeleton if self._skeleton is not None else frozen_copy(self.student, share=share)
+            skeleton.load_state_dict(self._saved, strict=True)
+            param = next(self.student.parameters(), None)
+            if param is not None:  # a skeleton copied before the Trainer moved the model to its device
+                skeleton.to(param.device)
+            self.teacher, self._saved, self._skeleton = skeleton, None, None
+        elif step == start:
+            self.teacher = frozen_copy(self.student, share=share)
+        else:
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the fit continues at step {step}, after "
+                f"pruning started (step {start}), but no teacher was saved (the checkpoint was written without "
+                "distillation). Pass the dense model as `distill_teacher`, or resume without distillation."
+            )
+        distributed.rank_zero_info(
+            f"CoupledPruningCallback: distillation teacher ready ({nbytes(self.teacher) / 2**20:.1f} MiB of "
+            "parameters and buffers on each rank).",
+            logger=log,
+        )
+
+    def keep_skeleton(self, module: nn.Module, saved: Mapping[str, Any] | None, module_name: str) -> None:
+        """Before a shrunk checkpoint loads into ``module``: keep a dense copy to rebuild the teacher into."""
+        if saved and saved.get("teacher") is not None and self.user_teacher is None:
+            self._skeleton = frozen_copy(module.get_submodule(module_name), share=(getattr(module, "_trainer", None),))
+
+    # ------------------------------------------------------------------ the hook
+    def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module is self.student:
+            if self._calls_open:
+                self._calls_open[-1] = True
+            self._calls_open.append(False)
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if module is not self.student:
+            return None
+        wrapper = self._calls_open.pop() if self._calls_open else False
+        # A call that contains another call of the same module is a wrapper's (Lightning's forward redirection under
+        # DDP routes ``training_step`` through the module's ``__call__``): only the innermost call's output is logits.
+        if wrapper or not self.active or not torch.is_grad_enabled():
+            return None
+        logits = find_logits(output)
+        if logits is None:
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{self.module_name!r}` returned {type(output).__name__}, which is neither a tensor nor has "
+                "`logits`. Set `distill_module` to the submodule whose output is the logits."
+            )
+        self.calls += 1
+        if self.teacher is None or not (self.on or (self.user_teacher is not None and not self._checked)):
+            return None  # warmup: nothing to distill yet (a user's teacher is checked on the first forward)
+        with torch.no_grad():
+            target = find_logits(self.teacher(*args, **kwargs))
+        if target is None or target.shape != logits.shape:
+            found = None if target is None else tuple(target.shape)
+            raise self.error(
+                f"CoupledPruningCallback: `distill_teacher` must return logits of the student's shape "
+                f"{tuple(logits.shape)} on the same inputs, got {found}. Pass a teacher with the student's vocabulary "
+                "and output layout."
+            )
+        self._checked = True
+        if not self.on:
+            return None  # the first forward only checked a user's teacher
+        self.last_kl = kl_value(logits, target, self.temperature)
+        return replace_logits(output, DistillGrad.apply(logits, target.detach(), self.scale, self.temperature))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """A copied teacher's weights (``None`` before pruning starts or with a user's teacher)."""
+        if self.teacher is None or self.teacher is self.user_teacher:
+            return {"teacher": self._saved}
+        return {"teacher": self.teacher.state_dict()}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Stash a saved teacher; it is rebuilt before the next training batch."""
+        self.teacher = self.user_teacher
+        teacher = saved.get("teacher")
+        self._saved = None if teacher is None else dict(teacher)
