@@ -32,12 +32,14 @@ from lightning_pat.model_meta import (
 )
 from lightning_pat.shrink_plan import ShrinkPlan, align_names, build_plan
 from lightning_pat.spec import ResolvedCluster
+from lightning_pat.surgery_conv import CONV_DIMS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
 
 log = logging.getLogger(__name__)
 
 _FIX_MODULE = (
     "Remove this parameter from the cluster, or replace the module by one the shrink can rewrite (nn.Linear, "
-    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm)."
+    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm, nn.Conv1d/2d/3d, "
+    "BatchNorm*, GroupNorm)."
 )
 
 
@@ -63,11 +65,13 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("layernorm", "bias"): (0,),
     ("rmsnorm", "weight"): (0,),
     ("hf_rmsnorm", "weight"): (0,),
+    **CONV_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "linear": (("weight", 0), ("bias", 0)),  # output channel: row and bias
     "conv1d": (("weight", 1), ("bias", 0)),  # Conv1D weights are [in, out]
     "layernorm": (("weight", 0), ("bias", 0)),
+    **CONV_TIED_AXES,
 }
 
 
@@ -140,6 +144,7 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
 
 def _check_edit(edit: _Edit) -> None:
     """A module's coupled axes (a Linear's rows and bias, a norm's weight and bias) must be cut identically."""
+    check_conv_edit(edit.name, edit.module, edit.kind, edit.cuts)
     axes = _TIED_AXES.get(edit.kind)
     if axes is None:
         return
@@ -312,6 +317,9 @@ def _rewrite(edit: _Edit, new_params: Mapping[int, Tensor]) -> None:
         module.nx, module.nf = w.shape
     elif edit.kind == "embedding":
         module.embedding_dim = w.shape[1]
+    elif edit.kind in CONV_TIED_AXES:
+        cut = edit.cuts.get("weight", edit.cuts.get("bias", {}))
+        rewrite_conv(module, edit.kind, old_width, cut.get(0))
     else:
         if hasattr(module, "normalized_shape"):
             module.normalized_shape = (w.shape[0],)
