@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_pat import distributed as D
 from lightning_pat import presets
+from lightning_pat.discovery import discovered_clusters, prefers_discovery
 from lightning_pat.schedule import Schedule
 from lightning_pat.selection import num_to_drop
 from lightning_pat.spec import Cluster, check_declaration
@@ -127,7 +128,26 @@ def declarations(
         if preset_options:
             raise ValueError(f"`preset_options` {preset_options} apply to preset names only; none was given.")
         return list(clusters)  # type: ignore[arg-type]
+    if isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(pl_module):
+        return _discovered(pl_module, preset_options)
     return presets.resolve_preset(clusters, pl_module, **preset_options)
+
+
+def _discovered(pl_module: pl.LightningModule, preset_options: dict[str, Any]) -> list[Cluster]:
+    """``clusters="auto"`` for a model no preset covers: trace ``example_input_array`` (see ``discovery``)."""
+    example = getattr(pl_module, "example_input_array", None)
+    if example is None:
+        raise ValueError(
+            f"clusters='auto': no preset fits {type(pl_module).__name__}, and discovering the clusters by tracing "
+            "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes), "
+            "or declare the clusters (`lightning_pat.discover(model, example)` prints them)."
+        )
+    if preset_options:
+        raise ValueError(
+            f"`preset_options` {preset_options} apply to presets, but no preset fits {type(pl_module).__name__} and "
+            "its clusters are discovered by tracing; remove `preset_options`."
+        )
+    return discovered_clusters(pl_module, example)
 
 
 def check_options(

@@ -9,9 +9,11 @@
 * ``lightning`` is imported only by callback.py, _validation.py, cli.py, demo.py (the demo task's Lightning
   classes) and _imports.py; ``torchmetrics`` only by metrics.py;
 * executors never import lightning nor the Trainer-facing modules;
-* the shrink modules (shrink.py and what it is built from: shrink_plan.py, surgery.py, model_meta.py) import only
-  the stdlib, torch, the pure modules and each other; export.py adds shrink.py, transformers and safetensors
-  (imported lazily, inside functions), never lightning.
+* the shrink modules (shrink.py and what it is built from: shrink_plan.py, surgery.py, surgery_conv.py,
+  model_meta.py) import only the stdlib, torch, the pure modules and each other;
+* discovery (discovery.py, discovery_trace.py, discovery_walk.py) imports only the stdlib, torch, the pure modules,
+  presets and itself;
+* export.py adds shrink.py, transformers and safetensors (imported lazily, inside functions), never lightning.
 
 Files that do not exist (yet) are not checked. The checkers are also run on small bad sources so that they are
 known to detect what they look for.
@@ -40,7 +42,9 @@ TRAINER_FACING = {
 }
 SHRINK = f"{PKG}.shrink"
 #: The shrink and the modules it is built from (plan, surgery, module metadata).
-SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "model_meta")}
+SHRINK_FAMILY = {f"{PKG}.{n}" for n in ("shrink", "shrink_plan", "surgery", "surgery_conv", "model_meta")}
+#: Discovery by tracing: the stdlib, torch (no torch.distributed), the pure modules, presets and each other.
+DISCOVERY = {f"{PKG}.{n}" for n in ("discovery", "discovery_trace", "discovery_walk")}
 EXPORT = f"{PKG}.export"
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
@@ -177,6 +181,12 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
                 errors.append(
                     f"{where}: the shrink modules import only the stdlib, torch, the pure modules and each other"
                 )
+        if mod in DISCOVERY:
+            torch_ok = top == "torch" and not _is_torch_distributed(name)
+            if not (_is_stdlib(name) or torch_ok or name in PURE or name in DISCOVERY or name == f"{PKG}.presets"):
+                errors.append(
+                    f"{where}: discovery imports only the stdlib, torch, the pure modules, presets and itself"
+                )
         if mod == EXPORT:
             torch_ok = top == "torch" and not _is_torch_distributed(name)
             if not (
@@ -223,7 +233,20 @@ def test_core_modules_are_checked():
 # ---------------------------------------------------------------------------------------------------- the checkers
 
 
-KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "engine", "callback", "shrink")}
+KNOWN = {
+    f"{PKG}.{n}"
+    for n in (
+        "spec",
+        "scoring",
+        "distributed",
+        "placement",
+        "engine",
+        "callback",
+        "shrink",
+        "presets",
+        "discovery_trace",
+    )
+}
 
 
 @pytest.mark.parametrize(
@@ -258,6 +281,9 @@ KNOWN = {f"{PKG}.{n}" for n in ("spec", "scoring", "distributed", "placement", "
         ("shrink.py", "import transformers\n", "the shrink modules import only"),
         ("export.py", "import lightning\n", "lightning is imported only"),
         ("export.py", "from lightning_pat import callback\n", "export.py imports only"),
+        ("discovery.py", "from lightning_pat.engine import Pruner\n", "discovery imports only"),
+        ("discovery_trace.py", "import lightning\n", "lightning is imported only"),
+        ("surgery_conv.py", "from lightning_pat.engine import Pruner\n", "the shrink modules import only"),
     ],
 )
 def test_checkers_detect_violations(rel, source, needle):
@@ -281,6 +307,7 @@ def test_checkers_detect_violations(rel, source, needle):
         ("metrics.py", "from torchmetrics import Metric\n"),
         ("shrink.py", "import math\nimport torch\nfrom lightning_pat.spec import ResolvedCluster\n"),
         ("export.py", "from lightning_pat.shrink import shrink\ndef f():\n    import transformers\n"),
+        ("discovery.py", "from lightning_pat import presets\nfrom lightning_pat.discovery_trace import trace\n"),
     ],
 )
 def test_checkers_accept_allowed_imports(rel, source):

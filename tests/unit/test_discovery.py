@@ -1,0 +1,227 @@
+"""discover(): clusters found by tracing, checked against hand-written expectations, and the masked-vs-shrunk
+exactness of every discovered cluster set (fp32, eval, rel < 1e-5); what is left out, and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_pat import Cluster, discover, prune_clusters, resolve_clusters, shrink
+from lightning_pat.discovery import prefers_discovery
+from tests.common.cnn_models import INPUTS, MLP, ConcatNet, ConvChain, DepthwiseNet, ResBlockNet, randomize_norms
+
+
+def _by_name(found) -> dict[str, Cluster]:
+    return {c.name: c for c in found.clusters}
+
+
+def test_conv_chain_clusters_match_the_hand_written_declaration():
+    model = ConvChain()
+    found = discover(model, torch.zeros(INPUTS[ConvChain]))
+    assert found.clusters == [
+        Cluster("c1", writers=["c1.weight", "c1.bias", "b1.weight", "b1.bias"], readers=["c2.weight"], num_units=8),
+        Cluster("c2", writers=["c2.weight", "c2.bias", "b2.weight", "b2.bias"], readers=["fc.weight"], num_units=12),
+    ]
+    [c2] = [rc for rc in resolve_clusters(model, found.clusters) if rc.name == "c2"]
+    assert {m.name: m.block for m in c2.members}["fc.weight"] == 4  # flatten: 2*2 columns per channel
+    # the outputs are never pruned, the inputs never: the logits' rows and the first conv's columns are in no cluster
+    assert [lo.name for lo in found.left_out] == ["fc"]
+    assert "reaches the model's output" in found.left_out[0].reasons
+
+
+def test_residual_additions_couple_both_sides_into_one_cluster():
+    found = _by_name(discover(ResBlockNet(), torch.zeros(INPUTS[ResBlockNet])))
+    stem = found["stem"]
+    assert set(stem.writers) == {"stem.weight", "bs.weight", "bs.bias", "a2.weight", "ab2.weight", "ab2.bias"}
+    assert set(stem.readers) == {"a1.weight", "proj.weight", "p1.weight"}
+    proj = found["proj"]  # the projection shortcut and the branch it is added to
+    assert set(proj.writers) == {"proj.weight", "projb.weight", "projb.bias", "p2.weight", "pb2.weight", "pb2.bias"}
+    assert proj.readers == ["head.weight"]
+    assert set(found) == {"stem", "a1", "proj", "p1"}
+
+
+def test_depthwise_and_squeeze_excite_share_the_expanded_channels():
+    found = _by_name(discover(DepthwiseNet(), torch.zeros(INPUTS[DepthwiseNet])))
+    exp = found["exp"]
+    assert exp.num_units == 12
+    assert {"dw.weight", "dw.bias", "bd.weight", "bd.bias", "se2.weight", "se2.bias"} <= set(exp.writers)
+    assert set(exp.readers) == {"se1.weight", "proj.weight"}
+    [rc] = [rc for rc in resolve_clusters(DepthwiseNet(), [exp])]
+    blocks = {m.name: m.block for m in rc.members}
+    assert blocks["dw.weight"] == 2 and blocks["exp.weight"] == 1 and blocks["se2.weight"] == 2
+
+
+def test_concatenation_offsets_the_reader_columns():
+    found = _by_name(discover(ConcatNet(), torch.zeros(INPUTS[ConcatNet])))
+    assert found["left"].readers == ["mix.weight[0:4]"]
+    assert found["right"].readers == ["mix.weight[4:10]"]
+    assert found["mix"].readers == ["fc.weight"] and found["mix"].num_units == 5
+
+
+@pytest.mark.parametrize("cls", list(INPUTS), ids=lambda c: c.__name__)
+def test_discovered_clusters_shrink_exactly(cls):
+    torch.manual_seed(0)
+    model = randomize_norms(cls())
+    x = torch.randn(INPUTS[cls])
+    found = discover(model, x)
+    result = prune_clusters(model, found.clusters, 0.5)
+    model.eval()
+    with torch.no_grad():
+        masked = model(x)
+        small = shrink(model, result, inplace=False).eval()
+        out = small(x)
+    assert float((out - masked).norm() / masked.norm()) < 1e-5
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in model.parameters())
+
+
+def test_discover_does_not_touch_the_model():
+    model = ConvChain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    discover(model, torch.zeros(INPUTS[ConvChain]))
+    assert model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
+
+
+class _ScaledByParameter(nn.Module):
+    """A parameter used directly in forward (a layer-scale) on a channel axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 6), nn.Linear(6, 2)
+        self.gamma = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(x))) * self.gamma))
+
+
+def test_parameter_used_directly_is_left_out_with_its_name():
+    found = discover(_ScaledByParameter(), torch.zeros(2, 4))
+    assert [c.name for c in found.clusters] == ["a"]
+    [b] = [lo for lo in found.left_out if lo.name == "b"]
+    assert any("parameter gamma is used directly in forward" in r for r in b.reasons)
+    assert "gamma" in found.table() or "b.weight" in found.table()
+
+
+class _LayerNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def test_layernorm_over_the_channels_is_left_out():
+    found = discover(_LayerNormed(), torch.zeros(2, 4))
+    assert found.clusters == []
+    [a] = [lo for lo in found.left_out if lo.name == "a"]
+    assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
+
+
+class _Grouped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.g, self.c2 = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        return self.c2(self.g(self.c1(x)))
+
+
+def test_grouped_convolution_is_left_out():
+    found = discover(_Grouped(), torch.zeros(1, 3, 4, 4))
+    assert found.clusters == []
+    assert any("grouped convolution (2 groups)" in r for lo in found.left_out for r in lo.reasons)
+
+
+class _Heads(nn.Module):
+    """Attention-like: a channel axis reshaped into heads and multiplied with another activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 2, 4).transpose(1, 2)
+        k = self.k(x).view(b, t, 2, 4).transpose(1, 2)
+        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ q
+        h = x + self.o(att.transpose(1, 2).reshape(b, t, 8))
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def test_heads_are_left_out_but_the_mlp_is_found():
+    found = discover(_Heads(), torch.zeros(2, 3, 8))
+    assert found.clusters == [Cluster("up", writers=["up.weight", "up.bias"], readers=["down.weight"], num_units=16)]
+    reasons = {r for lo in found.left_out for r in lo.reasons}
+    assert any("split into several axes" in r for r in reasons)
+    assert "reaches the model's output" in reasons
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return self.b(h)
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"discover: torch.export could not trace _DataDependent"):
+        discover(_DataDependent(), torch.zeros(2, 4))
+
+
+class _Kwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x, *, scale: float = 1.0):
+        return self.b(F.relu(self.a(x))) * scale
+
+
+def test_example_input_as_tuple_or_dict():
+    for example in ((torch.zeros(2, 4),), {"x": torch.zeros(2, 4)}):
+        assert [c.name for c in discover(_Kwargs(), example).clusters] == ["a"]
+
+
+def test_shared_module_applied_twice_is_one_cluster():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mid, self.b = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.b(F.relu(self.mid(F.relu(self.mid(F.relu(self.a(x)))))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    found = discover(model, torch.zeros(2, 4))
+    # a's output and mid's output feed mid's columns: one space; mid's rows feed mid's columns too
+    assert [c.name for c in found.clusters] == ["a"]
+    assert set(found.clusters[0].writers) == {"a.weight", "a.bias", "mid.weight", "mid.bias"}
+    assert set(found.clusters[0].readers) == {"mid.weight", "b.weight"}
+    x = torch.randn(3, 4)
+    result = prune_clusters(model, found.clusters, 0.5)
+    small = shrink(model, result, inplace=False)
+    assert torch.allclose(small(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_prefers_discovery_only_where_no_preset_fits():
+    assert prefers_discovery(ConvChain())
+    assert prefers_discovery(MLP())  # a custom module: no nn.Sequential chain
+    assert not prefers_discovery(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    assert prefers_discovery(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Flatten(), nn.Linear(4, 8), nn.Linear(8, 2)))
+
+
+def test_table_lists_clusters_and_left_out_channels():
+    text = discover(ConvChain(), torch.zeros(INPUTS[ConvChain])).table()
+    assert "| c1 | 8 |" in text and "| fc | 5 |" in text and "left out: reaches the model's output" in text
