@@ -48,16 +48,19 @@ def test_depthwise_and_squeeze_excite_share_the_expanded_channels():
     assert exp.num_units == 12
     assert {"dw.weight", "dw.bias", "bd.weight", "bd.bias", "se2.weight", "se2.bias"} <= set(exp.writers)
     assert set(exp.readers) == {"se1.weight", "proj.weight"}
-    [rc] = [rc for rc in resolve_clusters(DepthwiseNet(), [exp])]
+    [rc] = list(resolve_clusters(DepthwiseNet(), [exp]))
     blocks = {m.name: m.block for m in rc.members}
-    assert blocks["dw.weight"] == 2 and blocks["exp.weight"] == 1 and blocks["se2.weight"] == 2
+    assert blocks["dw.weight"] == 2
+    assert blocks["exp.weight"] == 1
+    assert blocks["se2.weight"] == 2
 
 
 def test_concatenation_offsets_the_reader_columns():
     found = _by_name(discover(ConcatNet(), torch.zeros(INPUTS[ConcatNet])))
     assert found["left"].readers == ["mix.weight[0:4]"]
     assert found["right"].readers == ["mix.weight[4:10]"]
-    assert found["mix"].readers == ["fc.weight"] and found["mix"].num_units == 5
+    assert found["mix"].readers == ["fc.weight"]
+    assert found["mix"].num_units == 5
 
 
 @pytest.mark.parametrize("cls", list(INPUTS), ids=lambda c: c.__name__)
@@ -224,4 +227,6 @@ def test_prefers_discovery_only_where_no_preset_fits():
 
 def test_table_lists_clusters_and_left_out_channels():
     text = discover(ConvChain(), torch.zeros(INPUTS[ConvChain])).table()
-    assert "| c1 | 8 |" in text and "| fc | 5 |" in text and "left out: reaches the model's output" in text
+    assert "| c1 | 8 |" in text
+    assert "| fc | 5 |" in text
+    assert "left out: reaches the model's output" in text
