@@ -82,6 +82,13 @@ CASES = [
         "init",
     ),
     (
+        "auto-no-example",
+        {"clusters": "auto"},
+        r"clusters='auto': no preset fits MLPModule, and discovering the clusters by tracing needs an example input; "
+        r"set `self.example_input_array`",
+        "fit",
+    ),
+    (
         "pattern-typo",
         {"clusters": [Cluster("hidden", writers=["fc1.wieght"], readers=[R])]},
         r"Cluster 'hidden': writer pattern 'fc1.wieght' matches no parameter.*Close parameter names: \['fc1.weight'",
