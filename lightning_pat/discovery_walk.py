@@ -22,11 +22,11 @@ Label = tuple[Segment, ...] | None  # None: not a channel axis we track
 
 # ---------------------------------------------------------------------------------------------------- op tables
 _UNARY = {
-    "relu", "relu_", "relu6", "gelu", "silu", "silu_", "sigmoid", "tanh", "hardtanh", "hardtanh_", "hardswish",
-    "hardswish_", "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "mish", "softplus", "neg", "abs", "exp", "log",
+    "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardswish",
+    "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "mish", "softplus", "neg", "abs", "exp", "log",
     "sqrt", "rsqrt", "square", "erf", "reciprocal", "sign", "dropout", "feature_dropout", "alpha_dropout", "clone",
-    "contiguous", "detach", "alias", "_to_copy", "to", "clamp", "clamp_min", "clamp_max", "lift_fresh_copy", "prelu_",
-    "_native_batch_norm_legit_no_stats", "identity",
+    "contiguous", "detach", "alias", "_to_copy", "to", "clamp", "clamp_min", "clamp_max", "lift_fresh_copy",
+    "identity",
 }  # fmt: skip
 _BINARY = {
     "add",
@@ -51,9 +51,11 @@ _POOL = {
     "upsample_nearest3d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d", "upsample_trilinear3d",
     "_upsample_nearest_exact2d", "_upsample_bilinear2d_aa",
 }  # fmt: skip
-_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "squeeze_", "unsqueeze", "unsqueeze_"}
-_BATCH_NORMS = {"batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
-                "_native_batch_norm_legit", "native_batch_norm", "instance_norm"}  # fmt: skip
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
+_BATCH_NORMS = {
+    "batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit", "native_batch_norm", "instance_norm", "_native_batch_norm_legit_no_stats",
+}  # fmt: skip
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "max", "min", "prod", "logsumexp", "norm", "linalg_vector_norm"}
 _IGNORE = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 
@@ -226,6 +228,8 @@ class Walk:
     def call(self, node: Node) -> Any:
         """Labels of a call's value, through its handler (or :meth:`unknown`)."""
         op = _op_name(node)
+        if op.endswith("_") and not op.endswith("__"):  # in place (relu_, dropout_, add_): as the functional op
+            op = op[:-1]
         if op == "getitem":
             src, idx = node.args
             value = self.labels.get(src)
@@ -298,6 +302,8 @@ def _flat(value: Any) -> Iterable[Any]:
 
 # ---------------------------------------------------------------------------------------------------- handlers
 def _unary(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
+        return NotImplemented  # another tensor takes part (a PReLU weight, a tensor bound): not a unary op
     lab = w.label_of(node.args[0])
     if out is None:  # e.g. native_dropout returns (out, mask)
         val = node.meta.get("val")
