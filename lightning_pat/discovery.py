@@ -108,16 +108,17 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
     for root in sorted(by_root):
         keys = by_root[root]
         space = w.spaces[root]
-        writers = [k for k in keys if w.roles[k] == "writer"]
-        readers = [k for k in keys if w.roles[k] == "reader"]
+        writers = [k for k in keys if k[1] == 0]  # the spec's roles: channel axis dim 0 (rows, 1-D) or dim 1
+        readers = [k for k in keys if k[1] == 1]
+        producers = [k for k in keys if w.flows[k] == "out"]
         reasons = list(space.reasons)
-        if not reasons and not readers:
+        if not reasons and len(producers) == len(keys):
             reasons.append("no Linear/Conv reads these channels")
-        if not reasons and not writers:
+        if not reasons and not producers:
             reasons.append("no Linear/Conv writes these channels")
         if not reasons and space.units < 2:
             reasons.append("a single channel")
-        base = _module_of((writers or readers)[0][0])
+        base = _module_of((producers or keys)[0][0])
         count = names.get(base, 0)
         names[base] = count + 1
         name = base if count == 0 else f"{base}#{count}"

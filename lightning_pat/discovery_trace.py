@@ -77,6 +77,34 @@ def to_meta(value: Any) -> Any:
     return value
 
 
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output: tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other
+    objects (a key/value cache) are not outputs for discovery.
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+class _TensorOutputs(nn.Module):
+    """Exports ``inner`` with its output reduced to a tuple of tensors (parameter names gain the prefix ``inner.``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(tensors_of(self.inner(*args, **kwargs)))
+
+
+def _strip(names: Mapping[str, str]) -> dict[str, str]:
+    return {k: v.removeprefix("inner.") for k, v in names.items()}
+
+
 def trace(model: nn.Module, example_input: Any) -> Trace:
     """Export ``model`` (its meta twin, in eval mode) on meta copies of ``example_input``.
 
@@ -91,7 +119,7 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
         ValueError: If the model cannot be copied or exported (data-dependent control flow, unsupported Python);
             the message carries torch's reason.
     """
-    twin = meta_twin(model).eval()
+    twin = _TensorOutputs(meta_twin(model)).eval()
     example = to_meta(example_input)
     args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})
     if not isinstance(args, tuple):
@@ -108,7 +136,7 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     sig = program.graph_signature
     return Trace(
         graph=program.graph,
-        params=dict(sig.inputs_to_parameters),
-        buffers=dict(sig.inputs_to_buffers),
+        params=_strip(sig.inputs_to_parameters),
+        buffers=_strip(sig.inputs_to_buffers),
         constants=frozenset(sig.inputs_to_lifted_tensor_constants),
     )

@@ -96,7 +96,7 @@ class Walk:
         self.parent: list[int] = []
         self.labels: dict[Node, Any] = {}  # node -> tuple of labels per dim, or a list of those for tuple outputs
         self.members: dict[tuple[str, int, int, int], int] = {}  # (param, dim, start, stop) -> space
-        self.roles: dict[tuple[str, int, int, int], str] = {}
+        self.flows: dict[tuple[str, int, int, int], str] = {}  # "in" (reads the channels) or "out" (writes them)
         self.direct: dict[str, str] = {}  # parameter used outside a weight slot -> why
 
     # -- union-find
@@ -155,7 +155,7 @@ class Walk:
         return a
 
     # -- members
-    def add_member(self, param: str, role: str, dim: int, start: int, stop: int, space: int) -> None:
+    def add_member(self, param: str, flow: str, dim: int, start: int, stop: int, space: int) -> None:
         """Register channels ``[start, stop)`` of ``param`` on ``dim`` as a member of ``space``."""
         key = (param, dim, start, stop)
         for (p, d, a, b), s in list(self.members.items()):
@@ -167,14 +167,14 @@ class Walk:
             self.union(self.members[key], space, f"shared parameter {param}")
         else:
             self.members[key] = space
-            self.roles[key] = role
+            self.flows[key] = flow
 
-    def add_segments(self, param: str, role: str, dim: int, label: Label, scale: int = 1) -> None:
+    def add_segments(self, param: str, flow: str, dim: int, label: Label, scale: int = 1) -> None:
         """Register ``param``'s channel axis as members of the label's segments (lengths times ``scale``)."""
         offset = 0
         for space, units, block in label or ():
             length = units * block * scale
-            self.add_member(param, role, dim, offset, offset + length, space)
+            self.add_member(param, flow, dim, offset, offset + length, space)
             offset += length
 
     # -- node values
@@ -519,12 +519,27 @@ def _linear(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
         return NotImplemented
     shape = _shape(x.meta.get("val"))
     lab = w.ndim_label(x, len(shape))
-    w.add_segments(wname, "reader", 1, lab[-1])
+    w.add_segments(wname, "in", 1, lab[-1])
     space = w.new_space(out[-1])
-    w.add_member(wname, "writer", 0, 0, out[-1], space)
+    w.add_member(wname, "out", 0, 0, out[-1], space)
     if bname is not None:
-        w.add_member(bname, "writer", 0, 0, out[-1], space)
+        w.add_member(bname, "out", 0, 0, out[-1], space)
     return (*lab[:-1], ((space, out[-1], 1),))
+
+
+def _addmm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``addmm(bias, x, W)`` / ``mm(x, W)`` with a parameter ``W`` of shape ``[in, out]`` (transformers ``Conv1D``)."""
+    bias, x, weight = (node.args[0], node.args[1], node.args[2]) if _op_name(node) == "addmm" else (None, *node.args)
+    wname, bname = w.param_of(weight), w.param_of(bias)
+    if wname is None or (bias is not None and bname is None) or out is None or len(out) != 2:
+        return NotImplemented
+    lab = w.ndim_label(x, 2)
+    w.add_segments(wname, "in", 0, lab[1])
+    space = w.new_space(out[1])
+    w.add_member(wname, "out", 1, 0, out[1], space)
+    if bname is not None:
+        w.add_member(bname, "out", 0, 0, out[1], space)
+    return (lab[0], ((space, out[1], 1),))
 
 
 def _conv(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -547,17 +562,17 @@ def _conv(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     result: list[Label] = [lab[0] if cdim == 1 else None] + [None] * (len(out) - 1)
     out_c = out[cdim]
     if groups == 1:
-        w.add_segments(wname, "reader", 1, lab[cdim])
+        w.add_segments(wname, "in", 1, lab[cdim])
         space = w.new_space(out_c)
-        w.add_member(wname, "writer", 0, 0, out_c, space)
+        w.add_member(wname, "out", 0, 0, out_c, space)
         if bname is not None:
-            w.add_member(bname, "writer", 0, 0, out_c, space)
+            w.add_member(bname, "out", 0, 0, out_c, space)
         result[cdim] = ((space, out_c, 1),)
     elif groups == shape[cdim] and wshape[1] == 1 and lab[cdim] is not None:  # depthwise
         mult = out_c // groups
-        w.add_segments(wname, "writer", 0, lab[cdim], scale=mult)
+        w.add_segments(wname, "out", 0, lab[cdim], scale=mult)
         if bname is not None:
-            w.add_segments(bname, "writer", 0, lab[cdim], scale=mult)
+            w.add_segments(bname, "out", 0, lab[cdim], scale=mult)
         result[cdim] = tuple((s, u, b * mult) for s, u, b in lab[cdim])
     else:
         reason = f"grouped convolution ({groups} groups) is not discovered"
@@ -572,7 +587,7 @@ def _embedding(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     if wname is None or out is None:
         return NotImplemented
     space = w.new_space(out[-1])
-    w.add_member(wname, "reader", 1, 0, out[-1], space)
+    w.add_member(wname, "out", 1, 0, out[-1], space)
     return (None,) * (len(out) - 1) + (((space, out[-1], 1),),)
 
 
@@ -588,8 +603,8 @@ def _batch_norm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     if wname is None or bname is None or op == "instance_norm":
         w.poison(lab[cdim], f"`{op}` without affine weight and bias (a dropped channel would not be zero)")
     else:
-        w.add_segments(wname, "writer", 0, lab[cdim])
-        w.add_segments(bname, "writer", 0, lab[cdim])
+        w.add_segments(wname, "out", 0, lab[cdim])
+        w.add_segments(bname, "out", 0, lab[cdim])
     val = node.meta.get("val")
     return [lab, None, None, None, None][: len(val)] if isinstance(val, (list, tuple)) else lab
 
@@ -606,8 +621,8 @@ def _group_norm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     if groups != shape[1] or wname is None or bname is None:
         w.poison(lab[1], f"GroupNorm with {groups} groups of {shape[1] // groups} channels mixes channels in a group")
     else:
-        w.add_segments(wname, "writer", 0, lab[1])
-        w.add_segments(bname, "writer", 0, lab[1])
+        w.add_segments(wname, "out", 0, lab[1])
+        w.add_segments(bname, "out", 0, lab[1])
     return lab
 
 
@@ -617,8 +632,13 @@ def _layer_norm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     if shape is None:
         return NotImplemented
     lab = w.ndim_label(x, len(shape))
+    reason = (
+        "LayerNorm normalises over this channel axis (a shrink could not be exact)"
+        if _op_name(node) == "layer_norm"
+        else "RMSNorm normalises over this channel axis (a residual stream: prune it with a preset's residual=True)"
+    )
     for d in range(len(shape) - len(normalized), len(shape)):
-        w.poison(lab[d], "LayerNorm normalises over this channel axis (a shrink could not be exact)")
+        w.poison(lab[d], reason)
     return lab
 
 
@@ -629,8 +649,11 @@ _HANDLERS = {
     "conv3d": _conv,
     "convolution": _conv,
     "embedding": _embedding,
+    "addmm": _addmm,
+    "mm": _addmm,
     "group_norm": _group_norm,
     "layer_norm": _layer_norm,
+    "rms_norm": _layer_norm,
     "permute": _permute,
     "transpose": _permute,
     "t": _permute,
@@ -653,7 +676,10 @@ _SLOTS: dict[str, tuple[int, ...]] = {
     "conv3d": (1, 2),
     "convolution": (1, 2),
     "embedding": (0,),
+    "addmm": (0, 2),
+    "mm": (1,),
     "batch_norm": (1, 2),
     "group_norm": (2, 3),
     "layer_norm": (2, 3),
+    "rms_norm": (2,),
 }
