@@ -78,8 +78,10 @@ def to_meta(value: Any) -> Any:
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors of a forward's output: tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other
-    objects (a key/value cache) are not outputs for discovery.
+    """The tensors of a forward's output.
+
+    Tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other objects (a key/value cache) are not
+    outputs for discovery.
     """
     if isinstance(value, torch.Tensor):
         return [value]

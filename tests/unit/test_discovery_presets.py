@@ -27,7 +27,8 @@ def test_discovery_agrees_with_the_preset_on_mlps_and_explains_heads(case: Famil
     heads = [rc for rc in preset if rc.name.startswith("heads")]
     assert len(mlps) == case.n_layer
     assert discovered == mlps
-    assert heads and all(_units(rc) not in discovered for rc in heads)
+    assert heads
+    assert all(_units(rc) not in discovered for rc in heads)
     reasons = {r for lo in found.left_out for r in lo.reasons}
     # Llama-style: q/k/v rows reshaped into heads; GPT-2: the packed c_attn split into q, k, v first
     assert any("split into several axes (e.g. attention heads)" in r or "`split`" in r for r in reasons)
