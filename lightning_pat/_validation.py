@@ -133,6 +133,23 @@ def declarations(
     return presets.resolve_preset(clusters, pl_module, **preset_options)
 
 
+def early_declarations(
+    clusters: str | list[Cluster | str], pl_module: pl.LightningModule, *, preset_options: dict[str, Any]
+) -> list[Cluster] | None:
+    """Discovered declarations, traced in ``setup`` before ``configure_model`` shards the model.
+
+    FSDP2 modules cannot be copied for tracing, so discovery runs before them. ``None`` when discovery does not
+    apply or fails (then :func:`declarations` runs again at fit start, where its error is raised on every rank
+    together).
+    """
+    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(pl_module)):
+        return None
+    try:
+        return _discovered(pl_module, preset_options)
+    except ValueError:
+        return None
+
+
 def _discovered(pl_module: pl.LightningModule, preset_options: dict[str, Any]) -> list[Cluster]:
     """``clusters="auto"`` for a model no preset covers: trace ``example_input_array`` (see ``discovery``)."""
     example = getattr(pl_module, "example_input_array", None)

@@ -179,6 +179,7 @@ class CoupledPruningCallback(Callback):
         V.check_shrink_needs_heal(shrink_on_freeze=shrink_on_freeze, heal=heal)
         self.shrink_on_freeze = shrink_on_freeze
         self._shrinking = _shrinking.ShrinkOnFreeze()  # the dropped units, once the model has been shrunk
+        self._early: list[Cluster] | None = None  # clusters="auto" traced in setup, before configure_model
 
         self.pruner: Pruner | None = None
         self.plan: Plan | None = None
@@ -281,6 +282,11 @@ class CoupledPruningCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Reject what cannot be supported, before any step (DeepSpeed, manual optimization, activation score)."""
         V.check_strategy_and_optimization(trainer, pl_module)
+        self._early = (
+            V.early_declarations(self.clusters, pl_module, preset_options=self.preset_options)
+            if stage == "fit"
+            else None
+        )
         if self.score == "activation":
             V.check_activation_strategy(trainer)
         if self.shrink_on_freeze:
@@ -310,7 +316,7 @@ class CoupledPruningCallback(Callback):
         with self._weights(pl_module) as params:
 
             def build() -> Plan:
-                declared = V.declarations(self.clusters, pl_module, preset_options=self.preset_options)
+                declared = self._early or V.declarations(self.clusters, pl_module, preset_options=self.preset_options)
                 return make_plan(
                     params, declared, score=self.score, executor=self.executor, group_count_ref=self.group_count_ref
                 )
