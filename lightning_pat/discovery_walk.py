@@ -236,20 +236,7 @@ class Walk:
             return value[idx] if isinstance(value, list) and idx < len(value) else None
         if op in _IGNORE:
             return None
-        handler = _HANDLERS.get(op)
-        if handler is None:
-            if op in _UNARY:
-                handler = _unary
-            elif op in _BINARY:
-                handler = _elementwise
-            elif op in _POOL:
-                handler = _pool
-            elif op in _VIEWS:
-                handler = _view
-            elif op in _BATCH_NORMS:
-                handler = _batch_norm
-            elif op in _REDUCE:
-                handler = _reduce
+        handler = _HANDLERS.get(op) or next((h for ops, h in _FAMILIES if op in ops), None)
         out_shape = _shape(node.meta.get("val"))
         self.note_direct(node, op, handler)
         if handler is not None:
@@ -668,6 +655,15 @@ _HANDLERS = {
     "log_softmax": _softmax,
     "_log_softmax": _softmax,
 }
+#: Op families sharing one handler (looked up after ``_HANDLERS``).
+_FAMILIES = (
+    (_UNARY, _unary),
+    (_BINARY, _elementwise),
+    (_POOL, _pool),
+    (_VIEWS, _view),
+    (_BATCH_NORMS, _batch_norm),
+    (_REDUCE, _reduce),
+)
 #: Argument positions that are weight slots (a parameter there is not "used directly").
 _SLOTS: dict[str, tuple[int, ...]] = {
     "linear": (1, 2),

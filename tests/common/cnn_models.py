@@ -88,6 +88,17 @@ class MLP(nn.Module):
         return self.out(self.drop(F.gelu(self.hid(F.relu(self.inp(x))))))
 
 
+class GroupedNet(nn.Module):
+    """A grouped (not depthwise) convolution between two 1x1 convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.g, self.c2 = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.g(self.c1(x)))
+
+
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Random BN/GN affine weights and running statistics, so that a wrong slice shows in the outputs."""
     gen = torch.Generator().manual_seed(seed)

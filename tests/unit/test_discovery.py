@@ -10,7 +10,16 @@ from torch.nn import functional as F
 
 from lightning_pat import Cluster, discover, prune_clusters, resolve_clusters, shrink
 from lightning_pat.discovery import prefers_discovery
-from tests.common.cnn_models import INPUTS, MLP, ConcatNet, ConvChain, DepthwiseNet, ResBlockNet, randomize_norms
+from tests.common.cnn_models import (
+    INPUTS,
+    MLP,
+    ConcatNet,
+    ConvChain,
+    DepthwiseNet,
+    GroupedNet,
+    ResBlockNet,
+    randomize_norms,
+)
 
 
 def _by_name(found) -> dict[str, Cluster]:
@@ -125,17 +134,8 @@ def test_layernorm_over_the_channels_is_left_out():
     assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
 
 
-class _Grouped(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.g, self.c2 = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.Conv2d(8, 2, 1)
-
-    def forward(self, x):
-        return self.c2(self.g(self.c1(x)))
-
-
 def test_grouped_convolution_is_left_out():
-    found = discover(_Grouped(), torch.zeros(1, 3, 4, 4))
+    found = discover(GroupedNet(), torch.zeros(1, 3, 4, 4))
     assert found.clusters == []
     assert any("grouped convolution (2 groups)" in r for lo in found.left_out for r in lo.reasons)
 

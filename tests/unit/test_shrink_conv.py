@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from tests.common.cnn_models import ConvChain, DepthwiseNet, randomize_norms
+from tests.common.cnn_models import ConvChain, DepthwiseNet, GroupedNet, randomize_norms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,17 +101,8 @@ def test_groupnorm_partial_group_is_refused_before_any_change():
     assert model.c1.weight.shape[0] == 8
 
 
-class _Grouped(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.g, self.c2 = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.Conv2d(8, 2, 1)
-
-    def forward(self, x):
-        return self.c2(self.g(self.c1(x)))
-
-
 def test_grouped_convolution_cut_is_refused():
-    model = _Grouped()
+    model = GroupedNet()
     cluster = Cluster("g", writers=["g.weight", "g.bias"], readers=["c2.weight"])
     result = prune_clusters(model, [cluster], 0.5)
     with pytest.raises(ValueError, match=r"'g' \(Conv2d\) is a grouped convolution \(groups=2"):
