@@ -32,7 +32,7 @@ from torch.nn.modules.conv import _ConvNd
 from lightning_pat import presets
 from lightning_pat.discovery_trace import trace
 from lightning_pat.discovery_walk import Walk
-from lightning_pat.spec import Cluster
+from lightning_pat.spec import Cluster, resolve_clusters
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,27 @@ def discover(model: nn.Module, example_input: Any) -> Discovery:
     walk = Walk(tr)
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    return _collect(walk, shapes)
+    return _validated(model, _collect(walk, shapes))
+
+
+def _validated(model: nn.Module, found: Discovery) -> Discovery:
+    """A safety net: a cluster that does not resolve against the model is left out with the error, never returned."""
+    try:
+        resolve_clusters(model, found.clusters)
+        return found
+    except ValueError:
+        pass
+    ok: list[Cluster] = []
+    left = list(found.left_out)
+    for cluster in found.clusters:  # find the culprits (quadratic, but only after a failure)
+        try:
+            resolve_clusters(model, [*ok, cluster])
+        except ValueError as err:
+            members = (*cluster.writers, *cluster.readers)
+            left.append(LeftOut(cluster.name, cluster.num_units or 0, members, (f"does not resolve: {err}",)))
+            continue
+        ok.append(cluster)
+    return Discovery(clusters=ok, left_out=left)
 
 
 def prefers_discovery(model: nn.Module) -> bool:

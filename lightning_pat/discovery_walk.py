@@ -188,7 +188,17 @@ class Walk:
     def ndim_label(self, arg: Any, ndim: int) -> tuple[Label, ...]:
         """The labels of ``arg``, or ``None`` for every one of its ``ndim`` dims."""
         got = self.label_of(arg)
-        return got if got is not None and len(got) == ndim else (None,) * ndim
+        if got is None or len(got) != ndim:
+            return (None,) * ndim
+        shape = _shape(arg.meta.get("val"))
+        if shape is None:
+            return got
+        checked = list(got)
+        for d, label in enumerate(got):  # a safety net: a label must cover its axis exactly
+            if label is not None and sum(u * b for _, u, b in label) != shape[d]:
+                self.poison(label, "channel bookkeeping lost track of this axis")
+                checked[d] = self.fresh(shape[d], "channel bookkeeping lost track of this axis")
+        return tuple(checked)
 
     def param_of(self, arg: Any) -> str | None:
         """The parameter name a node stands for, if it is a parameter placeholder."""
@@ -312,6 +322,9 @@ def _elementwise(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
         lab = w.ndim_label(arg, len(shape))
         labelled.append((shape, lab))
     for i in range(1, len(out) + 1):
+        for s, lab in labelled:
+            if len(s) >= i and s[-i] == 1 and out[-i] > 1 and lab[-i] is not None:
+                w.poison(lab[-i], f"`{op}` broadcasts a one-channel axis")
         present = [(s[-i], lab[-i]) for s, lab in labelled if len(s) >= i and s[-i] > 1]
         label: Label = None
         for _, lab in present:
@@ -341,7 +354,8 @@ def _reduce(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     shape = _shape(node.args[0].meta.get("val")) if isinstance(node.args[0], Node) else None
     if shape is None or out is None:
         return NotImplemented
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    at = 2 if op in ("norm", "linalg_vector_norm") else 1  # norm(x, p, dim), linalg_vector_norm(x, ord, dim)
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
     if isinstance(dims, int):
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims) or not dims:
@@ -427,8 +441,13 @@ def _expand(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
     if shape is None or out is None:
         return NotImplemented
-    lab = w.ndim_label(src, len(shape))
-    return (None,) * (len(out) - len(shape)) + tuple(lab)
+    lab = list(w.ndim_label(src, len(shape)))
+    lead = len(out) - len(shape)
+    for d, size in enumerate(shape):
+        if size == 1 and out[lead + d] > 1 and lab[d] is not None:  # one channel broadcast to many
+            w.poison(lab[d], "`expand` broadcasts a one-channel axis")
+            lab[d] = w.fresh(out[lead + d], "`expand` broadcasts a one-channel axis")
+    return (None,) * lead + tuple(lab)
 
 
 def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:

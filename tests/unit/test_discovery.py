@@ -230,3 +230,52 @@ def test_table_lists_clusters_and_left_out_channels():
     assert "| c1 | 8 |" in text
     assert "| fc | 5 |" in text
     assert "left out: reaches the model's output" in text
+
+
+class _SpatialGate(nn.Module):
+    """A one-channel gate broadcast over the channels, and a norm over the channel axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.b = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 1, 1), nn.Conv2d(8, 4, 1)
+        self.c, self.d = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        y = self.a(x)
+        y = y * torch.sigmoid(self.gate(y))  # (B, 1, H, W) broadcast over 8 channels
+        h = self.c(self.b(y).mean(dim=(2, 3)))
+        return self.d(h / torch.linalg.vector_norm(h, 2, dim=-1, keepdim=True))
+
+
+def test_broadcast_one_channel_gate_and_channel_norm_are_handled():
+    torch.manual_seed(0)
+    model = _SpatialGate()
+    x = torch.randn(2, 3, 4, 4)
+    found = discover(model, x)
+    by_name = _by_name(found)
+    assert set(by_name) == {"a", "b"}  # the gate's single channel and the normalised h are left out
+    assert set(by_name["a"].readers) == {"gate.weight", "b.weight"}
+    reasons = {lo.name: lo.reasons for lo in found.left_out}
+    assert any("reduces over a channel axis" in r for r in reasons["c"])
+    result = prune_clusters(model, found.clusters, 0.5)
+    with torch.no_grad():
+        masked = model(x)
+        out = shrink(model, result, inplace=False)(x)
+    assert float((out - masked).norm() / masked.norm()) < 1e-5
+
+
+def test_a_cluster_that_does_not_resolve_is_left_out_not_returned():
+    from lightning_pat.discovery import Discovery, _validated
+
+    model = _Kwargs()
+    good = Cluster("a", writers=["a.weight", "a.bias"], readers=["b.weight"], num_units=8)
+    bad = Cluster(
+        "x", writers=["b.bias"], readers=["a.weight"], num_units=2
+    )  # lengths 2 and 4: fine; overlap: a.weight
+    bad_overlap = Cluster("y", writers=["a.weight"], num_units=8)  # a.weight rows already in "a"
+    checked = _validated(model, Discovery(clusters=[good, odd, bad_overlap], left_out=[]))
+    assert [c.name for c in checked.clusters] == ["a", "x"]
+    [left] = checked.left_out
+    assert left.name == "y"
+    assert "does not resolve" in left.reasons[0]
+    assert "already belongs to cluster 'a'" in left.reasons[0]
