@@ -269,9 +269,7 @@ def test_a_cluster_that_does_not_resolve_is_left_out_not_returned():
 
     model = _Kwargs()
     good = Cluster("a", writers=["a.weight", "a.bias"], readers=["b.weight"], num_units=8)
-    bad = Cluster(
-        "x", writers=["b.bias"], readers=["a.weight"], num_units=2
-    )  # lengths 2 and 4: fine; overlap: a.weight
+    odd = Cluster("x", writers=["b.bias"], readers=["a.weight"], num_units=2)  # odd but valid: it resolves
     bad_overlap = Cluster("y", writers=["a.weight"], num_units=8)  # a.weight rows already in "a"
     checked = _validated(model, Discovery(clusters=[good, odd, bad_overlap], left_out=[]))
     assert [c.name for c in checked.clusters] == ["a", "x"]
