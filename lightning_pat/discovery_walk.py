@@ -624,9 +624,15 @@ def _group_norm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
         return NotImplemented
     lab = w.ndim_label(x, len(shape))
     wname, bname = w.param_of(weight), w.param_of(bias)
-    if groups != shape[1] or wname is None or bname is None:
-        w.poison(lab[1], f"GroupNorm with {groups} groups of {shape[1] // groups} channels mixes channels in a group")
+    if lab[1] is None:
+        return lab
+    if wname is None or bname is None:
+        w.poison(lab[1], "GroupNorm without affine weight and bias (a dropped channel would not be zero)")
+    elif groups != shape[1] and len(lab[1]) != 1:
+        w.poison(lab[1], f"GroupNorm ({groups} groups) over concatenated channels: groups could straddle the parts")
     else:
+        if groups != shape[1]:  # a unit is a whole group (or several): statistics of the kept groups are unchanged
+            w.union(lab[1][0][0], w.new_space(groups), f"GroupNorm with {groups} groups")
         w.add_segments(wname, "out", 0, lab[1])
         w.add_segments(bname, "out", 0, lab[1])
     return lab

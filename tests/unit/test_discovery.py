@@ -277,3 +277,38 @@ def test_a_cluster_that_does_not_resolve_is_left_out_not_returned():
     assert left.name == "y"
     assert "does not resolve" in left.reasons[0]
     assert "already belongs to cluster 'a'" in left.reasons[0]
+
+
+class _GroupNormed(nn.Module):
+    """U-Net style: conv -> GroupNorm(4 groups of 4) -> SiLU -> conv, with a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.gn1, self.c1 = (
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.Conv2d(16, 8, 3, padding=1),
+        )
+        self.gn2, self.c2 = nn.GroupNorm(2, 8), nn.Conv2d(8, 16, 3, padding=1)
+        self.out = nn.Conv2d(16, 3, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.c2(F.silu(self.gn2(self.c1(F.silu(self.gn1(h))))))
+        return self.out(h)
+
+
+def test_groupnorm_units_are_whole_groups_and_shrink_exactly():
+    torch.manual_seed(0)
+    model = randomize_norms(_GroupNormed())
+    x = torch.randn(2, 3, 6, 6)
+    found = _by_name(discover(model, x))
+    assert found["inp"].num_units == 4  # the residual stream: GroupNorm(4, 16) makes a unit 4 channels
+    assert found["c1"].num_units == 2  # GroupNorm(2, 8)
+    result = prune_clusters(model, list(found.values()), 0.5)
+    with torch.no_grad():
+        masked = model(x)
+        small = shrink(model, result, inplace=False)
+        out = small(x)
+    assert float((out - masked).norm() / masked.norm()) < 1e-5
+    assert (small.gn1.num_groups, small.gn1.num_channels, small.gn2.num_groups, small.gn2.num_channels) == (2, 8, 1, 4)
