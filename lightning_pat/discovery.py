@@ -4,11 +4,11 @@ The model is exported to an ATen graph (:mod:`lightning_pat.discovery_trace`) an
 channels gets a *label*: a list of segments ``(space, units, block)`` (a concatenation holds several). A *space* is
 one index space of units (union-find): a Linear/Conv output channel axis opens one, with the weight's rows and the
 bias as writers; channel-preserving ops (activations, dropout, pooling, BatchNorm, GroupNorm (a unit becomes a
-whole group), elementwise ops, residual additions) carry the label on (an addition or product of two labelled tensors joins their
-spaces); readers (a Linear's/Conv's input channels, an embedding's columns) join the space of their input's label;
-``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns; a depthwise convolution
-keeps its input's space (its rows a block of the channel multiplier); ``cat`` along the channel axis puts segments
-side by side.
+whole group), elementwise ops, residual additions) carry the label on (an addition or product of two labelled
+tensors joins their spaces); readers (a Linear's/Conv's input channels, an embedding's columns) join the space of
+their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns; a
+depthwise convolution keeps its input's space (its rows a block of the channel multiplier); ``cat`` along the
+channel axis puts segments side by side.
 
 Everything the walk does not understand *poisons* the spaces it touches, with a reason: the model's outputs
 (logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax, reductions, matmul
