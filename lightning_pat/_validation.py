@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -129,35 +130,69 @@ def declarations(
             raise ValueError(f"`preset_options` {preset_options} apply to preset names only; none was given.")
         return list(clusters)  # type: ignore[arg-type]
     if isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(pl_module):
-        return _discovered(pl_module, preset_options)
+        return _discovered(pl_module, preset_options, getattr(pl_module, "example_input_array", None))
     return presets.resolve_preset(clusters, pl_module, **preset_options)
 
 
 def early_declarations(
-    clusters: str | list[Cluster | str], pl_module: pl.LightningModule, *, preset_options: dict[str, Any]
-) -> list[Cluster] | None:
-    """Discovered declarations, traced in ``setup`` before ``configure_model`` shards the model.
+    clusters: str | list[Cluster | str],
+    pl_module: pl.LightningModule,
+    trainer: pl.Trainer,
+    *,
+    preset_options: dict[str, Any],
+) -> list[Cluster] | ValueError | None:
+    """``clusters="auto"`` by tracing, in ``setup``: before ``configure_model`` shards the model.
 
-    FSDP2 modules cannot be copied for tracing, so discovery runs before them. ``None`` when discovery does not
-    apply or fails (then :func:`declarations` runs again at fit start, where its error is raised on every rank
-    together).
+    FSDP2 modules cannot be copied for tracing, so discovery runs before them. The example input is the module's
+    ``example_input_array``, else the first training batch's inputs (:func:`first_batch_input`).
+
+    Returns:
+        The discovered declarations; the ``ValueError`` that discovery raised (the callback raises it at fit start,
+        where every rank raises together); or ``None`` when discovery does not apply (declarations, a preset).
     """
     if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(pl_module)):
         return None
-    try:
-        return _discovered(pl_module, preset_options)
-    except ValueError:
-        return None
-
-
-def _discovered(pl_module: pl.LightningModule, preset_options: dict[str, Any]) -> list[Cluster]:
-    """``clusters="auto"`` for a model no preset covers: trace ``example_input_array`` (see ``discovery``)."""
     example = getattr(pl_module, "example_input_array", None)
+    try:
+        return _discovered(pl_module, preset_options, example if example is not None else first_batch_input(trainer))
+    except ValueError as err:
+        return err
+
+
+def first_batch_input(trainer: pl.Trainer) -> Any:
+    """What ``forward`` takes, from the first training batch (``None`` if there is no training data to read yet).
+
+    ``batch[0]`` of a tuple or list, a mapping (keyword arguments) or the batch itself. The loader gets a fresh
+    iterator (training starts its own later) and the global torch RNG state is restored afterwards, so a shuffling
+    sampler draws the same order as without this peek.
+    """
+    try:
+        source = trainer.fit_loop._data_source  # noqa: SLF001 - Lightning keeps fit's train data here before setup_data
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # noqa: BLE001 - any failure means "no batch to trace": the caller says how to fix it
+        return None
+    if loader is None:
+        return None
+    rng = torch.random.get_rng_state()
+    try:
+        batch = next(iter(loader))
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0]
+    return batch
+
+
+def _discovered(pl_module: pl.LightningModule, preset_options: dict[str, Any], example: Any = None) -> list[Cluster]:
+    """``clusters="auto"`` for a model no preset covers: trace ``example`` (see ``lightning_pat.discovery``)."""
     if example is None:
         raise ValueError(
             f"clusters='auto': no preset fits {type(pl_module).__name__}, and discovering the clusters by tracing "
-            "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes), "
-            "or declare the clusters (`lightning_pat.discover(model, example)` prints them)."
+            "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes) "
+            "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
+            "them)."
         )
     if preset_options:
         raise ValueError(

@@ -179,7 +179,9 @@ class CoupledPruningCallback(Callback):
         V.check_shrink_needs_heal(shrink_on_freeze=shrink_on_freeze, heal=heal)
         self.shrink_on_freeze = shrink_on_freeze
         self._shrinking = _shrinking.ShrinkOnFreeze()  # the dropped units, once the model has been shrunk
-        self._early: list[Cluster] | None = None  # clusters="auto" traced in setup, before configure_model
+        self._early: list[Cluster] | ValueError | None = (
+            None  # clusters="auto" traced in setup (configure_model shards)
+        )
 
         self.pruner: Pruner | None = None
         self.plan: Plan | None = None
@@ -283,7 +285,7 @@ class CoupledPruningCallback(Callback):
         """Reject what cannot be supported, before any step (DeepSpeed, manual optimization, activation score)."""
         V.check_strategy_and_optimization(trainer, pl_module)
         self._early = (
-            V.early_declarations(self.clusters, pl_module, preset_options=self.preset_options)
+            V.early_declarations(self.clusters, pl_module, trainer, preset_options=self.preset_options)
             if stage == "fit"
             else None
         )
@@ -316,6 +318,8 @@ class CoupledPruningCallback(Callback):
         with self._weights(pl_module) as params:
 
             def build() -> Plan:
+                if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it here
+                    raise self._early
                 declared = self._early or V.declarations(self.clusters, pl_module, preset_options=self.preset_options)
                 return make_plan(
                     params, declared, score=self.score, executor=self.executor, group_count_ref=self.group_count_ref

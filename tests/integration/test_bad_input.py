@@ -82,10 +82,10 @@ CASES = [
         "init",
     ),
     (
-        "auto-no-example",
-        {"clusters": "auto"},
-        r"clusters='auto': no preset fits MLPModule, and discovering the clusters by tracing needs an example input; "
-        r"set `self.example_input_array`",
+        "auto-discovery-options",
+        {"clusters": "auto", "preset_options": {"mlp": True}},
+        r"`preset_options` \{'mlp': True\} apply to presets, but no preset fits MLPModule and its clusters are "
+        r"discovered by tracing; remove `preset_options`",
         "fit",
     ),
     (

@@ -106,3 +106,43 @@ def test_discovered_declarations_can_be_edited_and_passed_back():
     cb = CoupledPruningCallback([edited], 0.9, warmup_steps=1, ramp_steps=2)
     quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)
     assert len(cb.dropped["fc1"]) == 8  # the per-cluster target wins over the global 0.9
+
+
+class _NoExample(MLPModule):
+    """No example_input_array: discovery traces the first training batch's inputs."""
+
+    def __init__(self, *, example: bool) -> None:
+        super().__init__(optimizer="adamw")
+        if example:
+            self.example_input_array = torch.zeros(2, 8)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=4, shuffle=True)  # the global RNG shuffles
+
+
+def test_auto_traces_the_first_batch_without_disturbing_the_shuffle():
+    runs = {}
+    for example in (True, False):
+        torch.manual_seed(123)  # the shuffle order comes from the global RNG
+        module = _NoExample(example=example)
+        cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+        quiet_trainer(max_steps=6, callbacks=[cb]).fit(module)
+        runs[example] = (cb.resolved, cb.dropped, {k: v.detach().clone() for k, v in module.state_dict().items()})
+    assert [rc.fingerprint() for rc in runs[False][0]] == [rc.fingerprint() for rc in runs[True][0]]
+    assert runs[False][1] == runs[True][1]
+    for name, value in runs[True][2].items():  # the peek at the first batch left the training run unchanged
+        assert torch.equal(runs[False][2][name], value), name
+
+
+def test_auto_without_example_or_data_says_how_to_fix_it():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    class NoData(MLPModule):
+        def train_dataloader(self):
+            return []  # nothing to read a batch from
+
+    cb = CoupledPruningCallback("auto", 0.5)
+    with pytest.raises(MisconfigurationException, match=r"set `self.example_input_array`.* or give `fit` training"):
+        quiet_trainer(max_steps=1, callbacks=[cb]).fit(NoData())
