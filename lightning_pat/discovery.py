@@ -155,6 +155,7 @@ def discover(model: nn.Module, example_input: Any) -> Discovery:
 
     Example::
 
+        >>> import torch
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
         >>> found = discover(net, torch.zeros(1, 3, 8, 8))
         >>> [(c.writers, c.readers) for c in found.clusters]
