@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-shrink bench-components bench-gpu bench-quality clean
+.PHONY: setup demo test lint bench bench-shrink bench-discover bench-components bench-gpu bench-quality clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench-gpu: setup
 bench-shrink: setup
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
 	$(PY) bench/bench_shrink.py --reps 5 --threads 1
+
+# Discovery on transformers vision models vs Torch-Pruning at the same ratio (a baseline only; --no-deps as above).
+bench-discover: setup
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
+	$(PY) bench/bench_discover.py --reps 5 --threads 1
 
 # Quality (pruning during vs after training), budget A, 3 seeds: 15-60 min on 2 shared cores, so not in `bench`.
 bench-quality: setup

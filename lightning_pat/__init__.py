@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.discovery import discover
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
 from lightning_pat.shrink import shrink
 from lightning_pat.shrink.export import load_pretrained, save_pretrained
@@ -19,6 +20,7 @@ __all__ = [
     "Pruner",
     "ResolvedCluster",
     "__version__",
+    "discover",
     "load_pretrained",
     "presets",
     "prune_clusters",

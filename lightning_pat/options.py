@@ -11,7 +11,7 @@ takes the strategy as plain facts (its class name and :data:`StrategyKind`), so 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
 from lightning_pat.core.spec import Cluster, check_declaration
+from lightning_pat.discovery import discovered_clusters, prefers_discovery
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.sizing import check_target
@@ -223,11 +224,57 @@ class PruningOptions:
     def declarations(self, module: Any) -> list[Cluster]:
         """The cluster declarations for ``module``: the given ones, or the presets' (expanded from preset names).
 
+        With ``clusters="auto"`` and a module no preset covers, they are discovered by tracing its
+        ``example_input_array`` (:func:`~lightning_pat.discover`).
+
         Raises:
-            ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module.
+            ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module;
+                if discovery has no example input or fails.
         """
+        if self.discovers(module):
+            return self._discovered(module, getattr(module, "example_input_array", None))
         clusters = self.clusters if isinstance(self.clusters, str) else list(self.clusters)
         return presets.resolve_preset(clusters, module, **self.preset_options)
+
+    def discovers(self, module: Any) -> bool:
+        """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it)."""
+        return isinstance(self.clusters, str) and self.clusters.lower() == "auto" and prefers_discovery(module)
+
+    def early_declarations(self, module: Any, batch_input: Callable[[], Any]) -> list[Cluster] | ValueError | None:
+        """``clusters="auto"`` by tracing, before the model is sharded (FSDP2 modules cannot be copied for tracing).
+
+        Args:
+            module: The model, before ``configure_model``.
+            batch_input: Returns the first training batch's inputs (``None`` if there is none); called only if the
+                module has no ``example_input_array``.
+
+        Returns:
+            The discovered declarations; the ``ValueError`` that discovery raised (the caller raises it where every
+            rank raises together); or ``None`` when discovery does not apply (declarations, a preset).
+        """
+        if not self.discovers(module):
+            return None
+        example = getattr(module, "example_input_array", None)
+        try:
+            return self._discovered(module, example if example is not None else batch_input())
+        except ValueError as err:
+            return err
+
+    def _discovered(self, module: Any, example: Any) -> list[Cluster]:
+        """``clusters="auto"`` for a model no preset covers: trace ``example`` (see :mod:`lightning_pat.discovery`)."""
+        if example is None:
+            raise ValueError(
+                f"clusters='auto': no preset fits {type(module).__name__}, and discovering the clusters by tracing "
+                "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes) "
+                "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
+                "them)."
+            )
+        if self.preset_options:
+            raise ValueError(
+                f"`preset_options` {self.preset_options} apply to presets, but no preset fits {type(module).__name__} "
+                "and its clusters are discovered by tracing; remove `preset_options`."
+            )
+        return discovered_clusters(module, example)
 
     def frozen(self, step: int) -> bool:
         """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""

@@ -243,6 +243,25 @@ def test_mlp_digits_example(tmp_path):
     assert acc["dense"] > 0.5  # it learned something in 30 steps (10 classes: chance is 0.1)
 
 
+def test_cnn_digits_example_discovers_prunes_and_shrinks(tmp_path):
+    out = run(
+        [example("cnn_digits.py"), "--max_steps=30", "--warmup_steps=5", "--ramp_steps=10", "--speed_reps=2"],
+        tmp_path,
+    )
+    assert "clusters (auto, discovered): ['net.stem', 'net.conv1', 'net.fc1']" in out
+    assert "| net.fc2 | 10 |" in out
+    assert "left out: reaches the model's output" in out
+    assert "widths [32, 32, 128]" in out  # 50% of every discovered cluster cut out
+    assert float(out.split("max |logits diff| = ")[1].split()[0]) < 1e-4
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    acc = {row[0]: float(row[1]) for row in rows if row and row[0] in ("dense", "pruned", "shrunk")}
+    assert acc["pruned"] == acc["shrunk"]
+    assert acc["dense"] > 0.5  # it learned something in 30 steps (10 classes: chance is 0.1)
+    params = [int(row[-2].replace(",", "")) for row in rows if row and row[0] in ("dense", "shrunk")]
+    assert params[1] < params[0] / 3
+    assert "forward, batch 256, CPU" in out
+
+
 def test_prune_pretrained_example(tmp_path):
     out = run([example("prune_pretrained.py"), "--max_steps=6", "--ramp_steps=3", SMALL_DATA], tmp_path)
     assert "fine-tuned 6 steps while pruning" in out

@@ -42,7 +42,7 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     chunks of channels so that the temporary stays small.
 
     Args:
-        tensor: A 1-D or 2-D (local) tensor.
+        tensor: A (local) tensor of any rank >= 1.
         dim: The channel axis.
         acc_dtype: The accumulation dtype.
 
@@ -51,6 +51,8 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     """
     if tensor.dim() == 1:
         return tensor.to(acc_dtype).square()
+    if tensor.dim() > 2:  # a convolution's weight: every dim but the channel axis is one flattened "other" axis
+        tensor, dim = tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1), 0
     other = 1 - dim
     num, width = tensor.shape[dim], tensor.shape[other]
     if width == 0 or num == 0:

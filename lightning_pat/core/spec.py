@@ -41,9 +41,9 @@ class Cluster:
 
     Args:
         name: Name of the cluster. With named regex groups, a format string such as ``"mlp.{layer}"``.
-        writers: Patterns of members whose channel axis is dim 0 (rows of a 2-D weight) or the only axis of a
-            1-D tensor (a writer's bias, a norm weight).
-        readers: Patterns of members whose channel axis is dim 1 (columns of a 2-D weight).
+        writers: Patterns of members whose channel axis is dim 0 (rows of a 2-D weight, output channels of a
+            convolution) or the only axis of a 1-D tensor (a writer's bias, a norm weight).
+        readers: Patterns of members whose channel axis is dim 1 (input channels of a Linear or a convolution).
         head_dim: If set, a unit is a block of channels: the number of units ``C`` is the shortest member's
             channel-axis length divided by ``head_dim``, and every member's block is its length divided by ``C``.
             This covers heads (all blocks ``head_dim``) and GQA query groups (``q``/``o`` blocks are
@@ -361,13 +361,10 @@ def _check_tensor(cluster: str, name: str, tensor: torch.Tensor, role: Role) -> 
             f"{where}: the parameter is on the meta device; resolve clusters after the weights are materialized "
             "(the callback does this in `setup`, after `configure_model`)."
         )
-    if tensor.dim() not in (1, 2):
-        raise ValueError(
-            f"{where}: expected a 1-D or 2-D tensor, found shape {tuple(tensor.shape)}; "
-            "tensors of other ranks are not supported as cluster members."
-        )
+    if tensor.dim() == 0:
+        raise ValueError(f"{where}: a 0-D (scalar) parameter has no channel axis; exclude it.")
     if role == "reader":
-        if tensor.dim() != 2:
+        if tensor.dim() < 2:
             raise ValueError(
                 f"{where}: a reader's channel axis is dim 1, but the tensor is 1-D (shape {tuple(tensor.shape)}); "
                 "list 1-D tensors (biases, norm weights) under `writers`."

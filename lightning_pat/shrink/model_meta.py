@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pat.shrink.surgery_conv import conv_kind
+
 log = logging.getLogger("lightning_pat.shrink")
 
 
@@ -33,7 +35,7 @@ def module_kind(module: nn.Module) -> str | None:
         return "rmsnorm"
     if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "variance_epsilon", None), float):
         return "hf_rmsnorm"
-    return None
+    return conv_kind(module)
 
 
 def is_llama_attention(m: nn.Module) -> bool:

@@ -2,8 +2,9 @@ r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.s
 
 Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must be a
 module whose metadata the surgery knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding``
-(columns only), ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face ``*RMSNorm`` modules and affine BatchNorms (their
-running statistics are cut with their weight). A module between a cut writer and its reader that holds per-channel
+(columns only), ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face ``*RMSNorm`` modules affine BatchNorms (their
+running statistics are cut with their weight), and ``nn.Conv1d/2d/3d`` and ``GroupNorm``
+(:mod:`lightning_pat.shrink.surgery_conv`). A module between a cut writer and its reader that holds per-channel
 tensors of the cut width that no member covers is refused (the shrunk model could not run). Attention modules
 (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups
 and get their head counts updated; MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where
@@ -36,12 +37,14 @@ from lightning_pat.shrink.model_meta import (
     update_containers,
 )
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
+from lightning_pat.shrink.surgery_conv import CONV_DIMS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
 
 log = logging.getLogger(__name__)
 
 _FIX_MODULE = (
     "Remove this parameter from the cluster, or replace the module by one the shrink can rewrite (nn.Linear, "
-    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm, an affine BatchNorm)."
+    "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm, an affine BatchNorm, "
+    "nn.Conv1d/2d/3d, GroupNorm)."
 )
 
 
@@ -65,12 +68,14 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("batchnorm", "bias"): (0,),
     ("rmsnorm", "weight"): (0,),
     ("hf_rmsnorm", "weight"): (0,),
+    **CONV_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "linear": (("weight", 0), ("bias", 0)),  # output channel: row and bias
     "conv1d": (("weight", 1), ("bias", 0)),  # Conv1D weights are [in, out]
     "layernorm": (("weight", 0), ("bias", 0)),
     "batchnorm": (("weight", 0), ("bias", 0)),
+    **CONV_TIED_AXES,
 }
 
 
@@ -143,6 +148,7 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
 
 def _check_edit(edit: _Edit) -> None:
     """A module's coupled axes (a Linear's rows and bias, a norm's weight and bias) must be cut identically."""
+    check_conv_edit(edit.name, edit.module, edit.kind, edit.cuts)
     axes = _TIED_AXES.get(edit.kind)
     if axes is None:
         return
@@ -322,6 +328,8 @@ def _rewrite(edit: _Edit, new_params: Mapping[int, Tensor]) -> None:
             if buf is not None:
                 setattr(module, stat, buf.index_select(0, kept.to(buf.device)).contiguous())
         module.num_features = w.shape[0]
+    elif edit.kind in CONV_TIED_AXES:
+        rewrite_conv(module, edit.kind, old_width)
     else:
         if hasattr(module, "normalized_shape"):
             module.normalized_shape = (w.shape[0],)

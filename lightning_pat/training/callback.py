@@ -66,6 +66,32 @@ def _user_errors(*kinds: type[Exception]) -> Iterator[None]:
         raise MisconfigurationException(str(err)) from err
 
 
+def first_batch_input(trainer: pl.Trainer) -> Any:
+    """What ``forward`` takes, from the first training batch (``None`` if there is no training data to read yet).
+
+    ``batch[0]`` of a tuple or list, a mapping (keyword arguments) or the batch itself. The loader gets a fresh
+    iterator (training starts its own later) and the global torch RNG state is restored afterwards, so a shuffling
+    sampler draws the same order as without this peek.
+    """
+    try:
+        source = trainer.fit_loop._data_source  # noqa: SLF001 - Lightning keeps fit's train data here before setup_data
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # noqa: BLE001 - any failure means "no batch to trace": the caller says how to fix it
+        return None
+    if loader is None:
+        return None
+    rng = torch.random.get_rng_state()
+    try:
+        batch = next(iter(loader))
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0]
+    return batch
+
+
 def _strategy_kind(strategy: Strategy) -> StrategyKind:
     if "DeepSpeed" in type(strategy).__name__:
         return "deepspeed"
@@ -87,7 +113,8 @@ class CoupledPruningCallback(Callback):
     Args:
         clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
             preset name (``"llama"``, ``"gpt2"``, ``"tiny_gpt"``, ``"linear_chain"``, or ``"auto"`` to detect the
-            family), or a list mixing preset names and declarations.
+            family; a model no preset fits is traced in ``setup`` from its ``example_input_array`` or first training
+            batch, see :func:`~lightning_pat.discover`), or a list mixing preset names and declarations.
         target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
         warmup_steps: Optimizer steps of dense training before pruning starts.
         ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once. Keep it
@@ -322,6 +349,7 @@ class CoupledPruningCallback(Callback):
                 weight_averaging=swa[0] if swa else None,
             )
         self._reproject = bool(swa)
+        self.controller.prepare(pl_module, (lambda: first_batch_input(trainer)) if stage == "fit" else None)
         self._unwatch_restore()  # one hook at a time (setup runs for every fit, validate, test and predict)
         if self.options.shrink_on_freeze:
             connector = trainer._checkpoint_connector  # Lightning restores the weights before any callback hook

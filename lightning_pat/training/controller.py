@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_pat.activation import ActivationStats
 from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
-from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
@@ -134,6 +134,7 @@ class PruningController:
         self._sharded_ckpt = False
         self._carry: dict[str, Any] | None = None  # in-memory state kept for the next fit (see finish_fit)
         self._pending: dict[str, Any] | None = None  # a loaded state, applied by the next start()
+        self._early: list[Cluster] | ValueError | None = None  # clusters="auto" traced before sharding (see prepare)
 
     # ------------------------------------------------------------------ views
     @property
@@ -155,6 +156,23 @@ class PruningController:
         return self.plan.targets(self.options.target_sparsity, fraction=self.schedule.fraction(step))
 
     # ------------------------------------------------------------------ build
+    def prepare(self, module: nn.Module, batch_input: Callable[[], Any] | None) -> None:
+        """Discover ``clusters="auto"`` by tracing now, before ``configure_model`` shards the model (or forget it).
+
+        A discovery error is kept and raised by :meth:`bind`, where every rank raises together.
+
+        Args:
+            module: The model, not sharded yet.
+            batch_input: Returns the first training batch's inputs (used without an ``example_input_array``);
+                ``None`` outside ``fit`` (nothing is discovered).
+        """
+        self._early = None if batch_input is None else self.options.early_declarations(module, batch_input)
+
+    def _declarations(self, module: nn.Module) -> list[Cluster]:
+        if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
+            raise self._early
+        return self._early or self.options.declarations(module)
+
     def bind(
         self,
         module: nn.Module,
@@ -177,8 +195,9 @@ class PruningController:
                 next to the model's shards).
 
         Raises:
-            ValueError: If the clusters do not resolve or route on some rank, a target below 1 would drop every unit
-                of a cluster, or ranks disagree; if
+            ValueError: If the clusters do not resolve or route on some rank (or ``clusters="auto"`` could not be
+                discovered, see :meth:`prepare`), a target below 1 would drop every unit of a cluster, or ranks
+                disagree; if
                 ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze`` could not
                 shrink the model.
         """
@@ -193,7 +212,7 @@ class PruningController:
         with self._weights() as params:
             plan, error = None, None
             try:
-                declarations = opts.declarations(module)
+                declarations = self._declarations(module)
                 plan = make_plan(
                     params, declarations, score=opts.score, executor=opts.executor,
                     group_count_ref=opts.group_count_ref,

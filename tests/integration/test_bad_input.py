@@ -115,6 +115,13 @@ CASES = [
         "fit",
     ),
     (
+        "auto-discovery-options",
+        {"clusters": "auto", "preset_options": {"mlp": True}},
+        r"`preset_options` \{'mlp': True\} apply to presets, but no preset fits MLPModule and its clusters are "
+        r"discovered by tracing; remove `preset_options`",
+        "fit",
+    ),
+    (
         "pattern-typo",
         {"clusters": [Cluster("hidden", writers=["fc1.wieght"], readers=[R])]},
         r"Cluster 'hidden': writer pattern 'fc1.wieght' matches no parameter.*Close parameter names: \['fc1.weight'",

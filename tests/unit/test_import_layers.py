@@ -8,7 +8,8 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
-* ``pruning`` (options, presets, activation, engine: the one-shot API): adds parallel;
+* ``pruning`` (options, presets, activation, engine: the one-shot API; discovery: clusters found by tracing): adds
+  parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
 * ``training`` (options' users: controller, state, latent, metrics, callback): adds pruning and shrink;
@@ -36,7 +37,7 @@ PKG = "lightning_pat"
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
-    "pruning": ("options", "presets", "activation", "engine", "sizing"),
+    "pruning": ("options", "presets", "activation", "engine", "sizing", "discovery."),
     "shrink": ("shrink.",),
     "training": ("training.",),
     "cli": ("cli.",),
@@ -263,6 +264,7 @@ KNOWN = {
     for n in (
         "core", "core.spec", "core.scoring", "parallel", "parallel.distributed", "parallel.placement", "engine",
         "options", "training", "training.callback", "training.controller", "shrink", "shrink.entry", "demo", "cli",
+        "presets", "discovery", "discovery.trace",
     )
 }  # fmt: skip
 
@@ -297,6 +299,9 @@ KNOWN = {
         ("shrink/entry.py", "import transformers\n", "imports only the stdlib and torch"),
         ("shrink/export.py", "import lightning\n", "lightning is imported only"),
         ("cli/app.py", "from lightning_pat.demo import TinyGPT\n", "the cli floor imports only"),
+        ("discovery/entry.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
+        ("discovery/trace.py", "import lightning\n", "lightning is imported only"),
+        ("shrink/surgery_conv.py", "from lightning_pat.engine import Pruner\n", "the shrink floor imports only"),
         ("engine.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
         ("engine.py", "from lightning_pat.parallel import distributed as D\n", "no one-letter module aliases"),
         ("new_module.py", "import torch\n", "belongs to no floor"),
@@ -330,6 +335,7 @@ def test_checkers_detect_violations(rel, source, needle):
         ("training/metrics.py", "from torchmetrics import Metric\n"),
         ("shrink/entry.py", "import math\nimport torch\nfrom lightning_pat.core.spec import ResolvedCluster\n"),
         ("shrink/export.py", "from lightning_pat.shrink import entry\ndef f():\n    import transformers\n"),
+        ("discovery/entry.py", "from lightning_pat import presets\nfrom lightning_pat.discovery.trace import trace\n"),
         ("demo/task.py", "import lightning.pytorch as pl\nfrom torch.distributed.fsdp import fully_shard\n"),
         ("cli/app.py", "from lightning.pytorch.cli import LightningCLI\nfrom lightning_pat.training import callback\n"),
     ],

@@ -321,11 +321,11 @@ def test_source_errors():
 # ---------------------------------------------------------------------------------------------------- errors
 def test_unknown_module_type_raises_before_anything_changes():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv1d(3, 8, 1), nn.ReLU(), nn.Conv1d(8, 2, 1))
+    net = nn.Sequential(nn.ConvTranspose1d(3, 8, 1), nn.ReLU(), nn.ConvTranspose1d(8, 2, 1))
     clusters = [Cluster("c", writers=["0.bias"], readers=[])]
     result = prune_clusters(net, clusters, 0.5)
     before = snapshot(net)
-    with pytest.raises(ValueError, match=r"'0\.bias' is used by module '0' of type Conv1d.*cannot rewrite"):
+    with pytest.raises(ValueError, match=r"'0\.bias' is used by module '0' of type ConvTranspose1d.*cannot rewrite"):
         shrink(net, result)
     assert_unchanged(net, before)
 

@@ -29,6 +29,7 @@ class Tiny(nn.Module):
         self.norm = nn.Parameter(torch.ones(d, dtype=torch.float64))
         self.qkv = nn.Parameter(torch.randn(12, d, dtype=torch.float64))
         self.cube = nn.Parameter(torch.randn(2, 3, 4, dtype=torch.float64))
+        self.scalar = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
         self.steps = nn.Parameter(torch.arange(4), requires_grad=False)  # integer "parameter"
 
 
@@ -106,7 +107,7 @@ BAD_DECLARATIONS = {
         [Cluster(name="x", writers=["steps"])],
         r"Cluster 'x', member 'steps': expected a floating-point parameter, found dtype torch\.int64",
     ),
-    "3-D tensor": ([Cluster(name="x", writers=["cube"])], r"member 'cube': expected a 1-D or 2-D tensor"),
+    "0-D tensor": ([Cluster(name="x", writers=["scalar"])], r"member 'scalar': a 0-D \(scalar\) parameter"),
     "reader on 1-D": ([Cluster(name="x", readers=["norm"])], r"member 'norm': a reader's channel axis is dim 1"),
     "same parameter twice in one cluster": (
         [Cluster(name="x", writers=["layers.1.up.weight", "layers.1.up.*"])],

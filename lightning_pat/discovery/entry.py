@@ -1,0 +1,223 @@
+"""Find the coupled units of any model by tracing it: :func:`discover`.
+
+The model is exported to an ATen graph (:mod:`lightning_pat.discovery.trace`) and every tensor dim that carries
+channels gets a *label*: a list of segments ``(space, units, block)`` (a concatenation holds several). A *space* is
+one index space of units (union-find): a Linear/Conv output channel axis opens one, with the weight's rows and the
+bias as writers; channel-preserving ops (activations, dropout, pooling, BatchNorm, GroupNorm (a unit becomes a
+whole group), elementwise ops, residual additions) carry the label on (an addition or product of two labelled
+tensors joins their spaces); readers (a Linear's/Conv's input channels, an embedding's columns) join the space of
+their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns; a
+depthwise convolution keeps its input's space (its rows a block of the channel multiplier); ``cat`` along the
+channel axis puts segments side by side.
+
+Everything the walk does not understand *poisons* the spaces it touches, with a reason: the model's outputs
+(logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax, reductions, matmul
+between activations as in attention, reshapes that split a channel axis into heads), parameters used directly in a
+forward (outside the weight slot of a Linear/Conv/norm), grouped convolutions, norms without affine weights.
+Poisoned spaces are left out and listed in :attr:`Discovery.left_out`; the rest become ordinary :class:`Cluster`
+declarations (exact names, channel slices where a member holds part of an axis, explicit ``num_units``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from lightning_pat import presets
+from lightning_pat.core.spec import Cluster, resolve_clusters
+from lightning_pat.discovery.trace import trace
+from lightning_pat.discovery.walk import Walk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """Channels discovery did not turn into a cluster, and why.
+
+    Attributes:
+        name: A readable name (the first writer's module).
+        units: Number of channels (units).
+        members: The parameters (with channel slices) that touch these channels.
+        reasons: Why the channels are left out.
+    """
+
+    name: str
+    units: int
+    members: tuple[str, ...]
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What :func:`discover` found.
+
+    Attributes:
+        clusters: The coupled clusters, ordinary declarations (print, edit, pass to the callback).
+        left_out: Channels that touch parameters but are not safe to prune, with the reasons.
+    """
+
+    clusters: list[Cluster]
+    left_out: list[LeftOut]
+
+    def table(self) -> str:
+        """A readable report: one line per cluster found and per group of channels left out."""
+        lines = ["| channels | units | members | status |", "| --- | --- | --- | --- |"]
+        for c in self.clusters:
+            members = ", ".join([*c.writers, *c.readers])
+            lines.append(f"| {c.name} | {c.num_units} | {_short(members)} | cluster |")
+        for lo in self.left_out:
+            lines.append(
+                f"| {lo.name} | {lo.units} | {_short(', '.join(lo.members))} | left out: {'; '.join(lo.reasons)} |"
+            )
+        return "\n".join(lines)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------- results
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else param
+
+
+def _pattern(param: str, dim: int, start: int, stop: int, shapes: dict[str, tuple[int, ...]]) -> str:
+    full = shapes.get(param)
+    whole = full is not None and start == 0 and stop == full[dim]
+    return param if whole else f"{param}[{start}:{stop}]"
+
+
+def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
+    by_root: dict[int, list[tuple[str, int, int, int]]] = {}
+    for key, space in w.members.items():
+        by_root.setdefault(w.find(space), []).append(key)
+    for root, keys in by_root.items():
+        for param, *_ in keys:
+            if param in w.direct:
+                w.poison_space(root, w.direct[param])
+    clusters: list[Cluster] = []
+    left: list[LeftOut] = []
+    names: dict[str, int] = {}
+    for root in sorted(by_root):
+        keys = by_root[root]
+        space = w.spaces[root]
+        writers = [k for k in keys if k[1] == 0]  # the spec's roles: channel axis dim 0 (rows, 1-D) or dim 1
+        readers = [k for k in keys if k[1] == 1]
+        producers = [k for k in keys if w.flows[k] == "out"]
+        reasons = list(space.reasons)
+        if not reasons and len(producers) == len(keys):
+            reasons.append("no Linear/Conv reads these channels")
+        if not reasons and not producers:
+            reasons.append("no Linear/Conv writes these channels")
+        if not reasons and space.units < 2:
+            reasons.append("a single channel")
+        base = _module_of((producers or keys)[0][0])
+        count = names.get(base, 0)
+        names[base] = count + 1
+        name = base if count == 0 else f"{base}#{count}"
+        if reasons:
+            members = tuple(_pattern(*k, shapes) for k in keys)
+            left.append(LeftOut(name, space.units, members, tuple(reasons)))
+            continue
+        clusters.append(
+            Cluster(
+                name=name,
+                writers=[_pattern(*k, shapes) for k in writers],
+                readers=[_pattern(*k, shapes) for k in readers],
+                num_units=space.units,
+            )
+        )
+    return Discovery(clusters=clusters, left_out=left)
+
+
+def discover(model: nn.Module, example_input: Any) -> Discovery:
+    """Trace ``model`` and derive its coupled clusters, and a report of the channels left out.
+
+    Args:
+        model: Any module (a LightningModule traces its ``forward``); it is not changed or run on data (a meta copy
+            is traced).
+        example_input: What ``forward`` takes: a tensor, a tuple of positional arguments, or a dict of keyword
+            arguments (``LightningModule.example_input_array``, a batch's inputs).
+
+    Returns:
+        The clusters (exact parameter names, channel slices where needed, explicit ``num_units``) and the channels
+        left out with the reasons. ``Discovery.table()`` prints both.
+
+    Raises:
+        ValueError: If the model cannot be traced (the message says why and suggests declaring clusters).
+
+    Example::
+
+        >>> import torch
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+        >>> found = discover(net, torch.zeros(1, 3, 8, 8))
+        >>> [(c.writers, c.readers) for c in found.clusters]
+        [(['0.weight', '0.bias', '1.weight', '1.bias'], ['3.weight'])]
+    """
+    tr = trace(model, example_input)
+    walk = Walk(tr)
+    walk.run()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    return _validated(model, _collect(walk, shapes))
+
+
+def _validated(model: nn.Module, found: Discovery) -> Discovery:
+    """A safety net: a cluster that does not resolve against the model is left out with the error, never returned."""
+    try:
+        resolve_clusters(model, found.clusters)
+        return found
+    except ValueError:
+        pass
+    ok: list[Cluster] = []
+    left = list(found.left_out)
+    for cluster in found.clusters:  # find the culprits (quadratic, but only after a failure)
+        try:
+            resolve_clusters(model, [*ok, cluster])
+        except ValueError as err:
+            members = (*cluster.writers, *cluster.readers)
+            left.append(LeftOut(cluster.name, cluster.num_units or 0, members, (f"does not resolve: {err}",)))
+            continue
+        ok.append(cluster)
+    return Discovery(clusters=ok, left_out=left)
+
+
+def prefers_discovery(model: nn.Module) -> bool:
+    """Whether ``clusters="auto"`` should trace ``model`` rather than use a preset.
+
+    True when no preset family is detected, or when only the ``linear_chain`` preset is (it sees the ``nn.Linear``
+    chains of ``nn.Sequential`` containers only) while the model holds convolutions or normalization layers.
+    """
+    try:
+        family = presets.detect(model)
+    except ValueError:
+        return True
+    if family != "linear_chain":
+        return False
+    kinds = (_ConvNd, _BatchNorm, nn.GroupNorm, nn.LayerNorm)
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+def discovered_clusters(model: nn.Module, example_input: Any) -> list[Cluster]:
+    """The clusters of :func:`discover`, logging the table of what was found and left out (``clusters="auto"``).
+
+    Raises:
+        ValueError: If the model cannot be traced, or no cluster is found (the table says why).
+    """
+    found = discover(model, example_input)
+    if not found.clusters:
+        raise ValueError(
+            f"discover: no prunable clusters found in {type(model).__name__}; what was left out and why:\n"
+            f"{found.table()}\nDeclare the clusters by hand."
+        )
+    log.info("discover: %d clusters of %s:\n%s", len(found.clusters), type(model).__name__, found.table())
+    return found.clusters
+
+
+__all__: Sequence[str] = ("Discovery", "LeftOut", "discover", "discovered_clusters", "prefers_discovery")

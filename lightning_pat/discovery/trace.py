@@ -1,0 +1,144 @@
+"""Trace a model into an ATen graph for :mod:`lightning_pat.discovery.entry` (``torch.export``, on the meta device).
+
+The model is never run on real data: a *meta twin* (a deep copy whose parameters and buffers are meta tensors of
+the same global shapes, DTensors included) is exported non-strictly with meta example inputs, so tracing costs no
+memory and no compute and leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
+_FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """An exported graph and what its placeholders stand for.
+
+    Attributes:
+        graph: The ATen-level ``torch.fx.Graph``; every node's ``meta["val"]`` holds a (fake) value with its shape.
+        params: Placeholder name -> parameter name in the model.
+        buffers: Placeholder name -> buffer name.
+        constants: Placeholder names of lifted tensor constants.
+    """
+
+    graph: torch.fx.Graph
+    params: dict[str, str]
+    buffers: dict[str, str]
+    constants: frozenset[str]
+
+
+def _global_shape(tensor: torch.Tensor) -> torch.Size:
+    return tensor.shape  # a DTensor reports its global shape
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with meta parameters and buffers of the same global shapes (nothing allocated).
+
+    Raises:
+        ValueError: If the model cannot be deep-copied (the message names the error).
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(_global_shape(p), dtype=p.dtype, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(_global_shape(b), dtype=b.dtype, device="meta")
+    for module in model.modules():
+        for attr in _FOREIGN_ATTRS:
+            value = module.__dict__.get(attr)
+            if value is not None:
+                memo[id(value)] = None
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:  # noqa: BLE001 - any copy failure is reported with the fix
+        raise ValueError(
+            f"discover: cannot make a meta copy of {type(model).__name__} to trace it ({type(err).__name__}: {err}); "
+            "declare the clusters by hand."
+        ) from err
+
+
+def to_meta(value: Any) -> Any:
+    """``value`` with every tensor replaced by a meta tensor of the same shape and dtype (nested lists/dicts)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, Mapping):
+        return {k: to_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [to_meta(v) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output.
+
+    Tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other objects (a key/value cache) are not
+    outputs for discovery.
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+class _TensorOutputs(nn.Module):
+    """Exports ``inner`` with its output reduced to a tuple of tensors (parameter names gain the prefix ``inner.``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(tensors_of(self.inner(*args, **kwargs)))
+
+
+def _strip(names: Mapping[str, str]) -> dict[str, str]:
+    return {k: v.removeprefix("inner.") for k, v in names.items()}
+
+
+def trace(model: nn.Module, example_input: Any) -> Trace:
+    """Export ``model`` (its meta twin, in eval mode) on meta copies of ``example_input``.
+
+    Args:
+        model: The model.
+        example_input: A tensor, a tuple of positional arguments, or a dict of keyword arguments.
+
+    Returns:
+        The trace.
+
+    Raises:
+        ValueError: If the model cannot be copied or exported (data-dependent control flow, unsupported Python);
+            the message carries torch's reason.
+    """
+    twin = _TensorOutputs(meta_twin(model)).eval()
+    example = to_meta(example_input)
+    args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})
+    if not isinstance(args, tuple):
+        args = (args,)
+    try:
+        program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
+    except Exception as err:  # noqa: BLE001 - torch raises many types; all mean "cannot trace"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"discover: torch.export could not trace {type(model).__name__} ({type(err).__name__}: {first[:300]}); "
+            "data-dependent control flow or unsupported Python in forward. Declare the clusters by hand, or pass an "
+            "`example_input` the forward accepts."
+        ) from err
+    sig = program.graph_signature
+    return Trace(
+        graph=program.graph,
+        params=_strip(sig.inputs_to_parameters),
+        buffers=_strip(sig.inputs_to_buffers),
+        constants=frozenset(sig.inputs_to_lifted_tensor_constants),
+    )
