@@ -363,8 +363,8 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
 
 
 # (kind) -> (attribute, dim) of the output channels a module writes, and of the input channels it reads
-_WRITES: dict[str, tuple[str, int]] = {"linear": ("weight", 0), "conv1d": ("weight", 1)}
-_READS: dict[str, tuple[str, int]] = {"linear": ("weight", 1), "conv1d": ("weight", 0)}
+_WRITES: dict[str, tuple[str, int]] = {"linear": ("weight", 0), "conv1d": ("weight", 1), "conv": ("weight", 0)}
+_READS: dict[str, tuple[str, int]] = {"linear": ("weight", 1), "conv1d": ("weight", 0), "conv": ("weight", 1)}
 
 
 def _cut_width(edit: _Edit, attr: str, dim: int) -> int:

@@ -203,6 +203,34 @@ def test_shrink_refuses_a_batchnorm_between_shrunk_layers_that_no_member_covers(
         check_shrinkable(net, res.clusters)
 
 
+def test_shrink_refuses_a_batchnorm2d_between_shrunk_convolutions_that_no_member_covers():
+    from lightning_pat import shrink
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, padding=1),
+    )
+    cluster = Cluster("hidden", writers=["0.weight", "0.bias"], readers=["3.weight"])
+    res = prune_clusters(net, cluster, 0.5)
+    before = _snapshot(net)
+    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm2d\) sits between '0'.*8 output channels"):
+        shrink(net, res)
+    assert _unchanged(net, before)
+    assert net[0].out_channels == 8
+    # declared, the same chain shrinks exactly
+    net[1].eval()
+    declared = Cluster("hidden", writers=["0.weight", "0.bias", "1.weight", "1.bias"], readers=["3.weight"])
+    res = prune_clusters(net, declared, 0.5)
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        masked = net(x)
+        small = shrink(net, res)
+        torch.testing.assert_close(small(x), masked, rtol=0, atol=1e-5)
+    assert small[1].num_features == 4
+
+
 def test_a_batchnorm_declared_in_the_cluster_is_shrunk_exactly_with_its_running_statistics():
     from lightning_pat import shrink
 
