@@ -198,6 +198,20 @@ class Distiller:
         kl, self.last_kl = self.last_kl, None
         return kl
 
+    def check_ran(self) -> None:
+        """After the backward of a training step: the logits module's forward ran (once distilling); reset the count.
+
+        Raises:
+            Exception: ``self.error`` if distillation is on and the forward of the logits module did not run.
+        """
+        if self.on and self.calls == 0:
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{self.module_name!r}` did not run in this training step, so nothing was distilled. Call "
+                "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
+            )
+        self.calls = 0
+
     def release(self) -> None:
         """Remove the hook."""
         for handle in self._handles:
