@@ -137,7 +137,7 @@ class Distiller:
         alpha: Weight of the distillation term, in ``(0, 1]``.
         temperature: Softmax temperature, ``> 0``.
         teacher: A user's teacher module, or ``None`` for a frozen copy taken when pruning starts.
-        error: The exception type raised on misuse (the callback passes its configuration error).
+        error: The exception type raised on misuse (the controller passes its `forward_error`).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class Distiller:
         self.student: nn.Module | None = None
         self.module_name = ""
         self.scale = alpha
-        self.active = False  # inside a training batch (set by the callback)
+        self.active = False  # inside a training batch (open() ... close())
         self.on = False  # pruning has started: distill
         self.calls = 0
         self.last_kl: Tensor | None = None
