@@ -127,9 +127,9 @@ class PruningOptions:
 
     Args:
         clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
-            preset name (``"llama"``, ``"gpt2"``, ``"tiny_gpt"``, ``"linear_chain"``, or ``"auto"`` to detect the
-            family; a model no preset fits is traced in ``setup`` from its ``example_input_array`` or first training
-            batch, see :func:`~lightning_pat.discover`), or a list mixing preset names and declarations.
+            preset name (``"llama"``, ``"gpt2"``, ``"linear_chain"``, the demo's ``"tiny_gpt"``, or ``"auto"`` to
+            detect the family; a model no preset fits is traced in ``setup`` from its ``example_input_array`` or first
+            training batch, see :func:`~lightning_pat.discover`), or a list mixing preset names and declarations.
         target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
         warmup_steps: Optimizer steps of dense training before pruning starts.
         ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once. Keep it
