@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_pat import presets, resolve_clusters  # noqa: E402
+from lightning_pat import resolve_clusters  # noqa: E402
+from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import Pruner  # noqa: E402
 from lightning_pat.parallel.executors import materializing  # noqa: E402
@@ -122,7 +123,7 @@ def build(args: argparse.Namespace, *, heads: bool):
     )
     model = TinyGPT(cfg)
     params = dict(model.named_parameters())
-    clusters = resolve_clusters(model, presets.tiny_gpt(model, mlp=True, heads=heads))
+    clusters = resolve_clusters(model, demo_preset.tiny_gpt(model, mlp=True, heads=heads))
     clustered = sorted({n for rc in clusters for n in rc.param_names})
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     return model, params, clusters, clustered, tokens

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import CoupledPruningCallback  # noqa: E402
+from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (with one intra-op thread: CPU time of the process)
@@ -147,12 +148,12 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_
 
 def activation_cost(cfg: TinyGPTConfig, data: DataLoader, *, reps: int) -> tuple[float, float]:
     """Median forward+backward time without and with ``score="activation"``'s statistics hooks (interleaved)."""
-    from lightning_pat import presets, resolve_clusters
+    from lightning_pat import resolve_clusters
     from lightning_pat.activation import ActivationStats
 
     module = LM(cfg)
     model = module.model
-    clusters = resolve_clusters(model, presets.tiny_gpt(model))
+    clusters = resolve_clusters(model, demo_preset.tiny_gpt(model))
     stats = ActivationStats(model, clusters)
     x = next(iter(data))[0]
     plain, hooked = [], []

@@ -49,8 +49,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_pat import CoupledPruningCallback, presets  # noqa: E402
+from lightning_pat import CoupledPruningCallback  # noqa: E402
 from lightning_pat.activation import calibrate  # noqa: E402
+from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import prune_clusters  # noqa: E402
 
@@ -160,7 +161,7 @@ def active_params(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------------- variants
 def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bool = False):
     out = []
-    for c in presets.tiny_gpt(model):
+    for c in demo_preset.tiny_gpt(model):
         if (shared_heads and c.name.startswith("heads")) or (shared_mlp and c.name.startswith("mlp")):
             c = dataclasses.replace(c, budget=c.name.split(".")[0])
         out.append(c)

@@ -47,44 +47,11 @@ import torch
 import transformers as T
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llama_bench_model import build, config  # noqa: E402
+
 from lightning_pat import presets, prune_clusters, shrink  # noqa: E402
-
-
-def config(quick: bool, **sizes: int) -> T.LlamaConfig:
-    """The benchmark's config; ``sizes`` are set after construction (LlamaConfig refuses hidden % heads != 0, which an
-    explicit ``head_dim`` makes legitimate)."""
-    base = (
-        {
-            "vocab_size": 512,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-        }
-        if quick
-        else {
-            "vocab_size": 6144,
-            "hidden_size": 384,
-            "intermediate_size": 1024,
-            "num_hidden_layers": 6,
-            "num_attention_heads": 6,
-        }
-    )
-    head_dim = base["hidden_size"] // base["num_attention_heads"]
-    cfg = T.LlamaConfig(
-        **base, num_key_value_heads=base["num_attention_heads"], head_dim=head_dim, tie_word_embeddings=False
-    )
-    for key, value in sizes.items():
-        setattr(cfg, key, value)
-    if "num_attention_heads" in sizes:
-        cfg.num_key_value_heads = sizes["num_attention_heads"]
-    return cfg
-
-
-def build(cfg: T.LlamaConfig, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return T.LlamaForCausalLM(cfg).eval()
 
 
 def torch_pruning_mlp(model: nn.Module, dropped: dict[str, list[int]], ids: torch.Tensor) -> nn.Module:

@@ -14,7 +14,7 @@ The size: a model with half its decoder layers' parameters (``total - L/2 * per_
 Each variant is pruned with ``prune_clusters(target_params=...)``, shrunk, checked against the masked model (relative
 error < 1e-5) and its parameter count against the solver's achieved count (equal), then timed.
 
-Speed model: the Llama-style ``LlamaForCausalLM`` of ``bench_shrink.py`` (d=384, ffn=1024, 6 layers, 6 heads of 64,
+Speed model: the Llama-style ``LlamaForCausalLM`` of ``llama_bench_model.py`` (d=384, ffn=1024, 6 layers, 6 heads of 64,
 vocabulary 6144, untied; about 15M parameters). ``torch.inference_mode``, fp32, ``--threads`` threads, variants
 interleaved, median over ``--reps``: forward tokens/s at batch 32 x ``--seq``; forward latency at batch 1 x ``--seq``;
 greedy decoding at batch 1 with the KV cache (``generate``, ``--new-tokens`` tokens after an 8-token prompt),
@@ -46,7 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_quality as Q  # noqa: E402
-from bench_shrink import build, config  # noqa: E402
+from llama_bench_model import build, config  # noqa: E402
 
 from lightning_pat import CoupledPruningCallback, presets, prune_clusters, shrink  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402

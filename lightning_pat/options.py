@@ -120,7 +120,73 @@ def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
 
 @dataclass(frozen=True)
 class PruningOptions:
-    """Every option of a pruning run, checked once at construction (see the callback's ``Args:`` for each).
+    """Every option of a pruning run, checked once at construction.
+
+    The options are those of :class:`~lightning_pat.CoupledPruningCallback` (whose help lists them from here);
+    :func:`~lightning_pat.prune_clusters` and the plan use the ones that apply to a single step.
+
+    Args:
+        clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
+            preset name (``"llama"``, ``"gpt2"``, ``"linear_chain"``, the demo's ``"tiny_gpt"``, or ``"auto"`` to
+            detect the family; a model no preset fits is traced in ``setup`` from its ``example_input_array`` or first
+            training batch, see :func:`~lightning_pat.discover`), or a list mixing preset names and declarations.
+        target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
+        warmup_steps: Optimizer steps of dense training before pruning starts.
+        ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once. Keep it
+            to about a third of the steps spent pruning or less, so that most of them heal (BENCHMARKS.md).
+        every_n_steps: Cadence of fresh selections during the ramp; in between, the current mask is held.
+        ramp: Ramp shape, ``"cubic"`` (default) or ``"linear"``.
+        heal: After the ramp, freeze the mask and keep dropped units at zero (default). If false, keep
+            re-selecting at the final target every ``every_n_steps``.
+        method: ``"hard"`` (drop the lowest-scoring units) or ``"group_lasso"`` (during the ramp, the scheduled
+            target is a floor: the lowest-scoring units are dropped as with ``"hard"``, and every other unit is
+            shrunk by a block soft-threshold of strength ``reg_lambda``, which may zero more; the final step always
+            applies the exact target).
+        reg_lambda: Group-lasso strength ``lambda``. A unit of norm ``||u||`` over all members is scaled by
+            ``max(0, 1 - lambda * gamma * sqrt(G) / ||u||)``. In ``latent`` mode the prox acts on the unshrunk
+            latent and ``gamma`` is the sum of learning rates since warmup; in ``direct`` mode it acts on weights
+            that earlier steps already shrank and ``gamma`` is the sum of learning rates since the previous fresh
+            selection (this step's lr with ``every_n_steps=1``): a proximal gradient step.
+        score: Unit score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"`` (from the weights), or
+            ``"activation"`` (opt-in, Minitron-style: each unit's expected squared contribution to its readers'
+            outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
+            over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
+            weights; one device or DDP only; see :mod:`lightning_pat.activation`).
+        mode: ``"latent"`` (default: the optimizer updates a dense latent copy, the model uses its projection) or
+            ``"direct"`` (project the weights themselves; no extra memory).
+        executor: ``"auto"`` (sharded path for eligible DTensor clusters, else materializing), ``"materializing"``
+            or ``"sharded"``.
+        group_count_ref: Opt-in score correction ``sqrt(C / ref)`` for clusters sharing a budget.
+        preset_options: Keyword options for a preset (e.g. ``{"residual": True}``).
+        log_metrics: Log sparsity through the Trainer's loggers, every ``log_every_n_steps`` optimizer steps and at
+            the final ramp step (literal zeros are counted only then).
+        debug_check_selection: After every fresh selection, compare a hash of the selection across all ranks and
+            raise if they differ (one small collective per selection; off by default).
+        shrink_on_freeze: At the final ramp step, once the mask is frozen, physically shrink the LightningModule's
+            model in place and slice the optimizer state the same way, so healing runs on the small model (single
+            device only; needs ``heal=True``). A checkpoint written afterwards resumes: the fresh module is shrunk
+            before its weights load.
+        distill_alpha: Distill from the dense model during the ramp and healing (0, the default, is off). The
+            student's gradient becomes that of ``loss + distill_alpha * T^2 * KL(teacher || student)`` (softmax of
+            the logits at temperature ``T``, mean over tokens), added through a forward hook on the logits: no change
+            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl``. Single
+            device and DDP (see :mod:`lightning_pat.training.distill`).
+        distill_temperature: The softmax temperature ``T`` (> 0).
+        distill_teacher: The teacher module (run on the student's inputs, never updated); ``None`` (default) takes
+            a frozen copy of the model when pruning starts, saved in the callback state for resume.
+        distill_module: The submodule whose forward returns the logits (a tensor, or an output with ``logits``,
+            such as a Hugging Face ``ModelOutput``); ``""`` (default) is the LightningModule itself, whose forward
+            ``training_step`` must call (``self(x)``).
+        target_params: A size instead of a fraction: an absolute parameter count (``4e9``, ``"4B"``, ``"350M"``) or a
+            fraction of the model's parameters (``0.5``, ``"50%"``). At fit start the per-cluster widths that reach it
+            are solved (one width per declaration, as a stock config loads; every parameter a unit carries is counted,
+            tied weights once; clusters with their own ``target`` keep it; layer units drop whole layers) and the
+            ramp goes towards them; ``target_sparsity`` is then unused. The callback's ``size`` reports the achieved
+            count and the nearest achievable counts on either side. ``method="hard"`` only.
+        target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``:
+            the closest not below it.
+        target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
+            to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
 
     Raises:
         ValueError: If an option is out of range or unknown, a declaration is invalid, a preset name or preset
@@ -279,6 +345,16 @@ class PruningOptions:
     def frozen(self, step: int) -> bool:
         """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
         return self.schedule.frozen(step, heal=self.heal)
+
+
+def options_doc() -> str:
+    """The ``Args:`` section of :class:`PruningOptions`, as written (one entry per option, class-level indentation).
+
+    The callback appends it to its own docstring, so that ``lightning-pat fit --help`` and jsonargparse's
+    ``--trainer.callbacks.help`` read each option's help from this one place.
+    """
+    doc = PruningOptions.__doc__ or ""
+    return doc[doc.index("    Args:\n") : doc.index("\n\n    Raises:")]
 
 
 def check_distillation(options: PruningOptions) -> None:

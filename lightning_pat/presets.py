@@ -22,8 +22,9 @@ Kinds (keyword-selectable in every transformer preset):
 Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_attn.{q,k,v,o}_proj``,
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
 ``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
-(``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``), ``tiny_gpt``
-(:class:`~lightning_pat.demo.model.TinyGPT`) and ``linear_chain`` (see :func:`linear_chain`).
+(``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``) and ``linear_chain`` (see
+:func:`linear_chain`). Other packages add families with :func:`register` (the demo registers ``tiny_gpt``, its
+:class:`~lightning_pat.demo.model.TinyGPT`, when ``lightning_pat.demo`` is imported).
 
 Limitations:
 
@@ -54,16 +55,20 @@ OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers")
 
 _HOW_TO = (
     "Supported families: llama/mistral/qwen2 (`<prefix>layers.N.self_attn.q_proj.weight`), gpt2 "
-    "(`<prefix>h.N.attn.c_attn.weight`), tiny_gpt (`layers.N.attn.q_proj.weight`) and linear_chain (consecutive "
-    "nn.Linear layers in an nn.Sequential). For other models declare clusters by hand, e.g. "
+    "(`<prefix>h.N.attn.c_attn.weight`), linear_chain (consecutive nn.Linear layers in an nn.Sequential) and "
+    "those registered with lightning_pat.presets.register (tiny_gpt, by lightning_pat.demo). For other models "
+    "declare clusters by hand, e.g. "
     "Cluster(name='mlp.{layer}', writers=['re:blocks\\.(?P<layer>\\d+)\\.fc1\\.(?:weight|bias)'], "
     "readers=['re:blocks\\.(?P<layer>\\d+)\\.fc2\\.weight'])."
 )
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Parameter-name regexes of one family, relative to the backbone prefix (per layer: after ``layers.N.``)."""
+class Layout:
+    """Parameter-name regexes of one family, relative to the backbone prefix (per layer: after ``layers.N.``).
+
+    Build one for a Llama-like family with :func:`llama_like`, its clusters with :func:`build`.
+    """
 
     family: str
     layers: str  # module path of the layer list: "layers", "h"
@@ -76,8 +81,16 @@ class _Layout:
     layer_out: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (writers, readers): zero => the layer is identity
 
 
-def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
-    return _Layout(
+def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
+    """The layout of a Llama-style family whose names differ only in the attention, norm and embedding modules.
+
+    Args:
+        family: The family's name (in messages).
+        attn: The regex of the attention module's name in a layer (``"self_attn"``).
+        norms: The regex of the layer's norm names (``"(?:input_layernorm|post_attention_layernorm)"``).
+        embed: The embedding module's name (``"embed_tokens"``).
+    """
+    return Layout(
         family=family,
         layers="layers",
         anchor=rf"{attn}\.q_proj\.weight",
@@ -96,12 +109,11 @@ def _llama_like(family: str, *, attn: str, norms: str, embed: str) -> _Layout:
 
 
 _QKV = tuple(rf"attn\.c_attn\.{kind}[{i}/3]" for kind in ("weight", "bias") for i in range(3))
-_LAYOUTS: dict[str, _Layout] = {
-    "tiny_gpt": _llama_like("tiny_gpt", attn="attn", norms="(?:attn_norm|mlp_norm)", embed="embed"),
-    "llama": _llama_like(
+_LAYOUTS: dict[str, Layout] = {
+    "llama": llama_like(
         "llama", attn="self_attn", norms="(?:input_layernorm|post_attention_layernorm)", embed="embed_tokens"
     ),
-    "gpt2": _Layout(
+    "gpt2": Layout(
         family="gpt2",
         layers="h",
         anchor=r"attn\.c_attn\.weight",
@@ -132,7 +144,7 @@ def _param_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
 
-def _find_backbone(layout: _Layout, names: Sequence[str]) -> tuple[str, str] | None:
+def _find_backbone(layout: Layout, names: Sequence[str]) -> tuple[str, str] | None:
     """The backbone prefix of ``layout`` in ``names`` and the attention module of its first layer, or ``None``."""
     layer = rf"{re.escape(layout.layers)}\.(?P<layer>\d+)\.{_WRAPPERS}"
     regex = re.compile(rf"(?P<prefix>(?:.+\.)?){layer}{layout.anchor}")
@@ -171,7 +183,7 @@ def _head_dim(model: nn.Module, module_name: str, preset: str) -> int:
     return head_dim
 
 
-def _residual(layout: _Layout, names: Sequence[str], prefix: str, preset: str) -> Cluster:
+def _residual(layout: Layout, names: Sequence[str], prefix: str, preset: str) -> Cluster:
     p, layers = re.escape(prefix), re.escape(layout.layers)
     top_params = "|".join(layout.top[0] + layout.top[1])
     known = re.compile(rf"{p}(?:{layers}\.\d+\.{_wrappers(names)}(?:{layout.layer_params})|{top_params})")
@@ -192,9 +204,14 @@ def _residual(layout: _Layout, names: Sequence[str], prefix: str, preset: str) -
     return Cluster(name="residual", writers=writers, readers=readers + [n for n in names if _LM_HEAD.fullmatch(n)])
 
 
-def _build(
-    layout: _Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool, layers: bool = False
+def build(
+    layout: Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool, layers: bool = False
 ) -> list[Cluster]:
+    """The declarations of the kinds selected for ``model``, a model of ``layout``'s family (see :func:`llama`).
+
+    Raises:
+        ValueError: As for :func:`llama`.
+    """
     preset = layout.family
     if not (mlp or heads or residual or layers):
         raise ValueError(
@@ -277,7 +294,7 @@ def llama(
             be read, ``residual`` is asked for a model holding parameters outside the layout, or ``layers`` with
             ``residual``.
     """
-    return _build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
+    return build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
 def gpt2(
@@ -300,28 +317,7 @@ def gpt2(
     Raises:
         ValueError: As for :func:`llama`.
     """
-    return _build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
-
-
-def tiny_gpt(
-    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
-) -> list[Cluster]:
-    """Clusters of :class:`~lightning_pat.demo.model.TinyGPT` (same kinds as :func:`llama`).
-
-    Args:
-        model: The model, or a module that holds exactly one TinyGPT.
-        mlp: Add ``mlp.{layer}``.
-        heads: Add ``heads.{layer}``.
-        residual: Add ``residual``.
-        layers: Add ``layer.{layer}`` (see :func:`layer_units`).
-
-    Returns:
-        The declarations, in the order mlp, heads, residual, layers.
-
-    Raises:
-        ValueError: As for :func:`llama`.
-    """
-    return _build(_LAYOUTS["tiny_gpt"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
+    return build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
 _ELEMENTWISE = (
@@ -402,7 +398,8 @@ def detect(model: nn.Module) -> str:
         model: The model (or a wrapper holding one backbone).
 
     Returns:
-        One of ``"llama"``, ``"gpt2"``, ``"tiny_gpt"``, ``"linear_chain"``.
+        One of ``"llama"``, ``"gpt2"``, a registered family with a layout (``"tiny_gpt"`` once the demo is
+        imported), ``"linear_chain"``.
 
     Raises:
         ValueError: If no family, or more than one, matches; the message lists the supported families and how to
@@ -446,9 +443,31 @@ PRESETS: dict[str, Preset] = {
     "qwen2": llama,
     "qwen3": llama,
     "gpt2": gpt2,
-    "tiny_gpt": tiny_gpt,
     "linear_chain": linear_chain,
 }
+
+
+def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None:
+    """Add the preset ``name`` (usable as ``clusters=name`` everywhere); with a ``layout``, :func:`detect` finds it.
+
+    Registering the same preset again is a no-op (a module imported twice, e.g. by a notebook's re-run cell).
+
+    Args:
+        name: The preset's name (lower case).
+        preset: A callable ``(model, *, mlp, heads, residual, layers) -> list[Cluster]``.
+        layout: The family's parameter layout, for detection by ``clusters="auto"``.
+
+    Raises:
+        ValueError: If ``name`` is ``"auto"``, not lower case, or already names another preset.
+    """
+    if name == "auto" or name != name.lower() or PRESETS.get(name, preset) is not preset:
+        raise ValueError(
+            f"presets.register: cannot register {name!r}: the name must be lower case, not 'auto', and not taken by "
+            f"another preset (taken: {sorted(PRESETS)})."
+        )
+    PRESETS[name] = preset
+    if layout is not None:
+        _LAYOUTS[name] = layout
 
 
 def get(name: str) -> Preset:

@@ -123,6 +123,16 @@ def test_cli_help_lists_the_callback_options(capsys):
     for option in ("target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "preset_options", "executor"):
         assert f"\n  {option} " in out
     assert "Optimizer steps of dense training before pruning starts." in out  # from the docstring
+    assert "Distill from the dense model during the ramp and healing" in out  # PruningOptions' Args: every option
+    per_option = help_of("fit", "--trainer.callbacks.help", "lightning_pat.CoupledPruningCallback")
+    flat = " ".join(per_option.split())  # jsonargparse wraps the help text
+    for option, help_text in (
+        ("warmup_steps", "Optimizer steps of dense training before pruning starts."),
+        ("distill_temperature", "The softmax temperature"),
+        ("target_layers", "how many layers to keep"),
+    ):
+        assert f"--trainer.callbacks.{option} " in per_option
+        assert help_text in flat, option  # jsonargparse read it from the docstring PruningOptions documents
     top = help_of()
     assert "lightning-pat shrink --help" in top
     assert "{fit,validate,test,predict}" in top

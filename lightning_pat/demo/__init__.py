@@ -1,5 +1,9 @@
-"""The demo, not the library: TinyGPT (``model``), its byte-level data and Lightning modules (``task``)."""
+"""The demo, not the library: TinyGPT (``model``), its preset, data and Lightning modules (``task``).
 
+Importing it registers the ``tiny_gpt`` preset (``preset``).
+"""
+
+from lightning_pat.demo import preset
 from lightning_pat.demo.model import MLP, Attention, Block, TinyGPT, TinyGPTConfig
 from lightning_pat.demo.task import (
     ByteWindows,
@@ -22,6 +26,7 @@ __all__ = [
     "TinyGPTConfig",
     "TinyGPTModule",
     "fully_shard_blocks",
+    "preset",
     "stdlib_bytes",
     "stdlib_sources",
 ]

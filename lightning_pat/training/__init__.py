@@ -1,5 +1,6 @@
 """Pruning during training: the controller, its state, and the Lightning callback.
 
-The Lightning-free ``controller`` with its state schema (``state``), latent copies (``latent``) and metrics
-(``metrics``), and the Lightning ``callback`` on top (imported lazily by ``lightning_pat``).
+The Lightning-free ``controller`` with its state schema (``state``), latent copies (``latent``), distillation
+(``distill``) and metrics (``metrics``); the Lightning ``callback`` on top (imported lazily by ``lightning_pat``),
+with its read-only ``views`` and what it reads from a Trainer (``trainer_facts``).
 """

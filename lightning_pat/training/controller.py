@@ -12,6 +12,12 @@ activation statistics and the freeze transition. A training loop (the callback, 
   and act (select, hold or freeze; shrink at the freeze with ``shrink_on_freeze``); returns the result to log;
 * :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict` (the ``state`` schema).
 
+Around them, for a trainer with fit-level events (the callback): :meth:`~PruningController.begin_fit` (decide
+between a restored state, the same trainer's previous fit and a new schedule), :meth:`~PruningController.before_batch`
+(re-project after weight averaging; open the distillation window), :meth:`~PruningController.end_fit`,
+:meth:`~PruningController.reproject_after_averaging` and :meth:`~PruningController.before_restore` (a checkpoint of a
+shrunk model). With ``distill_alpha > 0`` the controller owns the :class:`~lightning_pat.training.distill.Distiller`.
+
 Timing (``pat-algorithm.md`` §10): under automatic optimization the forward and backward run inside
 ``optimizer.step(closure)``, so nothing here restores dense weights before that forward: the model always trains the
 projected weights, and the latent is swapped in only after the backward. Errors are ``ValueError`` naming the option
@@ -21,6 +27,7 @@ or cluster; the callback turns them into ``MisconfigurationException``.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +44,7 @@ from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
 from lightning_pat.training import state
+from lightning_pat.training.distill import Distiller
 from lightning_pat.training.latent import LatentStore
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,8 @@ class PruningController:
         options: The run's options.
         info: Where informational messages go (the routes, the shrink, a new schedule), on rank zero; by default
             this module's logger. The callback passes Lightning's ``rank_zero_info`` so that they show in the console.
+        forward_error: The exception type of errors raised inside the model's forward (the distillation hook), where
+            no caller can convert them; the callback passes ``MisconfigurationException``.
 
     Example::
 
@@ -114,7 +124,13 @@ class PruningController:
         (4, True)
     """
 
-    def __init__(self, options: PruningOptions, *, info: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        options: PruningOptions,
+        *,
+        info: Callable[[str], None] | None = None,
+        forward_error: type[Exception] = ConfigurationError,
+    ) -> None:
         self.options = options
         self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
@@ -135,6 +151,19 @@ class PruningController:
         self._carry: dict[str, Any] | None = None  # in-memory state kept for the next fit (see finish_fit)
         self._pending: dict[str, Any] | None = None  # a loaded state, applied by the next start()
         self._early: list[Cluster] | ValueError | None = None  # clusters="auto" traced before sharding (see prepare)
+        self.distiller = (
+            Distiller(
+                alpha=options.distill_alpha,
+                temperature=options.distill_temperature,
+                teacher=options.distill_teacher,
+                error=forward_error,
+            )  # fmt: skip
+            if options.distill
+            else None
+        )
+        self.kl: Tensor | None = None  # the last batch's distillation KL (see after_step)
+        self._averaged = False  # a weight-averaging callback may write averaged weights into dropped units
+        self._last_fit: tuple[Any, int] | None = None  # (weakref to the trainer, its step) at the last end_fit
 
     # ------------------------------------------------------------------ views
     @property
@@ -149,6 +178,15 @@ class PruningController:
             return dict(self.shrunk)
         return {} if self.pruner is None else self.pruner.result().dropped
 
+    @property
+    def teacher(self) -> nn.Module | None:
+        """The distillation teacher (``None`` without distillation, or before pruning starts with a copied one)."""
+        return None if self.distiller is None else self.distiller.teacher
+
+    def counts_at(self, step: int, *, every: int) -> bool:
+        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
+        return self.options.log_metrics and (self.schedule.phase(step) == "final" or step % max(every, 1) == 0)
+
     def targets(self, step: int) -> dict[str, float]:
         """Per-cluster target fraction in force after optimizer step ``step``."""
         if self.plan is None:
@@ -156,7 +194,9 @@ class PruningController:
         return self.plan.targets(self.options.target_sparsity, fraction=self.schedule.fraction(step))
 
     # ------------------------------------------------------------------ build
-    def prepare(self, module: nn.Module, batch_input: Callable[[], Any] | None) -> None:
+    def prepare(
+        self, module: nn.Module, batch_input: Callable[[], Any] | None, *, weight_averaging: bool = False
+    ) -> None:
         """Discover ``clusters="auto"`` by tracing now, before ``configure_model`` shards the model (or forget it).
 
         A discovery error is kept and raised by :meth:`bind`, where every rank raises together.
@@ -165,7 +205,11 @@ class PruningController:
             module: The model, not sharded yet.
             batch_input: Returns the first training batch's inputs (used without an ``example_input_array``);
                 ``None`` outside ``fit`` (nothing is discovered).
+            weight_averaging: Whether a weight-averaging callback (``StochasticWeightAveraging``) runs too: the mask
+                is then re-applied after its weight transfers (:meth:`before_batch`,
+                :meth:`reproject_after_averaging`).
         """
+        self._averaged = weight_averaging
         self._early = None if batch_input is None else self.options.early_declarations(module, batch_input)
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
@@ -180,6 +224,7 @@ class PruningController:
         optimizers: Sequence[torch.optim.Optimizer],
         fsdp1_root: nn.Module | None = None,
         sharded_ckpt: bool = False,
+        accumulate: int = 1,
     ) -> None:
         """Resolve the clusters against ``module``'s final (possibly sharded) parameters, agree, build executors.
 
@@ -193,6 +238,7 @@ class PruningController:
             fsdp1_root: The FSDP1-wrapped root module, if any (parameters are summoned whole around each action).
             sharded_ckpt: Whether checkpoints are distributed checkpoints (latents of DTensors are then written
                 next to the model's shards).
+            accumulate: Micro-batches per optimizer step (the distillation gradient is divided by it, as the loss).
 
         Raises:
             ValueError: If the clusters do not resolve or route on some rank (or ``clusters="auto"`` could not be
@@ -200,7 +246,20 @@ class PruningController:
                 disagree; if
                 ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze`` could not
                 shrink the model.
+            Exception: ``forward_error`` if ``distill_module`` names no submodule.
         """
+        self._bind(module, optimizers=optimizers, fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt)
+        if self.distiller is not None:
+            self.distiller.bind(module, self.options.distill_module, accumulate=accumulate)
+
+    def _bind(
+        self,
+        module: nn.Module,
+        *,
+        optimizers: Sequence[torch.optim.Optimizer],
+        fsdp1_root: nn.Module | None,
+        sharded_ckpt: bool,
+    ) -> None:
         self._module, self._optimizers = module, list(optimizers)
         self._fsdp1_root, self._sharded_ckpt = fsdp1_root, sharded_ckpt
         self._params = dict(module.named_parameters(remove_duplicate=False))
@@ -358,6 +417,68 @@ class PruningController:
                 "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
             )
 
+    def begin_fit(self, *, owner: object, global_step: int, steps_left: float, ckpt_path: Any, key: str) -> None:
+        """A fit starts: continue a restored state, ``owner``'s previous fit, or start a new schedule at step 0.
+
+        ``owner``'s previous fit is continued if it ended (:meth:`end_fit`) at ``global_step``; a fit with a fresh
+        trainer starts a new schedule (and, with distillation, takes a new teacher when pruning starts).
+
+        Args:
+            owner: The trainer (held by a weak reference).
+            global_step: The trainer's optimizer steps so far (above 0 on a resume).
+            steps_left: The fit's estimated optimizer steps (``inf`` if unknown), for :meth:`warn_short_fit`.
+            ckpt_path: The checkpoint the fit resumes from, if any.
+            key: This run's state key in a checkpoint (for the message).
+
+        Raises:
+            ConfigurationError: If the fit resumes (``global_step > 0``) but no state was loaded and there is no
+                previous fit of ``owner`` to continue.
+            ValueError: As for :meth:`start`.
+        """
+        last = self._last_fit
+        carry = last is not None and last[0]() is owner and last[1] == global_step
+        if not self.restoring and not carry and global_step > 0 and self.shrunk is None:
+            raise ConfigurationError(
+                f"CoupledPruningCallback: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
+                f"holds no state under this callback's key {key!r} (the cluster declaration names identify it). "
+                "Resume with the same cluster names, or, to start pruning from trained weights, load them into the "
+                "module and fit with a fresh Trainer without `ckpt_path`."
+            )
+        if self.distiller is not None and not self.restoring and not carry:
+            self.distiller.reset()  # a new schedule: a new teacher when pruning starts
+        self.start(carry=carry, ckpt_path=ckpt_path)
+        if self.shrunk is None:
+            self.warn_short_fit(steps_left - global_step)
+
+    def end_fit(self, *, owner: object, global_step: int) -> None:
+        """A fit of ``owner`` ended at ``global_step``: keep what its next fit continues from (:meth:`finish_fit`)."""
+        self._last_fit = (weakref.ref(owner), global_step)
+        self.finish_fit()
+
+    def before_batch(self, *, first_of_epoch: bool, share: tuple[Any, ...] = ()) -> None:
+        """Before a training batch: re-project after weight averaging; build the teacher and open its window.
+
+        ``StochasticWeightAveraging`` copies its averaged weights (dropped units included) into the model at the start
+        of its BatchNorm-update epoch; re-projecting before that epoch's first forward keeps the statistics exact.
+
+        Args:
+            first_of_epoch: Whether this is the epoch's first batch.
+            share: Objects a copied teacher shares with the student instead of copying (the trainer).
+
+        Raises:
+            Exception: ``forward_error`` if pruning started before this fit and no teacher state was restored.
+        """
+        if self._averaged and first_of_epoch:
+            self.reproject()
+        if self.distiller is not None:
+            self.distiller.ensure_teacher(step=self.progress.step, start=self.schedule.warmup_steps, share=share)
+            self.distiller.open()
+
+    def reproject_after_averaging(self) -> None:
+        """With weight averaging: zero the dropped units again after its final weight transfer."""
+        if self._averaged:
+            self.reproject()
+
     def warn_short_fit(self, steps_left: float) -> None:
         """Warn when a fit of ``steps_left`` more steps ends before the final ramp step (the target is never met)."""
         if steps_left == float("inf"):
@@ -384,14 +505,22 @@ class PruningController:
         ), activation=None if self.act is None else [self.act.state_dict()])  # fmt: skip
 
     def release(self) -> None:
-        """Remove the optimizer and activation hooks (the state for a next fit is kept)."""
+        """Remove the optimizer, activation and distillation hooks (the state for a next fit is kept)."""
         self.tracker.detach()
         if self.act is not None:
             self.act.detach()
+        if self.distiller is not None:
+            self.distiller.release()
 
     # ------------------------------------------------------------------ per step
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the backward, before ``optimizer`` updates: swap latents in (ramp) or zero dropped grads (healing)."""
+        """After the backward, before ``optimizer`` updates: swap latents in (ramp) or zero dropped grads (healing).
+
+        Raises:
+            Exception: ``forward_error`` if distillation is on and the logits module's forward did not run.
+        """
+        if self.distiller is not None:
+            self.distiller.check_ran()
         if self.pruner is None or self.latents is None:
             return
         action = self.schedule.action(self.progress.step + 1, heal=self.options.heal)
@@ -410,13 +539,15 @@ class PruningController:
                 function of the new step. Nothing is returned without it.
 
         Returns:
-            The current mask with its literal-zero counts, when counted; else ``None``.
+            The current mask with its literal-zero counts, when counted; else ``None``. With distillation, the
+            batch's KL is in :attr:`kl` (``None`` if nothing was distilled).
 
         Raises:
             ConfigurationError: If ``score="activation"`` statistics cannot score the clusters, or the model cannot
                 be shrunk at the freeze (``shrink_on_freeze``).
             ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
+        self.kl = None if self.distiller is None else self.distiller.close()
         stepped = self.tracker.consume()
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if stepped:
@@ -521,11 +652,18 @@ class PruningController:
         activation = None
         if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
             activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
-        return self._state(latents=latents, activation=activation)
+        saved = self._state(latents=latents, activation=activation)
+        if self.distiller is not None:
+            saved["distill"] = self.distiller.state_dict()
+        return saved
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""
-        self._pending = dict(saved)
+        pending = dict(saved)
+        distill = pending.pop("distill", None) or {}
+        if self.distiller is not None:
+            self.distiller.load_state_dict(distill)
+        self._pending = pending
 
     def sharded_latents(self) -> dict[str, Tensor]:
         """For a distributed checkpoint: the latents as model-state entries next to the model's shards, else ``{}``."""
@@ -549,6 +687,8 @@ class PruningController:
             ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
                 shrink of this (shrunk) module.
         """
+        if self.distiller is not None and saved and saved.get("shrunk"):  # a dense copy to rebuild the teacher into
+            self.distiller.keep_skeleton(module, saved.get("distill"), self.options.distill_module)
         differ = _shape_mismatches(module, weights)
         if not differ:
             return

@@ -137,7 +137,7 @@ class Distiller:
         alpha: Weight of the distillation term, in ``(0, 1]``.
         temperature: Softmax temperature, ``> 0``.
         teacher: A user's teacher module, or ``None`` for a frozen copy taken when pruning starts.
-        error: The exception type raised on misuse (the callback passes its configuration error).
+        error: The exception type raised on misuse (the controller passes its `forward_error`).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class Distiller:
         self.student: nn.Module | None = None
         self.module_name = ""
         self.scale = alpha
-        self.active = False  # inside a training batch (set by the callback)
+        self.active = False  # inside a training batch (open() ... close())
         self.on = False  # pruning has started: distill
         self.calls = 0
         self.last_kl: Tensor | None = None
@@ -197,6 +197,20 @@ class Distiller:
         self.active, self._calls_open = False, []
         kl, self.last_kl = self.last_kl, None
         return kl
+
+    def check_ran(self) -> None:
+        """After the backward of a training step: the logits module's forward ran (once distilling); reset the count.
+
+        Raises:
+            Exception: ``self.error`` if distillation is on and the forward of the logits module did not run.
+        """
+        if self.on and self.calls == 0:
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{self.module_name!r}` did not run in this training step, so nothing was distilled. Call "
+                "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
+            )
+        self.calls = 0
 
     def release(self) -> None:
         """Remove the hook."""

@@ -7,6 +7,7 @@ additive (``dist_reduce_fx="sum"``) so that metrics can be merged like any torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,12 @@ class PruningMetrics:
         for name, key in self._clusters.items():
             self.metrics[key](len(dropped.get(name, ())), num_units[name])
         self._last = {k: m._forward_cache for k, m in self.metrics.items() if m._forward_cache is not None}
+
+    def log(self, log: Callable[..., Any]) -> None:
+        """Log each metric object through ``log`` (``LightningModule.log``) per step; the main one in the bar."""
+        for key, metric in self.metrics.items():
+            attribute = "_lightning_pat_" + key.replace("/", "_").replace(".", "_")
+            log(key, metric, on_step=True, on_epoch=False, prog_bar=key == self.main, metric_attribute=attribute)
 
     def values(self) -> dict[str, float]:
         """The last step's values by log key (empty before the first update)."""

@@ -19,6 +19,16 @@ restore) and ``dcp`` (DTensors in a distributed checkpoint). A ``dcp`` state hol
 the callbacks' states with rank 0's metadata, so the sharded latents travel as model-state entries under
 :data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
 distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
+
+Why not the optimizer state (``optimizer.state[p]["pat_latent"]``, which torch's distributed optimizer state dict
+saves sharded)? Lightning's sharded load (``lightning.fabric.strategies.model_parallel._load_checkpoint``) reads each
+optimizer through a template from the live optimizer, built after the callback's ``on_fit_start`` but from a fresh
+optimizer: a saved extra key is dropped without an error. Adding template entries in ``on_fit_start`` makes torch
+skip its own state initialization (``_init_optim_state`` returns for a non-empty state), so Adam's moments vanish
+from the template and the load fails; it works only by calling that private torch function first, and only if the
+checkpoint holds latents (a warmup or healing checkpoint has none, and a template key the checkpoint lacks is an
+error), which would mean reading the checkpoint's metadata before Lightning does. ``tests/unit/test_state.py``
+(``test_optimizer_state_cannot_carry_latents_through_lightnings_sharded_load``) pins this behaviour down.
 """
 
 from __future__ import annotations

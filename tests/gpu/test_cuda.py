@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from lightning_pat import presets, prune_clusters
+from lightning_pat import prune_clusters
+from lightning_pat.demo import preset as demo_preset
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 
 pytestmark = [
@@ -28,7 +29,7 @@ def test_cuda_selection_matches_cpu(dtype):
             block.mlp.down_proj.weight.copy_(block.mlp.down_proj.weight.sign() * 0.02 * scale[None, :])
     cpu = cpu.to(dtype)
     gpu = copy.deepcopy(cpu).cuda()
-    clusters = presets.tiny_gpt(cpu, heads=False)
+    clusters = demo_preset.tiny_gpt(cpu, heads=False)
     want = prune_clusters(cpu, clusters, 0.5)
     got = prune_clusters(gpu, clusters, 0.5)
     assert got.dropped == want.dropped  # stable (score, index) order does not depend on the device

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_pat import Cluster
 from lightning_pat.options import PruningOptions
-from lightning_pat.training.controller import PruningController
+from lightning_pat.training.controller import ConfigurationError, PruningController
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]
 
@@ -170,3 +170,35 @@ def test_a_state_of_other_clusters_is_refused():
     other.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"written for different clusters \(\['hidden'\] differ\)"):
         other.start()
+
+
+class _Trainer:
+    """A stand-in owner of fits (the controller keeps only a weak reference to it)."""
+
+
+def test_begin_fit_continues_the_same_owner_and_refuses_a_resume_without_state():
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ctl = PruningController(options(mode="direct", ramp_steps=4))
+    first, other = _Trainer(), _Trainer()
+    ctl.bind(net, optimizers=[opt])
+    ctl.begin_fit(owner=first, global_step=0, steps_left=3, ckpt_path=None, key="k")
+    run(ctl, net, opt, range(1, 4))
+    dropped = ctl.dropped
+    ctl.end_fit(owner=first, global_step=3)
+    ctl.bind(net, optimizers=[opt])  # the same trainer's next fit continues at step 3 with the same mask
+    ctl.begin_fit(owner=first, global_step=3, steps_left=8, ckpt_path=None, key="k")
+    assert (ctl.progress.step, ctl.dropped) == (3, dropped)
+    ctl.end_fit(owner=first, global_step=3)
+    ctl.bind(net, optimizers=[opt])
+    with pytest.raises(ConfigurationError, match=r"resumes at global step 3 from 'x.ckpt', which holds no state under"):
+        ctl.begin_fit(owner=other, global_step=3, steps_left=8, ckpt_path="x.ckpt", key="k")
+    ctl.begin_fit(owner=other, global_step=0, steps_left=8, ckpt_path=None, key="k")  # a fresh trainer: step 0
+    assert ctl.progress.step == 0
+
+
+def test_counts_at_follows_the_logging_cadence_and_the_final_step():
+    ctl = PruningController(options(warmup_steps=1, ramp_steps=3))  # final ramp step: 4
+    assert [s for s in range(1, 9) if ctl.counts_at(s, every=3)] == [3, 4, 6]
+    quiet = PruningController(options(log_metrics=False))
+    assert not any(quiet.counts_at(s, every=1) for s in range(1, 9))

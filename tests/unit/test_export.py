@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
+from lightning_pat.demo import preset as demo_preset
 from lightning_pat.shrink.export import ENTRY, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
@@ -191,7 +192,7 @@ def test_readme_shrink_block_runs(tmp_path):
     assert code is not None, "README lost its shrink example"
     case = tiny_gpt(n_head=4, n_kv=2)
     model = case.fresh()
-    pruning = prune_clusters(model, presets.tiny_gpt(model), 0.5)
+    pruning = prune_clusters(model, demo_preset.tiny_gpt(model), 0.5)
     ids = token_ids()
     ref = logits(model, ids)
     namespace = {"model": model, "pruning": pruning}

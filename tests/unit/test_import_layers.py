@@ -12,8 +12,9 @@ floors listed for its own:
   parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
-* ``training`` (options' users: controller, state, latent, metrics, callback): adds pruning and shrink;
-  ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py;
+* ``training`` (options' users: controller, state, latent, metrics, distill, views, callback, trainer_facts): adds
+  pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py and
+  training/trainer_facts.py (what the callback reads from a Trainer);
 * ``cli`` and ``demo`` (the top): anything but each other; they may import lightning; the demo may shard with FSDP2;
 * the package face (``__init__``, ``__about__``): the floors below cli and demo.
 
@@ -59,7 +60,7 @@ TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", 
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
 LIGHTNING_OK_FLOORS = {"cli", "demo"}
-LIGHTNING_OK = {f"{PKG}.training.callback"}
+LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.trainer_facts"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
 EXPORT = f"{PKG}.shrink.export"
@@ -223,7 +224,7 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
         if _is_torch_distributed(name) and mod not in TORCH_DISTRIBUTED_OK and not dtensor_types:
             errors.append(f"{where}: torch.distributed is imported only by parallel/distributed.py (and fsdp1.py)")
         if top in LIGHTNING_PACKAGES and mod not in LIGHTNING_OK and floor not in LIGHTNING_OK_FLOORS:
-            errors.append(f"{where}: lightning is imported only by training/callback.py, cli/ and demo/")
+            errors.append(f"{where}: lightning is imported only by training/{{callback,trainer_facts}}.py, cli/, demo/")
         if top == "torchmetrics" and mod not in TORCHMETRICS_OK:
             errors.append(f"{where}: torchmetrics is imported only by training/metrics.py")
     if mod not in COLLECTIVES_OK:
@@ -263,7 +264,8 @@ KNOWN = {
     f"{PKG}.{n}"
     for n in (
         "core", "core.spec", "core.scoring", "parallel", "parallel.distributed", "parallel.placement", "engine",
-        "options", "training", "training.callback", "training.controller", "shrink", "shrink.entry", "demo", "cli",
+        "options", "training", "training.callback", "training.controller", "training.trainer_facts", "training.views",
+        "shrink", "shrink.entry", "demo", "cli",
         "presets", "discovery", "discovery.trace",
     )
 }  # fmt: skip

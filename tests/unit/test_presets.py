@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters
+from lightning_pat.demo import preset as demo_preset
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from tests.common.tiny_families import CASES, FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
@@ -232,7 +235,7 @@ def test_wrapped_layers_activation_checkpointing_and_per_block_compile():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     case = tiny_gpt(n_head=4, n_kv=2, bias=True, tied=False)
-    assert "_wrapped" not in presets.tiny_gpt(case.fresh())[0].writers[0]  # plain models keep short patterns
+    assert "_wrapped" not in demo_preset.tiny_gpt(case.fresh())[0].writers[0]  # plain models keep short patterns
     model = case.fresh()
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block)
@@ -248,7 +251,7 @@ def test_wrapped_layers_activation_checkpointing_and_per_block_compile():
     for i, block in enumerate(compiled.layers):
         compiled.layers[i] = torch.compile(block)
     assert "layers.0._orig_mod.attn.q_proj.weight" in dict(compiled.named_parameters())
-    assert len(resolve_clusters(compiled, presets.tiny_gpt(compiled, residual=True))) == 2 * case.n_layer + 1
+    assert len(resolve_clusters(compiled, demo_preset.tiny_gpt(compiled, residual=True))) == 2 * case.n_layer + 1
 
 
 def test_residual_refuses_unknown_parameters():
@@ -300,15 +303,15 @@ def test_unsupported_model_lists_families_and_how_to_declare():
 
 def test_nothing_selected_raises():
     with pytest.raises(ValueError, match="select at least one"):
-        presets.tiny_gpt(TinyGPT(TinyGPTConfig(d_model=16, d_ff=32)), mlp=False, heads=False)
+        demo_preset.tiny_gpt(TinyGPT(TinyGPTConfig(d_model=16, d_ff=32)), mlp=False, heads=False)
 
 
 def test_head_dim_missing_raises():
     model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32))
     del model.layers[0].attn.head_dim
     with pytest.raises(ValueError, match="cannot read `head_dim`"):
-        presets.tiny_gpt(model)
-    assert len(presets.tiny_gpt(model, heads=False)) == 1
+        demo_preset.tiny_gpt(model)
+    assert len(demo_preset.tiny_gpt(model, heads=False)) == 1
 
 
 # ---------------------------------------------------------------------------------------------------- registry
@@ -320,6 +323,25 @@ def test_get_and_registry():
     assert set(presets.PRESETS) >= {"llama", "mistral", "qwen2", "qwen3", "gpt2", "tiny_gpt", "linear_chain"}
     with pytest.raises(ValueError, match=r"Unknown preset 'bert'; expected one of \['llama'"):
         presets.get("bert")
+
+
+def test_tiny_gpt_is_the_demos_preset_registered_on_import():
+    """The library knows no tiny_gpt until lightning_pat.demo is imported (a fresh interpreter shows it)."""
+    code = (
+        "from lightning_pat import presets\n"
+        "print('tiny_gpt' in presets.PRESETS)\n"
+        "from lightning_pat.demo import TinyGPT, TinyGPTConfig, preset\n"
+        "model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32, vocab_size=8))\n"
+        "print(presets.get('tiny_gpt') is preset.tiny_gpt, presets.detect(model))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.split() == ["False", "True", "tiny_gpt"]
+    assert presets.get("TINY_GPT") is demo_preset.tiny_gpt  # imported by this module: registered
+    presets.register("tiny_gpt", demo_preset.tiny_gpt, layout=demo_preset.LAYOUT)  # a re-run cell: a no-op
+    for name in ("auto", "Mine", "llama"):
+        with pytest.raises(ValueError, match=rf"presets.register: cannot register '{name}'"):
+            presets.register(name, demo_preset.tiny_gpt)
+    assert presets.get("llama") is presets.llama  # nothing was replaced
 
 
 def test_resolve_preset_accepts_names_auto_declarations_and_mixes():

@@ -18,6 +18,7 @@ from torch import nn
 import lightning_pat
 from lightning_pat import Cluster, Pruner, presets, prune_clusters, resolve_clusters, shrink
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.demo import preset as demo_preset
 from lightning_pat.shrink import LayerNormShrinkWarning, ShrinkPlan, apply_plan, build_plan, slice_optimizer_state
 from tests.common.tiny_families import CASES, FamilyCase, llama_like, logits, tiny_gpt, token_ids
 
@@ -266,7 +267,7 @@ def test_a_callback_like_source_and_an_inner_model_with_a_prefix():
             self.model = case.fresh()
 
     lit = Lit()
-    resolved = resolve_clusters(lit, presets.tiny_gpt(lit))
+    resolved = resolve_clusters(lit, demo_preset.tiny_gpt(lit))
     pruner = Pruner(lit, resolved)
     with torch.no_grad():
         pruner.step({rc.name: 0.5 for rc in resolved})

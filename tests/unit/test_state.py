@@ -90,3 +90,46 @@ def test_resumed_options_refuse_what_cannot_take_effect():
         state.check_resumed_options(saved, {**saved, "target_sparsity": 0.7}, step=9, final=True)
     with pytest.warns(UserWarning, match=r"resuming at step 3 with changed options \(target_sparsity: 0.5 -> 0.7\)"):
         state.check_resumed_options(saved, {**saved, "target_sparsity": 0.7}, step=3, final=False)
+
+
+def _adam_run(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return net, torch.optim.Adam(net.parameters(), lr=0.1)
+
+
+def test_optimizer_state_cannot_carry_latents_through_lightnings_sharded_load(tmp_path):
+    """Why sharded latents travel as model-state entries (see state.py), not as ``optimizer.state[p]`` extra keys.
+
+    Lightning's sharded load (``lightning.fabric.strategies.model_parallel._load_checkpoint``) reads each optimizer
+    through a template from the live optimizer (``get_optimizer_state_dict``), built before any callback could add
+    to it: a saved extra key is dropped without an error. Adding the key to the fresh optimizer first (the callback's
+    ``on_fit_start`` runs before that load) makes torch skip its own state initialization, so the template loses
+    Adam's moments and the load fails. If either changes in torch or Lightning, this test says so.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    net, opt = _adam_run()
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.state[net[0].weight]["pat_latent"] = torch.full_like(net[0].weight, 7.0)
+    saved = {"optimizer_0": get_optimizer_state_dict(net, opt)}
+    assert "pat_latent" in saved["optimizer_0"]["state"]["0.weight"]  # written, sharded like the moments
+    dcp.save(saved, checkpoint_id=tmp_path)
+
+    fresh, fresh_opt = _adam_run()  # Lightning's load: the template comes from the live, fresh optimizer
+    template = {"optimizer_0": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(template, checkpoint_id=tmp_path)
+    set_optimizer_state_dict(fresh, fresh_opt, optim_state_dict=template["optimizer_0"])
+    assert "pat_latent" not in fresh_opt.state[fresh[0].weight]  # silently dropped
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], opt.state[net[0].weight]["exp_avg"])
+
+    seeded, seeded_opt = _adam_run()  # a template entry added first: torch no longer initializes the moments
+    seeded_opt.state[seeded[0].weight]["pat_latent"] = torch.zeros_like(seeded[0].weight)
+    template = {"optimizer_0": get_optimizer_state_dict(seeded, seeded_opt)}
+    assert sorted(template["optimizer_0"]["state"]) == ["0.weight"]
+    assert sorted(template["optimizer_0"]["state"]["0.weight"]) == ["pat_latent"]
+    dcp.load(template, checkpoint_id=tmp_path)
+    with pytest.raises(RuntimeError, match="Missing optimizer state for parameter"):
+        set_optimizer_state_dict(seeded, seeded_opt, optim_state_dict=template["optimizer_0"])

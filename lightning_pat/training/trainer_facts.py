@@ -1,0 +1,101 @@
+"""What the callback reads from a Lightning Trainer: the strategy's kind, the first batch, a checkpoint being restored.
+
+Each function reads one fact and hands plain values (or a hook handle) to the Lightning-free
+:class:`~lightning_pat.training.controller.PruningController` and :func:`~lightning_pat.options.check_environment`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+
+from lightning_pat.options import StrategyKind
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def first_batch_input(trainer: pl.Trainer) -> Any:
+    """What ``forward`` takes, from the first training batch (``None`` if there is no training data to read yet).
+
+    ``batch[0]`` of a tuple or list, a mapping (keyword arguments) or the batch itself. The loader gets a fresh
+    iterator (training starts its own later) and the global torch RNG state is restored afterwards, so a shuffling
+    sampler draws the same order as without this peek.
+    """
+    try:
+        source = trainer.fit_loop._data_source  # noqa: SLF001 - Lightning keeps fit's train data here before setup_data
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # noqa: BLE001 - any failure means "no batch to trace": the caller says how to fix it
+        return None
+    if loader is None:
+        return None
+    rng = torch.random.get_rng_state()
+    try:
+        batch = next(iter(loader))
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch[0]
+    return batch
+
+
+def strategy_kind(strategy: Strategy) -> StrategyKind:
+    """How ``strategy`` holds the parameters (see :data:`~lightning_pat.options.StrategyKind`)."""
+    if "DeepSpeed" in type(strategy).__name__:
+        return "deepspeed"
+    kinds: tuple[tuple[type, StrategyKind], ...] = (
+        (FSDPStrategy, "fsdp1"), (ModelParallelStrategy, "model_parallel"), (DDPStrategy, "ddp"),
+        (SingleDeviceStrategy, "single"),
+    )  # fmt: skip
+    return next((kind for cls, kind in kinds if isinstance(strategy, cls)), "other")
+
+
+def weight_averaging(trainer: pl.Trainer) -> str | None:
+    """The class name of a ``StochasticWeightAveraging`` callback of ``trainer``, if any."""
+    callbacks = getattr(trainer, "callbacks", ())  # a stand-in Trainer may have none
+    return next((type(cb).__name__ for cb in callbacks if isinstance(cb, StochasticWeightAveraging)), None)
+
+
+def fsdp1_root(strategy: Strategy) -> torch.nn.Module | None:
+    """The FSDP1-wrapped root module under ``FSDPStrategy``, else ``None``."""
+    return strategy.model if isinstance(strategy, FSDPStrategy) else None
+
+
+def sharded_checkpoints(strategy: Strategy) -> bool:
+    """Whether ``strategy`` is ``ModelParallelStrategy(save_distributed_checkpoint=True)`` (sharded checkpoints)."""
+    saves_shards = bool(getattr(strategy, "_save_distributed_checkpoint", False))
+    return isinstance(strategy, ModelParallelStrategy) and saves_shards
+
+
+def watch_restore(
+    trainer: pl.Trainer,
+    module: torch.nn.Module,
+    before: Callable[[torch.nn.Module, Mapping[str, Any] | None, Mapping[str, Any]], None],
+) -> Any:
+    """Call ``before(module, checkpoint, weights)`` before a checkpoint's weights load into ``module``.
+
+    Lightning restores the weights before any callback hook of the restore runs, so this is a load-state-dict pre-hook
+    on ``module`` (its root call only); ``checkpoint`` is the whole checkpoint being restored, if Lightning holds one.
+
+    Returns:
+        The hook's handle (``handle.remove()`` stops watching).
+    """
+    connector = trainer._checkpoint_connector  # the checkpoint being restored is kept only here
+
+    def hook(mod: torch.nn.Module, weights: Mapping[str, Any], prefix: str, *_: Any) -> None:
+        if not prefix:
+            before(mod, getattr(connector, "_loaded_checkpoint", None), weights)
+
+    return module.register_load_state_dict_pre_hook(hook)
