@@ -16,7 +16,6 @@ from tests.common.cnn_models import (
     ConcatNet,
     ConvChain,
     DepthwiseNet,
-    GroupedNet,
     ResBlockNet,
     randomize_norms,
 )
@@ -132,12 +131,6 @@ def test_layernorm_over_the_channels_is_left_out():
     assert found.clusters == []
     [a] = [lo for lo in found.left_out if lo.name == "a"]
     assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
-
-
-def test_grouped_convolution_is_left_out():
-    found = discover(GroupedNet(), torch.zeros(1, 3, 4, 4))
-    assert found.clusters == []
-    assert any("grouped convolution (2 groups)" in r for lo in found.left_out for r in lo.reasons)
 
 
 class _Heads(nn.Module):

@@ -1,6 +1,7 @@
 """Shrink of convolutional models with hand-declared clusters: Conv (dense, depthwise), BatchNorm, GroupNorm,
-flatten -> Linear. The reference is the masked full-size model (eval mode, fp32): the shrunk model must compute the
-same outputs (rel < 1e-5) with fewer parameters."""
+flatten -> Linear (grouped and transposed convolutions: test_discovery_conv.py). The reference is the masked
+full-size model (eval mode, fp32): the shrunk model must compute the same outputs (rel < 1e-5) with fewer
+parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from tests.common.cnn_models import ConvChain, DepthwiseNet, GroupedNet, randomize_norms
+from tests.common.cnn_models import ConvChain, DepthwiseNet, randomize_norms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,14 +100,6 @@ def test_groupnorm_partial_group_is_refused_before_any_change():
         shrink(model, result)
     assert model.c1.out_channels == 8
     assert model.c1.weight.shape[0] == 8
-
-
-def test_grouped_convolution_cut_is_refused():
-    model = GroupedNet()
-    cluster = Cluster("g", writers=["g.weight", "g.bias"], readers=["c2.weight"])
-    result = prune_clusters(model, [cluster], 0.5)
-    with pytest.raises(ValueError, match=r"'g' \(Conv2d\) is a grouped convolution \(groups=2"):
-        shrink(model, result)
 
 
 def test_batchnorm_output_of_a_dropped_channel_is_zero_in_training_mode():
