@@ -6,14 +6,17 @@ one index space of units (union-find): a Linear/Conv output channel axis opens o
 bias as writers; channel-preserving ops (activations, dropout, pooling, BatchNorm, GroupNorm (a unit becomes a
 whole group), elementwise ops, residual additions) carry the label on (an addition or product of two labelled
 tensors joins their spaces); readers (a Linear's/Conv's input channels, an embedding's columns) join the space of
-their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns; a
-depthwise convolution keeps its input's space (its rows a block of the channel multiplier); ``cat`` along the
-channel axis puts segments side by side.
+their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns;
+grouped convolutions (depthwise included) and transposed convolutions are handled in
+:mod:`lightning_pat.discovery.conv` (a unit is a whole group); ``cat`` along the channel axis puts segments side by
+side; attention heads (a channel axis reshaped into heads, products of activations over the head axis, ``split``
+of a packed QKV, GQA) in :mod:`lightning_pat.discovery.attention`.
 
 Everything the walk does not understand *poisons* the spaces it touches, with a reason: the model's outputs
-(logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax, reductions, matmul
-between activations as in attention, reshapes that split a channel axis into heads), parameters used directly in a
-forward (outside the weight slot of a Linear/Conv/norm), grouped convolutions, norms without affine weights.
+(logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax or reductions over it, a
+product of two activations summed over a channel axis, a reshape that puts a channel axis behind another axis),
+parameters used directly in a forward (outside the weight slot of a Linear/Conv/norm), norms without affine weights,
+grouped convolutions whose groups straddle concatenated parts or read the model's input.
 Poisoned spaces are left out and listed in :attr:`Discovery.left_out`; the rest become ordinary :class:`Cluster`
 declarations (exact names, channel slices where a member holds part of an axis, explicit ``num_units``).
 """

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch.fx import Node
 
+from lightning_pat.discovery.attention import HANDLERS as _ATTENTION
+from lightning_pat.discovery.attention import split_axis
 from lightning_pat.discovery.conv import conv as _conv
 from lightning_pat.discovery.nodes import flat as _flat
 from lightning_pat.discovery.nodes import op_name as _op_name
@@ -379,6 +381,9 @@ def _view(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
             trailing = math.prod(shape[d] for d in gi[1:])
             result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in lab[gi[0]])
             continue
+        if len(gi) == 1 and (split := split_axis(w, lab[gi[0]], out[gj[0]])) is not None:
+            result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
+            continue
         reason = (
             "a channel axis is split into several axes (e.g. attention heads)"
             if len(gi) == 1
@@ -443,7 +448,7 @@ def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _cat(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
-    tensors = [t for t in node.args[0] if isinstance(t, Node)]
+    tensors = [t for t in node.args[0] if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
     shapes = [_shape(t.meta.get("val")) for t in tensors]
     if out is None or any(s is None or len(s) != len(out) for s in shapes):
         return NotImplemented
@@ -616,6 +621,7 @@ _HANDLERS = {
     "_softmax": _softmax,
     "log_softmax": _softmax,
     "_log_softmax": _softmax,
+    **_ATTENTION,
 }
 #: Op families sharing one handler (looked up after ``_HANDLERS``).
 _FAMILIES = (

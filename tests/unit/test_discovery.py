@@ -133,31 +133,6 @@ def test_layernorm_over_the_channels_is_left_out():
     assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
 
 
-class _Heads(nn.Module):
-    """Attention-like: a channel axis reshaped into heads and multiplied with another activation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, 2, 4).transpose(1, 2)
-        k = self.k(x).view(b, t, 2, 4).transpose(1, 2)
-        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ q
-        h = x + self.o(att.transpose(1, 2).reshape(b, t, 8))
-        return h + self.down(F.gelu(self.up(h)))
-
-
-def test_heads_are_left_out_but_the_mlp_is_found():
-    found = discover(_Heads(), torch.zeros(2, 3, 8))
-    assert found.clusters == [Cluster("up", writers=["up.weight", "up.bias"], readers=["down.weight"], num_units=16)]
-    reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("split into several axes" in r for r in reasons)
-    assert "reaches the model's output" in reasons
-
-
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
