@@ -32,6 +32,7 @@ from lightning_pat.activation import ActivationStats
 from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
+from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
@@ -159,14 +160,22 @@ class PruningController:
     def prepare(self, module: nn.Module, batch_input: Callable[[], Any] | None) -> None:
         """Discover ``clusters="auto"`` by tracing now, before ``configure_model`` shards the model (or forget it).
 
-        A discovery error is kept and raised by :meth:`bind`, where every rank raises together.
+        Under torch.distributed only global rank 0 traces; every other rank receives its outcome (the declarations, an
+        error, or nothing) and :meth:`bind` still compares the resolved clusters across ranks. A discovery error is
+        kept and raised by :meth:`bind`, where every rank raises together.
 
         Args:
             module: The model, not sharded yet.
             batch_input: Returns the first training batch's inputs (used without an ``example_input_array``);
                 ``None`` outside ``fit`` (nothing is discovered).
         """
-        self._early = None if batch_input is None else self.options.early_declarations(module, batch_input)
+        if batch_input is None:
+            self._early = None
+            return
+        # rank 0 traces; the others take its declarations (JSON bytes in one broadcast, no pickle)
+        group = distributed.world_group()
+        mine = self.options.early_declarations(module, batch_input) if distributed.world_rank() == 0 else None
+        self._early = outcome_from_json(distributed.broadcast_json(outcome_to_json(mine), group=group))
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
