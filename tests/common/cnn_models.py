@@ -136,6 +136,46 @@ class UpNet(nn.Module):
         return self.out(y)
 
 
+class DataDependent(nn.Module):
+    """A forward with data-dependent control flow: ``torch.export`` cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return self.b(h)
+
+
+def masked_vs_shrunk(
+    model: nn.Module, clusters: list, x: torch.Tensor, sparsity: float = 0.5
+) -> tuple[object, nn.Module, torch.Tensor, torch.Tensor]:
+    """Prune ``model`` once, then ``(result, shrunk copy, masked output, shrunk output)`` in eval mode."""
+    from lightning_pat import prune_clusters, shrink
+
+    result = prune_clusters(model, clusters, sparsity)
+    model.eval()
+    with torch.no_grad():
+        masked = model(x)
+        small = shrink(model, result, inplace=False).eval()
+        shrunk = small(x)
+    return result, small, masked, shrunk
+
+
+def exact_shrink(model: nn.Module, clusters: list, x: torch.Tensor) -> nn.Module:
+    """Prune ``model`` by half, shrink a copy, check it computes the masked outputs (rel < 1e-5, a real signal) with
+    fewer parameters, and return it."""
+    before = sum(p.numel() for p in model.parameters())
+    _, small, masked, shrunk = masked_vs_shrunk(model, clusters, x)
+    assert float(masked.norm()) > 1e-3
+    assert float((shrunk - masked).norm() / masked.norm()) < 1e-5
+    assert sum(p.numel() for p in small.parameters()) < before
+    return small
+
+
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Random BN/GN affine weights and running statistics, so that a wrong slice shows in the outputs."""
     gen = torch.Generator().manual_seed(seed)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_pat import discover
 from lightning_pat.discovery import entry, outcome_from_json, outcome_to_json
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed
 from lightning_pat.training.controller import PruningController
-from tests.common.cnn_models import INPUTS, ConvChain
+from tests.common.cnn_models import INPUTS, ConvChain, DataDependent
 from tests.common.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -34,22 +33,12 @@ def test_broadcast_json_without_a_process_group_returns_the_object():
     assert distributed.broadcast_json({"a": 1}, group=None) == {"a": 1}
 
 
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
-
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(h * 2 if h.sum() > 0 else h)
-
-
 def _prepare(rank: int, world: int, which: str) -> tuple[int, dict]:
     traced = []
     real = entry.trace
     entry.trace = lambda *a, **k: traced.append(1) or real(*a, **k)
     torch.manual_seed(0)
-    model = ConvChain() if which == "convchain" else _DataDependent()
+    model = ConvChain() if which == "convchain" else DataDependent()
     example = torch.zeros(INPUTS[ConvChain] if which == "convchain" else (2, 4))
     ctl = PruningController(PruningOptions("auto", target_sparsity=0.5))
     ctl.prepare(model, lambda: example)
@@ -71,7 +60,7 @@ def test_rank_zeros_discovery_error_reaches_every_rank():
     errors = [outcome_from_json(out) for _, out in results]
     assert all(isinstance(e, ValueError) for e in errors)
     assert str(errors[0]) == str(errors[1])
-    assert "torch.export could not trace _DataDependent" in str(errors[1])
+    assert "torch.export could not trace DataDependent" in str(errors[1])
 
 
 def test_outcome_json_round_trip_and_bad_data():

@@ -15,6 +15,7 @@ from tests.common.cnn_models import (
     MLP,
     ConcatNet,
     ConvChain,
+    DataDependent,
     DepthwiseNet,
     ResBlockNet,
     randomize_norms,
@@ -133,21 +134,9 @@ def test_layernorm_over_the_channels_is_left_out():
     assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
 
 
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
-
-    def forward(self, x):
-        h = self.a(x)
-        if h.sum() > 0:  # data-dependent control flow
-            h = h * 2
-        return self.b(h)
-
-
 def test_data_dependent_control_flow_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"discover: torch.export could not trace _DataDependent"):
-        discover(_DataDependent(), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"discover: torch.export could not trace DataDependent"):
+        discover(DataDependent(), torch.zeros(2, 4))
 
 
 class _Kwargs(nn.Module):

@@ -8,25 +8,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, discover, prune_clusters, resolve_clusters, shrink
-from tests.common.cnn_models import INPUTS, GroupedNet, ResNeXtNet, UpNet, randomize_norms
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _exact_shrink(model: nn.Module, clusters: list[Cluster], x: torch.Tensor, sparsity: float = 0.5) -> nn.Module:
-    before = sum(p.numel() for p in model.parameters())
-    result = prune_clusters(model, clusters, sparsity)
-    model.eval()
-    with torch.no_grad():
-        masked = model(x)
-    small = shrink(model, result, inplace=False).eval()
-    with torch.no_grad():
-        shrunk = small(x)
-    assert _rel(shrunk, masked) < 1e-5
-    assert sum(p.numel() for p in small.parameters()) < before
-    return small
+from tests.common.cnn_models import INPUTS, GroupedNet, ResNeXtNet, UpNet, exact_shrink, randomize_norms
 
 
 def test_resnext_block_groups_are_whole_units():
@@ -53,7 +35,7 @@ def test_resnext_block_groups_are_whole_units():
     assert (blocks[("c1.weight", 0)], blocks[("b1.weight", 0)]) == (2, 2)  # a group reads 8 / 4 channels
     assert (blocks[("g.weight", 0)], blocks[("bg.weight", 0)]) == (3, 3)  # and writes 12 / 4
     assert blocks[("c3.weight", 1)] == 3
-    small = _exact_shrink(model, found.clusters, torch.randn(3, 3, 8, 8))
+    small = exact_shrink(model, found.clusters, torch.randn(3, 3, 8, 8))
     assert (small.g.groups, small.g.in_channels, small.g.out_channels) == (2, 4, 6)
     assert tuple(small.g.weight.shape[:2]) == (6, 2)  # each group still reads 2 channels
     assert (small.c1.out_channels, small.bg.num_features, small.c3.in_channels) == (4, 6, 6)
@@ -67,7 +49,7 @@ def test_grouped_net_is_found_and_shrinks_exactly():
     assert found.clusters == [
         Cluster("c1", writers=["c1.weight", "c1.bias", "g.weight", "g.bias"], readers=["c2.weight"], num_units=2)
     ]
-    small = _exact_shrink(model, found.clusters, torch.randn(2, 3, 6, 6))
+    small = exact_shrink(model, found.clusters, torch.randn(2, 3, 6, 6))
     assert (small.g.groups, small.g.in_channels, small.g.out_channels, small.c2.in_channels) == (1, 4, 4, 4)
 
 
@@ -95,7 +77,7 @@ def test_grouped_conv_over_concatenated_parts_straddling_groups_is_left_out():
         Cluster("b", ["b.weight", "b.bias", "g.weight[4:8]", "g.bias[4:8]"], ["out.weight[4:8]"], num_units=2),
     ]
     torch.manual_seed(3)
-    small = _exact_shrink(Straddle(), found.clusters, torch.randn(2, 3, 6, 6))
+    small = exact_shrink(Straddle(), found.clusters, torch.randn(2, 3, 6, 6))
     assert (small.g.groups, small.g.in_channels, small.g.out_channels) == (2, 6, 4)
 
     class Straddle2(Straddle):
@@ -128,7 +110,7 @@ def test_transposed_convs_dense_and_grouped_are_found_and_shrink_exactly():
         ("t2.bias", 0): 4,  # and writes 8 / 2
         ("out.weight", 1): 4,
     }
-    small = _exact_shrink(model, found.clusters, torch.randn(2, 3, 8, 8))
+    small = exact_shrink(model, found.clusters, torch.randn(2, 3, 8, 8))
     assert (small.t1.in_channels, small.t1.out_channels) == (4, 3)
     assert (small.t2.groups, small.t2.in_channels, small.t2.out_channels) == (1, 3, 4)
     assert tuple(small.t2.weight.shape[:2]) == (3, 4)

@@ -9,23 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_pat import Cluster, discover, prune_clusters, resolve_clusters, shrink
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _exact_shrink(model: nn.Module, clusters: list[Cluster], x: torch.Tensor) -> nn.Module:
-    result = prune_clusters(model, clusters, 0.5)
-    model.eval()
-    with torch.no_grad():
-        masked = model(x)
-        small = shrink(model, result, inplace=False).eval()
-        shrunk = small(x)
-    assert float(masked.norm()) > 1e-3
-    assert _rel(shrunk, masked) < 1e-5
-    return small
+from lightning_pat import Cluster, discover, prune_clusters, resolve_clusters
+from tests.common.cnn_models import exact_shrink
 
 
 class _MHA(nn.Module):
@@ -55,7 +40,7 @@ def test_mha_heads_are_one_cluster_of_whole_heads():
     ]
     [heads, _] = resolve_clusters(model, found.clusters)
     assert {m.block for m in heads.members} == {2}  # a unit is a head: head_dim channels of every member
-    small = _exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
+    small = exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
     assert (small.q.out_features, small.k.out_features, small.v.out_features, small.o.in_features) == (4, 4, 4, 4)
 
 
@@ -88,7 +73,7 @@ def test_gqa_units_are_whole_query_groups():
         [rc] = resolve_clusters(model, found.clusters)
         # a unit is one KV head (3 rows of k and v) and its 2 query heads (6 rows of q, 6 columns of o)
         assert {m.name: m.block for m in rc.members} == {n: 3 if n[0] in "kv" else 6 for n in rc.param_names}
-        small = _exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
+        small = exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
         assert (small.q.out_features, small.k.out_features, small.o.in_features) == (6, 3, 6)
 
 

@@ -11,22 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from tests.common.cnn_models import ConvChain, DepthwiseNet, randomize_norms
+from tests.common.cnn_models import ConvChain, DepthwiseNet, masked_vs_shrunk, randomize_norms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
-
-
-def _masked_vs_shrunk(model: nn.Module, clusters: list[Cluster], x: torch.Tensor, sparsity: float = 0.5):
-    result = prune_clusters(model, clusters, sparsity)
-    model.eval()
-    with torch.no_grad():
-        masked = model(x)
-    small = shrink(model, result, inplace=False).eval()
-    with torch.no_grad():
-        shrunk = small(x)
-    return result, small, masked, shrunk
 
 
 def _numel(model: nn.Module) -> int:
@@ -43,7 +32,7 @@ def test_conv_bn_chain_and_flatten_linear_are_exact():
     ]
     x = torch.randn(4, 3, 8, 8)
     before = _numel(model)
-    result, small, masked, shrunk = _masked_vs_shrunk(model, clusters, x)
+    result, small, masked, shrunk = masked_vs_shrunk(model, clusters, x)
     assert _rel(shrunk, masked) < 1e-5
     assert (small.c1.out_channels, small.c2.in_channels, small.c2.out_channels) == (4, 4, 6)
     assert small.b2.num_features == 6
@@ -66,7 +55,7 @@ def test_depthwise_with_multiplier_loses_whole_groups():
         num_units=12,
     )
     x = torch.randn(3, 3, 8, 8)
-    _, small, masked, shrunk = _masked_vs_shrunk(model, [exp], x)
+    _, small, masked, shrunk = masked_vs_shrunk(model, [exp], x)
     assert _rel(shrunk, masked) < 1e-5
     assert (small.dw.in_channels, small.dw.out_channels, small.dw.groups) == (6, 12, 6)
     assert small.bd.num_features == 12
@@ -86,7 +75,7 @@ def test_groupnorm_drops_whole_groups_exactly():
     torch.manual_seed(2)
     model = randomize_norms(_GN())
     cluster = Cluster("g", writers=["c1.weight", "c1.bias", "gn.weight", "gn.bias"], readers=["c2.weight"], num_units=4)
-    _, small, masked, shrunk = _masked_vs_shrunk(model, [cluster], torch.randn(2, 3, 6, 6))
+    _, small, masked, shrunk = masked_vs_shrunk(model, [cluster], torch.randn(2, 3, 6, 6))
     assert _rel(shrunk, masked) < 1e-5
     assert (small.gn.num_groups, small.gn.num_channels, small.c2.in_channels) == (2, 4, 4)
 
