@@ -1,5 +1,6 @@
 """Attention heads found by tracing: hand-written expectations on small custom attention modules (MHA, GQA via
-``repeat_interleave`` and via ``enable_gqa``, a packed QKV projection cut by ``split``), exact shrinks of what was
+``repeat_interleave`` and via ``enable_gqa``, a packed QKV projection cut by ``split``, a fused GLU gate/up cut by
+``chunk``), exact shrinks of what was
 found (masked vs shrunk, eval mode, fp32, rel < 1e-5), and what mixes heads or reads a packed projection whole is
 left out with the reason."""
 
@@ -160,3 +161,31 @@ def test_heads_merged_behind_another_axis_are_left_out():
     assert found.clusters == []
     [q] = [lo for lo in found.left_out if lo.name == "q"]
     assert any("merges a channel axis behind another axis" in r for r in q.reasons)
+
+
+class _FusedGLU(nn.Module):
+    """One Linear writes a GLU's gate and up halves side by side; ``chunk`` cuts them apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(8, 32), nn.Linear(16, 8)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def test_fused_gate_up_halves_share_one_unit_per_hidden_channel():
+    torch.manual_seed(3)
+    model = _FusedGLU()
+    found = discover(model, torch.zeros(2, 3, 8))
+    assert found.clusters == [
+        Cluster(
+            "gate_up",
+            ["gate_up.weight[0:16]", "gate_up.weight[16:32]", "gate_up.bias[0:16]", "gate_up.bias[16:32]"],
+            ["down.weight"],
+            num_units=16,
+        )
+    ]
+    small = exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
+    assert (small.gate_up.out_features, small.down.in_features) == (16, 8)
