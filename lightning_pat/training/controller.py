@@ -173,8 +173,13 @@ class PruningController:
             self._early = None
             return
         # rank 0 traces; the others take its declarations (JSON bytes in one broadcast, no pickle)
+        mine = None
+        if distributed.world_rank() == 0:
+            try:
+                mine = self.options.early_declarations(module, batch_input)
+            except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
+                mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
         group = distributed.world_group()
-        mine = self.options.early_declarations(module, batch_input) if distributed.world_rank() == 0 else None
         self._early = outcome_from_json(distributed.broadcast_json(outcome_to_json(mine), group=group))
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
