@@ -17,7 +17,7 @@ For each model and both tools at 50%:
 * ``torch-pruning``: ``MagnitudePruner`` with L2 magnitude importance, ``pruning_ratio=0.5``, the classifier
   ignored, ``forward_fn`` returning the logits; its dependency graph is built from the same example input. It
   removes channels with their current (non-zero) weights, so its output is a different function (it is meant to be
-  fine-tuned afterwards); it also prunes channels discovery leaves out (a LayerNorm-ed residual stream, heads).
+  fine-tuned afterwards); it also prunes channels discovery leaves out (a LayerNorm-ed residual stream).
 
 Columns: clusters found / left out (ours), seconds to trace (ours: ``discover``; Torch-Pruning: graph + prune),
 parameters after the shrink, forward time of dense / ours / Torch-Pruning (``torch.inference_mode``, fp32, batch

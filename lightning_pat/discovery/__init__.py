@@ -5,6 +5,22 @@
 ATen graph).
 """
 
-from lightning_pat.discovery.entry import Discovery, LeftOut, discover, discovered_clusters, prefers_discovery
+from lightning_pat.discovery.entry import (
+    Discovery,
+    LeftOut,
+    discover,
+    discovered_clusters,
+    outcome_from_json,
+    outcome_to_json,
+    prefers_discovery,
+)
 
-__all__ = ["Discovery", "LeftOut", "discover", "discovered_clusters", "prefers_discovery"]
+__all__ = [
+    "Discovery",
+    "LeftOut",
+    "discover",
+    "discovered_clusters",
+    "outcome_from_json",
+    "outcome_to_json",
+    "prefers_discovery",
+]

@@ -6,14 +6,17 @@ one index space of units (union-find): a Linear/Conv output channel axis opens o
 bias as writers; channel-preserving ops (activations, dropout, pooling, BatchNorm, GroupNorm (a unit becomes a
 whole group), elementwise ops, residual additions) carry the label on (an addition or product of two labelled
 tensors joins their spaces); readers (a Linear's/Conv's input channels, an embedding's columns) join the space of
-their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns; a
-depthwise convolution keeps its input's space (its rows a block of the channel multiplier); ``cat`` along the
-channel axis puts segments side by side.
+their input's label; ``flatten`` after a convolution turns a channel into a block of ``H*W`` consecutive columns;
+grouped convolutions (depthwise included) and transposed convolutions are handled in
+:mod:`lightning_pat.discovery.conv` (a unit is a whole group); ``cat`` along the channel axis puts segments side by
+side; attention heads (a channel axis reshaped into heads, products of activations over the head axis, ``split``
+of a packed QKV, GQA) in :mod:`lightning_pat.discovery.attention`.
 
 Everything the walk does not understand *poisons* the spaces it touches, with a reason: the model's outputs
-(logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax, reductions, matmul
-between activations as in attention, reshapes that split a channel axis into heads), parameters used directly in a
-forward (outside the weight slot of a Linear/Conv/norm), grouped convolutions, norms without affine weights.
+(logits are never pruned), ops that mix channels (LayerNorm over the channel axis, softmax or reductions over it, a
+product of two activations summed over a channel axis, a reshape that puts a channel axis behind another axis),
+parameters used directly in a forward (outside the weight slot of a Linear/Conv/norm), norms without affine weights,
+grouped convolutions whose groups straddle concatenated parts or read the model's input.
 Poisoned spaces are left out and listed in :attr:`Discovery.left_out`; the rest become ordinary :class:`Cluster`
 declarations (exact names, channel slices where a member holds part of an axis, explicit ``num_units``).
 """
@@ -21,8 +24,8 @@ declarations (exact names, channel slices where a member holds part of an axis, 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
@@ -30,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from lightning_pat import presets
-from lightning_pat.core.spec import Cluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
 
@@ -220,4 +223,44 @@ def discovered_clusters(model: nn.Module, example_input: Any) -> list[Cluster]:
     return found.clusters
 
 
-__all__: Sequence[str] = ("Discovery", "LeftOut", "discover", "discovered_clusters", "prefers_discovery")
+Outcome = list[Cluster] | ValueError | None  # what the callback's tracing in ``setup`` produced
+
+
+def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
+    """Plain JSON data for a discovery outcome (clusters, the error, or nothing), so rank 0 can send it to the others.
+
+    Example::
+
+        >>> [c.num_units for c in outcome_from_json(outcome_to_json([Cluster("a", ["a.weight"], num_units=4)]))]
+        [4]
+    """
+    if outcome is None:
+        return {"kind": "none"}
+    if isinstance(outcome, ValueError):
+        return {"kind": "error", "message": str(outcome)}
+    return {"kind": "clusters", "clusters": [asdict(c) for c in outcome]}
+
+
+def outcome_from_json(data: Mapping[str, Any]) -> Outcome:
+    """Invert :func:`outcome_to_json` (every cluster re-checked as a declaration).
+
+    Raises:
+        ValueError: If ``data`` is not what :func:`outcome_to_json` writes.
+    """
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind == "none":
+        return None
+    if kind == "error":
+        return ValueError(str(data.get("message", "")))
+    clusters = data.get("clusters") if kind == "clusters" else None
+    if not isinstance(clusters, list):
+        raise ValueError(
+            f"discover: cannot read a discovery outcome from {data!r}; expected what outcome_to_json wrote."
+        )
+    return [check_declaration(c) for c in clusters]
+
+
+__all__: Sequence[str] = (
+    "Discovery", "LeftOut", "discover", "discovered_clusters", "outcome_from_json", "outcome_to_json",
+    "prefers_discovery",
+)  # fmt: skip

@@ -8,12 +8,17 @@ applies one handler per ATen op; an op without a handler poisons every label it 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.fx import Node
 
+from lightning_pat.discovery.attention import HANDLERS as _ATTENTION
+from lightning_pat.discovery.attention import split_axis
+from lightning_pat.discovery.conv import conv as _conv
+from lightning_pat.discovery.nodes import flat as _flat
+from lightning_pat.discovery.nodes import op_name as _op_name
+from lightning_pat.discovery.nodes import shape_of as _shape
 from lightning_pat.discovery.trace import Trace
 
 Segment = tuple[int, int, int]  # (space id, units, block); only units * block (the length) is relied on
@@ -58,24 +63,6 @@ _BATCH_NORMS = {
 }  # fmt: skip
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "max", "min", "prod", "logsumexp", "norm", "linalg_vector_norm"}
 _IGNORE = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
-
-
-def _op_name(node: Node) -> str:
-    target = node.target
-    packet = getattr(target, "_overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(target, "__name__", str(target))
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return tuple(int(s) for s in shape)
-    except (TypeError, ValueError):  # symbolic sizes
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------- the walk
@@ -286,17 +273,6 @@ class Walk:
         return None if shape is None else tuple(self.fresh(s, reason) for s in shape)
 
 
-def _flat(value: Any) -> Iterable[Any]:
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
-
-
 # ---------------------------------------------------------------------------------------------------- handlers
 def _unary(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
@@ -405,6 +381,9 @@ def _view(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
             trailing = math.prod(shape[d] for d in gi[1:])
             result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in lab[gi[0]])
             continue
+        if len(gi) == 1 and (split := split_axis(w, lab[gi[0]], out[gj[0]])) is not None:
+            result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
+            continue
         reason = (
             "a channel axis is split into several axes (e.g. attention heads)"
             if len(gi) == 1
@@ -469,7 +448,7 @@ def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _cat(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
-    tensors = [t for t in node.args[0] if isinstance(t, Node)]
+    tensors = [t for t in node.args[0] if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
     shapes = [_shape(t.meta.get("val")) for t in tensors]
     if out is None or any(s is None or len(s) != len(out) for s in shapes):
         return NotImplemented
@@ -548,46 +527,6 @@ def _addmm(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     return (lab[0], ((space, out[1], 1),))
 
 
-def _conv(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
-    op = _op_name(node)
-    args = list(node.args)
-    x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else None
-    wname, bname = w.param_of(weight), w.param_of(bias)
-    if op == "convolution":  # (x, w, b, stride, padding, dilation, transposed, output_padding, groups)
-        if args[6]:
-            return NotImplemented
-        groups = args[8]
-    else:  # convNd(x, w, b, stride, padding, dilation, groups)
-        groups = args[6] if len(args) > 6 else node.kwargs.get("groups", 1)
-    if wname is None or (bias is not None and bname is None) or out is None:
-        return NotImplemented
-    shape = _shape(x.meta.get("val"))
-    wshape = _shape(weight.meta.get("val"))
-    cdim = 1 if len(shape) == len(wshape) else 0
-    lab = w.ndim_label(x, len(shape))
-    result: list[Label] = [lab[0] if cdim == 1 else None] + [None] * (len(out) - 1)
-    out_c = out[cdim]
-    if groups == 1:
-        w.add_segments(wname, "in", 1, lab[cdim])
-        space = w.new_space(out_c)
-        w.add_member(wname, "out", 0, 0, out_c, space)
-        if bname is not None:
-            w.add_member(bname, "out", 0, 0, out_c, space)
-        result[cdim] = ((space, out_c, 1),)
-    elif groups == shape[cdim] and wshape[1] == 1 and lab[cdim] is not None:  # depthwise
-        mult = out_c // groups
-        w.add_segments(wname, "out", 0, lab[cdim], scale=mult)
-        if bname is not None:
-            w.add_segments(bname, "out", 0, lab[cdim], scale=mult)
-        result[cdim] = tuple((s, u, b * mult) for s, u, b in lab[cdim])
-    else:
-        reason = f"grouped convolution ({groups} groups) is not discovered"
-        w.poison(lab[cdim], reason)
-        w.direct.setdefault(wname, reason)
-        result[cdim] = w.fresh(out_c, reason)
-    return tuple(result)
-
-
 def _embedding(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     wname = w.param_of(node.args[0])
     if wname is None or out is None:
@@ -660,6 +599,9 @@ _HANDLERS = {
     "conv2d": _conv,
     "conv3d": _conv,
     "convolution": _conv,
+    "conv_transpose1d": _conv,
+    "conv_transpose2d": _conv,
+    "conv_transpose3d": _conv,
     "embedding": _embedding,
     "addmm": _addmm,
     "mm": _addmm,
@@ -679,6 +621,7 @@ _HANDLERS = {
     "_softmax": _softmax,
     "log_softmax": _softmax,
     "_log_softmax": _softmax,
+    **_ATTENTION,
 }
 #: Op families sharing one handler (looked up after ``_HANDLERS``).
 _FAMILIES = (
@@ -696,6 +639,9 @@ _SLOTS: dict[str, tuple[int, ...]] = {
     "conv2d": (1, 2),
     "conv3d": (1, 2),
     "convolution": (1, 2),
+    "conv_transpose1d": (1, 2),
+    "conv_transpose2d": (1, 2),
+    "conv_transpose3d": (1, 2),
     "embedding": (0,),
     "addmm": (0, 2),
     "mm": (1,),

@@ -329,6 +329,35 @@ def gather_objects(obj: Any, *, group: Any) -> list[Any]:
     return out
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where a group's collectives take tensors: the current CUDA device for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_json(obj: Any, *, src: int = 0, group: Any) -> Any:
+    """Rank ``src``'s JSON-able ``obj`` on every rank of ``group`` (``obj`` itself without a process group).
+
+    The object travels as UTF-8 JSON bytes in a ``uint8`` tensor after its length (two broadcasts), never as a
+    pickle: the receivers decode plain data and execute nothing. Other ranks' ``obj`` is ignored (pass ``None``).
+
+    Raises:
+        TypeError: On rank ``src``, if ``obj`` is not JSON-serialisable.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    device = _collective_device(group)
+    payload = json.dumps(obj).encode() if dist.get_rank() == src else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == src:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=src, group=group)
+    return json.loads(bytes(data.cpu().tolist()).decode()) if dist.get_rank() != src else obj
+
+
 def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
     """Wrap a rank-local tensor laid out like DTensor ``like`` (same mesh, placements, global shape) as a DTensor."""
     return DTensor.from_local(

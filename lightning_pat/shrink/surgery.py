@@ -3,7 +3,7 @@ r"""Module surgery: cut a model in place according to a :class:`~lightning_pat.s
 Every parameter in the plan is traced to the modules that own it (a tied tensor to all of them); each owner must be a
 module whose metadata the surgery knows how to rewrite: ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding``
 (columns only), ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face ``*RMSNorm`` modules affine BatchNorms (their
-running statistics are cut with their weight), and ``nn.Conv1d/2d/3d`` and ``GroupNorm``
+running statistics are cut with their weight), and ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d`` and ``GroupNorm``
 (:mod:`lightning_pat.shrink.surgery_conv`). A module between a cut writer and its reader that holds per-channel
 tensors of the cut width that no member covers is refused (the shrunk model could not run). Attention modules
 (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups
@@ -37,14 +37,14 @@ from lightning_pat.shrink.model_meta import (
     update_containers,
 )
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
-from lightning_pat.shrink.surgery_conv import CONV_DIMS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
+from lightning_pat.shrink.surgery_conv import CONV_DIMS, CONV_KINDS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
 
 log = logging.getLogger(__name__)
 
 _FIX_MODULE = (
     "Remove this parameter from the cluster, or replace the module by one the shrink can rewrite (nn.Linear, "
     "transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, a Hugging Face *RMSNorm, an affine BatchNorm, "
-    "nn.Conv1d/2d/3d, GroupNorm)."
+    "nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, GroupNorm)."
 )
 
 
@@ -328,7 +328,7 @@ def _rewrite(edit: _Edit, new_params: Mapping[int, Tensor]) -> None:
             if buf is not None:
                 setattr(module, stat, buf.index_select(0, kept.to(buf.device)).contiguous())
         module.num_features = w.shape[0]
-    elif edit.kind in CONV_TIED_AXES:
+    elif edit.kind in CONV_KINDS:
         rewrite_conv(module, edit.kind, old_width)
     else:
         if hasattr(module, "normalized_shape"):
@@ -363,8 +363,12 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
 
 
 # (kind) -> (attribute, dim) of the output channels a module writes, and of the input channels it reads
-_WRITES: dict[str, tuple[str, int]] = {"linear": ("weight", 0), "conv1d": ("weight", 1), "conv": ("weight", 0)}
-_READS: dict[str, tuple[str, int]] = {"linear": ("weight", 1), "conv1d": ("weight", 0), "conv": ("weight", 1)}
+_WRITES: dict[str, tuple[str, int]] = {
+    "linear": ("weight", 0), "conv1d": ("weight", 1), "conv": ("weight", 0), "conv_t": ("weight", 1),
+}  # fmt: skip
+_READS: dict[str, tuple[str, int]] = {
+    "linear": ("weight", 1), "conv1d": ("weight", 0), "conv": ("weight", 1), "conv_t": ("weight", 0),
+}  # fmt: skip
 
 
 def _cut_width(edit: _Edit, attr: str, dim: int) -> int:

@@ -39,6 +39,7 @@ from lightning_pat.activation import ActivationStats
 from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
+from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
@@ -199,7 +200,9 @@ class PruningController:
     ) -> None:
         """Discover ``clusters="auto"`` by tracing now, before ``configure_model`` shards the model (or forget it).
 
-        A discovery error is kept and raised by :meth:`bind`, where every rank raises together.
+        Under torch.distributed only global rank 0 traces; every other rank receives its outcome (the declarations, an
+        error, or nothing) and :meth:`bind` still compares the resolved clusters across ranks. A discovery error is
+        kept and raised by :meth:`bind`, where every rank raises together.
 
         Args:
             module: The model, not sharded yet.
@@ -210,7 +213,18 @@ class PruningController:
                 :meth:`reproject_after_averaging`).
         """
         self._averaged = weight_averaging
-        self._early = None if batch_input is None else self.options.early_declarations(module, batch_input)
+        if batch_input is None:
+            self._early = None
+            return
+        # rank 0 traces; the others take its declarations (JSON bytes in one broadcast, no pickle)
+        mine = None
+        if distributed.world_rank() == 0:
+            try:
+                mine = self.options.early_declarations(module, batch_input)
+            except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
+                mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
+        group = distributed.world_group()
+        self._early = outcome_from_json(distributed.broadcast_json(outcome_to_json(mine), group=group))
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind

@@ -99,6 +99,83 @@ class GroupedNet(nn.Module):
         return self.c2(self.g(self.c1(x)))
 
 
+class ResNeXtNet(nn.Module):
+    """A stem and a ResNeXt bottleneck: 1x1 reduce, 3x3 grouped (4 groups, 2 -> 3 channels each), 1x1 expand,
+    identity shortcut; pooled into a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bs = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.c1, self.b1 = nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8)
+        self.g, self.bg = nn.Conv2d(8, 12, 3, padding=1, groups=4, bias=False), nn.BatchNorm2d(12)
+        self.c3, self.b3 = nn.Conv2d(12, 16, 1, bias=False), nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.relu(self.bs(self.stem(x)))
+        y = F.relu(self.b1(self.c1(s)))
+        y = F.relu(self.bg(self.g(y)))
+        y = F.relu(s + self.b3(self.c3(y)))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+
+
+class UpNet(nn.Module):
+    """A decoder: a strided conv, a transposed conv (dense) and a grouped transposed conv (2 groups, 3 -> 4 channels
+    each) upsampling back, a 1x1 conv to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8)
+        self.t1 = nn.ConvTranspose2d(8, 6, 4, stride=2, padding=1)
+        self.t2 = nn.ConvTranspose2d(6, 8, 3, padding=1, groups=2)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.t2(F.relu(self.t1(y))))
+        return self.out(y)
+
+
+class DataDependent(nn.Module):
+    """A forward with data-dependent control flow: ``torch.export`` cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return self.b(h)
+
+
+def masked_vs_shrunk(
+    model: nn.Module, clusters: list, x: torch.Tensor, sparsity: float = 0.5
+) -> tuple[object, nn.Module, torch.Tensor, torch.Tensor]:
+    """Prune ``model`` once, then ``(result, shrunk copy, masked output, shrunk output)`` in eval mode."""
+    from lightning_pat import prune_clusters, shrink
+
+    result = prune_clusters(model, clusters, sparsity)
+    model.eval()
+    with torch.no_grad():
+        masked = model(x)
+        small = shrink(model, result, inplace=False).eval()
+        shrunk = small(x)
+    return result, small, masked, shrunk
+
+
+def exact_shrink(model: nn.Module, clusters: list, x: torch.Tensor) -> nn.Module:
+    """Prune ``model`` by half, shrink a copy, check it computes the masked outputs (rel < 1e-5, a real signal) with
+    fewer parameters, and return it."""
+    before = sum(p.numel() for p in model.parameters())
+    _, small, masked, shrunk = masked_vs_shrunk(model, clusters, x)
+    assert float(masked.norm()) > 1e-3
+    assert float((shrunk - masked).norm() / masked.norm()) < 1e-5
+    assert sum(p.numel() for p in small.parameters()) < before
+    return small
+
+
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Random BN/GN affine weights and running statistics, so that a wrong slice shows in the outputs."""
     gen = torch.Generator().manual_seed(seed)
@@ -114,6 +191,8 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 INPUTS = {
+    ResNeXtNet: (2, 3, 8, 8),
+    UpNet: (2, 3, 8, 8),
     ConvChain: (2, 3, 8, 8),
     ResBlockNet: (2, 3, 8, 8),
     DepthwiseNet: (2, 3, 8, 8),

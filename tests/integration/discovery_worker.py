@@ -2,9 +2,10 @@
 
     python discovery_worker.py {ddp|fsdp2} {convchain|mlp}
 
-Every rank traces its own module (a meta copy; under FSDP2 the parameters are already DTensors) and the callback
-compares the resolved clusters' fingerprints across ranks before training, as for declared clusters. Prints one
-``RESULT {json}`` line: the resolved fingerprints, routes, the mask, and which rows of the first writer are zero.
+Rank 0 alone traces the module (a meta copy, in ``setup``, before FSDP2 shards it) and broadcasts the declarations
+as JSON; the callback then compares the resolved clusters' fingerprints across ranks before training, as for
+declared clusters. Prints one ``RESULT {json}`` line: how many times this rank traced, the resolved fingerprints,
+routes, the mask, and which rows of the first writer are zero.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pat import CoupledPruningCallback
+from lightning_pat.discovery import entry
 from tests.common.cnn_models import INPUTS, MLP, ConvChain, randomize_norms
 from tests.common.dist import finish_worker
 
@@ -51,7 +53,18 @@ class Traced(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
+TRACES = []
+_trace = entry.trace
+
+
+def _counted_trace(*args, **kwargs):
+    """The real trace, counted (which ranks trace is what the test checks)."""
+    TRACES.append(1)
+    return _trace(*args, **kwargs)
+
+
 def main(strategy_name: str, model_name: str) -> None:
+    entry.trace = _counted_trace
     fsdp2 = strategy_name == "fsdp2"
     module = Traced(model_name, shard=fsdp2)
     g = torch.Generator().manual_seed(1)
@@ -86,6 +99,7 @@ def main(strategy_name: str, model_name: str) -> None:
         + json.dumps(
             {
                 "rank": dist.get_rank(),
+                "traces": len(TRACES),
                 "names": [rc.name for rc in cb.resolved],
                 "fingerprints": [rc.fingerprint() for rc in cb.resolved],
                 "routes": {k: v[0] for k, v in cb.pruner.routes.items()},

@@ -1,6 +1,7 @@
-"""``clusters="auto"`` by tracing under DDP and FSDP2 (ModelParallelStrategy), 2 CPU ranks with gloo: every rank
-discovers the same clusters as a single process does (fingerprints compared), the ranks agree on the mask, and the
-dropped units are exactly zero in the full weights."""
+"""``clusters="auto"`` by tracing under DDP and FSDP2 (ModelParallelStrategy), 2 CPU ranks with gloo: rank 0 alone
+traces (rank 1 never does) and sends the declarations; every rank ends up with the clusters a single process
+discovers (names and fingerprints compared), the ranks agree on the mask, and the dropped units are exactly zero in
+the full weights."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def test_discovered_clusters_agree_across_ranks_and_prune(strategy, model, cls):
     # the module is wrapped in a LightningModule attribute `model`: same clusters, names with that prefix
     local = discover(cls(), torch.zeros(INPUTS[cls])).clusters
     assert results[0]["names"] == [f"model.{c.name}" for c in local]
+    assert [r["traces"] for r in results] == [1, 0]  # discovery runs once, on rank 0
     for r in results:
         assert r["fingerprints"] == results[0]["fingerprints"]
         assert r["dropped"] == results[0]["dropped"]

@@ -72,14 +72,21 @@ def test_mobilenet_v2_expansions_and_depthwise_convolutions_are_prunable():
     assert "classifier.weight" not in writers
 
 
-def test_vit_mlps_are_found_and_heads_are_left_out():
+def test_vit_mlps_and_heads_are_found_and_the_stream_is_left_out():
     model = build("vit")
     found = discover(model, images(2))
     cfg = model.config
-    assert len(found.clusters) == cfg.num_hidden_layers
-    assert all(c.num_units == cfg.intermediate_size for c in found.clusters)
+    assert len(found.clusters) == 2 * cfg.num_hidden_layers
+    mlps = [c for c in found.clusters if c.num_units == cfg.intermediate_size]
+    heads = [c for c in found.clusters if c.num_units == cfg.num_attention_heads]
+    assert len(mlps) == len(heads) == cfg.num_hidden_layers
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    for rc in resolve_clusters(model, heads):  # q, k, v rows and biases, o columns: head_dim channels per head
+        assert {(m.name.rsplit(".", 2)[-2], m.dim, m.block) for m in rc.members} == {
+            *((f"{p}_proj", 0, hd) for p in "qkv"),
+            ("o_proj", 1, hd),
+        }
     reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("split into several axes (e.g. attention heads)" in r for r in reasons)
     assert any("cls_token is used directly" in r for r in reasons)
 
 

@@ -15,8 +15,8 @@ from tests.common.cnn_models import (
     MLP,
     ConcatNet,
     ConvChain,
+    DataDependent,
     DepthwiseNet,
-    GroupedNet,
     ResBlockNet,
     randomize_norms,
 )
@@ -134,52 +134,9 @@ def test_layernorm_over_the_channels_is_left_out():
     assert any("LayerNorm normalises over this channel axis" in r for r in a.reasons)
 
 
-def test_grouped_convolution_is_left_out():
-    found = discover(GroupedNet(), torch.zeros(1, 3, 4, 4))
-    assert found.clusters == []
-    assert any("grouped convolution (2 groups)" in r for lo in found.left_out for r in lo.reasons)
-
-
-class _Heads(nn.Module):
-    """Attention-like: a channel axis reshaped into heads and multiplied with another activation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, 2, 4).transpose(1, 2)
-        k = self.k(x).view(b, t, 2, 4).transpose(1, 2)
-        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ q
-        h = x + self.o(att.transpose(1, 2).reshape(b, t, 8))
-        return h + self.down(F.gelu(self.up(h)))
-
-
-def test_heads_are_left_out_but_the_mlp_is_found():
-    found = discover(_Heads(), torch.zeros(2, 3, 8))
-    assert found.clusters == [Cluster("up", writers=["up.weight", "up.bias"], readers=["down.weight"], num_units=16)]
-    reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("split into several axes" in r for r in reasons)
-    assert "reaches the model's output" in reasons
-
-
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
-
-    def forward(self, x):
-        h = self.a(x)
-        if h.sum() > 0:  # data-dependent control flow
-            h = h * 2
-        return self.b(h)
-
-
 def test_data_dependent_control_flow_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"discover: torch.export could not trace _DataDependent"):
-        discover(_DataDependent(), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"discover: torch.export could not trace DataDependent"):
+        discover(DataDependent(), torch.zeros(2, 4))
 
 
 class _Kwargs(nn.Module):

@@ -322,11 +322,11 @@ def test_source_errors():
 # ---------------------------------------------------------------------------------------------------- errors
 def test_unknown_module_type_raises_before_anything_changes():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.ConvTranspose1d(3, 8, 1), nn.ReLU(), nn.ConvTranspose1d(8, 2, 1))
-    clusters = [Cluster("c", writers=["0.bias"], readers=[])]
+    net = nn.Sequential(nn.PReLU(8), nn.Linear(8, 2))  # PReLU has no rewrite rule
+    clusters = [Cluster("c", writers=["0.weight"], readers=["1.weight"])]
     result = prune_clusters(net, clusters, 0.5)
     before = snapshot(net)
-    with pytest.raises(ValueError, match=r"'0\.bias' is used by module '0' of type ConvTranspose1d.*cannot rewrite"):
+    with pytest.raises(ValueError, match=r"'0\.weight' is used by module '0' of type PReLU.*cannot rewrite"):
         shrink(net, result)
     assert_unchanged(net, before)
 

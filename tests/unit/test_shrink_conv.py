@@ -1,6 +1,7 @@
 """Shrink of convolutional models with hand-declared clusters: Conv (dense, depthwise), BatchNorm, GroupNorm,
-flatten -> Linear. The reference is the masked full-size model (eval mode, fp32): the shrunk model must compute the
-same outputs (rel < 1e-5) with fewer parameters."""
+flatten -> Linear (grouped and transposed convolutions: test_discovery_conv.py). The reference is the masked
+full-size model (eval mode, fp32): the shrunk model must compute the same outputs (rel < 1e-5) with fewer
+parameters."""
 
 from __future__ import annotations
 
@@ -10,22 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from tests.common.cnn_models import ConvChain, DepthwiseNet, GroupedNet, randomize_norms
+from tests.common.cnn_models import ConvChain, DepthwiseNet, masked_vs_shrunk, randomize_norms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
-
-
-def _masked_vs_shrunk(model: nn.Module, clusters: list[Cluster], x: torch.Tensor, sparsity: float = 0.5):
-    result = prune_clusters(model, clusters, sparsity)
-    model.eval()
-    with torch.no_grad():
-        masked = model(x)
-    small = shrink(model, result, inplace=False).eval()
-    with torch.no_grad():
-        shrunk = small(x)
-    return result, small, masked, shrunk
 
 
 def _numel(model: nn.Module) -> int:
@@ -42,7 +32,7 @@ def test_conv_bn_chain_and_flatten_linear_are_exact():
     ]
     x = torch.randn(4, 3, 8, 8)
     before = _numel(model)
-    result, small, masked, shrunk = _masked_vs_shrunk(model, clusters, x)
+    result, small, masked, shrunk = masked_vs_shrunk(model, clusters, x)
     assert _rel(shrunk, masked) < 1e-5
     assert (small.c1.out_channels, small.c2.in_channels, small.c2.out_channels) == (4, 4, 6)
     assert small.b2.num_features == 6
@@ -65,7 +55,7 @@ def test_depthwise_with_multiplier_loses_whole_groups():
         num_units=12,
     )
     x = torch.randn(3, 3, 8, 8)
-    _, small, masked, shrunk = _masked_vs_shrunk(model, [exp], x)
+    _, small, masked, shrunk = masked_vs_shrunk(model, [exp], x)
     assert _rel(shrunk, masked) < 1e-5
     assert (small.dw.in_channels, small.dw.out_channels, small.dw.groups) == (6, 12, 6)
     assert small.bd.num_features == 12
@@ -85,7 +75,7 @@ def test_groupnorm_drops_whole_groups_exactly():
     torch.manual_seed(2)
     model = randomize_norms(_GN())
     cluster = Cluster("g", writers=["c1.weight", "c1.bias", "gn.weight", "gn.bias"], readers=["c2.weight"], num_units=4)
-    _, small, masked, shrunk = _masked_vs_shrunk(model, [cluster], torch.randn(2, 3, 6, 6))
+    _, small, masked, shrunk = masked_vs_shrunk(model, [cluster], torch.randn(2, 3, 6, 6))
     assert _rel(shrunk, masked) < 1e-5
     assert (small.gn.num_groups, small.gn.num_channels, small.c2.in_channels) == (2, 4, 4)
 
@@ -99,14 +89,6 @@ def test_groupnorm_partial_group_is_refused_before_any_change():
         shrink(model, result)
     assert model.c1.out_channels == 8
     assert model.c1.weight.shape[0] == 8
-
-
-def test_grouped_convolution_cut_is_refused():
-    model = GroupedNet()
-    cluster = Cluster("g", writers=["g.weight", "g.bias"], readers=["c2.weight"])
-    result = prune_clusters(model, [cluster], 0.5)
-    with pytest.raises(ValueError, match=r"'g' \(Conv2d\) is a grouped convolution \(groups=2"):
-        shrink(model, result)
 
 
 def test_batchnorm_output_of_a_dropped_channel_is_zero_in_training_mode():

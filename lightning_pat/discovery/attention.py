@@ -1,0 +1,246 @@
+"""Attention heads in the discovery walk (handlers of :class:`~lightning_pat.discovery.walk.Walk`).
+
+Reshapes into heads, products of activations, ``split`` of a packed projection, ``repeat_interleave`` and
+``scaled_dot_product_attention``.
+
+A reshape that splits a channel axis ``C`` into ``(H, D, ...)`` (:func:`split_axis`) gives the first axis the
+channels' space, coarsened so that a unit is a whole number of its entries (a head: ``D`` channels), and leaves the
+other axes untracked: they lie inside one unit. From there the head axis is tracked like any channel axis: ops that
+treat it as a batch axis (elementwise ops, RoPE's slices and concatenations of ``D``, softmax over keys, matmul and
+``scaled_dot_product_attention`` whose batch axes are joined) keep it, and anything that mixes heads (a reduction or
+softmax over heads, a reshape that puts it behind another axis, an op discovery does not know) poisons it. The
+reshape back to ``(B, T, H*D)`` turns it into channels again, read by the output projection.
+
+Why whole heads are exact: a dropped head's q/k/v rows and biases are zero and the output projection's columns for it
+are zero, so whatever the head computes (any finite value: attention over zero keys is uniform over zero values) is
+multiplied by zero columns; every kept head computes on exactly its own channels, because nothing on the way mixes
+the head axis. Shrinking removes the head from every member; the shrink updates the head counts of Llama-style
+(``q/k/v/o_proj`` with ``head_dim``, transformers' ViT too) and GPT-2 attention modules. A custom forward that
+hard-codes the head count (``view(b, t, 4, d)`` instead of ``view(b, t, -1, d)``) cannot run shrunk.
+
+GQA: ``repeat_kv`` (``expand`` + ``reshape``), ``repeat_interleave`` and ``scaled_dot_product_attention(...,
+enable_gqa=True)`` map query head ``h`` to KV head ``h // n_rep``; joining the query's head axis with the repeated
+KV head axis coarsens the unit to a whole query group (one KV head and its ``n_rep`` query heads), as the presets do.
+
+A packed projection (GPT-2's ``c_attn``, a fused QKV ``Linear``, a GLU's fused gate/up) is cut by ``split``: the
+space the projection opened is refined into one space per part (its rows/columns and bias sliced), as long as
+nothing else reads the packed output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch.fx import Node
+
+from lightning_pat.discovery.nodes import node_shape, op_name
+
+if TYPE_CHECKING:
+    from lightning_pat.discovery.walk import Label, Segment, Walk
+
+
+def split_axis(w: Walk, label: Label, first: int) -> Label:
+    """The label of the first axis when a channel axis of ``label`` is reshaped into ``(first, ...)``, or ``None``.
+
+    Every segment must hold whole entries of the first axis; each segment's space is coarsened so that a unit is a
+    whole number of entries.
+    """
+    if label is None or first < 2:
+        return None
+    length = sum(u * b for _, u, b in label)
+    if length % first:
+        return None
+    per = length // first  # channels per entry of the first axis (a head's D)
+    segments: list[Segment] = []
+    offset = 0
+    for space, units, block in label:
+        size = units * block
+        if size % per or offset % per:
+            return None
+        w.union(space, w.new_space(size // per), "a reshape into heads")
+        segments.append((space, size // per, 1))
+        offset += size
+    return tuple(segments)
+
+
+# ---------------------------------------------------------------------------------------------------- batch axes
+def _join_batch(
+    w: Walk, operands: list[tuple[tuple[int, ...], tuple[Label, ...]]], out: tuple[int, ...], op: str
+) -> list[Label]:
+    """Right-aligned broadcast join of leading (batch) axes; labels of ``out``'s axes."""
+    result: list[Label] = [None] * len(out)
+    for i in range(1, len(out) + 1):
+        label: Label = None
+        for shape, lab in operands:
+            if len(shape) < i:
+                continue
+            if shape[-i] == 1 and out[-i] > 1:
+                w.poison(lab[-i], f"`{op}` broadcasts a one-channel axis")
+            elif lab[-i] is not None:
+                label = w.join(label, lab[-i], f"`{op}`")
+        result[-i] = label
+    return result
+
+
+def _contract(w: Walk, labels: list[Label], op: str) -> None:
+    for label in labels:
+        w.poison(label, f"`{op}` sums over a channel axis of two activations")
+
+
+def _matmul(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``matmul``/``bmm`` of two activations with at least 2 dims: batch axes joined, the contracted axis poisoned."""
+    a, b = node.args[0], node.args[1]
+    sa, sb = node_shape(a), node_shape(b)
+    if out is None or sa is None or sb is None or len(sa) < 2 or len(sb) < 2:
+        return NotImplemented
+    la, lb = w.ndim_label(a, len(sa)), w.ndim_label(b, len(sb))
+    op = op_name(node)
+    _contract(w, [la[-1], lb[-2]], op)
+    batch = _join_batch(w, [(sa[:-2], la[:-2]), (sb[:-2], lb[:-2])], out[:-2], op)
+    return (*batch, la[-2], lb[-1])
+
+
+def _repeat_each(label: Label, times: int) -> Label:
+    return None if label is None else tuple((s, u, b * times) for s, u, b in label)
+
+
+def _sdpa(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``scaled_dot_product_attention(q, k, v, attn_mask, ...)``: heads and batch joined over q, k and v."""
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    shapes = [node_shape(t) for t in (q, k, v)]
+    if out is None or any(s is None or len(s) < 3 for s in shapes) or isinstance(node.meta.get("val"), (list, tuple)):
+        return NotImplemented
+    sq, sk, sv = shapes
+    lq, lk, lv = (w.ndim_label(t, len(s)) for t, s in zip((q, k, v), shapes, strict=True))
+    op = op_name(node)
+    _contract(w, [lq[-1], lk[-1], lk[-2], lv[-2]], op)  # q.k over D, weights.v over the keys
+    for lab in w.ndim_label(mask, len(node_shape(mask) or ())) if isinstance(mask, Node) else ():
+        w.poison(lab, f"`{op}`'s attention mask carries channels")
+    heads_q, heads_kv = sq[-3], sk[-3]
+    if heads_kv != heads_q:  # enable_gqa: query head h reads KV head h // n_rep
+        if heads_q % heads_kv or sv[-3] != heads_kv:
+            return NotImplemented
+        n_rep = heads_q // heads_kv
+        lk = (*lk[:-3], _repeat_each(lk[-3], n_rep), *lk[-2:])
+        lv = (*lv[:-3], _repeat_each(lv[-3], n_rep), *lv[-2:])
+        sk = (*sk[:-3], heads_q, *sk[-2:])
+        sv = (*sv[:-3], heads_q, *sv[-2:])
+    batch = _join_batch(w, [(sq[:-2], lq[:-2]), (sk[:-2], lk[:-2]), (sv[:-2], lv[:-2])], out[:-2], op)
+    return (*batch, lq[-2], lv[-1])
+
+
+def _repeat_interleave(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``repeat_interleave(x, n, dim)``: entry ``i`` becomes entries ``[i*n, (i+1)*n)`` (KV heads for GQA)."""
+    x, repeats = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    shape = node_shape(x)
+    if out is None or shape is None or not isinstance(repeats, int) or not isinstance(dim, int):
+        return NotImplemented
+    lab = list(w.ndim_label(x, len(shape)))
+    lab[dim % len(shape)] = _repeat_each(lab[dim % len(shape)], repeats)
+    return tuple(lab)
+
+
+# ---------------------------------------------------------------------------------------------------- split
+def _referencing(w: Walk, space: int) -> list[Node]:
+    """The nodes visited so far whose labels hold ``space``."""
+
+    def holds(value: Any) -> bool:
+        if isinstance(value, list):
+            return any(holds(v) for v in value)
+        return isinstance(value, tuple) and any(lab is not None and any(s == space for s, _, _ in lab) for lab in value)
+
+    return [n for n, value in w.labels.items() if holds(value)]
+
+
+def _refine(w: Walk, space: int, length: int, cuts: list[int], consumer: Node) -> list[int] | None:
+    """Split ``space`` (a segment of ``length`` channels) at ``cuts`` into new spaces, one per part, or ``None``.
+
+    Only a space that was never joined with another, whose channels nothing but ``consumer`` reads from here on, and
+    whose members each hold a whole multiple of ``length`` (a projection's rows, columns, bias) can be refined.
+    """
+    if w.find(space) != space or sum(1 for s in range(len(w.parent)) if w.find(s) == space) != 1:
+        return None
+    block = length // w.spaces[space].units
+    if any(c % block for c in cuts):
+        return None
+    holders = set(_referencing(w, space))
+    if any(u not in holders and u is not consumer for n in holders for u in n.users):
+        return None  # another op reads the packed channels: the parts must stay one space
+    keys = [k for k, s in w.members.items() if s == space]
+    if any((stop - start) % length for _, _, start, stop in keys):
+        return None
+    bounds = [0, *cuts, length]
+    parts = [w.new_space((hi - lo) // block) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    for part in parts:
+        w.spaces[part].reasons.extend(w.spaces[space].reasons)
+    for key in keys:
+        param, dim, start, stop = key
+        scale = (stop - start) // length
+        flow = w.flows.pop(key)
+        del w.members[key]
+        for part, lo, hi in zip(parts, bounds, bounds[1:], strict=False):
+            w.members[(param, dim, start + lo * scale, start + hi * scale)] = part
+            w.flows[(param, dim, start + lo * scale, start + hi * scale)] = flow
+    return parts
+
+
+def _cut(w: Walk, label: Label, sizes: list[int], consumer: Node) -> list[Label] | None:
+    """The labels of consecutive parts of sizes ``sizes`` of an axis labelled ``label``, or ``None``."""
+    segments: list[Segment] = []
+    bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    offset = 0
+    for space, units, block in label or ():
+        size = units * block
+        inner = [c - offset for c in bounds if offset < c < offset + size]
+        if not inner:
+            segments.append((space, units, block))
+        else:
+            parts = _refine(w, space, size, inner, consumer)
+            if parts is None:
+                return None
+            edges = [0, *inner, size]
+            segments.extend((p, (hi - lo) // block, block) for p, lo, hi in zip(parts, edges, edges[1:], strict=False))
+        offset += size
+    out: list[Label] = []
+    for size in sizes:
+        part: list[Segment] = []
+        while size > 0:
+            seg = segments.pop(0)
+            part.append(seg)
+            size -= seg[1] * seg[2]
+        if size:
+            return None
+        out.append(tuple(part))
+    return out
+
+
+def _split(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``split`` / ``split_with_sizes`` / ``chunk``: the parts of a channel axis (a packed QKV) get their own spaces."""
+    x = node.args[0]
+    shape = node_shape(x)
+    values = node.meta.get("val")
+    if shape is None or not isinstance(values, (list, tuple)):
+        return NotImplemented
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    dim %= len(shape)
+    sizes = [int(v.shape[dim]) for v in values]
+    lab = w.ndim_label(x, len(shape))
+    parts = [None] * len(sizes) if lab[dim] is None else _cut(w, lab[dim], sizes, node)
+    if parts is None:
+        reason = f"`{op_name(node)}` cuts a channel axis that other ops also read, or inside a unit"
+        w.poison(lab[dim], reason)
+        parts = [w.fresh(s, reason) for s in sizes]
+    return [(*lab[:dim], part, *lab[dim + 1 :]) for part in parts]
+
+
+HANDLERS = {
+    "matmul": _matmul,
+    "bmm": _matmul,
+    "scaled_dot_product_attention": _sdpa,
+    "repeat_interleave": _repeat_interleave,
+    "split": _split,
+    "split_with_sizes": _split,
+    "chunk": _split,
+}
