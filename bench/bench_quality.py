@@ -276,6 +276,10 @@ VARIANTS: dict[str, dict | None] = {
     # of the model at the pruning start (here: the checkpoint), added through the logits' gradient
     "distill": {"distill_alpha": 0.5, "distill_module": "model"},
     "distill_t2": {"distill_alpha": 0.5, "distill_temperature": 2.0, "distill_module": "model"},
+    # the strong recipe of issue 16 on both sides: the activation score and the library's distillation from the dense
+    # checkpoint; in training (the ramp) vs one-shot (calibrate, prune once, then heal with the same distillation)
+    "act_distill": {"score": "activation", "distill_alpha": 0.5, "distill_module": "model"},
+    "oneshot_act_distill": None,
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
     "oneshot_act": None,
@@ -318,7 +322,7 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
         callbacks = [cb] + ([ActivationScore(cb)] if act else [])
     elif name.startswith("oneshot"):
-        if name == "oneshot_act":  # calibration on 8 training batches, one selection, then R steps
+        if name.startswith("oneshot_act"):  # calibration on 8 training batches, one selection, then R steps
             calib = [b[0][:, :-1] for b in batches(train, 8, seed=20_000 + seed)]
             stats = calibrate(model, clusters_for(model), calib)
             prune_clusters(model, clusters_for(model), SPARSITY, score="activation", activations=stats)
@@ -326,7 +330,12 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
             prune_clusters(model, clusters_for(model), SPARSITY)
         # the mask is held by the callback in healing from its first step (ramp_steps=1 re-selects the same
         # units: the pruned ones are exact zeros, the lowest score)
-        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)]
+        heal: dict = {}
+        if name == "oneshot_act_distill":  # heal with the distillation of act_distill, from the dense checkpoint
+            dense = TinyGPT(CFG)
+            dense.load_state_dict(weights)
+            heal = {"distill_alpha": 0.5, "distill_module": "model", "distill_teacher": dense}
+        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, **heal)]
     elif name.startswith("scratch"):
         torch.manual_seed(seed)
         steps = R if name == "scratch_R" else M + R
@@ -458,7 +467,8 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
-               "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows)]  # fmt: skip
+               "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
+               "--sparsity", str(args.sparsity)]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -466,6 +476,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    global SPARSITY  # noqa: PLW0603 - the module's one knob of the pruned size (small_config and every variant read it)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
@@ -480,11 +491,15 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
     parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
     parser.add_argument("--val-windows", type=int, default=128)
+    parser.add_argument(
+        "--sparsity", type=float, default=SPARSITY, help="fraction of MLP channels and heads removed per layer"
+    )
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
+    SPARSITY = args.sparsity
     if args.isolate and args.cache is None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:

@@ -351,11 +351,12 @@ def check_environment(
             "split across ranks and the activation statistics are not collected there. Use a weight score "
             "(score='rms', the default) under FSDP and ModelParallelStrategy."
         )
-    if options.distill and kind not in ("single", "ddp"):
+    if options.distill and kind not in ("single", "ddp", "model_parallel"):
         raise ValueError(
-            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device and DDP, got "
-            f"{strategy}: the teacher (a frozen copy, or a `distill_teacher` module) is not sharded like the student "
-            "yet. Set distill_alpha=0 under FSDP and ModelParallelStrategy, or train on one device or with DDP."
+            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
+            f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
+            "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
+            "distill_alpha=0."
         )
     if options.shrink_on_freeze and weight_averaging is not None:
         raise ValueError(

@@ -154,11 +154,16 @@ class CoupledPruningCallback(Callback):
         distill_alpha: Distill from the dense model during the ramp and healing (0, the default, is off). The
             student's gradient becomes that of ``loss + distill_alpha * T^2 * KL(teacher || student)`` (softmax of
             the logits at temperature ``T``, mean over tokens), added through a forward hook on the logits: no change
-            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl``. Single
-            device and DDP (see :mod:`lightning_pat.training.distill`).
+            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl`` and
+            the teacher's bytes on each rank as ``pruning/teacher_bytes``. Single device, DDP and
+            ``ModelParallelStrategy`` (FSDP2, tensor parallel: the copied teacher is sharded like the student; see
+            :mod:`lightning_pat.training.distill`); not FSDP1.
         distill_temperature: The softmax temperature ``T`` (> 0).
         distill_teacher: The teacher module (run on the student's inputs, never updated); ``None`` (default) takes
-            a frozen copy of the model when pruning starts, saved in the callback state for resume.
+            a frozen copy of the model when pruning starts, saved in the callback state for resume (under
+            ``ModelParallelStrategy`` with distributed checkpoints, as shards next to the model's). Under
+            ``ModelParallelStrategy`` a teacher you pass is called as it is: shard it yourself (``fully_shard`` /
+            ``parallelize_module`` in ``configure_model``) or keep a replica on every rank.
         distill_module: The submodule whose forward returns the logits (a tensor, or an output with ``logits``,
             such as a Hugging Face ``ModelOutput``); ``""`` (default) is the LightningModule itself, whose forward
             ``training_step`` must call (``self(x)``).
@@ -323,6 +328,8 @@ class CoupledPruningCallback(Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         """Distributed checkpoint: put the sharded latents next to the model's shards (each rank writes its own)."""
         checkpoint["state_dict"].update(self.controller.sharded_latents())
+        if self.distiller is not None:  # a sharded teacher's shards, the same way
+            checkpoint["state_dict"].update(self.distiller.sharded_state())
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -380,16 +387,21 @@ class CoupledPruningCallback(Callback):
         """Resolve, route and agree across ranks on the final parameters (nothing is mutated)."""
         self._unwatch_restore()  # the checkpoint's weights are loaded by now
         strategy = trainer.strategy
+        sharded_ckpt = isinstance(strategy, ModelParallelStrategy) and bool(
+            getattr(strategy, "_save_distributed_checkpoint", False)
+        )
         with _user_errors():
             self.controller.bind(
                 pl_module,
                 optimizers=trainer.optimizers,
                 fsdp1_root=strategy.model if isinstance(strategy, FSDPStrategy) else None,
-                sharded_ckpt=isinstance(strategy, ModelParallelStrategy)
-                and bool(getattr(strategy, "_save_distributed_checkpoint", False)),
+                sharded_ckpt=sharded_ckpt,
             )
             if self.distiller is not None:
-                self.distiller.bind(pl_module, self.options.distill_module, accumulate=trainer.accumulate_grad_batches)
+                self.distiller.bind(
+                    pl_module, self.options.distill_module, accumulate=trainer.accumulate_grad_batches,
+                    sharded_ckpt=sharded_ckpt,
+                )  # fmt: skip
         if self.controller.pruner is not None:
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
 
@@ -454,8 +466,9 @@ class CoupledPruningCallback(Callback):
         if self.distiller is not None:
             with _user_errors():
                 self.distiller.ensure_teacher(
-                    step=self.controller.progress.step, start=self.schedule.warmup_steps, share=(trainer,)
-                )
+                    step=self.controller.progress.step, start=self.schedule.warmup_steps, share=(trainer,),
+                    ckpt_path=trainer.ckpt_path,
+                )  # fmt: skip
             self.distiller.open()
 
     @override
@@ -500,6 +513,8 @@ class CoupledPruningCallback(Callback):
             kl = self.distiller.close()
             if kl is not None and self.options.log_metrics:
                 pl_module.log("pruning/distill_kl", kl, on_step=True, on_epoch=False)
+                size = torch.tensor(float(self.distiller.teacher_bytes), dtype=torch.float64)
+                pl_module.log("pruning/teacher_bytes", size, on_step=True, on_epoch=False)  # this rank's
         with _user_errors(ConfigurationError):  # a non-finite score is a failed run, not a configuration error
             result = self.controller.after_step(count=count)
         if result is None or self.metrics is None:
