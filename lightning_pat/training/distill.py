@@ -19,8 +19,11 @@ The hook acts only inside a training batch with gradients enabled (validation an
 untouched). The teacher is a frozen copy of the student's logits module taken when pruning starts (after the last
 warmup step, before the first selection; hooks are not copied), or a module the user passes; it is held outside the
 student (not a child: not in the model's ``state_dict`` nor in any optimizer), in eval mode, with
-``requires_grad=False``. A copied teacher's weights are saved in the callback state (a checkpoint written during
-pruning therefore holds the weights twice); a user's teacher is not saved. Caveats: the added gradient is computed
+``requires_grad=False``. Under ``ModelParallelStrategy`` the copy is sharded like the student
+(:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A copied teacher's
+weights are saved in the callback state (a checkpoint written during pruning therefore holds the weights twice; a
+sharded copy as shards next to the model's in a distributed checkpoint, gathered in a full one); a user's teacher
+is not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica). Caveats: the added gradient is computed
 over every token (padding included); if the logits module's forward is recomputed under activation checkpointing
 the teacher runs again (the gradient is still added once).
 """
