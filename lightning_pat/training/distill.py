@@ -23,9 +23,10 @@ student (not a child: not in the model's ``state_dict`` nor in any optimizer), i
 (:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A copied teacher's
 weights are saved in the callback state (a checkpoint written during pruning therefore holds the weights twice; a
 sharded copy as shards next to the model's in a distributed checkpoint, gathered in a full one); a user's teacher
-is not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica). Caveats: the added gradient is computed
-over every token (padding included); if the logits module's forward is recomputed under activation checkpointing
-the teacher runs again (the gradient is still added once).
+is not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica).
+
+Caveats: the added gradient is computed over every token (padding included); if the logits module's forward is
+recomputed under activation checkpointing the teacher runs again (the gradient is still added once).
 """
 
 from __future__ import annotations
