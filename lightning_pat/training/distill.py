@@ -293,6 +293,13 @@ class Distiller:
                 f"{self.module_name!r}` returned {type(output).__name__}, which is neither a tensor nor has "
                 "`logits`. Set `distill_module` to the submodule whose output is the logits."
             )
+        if distributed.is_dtensor(logits):  # e.g. vocabulary-sharded logits for loss_parallel: not supported
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{self.module_name!r}` returned DTensor logits (placements {tuple(logits.placements)}); distillation "
+                "needs plain logits, identical on the ranks that share a batch. Give the output layer a plain output "
+                "(ColwiseParallel(output_layouts=Replicate(), use_local_output=True)), without loss_parallel."
+            )
         self.calls += 1
         if self.teacher is None or not (self.on or (self.user_teacher is not None and not self._checked)):
             return None  # warmup: nothing to distill yet (a user's teacher is checked on the first forward)

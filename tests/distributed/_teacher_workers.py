@@ -60,3 +60,30 @@ def copy_and_compare(rank: int, world: int, layout: str) -> dict:
     with torch.no_grad():
         out["shards_back"] = all(type(q).__name__ == "DTensor" for q in teacher.parameters())
     return out
+
+
+def dtensor_logits_error(rank: int, world: int) -> str:
+    """A logits module whose output is a DTensor (vocabulary-sharded, as for loss_parallel): the hook's error."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_pat.training.distill import Distiller
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor_parallel",))
+
+    class VocabSharded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 8)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return DTensor.from_local(self.fc(x).chunk(world, dim=1)[rank], mesh, [Shard(1)])
+
+    distiller = Distiller(alpha=0.5, temperature=1.0, teacher=VocabSharded())
+    distiller.bind(VocabSharded(), "")
+    distiller.ensure_teacher(step=0, start=0)
+    distiller.open()
+    try:
+        distiller.student(torch.randn(3, 4))
+    except ValueError as err:
+        return str(err)
+    return "no error"

@@ -30,3 +30,11 @@ def test_sharded_frozen_copy_is_laid_out_like_the_student_and_computes_its_forwa
         assert out["teacher_grads"] == 0
         assert out["student_moved"]
         assert out["shards_back"]
+
+
+def test_dtensor_logits_are_refused_with_the_fix():
+    from tests.distributed._teacher_workers import dtensor_logits_error
+
+    for message in run_distributed(dtensor_logits_error, 2, timeout=120):
+        assert "returned DTensor logits (placements (Shard(dim=1),)); distillation needs plain logits" in message
+        assert "use_local_output=True" in message
