@@ -387,20 +387,19 @@ class CoupledPruningCallback(Callback):
         """Resolve, route and agree across ranks on the final parameters (nothing is mutated)."""
         self._unwatch_restore()  # the checkpoint's weights are loaded by now
         strategy = trainer.strategy
-        sharded_ckpt = isinstance(strategy, ModelParallelStrategy) and bool(
-            getattr(strategy, "_save_distributed_checkpoint", False)
-        )
         with _user_errors():
             self.controller.bind(
                 pl_module,
                 optimizers=trainer.optimizers,
                 fsdp1_root=strategy.model if isinstance(strategy, FSDPStrategy) else None,
-                sharded_ckpt=sharded_ckpt,
+                sharded_ckpt=isinstance(strategy, ModelParallelStrategy)
+                and bool(getattr(strategy, "_save_distributed_checkpoint", False)),
             )
             if self.distiller is not None:
                 self.distiller.bind(
                     pl_module, self.options.distill_module, accumulate=trainer.accumulate_grad_batches,
-                    sharded_ckpt=sharded_ckpt,
+                    sharded_ckpt=isinstance(strategy, ModelParallelStrategy)
+                    and bool(getattr(strategy, "_save_distributed_checkpoint", False)),
                 )  # fmt: skip
         if self.controller.pruner is not None:
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
