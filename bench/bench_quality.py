@@ -4,20 +4,23 @@
     python bench/bench_quality.py --quick              # smoke run: tiny step counts, 1 seed
     python bench/bench_quality.py --seeds 0 --variants default,oneshot --jsonl runs.jsonl   # a subset
     python bench/bench_quality.py --table runs.jsonl   # print the table of stored runs (seeds run separately)
+    python bench/bench_quality.py --sparsity 0.75 ...  # another pruned size (default 0.5 of MLP channels and heads)
 
 Corpus: the bytes of the Python standard library's top-level ``*.py`` files (sorted; every 10th file held out for
 validation). Model: TinyGPT (d=64, 2 layers, 4 heads of 16, SwiGLU 256, seq 64, 148k params), AdamW, batch 16.
 
 Protocol per seed: a dense model trains ``M`` steps (warmup 50, then constant lr). From that one checkpoint (weights
 and AdamW state) every "from checkpoint" variant trains ``R`` more steps on the same batches with the same lr
-(linearly decayed 3e-3 -> 3e-4 over the ``R`` steps) and ends at 50% of the MLP channels and 50% of the heads of every
-layer (the same active-parameter count for every pruned variant). The small model (same widths as the pruned one)
-trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation loss
-(nats per byte) on a fixed set of held-out windows, after the last step.
+(linearly decayed 3e-3 -> 3e-4 over the ``R`` steps) and ends at 50% (``--sparsity``) of the MLP channels and heads of
+every layer (the same active-parameter count for every pruned variant). The small model (same widths as the pruned
+one) trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation
+loss (nats per byte) on a fixed set of held-out windows, after the last step.
 
 Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
 statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
-``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``). Benchmark-side helpers, not
+``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
+``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
+checkpoint). Benchmark-side helpers, not
 library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
 activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
 the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
