@@ -28,7 +28,6 @@ from bench_overhead import LM, StepTimer  # noqa: E402
 
 from lightning_pat import CoupledPruningCallback  # noqa: E402
 from lightning_pat.demo.model import TinyGPTConfig  # noqa: E402
-from lightning_pat.training.distill import nbytes  # noqa: E402
 
 VARIANTS = ("dense", "lightning_pat healing, no distillation", "lightning_pat healing + distillation")
 
@@ -50,8 +49,8 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, data: DataLo
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=50,
     )  # fmt: skip
     trainer.fit(module, data)
-    teacher = None if cb is None else cb.teacher
-    return statistics.median(timer.times[skip:]) * 1e3, 0.0 if teacher is None else nbytes(teacher) / 2**20
+    teacher_bytes = 0 if cb is None or cb.distiller is None else cb.distiller.teacher_bytes  # pruning/teacher_bytes
+    return statistics.median(timer.times[skip:]) * 1e3, teacher_bytes / 2**20
 
 
 def main() -> None:

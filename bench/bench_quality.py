@@ -4,20 +4,23 @@
     python bench/bench_quality.py --quick              # smoke run: tiny step counts, 1 seed
     python bench/bench_quality.py --seeds 0 --variants default,oneshot --jsonl runs.jsonl   # a subset
     python bench/bench_quality.py --table runs.jsonl   # print the table of stored runs (seeds run separately)
+    python bench/bench_quality.py --sparsity 0.75 ...  # another pruned size (default 0.5 of MLP channels and heads)
 
 Corpus: the bytes of the Python standard library's top-level ``*.py`` files (sorted; every 10th file held out for
 validation). Model: TinyGPT (d=64, 2 layers, 4 heads of 16, SwiGLU 256, seq 64, 148k params), AdamW, batch 16.
 
 Protocol per seed: a dense model trains ``M`` steps (warmup 50, then constant lr). From that one checkpoint (weights
 and AdamW state) every "from checkpoint" variant trains ``R`` more steps on the same batches with the same lr
-(linearly decayed 3e-3 -> 3e-4 over the ``R`` steps) and ends at 50% of the MLP channels and 50% of the heads of every
-layer (the same active-parameter count for every pruned variant). The small model (same widths as the pruned one)
-trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation loss
-(nats per byte) on a fixed set of held-out windows, after the last step.
+(linearly decayed 3e-3 -> 3e-4 over the ``R`` steps) and ends at 50% (``--sparsity``) of the MLP channels and heads of
+every layer (the same active-parameter count for every pruned variant). The small model (same widths as the pruned
+one) trains from scratch for ``R`` and for ``M + R`` steps with the same recipe. The metric is the mean validation
+loss (nats per byte) on a fixed set of held-out windows, after the last step.
 
 Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
 statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
-``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``). Benchmark-side helpers, not
+``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
+``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
+checkpoint). Benchmark-side helpers, not
 library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
 activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
 the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
@@ -277,6 +280,10 @@ VARIANTS: dict[str, dict | None] = {
     # of the model at the pruning start (here: the checkpoint), added through the logits' gradient
     "distill": {"distill_alpha": 0.5, "distill_module": "model"},
     "distill_t2": {"distill_alpha": 0.5, "distill_temperature": 2.0, "distill_module": "model"},
+    # the strong recipe of issue 16 on both sides: the activation score and the library's distillation from the dense
+    # checkpoint; in training (the ramp) vs one-shot (calibrate, prune once, then heal with the same distillation)
+    "act_distill": {"score": "activation", "distill_alpha": 0.5, "distill_module": "model"},
+    "oneshot_act_distill": None,
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
     "oneshot_act": None,
@@ -319,7 +326,7 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
         callbacks = [cb] + ([ActivationScore(cb)] if act else [])
     elif name.startswith("oneshot"):
-        if name == "oneshot_act":  # calibration on 8 training batches, one selection, then R steps
+        if name.startswith("oneshot_act"):  # calibration on 8 training batches, one selection, then R steps
             calib = [b[0][:, :-1] for b in batches(train, 8, seed=20_000 + seed)]
             stats = calibrate(model, clusters_for(model), calib)
             prune_clusters(model, clusters_for(model), SPARSITY, score="activation", activations=stats)
@@ -327,7 +334,12 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
             prune_clusters(model, clusters_for(model), SPARSITY)
         # the mask is held by the callback in healing from its first step (ramp_steps=1 re-selects the same
         # units: the pruned ones are exact zeros, the lowest score)
-        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1)]
+        heal: dict = {}
+        if name == "oneshot_act_distill":  # heal with the distillation of act_distill, from the dense checkpoint
+            dense = TinyGPT(CFG)
+            dense.load_state_dict(weights)
+            heal = {"distill_alpha": 0.5, "distill_module": "model", "distill_teacher": dense}
+        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, **heal)]
     elif name.startswith("scratch"):
         torch.manual_seed(seed)
         steps = R if name == "scratch_R" else M + R
@@ -459,7 +471,8 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
-               "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows)]  # fmt: skip
+               "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
+               "--sparsity", str(args.sparsity)]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -467,6 +480,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    global SPARSITY  # noqa: PLW0603 - the module's one knob of the pruned size (small_config and every variant read it)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
@@ -481,11 +495,15 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
     parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
     parser.add_argument("--val-windows", type=int, default=128)
+    parser.add_argument(
+        "--sparsity", type=float, default=SPARSITY, help="fraction of MLP channels and heads removed per layer"
+    )
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
+    SPARSITY = args.sparsity
     if args.isolate and args.cache is None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:

@@ -169,11 +169,16 @@ class PruningOptions:
         distill_alpha: Distill from the dense model during the ramp and healing (0, the default, is off). The
             student's gradient becomes that of ``loss + distill_alpha * T^2 * KL(teacher || student)`` (softmax of
             the logits at temperature ``T``, mean over tokens), added through a forward hook on the logits: no change
-            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl``. Single
-            device and DDP (see :mod:`lightning_pat.training.distill`).
+            to ``training_step``; the logged loss stays the user's, the KL is logged as ``pruning/distill_kl`` and
+            the teacher's bytes on each rank as ``pruning/teacher_bytes``. Single device, DDP and
+            ``ModelParallelStrategy`` (FSDP2, tensor parallel: the copied teacher is sharded like the student; see
+            :mod:`lightning_pat.training.distill`); not FSDP1.
         distill_temperature: The softmax temperature ``T`` (> 0).
         distill_teacher: The teacher module (run on the student's inputs, never updated); ``None`` (default) takes
-            a frozen copy of the model when pruning starts, saved in the callback state for resume.
+            a frozen copy of the model when pruning starts, saved in the callback state for resume (under
+            ``ModelParallelStrategy`` with distributed checkpoints, as shards next to the model's). Under
+            ``ModelParallelStrategy`` a teacher you pass is called as it is: shard it yourself (``fully_shard`` /
+            ``parallelize_module`` in ``configure_model``) or keep a replica on every rank.
         distill_module: The submodule whose forward returns the logits (a tensor, or an output with ``logits``,
             such as a Hugging Face ``ModelOutput``); ``""`` (default) is the LightningModule itself, whose forward
             ``training_step`` must call (``self(x)``).
@@ -427,11 +432,12 @@ def check_environment(
             "split across ranks and the activation statistics are not collected there. Use a weight score "
             "(score='rms', the default) under FSDP and ModelParallelStrategy."
         )
-    if options.distill and kind not in ("single", "ddp"):
+    if options.distill and kind not in ("single", "ddp", "model_parallel"):
         raise ValueError(
-            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device and DDP, got "
-            f"{strategy}: the teacher (a frozen copy, or a `distill_teacher` module) is not sharded like the student "
-            "yet. Set distill_alpha=0 under FSDP and ModelParallelStrategy, or train on one device or with DDP."
+            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
+            f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
+            "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
+            "distill_alpha=0."
         )
     if options.shrink_on_freeze and weight_averaging is not None:
         raise ValueError(

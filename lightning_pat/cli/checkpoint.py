@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pat.core.safe_io import confined, load_torch_file
 from lightning_pat.shrink import checkpoint_state, restore_shrunk
-from lightning_pat.training.state import DCP_PREFIX
+from lightning_pat.training.state import SIDE_PREFIX
 
 
 def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
@@ -213,8 +213,8 @@ def shrink_checkpoint(
     target = _export_target(module, submodule)
     # a run with `shrink_on_freeze=True` saved the small weights: give the fresh module their shapes first
     already_small = restore_shrunk(target, checkpoint)
-    # mid-ramp distributed checkpoints carry the sharded latent copies next to the weights: not model state
-    weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(DCP_PREFIX)}
+    # distributed checkpoints carry the sharded latent copies and teacher next to the weights: not model state
+    weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(SIDE_PREFIX)}
     module.load_state_dict(weights)
     if not already_small:
         _warn_if_not_final(state)

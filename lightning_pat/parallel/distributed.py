@@ -372,6 +372,76 @@ def shard_like(dense: Tensor, like: Tensor) -> Tensor:
     return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
+def fsdp2_mesh_dims(module: torch.nn.Module) -> tuple[str, ...] | None:
+    """The mesh dim names ``fully_shard`` (FSDP2) shards ``module``'s own parameters over; ``None`` if not FSDP2.
+
+    Raises:
+        ValueError: If the module is managed by FSDP2 on a mesh without dim names (the axes cannot be told apart).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return None
+    group = fully_shard.state(module)._fsdp_param_group  # noqa: SLF001 - FSDP2 keeps its mesh here
+    if group is None:  # fully_shard on a module without parameters of its own
+        return ()
+    names = group.mesh_info.mesh.mesh_dim_names
+    if not names:
+        raise ValueError(
+            f"{type(module).__name__} is sharded by fully_shard on a mesh without dim names; build the mesh with "
+            "`mesh_dim_names` (ModelParallelStrategy does) so that the data-parallel axes can be told from the others."
+        )
+    return tuple(names)
+
+
+def unsharded_class(module: torch.nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` swapped it for its ``FSDP<Class>`` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    return cls
+
+
+def is_device_mesh(obj: object) -> bool:
+    """Whether ``obj`` is a ``DeviceMesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
+
+
+def is_composable_state_key(key: str) -> bool:
+    """Whether a module ``__dict__`` key holds the state of a composable distributed API (``fully_shard``)."""
+    return key.startswith("__composable_api")
+
+
+def gather_axes(tensor: Tensor, dims: Sequence[str]) -> Tensor:
+    """``tensor`` gathered along the mesh axes named ``dims`` (what FSDP2's unshard gives a forward).
+
+    A DTensor with no other sharded axis becomes a plain tensor; with other axes (tensor parallel) it stays a DTensor
+    on the sub-mesh of those axes, with their placements. A plain tensor is returned as is. One collective per
+    sharded axis in ``dims``.
+    """
+    data = tensor.detach()
+    if not is_dtensor(data):
+        return data
+    mesh = data.device_mesh
+    names = mesh.mesh_dim_names or ()
+    gathered = [i for i, name in enumerate(names) if name in dims]
+    if not gathered:
+        return data
+    placements = [Replicate() if i in gathered else p for i, p in enumerate(data.placements)]
+    full = data.redistribute(mesh, placements).to_local()
+    rest = [name for i, name in enumerate(names) if i not in gathered]
+    if not rest:
+        return full
+    return DTensor.from_local(
+        full, mesh[tuple(rest)], [data.placements[i] for i, name in enumerate(names) if name in rest],
+        run_check=False, shape=data.shape, stride=data.stride(),
+    )  # fmt: skip
+
+
 def load_sharded_(state: dict[str, Any], path: Any) -> None:
     """Fill the (DTensor) entries of ``state`` in place from a torch distributed checkpoint at ``path``.
 

@@ -131,7 +131,7 @@ class CoupledPruningCallback(PruningViews, Callback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Distributed checkpoint: put the sharded latents next to the model's shards (each rank writes its own)."""
+        """Distributed checkpoint: the sharded latents and teacher go next to the model's shards (each rank its own)."""
         checkpoint["state_dict"].update(self.controller.sharded_latents())
 
     @override
@@ -218,7 +218,7 @@ class CoupledPruningCallback(PruningViews, Callback):
     ) -> None:
         """Re-project after weight averaging (first batch of an epoch); open the distillation window."""
         with _user_errors():
-            self.controller.before_batch(first_of_epoch=batch_idx == 0, share=(trainer,))
+            self.controller.before_batch(first_of_epoch=batch_idx == 0, share=(trainer,), ckpt_path=trainer.ckpt_path)
 
     @override
     def on_before_optimizer_step(
@@ -237,6 +237,7 @@ class CoupledPruningCallback(PruningViews, Callback):
             result = ctl.after_step(count=lambda step: ctl.counts_at(step, every=every))
         if ctl.kl is not None and self.options.log_metrics:
             pl_module.log("pruning/distill_kl", ctl.kl, on_step=True, on_epoch=False)
+            pl_module.log("pruning/teacher_bytes", ctl.teacher_bytes(), on_step=True, on_epoch=False)  # this rank's
         if result is not None and self.metrics is not None:
             self.metrics.update(result.dropped, result.num_units, zeros=result.zeros, numel=result.numel)
             self.metrics.log(pl_module.log)

@@ -264,7 +264,7 @@ class PruningController:
         """
         self._bind(module, optimizers=optimizers, fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt)
         if self.distiller is not None:
-            self.distiller.bind(module, self.options.distill_module, accumulate=accumulate)
+            self.distiller.bind(module, self.options.distill_module, accumulate=accumulate, sharded_ckpt=sharded_ckpt)
 
     def _bind(
         self,
@@ -469,7 +469,7 @@ class PruningController:
         self._last_fit = (weakref.ref(owner), global_step)
         self.finish_fit()
 
-    def before_batch(self, *, first_of_epoch: bool, share: tuple[Any, ...] = ()) -> None:
+    def before_batch(self, *, first_of_epoch: bool, share: tuple[Any, ...] = (), ckpt_path: Any = None) -> None:
         """Before a training batch: re-project after weight averaging; build the teacher and open its window.
 
         ``StochasticWeightAveraging`` copies its averaged weights (dropped units included) into the model at the start
@@ -478,6 +478,7 @@ class PruningController:
         Args:
             first_of_epoch: Whether this is the epoch's first batch.
             share: Objects a copied teacher shares with the student instead of copying (the trainer).
+            ckpt_path: The checkpoint this fit resumed from (a sharded teacher's shards are read from it).
 
         Raises:
             Exception: ``forward_error`` if pruning started before this fit and no teacher state was restored.
@@ -485,7 +486,9 @@ class PruningController:
         if self._averaged and first_of_epoch:
             self.reproject()
         if self.distiller is not None:
-            self.distiller.ensure_teacher(step=self.progress.step, start=self.schedule.warmup_steps, share=share)
+            self.distiller.ensure_teacher(
+                step=self.progress.step, start=self.schedule.warmup_steps, share=share, ckpt_path=ckpt_path
+            )
             self.distiller.open()
 
     def reproject_after_averaging(self) -> None:
@@ -680,10 +683,16 @@ class PruningController:
         self._pending = pending
 
     def sharded_latents(self) -> dict[str, Tensor]:
-        """For a distributed checkpoint: the latents as model-state entries next to the model's shards, else ``{}``."""
+        """For a distributed checkpoint: the latents and a sharded teacher as model-state entries, else ``{}``."""
+        entries = {} if self.distiller is None else self.distiller.sharded_state()
         if self.latents is None or not self.latents.active or self._latent_format() != "dcp":
-            return {}
-        return state.sharded_latents(self.latents.state_dict(), self._params)
+            return entries
+        return {**state.sharded_latents(self.latents.state_dict(), self._params), **entries}
+
+    def teacher_bytes(self) -> Tensor:
+        """This rank's bytes of the distillation teacher (float64 scalar; 0 without a teacher)."""
+        size = 0 if self.distiller is None else self.distiller.teacher_bytes
+        return torch.tensor(float(size), dtype=torch.float64)
 
     # ------------------------------------------------------------------ resuming a shrunk model
     def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:

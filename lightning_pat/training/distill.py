@@ -19,10 +19,14 @@ The hook acts only inside a training batch with gradients enabled (validation an
 untouched). The teacher is a frozen copy of the student's logits module taken when pruning starts (after the last
 warmup step, before the first selection; hooks are not copied), or a module the user passes; it is held outside the
 student (not a child: not in the model's ``state_dict`` nor in any optimizer), in eval mode, with
-``requires_grad=False``. A copied teacher's weights are saved in the callback state (a checkpoint written during
-pruning therefore holds the weights twice); a user's teacher is not saved. Caveats: the added gradient is computed
-over every token (padding included); if the logits module's forward is recomputed under activation checkpointing
-the teacher runs again (the gradient is still added once).
+``requires_grad=False``. Under ``ModelParallelStrategy`` the copy is sharded like the student
+(:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A copied teacher's
+weights are saved in the callback state (a checkpoint written during pruning therefore holds the weights twice; a
+sharded copy as shards next to the model's in a distributed checkpoint, gathered in a full one); a user's teacher
+is not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica).
+
+Caveats: the added gradient is computed over every token (padding included); if the logits module's forward is
+recomputed under activation checkpointing the teacher runs again (the gradient is still added once).
 """
 
 from __future__ import annotations
@@ -37,14 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.parallel import distributed
+from lightning_pat.parallel.teacher import HOOK_DICTS, has_dtensors, local_nbytes, sharded_frozen_copy
+from lightning_pat.training import state
 
 log = logging.getLogger(__name__)
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)  # fmt: skip
 
 
 def kl_grad(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
@@ -114,7 +114,7 @@ def frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
     """
     memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
     for sub in module.modules():
-        for attr in _HOOK_DICTS:
+        for attr in HOOK_DICTS:
             hooks = getattr(sub, attr, None)
             if hooks is not None:
                 memo[id(hooks)] = OrderedDict()
@@ -124,10 +124,16 @@ def frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
     return teacher
 
 
-def nbytes(module: nn.Module) -> int:
-    """Bytes held by ``module``'s parameters and buffers."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def teacher_copy(student: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
+    """The default teacher: a frozen copy of ``student``, sharded like it if its parameters are DTensors."""
+    if has_dtensors(student):
+        return sharded_frozen_copy(student, share=share)
+    return frozen_copy(student, share=share)
+
+
+def is_sharded_entry(saved: Any) -> bool:
+    """Whether a saved teacher is a sharded entry (``{"format": ...}``, see :func:`sharded_teacher_entry`)."""
+    return isinstance(saved, Mapping) and isinstance(saved.get("format"), str)
 
 
 class Distiller:
@@ -157,10 +163,14 @@ class Distiller:
         self._calls_open: list[bool] = []  # per open student call: whether another student call ran inside it
         self._saved: dict[str, Tensor] | None = None  # a restored teacher's weights, until the teacher is rebuilt
         self._skeleton: nn.Module | None = None  # a dense copy taken before a shrunk checkpoint loaded
+        self.sharded_ckpt = False  # checkpoints are distributed checkpoints (a sharded teacher's shards go there)
 
     # ------------------------------------------------------------------ setup
-    def bind(self, root: nn.Module, module_name: str, *, accumulate: int = 1) -> None:
+    def bind(self, root: nn.Module, module_name: str, *, accumulate: int = 1, sharded_ckpt: bool = False) -> None:
         """Hook ``root.get_submodule(module_name)`` (the logits module); move a user's teacher to its device.
+
+        ``sharded_ckpt``: checkpoints are distributed checkpoints (a sharded teacher is then written as shards
+        next to the model's, see :meth:`sharded_state`).
 
         Raises:
             Exception: ``self.error`` if ``module_name`` names no submodule.
@@ -176,6 +186,7 @@ class Distiller:
             ) from err
         self.release()
         self.student, self.module_name, self.scale = student, module_name, self.alpha / max(accumulate, 1)
+        self.sharded_ckpt = sharded_ckpt
         if self.user_teacher is not None:
             param = next(student.parameters(), None)
             if param is not None:
@@ -223,8 +234,10 @@ class Distiller:
         self.teacher, self._saved, self._skeleton, self.on = self.user_teacher, None, None, False
 
     # ------------------------------------------------------------------ the teacher
-    def ensure_teacher(self, *, step: int, start: int, share: tuple[Any, ...] = ()) -> None:
+    def ensure_teacher(self, *, step: int, start: int, share: tuple[Any, ...] = (), ckpt_path: Any = None) -> None:
         """Before a training batch at ``step``: build the teacher once pruning has started (``step >= start``).
+
+        A teacher restored from a distributed checkpoint is read from ``ckpt_path`` (every rank reads its shards).
 
         Raises:
             Exception: ``self.error`` if pruning started before this fit and no teacher state was restored.
@@ -233,7 +246,15 @@ class Distiller:
         if self.teacher is not None or not self.on:
             return
         assert self.student is not None
-        if self._saved is not None:
+        if is_sharded_entry(self._saved):  # a sharded teacher: a copy laid out like the student, then its saved shards
+            teacher = teacher_copy(self.student, share=share)
+            tensors = teacher.state_dict(keep_vars=True)
+            saved = state.read_latents(self._saved, tensors, ckpt_path=ckpt_path, prefix=state.TEACHER_PREFIX)
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    distributed.local_tensor(tensor).copy_(saved[name])
+            self.teacher, self._saved = teacher, None
+        elif self._saved is not None:
             skeleton = self._skeleton if self._skeleton is not None else frozen_copy(self.student, share=share)
             skeleton.load_state_dict(self._saved, strict=True)
             param = next(self.student.parameters(), None)
@@ -241,7 +262,7 @@ class Distiller:
                 skeleton.to(param.device)
             self.teacher, self._saved, self._skeleton = skeleton, None, None
         elif step == start:
-            self.teacher = frozen_copy(self.student, share=share)
+            self.teacher = teacher_copy(self.student, share=share)
         else:
             raise self.error(
                 f"CoupledPruningCallback(distill_alpha={self.alpha}): the fit continues at step {step}, after "
@@ -249,10 +270,15 @@ class Distiller:
                 "distillation). Pass the dense model as `distill_teacher`, or resume without distillation."
             )
         distributed.rank_zero_info(
-            f"CoupledPruningCallback: distillation teacher ready ({nbytes(self.teacher) / 2**20:.1f} MiB of "
-            "parameters and buffers on each rank).",
+            f"CoupledPruningCallback: distillation teacher ready ({self.teacher_bytes / 2**20:.1f} MiB of "
+            "parameters and buffers on rank 0; logged per rank as `pruning/teacher_bytes`).",
             logger=log,
         )
+
+    @property
+    def teacher_bytes(self) -> int:
+        """Bytes this rank holds for the teacher's parameters and buffers (its shards when sharded; 0 if none)."""
+        return 0 if self.teacher is None else local_nbytes(self.teacher)
 
     def keep_skeleton(self, module: nn.Module, saved: Mapping[str, Any] | None, module_name: str) -> None:
         """Before a shrunk checkpoint loads into ``module``: keep a dense copy to rebuild the teacher into."""
@@ -281,6 +307,13 @@ class Distiller:
                 f"{self.module_name!r}` returned {type(output).__name__}, which is neither a tensor nor has "
                 "`logits`. Set `distill_module` to the submodule whose output is the logits."
             )
+        if distributed.is_dtensor(logits):  # e.g. vocabulary-sharded logits for loss_parallel: not supported
+            raise self.error(
+                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{self.module_name!r}` returned DTensor logits (placements {tuple(logits.placements)}); distillation "
+                "needs plain logits, identical on the ranks that share a batch. Give the output layer a plain output "
+                "(ColwiseParallel(output_layouts=Replicate(), use_local_output=True)), without loss_parallel."
+            )
         self.calls += 1
         if self.teacher is None or not (self.on or (self.user_teacher is not None and not self._checked)):
             return None  # warmup: nothing to distill yet (a user's teacher is checked on the first forward)
@@ -301,10 +334,29 @@ class Distiller:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """A copied teacher's weights (``None`` before pruning starts or with a user's teacher)."""
+        """A copied teacher's weights (``None`` before pruning starts or with a user's teacher).
+
+        A sharded teacher (DTensors) is an entry of the latents' formats (:mod:`lightning_pat.training.state`):
+        ``dcp`` (names only; the shards travel in the model state, :meth:`sharded_state`) or ``full`` (gathered:
+        a collective, every rank calls this).
+        """
         if self.teacher is None or self.teacher is self.user_teacher:
             return {"teacher": self._saved}
+        if has_dtensors(self.teacher):
+            tensors = self.teacher.state_dict()
+            local = {n: distributed.local_tensor(t) for n, t in tensors.items()}
+            return {"teacher": state.latent_entry(local, tensors, fmt="dcp" if self.sharded_ckpt else "full")}
         return {"teacher": self.teacher.state_dict()}
+
+    def sharded_state(self) -> dict[str, Tensor]:
+        """For a distributed checkpoint: a sharded teacher's shards as model-state entries, else ``{}``."""
+        if self.teacher is None or self.teacher is self.user_teacher or not self.sharded_ckpt:
+            return {}
+        if not has_dtensors(self.teacher):
+            return {}
+        tensors = self.teacher.state_dict()
+        local = {n: distributed.local_tensor(t) for n, t in tensors.items()}
+        return state.sharded_latents(local, tensors, prefix=state.TEACHER_PREFIX)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Stash a saved teacher; it is rebuilt before the next training batch."""

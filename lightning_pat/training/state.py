@@ -44,7 +44,9 @@ from lightning_pat.core.schedule import Schedule
 from lightning_pat.options import MASK_SHAPING
 from lightning_pat.parallel import distributed
 
-DCP_PREFIX = "_lightning_pat.latent."  # model-state keys that carry sharded latents in a distributed checkpoint
+SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
+DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
+TEACHER_PREFIX = SIDE_PREFIX + "teacher."  # the sharded distillation teacher (see lightning_pat.training.distill)
 
 
 @dataclass
@@ -143,13 +145,20 @@ def latent_entry(local: Mapping[str, Tensor], params: Mapping[str, Tensor], *, f
     return {"format": fmt, "names": sorted(local)}
 
 
-def sharded_latents(local: Mapping[str, Tensor], params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Model-state entries (DTensors laid out like their parameters) for a ``dcp`` checkpoint."""
-    return {DCP_PREFIX + n: distributed.as_dtensor(t, params[n]) for n, t in local.items()}
+def sharded_latents(
+    local: Mapping[str, Tensor], params: Mapping[str, Tensor], *, prefix: str = DCP_PREFIX
+) -> dict[str, Tensor]:
+    """Model-state entries (DTensors laid out like their parameters, keys under ``prefix``) for a ``dcp`` checkpoint."""
+    return {prefix + n: distributed.as_dtensor(t, params[n]) for n, t in local.items()}
 
 
-def read_latents(entry: Mapping[str, Any], params: Mapping[str, Tensor], *, ckpt_path: Any) -> dict[str, Tensor]:
-    """Rank-local latents from a ``latents`` entry (reads the distributed checkpoint at ``ckpt_path`` for ``dcp``)."""
+def read_latents(
+    entry: Mapping[str, Any], params: Mapping[str, Tensor], *, ckpt_path: Any, prefix: str = DCP_PREFIX
+) -> dict[str, Tensor]:
+    """Rank-local tensors from a ``latents`` entry (a ``dcp`` entry reads the keys under ``prefix`` at ``ckpt_path``).
+
+    The same formats carry the sharded distillation teacher (``prefix`` :data:`TEACHER_PREFIX`).
+    """
     fmt = entry["format"]
     if fmt in ("local", "tensors"):
         return dict(entry["tensors"])
@@ -159,11 +168,10 @@ def read_latents(entry: Mapping[str, Any], params: Mapping[str, Tensor], *, ckpt
         return {n: distributed.shard_like(t, params[n]) for n, t in entry["tensors"].items()}
     like = {n: params[n] for n in entry["names"]}
     holders = {
-        DCP_PREFIX + n: distributed.as_dtensor(torch.empty_like(distributed.local_tensor(p)), p)
-        for n, p in like.items()
+        prefix + n: distributed.as_dtensor(torch.empty_like(distributed.local_tensor(p)), p) for n, p in like.items()
     }
     distributed.load_sharded_({"state_dict": holders}, ckpt_path)
-    return {n: distributed.local_tensor(holders[DCP_PREFIX + n]) for n in like}
+    return {n: distributed.local_tensor(holders[prefix + n]) for n in like}
 
 
 def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:

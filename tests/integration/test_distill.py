@@ -134,6 +134,10 @@ def test_fit_gradient_is_the_blended_loss_gradient_with_the_frozen_dense_teacher
     assert not set(trainer.optimizers[0].state) & set(teacher.parameters())
     assert not any(mod is teacher for mod in module.modules())
     assert "pruning/distill_kl" in trainer.callback_metrics
+    # the teacher's memory is a logged metric: this rank's bytes of its parameters and buffers (here the whole model)
+    assert float(trainer.callback_metrics["pruning/teacher_bytes"]) == sum(
+        t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())
+    )
 
     for step in range(TOTAL):
         student = StepNet().double()
@@ -385,3 +389,18 @@ def test_frozen_copy_has_no_hooks_and_shares_what_it_is_told_to():
     assert not any(p.requires_grad for p in copy_.parameters())
     net(torch.randn(2, 8))
     assert seen == [net.fc1]
+
+
+def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    cb = make_cb()
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"distill_alpha=0.7\) supports a single device, DDP and ModelParallelStrategy .*got FSDPStrategy: "
+        r"FSDP1's flat parameters .*Use ModelParallelStrategy with fully_shard",
+    ):
+        cb.setup(SimpleNamespace(strategy=FSDPStrategy()), StepNet(), "fit")
+    cb.setup(SimpleNamespace(strategy=ModelParallelStrategy()), StepNet(), "fit")  # FSDP2 / TP: supported

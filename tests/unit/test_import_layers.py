@@ -5,7 +5,7 @@ floors listed for its own:
 
 * ``core`` (spec, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
   and torch (not torch.distributed);
-* ``parallel`` (distributed, placement, fsdp1, executors): adds core; ``torch.distributed`` is imported only by
+* ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
 * ``pruning`` (options, presets, activation, engine: the one-shot API; discovery: clusters found by tracing): adds

@@ -1,0 +1,60 @@
+"""Distillation under ModelParallelStrategy (gloo on CPU, 2 ranks): FSDP2, and tensor parallel (with FSDP2 over a
+data-parallel axis of size 1). See ``mp_distill_worker.py`` for what each rank checks; the reference gradient is
+autograd on the blended loss written out by hand in float64 (``tests/common/distill_reference.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.common.dist import run_rank_scripts
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKER = Path(__file__).with_name("mp_distill_worker.py")
+WARMUP, TOTAL = 2, 7
+
+
+def _run(*args: str) -> list[dict]:
+    outputs = run_rank_scripts(WORKER, 2, args=list(args), timeout=400)
+    results = [json.loads(ln[7:]) for out in outputs for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert [r["rank"] for r in results] == [0, 1]
+    return results
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize(
+    ("dp", "tp", "ckpt", "stop"),
+    [(2, 1, "dcp", 3), (1, 2, "full", 5)],
+    ids=["fsdp2-dcp-resume-mid-ramp", "tp-full-ckpt-resume-final"],
+)
+def test_sharded_teacher_gradient_frozen_and_resumed_bitwise(dp, tp, ckpt, stop):
+    results = _run(str(dp), str(tp), ckpt, str(stop))
+    for r in results:
+        assert r["checked"] == TOTAL - WARMUP  # every step from the pruning start is distilled and checked
+        assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
+        # the default teacher: the model at the warmup end, sharded like it, never updated, one forward per step
+        assert r["teacher_is_warmup_end"]
+        assert r["teacher_moved"] == []
+        assert r["teacher_grads"] == 0
+        assert not r["teacher_in_optimizer"]
+        assert r["teacher_layout_like_student"]
+        assert r["teacher_calls"] == [1] * (TOTAL - WARMUP - 1)
+        # its memory, logged per rank: this rank's shards, the student's size, well under the full model's
+        assert r["teacher_bytes_logged"] == [r["teacher_bytes_local"]] * (TOTAL - WARMUP)
+        assert r["teacher_bytes_local"] == r["student_bytes_local"]
+        assert r["teacher_bytes_local"] < 0.6 * r["full_bytes"]
+        assert r["resume_mismatches"] == []
+    assert results[0]["dropped"] == results[1]["dropped"]
+
+
+@pytest.mark.timeout(450)
+def test_a_teacher_sharded_by_the_user_is_used_as_is():
+    for r in _run("2", "1", "dcp", "0", "user"):
+        assert r["teacher_is_user"]
+        assert r["checked"] == TOTAL - WARMUP
+        assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
+        assert r["teacher_moved"] == []
+        assert r["teacher_grads"] == 0
+        assert not r["teacher_in_optimizer"]
