@@ -327,7 +327,7 @@ def check_environment(
             copy (the average includes snapshots taken before units were dropped).
 
     Raises:
-        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP or ModelParallelStrategy,
+        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP1 (``FSDPStrategy``),
             ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
             averaging (its full-size average cannot be copied into the shrunk model).
     """
@@ -344,12 +344,12 @@ def check_environment(
             "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
             "call lightning_pat.prune_clusters yourself after your optimizer steps."
         )
-    if options.score == "activation" and kind in ("fsdp1", "model_parallel"):
+    if options.score == "activation" and kind == "fsdp1":
         raise ValueError(
-            f"CoupledPruningCallback(score='activation') supports a single device and DDP (plain parameters), got "
-            f"{strategy}: with sharded or flat parameters the readers' inputs and weights are "
-            "split across ranks and the activation statistics are not collected there. Use a weight score "
-            "(score='rms', the default) under FSDP and ModelParallelStrategy."
+            f"CoupledPruningCallback(score='activation') supports a single device, DDP and ModelParallelStrategy "
+            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps parameters in flat shards, where the readers' "
+            "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
+            "(score='rms', the default) under FSDPStrategy."
         )
     if options.distill and kind not in ("single", "ddp"):
         raise ValueError(

@@ -21,11 +21,14 @@ from torch import Tensor
 from lightning_pat.core.spec import Member
 from lightning_pat.core.units import fold_to_units, unit_of_channels
 
-ScoreType = Literal["rms", "l2", "param_cost", "activation"]
+ScoreType = Literal["rms", "l2", "param_cost", "activation", "taylor"]
 #: Scores computed from the weights alone (every executor, every layout).
 WEIGHT_SCORES: tuple[str, ...] = ("rms", "l2", "param_cost")
-#: Every score type; ``"activation"`` needs activation statistics (see ``lightning_pat.activation``).
-SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, "activation")
+#: Scores that need data: ``"activation"`` (the readers' input statistics, ``lightning_pat.activation``) and
+#: ``"taylor"`` (``|w * g|`` summed over training steps, ``lightning_pat.gradient``).
+DATA_SCORES: tuple[str, ...] = ("activation", "taylor")
+#: Every score type.
+SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, *DATA_SCORES)
 
 
 #: The dtype scores accumulate in, for every parameter dtype: selections do not depend on the layout.
@@ -66,6 +69,53 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     return out
 
 
+def channel_abs_prod_sums(weight: Tensor, grad: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Sum over every channel (index along ``dim``) of ``|weight * grad|``, in ``acc_dtype`` (chunked like
+    :func:`channel_sq_sums`; both operands are converted before the product, so a float32 product is exact).
+
+    Args:
+        weight: A (local) tensor of any rank >= 1.
+        grad: Its gradient (same shape).
+        dim: The channel axis.
+        acc_dtype: The accumulation dtype.
+
+    Returns:
+        A ``[weight.shape[dim]]`` tensor.
+    """
+    if weight.dim() == 1:
+        return (weight.to(acc_dtype) * grad.to(acc_dtype)).abs_()
+    if weight.dim() > 2:
+        weight = weight.movedim(dim, 0).reshape(weight.shape[dim], -1)
+        grad, dim = grad.movedim(dim, 0).reshape(grad.shape[dim], -1), 0
+    other = 1 - dim
+    num, width = weight.shape[dim], weight.shape[other]
+    if width == 0 or num == 0:
+        return torch.zeros(num, dtype=acc_dtype, device=weight.device)
+    step = max(1, _CHUNK_ELEMS // width)
+    out = torch.empty(num, dtype=acc_dtype, device=weight.device)
+    for i in range(0, num, step):
+        n = min(step, num - i)
+        chunk = weight.narrow(dim, i, n).to(acc_dtype, copy=True)
+        chunk.mul_(grad.narrow(dim, i, n).to(acc_dtype)).abs_()
+        torch.sum(chunk, dim=other, out=out[i : i + n])
+    return out
+
+
+def member_unit_abs_prod_sums(
+    weight: Tensor, grad: Tensor, member: Member, *, num_units: int, acc_dtype: torch.dtype, offset: int = 0
+) -> Tensor:
+    """Partial ``[C]`` sums of ``|weight * grad|`` of one member's units (as :func:`member_unit_sq_sums`)."""
+    lo = max(member.start, offset)
+    hi = min(member.stop, offset + weight.shape[member.dim])
+    if hi <= lo:
+        return torch.zeros(num_units, dtype=acc_dtype, device=weight.device)
+    sums_L = channel_abs_prod_sums(
+        weight.narrow(member.dim, lo - offset, hi - lo), grad.narrow(member.dim, lo - offset, hi - lo),
+        dim=member.dim, acc_dtype=acc_dtype,
+    )  # fmt: skip
+    return _fold(sums_L, member, lo, hi, num_units=num_units)
+
+
 def member_unit_sq_sums(
     tensor: Tensor, member: Member, *, num_units: int, acc_dtype: torch.dtype, offset: int = 0
 ) -> Tensor:
@@ -81,16 +131,22 @@ def member_unit_sq_sums(
     if hi <= lo:
         return torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
     sums_L = channel_sq_sums(tensor.narrow(member.dim, lo - offset, hi - lo), dim=member.dim, acc_dtype=acc_dtype)
+    return _fold(sums_L, member, lo, hi, num_units=num_units)
+
+
+def _fold(sums_L: Tensor, member: Member, lo: int, hi: int, *, num_units: int) -> Tensor:
+    """Channel sums of the member's channels ``[lo, hi)`` folded into ``[C]`` unit sums."""
+    acc_dtype = sums_L.dtype
     first, last = lo - member.start, hi - member.start
     if first % member.block == 0 and last % member.block == 0 and last // member.block <= num_units:
         u0, u1 = first // member.block, last // member.block
         units_U = sums_L if member.block == 1 else sums_L.view(u1 - u0, member.block).sum(dim=1)
         if u0 == 0 and u1 == num_units:
             return units_U
-        out_C = torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
+        out_C = torch.zeros(num_units, dtype=acc_dtype, device=sums_L.device)
         out_C[u0:u1] = units_U
         return out_C
-    units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=tensor.device)
+    units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=sums_L.device)
     return fold_to_units(sums_L, units_L, num_units=num_units)
 
 

@@ -463,12 +463,12 @@ class PruningController:
         assert self.pruner is not None
         opts = self.options
         method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
-        scores = None
-        if self.act is not None:
-            with prefixed("CoupledPruningCallback(score='activation')"):
-                scores = self.act.summed_unit_scores(self._params)  # one collective under DDP
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
-        result = self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores, count=count)
+        # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
+        with prefixed(f"CoupledPruningCallback(score={opts.score!r})"):
+            result = self.pruner.step(
+                self.targets(step), method=method, threshold=threshold, count=count, evidence=self.act
+            )
         self.progress.mark_selection()
         if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
             distributed.check_selection_agreement(self.dropped, step=step)

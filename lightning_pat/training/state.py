@@ -161,6 +161,16 @@ def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, A
     if not saved:
         return None
     rank = distributed.world_rank()
+    world = distributed.world_size()
+    # a window that starts after channel 0 exists exactly when some reader's input channels were split over ranks
+    partial = [name for entry in saved for name, (offset, _) in entry.get("window", {}).items() if offset]
+    if partial and len(saved) != world:  # every rank reads the same state: every rank raises
+        raise ValueError(
+            f"CoupledPruningCallback(score='activation'): the checkpoint holds the statistics of {len(saved)} rank(s) "
+            f"sharded by tensor parallelism (reader modules {sorted(set(partial))[:3]} cover only some input channels "
+            f"per rank), and this run has {world} rank(s); they cannot be redistributed. Resume on {len(saved)} ranks "
+            "with the same mesh, or resume with score='rms' (or a fresh run) to collect new statistics."
+        )
     return saved[rank] if rank < len(saved) else saved[0]
 
 
