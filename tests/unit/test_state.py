@@ -90,3 +90,17 @@ def test_resumed_options_refuse_what_cannot_take_effect():
         state.check_resumed_options(saved, {**saved, "target_sparsity": 0.7}, step=9, final=True)
     with pytest.warns(UserWarning, match=r"resuming at step 3 with changed options \(target_sparsity: 0.5 -> 0.7\)"):
         state.check_resumed_options(saved, {**saved, "target_sparsity": 0.7}, step=3, final=False)
+
+
+def test_rank_activation_refuses_tensor_parallel_statistics_on_another_world_size():
+    """Statistics split over input channels (a window after channel 0 exists) cannot move to another world size;
+    statistics that cover every channel (DDP, FSDP2) can (each rank resumes some rank's statistics)."""
+    ema = torch.ones(4, dtype=torch.float64)
+    split = [
+        {"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [0, 4]}},
+        {"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [4, 4]}},
+    ]
+    with pytest.raises(ValueError, match=r"statistics of 2 rank\(s\) sharded by tensor parallelism.*this run has 1"):
+        state.rank_activation(split)
+    whole = [{"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [0, 4]}} for _ in range(2)]
+    assert state.rank_activation(whole) is whole[0]
