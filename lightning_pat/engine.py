@@ -581,6 +581,12 @@ def prune_clusters(
     check_choice("method", method, METHODS)
     check_number("reg_lambda", reg_lambda, low=0.0)
     check_number("gamma", gamma, low=0.0)
+    if score == "taylor":
+        raise ValueError(
+            "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
+            "CoupledPruningCallback (or lightning_pat.gradient.TaylorScores with a Pruner in your own loop); for "
+            "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
+        )
     if (score == "activation") != (activations is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "

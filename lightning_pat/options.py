@@ -351,6 +351,12 @@ def check_environment(
             "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
             "(score='rms', the default) under FSDPStrategy."
         )
+    if options.score == "taylor" and kind == "fsdp1":
+        raise ValueError(
+            f"CoupledPruningCallback(score='taylor') supports a single device, DDP and ModelParallelStrategy "
+            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
+            "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
+        )
     if options.distill and kind not in ("single", "ddp"):
         raise ValueError(
             f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device and DDP, got "

@@ -33,6 +33,7 @@ from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
+from lightning_pat.gradient import TaylorScores
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
@@ -125,6 +126,7 @@ class PruningController:
         self.resolved: list[ResolvedCluster] = []
         self.latents: LatentStore | None = None
         self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
+        self.taylor: TaylorScores | None = None  # score="taylor": |w * g| summed between selections
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
         self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
@@ -206,7 +208,7 @@ class PruningController:
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self.tracker.attach(self._optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            self.plan, self.pruner, self.latents, self.act = None, None, None, None
+            self.plan, self.pruner, self.latents, self.act, self.taylor = None, None, None, None, None
             return
         opts = self.options
         with self._weights() as params:
@@ -237,6 +239,9 @@ class PruningController:
             if opts.score == "activation":
                 with prefixed("CoupledPruningCallback(score='activation')"):
                     self.act = ActivationStats(module, self.resolved)
+            if opts.score == "taylor":
+                with prefixed("CoupledPruningCallback(score='taylor')"):
+                    self.taylor = TaylorScores(self.pruner.executors)
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
@@ -306,6 +311,8 @@ class PruningController:
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
+            if self.taylor is not None:
+                self.taylor.reset()
         self._carry = None
         self._check_mask_not_empty()
         if self.act is not None and not self.frozen:
@@ -337,6 +344,10 @@ class PruningController:
             self.latents.load_state_dict(latents)
         if self.act is not None:  # no saved statistics (e.g. the score changed on resume): collect from here on
             self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
+        if self.taylor is not None:  # none saved (e.g. the score changed on resume): sum from here on
+            rank, world = distributed.world_rank(), distributed.world_size()
+            with prefixed("CoupledPruningCallback"):
+                self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
         with torch.no_grad(), self._weights():
             self.pruner.hold()
 
@@ -381,7 +392,8 @@ class PruningController:
         latents = self.latents if self.latents is not None and self.latents.active else None
         self._carry = self._state(latents=None if latents is None else state.latent_entry(
             latents.state_dict(), self._params, fmt="local"
-        ), activation=None if self.act is None else [self.act.state_dict()])  # fmt: skip
+        ), activation=None if self.act is None else [self.act.state_dict()],
+            taylor=None if self.taylor is None else [self.taylor.state_dict()])  # fmt: skip
 
     def release(self) -> None:
         """Remove the optimizer and activation hooks (the state for a next fit is kept)."""
@@ -401,6 +413,8 @@ class PruningController:
                     self.pruner.zero_grads()
             elif action != "none" and self.latents.active:
                 self.latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
+            if self.taylor is not None and action != "freeze":  # the weights this update applies to (latents)
+                self.taylor.observe()
 
     def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
         """After a batch: if a real optimizer step happened, advance the schedule and act.
@@ -418,6 +432,8 @@ class PruningController:
             ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
         stepped = self.tracker.consume()
+        if self.taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
+            self.taylor.commit() if stepped else self.taylor.discard()
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if stepped:
                 self.progress.tick()
@@ -467,8 +483,10 @@ class PruningController:
         # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
         with prefixed(f"CoupledPruningCallback(score={opts.score!r})"):
             result = self.pruner.step(
-                self.targets(step), method=method, threshold=threshold, count=count, evidence=self.act
+                self.targets(step), method=method, threshold=threshold, count=count, evidence=self.act or self.taylor
             )
+        if self.taylor is not None:
+            self.taylor.reset()  # the next selection sums the steps from here
         self.progress.mark_selection()
         if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
             distributed.check_selection_agreement(self.dropped, step=step)
@@ -486,7 +504,7 @@ class PruningController:
         dropped = self.dropped
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
-        self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
+        self.shrunk, self.plan, self.pruner, self.latents, self.act, self.taylor = dropped, None, None, None, None, None
         self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
             f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
@@ -498,7 +516,9 @@ class PruningController:
             self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=self._sharded_ckpt
         )
 
-    def _state(self, *, latents: dict[str, Any] | None, activation: list[Any] | None) -> dict[str, Any]:
+    def _state(
+        self, *, latents: dict[str, Any] | None, activation: list[Any] | None, taylor: list[Any] | None = None
+    ) -> dict[str, Any]:
         return state.build(
             self.progress,
             dropped=self.dropped,
@@ -508,6 +528,7 @@ class PruningController:
             latents=latents,
             shrunk=self.shrunk is not None,
             activation=activation,
+            taylor=taylor,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -521,7 +542,12 @@ class PruningController:
         activation = None
         if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
             activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
-        return self._state(latents=latents, activation=activation)
+        taylor = None
+        if self.taylor is not None:  # sharded: every rank's partials; plain: the same sums on every rank
+            mine = self.taylor.state_dict()
+            sharded = self.taylor.sharded
+            taylor = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
+        return self._state(latents=latents, activation=activation, taylor=taylor)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""

@@ -11,6 +11,8 @@ A state is a dict of plain types and CPU tensors::
     shrunk                    whether the model was physically shrunk (``shrink_on_freeze``)
     activation                the ranks' activation statistics in rank order (``score="activation"``), else ``None``;
                               a list shorter than the world gives every missing rank the first entry
+    taylor                    ``score="taylor"``: the ``|w * g|`` sums since the last selection, per rank (sharded
+                              partials) or one entry (plain parameters), else ``None``
 
 Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
 (plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
@@ -93,6 +95,7 @@ def build(
     latents: dict[str, Any] | None,
     shrunk: bool,
     activation: list[Any] | None,
+    taylor: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
     return {
@@ -105,6 +108,7 @@ def build(
         "latents": latents,
         "shrunk": shrunk,
         "activation": activation,
+        "taylor": taylor,
     }
 
 

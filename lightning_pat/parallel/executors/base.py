@@ -174,6 +174,21 @@ class Executor(ABC):
                     out[m.name] = channel_sq_sums(dense.detach(), dim=1, acc_dtype=ACCUMULATION_DTYPE)
         return out
 
+    def check_plain(self, *, what: str) -> None:
+        """Refuse sharded members here (a score that reads local pieces every step needs the sharded executor).
+
+        Raises:
+            ValueError: Naming the first cluster with a DTensor member (global metadata: every rank raises).
+        """
+        for rc in self.clusters:
+            for m in rc.members:
+                if distributed.is_dtensor(self.params[m.name]):
+                    raise ValueError(
+                        f"Cluster {rc.name!r}: {what} reads the gradients of sharded parameters on their local "
+                        f"pieces, but member {m.name!r} is routed to the {self.kind} executor (gathering every step "
+                        "would cost a collective per step). Use executor='auto' with a Shard/Replicate layout."
+                    )
+
     @torch.no_grad()
     def unit_grad_products(self) -> dict[str, Tensor]:
         """Per cluster, ``[C]`` sums of ``|w * g|`` over this rank's pieces (no communication; ``score="taylor"``).
@@ -183,17 +198,12 @@ class Executor(ABC):
         Raises:
             ValueError: If a member is a DTensor (only the sharded executor reads its local pieces).
         """
+        self.check_plain(what="score='taylor'")
         out = {}
         for rc in self.clusters:
             total_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE)
             for m in rc.members:
                 param = self.params[m.name]
-                if distributed.is_dtensor(param):
-                    raise ValueError(
-                        f"Cluster {rc.name!r}: score='taylor' reads the gradients of sharded parameters on their local "
-                        f"pieces, but member {m.name!r} is routed to the {self.kind} executor (gathering every step "
-                        "would cost a collective per step). Use executor='auto' with a Shard/Replicate layout."
-                    )
                 if param.grad is None:
                     continue
                 part_C = member_unit_abs_prod_sums(
