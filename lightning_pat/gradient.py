@@ -19,6 +19,8 @@ Cost: one elementwise product and a per-channel sum over every clustered paramet
 shards under FSDP2/tensor parallelism: no communication), ``C`` float64 values per cluster of memory. At a selection
 the per-unit sums travel in the sharded path's one packed gather with the weight partials (no extra collective);
 with plain parameters (one device, DDP) the gradients are identical on every rank already, so nothing is summed.
+A DTensor cluster that the sharded path cannot serve (routed to the materializing executor) gathers its weights and
+gradients whole every step instead: correct, but a collective per member per step.
 
 Legend: ``C`` units of a cluster.
 """
@@ -43,10 +45,6 @@ class TaylorScores:
     Args:
         executors: The pruner's executors (they read the local pieces of the weights and gradients).
 
-    Raises:
-        ValueError: If a cluster with sharded members is routed to the materializing executor (it would need a
-            gather every step).
-
     Example::
 
         >>> import torch.nn as nn
@@ -65,9 +63,6 @@ class TaylorScores:
 
     def __init__(self, executors: Sequence[Executor]) -> None:
         self.executors = list(executors)
-        for ex in self.executors:
-            if not isinstance(ex, ShardedExecutor):
-                ex.check_plain(what="score='taylor'")
         self.sums: dict[str, Tensor] = {}
         self.steps = 0
         self._pending: dict[str, Tensor] | None = None

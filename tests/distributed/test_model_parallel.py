@@ -25,10 +25,11 @@ WORKER = Path(__file__).with_name("model_parallel_worker.py")
         (2, 2, "direct", "rms"),
         (2, 1, "latent", "activation"),
         (2, 2, "direct", "activation"),
+        (2, 2, "latent", "taylor"),
     ],
     ids=[
         "fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct", "fsdp2-2ranks-latent-activation",
-        "fsdp2xtp-2x2-direct-activation",
+        "fsdp2xtp-2x2-direct-activation", "fsdp2xtp-2x2-latent-taylor",
     ],
 )  # fmt: skip
 def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode, score):

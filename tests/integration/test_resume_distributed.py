@@ -32,6 +32,8 @@ WORKER = Path(__file__).with_name("resume_worker.py")
         ("mp", "direct", "4", "sharded", "rms"),
         ("mp-full", "latent", "4", "sharded", "rms"),
         ("mp", "latent", "4,8", "sharded", "activation"),
+        ("ddp", "direct", "4", "materializing", "taylor"),
+        ("mp", "latent", "4", "sharded", "taylor"),
     ],
     ids=[
         "ddp-latent",
@@ -41,6 +43,8 @@ WORKER = Path(__file__).with_name("resume_worker.py")
         "model-parallel-direct",
         "model-parallel-full-ckpt",
         "model-parallel-latent-activation",
+        "ddp-direct-taylor",
+        "model-parallel-latent-taylor",
     ],
 )
 def test_resume_matrix_equals_uninterrupted(kind, mode, stops, route, score):

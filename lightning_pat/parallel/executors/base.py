@@ -174,31 +174,14 @@ class Executor(ABC):
                     out[m.name] = channel_sq_sums(dense.detach(), dim=1, acc_dtype=ACCUMULATION_DTYPE)
         return out
 
-    def check_plain(self, *, what: str) -> None:
-        """Refuse sharded members here (a score that reads local pieces every step needs the sharded executor).
-
-        Raises:
-            ValueError: Naming the first cluster with a DTensor member (global metadata: every rank raises).
-        """
-        for rc in self.clusters:
-            for m in rc.members:
-                if distributed.is_dtensor(self.params[m.name]):
-                    raise ValueError(
-                        f"Cluster {rc.name!r}: {what} reads the gradients of sharded parameters on their local "
-                        f"pieces, but member {m.name!r} is routed to the {self.kind} executor (gathering every step "
-                        "would cost a collective per step). Use executor='auto' with a Shard/Replicate layout."
-                    )
-
     @torch.no_grad()
     def unit_grad_products(self) -> dict[str, Tensor]:
-        """Per cluster, ``[C]`` sums of ``|w * g|`` over this rank's pieces (no communication; ``score="taylor"``).
+        """Per cluster, ``[C]`` sums of ``|w * g|`` (``score="taylor"``), identical on every rank that holds them.
 
-        A member without a gradient contributes nothing. The default serves whole plain tensors.
-
-        Raises:
-            ValueError: If a member is a DTensor (only the sharded executor reads its local pieces).
+        A member without a gradient contributes nothing. The default serves whole tensors: plain ones as they are
+        (no communication), DTensors gathered whole (``full_tensor`` of the weight and of its gradient: collectives
+        every step, the price of a layout the sharded path cannot serve).
         """
-        self.check_plain(what="score='taylor'")
         out = {}
         for rc in self.clusters:
             total_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE)
@@ -207,8 +190,9 @@ class Executor(ABC):
                 if param.grad is None:
                     continue
                 part_C = member_unit_abs_prod_sums(
-                    param.detach(), param.grad.detach(), m, num_units=rc.num_units, acc_dtype=ACCUMULATION_DTYPE
-                )
+                    distributed.full_tensor(param), distributed.full_tensor(param.grad), m, num_units=rc.num_units,
+                    acc_dtype=ACCUMULATION_DTYPE,
+                )  # fmt: skip
                 total_C = total_C.to(part_C.device) + part_C
             out[rc.name] = total_C
         return out
