@@ -440,9 +440,11 @@ class ActivationStats:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Plain types and CPU float64 tensors: ``beta``, per module the average, the number of batches seen and the
-        window of input channels the average covers (``[first, channels]``: this rank's shard under tensor
-        parallelism, else every channel)."""
+        """Plain types and CPU float64 tensors: ``beta``, per module the average, batches seen and window.
+
+        The window is the input channels the average covers (``[first, channels]``: this rank's shard under tensor
+        parallelism, else every channel).
+        """
         counted = [k for k, v in self._count.items() if int(v)]
         return {
             "beta": self.beta,

@@ -422,8 +422,10 @@ class Pruner:
         scores: Mapping[str, Tensor] | None = None,
         evidence: Evidence | None = None,
     ) -> PruneResult:
-        """Select and apply a fresh projection; remember it as the current mask (``scores``, ``evidence``: see
-        :meth:`select`)."""
+        """Select and apply a fresh projection; remember it as the current mask.
+
+        ``scores`` and ``evidence``: see :meth:`select`.
+        """
         check_choice("method", method, METHODS)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
             q, scores = self._reduce(scores, evidence)

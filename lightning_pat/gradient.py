@@ -69,8 +69,10 @@ class TaylorScores:
 
     @torch.no_grad()
     def observe(self) -> None:
-        """Take this step's ``|w * g|`` per unit (call between the backward and the update; kept until
-        :meth:`commit` or :meth:`discard`; a second call before either replaces the first)."""
+        """Take this step's ``|w * g|`` per unit (call between the backward and the update).
+
+        The term is kept until :meth:`commit` or :meth:`discard`; a second call before either replaces the first.
+        """
         pending: dict[str, Tensor] = {}
         for ex in self.executors:
             pending.update(ex.unit_grad_products())

@@ -70,8 +70,10 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
 
 
 def channel_abs_prod_sums(weight: Tensor, grad: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
-    """Sum over every channel (index along ``dim``) of ``|weight * grad|``, in ``acc_dtype`` (chunked like
-    :func:`channel_sq_sums`; both operands are converted before the product, so a float32 product is exact).
+    """Sum over every channel (index along ``dim``) of ``|weight * grad|``, in ``acc_dtype``.
+
+    Chunked like :func:`channel_sq_sums`; both operands are converted before the product, so a float32 product is
+    exact.
 
     Args:
         weight: A (local) tensor of any rank >= 1.

@@ -136,7 +136,10 @@ class CoupledPruningCallback(Callback):
             ``"activation"`` (opt-in, Minitron-style: each unit's expected squared contribution to its readers'
             outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
             over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
-            weights; one device or DDP only; see :mod:`lightning_pat.activation`).
+            weights; see :mod:`lightning_pat.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
+            over the real steps between selections, from the gradients the optimizer applies; see
+            :mod:`lightning_pat.gradient`). Both data-aware scores run on one device, DDP and
+            ``ModelParallelStrategy`` (FSDP2/TP: they ride in the sharded path's one gather), not under FSDP1.
         mode: ``"latent"`` (default: the optimizer updates a dense latent copy, the model uses its projection) or
             ``"direct"`` (project the weights themselves; no extra memory).
         executor: ``"auto"`` (sharded path for eligible DTensor clusters, else materializing), ``"materializing"``
@@ -184,7 +187,7 @@ class CoupledPruningCallback(Callback):
             ``StochasticWeightAveraging`` runs with ``shrink_on_freeze`` (at setup; without it, the mask is re-applied
             after SWA's weight transfers); if a checkpoint written before a ``shrink_on_freeze`` shrink is restored
             into the shrunk module (``validate``/``test``/``predict``/``fit`` with ``ckpt_path``); if
-            ``score="activation"`` runs under FSDP or ``ModelParallelStrategy`` (at setup) or a cluster's readers
+            ``score="activation"``/``"taylor"`` runs under FSDP1 (at setup) or a cluster's readers
             are not ``nn.Linear`` weights (at fit start); if ``target_params`` is malformed (at construction) or
             above the model's size or below what the clusters can reach (at fit start, with the numbers); if a
             checkpoint's state cannot be restored (at train start).

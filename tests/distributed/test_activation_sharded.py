@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
         result = pruner.step(TARGETS, evidence=stats)
     averages = {}
     for rc in stats.clusters:
-        (_, name), = stats.readers[rc.name]
+        ((_, name),) = stats.readers[rc.name]
         width = stats.modules[name].in_features
         summed = reduced.data[rc.name]
         averages[name] = (summed[:width] / summed[width:]).tolist()
@@ -192,16 +192,17 @@ def test_half_batches_on_data_parallel_ranks_equal_one_process_on_the_whole_batc
         for name, want in ref["averages"].items():
             got_avg = torch.tensor(got["averages"][name], dtype=torch.float64)
             torch.testing.assert_close(got_avg, want, rtol=1e-13, atol=0)
-            torch.testing.assert_close(got_avg, torch.tensor(single["averages"][name], dtype=torch.float64),
-                                       rtol=1e-13, atol=0)
+            torch.testing.assert_close(
+                got_avg, torch.tensor(single["averages"][name], dtype=torch.float64), rtol=1e-13, atol=0
+            )
         for name, want in ref["scores"].items():
-            torch.testing.assert_close(torch.tensor(got["scores"][name], dtype=torch.float64), want, rtol=1e-13,
-                                       atol=0)
+            torch.testing.assert_close(torch.tensor(got["scores"][name], dtype=torch.float64), want, rtol=1e-13, atol=0)
         calls = got["summary"]["calls"]
         assert len(calls) == 1, (where, calls)  # ONE collective for the whole selection: stats ride with Q
         name, group, dtype, _ = calls[0]
         assert name in ("all_gather_single", "all_gather_into_tensor"), where
-        assert tuple(group) == whole and dtype == "torch.float64", where
+        assert tuple(group) == whole, where
+        assert dtype == "torch.float64", where
         assert got["summary"]["materialized"] == [], where  # no weight gathered
         assert sum(got["summary"]["comm_counts"].values()) == 1, where  # and nothing DTensor-internal
     if kind in ("tp", "2d"):  # a row-parallel reader's rank sees only its shard of the input channels

@@ -33,9 +33,7 @@ WORKER = Path(__file__).with_name("model_parallel_worker.py")
     ],
 )  # fmt: skip
 def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode, score):
-    outputs = run_rank_scripts(
-        WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing", score], timeout=240
-    )
+    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing", score], timeout=240)
     runs = [
         json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
     ]

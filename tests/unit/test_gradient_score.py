@@ -37,8 +37,17 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
 
 
-def _run(mode: str, *, steps: int, accumulate: int = 1, skip: set[int] = frozenset(), ctl=None, model=None, opt=None,
-         start: int = 0):  # noqa: ANN001, ANN202
+def _run(
+    mode: str,
+    *,
+    steps: int,
+    accumulate: int = 1,
+    skip: set[int] = frozenset(),
+    ctl=None,
+    model=None,
+    opt=None,
+    start: int = 0,
+):  # noqa: ANN001, ANN202
     """A manual training loop around the controller; returns (ctl, model, opt, per-selection (captured, reference))."""
     if ctl is None:
         model = _model()
@@ -98,7 +107,8 @@ def test_resume_continues_the_sums_bitwise():
     full_ctl, full_model, _, full_seen = _run("latent", steps=7)
     ctl, model, opt, seen_a = _run("latent", steps=3)  # stops after the first selection
     saved = ctl.state_dict()
-    assert saved["taylor"] is not None and saved["taylor"][0]["steps"] == 0  # just reset by the selection at step 3
+    assert saved["taylor"] is not None
+    assert saved["taylor"][0]["steps"] == 0  # just reset by the selection at step 3
     ctl2, model2, opt2, _ = _run("latent", steps=2)  # a state mid-way between selections
     state_mid = ctl2.state_dict()
     assert state_mid["taylor"][0]["steps"] == 2
@@ -122,8 +132,9 @@ def test_resume_continues_the_sums_bitwise():
 def test_a_selection_without_any_real_step_is_refused():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ctl = PruningController(PruningOptions([CLUSTER], target_sparsity=0.5, warmup_steps=0, ramp_steps=2,
-                                           score="taylor", mode="direct"))
+    ctl = PruningController(
+        PruningOptions([CLUSTER], target_sparsity=0.5, warmup_steps=0, ramp_steps=2, score="taylor", mode="direct")
+    )
     ctl.bind(model, optimizers=[opt])
     ctl.start()
     ctl.taylor.reset()

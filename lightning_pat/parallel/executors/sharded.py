@@ -26,7 +26,12 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
-from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums, member_unit_sq_sums
+from lightning_pat.core.scoring import (
+    ACCUMULATION_DTYPE,
+    channel_sq_sums,
+    member_unit_abs_prod_sums,
+    member_unit_sq_sums,
+)
 from lightning_pat.core.spec import Member, ResolvedCluster
 from lightning_pat.parallel import distributed, placement
 from lightning_pat.parallel.executors.base import Executor, Reduced, UnitAction
@@ -147,14 +152,16 @@ class ShardedExecutor(Executor):
                 local = distributed.local_tensor(param)
                 grad = param.grad
                 part_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE, device=local.device)
-                if grad is not None:  # the layout is global metadata: every rank raises together
-                    if not distributed.is_dtensor(grad) or tuple(grad.placements) != tuple(param.placements):
-                        layout = tuple(grad.placements) if distributed.is_dtensor(grad) else "a plain tensor"
-                        raise ValueError(
-                            f"Cluster {rc.name!r}: score='taylor' needs member {m.name!r}'s gradient laid out like "
-                            f"the parameter ({tuple(param.placements)}), got {layout}; keep gradients in their "
-                            "parameter's layout, or use another score."
-                        )
+                # the layout is global metadata: every rank raises together
+                if grad is not None and (
+                    not distributed.is_dtensor(grad) or tuple(grad.placements) != tuple(param.placements)
+                ):
+                    layout = tuple(grad.placements) if distributed.is_dtensor(grad) else "a plain tensor"
+                    raise ValueError(
+                        f"Cluster {rc.name!r}: score='taylor' needs member {m.name!r}'s gradient laid out like "
+                        f"the parameter ({tuple(param.placements)}), got {layout}; keep gradients in their "
+                        "parameter's layout, or use another score."
+                    )
                 if grad is not None and piece.contributes:
                     part_C = member_unit_abs_prod_sums(
                         local, distributed.local_tensor(grad), m, num_units=rc.num_units,
@@ -233,7 +240,8 @@ class ShardedExecutor(Executor):
                     parts.append(tensor.to(ACCUMULATION_DTYPE).reshape(-1))
                     layout.append((kind, key, tensor.numel()))
             buffer_L = torch.cat(parts)
-            reduce = distributed.scatter_gather_sum if self._two_phase(pack, buffer_L.numel()) else distributed.gather_sum
+            two_phase = self._two_phase(pack, buffer_L.numel())
+            reduce = distributed.scatter_gather_sum if two_phase else distributed.gather_sum
             summed_L = reduce(buffer_L, group=pack.group, order=pack.order)
             start = 0
             for kind, key, length in layout:
