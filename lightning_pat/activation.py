@@ -14,6 +14,13 @@ unit ``c`` is the expected squared contribution of its channels to the readers' 
 zero, so its average decays towards 0 (by ``beta`` per forward) and latent mode rarely revives it, unlike with a
 weight score.
 
+Sharded models (FSDP2, tensor parallelism): each rank keeps the statistics of the input channels it sees (its
+*window*: every channel under DDP and FSDP2, its shard under tensor parallelism, where a row-parallel reader gets a
+``Shard(-1)`` input). At a selection every rank's statistics and per-channel "seen" flags are summed (the mean over
+the ranks that saw a channel: data-parallel ranks average, tensor-parallel peers that saw the same rows count once
+in the mean); as an :class:`~lightning_pat.parallel.executors.Evidence` they travel in the sharded path's one packed
+gather together with the readers' column partials, so no weight is gathered.
+
 Cost: one square-and-sum over every reader's input per training forward (``rows x in_features`` elements, an
 elementwise op against the reader's matmul), and ``in_features`` float64 values per reader module of memory. The
 callback removes the hooks once the mask is frozen and at the end of every fit.
@@ -427,16 +434,6 @@ class ActivationStats:
                 start += width
                 averages.setdefault(name, self._mean(name, value, seen))
         return self._scores(averages, reduced.columns)
-
-    def summed_unit_scores(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`unit_scores` from the statistics summed over all ranks (one collective when distributed).
-
-        Raises:
-            ValueError: If a reader module has no statistics on any rank yet.
-        """
-        return self.unit_scores(
-            params, summed=distributed.sum_over_ranks(self.stacked(), group=distributed.world_group())
-        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

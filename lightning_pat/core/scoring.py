@@ -38,6 +38,32 @@ ACCUMULATION_DTYPE = torch.float64
 _CHUNK_ELEMS = 1 << 18  # float64 temporaries of at most 2 MiB (cache-sized: faster than larger chunks)
 
 
+def _channel_sums(tensor: Tensor, other_tensor: Tensor | None, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Per channel, the sum of ``x^2`` (``other_tensor`` None) or of ``|x * y|``, converted first, in chunks."""
+    if tensor.dim() == 1:
+        x = tensor.to(acc_dtype)
+        return x.square() if other_tensor is None else (x * other_tensor.to(acc_dtype)).abs_()
+    if tensor.dim() > 2:  # a convolution's weight: every dim but the channel axis is one flattened "other" axis
+        if other_tensor is not None:
+            other_tensor = other_tensor.movedim(dim, 0).reshape(other_tensor.shape[dim], -1)
+        tensor, dim = tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1), 0
+    other = 1 - dim
+    num, width = tensor.shape[dim], tensor.shape[other]
+    if width == 0 or num == 0:
+        return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
+    step = max(1, _CHUNK_ELEMS // width)
+    out = torch.empty(num, dtype=acc_dtype, device=tensor.device)
+    for i in range(0, num, step):
+        n = min(step, num - i)
+        chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: changed in place below
+        if other_tensor is None:
+            chunk.square_()
+        else:
+            chunk.mul_(other_tensor.narrow(dim, i, n).to(acc_dtype)).abs_()
+        torch.sum(chunk, dim=other, out=out[i : i + n])
+    return out
+
+
 def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
     """Sum of squares of every channel (index along ``dim``) of ``tensor``, in ``acc_dtype``.
 
@@ -52,21 +78,7 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     Returns:
         A ``[tensor.shape[dim]]`` tensor.
     """
-    if tensor.dim() == 1:
-        return tensor.to(acc_dtype).square()
-    if tensor.dim() > 2:  # a convolution's weight: every dim but the channel axis is one flattened "other" axis
-        tensor, dim = tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1), 0
-    other = 1 - dim
-    num, width = tensor.shape[dim], tensor.shape[other]
-    if width == 0 or num == 0:
-        return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
-    step = max(1, _CHUNK_ELEMS // width)
-    out = torch.empty(num, dtype=acc_dtype, device=tensor.device)
-    for i in range(0, num, step):
-        n = min(step, num - i)
-        chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: squared in place below
-        torch.sum(chunk.square_(), dim=other, out=out[i : i + n])
-    return out
+    return _channel_sums(tensor, None, dim=dim, acc_dtype=acc_dtype)
 
 
 def channel_abs_prod_sums(weight: Tensor, grad: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
@@ -84,23 +96,7 @@ def channel_abs_prod_sums(weight: Tensor, grad: Tensor, *, dim: int, acc_dtype: 
     Returns:
         A ``[weight.shape[dim]]`` tensor.
     """
-    if weight.dim() == 1:
-        return (weight.to(acc_dtype) * grad.to(acc_dtype)).abs_()
-    if weight.dim() > 2:
-        weight = weight.movedim(dim, 0).reshape(weight.shape[dim], -1)
-        grad, dim = grad.movedim(dim, 0).reshape(grad.shape[dim], -1), 0
-    other = 1 - dim
-    num, width = weight.shape[dim], weight.shape[other]
-    if width == 0 or num == 0:
-        return torch.zeros(num, dtype=acc_dtype, device=weight.device)
-    step = max(1, _CHUNK_ELEMS // width)
-    out = torch.empty(num, dtype=acc_dtype, device=weight.device)
-    for i in range(0, num, step):
-        n = min(step, num - i)
-        chunk = weight.narrow(dim, i, n).to(acc_dtype, copy=True)
-        chunk.mul_(grad.narrow(dim, i, n).to(acc_dtype)).abs_()
-        torch.sum(chunk, dim=other, out=out[i : i + n])
-    return out
+    return _channel_sums(weight, grad, dim=dim, acc_dtype=acc_dtype)
 
 
 def member_unit_abs_prod_sums(

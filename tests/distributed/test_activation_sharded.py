@@ -127,23 +127,29 @@ def _shard(model: _Net, kind: str, mesh) -> None:  # noqa: ANN001
         fully_shard(model, mesh=dp)
 
 
-def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
+def sharded(model: _Net, kind: str, rank: int, world: int) -> tuple[int, int]:
+    """Shard ``model`` for ``kind`` on a fresh mesh; return this rank's data-parallel index and the dp size."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if kind == "2d":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = (mesh.get_coordinate()[0], 2)
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if kind == "fsdp2" else "tp",))
+        dp = (rank, world) if kind == "fsdp2" else (0, 1)
+    _shard(model, kind, mesh)
+    return dp
+
+
+def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat import resolve_clusters
     from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import Pruner, make_plan
     from lightning_pat.parallel import distributed as D
     from tests.distributed._recorder import Recorder
 
-    if kind == "2d":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        dp_rank, dp_size = mesh.get_coordinate()[0], 2
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if kind == "fsdp2" else "tp",))
-        dp_rank, dp_size = (rank, world) if kind == "fsdp2" else (0, 1)
     model = _Net(d, f)
-    _shard(model, kind, mesh)
+    dp_rank, dp_size = sharded(model, kind, rank, world)
     assert all(D.is_dtensor(p) for p in model.parameters())
     stats = ActivationStats(model, resolve_clusters(model, _clusters()), beta=BETA)
     stats.attach()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.common.dist import run_distributed
-from tests.distributed.test_activation_sharded import ROWS, _batches, _clusters, _Net, _shard
+from tests.distributed.test_activation_sharded import ROWS, _batches, _clusters, _Net, sharded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -66,7 +66,6 @@ def _single(d: int, f: int) -> dict:
 
 
 def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_pat.engine import Pruner, make_plan
@@ -78,13 +77,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
         dp_rank, dp_size = rank, world
         wrapped = DistributedDataParallel(model)
     else:
-        if kind == "2d":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            dp_rank, dp_size = mesh.get_coordinate()[0], 2
-        else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if kind == "fsdp2" else "tp",))
-            dp_rank, dp_size = (rank, world) if kind == "fsdp2" else (0, 1)
-        _shard(model, kind, mesh)
+        dp_rank, dp_size = sharded(model, kind, rank, world)
         wrapped = model
     pruner = Pruner(model, make_plan(model, _clusters(), score="taylor"))
     taylor = TaylorScores(pruner.executors)
