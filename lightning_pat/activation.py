@@ -10,7 +10,11 @@ unit ``c`` is the expected squared contribution of its channels to the readers' 
 
     score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
 
-(Minitron-style: a unit whose weights are large but whose inputs are small scores low.) A dropped unit's input is
+(Minitron-style: a unit whose weights are large but whose inputs are small scores low.) Readers that are no
+``nn.Linear`` weight (an embedding, whose dim 1 is the residual stream) are left out of the sum, as long as the
+cluster has at least one ``nn.Linear`` reader: the residual (hidden-size) cluster is then scored by the inputs of
+``q/k/v/gate/up_proj`` and ``lm_head``, i.e. by the outputs of the norm layers (what Minitron scores embedding
+channels by), each weighted by the squared column norm of the weight that reads it. A dropped unit's input is
 zero, so its average decays towards 0 (by ``beta`` per forward) and latent mode rarely revives it, unlike with a
 weight score.
 
@@ -91,6 +95,8 @@ class ActivationStats:
         params = dict(model.named_parameters(remove_duplicate=False))
         self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]
         self.modules: dict[str, nn.Linear] = {}  # reader module name -> module, in first-seen order
+        #: cluster -> readers that are no nn.Linear weight (an embedding): left out of the score
+        self.unmeasured: dict[str, list[str]] = {}
         for rc in self.clusters:
             readers = [m for m in rc.members if m.role == "reader"]
             if not readers:
@@ -99,7 +105,17 @@ class ActivationStats:
                     f"cluster has only writers {[m.name for m in rc.members][:5]}. Add the member that reads these "
                     "channels (e.g. down_proj/o_proj columns) to `readers`, or use a weight score ('rms')."
                 )
-            self.readers[rc.name] = [(m, self._reader_module(rc, m, modules, params)) for m in readers]
+            measured, refused = [], []
+            for m in readers:
+                try:
+                    measured.append((m, self._reader_module(rc, m, modules, params)))
+                except ValueError as err:
+                    refused.append((m, err))
+            if not measured:
+                raise refused[0][1]
+            self.readers[rc.name] = measured
+            if refused:  # e.g. the residual cluster's embedding: scored by its nn.Linear readers (the norms' outputs)
+                self.unmeasured[rc.name] = [m.name for m, _ in refused]
         self._ema: dict[str, Tensor] = {}  # per module, over the input channels this rank sees (its window)
         self._window: dict[str, tuple[int, int]] = {}  # per module, (first channel, channels) this rank sees
         # per module, 0-d int64 tensors on its device: finite batches folded in, non-finite batches skipped (kept on
@@ -129,9 +145,9 @@ class ActivationStats:
         where = f"{type(module).__name__} {path!r}" if path else f"the root module ({type(module).__name__})"
         found = f"the `{attr}` of {where}" if module is not None else "not a parameter of a module"
         raise ValueError(
-            f"Cluster {rc.name!r}: score='activation' needs every reader to be the `weight` of an nn.Linear (its "
+            f"Cluster {rc.name!r}: score='activation' needs a reader that is the `weight` of an nn.Linear (its "
             f"input channels are the cluster's units), but reader {m.name!r} is {found}. Use a weight score "
-            "('rms') for this model, or leave this cluster out (e.g. the residual cluster, read by the embedding)."
+            "('rms') for this model, add an nn.Linear reader, or leave this cluster out."
         )
 
     # ------------------------------------------------------------------ collection

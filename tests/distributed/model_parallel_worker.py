@@ -141,7 +141,7 @@ def fit_once(dp: int, tp: int, mode: str, executor: str, score: str = "rms") -> 
     calls: dict[str, int] = {}
     for name in ("all_gather_packed", "reduce_counts", "full_tensor", "write_back_"):
         _count_calls(lpd, name, calls)
-    clusters = CLUSTERS if score == "rms" else CLUSTERS[:2]  # the residual cluster is read by the embedding
+    clusters = CLUSTERS  # the residual cluster too: data-aware scores take it from its nn.Linear readers
     cb = CoupledPruningCallback(
         clusters, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1, executor=executor, mode=mode,
         score=score,
