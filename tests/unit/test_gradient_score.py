@@ -147,3 +147,19 @@ def test_prune_clusters_refuses_taylor():
 
     with pytest.raises(ValueError, match=r"score='taylor' sums \|w \* g\| over training steps"):
         prune_clusters(_model(), CLUSTER, 0.5, score="taylor")
+
+
+def test_plain_sums_resume_on_another_world_size():
+    """Plain parameters: every rank's sums are the same, so a checkpoint of 2 ranks resumes on 1 (entry 0)."""
+    from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.gradient import TaylorScores
+
+    model = _model()
+    taylor = TaylorScores(Pruner(model, make_plan(model, CLUSTER, score="taylor")).executors)
+    assert not taylor.sharded
+    saved = [{"steps": 3, "sums": {"h": torch.arange(12, dtype=torch.float64)}}, {"steps": 3, "sums": {}}]
+    taylor.load_state_dict(taylor.rank_entry(saved, rank=0, world=1))
+    assert taylor.steps == 3
+    assert torch.equal(taylor.sums["h"], torch.arange(12, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sums of cluster 'h' have shape \(3,\), the cluster 12 units"):
+        taylor.load_state_dict({"steps": 1, "sums": {"h": torch.zeros(3)}})
