@@ -353,6 +353,17 @@ class ActivationStats:
             out[name] = self._mean(name, value, seen)
         return out
 
+    def check_seen(self) -> None:
+        """Refuse statistics that miss a reader module on this rank (over the input channels this rank sees).
+
+        Raises:
+            ValueError: Naming the cluster, the reader and its module.
+        """
+        for name in self.modules:
+            value, seen = self._module_pair(name)
+            offset, length = self._window.get(name, (0, self.modules[name].in_features))
+            self._mean(name, value[offset : offset + length], seen[offset : offset + length])
+
     def _mean(self, name: str, value: Tensor, seen: Tensor) -> Tensor:
         """``value / seen`` of module ``name``, refusing channels no rank saw and non-finite statistics."""
         if not bool((seen > 0).all()):
@@ -530,5 +541,5 @@ def calibrate(
                 forward(model, batch)
             else:
                 model(batch)
-    stats.averages()  # every reader was reached, or a clear error now
+    stats.check_seen()  # every reader was reached, or a clear error now
     return stats

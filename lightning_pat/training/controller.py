@@ -390,10 +390,11 @@ class PruningController:
             return
         assert self.pruner is not None
         latents = self.latents if self.latents is not None and self.latents.active else None
+        world = distributed.world_size()  # this rank's own statistics at every index: each rank reads its own
         self._carry = self._state(latents=None if latents is None else state.latent_entry(
             latents.state_dict(), self._params, fmt="local"
-        ), activation=None if self.act is None else [self.act.state_dict()],
-            taylor=None if self.taylor is None else [self.taylor.state_dict()])  # fmt: skip
+        ), activation=None if self.act is None else [self.act.state_dict()] * world,
+            taylor=None if self.taylor is None else [self.taylor.state_dict()] * world)  # fmt: skip
 
     def release(self) -> None:
         """Remove the optimizer and activation hooks (the state for a next fit is kept)."""

@@ -84,7 +84,15 @@ def _single(d: int, f: int) -> dict:
     with torch.no_grad():
         result = pruner.step(TARGETS, evidence=stats)
     averages = stats.averages()
+    from lightning_pat import prune_clusters
+    from lightning_pat.activation import calibrate
+
+    fresh = _Net(d, f)
+    one_shot = prune_clusters(
+        fresh, _clusters(), 0.5, score="activation", activations=calibrate(fresh, _clusters(), _batches(d))
+    )
     return {
+        "one_shot": one_shot.dropped,
         "averages": {k: v.tolist() for k, v in averages.items()},
         "scores": {k: v.tolist() for k, v in stats.unit_scores(dict(model.named_parameters())).items()},
         "dropped": result.dropped,
@@ -168,7 +176,18 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
         width = stats.modules[name].in_features
         summed = reduced.data[rc.name]
         averages[name] = (summed[:width] / summed[width:]).tolist()
+    # one-shot: calibrate() and prune_clusters() on the sharded model (the statistics ride in the same gather)
+    from lightning_pat import prune_clusters
+    from lightning_pat.activation import calibrate
+
+    fresh = _Net(d, f)
+    sharded(fresh, kind, rank, world)
+    calibrated = calibrate(fresh, _clusters(), [x[dp_rank * half : (dp_rank + 1) * half] for x in _batches(d)])
+    with Recorder() as one_shot_rec:
+        one_shot = prune_clusters(fresh, _clusters(), 0.5, score="activation", activations=calibrated)
     return {
+        "one_shot": one_shot.dropped,
+        "one_shot_materialized": one_shot_rec.summary()["materialized"],
         "summary": rec.summary(),
         "averages": averages,
         "scores": {k: v.tolist() for k, v in scores.items()},
@@ -194,6 +213,8 @@ def test_half_batches_on_data_parallel_ranks_equal_one_process_on_the_whole_batc
         assert set(got["routes"].values()) == {"sharded"}, where
         assert got["dropped"] == single["dropped"], where  # the same units as one process on the whole batch
         assert got["dropped"] == ranks[0]["dropped"], where
+        assert got["one_shot"] == single["one_shot"], where  # calibrate + prune_clusters on the sharded model
+        assert got["one_shot_materialized"] == [], where
         assert got["scores"] == ranks[0]["scores"], where  # bitwise identical on every rank
         for name, want in ref["averages"].items():
             got_avg = torch.tensor(got["averages"][name], dtype=torch.float64)
