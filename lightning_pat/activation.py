@@ -359,6 +359,7 @@ class ActivationStats:
         Raises:
             ValueError: Naming the cluster, the reader and its module.
         """
+        self._warn_skipped()
         for name in self.modules:
             value, seen = self._module_pair(name)
             offset, length = self._window.get(name, (0, self.modules[name].in_features))
