@@ -4,6 +4,7 @@
     python bench/bench_overhead.py --steps 30      # quicker
     OMP_NUM_THREADS=1 python bench/bench_overhead.py --clock cpu   # on a shared machine: CPU time, one thread
     python bench/bench_overhead.py --activation    # also score="activation" (reader statistics every forward)
+    python bench/bench_overhead.py --fsdp2 --steps 30   # data-aware scores under FSDP2 (2 gloo ranks on CPU)
 
 Every variant trains the same model on the same batches with AdamW in one process, one after another; the table
 reports the median wall time of a training step (forward, backward, optimizer step and the pruning work) over the
@@ -172,6 +173,82 @@ def activation_cost(cfg: TinyGPTConfig, data: DataLoader, *, reps: int) -> tuple
     return statistics.median(plain) * 1e3, statistics.median(hooked) * 1e3
 
 
+FSDP2_SCORES = ("rms", "activation", "taylor")
+
+
+def _fsdp2_rank(rank: int, world: int, store_path: str, cfg: TinyGPTConfig, steps: int, rounds: int, out) -> None:
+    """One rank: FSDP2 TinyGPT; per score, a fresh selection every step through the controller (interleaved)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_pat import presets
+    from lightning_pat.options import PruningOptions
+    from lightning_pat.training.controller import PruningController
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own half of the batch
+    batches = [torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g) for _ in range(steps)]
+    best: dict[str, tuple[float, float]] = {}
+    for r in range(rounds):
+        for score in FSDP2_SCORES[r % 3 :] + FSDP2_SCORES[: r % 3]:  # rotated: no score always runs first
+            torch.manual_seed(0)
+            model = TinyGPT(cfg)
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            decl = presets.tiny_gpt(model, mlp=True, heads=True, residual=False)
+            opts = PruningOptions(decl, target_sparsity=0.5, warmup_steps=0, ramp_steps=10**6, score=score)
+            ctl = PruningController(opts, info=lambda _: None)
+            ctl.bind(model, optimizers=[opt])
+            ctl.start()
+            times, work = [], []
+            for x in batches:
+                t0 = CLOCK()
+                logits = model(x[:, :-1])
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+                t1 = CLOCK()
+                ctl.after_backward(opt)
+                t2 = CLOCK()
+                opt.step()
+                opt.zero_grad()
+                t3 = CLOCK()
+                ctl.after_step()
+                t4 = CLOCK()
+                times.append(t4 - t0)
+                work.append((t2 - t1) + (t4 - t3))
+            ctl.release()
+            ms, work_ms = statistics.median(times[2:]) * 1e3, statistics.median(work[2:]) * 1e3
+            prev = best.get(score, (ms, work_ms))
+            best[score] = (min(ms, prev[0]), min(work_ms, prev[1]))
+    dist.destroy_process_group()
+    out.put((rank, best))
+
+
+def fsdp2_cost(cfg: TinyGPTConfig, *, steps: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Per score under FSDP2 (a fresh selection every step): median step time and median time in the controller's
+    per-step calls (scores, selection, masking, latents), each the slower rank's."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_fsdp2_rank, args=(r, 2, f"{tmp}/store", cfg, steps, rounds, out)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=1800) for _ in procs)
+        for p in procs:
+            p.join(60)
+    return {s: tuple(max(results[r][s][i] for r in results) for i in range(2)) for s in FSDP2_SCORES}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -188,6 +265,9 @@ def main() -> None:
         help="cpu: process CPU time (use with OMP_NUM_THREADS=1 on a shared machine, where wall time mostly waits)",
     )
     parser.add_argument("--activation", action="store_true", help='add score="activation" (latent, every step)')
+    parser.add_argument(
+        "--fsdp2", action="store_true", help="only: rms vs activation vs taylor under FSDP2 on 2 gloo ranks (CPU)"
+    )
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -201,6 +281,20 @@ def main() -> None:
         d_ff=args.d_ff,
         max_seq_len=args.seq,
     )
+    if args.fsdp2:
+        costs = fsdp2_cost(cfg, steps=args.steps, rounds=args.rounds)
+        print(
+            f"\nFSDP2, 2 gloo ranks on CPU (one thread each), TinyGPT d={args.d_model} ffn={args.d_ff} "
+            f"layers={args.n_layer}, batch 4x{args.seq} per rank, MLP + head clusters, latent mode, a fresh selection "
+            f"every step; median step (forward, backward, pruning work, AdamW), slower rank, best of {args.rounds} "
+            f"interleaved rounds, {args.clock} time"
+        )
+        print("| score | ms/step | vs score=rms | pruning work (ms/step) | vs score=rms |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        base, base_work = costs["rms"]
+        for score, (ms, work) in costs.items():
+            print(f"| {score} | {ms:.1f} | {ms / base:.3f}x | {work:.1f} | {work / base_work:.2f}x |")
+        return
     tokens = torch.randint(0, 256, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
     per_epoch = max(args.steps // 4, 2)  # ModelPruning prunes at the end of the first epoch

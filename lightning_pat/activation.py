@@ -10,9 +10,20 @@ unit ``c`` is the expected squared contribution of its channels to the readers' 
 
     score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
 
-(Minitron-style: a unit whose weights are large but whose inputs are small scores low.) A dropped unit's input is
+(Minitron-style: a unit whose weights are large but whose inputs are small scores low.) Readers that are no
+``nn.Linear`` weight (an embedding, whose dim 1 is the residual stream) are left out of the sum, as long as the
+cluster has at least one ``nn.Linear`` reader: the residual (hidden-size) cluster is then scored by the inputs of
+``q/k/v/gate/up_proj`` and ``lm_head``, i.e. by the outputs of the norm layers (what Minitron scores embedding
+channels by), each weighted by the squared column norm of the weight that reads it. A dropped unit's input is
 zero, so its average decays towards 0 (by ``beta`` per forward) and latent mode rarely revives it, unlike with a
 weight score.
+
+Sharded models (FSDP2, tensor parallelism): each rank keeps the statistics of the input channels it sees (its
+*window*: every channel under DDP and FSDP2, its shard under tensor parallelism, where a row-parallel reader gets a
+``Shard(-1)`` input). At a selection every rank's statistics and per-channel "seen" flags are summed (the mean over
+the ranks that saw a channel: data-parallel ranks average, tensor-parallel peers that saw the same rows count once
+in the mean); as an :class:`~lightning_pat.parallel.executors.Evidence` they travel in the sharded path's one packed
+gather together with the readers' column partials, so no weight is gathered.
 
 Cost: one square-and-sum over every reader's input per training forward (``rows x in_features`` elements, an
 elementwise op against the reader's matmul), and ``in_features`` float64 values per reader module of memory. The
@@ -35,7 +46,8 @@ from torch import Tensor, nn
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
 from lightning_pat.core.units import fold_to_units, unit_of_channels
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel.executors import Reduced
 
 
 def _in_backward() -> bool:
@@ -63,7 +75,7 @@ class ActivationStats:
 
     Raises:
         ValueError: If ``beta`` is outside ``[0, 1)``, a cluster has no reader, a reader is not the ``weight`` of an
-            ``nn.Linear``, or a reader weight is a DTensor.
+            ``nn.Linear``.
 
     Example::
 
@@ -83,6 +95,8 @@ class ActivationStats:
         params = dict(model.named_parameters(remove_duplicate=False))
         self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]
         self.modules: dict[str, nn.Linear] = {}  # reader module name -> module, in first-seen order
+        #: cluster -> readers that are no nn.Linear weight (an embedding): left out of the score
+        self.unmeasured: dict[str, list[str]] = {}
         for rc in self.clusters:
             readers = [m for m in rc.members if m.role == "reader"]
             if not readers:
@@ -91,8 +105,19 @@ class ActivationStats:
                     f"cluster has only writers {[m.name for m in rc.members][:5]}. Add the member that reads these "
                     "channels (e.g. down_proj/o_proj columns) to `readers`, or use a weight score ('rms')."
                 )
-            self.readers[rc.name] = [(m, self._reader_module(rc, m, modules, params)) for m in readers]
-        self._ema: dict[str, Tensor] = {}
+            measured, refused = [], []
+            for m in readers:
+                try:
+                    measured.append((m, self._reader_module(rc, m, modules, params)))
+                except ValueError as err:
+                    refused.append((m, err))
+            if not measured:
+                raise refused[0][1]
+            self.readers[rc.name] = measured
+            if refused:  # e.g. the residual cluster's embedding: scored by its nn.Linear readers (the norms' outputs)
+                self.unmeasured[rc.name] = [m.name for m, _ in refused]
+        self._ema: dict[str, Tensor] = {}  # per module, over the input channels this rank sees (its window)
+        self._window: dict[str, tuple[int, int]] = {}  # per module, (first channel, channels) this rank sees
         # per module, 0-d int64 tensors on its device: finite batches folded in, non-finite batches skipped (kept on
         # the device so that a training forward never waits for the host)
         self._count: dict[str, Tensor] = {}
@@ -114,20 +139,15 @@ class ActivationStats:
         ]
         for path, module in owners:
             if isinstance(module, nn.Linear):
-                if distributed.is_dtensor(module.weight):
-                    raise ValueError(
-                        f"Cluster {rc.name!r}: reader {m.name!r} is a DTensor; score='activation' supports plain "
-                        "parameters (one device, DDP) only. Use a weight score ('rms') with sharded parameters."
-                    )
                 self.modules.setdefault(path, module)
                 return path
         path, module, attr = _owner(modules, m.name)
         where = f"{type(module).__name__} {path!r}" if path else f"the root module ({type(module).__name__})"
         found = f"the `{attr}` of {where}" if module is not None else "not a parameter of a module"
         raise ValueError(
-            f"Cluster {rc.name!r}: score='activation' needs every reader to be the `weight` of an nn.Linear (its "
+            f"Cluster {rc.name!r}: score='activation' needs a reader that is the `weight` of an nn.Linear (its "
             f"input channels are the cluster's units), but reader {m.name!r} is {found}. Use a weight score "
-            "('rms') for this model, or leave this cluster out (e.g. the residual cluster, read by the embedding)."
+            "('rms') for this model, add an nn.Linear reader, or leave this cluster out."
         )
 
     # ------------------------------------------------------------------ collection
@@ -152,6 +172,7 @@ class ActivationStats:
     def reset(self) -> None:
         """Forget every statistic."""
         self._ema, self._count, self._bad, self._warned, self._unrecomputed = {}, {}, {}, {}, {}
+        self._window = {}
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
@@ -196,10 +217,20 @@ class ActivationStats:
         float32) is left out (it would poison the average for good) and counted in :attr:`skipped`, with a warning
         when the statistics are next read; the decision stays on the device (no wait for the host per forward).
         """
-        x_NI = x.detach().reshape(-1, x.shape[-1])
+        local, offset = self._local_input(name, x)
+        x_NI = local.detach().reshape(-1, local.shape[-1])
         rows = x_NI.shape[0]
         if rows == 0:
             return
+        window = (offset, x_NI.shape[1])
+        if self._window.setdefault(name, window) != window:
+            seen = self._window[name]
+            raise ValueError(
+                f"score='activation': reader module {name!r} saw input channels [{window[0]}, {sum(window)}) on this "
+                f"rank, but its statistics cover [{seen[0]}, {sum(seen)}) (a resume with another tensor-parallel "
+                "layout, or a module that changes how its input is sharded). Resume with the same layout, or reset "
+                "the statistics (a fresh run)."
+            )
         if x_NI.dtype not in (torch.float32, torch.float64):
             x_NI = x_NI.float()
         mean_I = x_NI.square().sum(dim=0).to(torch.float64) / rows
@@ -217,6 +248,40 @@ class ActivationStats:
         self._ema[name] = torch.where(ok, new, prev)
         count.add_(ok)
         self._bad[name].add_(~ok)
+
+    def _local_input(self, name: str, x: Tensor) -> tuple[Tensor, int]:
+        """This rank's piece of a reader's input and the first input channel it holds.
+
+        A DTensor input (e.g. a row-parallel reader's ``Shard(-1)`` input) gives its local piece and offset; a plain
+        input with every channel starts at 0; a plain input holding only the channels of this rank's shard of a
+        ``Shard(1)`` reader weight starts where that shard does.
+
+        Raises:
+            ValueError: If the input's layout is not Shard/Replicate boxes, or a plain input has neither the reader's
+                width nor its local shard's width.
+        """
+        module = self.modules[name]
+        width = module.in_features
+        if distributed.is_dtensor(x):
+            mesh = x.device_mesh
+            box = placement.local_box(
+                tuple(x.shape), tuple(x.placements), mesh_shape=tuple(mesh.shape), coordinate=mesh.get_coordinate()
+            )
+            return distributed.local_tensor(x), box[-1][0]
+        if x.shape[-1] == width:
+            return x, 0
+        weight = module.weight
+        if distributed.is_dtensor(weight) and x.shape[-1] == distributed.local_tensor(weight).shape[1]:
+            mesh = weight.device_mesh
+            box = placement.local_box(
+                tuple(weight.shape), tuple(weight.placements), mesh_shape=tuple(mesh.shape),
+                coordinate=mesh.get_coordinate(),
+            )  # fmt: skip
+            return x, box[1][0]
+        raise ValueError(
+            f"score='activation': the input of reader module {name!r} has {x.shape[-1]} channels, but the module reads "
+            f"{width} (and this rank holds no shard of that width); cannot tell which input channels it carries."
+        )
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -241,24 +306,33 @@ class ActivationStats:
             )
 
     # ------------------------------------------------------------------ scores
+    def _module_pair(self, name: str) -> tuple[Tensor, Tensor]:
+        """``([I] average times "seen", [I] seen)`` of reader module ``name``, over its whole input width (float64).
+
+        Channels outside this rank's window (tensor parallelism) and modules not seen are 0 in both.
+        """
+        module = self.modules[name]
+        width = module.in_features
+        device = distributed.local_tensor(module.weight).device
+        values = torch.zeros(width, dtype=torch.float64, device=device)
+        seen = torch.zeros(width, dtype=torch.float64, device=device)
+        ema = self._ema.get(name)
+        if ema is not None:  # a module whose batches were all skipped is not seen (its average stayed 0)
+            offset, length = self._window[name]
+            flag = (self._count[name] > 0).to(torch.float64)
+            values[offset : offset + length] = ema * flag
+            seen[offset : offset + length] = flag
+        return values, seen
+
     def stacked(self) -> Tensor:
         """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
 
         Summed over ranks (:func:`~lightning_pat.parallel.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
-        it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty.
+        it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty. Under
+        tensor parallelism a rank fills only the input channels it sees (its window).
         """
-        values, seen = [], []
-        for name, module in self.modules.items():
-            ema = self._ema.get(name)
-            width = module.in_features
-            device = module.weight.device
-            if ema is None:
-                values.append(torch.zeros(width, dtype=torch.float64, device=device))
-                seen.append(torch.zeros(width, dtype=torch.float64, device=device))
-            else:  # a module whose batches were all skipped is not seen (its average stayed 0)
-                values.append(ema)
-                seen.append((self._count[name] > 0).to(torch.float64).expand(width))
-        return torch.cat(values + seen)
+        pairs = [self._module_pair(name) for name in self.modules]
+        return torch.cat([v for v, _ in pairs] + [s for _, s in pairs])
 
     def averages(self, summed: Tensor | None = None) -> dict[str, Tensor]:
         """Module name -> ``[I]`` mean ``E[x^2]`` (over the ranks that saw it when ``summed`` is given).
@@ -276,23 +350,39 @@ class ActivationStats:
             width = module.in_features
             value, seen = summed[start : start + width], summed[total + start : total + start + width]
             start += width
-            if not bool((seen > 0).all()):
-                cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
-                raise ValueError(
-                    f"Cluster {cluster!r}: score='activation' has no statistics for reader {param!r} (module "
-                    f"{name!r}): no training forward (module.training and grad enabled) with finite inputs has reached "
-                    f"it yet ({self.skipped.get(name, 0)} non-finite batch(es) skipped on this rank). Run "
-                    "at least one training step before the first selection, or calibrate() first for one-shot use."
-                )
-            if not bool(torch.isfinite(value).all()):
-                cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
-                raise ValueError(
-                    f"Cluster {cluster!r}: the score='activation' statistics of reader {param!r} (module {name!r}) "
-                    "are not finite (the weights are not the cause); they were loaded or summed that way. Reset "
-                    "them (a fresh run or calibrate()), or use a weight score ('rms')."
-                )
-            out[name] = value / seen
+            out[name] = self._mean(name, value, seen)
         return out
+
+    def check_seen(self) -> None:
+        """Refuse statistics that miss a reader module on this rank (over the input channels this rank sees).
+
+        Raises:
+            ValueError: Naming the cluster, the reader and its module.
+        """
+        self._warn_skipped()
+        for name in self.modules:
+            value, seen = self._module_pair(name)
+            offset, length = self._window.get(name, (0, self.modules[name].in_features))
+            self._mean(name, value[offset : offset + length], seen[offset : offset + length])
+
+    def _mean(self, name: str, value: Tensor, seen: Tensor) -> Tensor:
+        """``value / seen`` of module ``name``, refusing channels no rank saw and non-finite statistics."""
+        if not bool((seen > 0).all()):
+            cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
+            raise ValueError(
+                f"Cluster {cluster!r}: score='activation' has no statistics for reader {param!r} (module "
+                f"{name!r}): no training forward (module.training and grad enabled) with finite inputs has reached "
+                f"it yet ({self.skipped.get(name, 0)} non-finite batch(es) skipped on this rank). Run "
+                "at least one training step before the first selection, or calibrate() first for one-shot use."
+            )
+        if not bool(torch.isfinite(value).all()):
+            cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
+            raise ValueError(
+                f"Cluster {cluster!r}: the score='activation' statistics of reader {param!r} (module {name!r}) "
+                "are not finite (the weights are not the cause); they were loaded or summed that way. Reset "
+                "them (a fresh run or calibrate()), or use a weight score ('rms')."
+            )
+        return value / seen
 
     def unit_scores(self, params: Mapping[str, Tensor], *, summed: Tensor | None = None) -> dict[str, Tensor]:
         """Cluster name -> ``[C]`` float64 scores ``sqrt(sum_r sum_j E[x_j^2] ||W_r[:, j]||^2)``.
@@ -305,12 +395,21 @@ class ActivationStats:
             ValueError: If a reader module has no statistics yet, or ``summed`` has the wrong shape.
         """
         averages = self.averages(summed)
+        columns: dict[str, Tensor] = {}
+        for rc in self.clusters:
+            for m, _ in self.readers[rc.name]:
+                if m.name not in columns:
+                    weight = distributed.full_tensor(params[m.name].detach())  # a DTensor: gathered (one-shot use)
+                    columns[m.name] = channel_sq_sums(weight, dim=1, acc_dtype=torch.float64)  # ||W[:, j]||^2
+        return self._scores(averages, columns)
+
+    def _scores(self, averages: Mapping[str, Tensor], columns: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` scores from per-module averages and per-reader squared column norms."""
         out = {}
         for rc in self.clusters:
             total_C: Tensor | None = None
             for m, name in self.readers[rc.name]:
-                weight = params[m.name].detach()
-                col_I = channel_sq_sums(weight, dim=1, acc_dtype=torch.float64)  # ||W[:, j]||^2
+                col_I = columns[m.name]
                 contrib_I = col_I * averages[name].to(col_I.device)
                 units_I = unit_of_channels(
                     start=m.start, block=m.block, offset=0, length=contrib_I.numel(), device=contrib_I.device
@@ -319,7 +418,7 @@ class ActivationStats:
                 total_C = part_C if total_C is None else total_C + part_C
             assert total_C is not None  # every cluster has a reader (checked at construction)
             if not bool(torch.isfinite(total_C).all()):
-                bad = [m.name for m, _ in self.readers[rc.name] if not bool(torch.isfinite(params[m.name]).all())]
+                bad = [m.name for m, _ in self.readers[rc.name] if not bool(torch.isfinite(columns[m.name]).all())]
                 cause = f"reader weights {bad[:3]} hold NaN/Inf" if bad else "E[x^2] * ||W[:, j]||^2 overflows"
                 raise ValueError(
                     f"Cluster {rc.name!r}: score='activation' unit scores are not finite ({cause}; the input "
@@ -328,42 +427,77 @@ class ActivationStats:
             out[rc.name] = total_C.sqrt()
         return out
 
-    def summed_unit_scores(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`unit_scores` from the statistics summed over all ranks (one collective when distributed).
+    # ------------------------------------------------------------------ evidence (see parallel.executors.Evidence)
+    #: The executors add the readers' squared column norms to the reduction (partial sums of the local pieces).
+    columns = True
+
+    def shard_riders(self) -> dict[str, Tensor]:
+        """None: the statistics are per rank (see :meth:`data_riders`)."""
+        return {}
+
+    def data_riders(self) -> dict[str, Tensor]:
+        """Cluster name -> ``[2 I]`` per reader module (values, then "seen"), this rank's; summed over every rank."""
+        out = {}
+        for rc in self.clusters:
+            pairs = [self._module_pair(name) for _, name in self.readers[rc.name]]
+            out[rc.name] = torch.cat([v for v, _ in pairs] + [s for _, s in pairs])
+        return out
+
+    def finish(self, reduced: Reduced) -> dict[str, Tensor]:
+        """Unit scores from the statistics summed over every rank and the readers' whole column norms.
 
         Raises:
-            ValueError: If a reader module has no statistics on any rank yet.
+            ValueError: If a reader module has no statistics on any rank, or the scores are not finite.
         """
-        return self.unit_scores(
-            params, summed=distributed.sum_over_ranks(self.stacked(), group=distributed.world_group())
-        )
+        self._warn_skipped()
+        averages: dict[str, Tensor] = {}
+        for rc in self.clusters:
+            summed = reduced.data[rc.name]
+            names = [name for _, name in self.readers[rc.name]]
+            total = sum(self.modules[n].in_features for n in names)
+            start = 0
+            for name in names:
+                width = self.modules[name].in_features
+                value, seen = summed[start : start + width], summed[total + start : total + start + width]
+                start += width
+                averages.setdefault(name, self._mean(name, value, seen))
+        return self._scores(averages, reduced.columns)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Plain types and CPU float64 tensors: ``beta``, per module the average and the number of batches seen."""
+        """Plain types and CPU float64 tensors: ``beta``, per module the average, batches seen and window.
+
+        The window is the input channels the average covers (``[first, channels]``: this rank's shard under tensor
+        parallelism, else every channel).
+        """
+        counted = [k for k, v in self._count.items() if int(v)]
         return {
             "beta": self.beta,
-            "ema": {k: v.detach().cpu().clone() for k, v in self._ema.items() if int(self._count[k])},
-            "count": {k: n for k, v in self._count.items() if (n := int(v))},
+            "ema": {k: self._ema[k].detach().cpu().clone() for k in counted},
+            "count": {k: int(self._count[k]) for k in counted},
+            "window": {k: list(self._window[k]) for k in counted},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (exactly; modules unknown to this model are ignored).
 
         Raises:
-            ValueError: If a saved average's length differs from its module's ``in_features``.
+            ValueError: If a saved average's window does not fit its module's ``in_features``.
         """
         self.reset()
         for name, ema in state.get("ema", {}).items():
             module = self.modules.get(name)
             if module is None:
                 continue
-            if ema.numel() != module.in_features:
+            offset, length = state.get("window", {}).get(name, (0, module.in_features))
+            if ema.numel() != length or offset < 0 or offset + length > module.in_features:
                 raise ValueError(
                     f"The saved activation statistics of {name!r} have {ema.numel()} channels, the module "
-                    f"{module.in_features}; resume with the same model."
+                    f"{module.in_features} (saved window: {length} channel(s) from channel {offset}); resume with "
+                    "the same model."
                 )
-            device = module.weight.device
+            self._window[name] = (int(offset), int(length))
+            device = distributed.local_tensor(module.weight).device
             self._ema[name] = ema.to(device=device, dtype=torch.float64).clone()
             count = int(state.get("count", {}).get(name, 1))
             self._count[name] = torch.tensor(count, dtype=torch.long, device=device)
@@ -408,5 +542,5 @@ def calibrate(
                 forward(model, batch)
             else:
                 model(batch)
-    stats.averages()  # every reader was reached, or a clear error now
+    stats.check_seen()  # every reader was reached, or a clear error now
     return stats

@@ -32,7 +32,15 @@ from lightning_pat.core.selection import (
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.options import METHODS, Method, check_choice, check_number
 from lightning_pat.parallel import distributed
-from lightning_pat.parallel.executors import Executor, ExecutorKind, UnitAction, build_executors, route
+from lightning_pat.parallel.executors import (
+    Evidence,
+    Executor,
+    ExecutorKind,
+    Reduced,
+    UnitAction,
+    build_executors,
+    route,
+)
 from lightning_pat.sizing import check_target, declaration_labels, sized_clusters
 
 if TYPE_CHECKING:
@@ -255,7 +263,9 @@ class Pruner:
         self.group_count_ref = plan.group_count_ref
         self.clusters = list(plan.clusters)
         self.routes = dict(plan.routes)
-        self.executors: list[Executor] = build_executors(self.clusters, _named(params), self.routes)
+        self.executors: list[Executor] = build_executors(
+            self.clusters, _named(params), self.routes, data_aware=self.score == "activation"
+        )
         self.last: dict[str, UnitAction] = {}
 
     @contextmanager
@@ -291,6 +301,7 @@ class Pruner:
         method: Method = "hard",
         threshold: float = 0.0,
         scores: Mapping[str, Tensor] | None = None,
+        evidence: Evidence | None = None,
     ) -> dict[str, UnitAction]:
         """Score every cluster and decide what to drop (no mutation).
 
@@ -300,7 +311,9 @@ class Pruner:
             threshold: ``lambda * gamma`` for ``group_lasso``.
             scores: Cluster name -> ``[C]`` unit scores that replace the weight score for ranking (the group-lasso
                 shrinkage still acts on the weights' unit norms). Required when the pruner's score is
-                ``"activation"``; identical on every rank, or ranks select differently.
+                ``"activation"`` (unless ``evidence`` is given); identical on every rank, or ranks select differently.
+            evidence: A data-aware score (activation statistics, gradient sums) whose rank-local partials travel in
+                the executors' one reduction with the weight partials; it gives the scores instead of ``scores``.
 
         Returns:
             Cluster name -> action.
@@ -309,11 +322,30 @@ class Pruner:
             ValueError: If ``scores`` lacks a cluster or has a wrong shape, or the score type needs ``scores``.
         """
         check_choice("method", method, METHODS)
-        q: dict[str, Tensor] = {}
         with self._session():  # dense copies (if any) do not outlive the call
+            q, scores = self._reduce(scores, evidence)
+        return self._decide(q, targets, method=method, threshold=threshold, scores=scores)
+
+    def _reduce(
+        self, scores: Mapping[str, Tensor] | None, evidence: Evidence | None
+    ) -> tuple[dict[str, Tensor], Mapping[str, Tensor] | None]:
+        """``Q`` from every executor, and the scores (``evidence``'s, reduced in the same collectives, if given)."""
+        if evidence is None:
+            q: dict[str, Tensor] = {}
             for ex in self.executors:
                 q.update(ex.unit_sq_norms())
-        return self._decide(q, targets, method=method, threshold=threshold, scores=scores)
+            return q, scores
+        if scores is not None:
+            raise ValueError("Pass `scores` or `evidence`, not both.")
+        shard, data = evidence.shard_riders(), evidence.data_riders()
+        total = Reduced({})
+        for ex in self.executors:
+            part = ex.reduce(shard_riders=shard, data_riders=data, columns=evidence.columns)
+            total.q.update(part.q)
+            total.shard.update(part.shard)
+            total.data.update(part.data)
+            total.columns.update(part.columns)
+        return total.q, evidence.finish(total)
 
     def _decide(
         self,
@@ -388,13 +420,15 @@ class Pruner:
         threshold: float = 0.0,
         count: bool = False,
         scores: Mapping[str, Tensor] | None = None,
+        evidence: Evidence | None = None,
     ) -> PruneResult:
-        """Select and apply a fresh projection; remember it as the current mask (``scores``: see :meth:`select`)."""
+        """Select and apply a fresh projection; remember it as the current mask.
+
+        ``scores`` and ``evidence``: see :meth:`select`.
+        """
         check_choice("method", method, METHODS)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
-            q: dict[str, Tensor] = {}
-            for ex in self.executors:
-                q.update(ex.unit_sq_norms())
+            q, scores = self._reduce(scores, evidence)
             actions = self._decide(q, targets, method=method, threshold=threshold, scores=scores)
             self.apply(actions)
             self.last = actions
@@ -473,7 +507,7 @@ class Pruner:
 
         Used where parameters are only temporarily materialized, e.g. inside FSDP1's ``summon_full_params``.
         """
-        self.executors = build_executors(self.clusters, params, self.routes)
+        self.executors = build_executors(self.clusters, params, self.routes, data_aware=self.score == "activation")
 
 
 def prune_clusters(
@@ -549,6 +583,12 @@ def prune_clusters(
     check_choice("method", method, METHODS)
     check_number("reg_lambda", reg_lambda, low=0.0)
     check_number("gamma", gamma, low=0.0)
+    if score == "taylor":
+        raise ValueError(
+            "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
+            "CoupledPruningCallback (or lightning_pat.gradient.TaylorScores with a Pruner in your own loop); for "
+            "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
+        )
     if (score == "activation") != (activations is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
@@ -572,10 +612,13 @@ def prune_clusters(
             _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers
         )
     pruner = Pruner(model, plan)
+    # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
+    # path's one reduction (and are summed over the ranks of the mesh)
+    sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
     with torch.no_grad():
-        scores = None if activations is None else activations.unit_scores(_named(model))
+        scores = None if activations is None or sharded else activations.unit_scores(_named(model))
         result = pruner.step(
             plan.targets(float(sparsity or 0.0)), method=method, threshold=reg_lambda * gamma, count=True,
-            scores=scores,
+            scores=scores, evidence=activations if sharded else None,
         )  # fmt: skip
     return result if size is None else dataclasses.replace(result, size=size)

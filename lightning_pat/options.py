@@ -151,7 +151,10 @@ class PruningOptions:
             ``"activation"`` (opt-in, Minitron-style: each unit's expected squared contribution to its readers'
             outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
             over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
-            weights; one device or DDP only; see :mod:`lightning_pat.activation`).
+            weights; see :mod:`lightning_pat.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
+            over the real steps between selections, from the gradients the optimizer applies; see
+            :mod:`lightning_pat.gradient`). Both data-aware scores run on one device, DDP and
+            ``ModelParallelStrategy`` (FSDP2/TP: they ride in the sharded path's one gather), not under FSDP1.
         mode: ``"latent"`` (default: the optimizer updates a dense latent copy, the model uses its projection) or
             ``"direct"`` (project the weights themselves; no extra memory).
         executor: ``"auto"`` (sharded path for eligible DTensor clusters, else materializing), ``"materializing"``
@@ -408,7 +411,7 @@ def check_environment(
             copy (the average includes snapshots taken before units were dropped).
 
     Raises:
-        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP or ModelParallelStrategy,
+        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP1 (``FSDPStrategy``),
             ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
             averaging (its full-size average cannot be copied into the shrunk model).
     """
@@ -425,12 +428,18 @@ def check_environment(
             "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
             "call lightning_pat.prune_clusters yourself after your optimizer steps."
         )
-    if options.score == "activation" and kind in ("fsdp1", "model_parallel"):
+    if options.score == "activation" and kind == "fsdp1":
         raise ValueError(
-            f"CoupledPruningCallback(score='activation') supports a single device and DDP (plain parameters), got "
-            f"{strategy}: with sharded or flat parameters the readers' inputs and weights are "
-            "split across ranks and the activation statistics are not collected there. Use a weight score "
-            "(score='rms', the default) under FSDP and ModelParallelStrategy."
+            f"CoupledPruningCallback(score='activation') supports a single device, DDP and ModelParallelStrategy "
+            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps parameters in flat shards, where the readers' "
+            "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
+            "(score='rms', the default) under FSDPStrategy."
+        )
+    if options.score == "taylor" and kind == "fsdp1":
+        raise ValueError(
+            f"CoupledPruningCallback(score='taylor') supports a single device, DDP and ModelParallelStrategy "
+            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
+            "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
         )
     if options.distill and kind not in ("single", "ddp", "model_parallel"):
         raise ValueError(

@@ -21,11 +21,14 @@ from torch import Tensor
 from lightning_pat.core.spec import Member
 from lightning_pat.core.units import fold_to_units, unit_of_channels
 
-ScoreType = Literal["rms", "l2", "param_cost", "activation"]
+ScoreType = Literal["rms", "l2", "param_cost", "activation", "taylor"]
 #: Scores computed from the weights alone (every executor, every layout).
 WEIGHT_SCORES: tuple[str, ...] = ("rms", "l2", "param_cost")
-#: Every score type; ``"activation"`` needs activation statistics (see ``lightning_pat.activation``).
-SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, "activation")
+#: Scores that need data: ``"activation"`` (the readers' input statistics, ``lightning_pat.activation``) and
+#: ``"taylor"`` (``|w * g|`` summed over training steps, ``lightning_pat.gradient``).
+DATA_SCORES: tuple[str, ...] = ("activation", "taylor")
+#: Every score type.
+SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, *DATA_SCORES)
 
 
 #: The dtype scores accumulate in, for every parameter dtype: selections do not depend on the layout.
@@ -33,6 +36,32 @@ ACCUMULATION_DTYPE = torch.float64
 
 
 _CHUNK_ELEMS = 1 << 18  # float64 temporaries of at most 2 MiB (cache-sized: faster than larger chunks)
+
+
+def _channel_sums(tensor: Tensor, other_tensor: Tensor | None, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Per channel, the sum of ``x^2`` (``other_tensor`` None) or of ``|x * y|``, converted first, in chunks."""
+    if tensor.dim() == 1:
+        x = tensor.to(acc_dtype)
+        return x.square() if other_tensor is None else (x * other_tensor.to(acc_dtype)).abs_()
+    if tensor.dim() > 2:  # a convolution's weight: every dim but the channel axis is one flattened "other" axis
+        if other_tensor is not None:
+            other_tensor = other_tensor.movedim(dim, 0).reshape(other_tensor.shape[dim], -1)
+        tensor, dim = tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1), 0
+    other = 1 - dim
+    num, width = tensor.shape[dim], tensor.shape[other]
+    if width == 0 or num == 0:
+        return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
+    step = max(1, _CHUNK_ELEMS // width)
+    out = torch.empty(num, dtype=acc_dtype, device=tensor.device)
+    for i in range(0, num, step):
+        n = min(step, num - i)
+        chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: changed in place below
+        if other_tensor is None:
+            chunk.square_()
+        else:
+            chunk.mul_(other_tensor.narrow(dim, i, n).to(acc_dtype)).abs_()
+        torch.sum(chunk, dim=other, out=out[i : i + n])
+    return out
 
 
 def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
@@ -49,21 +78,40 @@ def channel_sq_sums(tensor: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tens
     Returns:
         A ``[tensor.shape[dim]]`` tensor.
     """
-    if tensor.dim() == 1:
-        return tensor.to(acc_dtype).square()
-    if tensor.dim() > 2:  # a convolution's weight: every dim but the channel axis is one flattened "other" axis
-        tensor, dim = tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1), 0
-    other = 1 - dim
-    num, width = tensor.shape[dim], tensor.shape[other]
-    if width == 0 or num == 0:
-        return torch.zeros(num, dtype=acc_dtype, device=tensor.device)
-    step = max(1, _CHUNK_ELEMS // width)
-    out = torch.empty(num, dtype=acc_dtype, device=tensor.device)
-    for i in range(0, num, step):
-        n = min(step, num - i)
-        chunk = tensor.narrow(dim, i, n).to(acc_dtype, copy=True)  # a copy: squared in place below
-        torch.sum(chunk.square_(), dim=other, out=out[i : i + n])
-    return out
+    return _channel_sums(tensor, None, dim=dim, acc_dtype=acc_dtype)
+
+
+def channel_abs_prod_sums(weight: Tensor, grad: Tensor, *, dim: int, acc_dtype: torch.dtype) -> Tensor:
+    """Sum over every channel (index along ``dim``) of ``|weight * grad|``, in ``acc_dtype``.
+
+    Chunked like :func:`channel_sq_sums`; both operands are converted before the product, so a float32 product is
+    exact.
+
+    Args:
+        weight: A (local) tensor of any rank >= 1.
+        grad: Its gradient (same shape).
+        dim: The channel axis.
+        acc_dtype: The accumulation dtype.
+
+    Returns:
+        A ``[weight.shape[dim]]`` tensor.
+    """
+    return _channel_sums(weight, grad, dim=dim, acc_dtype=acc_dtype)
+
+
+def member_unit_abs_prod_sums(
+    weight: Tensor, grad: Tensor, member: Member, *, num_units: int, acc_dtype: torch.dtype, offset: int = 0
+) -> Tensor:
+    """Partial ``[C]`` sums of ``|weight * grad|`` of one member's units (as :func:`member_unit_sq_sums`)."""
+    lo = max(member.start, offset)
+    hi = min(member.stop, offset + weight.shape[member.dim])
+    if hi <= lo:
+        return torch.zeros(num_units, dtype=acc_dtype, device=weight.device)
+    sums_L = channel_abs_prod_sums(
+        weight.narrow(member.dim, lo - offset, hi - lo), grad.narrow(member.dim, lo - offset, hi - lo),
+        dim=member.dim, acc_dtype=acc_dtype,
+    )  # fmt: skip
+    return _fold(sums_L, member, lo, hi, num_units=num_units)
 
 
 def member_unit_sq_sums(
@@ -81,16 +129,22 @@ def member_unit_sq_sums(
     if hi <= lo:
         return torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
     sums_L = channel_sq_sums(tensor.narrow(member.dim, lo - offset, hi - lo), dim=member.dim, acc_dtype=acc_dtype)
+    return _fold(sums_L, member, lo, hi, num_units=num_units)
+
+
+def _fold(sums_L: Tensor, member: Member, lo: int, hi: int, *, num_units: int) -> Tensor:
+    """Channel sums of the member's channels ``[lo, hi)`` folded into ``[C]`` unit sums."""
+    acc_dtype = sums_L.dtype
     first, last = lo - member.start, hi - member.start
     if first % member.block == 0 and last % member.block == 0 and last // member.block <= num_units:
         u0, u1 = first // member.block, last // member.block
         units_U = sums_L if member.block == 1 else sums_L.view(u1 - u0, member.block).sum(dim=1)
         if u0 == 0 and u1 == num_units:
             return units_U
-        out_C = torch.zeros(num_units, dtype=acc_dtype, device=tensor.device)
+        out_C = torch.zeros(num_units, dtype=acc_dtype, device=sums_L.device)
         out_C[u0:u1] = units_U
         return out_C
-    units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=tensor.device)
+    units_L = unit_of_channels(start=member.start, block=member.block, offset=lo, length=hi - lo, device=sums_L.device)
     return fold_to_units(sums_L, units_L, num_units=num_units)
 
 

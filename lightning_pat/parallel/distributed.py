@@ -257,6 +257,11 @@ def world_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def world_size() -> int:
+    """The number of processes (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _launch_rank() -> int:
     """This process's global rank; before the process group exists, the launcher's ``RANK`` (else 0)."""
     if dist.is_available() and dist.is_initialized():

@@ -41,6 +41,7 @@ from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
+from lightning_pat.gradient import TaylorScores
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
@@ -142,6 +143,7 @@ class PruningController:
         self.resolved: list[ResolvedCluster] = []
         self.latents: LatentStore | None = None
         self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
+        self.taylor: TaylorScores | None = None  # score="taylor": |w * g| summed between selections
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
         self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
@@ -279,7 +281,7 @@ class PruningController:
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self.tracker.attach(self._optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            self.plan, self.pruner, self.latents, self.act = None, None, None, None
+            self.plan, self.pruner, self.latents, self.act, self.taylor = None, None, None, None, None
             return
         opts = self.options
         with self._weights() as params:
@@ -310,6 +312,9 @@ class PruningController:
             if opts.score == "activation":
                 with prefixed("CoupledPruningCallback(score='activation')"):
                     self.act = ActivationStats(module, self.resolved)
+            if opts.score == "taylor":
+                with prefixed("CoupledPruningCallback(score='taylor')"):
+                    self.taylor = TaylorScores(self.pruner.executors)
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
@@ -379,6 +384,8 @@ class PruningController:
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
+            if self.taylor is not None:
+                self.taylor.reset()
         self._carry = None
         self._check_mask_not_empty()
         if self.act is not None and not self.frozen:
@@ -410,6 +417,10 @@ class PruningController:
             self.latents.load_state_dict(latents)
         if self.act is not None:  # no saved statistics (e.g. the score changed on resume): collect from here on
             self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
+        if self.taylor is not None:  # none saved (e.g. the score changed on resume): sum from here on
+            rank, world = distributed.world_rank(), distributed.world_size()
+            with prefixed("CoupledPruningCallback"):
+                self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
         with torch.no_grad(), self._weights():
             self.pruner.hold()
 
@@ -517,9 +528,11 @@ class PruningController:
             return
         assert self.pruner is not None
         latents = self.latents if self.latents is not None and self.latents.active else None
+        world = distributed.world_size()  # this rank's own statistics at every index: each rank reads its own
         self._carry = self._state(latents=None if latents is None else state.latent_entry(
             latents.state_dict(), self._params, fmt="local"
-        ), activation=None if self.act is None else [self.act.state_dict()])  # fmt: skip
+        ), activation=None if self.act is None else [self.act.state_dict()] * world,
+            taylor=None if self.taylor is None else [self.taylor.state_dict()] * world)  # fmt: skip
 
     def release(self) -> None:
         """Remove the optimizer, activation and distillation hooks (the state for a next fit is kept)."""
@@ -547,6 +560,8 @@ class PruningController:
                     self.pruner.zero_grads()
             elif action != "none" and self.latents.active:
                 self.latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
+            if self.taylor is not None and action != "freeze":  # the weights this update applies to (latents)
+                self.taylor.observe()
 
     def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
         """After a batch: if a real optimizer step happened, advance the schedule and act.
@@ -566,6 +581,8 @@ class PruningController:
         """
         self.kl = None if self.distiller is None else self.distiller.close()
         stepped = self.tracker.consume()
+        if self.taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
+            self.taylor.commit() if stepped else self.taylor.discard()
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if stepped:
                 self.progress.tick()
@@ -611,12 +628,14 @@ class PruningController:
         assert self.pruner is not None
         opts = self.options
         method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
-        scores = None
-        if self.act is not None:
-            with prefixed("CoupledPruningCallback(score='activation')"):
-                scores = self.act.summed_unit_scores(self._params)  # one collective under DDP
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
-        result = self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores, count=count)
+        # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
+        with prefixed(f"CoupledPruningCallback(score={opts.score!r})"):
+            result = self.pruner.step(
+                self.targets(step), method=method, threshold=threshold, count=count, evidence=self.act or self.taylor
+            )
+        if self.taylor is not None:
+            self.taylor.reset()  # the next selection sums the steps from here
         self.progress.mark_selection()
         if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
             distributed.check_selection_agreement(self.dropped, step=step)
@@ -634,7 +653,7 @@ class PruningController:
         dropped = self.dropped
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
-        self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
+        self.shrunk, self.plan, self.pruner, self.latents, self.act, self.taylor = dropped, None, None, None, None, None
         self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
             f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
@@ -646,7 +665,9 @@ class PruningController:
             self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=self._sharded_ckpt
         )
 
-    def _state(self, *, latents: dict[str, Any] | None, activation: list[Any] | None) -> dict[str, Any]:
+    def _state(
+        self, *, latents: dict[str, Any] | None, activation: list[Any] | None, taylor: list[Any] | None = None
+    ) -> dict[str, Any]:
         return state.build(
             self.progress,
             dropped=self.dropped,
@@ -656,6 +677,7 @@ class PruningController:
             latents=latents,
             shrunk=self.shrunk is not None,
             activation=activation,
+            taylor=taylor,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -669,7 +691,12 @@ class PruningController:
         activation = None
         if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
             activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
-        saved = self._state(latents=latents, activation=activation)
+        taylor = None
+        if self.taylor is not None:  # sharded: every rank's partials; plain: the same sums on every rank
+            mine = self.taylor.state_dict()
+            sharded = self.taylor.sharded
+            taylor = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
+        saved = self._state(latents=latents, activation=activation, taylor=taylor)
         if self.distiller is not None:
             saved["distill"] = self.distiller.state_dict()
         return saved

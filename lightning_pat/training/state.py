@@ -11,6 +11,8 @@ A state is a dict of plain types and CPU tensors::
     shrunk                    whether the model was physically shrunk (``shrink_on_freeze``)
     activation                the ranks' activation statistics in rank order (``score="activation"``), else ``None``;
                               a list shorter than the world gives every missing rank the first entry
+    taylor                    ``score="taylor"``: the ``|w * g|`` sums since the last selection, per rank (sharded
+                              partials) or one entry (plain parameters), else ``None``
 
 Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
 (plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
@@ -105,6 +107,7 @@ def build(
     latents: dict[str, Any] | None,
     shrunk: bool,
     activation: list[Any] | None,
+    taylor: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
     return {
@@ -117,6 +120,7 @@ def build(
         "latents": latents,
         "shrunk": shrunk,
         "activation": activation,
+        "taylor": taylor,
     }
 
 
@@ -179,6 +183,16 @@ def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, A
     if not saved:
         return None
     rank = distributed.world_rank()
+    world = distributed.world_size()
+    # a window that starts after channel 0 exists exactly when some reader's input channels were split over ranks
+    partial = [name for entry in saved for name, (offset, _) in entry.get("window", {}).items() if offset]
+    if partial and len(saved) != world:  # every rank reads the same state: every rank raises
+        raise ValueError(
+            f"CoupledPruningCallback(score='activation'): the checkpoint holds the statistics of {len(saved)} rank(s) "
+            f"sharded by tensor parallelism (reader modules {sorted(set(partial))[:3]} cover only some input channels "
+            f"per rank), and this run has {world} rank(s); they cannot be redistributed. Resume on {len(saved)} ranks "
+            "with the same mesh, or resume with score='rms' (or a fresh run) to collect new statistics."
+        )
     return saved[rank] if rank < len(saved) else saved[0]
 
 

@@ -137,13 +137,15 @@ def _count_calls(module, name: str, counter: dict[str, int]) -> None:  # noqa: A
     setattr(module, name, wrapper)
 
 
-def fit_once(dp: int, tp: int, mode: str, executor: str) -> dict:
+def fit_once(dp: int, tp: int, mode: str, executor: str, score: str = "rms") -> dict:
     calls: dict[str, int] = {}
     for name in ("all_gather_packed", "reduce_counts", "full_tensor", "write_back_"):
         _count_calls(lpd, name, calls)
+    clusters = CLUSTERS  # the residual cluster too: data-aware scores take it from its nn.Linear readers
     cb = CoupledPruningCallback(
-        CLUSTERS, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1, executor=executor, mode=mode
-    )
+        clusters, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1, executor=executor, mode=mode,
+        score=score,
+    )  # fmt: skip
     trainer = pl.Trainer(
         max_steps=6,
         accelerator="cpu",
@@ -195,11 +197,14 @@ def fit_once(dp: int, tp: int, mode: str, executor: str) -> dict:
     }
 
 
-def main(dp: int, tp: int, mode: str, executors: list[str]) -> None:
+def main(dp: int, tp: int, mode: str, executors: list[str], score: str) -> None:
     for executor in executors:
-        print("RESULT " + json.dumps(fit_once(dp, tp, mode, executor)), flush=True)
+        print("RESULT " + json.dumps(fit_once(dp, tp, mode, executor, score)), flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"])
+    main(
+        int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"],
+        sys.argv[5] if len(sys.argv) > 5 else "rms",
+    )  # fmt: skip
     finish_worker()

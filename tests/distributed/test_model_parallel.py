@@ -18,12 +18,22 @@ WORKER = Path(__file__).with_name("model_parallel_worker.py")
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("dp", "tp", "mode"),
-    [(2, 1, "latent"), (2, 2, "latent"), (2, 2, "direct")],
-    ids=["fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct"],
-)
-def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode):
-    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing"], timeout=240)
+    ("dp", "tp", "mode", "score"),
+    [
+        (2, 1, "latent", "rms"),
+        (2, 2, "latent", "rms"),
+        (2, 2, "direct", "rms"),
+        (2, 1, "latent", "activation"),
+        (2, 2, "direct", "activation"),
+        (2, 2, "latent", "taylor"),
+    ],
+    ids=[
+        "fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct", "fsdp2-2ranks-latent-activation",
+        "fsdp2xtp-2x2-direct-activation", "fsdp2xtp-2x2-latent-taylor",
+    ],
+)  # fmt: skip
+def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode, score):
+    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing", score], timeout=240)
     runs = [
         json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
     ]

@@ -55,6 +55,12 @@ class RankStepModule(StepDataModule):
         return MLPModule.training_step(self, (x, y), batch_idx)
 
 
+class ShardedRankStepModule(RankStepModule):
+    """FSDP2-sharded, with per-rank data (data-aware scores under ModelParallelStrategy)."""
+
+    configure_model = ShardedStepModule.configure_model
+
+
 class Recorder(pl.Callback):
     def __init__(self, cb: CoupledPruningCallback) -> None:
         self.cb, self.rows = cb, {}
@@ -67,7 +73,10 @@ class Recorder(pl.Callback):
 def fit(
     kind: str, mode: str, *, score: str = "rms", ckpt_path: str | None = None, save: bool = False
 ) -> tuple[dict, dict, dict]:
-    cls = ShardedStepModule if kind.startswith("mp") else RankStepModule if score == "activation" else StepDataModule
+    if kind.startswith("mp"):
+        cls = ShardedStepModule if score == "rms" else ShardedRankStepModule
+    else:
+        cls = RankStepModule if score != "rms" else StepDataModule
     module = cls(optimizer="adamw", lr=0.2, seed=0)
     cb = CoupledPruningCallback(mlp_cluster(), 0.5, mode=mode, score=score, **SCHEDULE)
     rec = Recorder(cb)

@@ -109,17 +109,18 @@ def test_heal_false_keeps_collecting_and_a_crashed_fit_removes_the_hook():
     assert hooks(module) == 0
 
 
-@pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy], ids=["fsdp1", "model-parallel"])
-def test_sharded_strategies_are_refused_at_setup(strategy):
-    cb = CoupledPruningCallback(mlp_cluster(), 0.5, score="activation")
-    trainer = SimpleNamespace(strategy=strategy())
+@pytest.mark.parametrize("score", ["activation", "taylor"])
+def test_fsdp1_is_refused_at_setup_and_model_parallel_is_accepted(score):
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, score=score)
+    trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(
         MisconfigurationException,
-        match=rf"score='activation'\) supports a single device and DDP .*got {strategy.__name__}.*score='rms'",
+        match=rf"score='{score}'\) supports a single device, DDP and ModelParallelStrategy .*FSDPStrategy.*fully_shard",
     ):
         cb.setup(trainer, MLPModule(), "fit")
     CoupledPruningCallback(mlp_cluster(), 0.5).setup(trainer, MLPModule(), "fit")  # a weight score is fine
     cb.setup(SimpleNamespace(strategy=DDPStrategy()), MLPModule(), "fit")  # DDP is supported
+    cb.setup(SimpleNamespace(strategy=ModelParallelStrategy()), MLPModule(), "fit")  # and FSDP2/TP (tests/distributed)
 
 
 def test_a_reader_that_is_not_a_linear_is_refused_at_fit_start():

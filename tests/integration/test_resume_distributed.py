@@ -31,6 +31,9 @@ WORKER = Path(__file__).with_name("resume_worker.py")
         ("mp", "latent", "2,4,8", "sharded", "rms"),
         ("mp", "direct", "4", "sharded", "rms"),
         ("mp-full", "latent", "4", "sharded", "rms"),
+        ("mp", "latent", "4,8", "sharded", "activation"),
+        ("ddp", "direct", "4", "materializing", "taylor"),
+        ("mp", "latent", "4", "sharded", "taylor"),
     ],
     ids=[
         "ddp-latent",
@@ -39,6 +42,9 @@ WORKER = Path(__file__).with_name("resume_worker.py")
         "model-parallel-latent",
         "model-parallel-direct",
         "model-parallel-full-ckpt",
+        "model-parallel-latent-activation",
+        "ddp-direct-taylor",
+        "model-parallel-latent-taylor",
     ],
 )
 def test_resume_matrix_equals_uninterrupted(kind, mode, stops, route, score):

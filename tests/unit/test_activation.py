@@ -215,3 +215,41 @@ def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant):
         runs[checkpointed] = (stats.averages()["2"], stats.state_dict()["count"])
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=0)
     assert runs[True][1] == runs[False][1] == {"2": 3}
+
+
+def test_a_residual_cluster_is_scored_by_its_linear_readers_only():
+    """A cluster read by an embedding and by Linears (the residual stream) scores by the Linears' inputs (the norm
+    outputs), the embedding left out; independent float64 reference."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, dtype=torch.float64)
+            self.norm = nn.LayerNorm(4, dtype=torch.float64)
+            self.up = nn.Linear(4, 6, dtype=torch.float64)
+            self.head = nn.Linear(4, 10, bias=False, dtype=torch.float64)
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            h = h + self.up(self.norm(h))[..., :4]
+            return self.head(self.norm(h))
+
+    model = Net()
+    cluster = Cluster("resid", writers=["norm.weight", "norm.bias"], readers=["emb.weight", "up.weight", "head.weight"])
+    batches = [torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    stats = calibrate(model, cluster, batches)
+    assert stats.unmeasured == {"resid": ["emb.weight"]}
+    got = stats.unit_scores(dict(model.named_parameters()))["resid"]
+    with torch.no_grad():  # the plain mean over batches of the per-batch mean of each input channel's square
+        ups, heads = [], []
+        for t in batches:
+            h = model.emb(t)
+            x_up = model.norm(h)
+            h = h + model.up(x_up)[..., :4]
+            x_head = model.norm(h)
+            ups.append(x_up.reshape(-1, 4).square().mean(dim=0))
+            heads.append(x_head.reshape(-1, 4).square().mean(dim=0))
+        e_up, e_head = sum(ups) / 2, sum(heads) / 2
+        want = (e_up * model.up.weight.square().sum(dim=0) + e_head * model.head.weight.square().sum(dim=0)).sqrt()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -1,6 +1,6 @@
 """Executors: how unit norms are computed and selections applied, per layout (see :mod:`.routing` for the choice)."""
 
-from lightning_pat.parallel.executors.base import Executor, UnitAction
+from lightning_pat.parallel.executors.base import Evidence, Executor, Reduced, UnitAction
 from lightning_pat.parallel.executors.materializing import MaterializingExecutor
 from lightning_pat.parallel.executors.routing import (
     EXECUTOR_KINDS,
@@ -14,9 +14,11 @@ from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
 __all__ = [
     "EXECUTOR_KINDS",
+    "Evidence",
     "Executor",
     "ExecutorKind",
     "MaterializingExecutor",
+    "Reduced",
     "ShardedExecutor",
     "UnitAction",
     "build_executors",

@@ -13,12 +13,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import unit_channels, zero_channels_
+from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums
 from lightning_pat.core.spec import Member, ResolvedCluster
+from lightning_pat.parallel import distributed
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,48 @@ class UnitAction:
 
     dropped: Tensor
     factors: Tensor | None = None
+
+
+@dataclass
+class Reduced:
+    """What one selection's reduction brought to this rank, identical on every rank that takes part.
+
+    Attributes:
+        q: Cluster name -> ``Q``: the squared norm of every unit over all members (``[C]``).
+        shard: Cluster name -> the sum of the cluster's *shard rider* over its pieces (a per-unit partial computed
+            from the local pieces, like ``Q``; e.g. the ``|w * g|`` sums of ``score="taylor"``).
+        data: Cluster name -> the sum over every rank of the cluster's *data rider* (each rank's own statistics,
+            e.g. the readers' input statistics of ``score="activation"``).
+        columns: Reader member name -> the squared norm of each column (``[in_features]``), when asked for.
+    """
+
+    q: dict[str, Tensor]
+    shard: dict[str, Tensor] = field(default_factory=dict)
+    data: dict[str, Tensor] = field(default_factory=dict)
+    columns: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Evidence(Protocol):
+    """A data-aware score: rank-local partials that travel with the weight partials, and the scores made of them.
+
+    ``shard_riders`` are per-cluster float64 partials of pieces (summed over the pieces once, like ``Q``);
+    ``data_riders`` are per-cluster float64 statistics of this rank's own data (summed over every rank, so a cluster
+    that carries one is reduced over its whole mesh). Every rank's rider of a cluster has the same length.
+    """
+
+    columns: bool  # whether the readers' column norms are needed
+
+    def shard_riders(self) -> Mapping[str, Tensor]:
+        """Cluster name -> this rank's partial (only clusters that have one)."""
+        ...
+
+    def data_riders(self) -> Mapping[str, Tensor]:
+        """Cluster name -> this rank's statistics (only clusters that have them)."""
+        ...
+
+    def finish(self, reduced: Reduced) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` unit scores from the reduced values (identical on every rank)."""
+        ...
 
 
 class Executor(ABC):
@@ -85,6 +131,75 @@ class Executor(ABC):
     @abstractmethod
     def unit_sq_norms(self) -> dict[str, Tensor]:
         """Per cluster, ``Q``: the squared norm of every unit over all members (``[C]``, accumulation dtype)."""
+
+    def reduce(
+        self,
+        *,
+        shard_riders: Mapping[str, Tensor] | None = None,
+        data_riders: Mapping[str, Tensor] | None = None,
+        columns: bool = False,
+    ) -> Reduced:
+        """``Q`` of every cluster, with the riders of an :class:`Evidence` reduced alongside (see :class:`Reduced`).
+
+        The default serves plain tensors that every rank holds whole: shard riders are complete already, data riders
+        are summed over every rank (one collective), columns are computed from the (dense) readers.
+        """
+        out = Reduced(self.unit_sq_norms())
+        mine = [rc for rc in self.clusters if shard_riders and rc.name in shard_riders]
+        out.shard = {rc.name: shard_riders[rc.name] for rc in mine}  # type: ignore[index]
+        if data_riders:
+            out.data = self._sum_data({rc.name: data_riders[rc.name] for rc in self.clusters if rc.name in data_riders})
+        if columns:
+            out.columns = self._columns()
+        return out
+
+    def _sum_data(self, riders: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Riders summed over every rank: one packed collective (nothing without a process group)."""
+        if not riders:
+            return {}
+        summed = distributed.sum_over_ranks(torch.cat(list(riders.values())), group=distributed.world_group())
+        out, start = {}, 0
+        for name, rider in riders.items():
+            out[name] = summed[start : start + rider.numel()]
+            start += rider.numel()
+        return out
+
+    def _columns(self) -> dict[str, Tensor]:
+        """Reader member name -> squared norm of each column of the whole tensor (dense readers)."""
+        out = {}
+        for rc in self.clusters:
+            for m in rc.members:
+                if m.role == "reader" and m.name not in out:
+                    dense = self._dense_param(m.name)
+                    out[m.name] = channel_sq_sums(dense.detach(), dim=1, acc_dtype=ACCUMULATION_DTYPE)
+        return out
+
+    @torch.no_grad()
+    def unit_grad_products(self) -> dict[str, Tensor]:
+        """Per cluster, ``[C]`` sums of ``|w * g|`` (``score="taylor"``), identical on every rank that holds them.
+
+        A member without a gradient contributes nothing. The default serves whole tensors: plain ones as they are
+        (no communication), DTensors gathered whole (``full_tensor`` of the weight and of its gradient: collectives
+        every step, the price of a layout the sharded path cannot serve).
+        """
+        out = {}
+        for rc in self.clusters:
+            total_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE)
+            for m in rc.members:
+                param = self.params[m.name]
+                if param.grad is None:
+                    continue
+                part_C = member_unit_abs_prod_sums(
+                    distributed.full_tensor(param), distributed.full_tensor(param.grad), m, num_units=rc.num_units,
+                    acc_dtype=ACCUMULATION_DTYPE,
+                )  # fmt: skip
+                total_C = total_C.to(part_C.device) + part_C
+            out[rc.name] = total_C
+        return out
+
+    def _dense_param(self, name: str) -> Tensor:
+        """The whole tensor of parameter ``name`` (a plain tensor here; executors that gather override this)."""
+        return self.params[name]
 
     @abstractmethod
     def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:

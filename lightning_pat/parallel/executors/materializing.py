@@ -68,6 +68,9 @@ class MaterializingExecutor(Executor):
                     present.discard(name)
         return present
 
+    def _dense_param(self, name: str) -> Tensor:
+        return self._get(name, self._dense())
+
     def unit_sq_norms(self) -> dict[str, Tensor]:
         """See :meth:`Executor.unit_sq_norms`."""
         out = {}

@@ -96,9 +96,16 @@ def route(
 
 
 def build_executors(
-    clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], routes: Mapping[str, tuple[str, str]]
+    clusters: Sequence[ResolvedCluster],
+    params: Mapping[str, Tensor],
+    routes: Mapping[str, tuple[str, str]],
+    *,
+    data_aware: bool = False,
 ) -> list[Executor]:
     """One executor per kind, each owning the clusters routed to it (in cluster order).
+
+    With ``data_aware`` (``score="activation"``), the sharded executor reduces every cluster over its whole mesh, so
+    that the statistics of every data-parallel rank travel in the one packed collective.
 
     The materializing executor comes first: it writes whole tensors back from dense copies taken when scoring, so
     it must apply before the sharded executor zeroes local pieces of a parameter the two may share.
@@ -106,5 +113,10 @@ def build_executors(
     by_kind: dict[str, list[ResolvedCluster]] = {}
     for rc in clusters:
         by_kind.setdefault(routes[rc.name][0], []).append(rc)
-    make: dict[str, type[Executor]] = {"materializing": MaterializingExecutor, "sharded": ShardedExecutor}
-    return [make[kind](by_kind[kind], params) for kind in sorted(by_kind, key=lambda k: k != "materializing")]
+    out: list[Executor] = []
+    for kind in sorted(by_kind, key=lambda k: k != "materializing"):
+        if kind == "sharded":
+            out.append(ShardedExecutor(by_kind[kind], params, data_aware=data_aware))
+        else:
+            out.append(MaterializingExecutor(by_kind[kind], params))
+    return out

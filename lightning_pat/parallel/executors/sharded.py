@@ -26,10 +26,15 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
-from lightning_pat.core.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.core.scoring import (
+    ACCUMULATION_DTYPE,
+    channel_sq_sums,
+    member_unit_abs_prod_sums,
+    member_unit_sq_sums,
+)
 from lightning_pat.core.spec import Member, ResolvedCluster
 from lightning_pat.parallel import distributed, placement
-from lightning_pat.parallel.executors.base import Executor, UnitAction
+from lightning_pat.parallel.executors.base import Executor, Reduced, UnitAction
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,6 @@ class _Pack:
     group: object
     order: list[int]
     clusters: list[ResolvedCluster]
-    two_phase: bool = False
 
 
 class ShardedExecutor(Executor):
@@ -63,8 +67,11 @@ class ShardedExecutor(Executor):
     #: is reduced with all_to_all + all_gather instead (2 (n - 1) / n * L elements; the same bits).
     two_phase_min_bytes: int = 4 << 20
 
-    def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
+    def __init__(
+        self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor], *, data_aware: bool = False
+    ) -> None:
         super().__init__(clusters, params)
+        self._two_phase_min = self.two_phase_min_bytes  # decided at construction (the packs' lengths are not yet)
         self._groups: dict[tuple[int, ...], object] = {}  # multi-axis process groups, owned by this executor
         self._pieces: dict[tuple[str, str], _Piece] = {}
         self._ungathered: list[ResolvedCluster] = []  # every member replicated: the local partial is complete
@@ -78,7 +85,9 @@ class ShardedExecutor(Executor):
             reason = placement.cluster_reason(rc, placements, mesh_shape=tuple(mesh.shape))
             if reason is not None:  # global metadata: every rank raises here, before any collective
                 raise ValueError(f"Cluster {rc.name!r} cannot take the sharded path: {reason}.")
-            axes = placement.gather_axes(placements)
+            # data-aware scores sum every rank's own statistics: the whole mesh (ranks that see the same data, e.g.
+            # tensor-parallel peers, are averaged out by the statistics' "seen" counts)
+            axes = tuple(range(mesh.ndim)) if data_aware and mesh.size() > 1 else placement.gather_axes(placements)
             for m, ps in zip(rc.members, placements, strict=True):
                 box = placement.local_box(m.shape, ps, mesh_shape=tuple(mesh.shape), coordinate=coord)
                 local_shape = tuple(distributed.local_tensor(self.params[m.name]).shape)
@@ -95,11 +104,6 @@ class ShardedExecutor(Executor):
             order = distributed.gather_order(mesh, axes, group)
             packs.setdefault((distributed.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
         self._packs = list(packs.values())
-        for pack in self._packs:  # global metadata only: every rank of the group decides the same
-            n = distributed.group_size(pack.group)
-            itemsize = ACCUMULATION_DTYPE.itemsize
-            one_phase_bytes = (n - 1) * sum(rc.num_units for rc in pack.clusters) * itemsize
-            pack.two_phase = n > 2 and one_phase_bytes > self.two_phase_min_bytes
         counts: dict[tuple[int, ...], tuple[object, list[str]]] = {}  # whole-mesh group -> parameter names
         for name, tensor in self.params.items():
             group = distributed.mesh_group(tensor.device_mesh, cache=self._groups)
@@ -132,21 +136,117 @@ class ShardedExecutor(Executor):
         return q_C
 
     @torch.no_grad()
+    def unit_grad_products(self) -> dict[str, Tensor]:
+        """See :meth:`Executor.unit_grad_products`: on the local pieces, each piece counted once (no communication).
+
+        Raises:
+            ValueError: If a member's gradient is laid out unlike its parameter (e.g. ``Partial``: its local values
+                are not this piece's gradient).
+        """
+        out = {}
+        for rc in self.clusters:
+            total_C = None
+            for m in rc.members:
+                param = self.params[m.name]
+                piece = self._pieces[(rc.name, m.name)]
+                local = distributed.local_tensor(param)
+                grad = param.grad
+                part_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE, device=local.device)
+                # the layout is global metadata: every rank raises together
+                if grad is not None and (
+                    not distributed.is_dtensor(grad) or tuple(grad.placements) != tuple(param.placements)
+                ):
+                    layout = tuple(grad.placements) if distributed.is_dtensor(grad) else "a plain tensor"
+                    raise ValueError(
+                        f"Cluster {rc.name!r}: score='taylor' needs member {m.name!r}'s gradient laid out like "
+                        f"the parameter ({tuple(param.placements)}), got {layout}; keep gradients in their "
+                        "parameter's layout, or use another score."
+                    )
+                if grad is not None and piece.contributes:
+                    part_C = member_unit_abs_prod_sums(
+                        local, distributed.local_tensor(grad), m, num_units=rc.num_units,
+                        acc_dtype=ACCUMULATION_DTYPE, offset=piece.offset,
+                    )  # fmt: skip
+                total_C = part_C if total_C is None else total_C + part_C
+            assert total_C is not None  # a resolved cluster has members
+            out[rc.name] = total_C
+        return out
+
+    def _columns_partial(self, rc: ResolvedCluster) -> list[tuple[str, Tensor]]:
+        """Per reader member, this rank's partial squared column norms over the whole width (zeros elsewhere)."""
+        out = []
+        for m in rc.members:
+            if m.role != "reader":
+                continue
+            piece = self._pieces[(rc.name, m.name)]
+            local = distributed.local_tensor(self.params[m.name]).detach()
+            width = self.params[m.name].shape[1]
+            col_I = torch.zeros(width, dtype=ACCUMULATION_DTYPE, device=local.device)
+            if piece.contributes:
+                col_I[piece.offset : piece.offset + piece.length] = channel_sq_sums(
+                    local, dim=1, acc_dtype=ACCUMULATION_DTYPE
+                )
+            out.append((m.name, col_I))
+        return out
+
+    def _two_phase(self, pack: _Pack, length: int) -> bool:
+        """Whether a pack of ``length`` elements is reduced in two phases (global metadata: every rank agrees)."""
+        n = distributed.group_size(pack.group)
+        return n > 2 and (n - 1) * length * ACCUMULATION_DTYPE.itemsize > self._two_phase_min
+
+    @torch.no_grad()
     def unit_sq_norms(self) -> dict[str, Tensor]:
         """See :meth:`Executor.unit_sq_norms`: one packed reduction per distinct gather group, nothing else.
 
         A reduction is one ``all_gather`` (or, for large packs, ``all_to_all`` + ``all_gather``, same bits).
         """
-        out = {rc.name: self._partial(rc) for rc in self._ungathered}
+        return self.reduce().q
+
+    @torch.no_grad()
+    def reduce(
+        self,
+        *,
+        shard_riders: Mapping[str, Tensor] | None = None,
+        data_riders: Mapping[str, Tensor] | None = None,
+        columns: bool = False,
+    ) -> Reduced:
+        """See :meth:`Executor.reduce`: the riders and columns travel in the same packed vector as ``Q``.
+
+        Each cluster's segment is ``[Q partial | shard rider | reader column partials | data rider]``; still one
+        reduction per distinct gather group (a data-aware executor gathers every cluster over its whole mesh).
+        """
+        shard_riders, data_riders = shard_riders or {}, data_riders or {}
+        out = Reduced({})
+        for rc in self._ungathered:  # every member replicated and a one-rank (or weight-only) group: all complete
+            out.q[rc.name] = self._partial(rc)
+            if rc.name in shard_riders:
+                out.shard[rc.name] = shard_riders[rc.name]
+            if rc.name in data_riders:
+                out.data[rc.name] = data_riders[rc.name]
+            if columns:
+                out.columns.update(self._columns_partial(rc))
         for pack in self._packs:
-            partials = [self._partial(rc) for rc in pack.clusters]
-            buffer_L = torch.cat(partials)
-            reduce = distributed.scatter_gather_sum if pack.two_phase else distributed.gather_sum
-            q_L = reduce(buffer_L, group=pack.group, order=pack.order)
-            start = 0
+            parts: list[Tensor] = []
+            layout: list[tuple[str, str, int]] = []  # (kind, key, length) in packing order
             for rc in pack.clusters:
-                out[rc.name] = q_L[start : start + rc.num_units]
-                start += rc.num_units
+                segment = [("q", rc.name, self._partial(rc))]
+                if rc.name in shard_riders:
+                    segment.append(("shard", rc.name, shard_riders[rc.name]))
+                if columns:
+                    segment += [("columns", name, col) for name, col in self._columns_partial(rc)]
+                if rc.name in data_riders:
+                    segment.append(("data", rc.name, data_riders[rc.name]))
+                for kind, key, tensor in segment:
+                    parts.append(tensor.to(ACCUMULATION_DTYPE).reshape(-1))
+                    layout.append((kind, key, tensor.numel()))
+            buffer_L = torch.cat(parts)
+            two_phase = self._two_phase(pack, buffer_L.numel())
+            reduce = distributed.scatter_gather_sum if two_phase else distributed.gather_sum
+            summed_L = reduce(buffer_L, group=pack.group, order=pack.order)
+            start = 0
+            for kind, key, length in layout:
+                getattr(out, kind)[key] = summed_L[start : start + length]
+                start += length
         return out
 
     # ------------------------------------------------------------------ masking
