@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.budget import is_layer_cluster
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
 from lightning_pat.core.units import fold_to_units, unit_of_channels
@@ -78,7 +79,7 @@ class ActivationStats:
         if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
             raise ValueError(f"`beta` must be None or a number in [0, 1), got {beta!r}.")
         self.beta = beta
-        self.clusters = list(clusters)
+        self.clusters = [rc for rc in clusters if not is_layer_cluster(rc)]  # layers: lightning_pat.layer_score
         modules = dict(model.named_modules(remove_duplicate=False))
         params = dict(model.named_parameters(remove_duplicate=False))
         self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat import presets
-from lightning_pat.core.budget import Side, SizeSolution
+from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -267,15 +267,26 @@ class Pruner:
 
     # ------------------------------------------------------------------ selection
     def _scores(self, q: Mapping[str, Tensor], given: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
-        """Unit scores: ``given`` (e.g. activation-aware scores) if passed, else the weight score of ``q``."""
+        """Unit scores: ``given`` (activation-aware or layer scores) where passed, else the weight score of ``q``.
+
+        With a weight score, ``given`` may name only some clusters (e.g. layer units scored by ``1 - cos``); with
+        ``score="activation"`` it must name every cluster except layer units, which fall back to ``"rms"``.
+        """
         if given is not None:
-            missing = [rc.name for rc in self.clusters if rc.name not in given]
+            weight = self.score in WEIGHT_SCORES
+            missing = [rc.name for rc in self.clusters if rc.name not in given and not (weight or is_layer_cluster(rc))]
             wrong = [rc.name for rc in self.clusters if rc.name in given and given[rc.name].shape != (rc.num_units,)]
             if missing or wrong:
                 raise ValueError(
                     f"`scores` must hold one [C] tensor per cluster; missing {missing[:5]}, wrong shape {wrong[:5]}."
                 )
-            return {rc.name: given[rc.name] for rc in self.clusters}
+            fallback = self.score if weight else "rms"
+            return {
+                rc.name: given[rc.name]
+                if rc.name in given
+                else normalise(q[rc.name], unit_numel=rc.unit_numel, score=fallback)  # type: ignore[arg-type]
+                for rc in self.clusters
+            }
         if self.score not in WEIGHT_SCORES:
             raise ValueError(
                 f"score={self.score!r} needs precomputed unit scores: pass `scores=` (see "

@@ -173,6 +173,10 @@ class CoupledPruningCallback(Callback):
             the closest not below it.
         target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
             to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
+        layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
+            layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
+            see :mod:`lightning_pat.layer_score`), the weight score if no layer saw a forward; ``"weight"``: the
+            RMS of the layer's output projections.
 
     Raises:
         MisconfigurationException: If an option is out of range or unknown, a declaration mapping has an unknown
@@ -222,6 +226,7 @@ class CoupledPruningCallback(Callback):
         target_params: int | float | str | None = None,
         target_side: Literal["below", "above"] = "below",
         target_layers: int | None = None,
+        layer_score: Literal["cosine", "weight"] = "cosine",
         distill_alpha: float = 0.0,
         distill_temperature: float = 1.0,
         distill_teacher: torch.nn.Module | None = None,
@@ -234,8 +239,8 @@ class CoupledPruningCallback(Callback):
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
-                distill_alpha=distill_alpha, distill_temperature=distill_temperature, distill_teacher=distill_teacher,
-                distill_module=distill_module,
+                layer_score=layer_score, distill_alpha=distill_alpha, distill_temperature=distill_temperature,
+                distill_teacher=distill_teacher, distill_module=distill_module,
             )  # fmt: skip
         self.controller = PruningController(self.options, info=rank_zero_info)
         opts = self.options

@@ -33,6 +33,7 @@ from lightning_pat.core.budget import SizeSolution, is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
+from lightning_pat.layer_score import LayerStats, layer_clusters
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
@@ -125,6 +126,7 @@ class PruningController:
         self.resolved: list[ResolvedCluster] = []
         self.latents: LatentStore | None = None
         self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
+        self.layer_stats: LayerStats | None = None  # layer units, layer_score="cosine": 1 - cos(input, output)
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
         self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
@@ -206,7 +208,7 @@ class PruningController:
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self.tracker.attach(self._optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            self.plan, self.pruner, self.latents, self.act = None, None, None, None
+            self.plan, self.pruner, self.latents, self.act, self.layer_stats = None, None, None, None, None
             return
         opts = self.options
         with self._weights() as params:
@@ -234,9 +236,13 @@ class PruningController:
             assert plan is not None
             self.plan, self.resolved = plan, list(plan.clusters)
             self.pruner = Pruner(params, plan)
-            if opts.score == "activation":
+            layers = layer_clusters(self.resolved)
+            if opts.score == "activation" and len(layers) < len(self.resolved):  # layer units: scored below
                 with prefixed("CoupledPruningCallback(score='activation')"):
                     self.act = ActivationStats(module, self.resolved)
+            if layers and opts.layer_score == "cosine":
+                with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+                    self.layer_stats = LayerStats(module, layers)
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
@@ -306,10 +312,14 @@ class PruningController:
             self.progress = state.Progress()
             if self.act is not None:
                 self.act.reset()
+            if self.layer_stats is not None:
+                self.layer_stats.reset()
         self._carry = None
         self._check_mask_not_empty()
         if self.act is not None and not self.frozen:
             self.act.attach()  # removed at the freeze and at the end of the fit
+        if self.layer_stats is not None and not self.frozen:
+            self.layer_stats.attach()
 
     def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any) -> None:
         opts = self.options
@@ -337,6 +347,8 @@ class PruningController:
             self.latents.load_state_dict(latents)
         if self.act is not None:  # no saved statistics (e.g. the score changed on resume): collect from here on
             self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
+        if self.layer_stats is not None:  # this rank's sums since the last selection
+            self.layer_stats.load_state_dict(state.rank_activation(saved.get("layer_scores")) or {})
         with torch.no_grad(), self._weights():
             self.pruner.hold()
 
@@ -381,13 +393,16 @@ class PruningController:
         latents = self.latents if self.latents is not None and self.latents.active else None
         self._carry = self._state(latents=None if latents is None else state.latent_entry(
             latents.state_dict(), self._params, fmt="local"
-        ), activation=None if self.act is None else [self.act.state_dict()])  # fmt: skip
+        ), activation=None if self.act is None else [self.act.state_dict()],
+            layer_scores=None if self.layer_stats is None else [self.layer_stats.state_dict()])  # fmt: skip
 
     def release(self) -> None:
         """Remove the optimizer and activation hooks (the state for a next fit is kept)."""
         self.tracker.detach()
         if self.act is not None:
             self.act.detach()
+        if self.layer_stats is not None:
+            self.layer_stats.detach()
 
     # ------------------------------------------------------------------ per step
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
@@ -467,6 +482,18 @@ class PruningController:
         if self.act is not None:
             with prefixed("CoupledPruningCallback(score='activation')"):
                 scores = self.act.summed_unit_scores(self._params)  # one collective under DDP
+        if self.layer_stats is not None:
+            with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+                layer_scores = self.layer_stats.summed_scores()  # one collective when distributed
+            if layer_scores is None:
+                distributed.rank_zero_warn(
+                    f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
+                    "the layer units are ranked by the weight score (layer_score='weight') this time."
+                )
+            else:
+                scores = {**(scores or {}), **layer_scores}
+        if scores is None and opts.score == "activation":  # only layer units: their weight score
+            scores = {}
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
         result = self.pruner.step(self.targets(step), method=method, threshold=threshold, scores=scores, count=count)
         self.progress.mark_selection()
@@ -480,6 +507,8 @@ class PruningController:
         self.latents.clear()
         if self.act is not None:
             self.act.detach()  # no per-forward cost during healing
+        if self.layer_stats is not None:
+            self.layer_stats.detach()
         if not self.options.shrink_on_freeze:
             return
         assert self._module is not None
@@ -487,6 +516,7 @@ class PruningController:
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
         self.shrunk, self.plan, self.pruner, self.latents, self.act = dropped, None, None, None, None
+        self.layer_stats = None
         self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
             f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
@@ -498,7 +528,9 @@ class PruningController:
             self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=self._sharded_ckpt
         )
 
-    def _state(self, *, latents: dict[str, Any] | None, activation: list[Any] | None) -> dict[str, Any]:
+    def _state(
+        self, *, latents: dict[str, Any] | None, activation: list[Any] | None, layer_scores: list[Any] | None = None
+    ) -> dict[str, Any]:
         return state.build(
             self.progress,
             dropped=self.dropped,
@@ -508,6 +540,7 @@ class PruningController:
             latents=latents,
             shrunk=self.shrunk is not None,
             activation=activation,
+            layer_scores=layer_scores,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -521,7 +554,10 @@ class PruningController:
         activation = None
         if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
             activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
-        return self._state(latents=latents, activation=activation)
+        layer_scores = None
+        if self.layer_stats is not None:  # every rank's sums since the last selection
+            layer_scores = distributed.gather_objects(self.layer_stats.state_dict(), group=distributed.world_group())
+        return self._state(latents=latents, activation=activation, layer_scores=layer_scores)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""

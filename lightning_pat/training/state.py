@@ -11,6 +11,8 @@ A state is a dict of plain types and CPU tensors::
     shrunk                    whether the model was physically shrunk (``shrink_on_freeze``)
     activation                the ranks' activation statistics in rank order (``score="activation"``), else ``None``;
                               a list shorter than the world gives every missing rank the first entry
+    layer_scores              the ranks' layer-score sums since the last selection, in rank order (layer units with
+                              ``layer_score="cosine"``), else ``None``; read like ``activation``
 
 Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
 (plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
@@ -93,6 +95,7 @@ def build(
     latents: dict[str, Any] | None,
     shrunk: bool,
     activation: list[Any] | None,
+    layer_scores: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
     return {
@@ -105,6 +108,7 @@ def build(
         "latents": latents,
         "shrunk": shrunk,
         "activation": activation,
+        "layer_scores": layer_scores,
     }
 
 

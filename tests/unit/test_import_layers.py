@@ -8,7 +8,7 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
-* ``pruning`` (options, presets, activation, engine: the one-shot API; discovery: clusters found by tracing): adds
+* ``pruning`` (options, presets, activation, layer_score, engine: the one-shot API; discovery: clusters found by tracing): adds
   parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
@@ -37,7 +37,7 @@ PKG = "lightning_pat"
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
-    "pruning": ("options", "presets", "activation", "engine", "sizing", "discovery."),
+    "pruning": ("options", "presets", "activation", "layer_score", "engine", "sizing", "discovery."),
     "shrink": ("shrink.",),
     "training": ("training.",),
     "cli": ("cli.",),
