@@ -58,7 +58,7 @@ class ActivationStats:
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
-        clusters: The resolved clusters.
+        clusters: The resolved clusters (layer units are left out: :mod:`lightning_pat.layer_score` scores them).
         beta: Weight of the previous average: ``ema = beta * ema + (1 - beta) * batch_mean`` (the first batch sets
             it). ``None`` keeps the plain mean over all batches seen (calibration).
 
