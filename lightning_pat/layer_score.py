@@ -38,17 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.budget import is_layer_cluster, layer_prefix
+from lightning_pat.core.forwards import TrainingForwardHooks
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel import distributed
 
 #: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
 LayerScore = Literal["cosine", "weight"]
 LAYER_SCORES: tuple[str, ...] = ("cosine", "weight")
-
-
-def _in_backward() -> bool:
-    """Whether autograd runs a backward now (activation checkpointing recomputing a forward)."""
-    return torch._C._current_graph_task_id() != -1  # noqa: SLF001 - the check torch.utils.checkpoint relies on
 
 
 def token_cosines(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,7 +102,7 @@ def _hidden_pair(args: tuple, kwargs: Mapping[str, Any], output: Any) -> tuple[T
     return x, y
 
 
-class LayerStats:
+class LayerStats(TrainingForwardHooks):
     r"""Running sums of ``cos(input, output)`` per layer unit's decoder layer, and the scores built from them.
 
     Args:
@@ -132,6 +128,7 @@ class LayerStats:
     """
 
     def __init__(self, model: nn.Module, clusters: Sequence[ResolvedCluster]) -> None:
+        super().__init__()
         modules = dict(model.named_modules(remove_duplicate=False))
         self.layers: dict[str, str] = {}  # cluster name -> module path
         self.modules: dict[str, nn.Module] = {}  # module path -> module, in cluster order
@@ -151,50 +148,24 @@ class LayerStats:
         self._sum: dict[str, Tensor] = {}  # module path -> 0-d float64 sum of cosines (on the module's device)
         self._count: dict[str, Tensor] = {}  # module path -> 0-d float64 number of tokens
         self._problem: dict[str, str] = {}  # module path -> why its hidden states cannot be read
-        self._unrecomputed: dict[str, int] = {}
-        self._handles: list[Any] = []
         self.last: dict[str, float] = {}  # cluster name -> the score used at the latest selection (for reports)
 
     # ------------------------------------------------------------------ collection
-    @property
-    def attached(self) -> bool:
-        """Whether the forward hooks are registered."""
-        return bool(self._handles)
+    def hooked_modules(self) -> Mapping[str, nn.Module]:
+        """The layer modules."""
+        return self.modules
 
-    def attach(self) -> None:
-        """Register one forward hook per layer module (again: a no-op)."""
-        if self._handles:
-            return
-        for path, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._hook(path), with_kwargs=True))
-
-    def detach(self) -> None:
-        """Remove the hooks (the sums are kept)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def register_hook(self, name: str, module: nn.Module) -> Any:
+        """A forward hook (input and output) on layer module ``name``."""
+        return module.register_forward_hook(self._hook(name), with_kwargs=True)
 
     def reset(self) -> None:
         """Forget the sums (a selection consumed them, or a new run starts)."""
         self._sum, self._count, self._problem, self._unrecomputed = {}, {}, {}, {}
 
-    def _counts_now(self, path: str, module: nn.Module) -> bool:
-        """Whether this call is a training forward to count (each batch once under activation checkpointing)."""
-        if not module.training:
-            return False
-        if _in_backward():  # a recomputed forward: counted if its first pass ran under no_grad (reentrant)
-            if self._unrecomputed.get(path, 0) > 0:
-                self._unrecomputed[path] -= 1
-                return False
-            return True
-        if not torch.is_grad_enabled():
-            return False
-        self._unrecomputed[path] = self._unrecomputed.get(path, 0) + 1
-        return True
-
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._counts_now(path, module):
+            if self.training_forward(path, module):
                 pair = _hidden_pair(args, kwargs, output)
                 if isinstance(pair, str):
                     self._problem.setdefault(path, pair)

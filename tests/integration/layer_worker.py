@@ -44,19 +44,10 @@ class LitLayers(pl.LightningModule):
         self.tokens = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH * MAX_STEPS, CFG.max_seq_len + 1), generator=g)
 
     def configure_model(self) -> None:
-        if self.parallel == "none":
-            return
-        from torch.distributed.fsdp import fully_shard
+        if self.parallel != "none":  # the sequence-parallel TP plan (tp > 1), then fully_shard per block and root
+            from tests.distributed.model_parallel_worker import LitTiny
 
-        mesh = self.device_mesh
-        if mesh["tensor_parallel"].size() > 1:
-            from tests.distributed.model_parallel_worker import _tp_plan
-
-            _tp_plan(self.model, mesh["tensor_parallel"])
-        dp = mesh["data_parallel"]
-        for block in self.model.layers:
-            fully_shard(block, mesh=dp)
-        fully_shard(self.model, mesh=dp)
+            LitTiny.configure_model(self)
 
     def training_step(self, batch, batch_idx):
         # the batch is chosen by the step (and the data-parallel rank), so that every layout and a resumed run
