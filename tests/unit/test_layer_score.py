@@ -186,3 +186,35 @@ def test_members_without_a_common_module_are_refused():
     rcs = resolve_clusters(net, [Cluster("odd", writers=["a.weight", "b.weight"], num_units=1, budget="layers")])
     with pytest.raises(ValueError, match=r"Cluster 'odd'.*share no module.*layer_score='weight'"):
         LayerStats(net, rcs)
+
+
+@pytest.mark.parametrize("case_id", ["llama-h8kv2-bias", "qwen3-h4kv2-bias-tied", "gpt2-h2"])
+def test_transformers_layers_are_read_and_an_emptied_layer_scores_zero(case_id):
+    """Hugging Face decoder layers (tensor or tuple outputs): the hooks read the model's own hidden states."""
+    pytest.importorskip("transformers")
+    from tests.common.tiny_families import CASES, token_ids
+
+    case = {c.id: c for c in CASES}[case_id]
+    model = case.fresh()
+    for module in model.modules():  # deterministic training forwards: the reference comes from the same call
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    options = {"mlp": False, "heads": False, "layers": True}
+    clusters = resolve_clusters(model, presets.resolve_preset(case.preset, model, **options))
+    params = dict(model.named_parameters())
+    with torch.no_grad():  # what a dropped layer unit holds: every member of layer 0 is zero
+        for m in next(rc for rc in clusters if rc.name == "layer.0").members:
+            params[m.name].zero_()
+    stats = LayerStats(model, clusters)
+    stats.attach()
+    model.train()
+    ids = token_ids()
+    out = model(ids, output_hidden_states=True)
+    hidden = out.hidden_states  # embeddings, then each layer's output (the last one after the final norm)
+    assert stats.seen() == {f"layer.{i}": ids.numel() for i in range(case.n_layer)}
+    scores = {k: float(v) for k, v in stats.summed_scores().items()}
+    assert scores["layer.0"] == 0.0
+    for i in range(1, case.n_layer - 1):
+        a, b = hidden[i].double().reshape(-1, case.d), hidden[i + 1].double().reshape(-1, case.d)
+        cos = (a * b).sum(dim=1) / (a.norm(dim=1) * b.norm(dim=1))
+        assert scores[f"layer.{i}"] == pytest.approx(1.0 - float(cos.mean()), rel=1e-5, abs=1e-7)
