@@ -37,6 +37,7 @@ from lightning_pat.sizing import check_target, declaration_labels, sized_cluster
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
+    from lightning_pat.layer_score import LayerStats
 
 
 @dataclass(frozen=True)
@@ -502,6 +503,7 @@ def prune_clusters(
     gamma: float = 1.0,
     group_count_ref: int | None = None,
     activations: ActivationStats | None = None,
+    layer_stats: LayerStats | None = None,
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -529,6 +531,8 @@ def prune_clusters(
             selection in direct mode).
         group_count_ref: Opt-in score correction for shared budgets.
         activations: Statistics from :func:`lightning_pat.activation.calibrate` for ``score="activation"``.
+        layer_stats: Layer scores from :func:`lightning_pat.layer_score.calibrate_layers`: layer units are ranked by
+            ``1 - cos(input, output)`` instead of the RMS of their output projections.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -585,6 +589,8 @@ def prune_clusters(
     pruner = Pruner(model, plan)
     with torch.no_grad():
         scores = None if activations is None else activations.unit_scores(_named(model))
+        if layer_stats is not None:
+            scores = {**(scores or {}), **(layer_stats.scores() or {})}
         result = pruner.step(
             plan.targets(float(sparsity or 0.0)), method=method, threshold=reg_lambda * gamma, count=True,
             scores=scores,

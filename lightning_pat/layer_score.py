@@ -31,7 +31,8 @@ Legend: ``N`` tokens of the local batch, ``H`` the hidden size, ``L`` the layers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.budget import is_layer_cluster, layer_prefix
 from lightning_pat.core.forwards import TrainingForwardHooks
-from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.parallel import distributed
 
 #: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
@@ -148,6 +149,7 @@ class LayerStats(TrainingForwardHooks):
         self._sum: dict[str, Tensor] = {}  # module path -> 0-d float64 sum of cosines (on the module's device)
         self._count: dict[str, Tensor] = {}  # module path -> 0-d float64 number of tokens
         self._problem: dict[str, str] = {}  # module path -> why its hidden states cannot be read
+        self._forced = False  # calibration: every forward counts
         self.last: dict[str, float] = {}  # cluster name -> the score used at the latest selection (for reports)
 
     # ------------------------------------------------------------------ collection
@@ -163,9 +165,22 @@ class LayerStats(TrainingForwardHooks):
         """Forget the sums (a selection consumed them, or a new run starts)."""
         self._sum, self._count, self._problem, self._unrecomputed = {}, {}, {}, {}
 
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Record every forward while inside (also in eval mode or under ``no_grad``): calibration."""
+        attached = self.attached
+        self.attach()
+        self._forced = True
+        try:
+            yield
+        finally:
+            self._forced = False
+            if not attached:
+                self.detach()
+
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.training_forward(path, module):
+            if self._forced or self.training_forward(path, module):
                 pair = _hidden_pair(args, kwargs, output)
                 if isinstance(pair, str):
                     self._problem.setdefault(path, pair)
@@ -270,3 +285,60 @@ class LayerStats(TrainingForwardHooks):
 def layer_clusters(clusters: Sequence[ResolvedCluster]) -> list[ResolvedCluster]:
     """The layer units among ``clusters``."""
     return [rc for rc in clusters if is_layer_cluster(rc)]
+
+
+def calibrate_layers(
+    model: nn.Module,
+    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    batches: Iterable[Any],
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> LayerStats:
+    """Layer scores ``1 - cos(input, output)`` from forward passes over ``batches`` (ShortGPT's calibration).
+
+    The model runs in the mode it is in, without grad; nothing is mutated. Pass the result to
+    :func:`~lightning_pat.prune_clusters` as ``layer_stats`` so that layer units are ranked by it instead of their
+    weight RMS. Sums are this process's own: with several ranks, calibrate on the same batches on every rank.
+
+    Args:
+        model: The module to calibrate.
+        clusters: Cluster declarations (or resolved clusters) holding layer units.
+        batches: Inputs; each is passed as ``model(batch)`` unless ``forward`` is given.
+        forward: ``forward(model, batch)`` for models that take something else (e.g. ``model(**batch)``).
+
+    Returns:
+        The statistics (read them with :meth:`LayerStats.scores`).
+
+    Raises:
+        ValueError: If a declaration is invalid, the clusters hold no layer unit, or a layer's hidden states cannot
+            be read or no batch reached every layer (see :meth:`LayerStats.scores`).
+
+    Example::
+
+        >>> from lightning_pat import presets
+        >>> from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
+        >>> net = TinyGPT(TinyGPTConfig(vocab_size=32, d_model=16, d_ff=32, n_layer=2, max_seq_len=8))
+        >>> stats = calibrate_layers(net, presets.tiny_gpt(net, layers=True), [torch.zeros(1, 8, dtype=torch.long)])
+        >>> sorted(stats.scores())
+        ['layer.0', 'layer.1']
+    """
+    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+    if items and all(isinstance(c, ResolvedCluster) for c in items):
+        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
+    else:
+        resolved = resolve_clusters(model, items)  # type: ignore[arg-type]
+    stats = LayerStats(model, resolved)
+    if not stats.layers:
+        raise ValueError(
+            "calibrate_layers: the clusters hold no layer unit (a 1-unit cluster in the 'layers' budget); add them "
+            "with `layers=True` in a preset (e.g. presets.llama(model, layers=True))."
+        )
+    with stats.collecting(), torch.no_grad():
+        for batch in batches:
+            if forward is not None:
+                forward(model, batch)
+            else:
+                model(batch)
+    if stats.scores() is None:
+        raise ValueError("calibrate_layers: `batches` is empty; pass at least one batch.")
+    return stats

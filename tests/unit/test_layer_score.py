@@ -6,6 +6,8 @@ Reference: the TinyGPT blocks run one by one outside the model, the cosine of ev
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ CFG = TinyGPTConfig(vocab_size=32, n_layer=3, n_head=2, n_kv_head=2, d_model=16,
 
 def model_and_stats(seed: int = 0) -> tuple[TinyGPT, list, LayerStats]:
     torch.manual_seed(seed)
-    model = TinyGPT(CFG)
+    model = TinyGPT(dataclasses.replace(CFG))  # a shrink rewrites its model's config
     clusters = resolve_clusters(model, presets.tiny_gpt(model, mlp=False, heads=False, layers=True))
     return model, clusters, LayerStats(model, clusters)
 
@@ -218,3 +220,39 @@ def test_transformers_layers_are_read_and_an_emptied_layer_scores_zero(case_id):
         a, b = hidden[i].double().reshape(-1, case.d), hidden[i + 1].double().reshape(-1, case.d)
         cos = (a * b).sum(dim=1) / (a.norm(dim=1) * b.norm(dim=1))
         assert scores[f"layer.{i}"] == pytest.approx(1.0 - float(cos.mean()), rel=1e-5, abs=1e-7)
+
+
+def test_one_shot_prune_clusters_ranks_layers_by_calibrated_cosine_and_shrinks_to_size():
+    from lightning_pat import prune_clusters, shrink
+    from lightning_pat.layer_score import calibrate_layers
+
+    def model() -> TinyGPT:
+        net, _, _ = model_and_stats()
+        with torch.no_grad():  # layer 2 changes almost nothing, but its output projections are the largest
+            net.layers[2].attn_norm.weight.fill_(1e-4)
+            net.layers[2].mlp_norm.weight.fill_(1e-4)
+            net.layers[2].attn.o_proj.weight.mul_(10.0)
+            net.layers[2].mlp.down_proj.weight.mul_(10.0)
+        return net.eval()
+
+    net = model()
+    decls = presets.tiny_gpt(net, layers=True)
+    stats = calibrate_layers(net, decls, batches(3))
+    assert stats.seen() == {f"layer.{i}": 3 * batches(1)[0].numel() for i in range(CFG.n_layer)}
+    expected = reference_scores(net, batches(3))
+    got = [float(stats.scores()[f"layer.{i}"]) for i in range(CFG.n_layer)]
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)  # float32 dot products: ~1e-7 in cos
+    result = prune_clusters(net, decls, target_params=0.7, target_layers=2, layer_stats=stats)
+    assert [i for i in range(CFG.n_layer) if result.dropped[f"layer.{i}"]] == [2]
+    small = shrink(net, result)
+    assert sum(p.numel() for p in small.parameters()) == result.size.achieved
+    by_weight = prune_clusters(model(), decls, target_params=0.7, target_layers=2)
+    assert [i for i in range(CFG.n_layer) if by_weight.dropped[f"layer.{i}"]] != [2]
+
+
+def test_calibrate_layers_refuses_clusters_without_layer_units():
+    from lightning_pat.layer_score import calibrate_layers
+
+    net, _, _ = model_and_stats()
+    with pytest.raises(ValueError, match=r"calibrate_layers: the clusters hold no layer unit.*layers=True"):
+        calibrate_layers(net, presets.tiny_gpt(net), batches(1))
