@@ -256,3 +256,31 @@ def test_calibrate_layers_refuses_clusters_without_layer_units():
     net, _, _ = model_and_stats()
     with pytest.raises(ValueError, match=r"calibrate_layers: the clusters hold no layer unit.*layers=True"):
         calibrate_layers(net, presets.tiny_gpt(net), batches(1))
+
+
+def test_the_controller_falls_back_to_the_weight_score_with_a_warning_when_no_layer_ran_in_training():
+    """A model kept in eval mode during training: no training forward, so the weight RMS ranks the layers."""
+    from lightning_pat.options import PruningOptions
+    from lightning_pat.training.controller import PruningController
+
+    def fit(layer_score: str) -> dict:
+        net, _, _ = model_and_stats()
+        opts = PruningOptions(
+            "tiny_gpt", preset_options={"mlp": False, "heads": False, "layers": True}, target_sparsity=1 / 3,
+            ramp_steps=1, mode="direct", layer_score=layer_score,
+        )  # fmt: skip
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        ctl = PruningController(opts)
+        ctl.bind(net, optimizers=[opt])
+        ctl.start()
+        net.eval()
+        net(batches(1)[0]).sum().backward()
+        ctl.after_backward(opt)
+        opt.step()
+        ctl.after_step()
+        return ctl.dropped
+
+    with pytest.warns(UserWarning, match=r"no layer saw a training forward before the selection at step 1.*weight"):
+        by_fallback = fit("cosine")
+    assert by_fallback == fit("weight")
+    assert sum(map(bool, by_fallback.values())) == 1
