@@ -25,17 +25,16 @@ input channels of every reader module, stacked.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.budget import is_layer_cluster
-from lightning_pat.core.forwards import TrainingForwardHooks
+from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
 from lightning_pat.core.scoring import channel_sq_sums
-from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import fold_to_units, unit_of_channels
 from lightning_pat.parallel import distributed
 
@@ -92,7 +91,6 @@ class ActivationStats(TrainingForwardHooks):
         self._count: dict[str, Tensor] = {}
         self._bad: dict[str, Tensor] = {}
         self._warned: dict[str, int] = {}
-        self._forced = False
 
     def _reader_module(
         self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
@@ -135,22 +133,9 @@ class ActivationStats(TrainingForwardHooks):
         """Forget every statistic."""
         self._ema, self._count, self._bad, self._warned, self._unrecomputed = {}, {}, {}, {}, {}
 
-    @contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Record every forward while inside (also in eval mode or under ``no_grad``): calibration."""
-        attached = self.attached
-        self.attach()
-        self._forced = True
-        try:
-            yield
-        finally:
-            self._forced = False
-            if not attached:
-                self.detach()
-
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self._forced and not self.training_forward(name, module):
+            if not self.training_forward(name, module):
                 return
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, Tensor):
@@ -368,17 +353,8 @@ def calibrate(
         ValueError: If a declaration is invalid, a cluster's readers are not ``nn.Linear`` weights (see
             :class:`ActivationStats`), or no batch reached some reader.
     """
-    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
-    if items and all(isinstance(c, ResolvedCluster) for c in items):
-        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
-    else:
-        resolved = resolve_clusters(model, items)  # type: ignore[arg-type]
-    stats = ActivationStats(model, resolved, beta=None)
-    with stats.collecting(), torch.no_grad():
-        for batch in batches:
-            if forward is not None:
-                forward(model, batch)
-            else:
-                model(batch)
+    stats = ActivationStats(model, ensure_resolved(model, clusters), beta=None)
+    with stats.collecting():
+        run_batches(model, batches, forward=forward)
     stats.averages()  # every reader was reached, or a clear error now
     return stats

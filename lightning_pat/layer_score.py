@@ -31,16 +31,15 @@ Legend: ``N`` tokens of the local batch, ``H`` the hidden size, ``L`` the layers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.budget import is_layer_cluster, layer_prefix
-from lightning_pat.core.forwards import TrainingForwardHooks
-from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
+from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.parallel import distributed
 
 #: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
@@ -149,7 +148,6 @@ class LayerStats(TrainingForwardHooks):
         self._sum: dict[str, Tensor] = {}  # module path -> 0-d float64 sum of cosines (on the module's device)
         self._count: dict[str, Tensor] = {}  # module path -> 0-d float64 number of tokens
         self._problem: dict[str, str] = {}  # module path -> why its hidden states cannot be read
-        self._forced = False  # calibration: every forward counts
         self.last: dict[str, float] = {}  # cluster name -> the score used at the latest selection (for reports)
 
     # ------------------------------------------------------------------ collection
@@ -165,22 +163,9 @@ class LayerStats(TrainingForwardHooks):
         """Forget the sums (a selection consumed them, or a new run starts)."""
         self._sum, self._count, self._problem, self._unrecomputed = {}, {}, {}, {}
 
-    @contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Record every forward while inside (also in eval mode or under ``no_grad``): calibration."""
-        attached = self.attached
-        self.attach()
-        self._forced = True
-        try:
-            yield
-        finally:
-            self._forced = False
-            if not attached:
-                self.detach()
-
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._forced or self.training_forward(path, module):
+            if self.training_forward(path, module):
                 pair = _hidden_pair(args, kwargs, output)
                 if isinstance(pair, str):
                     self._problem.setdefault(path, pair)
@@ -322,23 +307,14 @@ def calibrate_layers(
         >>> sorted(stats.scores())
         ['layer.0', 'layer.1']
     """
-    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
-    if items and all(isinstance(c, ResolvedCluster) for c in items):
-        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
-    else:
-        resolved = resolve_clusters(model, items)  # type: ignore[arg-type]
-    stats = LayerStats(model, resolved)
+    stats = LayerStats(model, ensure_resolved(model, clusters))
     if not stats.layers:
         raise ValueError(
             "calibrate_layers: the clusters hold no layer unit (a 1-unit cluster in the 'layers' budget); add them "
             "with `layers=True` in a preset (e.g. presets.llama(model, layers=True))."
         )
-    with stats.collecting(), torch.no_grad():
-        for batch in batches:
-            if forward is not None:
-                forward(model, batch)
-            else:
-                model(batch)
+    with stats.collecting():
+        run_batches(model, batches, forward=forward)
     if stats.scores() is None:
         raise ValueError("calibrate_layers: `batches` is empty; pass at least one batch.")
     return stats

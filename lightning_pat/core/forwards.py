@@ -10,7 +10,8 @@ Used by :mod:`lightning_pat.activation` (reader inputs) and :mod:`lightning_pat.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class TrainingForwardHooks:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
+        self._forced = False  # inside collecting(): every forward counts
 
     def hooked_modules(self) -> Mapping[str, nn.Module]:
         """Name -> module to hook."""
@@ -58,8 +60,23 @@ class TrainingForwardHooks:
             handle.remove()
         self._handles = []
 
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Count every forward while inside (also in eval mode or under ``no_grad``): calibration."""
+        attached = self.attached
+        self.attach()
+        self._forced = True
+        try:
+            yield
+        finally:
+            self._forced = False
+            if not attached:
+                self.detach()
+
     def training_forward(self, name: str, module: nn.Module) -> bool:
-        """Whether this call of ``module`` (hooked as ``name``) is a training forward to count (see the module doc)."""
+        """Whether this call of ``module`` counts: a training forward, or any forward inside :meth:`collecting`."""
+        if self._forced:
+            return True
         if not module.training:
             return False
         if in_backward():  # activation checkpointing recomputes this forward during the backward
@@ -71,3 +88,13 @@ class TrainingForwardHooks:
             return False
         self._unrecomputed[name] = self._unrecomputed.get(name, 0) + 1
         return True
+
+
+def run_batches(model: nn.Module, batches: Iterable[Any], *, forward: Callable[[nn.Module, Any], Any] | None) -> None:
+    """Run ``model(batch)`` (or ``forward(model, batch)``) for every batch, without grad (calibration)."""
+    with torch.no_grad():
+        for batch in batches:
+            if forward is not None:
+                forward(model, batch)
+            else:
+                model(batch)
