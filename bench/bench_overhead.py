@@ -182,7 +182,6 @@ def _fsdp2_rank(rank: int, world: int, store_path: str, cfg: TinyGPTConfig, step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_pat import presets
     from lightning_pat.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
@@ -200,7 +199,7 @@ def _fsdp2_rank(rank: int, world: int, store_path: str, cfg: TinyGPTConfig, step
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            decl = presets.tiny_gpt(model, mlp=True, heads=True, residual=False)
+            decl = demo_preset.tiny_gpt(model, mlp=True, heads=True, residual=False)
             opts = PruningOptions(decl, target_sparsity=0.5, warmup_steps=0, ramp_steps=10**6, score=score)
             ctl = PruningController(opts, info=lambda _: None)
             ctl.bind(model, optimizers=[opt])

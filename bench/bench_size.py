@@ -150,14 +150,16 @@ def quality(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, str],
     losses = {"dense": Q.evaluate(dense, val)}
     shapes = {"dense": shape_of(dense, dense.layers)}
     achieved = {"dense": count(dense)}
-    for name, opts in VARIANTS.items():
+    for name in [*VARIANTS, "depth-weight"]:  # depth-weight: the layers ranked by weight RMS, not by 1 - cos
+        opts = VARIANTS[name.split("-")[0]]
         torch.manual_seed(0)
         model = TinyGPT(copy.deepcopy(cfg))
         model.load_state_dict(weights)
         lm = Q.LM(model, args.heal_steps, warmup=0, decay=True, opt_state=opt_state)
         cb = CoupledPruningCallback("tiny_gpt", target_params=target, preset_options=opts, warmup_steps=0,
                                     ramp_steps=max(args.heal_steps // 3, 1),
-                                    target_layers=keep_layers(name, cfg.n_layer))  # fmt: skip
+                                    target_layers=keep_layers(name, cfg.n_layer),
+                                    layer_score="weight" if name == "depth-weight" else "cosine")  # fmt: skip
         Q.fit(lm, Q.batches(train, args.heal_steps, seed=10_000), callbacks=[cb])
         small = shrink(lm, cb).model
         assert cb.size is not None
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heal-steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--no-speed", action="store_true", help="only the quality table")
     args = parser.parse_args(argv)
     if args.quick:
         args.reps, args.latency_calls, args.new_tokens = 1, 1, 4
@@ -186,6 +189,24 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")
     T.logging.set_verbosity_error()
 
+    if not args.no_speed:
+        speed_table(args)
+    if args.no_quality:
+        return
+    losses, qshapes, qachieved, qtarget = quality(args)
+    print(
+        f"\nquality: TinyGPT, {args.dense_steps} dense steps, then {args.heal_steps} steps pruning to "
+        f"target_params {qtarget:,} and healing; validation loss (nats/byte) of the shrunk model, one seed"
+    )
+    print("| variant | shape | params | val loss | vs width |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name, loss in losses.items():
+        vs = "" if name == "dense" else f"{loss - losses['width']:+.3f}"
+        print(f"| {name} | {qshapes[name]} | {qachieved[name]:,} | {loss:.3f} | {vs} |")
+
+
+def speed_table(args: argparse.Namespace) -> None:
+    """Time the width, depth and mixed variants against the dense model and print the table."""
     variants, shapes, achieved, target = speed(args)
     times = time_variants(variants, args)
     print(
@@ -202,18 +223,6 @@ def main(argv: list[str] | None = None) -> None:
             f"| {name} | {shapes[name]} | {achieved[name]:,} | {t['tput']:,.0f} | {t['tput'] / base['tput']:.2f}x | "
             f"{t['lat']:.2f} | {base['lat'] / t['lat']:.2f}x | {t['dec']:,.1f} | {t['dec'] / base['dec']:.2f}x |"
         )
-    if args.no_quality:
-        return
-    losses, qshapes, qachieved, qtarget = quality(args)
-    print(
-        f"\nquality: TinyGPT, {args.dense_steps} dense steps, then {args.heal_steps} steps pruning to "
-        f"target_params {qtarget:,} and healing; validation loss (nats/byte) of the shrunk model, one seed"
-    )
-    print("| variant | shape | params | val loss | vs width |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for name, loss in losses.items():
-        vs = "" if name == "dense" else f"{loss - losses['width']:+.3f}"
-        print(f"| {name} | {qshapes[name]} | {qachieved[name]:,} | {loss:.3f} | {vs} |")
 
 
 if __name__ == "__main__":

@@ -36,27 +36,19 @@ input channels of every reader module, stacked.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.budget import is_layer_cluster
+from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
 from lightning_pat.core.scoring import channel_sq_sums
-from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import fold_to_units, unit_of_channels
 from lightning_pat.parallel import distributed, placement
 from lightning_pat.parallel.executors import Reduced
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass right now (a checkpointed forward being recomputed).
-
-    ``torch.utils.checkpoint`` (reentrant or not) recomputes a forward inside the backward's graph task; a training
-    forward runs outside any. Tested against both checkpoint variants on the pinned torch.
-    """
-    return torch._C._current_graph_task_id() != -1  # noqa: SLF001 - the check torch.utils.checkpoint itself relies on
 
 
 def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module | None, str]:
@@ -64,12 +56,12 @@ def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module 
     return path, modules.get(path), attr
 
 
-class ActivationStats:
+class ActivationStats(TrainingForwardHooks):
     """Per-input-channel ``E[x^2]`` of every cluster's reader modules, and the unit scores built from them.
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
-        clusters: The resolved clusters.
+        clusters: The resolved clusters (layer units are left out: :mod:`lightning_pat.layer_score` scores them).
         beta: Weight of the previous average: ``ema = beta * ema + (1 - beta) * batch_mean`` (the first batch sets
             it). ``None`` keeps the plain mean over all batches seen (calibration).
 
@@ -89,8 +81,9 @@ class ActivationStats:
     def __init__(self, model: nn.Module, clusters: Sequence[ResolvedCluster], *, beta: float | None = 0.9) -> None:
         if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
             raise ValueError(f"`beta` must be None or a number in [0, 1), got {beta!r}.")
+        super().__init__()
         self.beta = beta
-        self.clusters = list(clusters)
+        self.clusters = [rc for rc in clusters if not is_layer_cluster(rc)]  # layers: lightning_pat.layer_score
         modules = dict(model.named_modules(remove_duplicate=False))
         params = dict(model.named_parameters(remove_duplicate=False))
         self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]
@@ -123,9 +116,6 @@ class ActivationStats:
         self._count: dict[str, Tensor] = {}
         self._bad: dict[str, Tensor] = {}
         self._warned: dict[str, int] = {}
-        self._handles: list[Any] = []
-        self._forced = False
-        self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
 
     def _reader_module(
         self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
@@ -151,56 +141,23 @@ class ActivationStats:
         )
 
     # ------------------------------------------------------------------ collection
-    @property
-    def attached(self) -> bool:
-        """Whether the forward pre-hooks are registered."""
-        return bool(self._handles)
+    def hooked_modules(self) -> Mapping[str, nn.Module]:
+        """The reader modules."""
+        return self.modules
 
-    def attach(self) -> None:
-        """Register one forward pre-hook per reader module (again: a no-op)."""
-        if self._handles:
-            return
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
-
-    def detach(self) -> None:
-        """Remove the hooks (the statistics are kept)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def register_hook(self, name: str, module: nn.Module) -> Any:
+        """A forward pre-hook on reader module ``name``."""
+        return module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
 
     def reset(self) -> None:
         """Forget every statistic."""
         self._ema, self._count, self._bad, self._warned, self._unrecomputed = {}, {}, {}, {}, {}
         self._window = {}
 
-    @contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Record every forward while inside (also in eval mode or under ``no_grad``): calibration."""
-        attached = self.attached
-        self.attach()
-        self._forced = True
-        try:
-            yield
-        finally:
-            self._forced = False
-            if not attached:
-                self.detach()
-
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self._forced:
-                if not module.training:
-                    return
-                if _in_backward():  # activation checkpointing recomputes this forward during the backward
-                    if self._unrecomputed.get(name, 0) > 0:  # its first pass was counted (non-reentrant)
-                        self._unrecomputed[name] -= 1
-                        return
-                    # else the first pass ran under no_grad (reentrant checkpoint): count the batch now
-                elif torch.is_grad_enabled():
-                    self._unrecomputed[name] = self._unrecomputed.get(name, 0) + 1
-                else:
-                    return
+            if not self.training_forward(name, module):
+                return
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, Tensor):
                 self.observe(name, x)
@@ -530,17 +487,8 @@ def calibrate(
         ValueError: If a declaration is invalid, a cluster's readers are not ``nn.Linear`` weights (see
             :class:`ActivationStats`), or no batch reached some reader.
     """
-    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
-    if items and all(isinstance(c, ResolvedCluster) for c in items):
-        resolved: list[ResolvedCluster] = list(items)  # type: ignore[arg-type]
-    else:
-        resolved = resolve_clusters(model, items)  # type: ignore[arg-type]
-    stats = ActivationStats(model, resolved, beta=None)
-    with stats.collecting(), torch.no_grad():
-        for batch in batches:
-            if forward is not None:
-                forward(model, batch)
-            else:
-                model(batch)
+    stats = ActivationStats(model, ensure_resolved(model, clusters), beta=None)
+    with stats.collecting():
+        run_batches(model, batches, forward=forward)
     stats.check_seen()  # every reader was reached, or a clear error now
     return stats

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat import presets
-from lightning_pat.core.budget import Side, SizeSolution
+from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -45,6 +45,7 @@ from lightning_pat.sizing import check_target, declaration_labels, sized_cluster
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
+    from lightning_pat.layer_score import LayerStats
 
 
 @dataclass(frozen=True)
@@ -277,15 +278,26 @@ class Pruner:
 
     # ------------------------------------------------------------------ selection
     def _scores(self, q: Mapping[str, Tensor], given: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
-        """Unit scores: ``given`` (e.g. activation-aware scores) if passed, else the weight score of ``q``."""
+        """Unit scores: ``given`` (activation-aware or layer scores) where passed, else the weight score of ``q``.
+
+        With a weight score, ``given`` may name only some clusters (e.g. layer units scored by ``1 - cos``); with
+        ``score="activation"`` it must name every cluster except layer units, which fall back to ``"rms"``.
+        """
         if given is not None:
-            missing = [rc.name for rc in self.clusters if rc.name not in given]
+            weight = self.score in WEIGHT_SCORES
+            missing = [rc.name for rc in self.clusters if rc.name not in given and not (weight or is_layer_cluster(rc))]
             wrong = [rc.name for rc in self.clusters if rc.name in given and given[rc.name].shape != (rc.num_units,)]
             if missing or wrong:
                 raise ValueError(
                     f"`scores` must hold one [C] tensor per cluster; missing {missing[:5]}, wrong shape {wrong[:5]}."
                 )
-            return {rc.name: given[rc.name] for rc in self.clusters}
+            fallback = self.score if weight else "rms"
+            return {
+                rc.name: given[rc.name]
+                if rc.name in given
+                else normalise(q[rc.name], unit_numel=rc.unit_numel, score=fallback)  # type: ignore[arg-type]
+                for rc in self.clusters
+            }
         if self.score not in WEIGHT_SCORES:
             raise ValueError(
                 f"score={self.score!r} needs precomputed unit scores: pass `scores=` (see "
@@ -313,7 +325,8 @@ class Pruner:
                 shrinkage still acts on the weights' unit norms). Required when the pruner's score is
                 ``"activation"`` (unless ``evidence`` is given); identical on every rank, or ranks select differently.
             evidence: A data-aware score (activation statistics, gradient sums) whose rank-local partials travel in
-                the executors' one reduction with the weight partials; it gives the scores instead of ``scores``.
+                the executors' one reduction with the weight partials; it gives the scores of the clusters that
+                ``scores`` does not name (``scores`` wins where both do: layer units scored by ``1 - cos``).
 
         Returns:
             Cluster name -> action.
@@ -335,8 +348,6 @@ class Pruner:
             for ex in self.executors:
                 q.update(ex.unit_sq_norms())
             return q, scores
-        if scores is not None:
-            raise ValueError("Pass `scores` or `evidence`, not both.")
         shard, data = evidence.shard_riders(), evidence.data_riders()
         total = Reduced({})
         for ex in self.executors:
@@ -345,7 +356,8 @@ class Pruner:
             total.shard.update(part.shard)
             total.data.update(part.data)
             total.columns.update(part.columns)
-        return total.q, evidence.finish(total)
+        found = evidence.finish(total)
+        return total.q, found if scores is None else {**found, **scores}  # given scores (layer units) take precedence
 
     def _decide(
         self,
@@ -525,6 +537,7 @@ def prune_clusters(
     gamma: float = 1.0,
     group_count_ref: int | None = None,
     activations: ActivationStats | None = None,
+    layer_stats: LayerStats | None = None,
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -552,6 +565,8 @@ def prune_clusters(
             selection in direct mode).
         group_count_ref: Opt-in score correction for shared budgets.
         activations: Statistics from :func:`lightning_pat.activation.calibrate` for ``score="activation"``.
+        layer_stats: Layer scores from :func:`lightning_pat.layer_score.calibrate_layers`: layer units are ranked by
+            ``1 - cos(input, output)`` instead of the RMS of their output projections.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -617,6 +632,8 @@ def prune_clusters(
     sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
     with torch.no_grad():
         scores = None if activations is None or sharded else activations.unit_scores(_named(model))
+        if layer_stats is not None:
+            scores = {**(scores or {}), **(layer_stats.scores() or {})}
         result = pruner.step(
             plan.targets(float(sparsity or 0.0)), method=method, threshold=reg_lambda * gamma, count=True,
             scores=scores, evidence=activations if sharded else None,

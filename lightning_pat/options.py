@@ -23,6 +23,7 @@ from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
 from lightning_pat.core.spec import Cluster, check_declaration
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.layer_score import LAYER_SCORES, LayerScore
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.sizing import check_target
@@ -36,11 +37,11 @@ StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", 
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
-    "score", "mode", "group_count_ref",
+    "score", "mode", "group_count_ref", "layer_score",
 )  # fmt: skip
 #: Options that shape a frozen mask: they cannot change on a resume after the final ramp step (with healing).
 MASK_SHAPING: frozenset[str] = frozenset(
-    {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode"}
+    {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
 _FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
 
@@ -195,6 +196,10 @@ class PruningOptions:
             the closest not below it.
         target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
             to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
+        layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
+            layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
+            see :mod:`lightning_pat.layer_score`), the weight score if no layer saw a forward; ``"weight"``: the
+            RMS of the layer's output projections.
 
     Raises:
         ValueError: If an option is out of range or unknown, a declaration is invalid, a preset name or preset
@@ -228,6 +233,7 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
+    layer_score: LayerScore = "cosine"
     distill_alpha: float = 0.0
     distill_temperature: float = 1.0
     distill_teacher: Any = field(default=None, repr=False, compare=False)
@@ -240,6 +246,7 @@ class PruningOptions:
         check_choice("method", self.method, METHODS)
         check_choice("score", self.score, SCORE_TYPES)
         check_choice("mode", self.mode, MODES)
+        check_choice("layer_score", self.layer_score, LAYER_SCORES)
         check_choice("executor", self.executor, EXECUTOR_KINDS)
         if self.group_count_ref is not None:
             check_number("group_count_ref", self.group_count_ref, low=1, integer=True)

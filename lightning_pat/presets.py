@@ -256,9 +256,9 @@ def layer_units(per_layer: str, out: tuple[tuple[str, ...], tuple[str, ...]]) ->
 
     In a pre-norm transformer a layer whose output projections (and their biases) are zero adds nothing to the
     residual stream: it is the identity, so dropping the unit removes the layer exactly. The ``layers`` budget ranks
-    the layers jointly (lowest weight score first; the score is the RMS of the output projections, a weight-norm
-    stand-in for the ``1 - cos(input, output)`` of ShortGPT), and :func:`lightning_pat.shrink` deletes the dropped
-    layers and renumbers the rest.
+    the layers jointly (lowest score first: during training ``1 - cos(input, output)`` of the layer, as in ShortGPT,
+    see :mod:`lightning_pat.layer_score`; one-shot, the RMS of the output projections), and
+    :func:`lightning_pat.shrink` deletes the dropped layers and renumbers the rest.
 
     Args:
         per_layer: The ``re:`` prefix up to and including ``layers.(?P<layer>\d+).``.

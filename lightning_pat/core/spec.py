@@ -578,3 +578,18 @@ def _check_budgets(resolved: Sequence[ResolvedCluster]) -> None:
                 f"Budget {budget!r}: clusters {[rc.name for rc in group]} declare different targets {targets}; "
                 "clusters sharing a budget share one target."
             )
+
+
+def ensure_resolved(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+) -> list[ResolvedCluster]:
+    """``clusters`` if they are all resolved already, else :func:`resolve_clusters` of them against ``model``.
+
+    Raises:
+        ValueError: As for :func:`resolve_clusters`.
+    """
+    items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+    if items and all(isinstance(c, ResolvedCluster) for c in items):
+        return list(items)  # type: ignore[arg-type]
+    return resolve_clusters(model, items)  # type: ignore[arg-type]

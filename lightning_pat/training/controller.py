@@ -42,6 +42,7 @@ from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
 from lightning_pat.gradient import TaylorScores
+from lightning_pat.layer_score import LayerStats, layer_clusters
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
@@ -144,6 +145,7 @@ class PruningController:
         self.latents: LatentStore | None = None
         self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
         self.taylor: TaylorScores | None = None  # score="taylor": |w * g| summed between selections
+        self.layer_stats: LayerStats | None = None  # layer units, layer_score="cosine": 1 - cos(input, output)
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
         self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
@@ -282,6 +284,7 @@ class PruningController:
         self.tracker.attach(self._optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
             self.plan, self.pruner, self.latents, self.act, self.taylor = None, None, None, None, None
+            self.layer_stats = None
             return
         opts = self.options
         with self._weights() as params:
@@ -309,12 +312,16 @@ class PruningController:
             assert plan is not None
             self.plan, self.resolved = plan, list(plan.clusters)
             self.pruner = Pruner(params, plan)
-            if opts.score == "activation":
+            layers = layer_clusters(self.resolved)
+            if opts.score == "activation" and len(layers) < len(self.resolved):  # layer units: scored below
                 with prefixed("CoupledPruningCallback(score='activation')"):
                     self.act = ActivationStats(module, self.resolved)
             if opts.score == "taylor":
                 with prefixed("CoupledPruningCallback(score='taylor')"):
                     self.taylor = TaylorScores(self.pruner.executors)
+            if layers and opts.layer_score == "cosine":
+                with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+                    self.layer_stats = LayerStats(module, layers)
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
@@ -386,10 +393,14 @@ class PruningController:
                 self.act.reset()
             if self.taylor is not None:
                 self.taylor.reset()
+            if self.layer_stats is not None:
+                self.layer_stats.reset()
         self._carry = None
         self._check_mask_not_empty()
         if self.act is not None and not self.frozen:
             self.act.attach()  # removed at the freeze and at the end of the fit
+        if self.layer_stats is not None and not self.frozen:
+            self.layer_stats.attach()
 
     def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any) -> None:
         opts = self.options
@@ -421,6 +432,8 @@ class PruningController:
             rank, world = distributed.world_rank(), distributed.world_size()
             with prefixed("CoupledPruningCallback"):
                 self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
+        if self.layer_stats is not None:  # this rank's sums since the last selection
+            self.layer_stats.load_state_dict(state.rank_activation(saved.get("layer_scores")) or {})
         with torch.no_grad(), self._weights():
             self.pruner.hold()
 
@@ -532,7 +545,8 @@ class PruningController:
         self._carry = self._state(latents=None if latents is None else state.latent_entry(
             latents.state_dict(), self._params, fmt="local"
         ), activation=None if self.act is None else [self.act.state_dict()] * world,
-            taylor=None if self.taylor is None else [self.taylor.state_dict()] * world)  # fmt: skip
+            taylor=None if self.taylor is None else [self.taylor.state_dict()] * world,
+            layer_scores=None if self.layer_stats is None else [self.layer_stats.state_dict()] * world)  # fmt: skip
 
     def release(self) -> None:
         """Remove the optimizer, activation and distillation hooks (the state for a next fit is kept)."""
@@ -541,6 +555,8 @@ class PruningController:
             self.act.detach()
         if self.distiller is not None:
             self.distiller.release()
+        if self.layer_stats is not None:
+            self.layer_stats.detach()
 
     # ------------------------------------------------------------------ per step
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
@@ -628,11 +644,27 @@ class PruningController:
         assert self.pruner is not None
         opts = self.options
         method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
+        scores = None
+        if self.layer_stats is not None:
+            with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+                scores = self.layer_stats.summed_scores()  # one collective when distributed
+            if scores is None:
+                distributed.rank_zero_warn(
+                    f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
+                    "the layer units are ranked by the weight score (layer_score='weight') this time."
+                )
+        if scores is None and opts.score == "activation" and self.act is None:  # only layer units: their weight score
+            scores = {}
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
         # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
         with prefixed(f"CoupledPruningCallback(score={opts.score!r})"):
             result = self.pruner.step(
-                self.targets(step), method=method, threshold=threshold, count=count, evidence=self.act or self.taylor
+                self.targets(step),
+                method=method,
+                threshold=threshold,
+                count=count,
+                scores=scores,
+                evidence=self.act or self.taylor,
             )
         if self.taylor is not None:
             self.taylor.reset()  # the next selection sums the steps from here
@@ -647,6 +679,8 @@ class PruningController:
         self.latents.clear()
         if self.act is not None:
             self.act.detach()  # no per-forward cost during healing
+        if self.layer_stats is not None:
+            self.layer_stats.detach()
         if not self.options.shrink_on_freeze:
             return
         assert self._module is not None
@@ -654,6 +688,7 @@ class PruningController:
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
         self.shrunk, self.plan, self.pruner, self.latents, self.act, self.taylor = dropped, None, None, None, None, None
+        self.layer_stats = None
         self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
             f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
@@ -666,7 +701,12 @@ class PruningController:
         )
 
     def _state(
-        self, *, latents: dict[str, Any] | None, activation: list[Any] | None, taylor: list[Any] | None = None
+        self,
+        *,
+        latents: dict[str, Any] | None,
+        activation: list[Any] | None,
+        taylor: list[Any] | None = None,
+        layer_scores: list[Any] | None = None,
     ) -> dict[str, Any]:
         return state.build(
             self.progress,
@@ -678,6 +718,7 @@ class PruningController:
             shrunk=self.shrunk is not None,
             activation=activation,
             taylor=taylor,
+            layer_scores=layer_scores,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -696,7 +737,10 @@ class PruningController:
             mine = self.taylor.state_dict()
             sharded = self.taylor.sharded
             taylor = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
-        saved = self._state(latents=latents, activation=activation, taylor=taylor)
+        layer_scores = None
+        if self.layer_stats is not None:  # every rank's sums since the last selection
+            layer_scores = distributed.gather_objects(self.layer_stats.state_dict(), group=distributed.world_group())
+        saved = self._state(latents=latents, activation=activation, taylor=taylor, layer_scores=layer_scores)
         if self.distiller is not None:
             saved["distill"] = self.distiller.state_dict()
         return saved

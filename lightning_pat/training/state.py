@@ -13,6 +13,8 @@ A state is a dict of plain types and CPU tensors::
                               a list shorter than the world gives every missing rank the first entry
     taylor                    ``score="taylor"``: the ``|w * g|`` sums since the last selection, per rank (sharded
                               partials) or one entry (plain parameters), else ``None``
+    layer_scores              the ranks' layer-score sums since the last selection, in rank order (layer units with
+                              ``layer_score="cosine"``), else ``None``; read like ``activation``
 
 Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
 (plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
@@ -108,6 +110,7 @@ def build(
     shrunk: bool,
     activation: list[Any] | None,
     taylor: list[Any] | None = None,
+    layer_scores: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
     return {
@@ -121,6 +124,7 @@ def build(
         "shrunk": shrunk,
         "activation": activation,
         "taylor": taylor,
+        "layer_scores": layer_scores,
     }
 
 

@@ -89,6 +89,18 @@ CASES = [
         r"`target_params` solves exact widths for `method='hard'`",
         "init",
     ),
+    (
+        "layer-score-unknown",
+        {"layer_score": "cos"},
+        r"`layer_score` must be one of \('cosine', 'weight'\), got 'cos'",
+        "init",
+    ),
+    (
+        "layer-unit-no-module",
+        {"clusters": [Cluster("layer.0", writers=[W, R], num_units=1, budget="layers", target=0.0)]},
+        r"layer_score='cosine'.*Cluster 'layer.0'.*share no module.*use layer_score='weight'",
+        "fit",
+    ),
     ("size-layers-alone", {"target_layers": 2}, r"`target_layers` splits a size target .* set `target_params`", "init"),
     (
         "size-layers-without-units",
