@@ -22,6 +22,7 @@ from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
+    bottom_k_floored,
     bottom_k_rows,
     bottom_k_shared,
     check_finite,
@@ -110,19 +111,23 @@ class Plan:
         side: Side = "below",
         declarations: Sequence[Cluster | Mapping] = (),
         keep_layers: int | None = None,
+        widths: str = "uniform",
+        min_kept: float | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
-        number of layers kept (layer units).
+        number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
+        instead, each keeping at least ``min_kept`` of its units.
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
         """
         declared = declaration_labels(params, declarations)
         clusters, solution = sized_clusters(
-            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers
-        )
+            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers,
+            widths=widths, min_kept=min_kept,
+        )  # fmt: skip
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
         return dataclasses.replace(self, clusters=tuple(clusters), routes=routes), solution
@@ -409,6 +414,12 @@ class Pruner:
             corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
             total = sum(rc.num_units for rc in group)
             num = num_to_drop(targets[group[0].name], total)
+            if any(rc.min_kept for rc in group):  # a floor per cluster: chunks of multiple_of, ranked jointly
+                floors, mults = [rc.min_kept for rc in group], [rc.multiple_of for rc in group]
+                for rc, sel in zip(group, bottom_k_floored(corrected, num_drop=num, floors=floors, multiples=mults),
+                                   strict=True):  # fmt: skip
+                    out[rc.name] = sel
+                continue
             picked = bottom_k_shared(corrected, num_drop=num, what=f"Budget {budget!r}")
             for rc, sel in zip(group, picked, strict=True):
                 out[rc.name] = round_kept(sel, scores[rc.name], multiple_of=rc.multiple_of)
@@ -530,6 +541,8 @@ def prune_clusters(
     target_params: int | float | str | None = None,
     target_side: Side = "below",
     target_layers: int | None = None,
+    target_widths: str = "uniform",
+    min_kept: float | None = None,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -556,6 +569,12 @@ def prune_clusters(
         target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``.
         target_layers: With layer units and ``target_params``: the number of layers to keep; the widths make up the
             rest. By default the solver balances depth and widths (the same kept fraction).
+        target_widths: ``"uniform"`` (default: one width per declaration, what a stock config loads) or
+            ``"ranked"``: the units of a declaration's clusters (e.g. every layer's MLP) are ranked jointly by score,
+            so the widths differ between layers; the solver fixes their total (export: ``save_pretrained`` /
+            ``load_pretrained``).
+        min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
+            0.25, rounded up to ``multiple_of``).
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -591,7 +610,7 @@ def prune_clusters(
             f"'350M' or 0.5 of the model), exactly one of them; got sparsity={sparsity!r}, "
             f"target_params={target_params!r}."
         )
-    check_target(target_params, target_side, target_layers)
+    check_target(target_params, target_side, target_layers, target_widths, min_kept)
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
@@ -624,8 +643,9 @@ def prune_clusters(
     if target_params is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
         plan, size = plan.sized(
-            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers
-        )
+            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers,
+            widths=target_widths, min_kept=min_kept,
+        )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
     # path's one reduction (and are summed over the ranks of the mesh)

@@ -196,6 +196,11 @@ class PruningOptions:
             the closest not below it.
         target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
             to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
+        target_widths: ``"uniform"`` (default: one width per declaration) or ``"ranked"``: the units of a
+            declaration's clusters (or of a declared ``budget``) are ranked jointly by score at every selection, so
+            layers keep different widths; the solver fixes their total (see docs/size.md). Not with layer units.
+        min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
+            0.25, rounded up to ``multiple_of``).
         layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
             see :mod:`lightning_pat.layer_score`), the weight score if no layer saw a forward; ``"weight"``: the
@@ -233,6 +238,8 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
+    target_widths: Literal["uniform", "ranked"] = "uniform"
+    min_kept: float | None = None
     layer_score: LayerScore = "cosine"
     distill_alpha: float = 0.0
     distill_temperature: float = 1.0
@@ -255,7 +262,7 @@ class PruningOptions:
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
         presets.check_options(self.preset_options or {})
-        check_target(self.target_params, self.target_side, self.target_layers)
+        check_target(self.target_params, self.target_side, self.target_layers, self.target_widths, self.min_kept)
         if self.target_params is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "

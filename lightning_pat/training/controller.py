@@ -299,7 +299,7 @@ class PruningController:
                 if opts.target_params is not None:
                     plan, self.size = plan.sized(
                         params, opts.target_params, side=opts.target_side, declarations=declarations,
-                        keep_layers=opts.target_layers,
+                        keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
                     )  # fmt: skip
             except ValueError as err:
                 error = f"CoupledPruningCallback: {err}"
