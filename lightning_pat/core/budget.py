@@ -442,7 +442,8 @@ def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: floa
     names = [rc.name for rc in members]
     if len(sizes) > 1:
         raise ValueError(
-            f"target_widths='ranked': the clusters of {label!r} ({names[:4]}...) differ in units or multiple_of "
+            f"target_widths='ranked': the clusters of {label!r} ({names[:4]}{'...' if len(names) > 4 else ''}) "
+            "differ in units or multiple_of "
             f"{sorted(sizes)}; rank only equal clusters together (one declaration, or one `budget`)."
         )
     num_units, mult = sizes.pop()

@@ -122,3 +122,43 @@ def test_layer_units_refuse_shrink_on_freeze_before_any_step():
         trainer.fit(lit)
     assert trainer.global_step == 0
     assert all(torch.equal(v, before[k]) for k, v in lit.state_dict().items())
+
+
+def test_fit_with_ranked_widths_shrink_export_and_reload(tmp_path):
+    """target_widths='ranked': per-layer widths differ, the count is exact, and the export reloads them.
+
+    References: ``numel`` of the shrunk model, the masked model's logits, and stock ``from_pretrained`` refusing the
+    per-layer sizes (a shape mismatch error, not random weights).
+    """
+    from lightning_pat import load_pretrained, save_pretrained
+
+    lit = LM()
+    with torch.no_grad():
+        lit.model.model.layers[2].mlp.down_proj.weight.mul_(8)  # layer 2's MLP units score highest
+    total = count(lit.model)
+    cb = CoupledPruningCallback(
+        "llama", target_params=0.6, target_widths="ranked", min_kept=0.25, warmup_steps=1, ramp_steps=2
+    )
+    quiet_trainer(max_steps=4, callbacks=[cb]).fit(lit)
+    size = cb.size
+    assert size is not None
+    assert size.achieved <= parse_size(0.6, total=total)
+    assert size.above is None or size.above > parse_size(0.6, total=total)
+    lit.eval()
+    ids = token_ids()
+    ref = logits(lit.model, ids)
+    small = shrink(lit, cb)
+    assert count(small.model) == size.achieved
+    widths = [layer.mlp.down_proj.in_features for layer in small.model.model.layers]
+    assert len(set(widths)) > 1
+    assert widths[2] == max(widths)
+    assert min(widths) >= CASE.ff // 4
+    assert sum(widths) == size.kept["mlp"]
+    assert float((logits(small.model, ids) - ref).abs().max() / ref.abs().max()) < 1e-5
+    save_pretrained(small.model, tmp_path)
+    again = load_pretrained(tmp_path)
+    assert [layer.mlp.down_proj.in_features for layer in again.model.layers] == widths
+    assert count(again) == size.achieved
+    assert float((logits(again, ids) - ref).abs().max() / ref.abs().max()) < 1e-5
+    with pytest.raises(RuntimeError, match="mismatch"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -182,6 +182,16 @@ def test_ranked_llama_counts_exactly(residual):
     assert sum(p.numel() for p in model.parameters()) == res.size.achieved
 
 
+def test_ranked_clusters_must_carry_equal_units():
+    """Same C, different parameters per unit (the second block reads into 4 outputs, not 3): refused."""
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)),
+        nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D + 1)),
+    )
+    with pytest.raises(ValueError, match=r"clusters of 'h' carry different parameters per unit \{'h.0': 7, 'h.1': 8\}"):
+        prune_clusters(model, stack_decl(), target_params=0.8, target_widths="ranked")
+
+
 def test_ranked_refusals():
     model = stack()
     llama = fam.llama_like("llama", n_head=4, n_kv=2, n_layer=2).fresh()
@@ -196,3 +206,26 @@ def test_ranked_refusals():
     with pytest.raises(ValueError, match="`target_widths` must be one of"):
         prune_clusters(model, stack_decl(), target_params=0.6, target_widths="mixed")
     assert all(bool(p.ne(0).any()) for p in model.parameters())  # nothing mutated
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_ranked_tiny_gpt_module_format_round_trip(tmp_path):
+    """A non-Hugging Face model: the module export (safetensors + sizes) keeps the per-layer widths."""
+    from lightning_pat import load_pretrained, save_pretrained
+
+    case = fam.tiny_gpt(n_head=4, n_kv=2, n_layer=3)
+    model = case.fresh()
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(5)
+    res = prune_clusters(model, presets.get(case.preset)(model), target_params=0.65, target_widths="ranked")
+    ids = fam.token_ids()
+    ref = fam.logits(model, ids)
+    shrink(model, res)
+    widths = [layer.mlp.down_proj.in_features for layer in model.layers]
+    assert len(set(widths)) > 1
+    assert sum(p.numel() for p in model.parameters()) == res.size.achieved
+    save_pretrained(model, tmp_path)
+    again = load_pretrained(tmp_path)
+    assert [layer.mlp.down_proj.in_features for layer in again.layers] == widths
+    out = fam.logits(again, ids)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
