@@ -8,6 +8,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
@@ -162,3 +163,34 @@ def test_fit_with_ranked_widths_shrink_export_and_reload(tmp_path):
     assert float((logits(again, ids) - ref).abs().max() / ref.abs().max()) < 1e-5
     with pytest.raises(RuntimeError, match="mismatch"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_resume_mid_ramp_with_ranked_widths(tmp_path):
+    """Ranked widths: a run stopped inside the ramp and resumed ends as an uninterrupted run (mask and weights)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def callback() -> CoupledPruningCallback:
+        return CoupledPruningCallback(
+            "llama", target_params=0.6, target_widths="ranked", min_kept=0.5, warmup_steps=1, ramp_steps=4
+        )
+
+    reference = LM()
+    ref_cb = callback()
+    quiet_trainer(max_steps=7, callbacks=[ref_cb]).fit(reference)
+    first = LM()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    quiet_trainer(max_steps=3, callbacks=[callback(), ckpt], checkpointing=True).fit(first)
+    resumed = LM()
+    cb = callback()
+    quiet_trainer(max_steps=7, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+    assert cb.dropped == ref_cb.dropped
+    kept = [CASE.ff - len(cb.dropped[f"mlp.{i}"]) for i in range(CASE.n_layer)]
+    assert sum(kept) == cb.size.kept["mlp"]
+    assert min(kept) >= CASE.ff // 2
+    for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    edited = CoupledPruningCallback(
+        "llama", target_params=0.6, target_widths="ranked", min_kept=0.25, warmup_steps=1, ramp_steps=4
+    )
+    with pytest.raises(MisconfigurationException, match=r"written for different clusters"):  # another floor
+        quiet_trainer(max_steps=7, callbacks=[edited]).fit(LM(), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
