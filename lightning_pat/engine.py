@@ -31,6 +31,7 @@ from lightning_pat.core.selection import (
     shrink_factors,
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.flops import check_flops, flop_costs
 from lightning_pat.options import METHODS, Method, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import (
@@ -113,12 +114,14 @@ class Plan:
         keep_layers: int | None = None,
         widths: str = "uniform",
         min_kept: float | None = None,
+        flops: tuple[nn.Module, int] | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
         number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
-        instead, each keeping at least ``min_kept`` of its units.
+        instead, each keeping at least ``min_kept`` of its units. ``flops=(model, seq_len)``: ``target_params`` is
+        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`).
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
@@ -126,7 +129,8 @@ class Plan:
         declared = declaration_labels(params, declarations)
         clusters, solution = sized_clusters(
             params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers,
-            widths=widths, min_kept=min_kept,
+            widths=widths, min_kept=min_kept, name="target_params" if flops is None else "target_flops",
+            costs=None if flops is None else flop_costs(flops[0], self.clusters, seq_len=flops[1]),
         )  # fmt: skip
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
@@ -543,6 +547,8 @@ def prune_clusters(
     target_layers: int | None = None,
     target_widths: str = "uniform",
     min_kept: float | None = None,
+    target_flops: int | float | str | None = None,
+    seq_len: int | None = None,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -575,6 +581,10 @@ def prune_clusters(
             ``load_pretrained``).
         min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
             0.25, rounded up to ``multiple_of``).
+        target_flops: Instead of ``target_params``: forward FLOPs per token for sequences of ``seq_len`` tokens
+            (``"2M"``, or a fraction of the model's): matmul weights cost ``2 * out * in``, attention scores and
+            values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.flops`).
+        seq_len: The sequence length ``S`` of ``target_flops``.
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -604,13 +614,16 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
-    if (sparsity is None) == (target_params is None):
+    if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
         raise ValueError(
-            "prune_clusters needs `sparsity` (a fraction of each cluster's units) or `target_params` (a size such as "
-            f"'350M' or 0.5 of the model), exactly one of them; got sparsity={sparsity!r}, "
-            f"target_params={target_params!r}."
+            "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as "
+            "'350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
+            f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
         )
-    check_target(target_params, target_side, target_layers, target_widths, min_kept)
+    check_flops(target_flops, seq_len)
+    check_target(
+        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept
+    )
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
@@ -640,11 +653,12 @@ def prune_clusters(
         sparsity=None if sparsity is None else float(sparsity),
     )  # fmt: skip
     size = None
-    if target_params is not None:
+    if target_params is not None or target_flops is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
         plan, size = plan.sized(
-            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers,
-            widths=target_widths, min_kept=min_kept,
+            _named(model), target_params if target_flops is None else target_flops, side=target_side,
+            declarations=decls, keep_layers=target_layers, widths=target_widths, min_kept=min_kept,
+            flops=None if target_flops is None else (model, int(seq_len or 0)),
         )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded

@@ -108,6 +108,8 @@ def sized_clusters(
     keep_layers: int | None = None,
     widths: str = "uniform",
     min_kept: float | None = None,
+    costs: tuple[Mapping[str, Sequence[int]], Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]] | None = None,
+    name: str = "target_params",
 ) -> tuple[list[ResolvedCluster], SizeSolution]:
     """The clusters with the targets that reach ``target_params``, and the solution.
 
@@ -124,6 +126,9 @@ def sized_clusters(
             ``min_kept`` of its units; the solver fixes their total.
         min_kept: With ``"ranked"``: the fraction of each cluster's units it keeps at least (default
             :data:`~lightning_pat.core.budget.DEFAULT_MIN_KEPT`).
+        costs: Instead of the parameters, what to count: ``(shapes, extra axes)`` from
+            :func:`lightning_pat.flops.flop_costs` (``target_flops``).
+        name: The option the target came from, for messages.
 
     Returns:
         ``(clusters, solution)``.
@@ -132,14 +137,16 @@ def sized_clusters(
         ValueError: If the target is malformed, above the model's size or below what the clusters can reach, a
             cluster shares a budget, or layer units differ in size.
     """
-    shapes = distinct_shapes(params)
+    shapes = distinct_shapes(params) if costs is None else dict(costs[0])
     total = sum(_numel(s) for s in shapes.values())
-    target = parse_size(target_params, total=total)
+    target = parse_size(target_params, total=total, name=name)
     axes, groups, owners = size_problem(
         shapes, clusters, declared=declared, keep_layers=keep_layers, ranked=widths == "ranked",
         min_kept=DEFAULT_MIN_KEPT if min_kept is None else min_kept,
     )  # fmt: skip
-    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners)
+    if costs is not None:
+        axes.update({k: list(v) for k, v in costs[1].items()})
+    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners, name=name)
     num_layers = sum(1 for rc in clusters if is_layer_cluster(rc))
     ranked = {c: g for g in groups if g.budget is not None for c in g.clusters}
     out = []
@@ -156,7 +163,7 @@ def sized_clusters(
         else:
             target_fraction = solution.fractions[rc.name]
         out.append(dataclasses.replace(rc, target=target_fraction))
-    log.info("target_params: %s", solution.describe())
+    log.info("%s: %s", name, solution.describe())
     return out, solution
 
 

@@ -120,6 +120,7 @@ class SizeSolution:
         minimum: The smallest count the groups can reach.
         dropped_layers: Number of dropped layers (layer groups).
         fractions: Width cluster name -> fraction of its units dropped (its ``target``).
+        unit: What is counted: ``"parameters"``, or ``"FLOPs per token"`` for ``target_flops``.
     """
 
     kept: dict[str, int]
@@ -132,12 +133,13 @@ class SizeSolution:
     minimum: int
     dropped_layers: int = 0
     fractions: dict[str, float] = field(default_factory=dict)
+    unit: str = "parameters"
 
     def describe(self) -> str:
         """One line for logs: achieved, target, neighbours and kept widths."""
         widths = ", ".join(f"{g}={k}" for g, k in self.kept.items())
         return (
-            f"{self.achieved:,} parameters (target {self.target:,}, full {self.total:,}; nearest achievable "
+            f"{self.achieved:,} {self.unit} (target {self.target:,}, full {self.total:,}; nearest achievable "
             f"below {self.below if self.below is None else f'{self.below:,}'}, above "
             f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}"
         )
@@ -293,6 +295,7 @@ def solve(
     target: int,
     side: Side = "below",
     owners: Mapping[str, str] | None = None,
+    name: str = "target_params",
 ) -> SizeSolution:
     """Kept units per group meeting a parameter target (see the module docs for the search).
 
@@ -306,6 +309,8 @@ def solve(
         target: The parameter count asked for.
         side: ``"below"`` (default: the closest count not above the target) or ``"above"`` (not below it).
         owners: Parameter name -> owning layer cluster (for layer groups).
+        name: The option the target came from (``"target_flops"``: ``shapes`` hold FLOP costs, see
+            :mod:`lightning_pat.flops`), for messages.
 
     Returns:
         The solution.
@@ -321,7 +326,7 @@ def solve(
     _check_equal_layers(shapes, axes, groups, full, owners)
     _check_equal_units(shapes, axes, groups, owners)
     if target > total:
-        raise ValueError(f"`target_params` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
+        raise ValueError(f"`{name}` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
     path = _path(groups)
 
     def count_at(position: int) -> int:
@@ -335,7 +340,7 @@ def solve(
             for g in groups
         )
         raise ValueError(
-            f"`target_params` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
+            f"`{name}` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
             f"{floors}; {total - minimum:,} of {total:,} parameters are prunable). Ask for at least {minimum:,}, add "
             "clusters (e.g. preset_options={'residual': True}), or lower `multiple_of`."
         )
@@ -380,6 +385,7 @@ def solve(
         minimum=minimum,
         dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
         fractions=fractions,
+        unit="FLOPs per token" if name == "target_flops" else "parameters",
     )
 
 
