@@ -178,6 +178,24 @@ CASES = [
         "fit",
     ),
     (
+        "flops-without-seq-len",
+        {"target_flops": 0.5},
+        r"`target_flops` \(FLOPs per token\) depends on the sequence length through attention: give `seq_len`",
+        "init",
+    ),
+    (
+        "flops-and-params",
+        {"target_params": 0.5, "target_flops": 0.5, "seq_len": 8},
+        r"Give `target_params` \(parameters\) or `target_flops` \(FLOPs per token\), not both",
+        "init",
+    ),
+    (
+        "flops-below-reach",
+        {"target_flops": 10, "seq_len": 8},
+        r"`target_flops` \(10\) is below the smallest size the clusters can reach",
+        "fit",
+    ),
+    (
         "auto-discovery-options",
         {"clusters": "auto", "preset_options": {"mlp": True}},
         r"`preset_options` \{'mlp': True\} apply to presets, but no preset fits MLPModule and its clusters are "

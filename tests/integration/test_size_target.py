@@ -194,3 +194,22 @@ def test_resume_mid_ramp_with_ranked_widths(tmp_path):
     )
     with pytest.raises(MisconfigurationException, match=r"written for different clusters"):  # another floor
         quiet_trainer(max_steps=7, callbacks=[edited]).fit(LM(), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+
+
+def test_fit_with_target_flops_then_shrink_counts_exactly():
+    """target_flops through the callback: the shrunk model's FLOPs per token (FlopCounterMode) are the achieved."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lit = LM()
+    cb = CoupledPruningCallback("llama", target_flops="50%", seq_len=9, warmup_steps=1, ramp_steps=2)
+    quiet_trainer(max_steps=4, callbacks=[cb]).fit(lit)
+    size = cb.size
+    assert size is not None
+    assert size.unit == "FLOPs per token"
+    assert size.achieved <= size.target == round(0.5 * size.total)
+    small = shrink(lit, cb)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        small.model(ids)
+    rotary = sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith("rotary_emb"))
+    assert (counter.get_total_flops() - rotary) / 9 == size.achieved
