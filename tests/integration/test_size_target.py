@@ -86,14 +86,19 @@ def test_a_second_fit_keeps_the_solved_widths():
     assert count(shrink(lit, cb).model) == first.achieved
 
 
-def test_resume_mid_ramp_with_target_params_and_layer_units(tmp_path):
+RESUMED = {
+    "layers": {"target_params": 0.5, "preset_options": {"layers": True}},
+    "ranked": {"target_params": 0.6, "target_widths": "ranked", "min_kept": 0.5},
+}
+
+
+@pytest.mark.parametrize("kind", list(RESUMED))
+def test_resume_mid_ramp_with_target_params(tmp_path, kind):
     """A run stopped inside the ramp and resumed from its checkpoint ends with the mask of an uninterrupted run."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def callback() -> CoupledPruningCallback:
-        return CoupledPruningCallback(
-            "llama", target_params=0.5, preset_options={"layers": True}, warmup_steps=1, ramp_steps=4, mode="latent"
-        )
+    def callback(**edit) -> CoupledPruningCallback:
+        return CoupledPruningCallback("llama", **{**RESUMED[kind], **edit}, warmup_steps=1, ramp_steps=4, mode="latent")
 
     reference = LM()
     ref_cb = callback()
@@ -107,9 +112,17 @@ def test_resume_mid_ramp_with_target_params_and_layer_units(tmp_path):
     quiet_trainer(max_steps=7, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
     assert cb.dropped == ref_cb.dropped
     assert cb.size == ref_cb.size
-    assert any(cb.dropped[f"layer.{i}"] for i in range(CASE.n_layer))
     for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+    if kind == "layers":
+        assert any(cb.dropped[f"layer.{i}"] for i in range(CASE.n_layer))
+        return
+    kept = [CASE.ff - len(cb.dropped[f"mlp.{i}"]) for i in range(CASE.n_layer)]
+    assert sum(kept) == cb.size.kept["mlp"]
+    assert min(kept) >= CASE.ff // 2
+    edited = callback(min_kept=0.25)  # another floor: other clusters
+    with pytest.raises(MisconfigurationException, match=r"written for different clusters"):
+        quiet_trainer(max_steps=7, callbacks=[edited]).fit(LM(), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
 
 
 def test_layer_units_refuse_shrink_on_freeze_before_any_step():
@@ -163,37 +176,6 @@ def test_fit_with_ranked_widths_shrink_export_and_reload(tmp_path):
     assert float((logits(again, ids) - ref).abs().max() / ref.abs().max()) < 1e-5
     with pytest.raises(RuntimeError, match="mismatch"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-
-
-def test_resume_mid_ramp_with_ranked_widths(tmp_path):
-    """Ranked widths: a run stopped inside the ramp and resumed ends as an uninterrupted run (mask and weights)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def callback() -> CoupledPruningCallback:
-        return CoupledPruningCallback(
-            "llama", target_params=0.6, target_widths="ranked", min_kept=0.5, warmup_steps=1, ramp_steps=4
-        )
-
-    reference = LM()
-    ref_cb = callback()
-    quiet_trainer(max_steps=7, callbacks=[ref_cb]).fit(reference)
-    first = LM()
-    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    quiet_trainer(max_steps=3, callbacks=[callback(), ckpt], checkpointing=True).fit(first)
-    resumed = LM()
-    cb = callback()
-    quiet_trainer(max_steps=7, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
-    assert cb.dropped == ref_cb.dropped
-    kept = [CASE.ff - len(cb.dropped[f"mlp.{i}"]) for i in range(CASE.n_layer)]
-    assert sum(kept) == cb.size.kept["mlp"]
-    assert min(kept) >= CASE.ff // 2
-    for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    edited = CoupledPruningCallback(
-        "llama", target_params=0.6, target_widths="ranked", min_kept=0.25, warmup_steps=1, ramp_steps=4
-    )
-    with pytest.raises(MisconfigurationException, match=r"written for different clusters"):  # another floor
-        quiet_trainer(max_steps=7, callbacks=[edited]).fit(LM(), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
 
 
 def test_fit_with_target_flops_then_shrink_counts_exactly():
