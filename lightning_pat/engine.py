@@ -603,8 +603,9 @@ def prune_clusters(
     Raises:
         ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
             of a cluster, ``score="activation"`` without ``activations`` (or with statistics of other clusters), both
-            or neither of ``sparsity`` and ``target_params``, or a size target above the model or below what the
-            clusters can reach; nothing is mutated then.
+            or neither of ``sparsity``, ``target_params`` and ``target_flops`` (or ``target_flops`` without
+            ``seq_len``), ranked widths the solver cannot count exactly, or a size target above the model or below
+            what the clusters can reach; nothing is mutated then.
 
     Example::
 
