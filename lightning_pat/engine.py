@@ -22,6 +22,7 @@ from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
+    bottom_k_floored,
     bottom_k_rows,
     bottom_k_shared,
     check_finite,
@@ -30,6 +31,7 @@ from lightning_pat.core.selection import (
     shrink_factors,
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.flops import check_flops, flop_costs
 from lightning_pat.options import METHODS, Method, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import (
@@ -110,19 +112,26 @@ class Plan:
         side: Side = "below",
         declarations: Sequence[Cluster | Mapping] = (),
         keep_layers: int | None = None,
+        widths: str = "uniform",
+        min_kept: float | None = None,
+        flops: tuple[nn.Module, int] | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
-        number of layers kept (layer units).
+        number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
+        instead, each keeping at least ``min_kept`` of its units. ``flops=(model, seq_len)``: ``target_params`` is
+        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`).
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
         """
         declared = declaration_labels(params, declarations)
         clusters, solution = sized_clusters(
-            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers
-        )
+            params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers,
+            widths=widths, min_kept=min_kept, name="target_params" if flops is None else "target_flops",
+            costs=None if flops is None else flop_costs(flops[0], self.clusters, seq_len=flops[1]),
+        )  # fmt: skip
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
         return dataclasses.replace(self, clusters=tuple(clusters), routes=routes), solution
@@ -409,6 +418,12 @@ class Pruner:
             corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
             total = sum(rc.num_units for rc in group)
             num = num_to_drop(targets[group[0].name], total)
+            if any(rc.min_kept for rc in group):  # a floor per cluster: chunks of multiple_of, ranked jointly
+                floors, mults = [rc.min_kept for rc in group], [rc.multiple_of for rc in group]
+                for rc, sel in zip(group, bottom_k_floored(corrected, num_drop=num, floors=floors, multiples=mults),
+                                   strict=True):  # fmt: skip
+                    out[rc.name] = sel
+                continue
             picked = bottom_k_shared(corrected, num_drop=num, what=f"Budget {budget!r}")
             for rc, sel in zip(group, picked, strict=True):
                 out[rc.name] = round_kept(sel, scores[rc.name], multiple_of=rc.multiple_of)
@@ -530,6 +545,10 @@ def prune_clusters(
     target_params: int | float | str | None = None,
     target_side: Side = "below",
     target_layers: int | None = None,
+    target_widths: str = "uniform",
+    min_kept: float | None = None,
+    target_flops: int | float | str | None = None,
+    seq_len: int | None = None,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -556,6 +575,16 @@ def prune_clusters(
         target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``.
         target_layers: With layer units and ``target_params``: the number of layers to keep; the widths make up the
             rest. By default the solver balances depth and widths (the same kept fraction).
+        target_widths: ``"uniform"`` (default: one width per declaration, what a stock config loads) or
+            ``"ranked"``: the units of a declaration's clusters (e.g. every layer's MLP) are ranked jointly by score,
+            so the widths differ between layers; the solver fixes their total (export: ``save_pretrained`` /
+            ``load_pretrained``).
+        min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
+            0.25, rounded up to ``multiple_of``).
+        target_flops: Instead of ``target_params``: forward FLOPs per token for sequences of ``seq_len`` tokens
+            (``"2M"``, or a fraction of the model's): matmul weights cost ``2 * out * in``, attention scores and
+            values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.flops`).
+        seq_len: The sequence length ``S`` of ``target_flops``.
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -574,8 +603,9 @@ def prune_clusters(
     Raises:
         ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
             of a cluster, ``score="activation"`` without ``activations`` (or with statistics of other clusters), both
-            or neither of ``sparsity`` and ``target_params``, or a size target above the model or below what the
-            clusters can reach; nothing is mutated then.
+            or neither of ``sparsity``, ``target_params`` and ``target_flops`` (or ``target_flops`` without
+            ``seq_len``), ranked widths the solver cannot count exactly, or a size target above the model or below
+            what the clusters can reach; nothing is mutated then.
 
     Example::
 
@@ -585,13 +615,16 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
-    if (sparsity is None) == (target_params is None):
+    if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
         raise ValueError(
-            "prune_clusters needs `sparsity` (a fraction of each cluster's units) or `target_params` (a size such as "
-            f"'350M' or 0.5 of the model), exactly one of them; got sparsity={sparsity!r}, "
-            f"target_params={target_params!r}."
+            "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as "
+            "'350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
+            f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
         )
-    check_target(target_params, target_side, target_layers)
+    check_flops(target_flops, seq_len)
+    check_target(
+        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept
+    )
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
@@ -621,11 +654,13 @@ def prune_clusters(
         sparsity=None if sparsity is None else float(sparsity),
     )  # fmt: skip
     size = None
-    if target_params is not None:
+    if target_params is not None or target_flops is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
         plan, size = plan.sized(
-            _named(model), target_params, side=target_side, declarations=decls, keep_layers=target_layers
-        )
+            _named(model), target_params if target_flops is None else target_flops, side=target_side,
+            declarations=decls, keep_layers=target_layers, widths=target_widths, min_kept=min_kept,
+            flops=None if target_flops is None else (model, int(seq_len or 0)),
+        )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
     # path's one reduction (and are summed over the ranks of the mesh)

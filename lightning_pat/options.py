@@ -23,6 +23,7 @@ from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
 from lightning_pat.core.spec import Cluster, check_declaration
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.flops import check_flops
 from lightning_pat.layer_score import LAYER_SCORES, LayerScore
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
@@ -196,6 +197,14 @@ class PruningOptions:
             the closest not below it.
         target_layers: With layer units (``preset_options={"layers": True}``) and ``target_params``: how many layers
             to keep; the widths make up the rest of the size. By default depth and widths keep the same fraction.
+        target_widths: ``"uniform"`` (default: one width per declaration) or ``"ranked"``: the units of a
+            declaration's clusters (or of a declared ``budget``) are ranked jointly by score at every selection, so
+            layers keep different widths; the solver fixes their total (see docs/size.md). Not with layer units.
+        min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
+            0.25, rounded up to ``multiple_of``).
+        target_flops: Instead of ``target_params``: forward FLOPs per token for sequences of ``seq_len`` tokens
+            (``"2M"``, or a fraction of the model's), solved like a parameter count (see :mod:`lightning_pat.flops`).
+        seq_len: The sequence length of ``target_flops`` (attention costs grow with it).
         layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
             see :mod:`lightning_pat.layer_score`), the weight score if no layer saw a forward; ``"weight"``: the
@@ -233,6 +242,10 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
+    target_widths: Literal["uniform", "ranked"] = "uniform"
+    min_kept: float | None = None
+    target_flops: int | float | str | None = None
+    seq_len: int | None = None
     layer_score: LayerScore = "cosine"
     distill_alpha: float = 0.0
     distill_temperature: float = 1.0
@@ -255,8 +268,14 @@ class PruningOptions:
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
         presets.check_options(self.preset_options or {})
-        check_target(self.target_params, self.target_side, self.target_layers)
-        if self.target_params is not None and self.method == "group_lasso":
+        if self.target_params is not None and self.target_flops is not None:
+            raise ValueError(
+                "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
+                f"target_params={self.target_params!r}, target_flops={self.target_flops!r}."
+            )
+        check_flops(self.target_flops, self.seq_len)
+        check_target(self.size_target, self.target_side, self.target_layers, self.target_widths, self.min_kept)
+        if self.size_target is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
                 "solved widths. Use method='hard' with `target_params`, or `target_sparsity` with group lasso."
@@ -286,6 +305,11 @@ class PruningOptions:
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
         object.__setattr__(self, "schedule", schedule)
+
+    @property
+    def size_target(self) -> int | float | str | None:
+        """``target_params`` or ``target_flops``, whichever is set (``None``: ``target_sparsity`` applies)."""
+        return self.target_params if self.target_flops is None else self.target_flops
 
     @property
     def distill(self) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 
 from lightning_pat.core.budget import (
+    DEFAULT_MIN_KEPT,
     LAYER_BUDGET,
     SIDES,
     Side,
@@ -29,6 +30,9 @@ from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolv
 
 log = logging.getLogger(__name__)
 
+#: ``target_widths``: one width per declaration (a stock config loads it), or units ranked by score per family.
+WIDTHS: tuple[str, ...] = ("uniform", "ranked")
+
 
 def distinct_shapes(params: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     """First name -> global shape of every distinct tensor (tied tensors once; DTensors report global shapes)."""
@@ -41,13 +45,34 @@ def distinct_shapes(params: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_target(target_params: object, side: object, target_layers: object = None) -> None:
-    """Static checks of ``target_params``, ``target_side`` and ``target_layers`` (no model needed).
+def check_target(
+    target_params: object,
+    side: object,
+    target_layers: object = None,
+    target_widths: object = "uniform",
+    min_kept: object = None,
+) -> None:
+    """Static checks of ``target_params``, ``target_side``, ``target_layers``, ``target_widths`` and ``min_kept``.
 
     Raises:
-        ValueError: If the target is not a positive count, fraction or size string, the side is unknown, or
-            ``target_layers`` is not a positive int or is given without ``target_params``.
+        ValueError: If the target is not a positive count, fraction or size string, the side or widths are unknown,
+            ``target_layers`` is not a positive int or is given without ``target_params``, or ``min_kept`` is not in
+            ``(0, 1]`` or is given without ``target_widths="ranked"``.
     """
+    if target_widths not in WIDTHS:
+        raise ValueError(f"`target_widths` must be one of {WIDTHS}, got {target_widths!r}.")
+    if min_kept is not None:
+        if isinstance(min_kept, bool) or not isinstance(min_kept, (int, float)) or not 0 < min_kept <= 1:
+            raise ValueError(
+                f"`min_kept` (the fraction of each cluster's units kept at least) must be in (0, 1], got {min_kept!r}."
+            )
+        if target_widths != "ranked":
+            raise ValueError(
+                "`min_kept` is the floor of each cluster under target_widths='ranked'; set target_widths='ranked' "
+                "too, or remove `min_kept`."
+            )
+    if target_widths == "ranked" and target_params is None:
+        raise ValueError("`target_widths='ranked'` shapes a size target; set `target_params` too.")
     if target_params is not None:
         parse_size(target_params, total=10**18)
     if target_layers is not None:
@@ -81,6 +106,10 @@ def sized_clusters(
     side: Side = "below",
     declared: Mapping[str, str] | None = None,
     keep_layers: int | None = None,
+    widths: str = "uniform",
+    min_kept: float | None = None,
+    costs: tuple[Mapping[str, Sequence[int]], Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]] | None = None,
+    name: str = "target_params",
 ) -> tuple[list[ResolvedCluster], SizeSolution]:
     """The clusters with the targets that reach ``target_params``, and the solution.
 
@@ -92,6 +121,14 @@ def sized_clusters(
         declared: Cluster name -> declaration label (:func:`declaration_labels`): the clusters of one declaration
             keep one width. Without it every cluster is solved on its own.
         keep_layers: Layers to keep (layer units); by default the solver balances depth and widths.
+        widths: ``"uniform"`` (one width per declaration) or ``"ranked"``: the units of a declaration's clusters (or
+            of a declared ``budget``) are ranked jointly by score at each selection, each cluster keeping at least
+            ``min_kept`` of its units; the solver fixes their total.
+        min_kept: With ``"ranked"``: the fraction of each cluster's units it keeps at least (default
+            :data:`~lightning_pat.core.budget.DEFAULT_MIN_KEPT`).
+        costs: Instead of the parameters, what to count: ``(shapes, extra axes)`` from
+            :func:`lightning_pat.flops.flop_costs` (``target_flops``).
+        name: The option the target came from, for messages.
 
     Returns:
         ``(clusters, solution)``.
@@ -100,14 +137,25 @@ def sized_clusters(
         ValueError: If the target is malformed, above the model's size or below what the clusters can reach, a
             cluster shares a budget, or layer units differ in size.
     """
-    shapes = distinct_shapes(params)
+    shapes = distinct_shapes(params) if costs is None else dict(costs[0])
     total = sum(_numel(s) for s in shapes.values())
-    target = parse_size(target_params, total=total)
-    axes, groups, owners = size_problem(shapes, clusters, declared=declared, keep_layers=keep_layers)
-    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners)
+    target = parse_size(target_params, total=total, name=name)
+    axes, groups, owners = size_problem(
+        shapes, clusters, declared=declared, keep_layers=keep_layers, ranked=widths == "ranked",
+        min_kept=DEFAULT_MIN_KEPT if min_kept is None else min_kept,
+    )  # fmt: skip
+    if costs is not None:
+        axes.update({k: list(v) for k, v in costs[1].items()})
+    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners, name=name)
     num_layers = sum(1 for rc in clusters if is_layer_cluster(rc))
+    ranked = {c: g for g in groups if g.budget is not None for c in g.clusters}
     out = []
     for rc in clusters:
+        if rc.name in ranked:  # one shared budget with a floor per cluster: the engine ranks the units jointly
+            group = ranked[rc.name]
+            fraction = solution.fractions[rc.name]
+            out.append(dataclasses.replace(rc, target=fraction, budget=group.budget, min_kept=group.floor))
+            continue
         if is_layer_cluster(rc):
             target_fraction = solution.dropped_layers / num_layers
         elif rc.target is not None:
@@ -115,7 +163,7 @@ def sized_clusters(
         else:
             target_fraction = solution.fractions[rc.name]
         out.append(dataclasses.replace(rc, target=target_fraction))
-    log.info("target_params: %s", solution.describe())
+    log.info("%s: %s", name, solution.describe())
     return out, solution
 
 
@@ -126,4 +174,4 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["LAYER_BUDGET", "check_target", "declaration_labels", "distinct_shapes", "sized_clusters"]
+__all__ = ["LAYER_BUDGET", "WIDTHS", "check_target", "declaration_labels", "distinct_shapes", "sized_clusters"]

@@ -48,3 +48,26 @@ def test_console_script_fits_to_a_size_with_layer_units_and_shrinks(tmp_path):
     small = load_pretrained(tmp_path / "small")
     assert sum(p.numel() for p in small.parameters()) == achieved
     assert len(small.layers) < 4  # demo.yaml's n_layer: layers went, not only widths
+
+
+def test_console_script_fits_ranked_widths_and_shrinks(tmp_path):
+    """target_widths=ranked from the command line: the export has per-layer widths summing to the solved total."""
+    from lightning_pat import load_pretrained
+
+    out = run(
+        tmp_path, "fit", f"--config={ROOT / 'examples' / 'configs' / 'demo.yaml'}", "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks.init_args.warmup_steps=0", "--trainer.callbacks.init_args.ramp_steps=2",
+        "--trainer.callbacks.init_args.target_params=60%", "--trainer.callbacks.init_args.target_widths=ranked",
+        "--trainer.callbacks.init_args.min_kept=0.5", "--data.max_bytes=50000", "--data.batch_size=4",
+    )  # fmt: skip
+    match = re.search(r"target_params: ([\d,]+) parameters .*kept: mlp=(\d+)", out)
+    assert match, out[-2000:]
+    achieved, mlp = int(match[1].replace(",", "")), int(match[2])
+    ckpt = tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
+    run(tmp_path, "shrink", f"--ckpt_path={ckpt}", f"--output={tmp_path / 'small'}")
+    small = load_pretrained(tmp_path / "small")
+    assert sum(p.numel() for p in small.parameters()) == achieved
+    widths = [layer.mlp.down_proj.in_features for layer in small.layers]
+    assert sum(widths) == mlp
+    assert min(widths) >= 512 // 2  # demo.yaml's d_ff, min_kept=0.5

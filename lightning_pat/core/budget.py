@@ -60,6 +60,11 @@ class Group:
         layers: Whether this is a layer group: its clusters are 1-unit layer clusters; ``k`` counts kept layers and
             a granule is one layer.
         fixed: If set, the group's kept count is fixed (a cluster's own ``target``) and does not take part.
+        floor: A ranked group (``budget`` set): the units each cluster keeps at least (a multiple of
+            ``multiple_of``).
+        budget: A ranked group: the shared budget in which its clusters' units are ranked jointly by score, so the
+            widths differ between layers; ``k`` counts the units kept over all its clusters (every cluster's units
+            carry the same parameters, see :func:`solve`), a granule is ``multiple_of`` units.
     """
 
     name: str
@@ -68,19 +73,35 @@ class Group:
     multiple_of: int = 1
     layers: bool = False
     fixed: int | None = None
+    floor: int = 0
+    budget: str | None = None
 
     @property
     def size(self) -> int:
-        """Units the group's variable counts: layers for a layer group, else ``C``."""
-        return len(self.clusters) if self.layers else self.num_units
+        """Units the group's variable counts: layers for a layer group, all units for a ranked group, else ``C``."""
+        if self.layers:
+            return len(self.clusters)
+        return self.num_units * len(self.clusters) if self.budget is not None else self.num_units
 
     def kept_values(self) -> list[int]:
         """The kept counts reachable, from the full size down to the floor (never zero)."""
         if self.fixed is not None:
             return [self.fixed]
         full, step = self.size, (1 if self.layers else self.multiple_of)
+        lowest = self.floor * len(self.clusters) if self.budget is not None else step
         below = (full - 1) // step * step
-        return [full] + list(range(below, step - 1, -step)) if below >= step else [full]
+        return [full] + list(range(below, lowest - 1, -step)) if below >= lowest else [full]
+
+    def spread(self, kept: int) -> list[int]:
+        """A ranked group's ``kept`` units over its clusters (the floor each, the rest in granules, first first)."""
+        out = [self.floor] * len(self.clusters)
+        rest, i = kept - self.floor * len(self.clusters), 0
+        while rest > 0:
+            add = min(rest, self.num_units - out[i])
+            out[i] += add
+            rest -= add
+            i += 1
+        return out
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,7 @@ class SizeSolution:
         minimum: The smallest count the groups can reach.
         dropped_layers: Number of dropped layers (layer groups).
         fractions: Width cluster name -> fraction of its units dropped (its ``target``).
+        unit: What is counted: ``"parameters"``, or ``"FLOPs per token"`` for ``target_flops``.
     """
 
     kept: dict[str, int]
@@ -111,12 +133,13 @@ class SizeSolution:
     minimum: int
     dropped_layers: int = 0
     fractions: dict[str, float] = field(default_factory=dict)
+    unit: str = "parameters"
 
     def describe(self) -> str:
         """One line for logs: achieved, target, neighbours and kept widths."""
         widths = ", ".join(f"{g}={k}" for g, k in self.kept.items())
         return (
-            f"{self.achieved:,} parameters (target {self.target:,}, full {self.total:,}; nearest achievable "
+            f"{self.achieved:,} {self.unit} (target {self.target:,}, full {self.total:,}; nearest achievable "
             f"below {self.below if self.below is None else f'{self.below:,}'}, above "
             f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}"
         )
@@ -256,6 +279,9 @@ def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, 
     out = {}
     for group in groups:
         k = kept[group.name]
+        if group.budget is not None:
+            out.update(zip(group.clusters, group.spread(k), strict=True))
+            continue
         for i, cluster in enumerate(group.clusters):
             out[cluster] = (1 if i < k else 0) if group.layers else k
     return out
@@ -269,6 +295,7 @@ def solve(
     target: int,
     side: Side = "below",
     owners: Mapping[str, str] | None = None,
+    name: str = "target_params",
 ) -> SizeSolution:
     """Kept units per group meeting a parameter target (see the module docs for the search).
 
@@ -282,6 +309,8 @@ def solve(
         target: The parameter count asked for.
         side: ``"below"`` (default: the closest count not above the target) or ``"above"`` (not below it).
         owners: Parameter name -> owning layer cluster (for layer groups).
+        name: The option the target came from (``"target_flops"``: ``shapes`` hold FLOP costs, see
+            :mod:`lightning_pat.flops`), for messages.
 
     Returns:
         The solution.
@@ -295,8 +324,9 @@ def solve(
     full = {g.name: g.size for g in groups}  # the unpruned model (fixed groups too)
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
+    _check_equal_units(shapes, axes, groups, owners)
     if target > total:
-        raise ValueError(f"`target_params` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
+        raise ValueError(f"`{name}` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
     path = _path(groups)
 
     def count_at(position: int) -> int:
@@ -310,7 +340,7 @@ def solve(
             for g in groups
         )
         raise ValueError(
-            f"`target_params` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
+            f"`{name}` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
             f"{floors}; {total - minimum:,} of {total:,} parameters are prunable). Ask for at least {minimum:,}, add "
             "clusters (e.g. preset_options={'residual': True}), or lower `multiple_of`."
         )
@@ -343,7 +373,7 @@ def solve(
     for group in groups:
         if not group.layers:
             for c in group.clusters:
-                fractions[c] = (group.num_units - kept[group.name]) / group.num_units
+                fractions[c] = (group.size - kept[group.name]) / group.size  # a ranked group: of its budget
     return SizeSolution(
         kept=kept,
         cluster_kept=per_cluster,
@@ -355,6 +385,7 @@ def solve(
         minimum=minimum,
         dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
         fractions=fractions,
+        unit="FLOPs per token" if name == "target_flops" else "parameters",
     )
 
 
@@ -376,6 +407,60 @@ def _check_equal_layers(
                 f"Layer group {group.name!r}: layers carry different parameter counts {sizes}; a size target with "
                 "depth pruning needs equal layers. Drop `layers` from the preset options, or set `target_sparsity`."
             )
+
+
+def _check_equal_units(
+    shapes: Mapping[str, Sequence[int]], axes: Axes, groups: Sequence[Group], owners: Mapping[str, str] | None
+) -> None:
+    """A ranked group's count depends only on its total if a unit of each cluster carries the same parameters.
+
+    Checked with every other group full and at its floor (the count is linear in each cluster's width, so a width
+    of another group, such as the residual stream, scales the units' cost the same way in every cluster or not).
+    """
+    for group in groups:
+        if group.budget is None:
+            continue
+        for level in (0, -1):
+            base = cluster_kept(groups, {g.name: g.kept_values()[level] for g in groups})
+            base.update(dict.fromkeys(group.clusters, group.num_units))
+            total = count_params(shapes, axes, base, owners=owners)
+            costs = {c: total - count_params(shapes, axes, {**base, c: group.num_units - 1}, owners=owners)
+                     for c in group.clusters}  # fmt: skip
+            if len(set(costs.values())) > 1:
+                raise ValueError(
+                    f"target_widths='ranked': the clusters of {group.name!r} carry different parameters per unit "
+                    f"{costs}, so the size would depend on which layers keep the units. Rank only clusters of equal "
+                    "shapes together (one declaration, or one `budget`), or use target_widths='uniform'."
+                )
+
+
+#: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least.
+DEFAULT_MIN_KEPT = 0.25
+
+
+def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: float) -> Group:
+    """One ranked group over ``members`` (equal ``C`` and ``multiple_of``; ``C`` a multiple of ``multiple_of``).
+
+    Raises:
+        ValueError: Naming the clusters, if they differ in ``C`` or ``multiple_of``, or ``C`` is not a multiple.
+    """
+    sizes = {(rc.num_units, rc.multiple_of) for rc in members}
+    names = [rc.name for rc in members]
+    if len(sizes) > 1:
+        raise ValueError(
+            f"target_widths='ranked': the clusters of {label!r} ({names[:4]}{'...' if len(names) > 4 else ''}) "
+            "differ in units or multiple_of "
+            f"{sorted(sizes)}; rank only equal clusters together (one declaration, or one `budget`)."
+        )
+    num_units, mult = sizes.pop()
+    if num_units % mult:
+        raise ValueError(
+            f"target_widths='ranked': {label!r} has {num_units} units per cluster, not a multiple of multiple_of="
+            f"{mult}; choose a multiple_of that divides {num_units}, or use target_widths='uniform'."
+        )
+    floor = min(num_units, max(mult, math.ceil(min_kept * num_units / mult) * mult))
+    budget = members[0].budget or f"ranked:{label}"
+    return Group(label, tuple(names), num_units, mult, floor=floor, budget=budget)
 
 
 #: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
@@ -404,6 +489,8 @@ def size_problem(
     *,
     declared: Mapping[str, str] | None = None,
     keep_layers: int | None = None,
+    ranked: bool = False,
+    min_kept: float = DEFAULT_MIN_KEPT,
 ) -> tuple[dict[tuple[str, int], list[tuple[str, int, int]]], list[Group], dict[str, str]]:
     """The solver's inputs from resolved clusters: member axes, groups and layer ownership.
 
@@ -418,13 +505,19 @@ def size_problem(
         declared: Cluster name -> label of the declaration it was expanded from.
         keep_layers: If set, the number of layers kept (the widths make up the rest of the target); else the solver
             balances layers and widths.
+        ranked: Non-uniform widths: the clusters of one declaration (or of one ``budget``) form a ranked group, one
+            shared budget in which units are ranked jointly by score, each cluster keeping at least ``min_kept`` of
+            its units (rounded up to ``multiple_of``).
+        min_kept: With ``ranked``: the fraction of each cluster's units it keeps at least, in ``(0, 1]``.
 
     Returns:
         ``(axes, groups, owners)`` for :func:`solve`.
 
     Raises:
-        ValueError: If a cluster shares a budget (other than layer units): a shared budget decides widths by score;
-            if ``keep_layers`` is given without layer units or outside ``[1, layers]``.
+        ValueError: If a cluster shares a budget (other than layer units) and ``ranked`` is off: a shared budget
+            decides widths by score; with ``ranked``: layer units, a budget with its own ``target``, or a ranked
+            group whose clusters differ in ``C`` or ``multiple_of`` or whose ``C`` is not a multiple of
+            ``multiple_of``; if ``keep_layers`` is given without layer units or outside ``[1, layers]``.
     """
     axes: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
     owners: dict[str, str] = {}
@@ -438,18 +531,36 @@ def size_problem(
                 if name.startswith(prefix):
                     owners[name] = rc.name
             continue
-        if rc.budget is not None:
+        if rc.budget is not None and not ranked:
             raise ValueError(
-                f"Cluster {rc.name!r} shares budget {rc.budget!r}: a size target solves the widths itself; remove "
-                "`budget` from the declaration, or use `target_sparsity`."
+                f"Cluster {rc.name!r} shares budget {rc.budget!r}: uniform widths cannot follow a shared budget; "
+                "set target_widths='ranked' (the budget's units are ranked by score, with a floor per cluster), "
+                "remove `budget` from the declaration, or use `target_sparsity`."
+            )
+        if rc.budget is not None and rc.target is not None:
+            raise ValueError(
+                f"Cluster {rc.name!r}: budget {rc.budget!r} has its own target {rc.target:g}, so its widths are not "
+                "the size solver's; remove `target` from the declarations of that budget, or `budget`."
             )
         for m in rc.members:
             axes.setdefault((m.name, m.dim), []).append((rc.name, m.block, m.stop - m.start))
         label = (declared or {}).get(rc.name, rc.name)
-        grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target), []).append(rc)
+        if ranked and rc.target is None:
+            grouped.setdefault(("ranked", rc.budget or label), []).append(rc)
+        else:
+            grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target), []).append(rc)
+    if ranked and layers:
+        raise ValueError(
+            "target_widths='ranked' with layer units: a dropped layer takes its units with it, so the size would "
+            "depend on which layers keep how many units. Use target_widths='uniform' with layers, or drop `layers` "
+            "from the preset options."
+        )
     groups = []
-    for (label, *_), members in grouped.items():
-        rc = members[0]
+    for key, members in grouped.items():
+        label, rc = key[1] if key[0] == "ranked" else key[0], members[0]
+        if key[0] == "ranked" and len(members) > 1:
+            groups.append(_ranked_group(label, members, min_kept))
+            continue
         fixed = None
         if rc.target is not None:
             fixed = rc.num_units - num_to_drop(rc.target, rc.num_units, multiple_of=rc.multiple_of)

@@ -110,6 +110,61 @@ def bottom_k_shared(scores: Sequence[Tensor], *, num_drop: int, what: str = "bud
     return out
 
 
+def bottom_k_floored(
+    scores: Sequence[Tensor], *, num_drop: int, floors: Sequence[int], multiples: Sequence[int]
+) -> list[Tensor]:
+    """Joint bottom-k over a shared budget where every cluster keeps at least its floor, in multiples.
+
+    Each cluster's units, sorted by score (stable), leave in *chunks*: its kept count steps from ``C`` to the
+    multiples of its ``multiple_of`` below ``C``, down to its floor. A chunk's score is the highest score in it, so a
+    cluster's chunks have non-decreasing scores; all chunks are ranked jointly (ties: cluster order, then chunk order)
+    and taken in that order while the dropped units stay within ``num_drop``. With ``multiple_of=1`` and no floor this
+    is :func:`bottom_k_shared`; with equal chunks of ``m`` units and ``num_drop`` a multiple of ``m`` exactly
+    ``num_drop`` units go (if the floors allow). Scores must already be checked finite.
+
+    Args:
+        scores: Per cluster, the ``[C]`` unit scores.
+        num_drop: The most units to drop over all clusters.
+        floors: Per cluster, the units it keeps at least.
+        multiples: Per cluster, its ``multiple_of``.
+
+    Returns:
+        Per cluster, the sorted dropped indices.
+
+    Example::
+
+        >>> [t.tolist() for t in bottom_k_floored([torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.9, 0.8, 0.7])],
+        ...                                         num_drop=4, floors=[2, 0], multiples=[1, 1])]
+        [[0], [0, 1, 2]]
+    """
+    orders, kept_levels, chunk_scores, chunk_sizes, owners = [], [], [], [], []
+    for c, (s, floor, mult) in enumerate(zip(scores, floors, multiples, strict=True)):
+        num_units = s.numel()
+        order = torch.sort(s, stable=True).indices
+        top = (num_units - 1) // mult * mult
+        levels = [num_units] + [k for k in range(top, max(floor, 1) - 1, -mult) if k >= floor and k > 0]
+        if floor == 0 and levels[-1] != 0:
+            levels.append(0)
+        lv = torch.tensor(levels, dtype=torch.long, device=s.device)
+        ordered = s[order].to(torch.float64)
+        orders.append(order)
+        kept_levels.append(lv)
+        chunk_scores.append(ordered[num_units - lv[1:] - 1])
+        chunk_sizes.append(lv[:-1] - lv[1:])
+        owners.append(torch.full((len(levels) - 1,), c, dtype=torch.long, device=s.device))
+    if not scores:
+        return []
+    joint = torch.cat(chunk_scores)
+    rank = torch.sort(joint, stable=True).indices  # ties: cluster order, then chunk order (the concatenation order)
+    taken = torch.cumsum(torch.cat(chunk_sizes)[rank], 0) <= num_drop  # a prefix: sizes are positive
+    counts = torch.bincount(torch.cat(owners)[rank][taken], minlength=len(scores)).tolist()
+    out = []
+    for order, lv, n in zip(orders, kept_levels, counts, strict=True):
+        drop = int(order.numel() - lv[n])
+        out.append(torch.sort(order[:drop]).values)
+    return out
+
+
 def round_kept(dropped_C: Tensor, scores_C: Tensor, *, multiple_of: int) -> Tensor:
     """Drop further lowest-scoring units until the kept count is a multiple of ``multiple_of`` (if any dropped)."""
     num_units = scores_C.numel()

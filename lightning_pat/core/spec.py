@@ -120,6 +120,8 @@ class ResolvedCluster:
         target: Per-cluster target override, or ``None``.
         multiple_of: Rounding of the kept unit count.
         budget: Shared-budget name, or ``None`` for a per-cluster budget.
+        min_kept: In a shared budget, the units this cluster keeps at least (a multiple of ``multiple_of``; 0: no
+            floor). Set by ``target_params`` with ``target_widths="ranked"``.
     """
 
     name: str
@@ -128,6 +130,7 @@ class ResolvedCluster:
     target: float | None = None
     multiple_of: int = 1
     budget: str | None = None
+    min_kept: int = 0
 
     @property
     def unit_numel(self) -> int:
@@ -148,7 +151,7 @@ class ResolvedCluster:
             >>> ResolvedCluster.from_dict(rc.to_dict()) == rc
             True
         """
-        return {
+        out = {
             "name": self.name,
             "members": [
                 {
@@ -168,6 +171,9 @@ class ResolvedCluster:
             "multiple_of": self.multiple_of,
             "budget": self.budget,
         }
+        if self.min_kept:
+            out["min_kept"] = self.min_kept
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ResolvedCluster:
@@ -204,6 +210,7 @@ class ResolvedCluster:
                 target=None if target is None else float(target),
                 multiple_of=int(data.get("multiple_of", 1)),
                 budget=data.get("budget"),
+                min_kept=int(data.get("min_kept", 0)),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(
@@ -221,6 +228,8 @@ class ResolvedCluster:
             "multiple_of": self.multiple_of,
             "budget": self.budget,
         }
+        if self.min_kept:  # absent when 0: fingerprints of earlier checkpoints stay valid
+            payload["min_kept"] = self.min_kept
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

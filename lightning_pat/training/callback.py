@@ -98,6 +98,10 @@ class CoupledPruningCallback(PruningViews, Callback):
         target_params: int | float | str | None = None,
         target_side: Literal["below", "above"] = "below",
         target_layers: int | None = None,
+        target_widths: Literal["uniform", "ranked"] = "uniform",
+        min_kept: float | None = None,
+        target_flops: int | float | str | None = None,
+        seq_len: int | None = None,
         layer_score: Literal["cosine", "weight"] = "cosine",
         distill_alpha: float = 0.0,
         distill_temperature: float = 1.0,
@@ -111,8 +115,9 @@ class CoupledPruningCallback(PruningViews, Callback):
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
-                layer_score=layer_score, distill_alpha=distill_alpha, distill_temperature=distill_temperature,
-                distill_teacher=distill_teacher, distill_module=distill_module,
+                target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
+                layer_score=layer_score, distill_alpha=distill_alpha,
+                distill_temperature=distill_temperature, distill_teacher=distill_teacher, distill_module=distill_module,
             )  # fmt: skip
         self.controller = PruningController(self.options, info=rank_zero_info, forward_error=MisconfigurationException)
         self.metrics: PruningMetrics | None = None

@@ -294,12 +294,13 @@ class PruningController:
                 plan = make_plan(
                     params, declarations, score=opts.score, executor=opts.executor,
                     group_count_ref=opts.group_count_ref,
-                    sparsity=opts.target_sparsity if opts.target_params is None else None,  # else: checked when sized
+                    sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
                 )  # fmt: skip
-                if opts.target_params is not None:
+                if opts.size_target is not None:
                     plan, self.size = plan.sized(
-                        params, opts.target_params, side=opts.target_side, declarations=declarations,
-                        keep_layers=opts.target_layers,
+                        params, opts.size_target, side=opts.target_side, declarations=declarations,
+                        keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
+                        flops=None if opts.target_flops is None else (module, int(opts.seq_len or 0)),
                     )  # fmt: skip
             except ValueError as err:
                 error = f"CoupledPruningCallback: {err}"
@@ -335,7 +336,8 @@ class PruningController:
         self.latents = LatentStore(self._params, list(self._params) if fsdp1_root is not None else clustered)
         _warn_unoptimized(self._params, clustered, optimizers)
         if self.size is not None:
-            self._info(f"CoupledPruningCallback target_params: {self.size.describe()}")
+            which = "target_params" if opts.target_flops is None else "target_flops"
+            self._info(f"CoupledPruningCallback {which}: {self.size.describe()}")
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
         self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
 

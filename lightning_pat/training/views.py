@@ -38,7 +38,7 @@ class PruningViews:
 
     @property
     def size(self) -> SizeSolution | None:
-        """With ``target_params``, after fit start: the solved widths, the achieved count and its neighbours."""
+        """With ``target_params`` or ``target_flops``, after fit start: the solved widths and the achieved count."""
         return self.controller.size
 
     @property

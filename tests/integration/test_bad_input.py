@@ -127,6 +127,75 @@ CASES = [
         "fit",
     ),
     (
+        "size-widths-unknown",
+        {"target_params": 0.5, "target_widths": "mixed"},
+        r"`target_widths` must be one of \('uniform', 'ranked'\), got 'mixed'",
+        "init",
+    ),
+    (
+        "size-ranked-alone",
+        {"target_widths": "ranked"},
+        r"`target_widths='ranked'` shapes a size target; set `target_params` too",
+        "init",
+    ),
+    (
+        "size-min-kept-range",
+        {"target_params": 0.5, "target_widths": "ranked", "min_kept": 1.5},
+        r"`min_kept` \(the fraction of each cluster's units kept at least\) must be in \(0, 1\], got 1.5",
+        "init",
+    ),
+    (
+        "size-min-kept-alone",
+        {"target_params": 0.5, "min_kept": 0.5},
+        r"`min_kept` is the floor of each cluster under target_widths='ranked'; set target_widths='ranked' too",
+        "init",
+    ),
+    (
+        "size-budget-uniform",
+        {"target_params": 0.8, "clusters": [hidden(budget="b")]},
+        r"Cluster 'hidden' shares budget 'b': uniform widths cannot follow a shared budget; set target_widths='ranked'",
+        "fit",
+    ),
+    (
+        "size-ranked-unequal",
+        {
+            "target_params": 0.8,
+            "target_widths": "ranked",
+            "clusters": [hidden(budget="b"), Cluster("out", writers=[R, "fc2.bias"], budget="b")],
+        },
+        r"target_widths='ranked': the clusters of 'b' \(\['hidden', 'out'\]\) differ in units or multiple_of "
+        r"\[\(4, 1\), \(32, 1\)\]",
+        "fit",
+    ),
+    (
+        "size-ranked-layers",
+        {
+            "target_params": 0.8,
+            "target_widths": "ranked",
+            "clusters": [hidden(), Cluster("layer.0", writers=[R, "fc2.bias"], num_units=1, budget="layers")],
+        },
+        r"target_widths='ranked' with layer units: a dropped layer takes its units with it",
+        "fit",
+    ),
+    (
+        "flops-without-seq-len",
+        {"target_flops": 0.5},
+        r"`target_flops` \(FLOPs per token\) depends on the sequence length through attention: give `seq_len`",
+        "init",
+    ),
+    (
+        "flops-and-params",
+        {"target_params": 0.5, "target_flops": 0.5, "seq_len": 8},
+        r"Give `target_params` \(parameters\) or `target_flops` \(FLOPs per token\), not both",
+        "init",
+    ),
+    (
+        "flops-below-reach",
+        {"target_flops": 10, "seq_len": 8},
+        r"`target_flops` \(10\) is below the smallest size the clusters can reach",
+        "fit",
+    ),
+    (
         "auto-discovery-options",
         {"clusters": "auto", "preset_options": {"mlp": True}},
         r"`preset_options` \{'mlp': True\} apply to presets, but no preset fits MLPModule and its clusters are "

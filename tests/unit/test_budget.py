@@ -253,5 +253,7 @@ def test_a_shared_budget_is_refused_with_a_size_target():
         Cluster("h1", ["0.weight", "0.bias"], ["2.weight"], budget="b"),
         Cluster("h2", ["2.weight", "2.bias"], ["4.weight"], budget="b"),
     ]
-    with pytest.raises(ValueError, match=r"Cluster 'h1' shares budget 'b': a size target solves the widths itself"):
+    with pytest.raises(ValueError, match=r"Cluster 'h1' shares budget 'b': uniform widths cannot follow a shared"):
         prune_clusters(model, decls, target_params=0.8)
+    with pytest.raises(ValueError, match=r"clusters of 'b' .* differ in units or multiple_of \[\(4, 1\), \(6, 1\)\]"):
+        prune_clusters(model, decls, target_params=0.8, target_widths="ranked")

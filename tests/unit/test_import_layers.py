@@ -38,7 +38,17 @@ PKG = "lightning_pat"
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
-    "pruning": ("options", "presets", "activation", "gradient", "layer_score", "engine", "sizing", "discovery."),
+    "pruning": (
+        "options",
+        "presets",
+        "activation",
+        "gradient",
+        "layer_score",
+        "engine",
+        "sizing",
+        "flops",
+        "discovery.",
+    ),  # fmt: skip
     "shrink": ("shrink.",),
     "training": ("training.",),
     "cli": ("cli.",),
