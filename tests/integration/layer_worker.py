@@ -65,10 +65,15 @@ class LitLayers(pl.LightningModule):
         return DataLoader(list(range(4 * MAX_STEPS)), batch_size=1)
 
 
-def callback() -> CoupledPruningCallback:
-    return CoupledPruningCallback(
-        "tiny_gpt", target_params=0.6, preset_options={"layers": True}, warmup_steps=1, ramp_steps=3, mode="latent"
-    )
+def callback(variant: str = "layers") -> CoupledPruningCallback:
+    """``layers``: layer units in a parameter target; ``ranked``: non-uniform widths (no layer units);
+    ``flops``: layer units in a FLOP target."""
+    size = {
+        "layers": {"target_params": 0.6, "preset_options": {"layers": True}},
+        "ranked": {"target_params": 0.6, "target_widths": "ranked"},
+        "flops": {"target_flops": 0.6, "seq_len": CFG.max_seq_len, "preset_options": {"layers": True}},
+    }[variant]
+    return CoupledPruningCallback("tiny_gpt", warmup_steps=1, ramp_steps=3, mode="latent", **size)
 
 
 def trainer(cb: CoupledPruningCallback, **kwargs) -> pl.Trainer:
@@ -83,6 +88,8 @@ def ids() -> torch.Tensor:
 
 
 def report(lit: LitLayers, cb: CoupledPruningCallback, state: dict) -> dict:
+    from lightning_pat.flops import count_flops
+
     """Shrink a plain copy of ``lit``'s full weights with ``state``; what the tests compare."""
     plain = LitLayers()
     with torch.no_grad():
@@ -96,22 +103,24 @@ def report(lit: LitLayers, cb: CoupledPruningCallback, state: dict) -> dict:
         "dropped": cb.dropped,
         "step": cb.step,
         "achieved": cb.size.achieved,
-        "layer_scores": cb.controller.layer_stats.last,
+        "layer_scores": {} if cb.controller.layer_stats is None else cb.controller.layer_stats.last,
         "shrunk_params": sum(p.numel() for p in small.parameters()),
+        "shrunk_flops": count_flops(small, seq_len=CFG.max_seq_len),
         "num_layers": len(small.model.layers),
+        "widths": sorted([n, list(p.shape)] for n, p in small.named_parameters()),
         "rel": float((out - masked).abs().max() / masked.abs().max()),
         "checksum": float(sum(v.double().sum() for v in full.values())),
     }
 
 
-def fit_single() -> dict:
+def fit_single(variant: str = "layers") -> dict:
     """The one-process reference: the same global batches on one device."""
-    lit, cb = LitLayers(), callback()
+    lit, cb = LitLayers(), callback(variant)
     trainer(cb).fit(lit)
     return report(lit, cb, cb.state_dict())
 
 
-def main(kind: str) -> None:
+def main(kind: str, variant: str = "layers") -> None:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     if kind == "ddp":
@@ -121,7 +130,7 @@ def main(kind: str) -> None:
         dp, tp = (2, 1) if kind == "fsdp2" else (1, 2)
         lit = LitLayers(kind, GLOBAL_BATCH // dp)
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
-    cb = callback()
+    cb = callback(variant)
     trainer(cb, strategy=strategy, devices=2).fit(lit)
     state = cb.state_dict()  # every rank: the layer sums are gathered
     result = report(lit, cb, state)
@@ -135,5 +144,5 @@ def main(kind: str) -> None:
 if __name__ == "__main__":
     from tests.common.dist import finish_worker
 
-    main(sys.argv[1])
+    main(*sys.argv[1:])
     finish_worker()

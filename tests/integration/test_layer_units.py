@@ -28,6 +28,11 @@ def single() -> dict:
     return layer_worker.fit_single()
 
 
+@pytest.fixture(scope="module", params=["ranked", "flops"])
+def sized(request) -> tuple[str, dict]:
+    return request.param, layer_worker.fit_single(request.param)
+
+
 def test_single_process_drops_layers_by_cosine_and_shrinks_to_the_reported_size(single):
     scores = single["layer_scores"]
     dropped_layers = sorted(int(k.split(".")[1]) for k, v in single["dropped"].items() if k.startswith("layer.") and v)
@@ -59,6 +64,29 @@ def test_two_ranks_select_the_layers_of_the_one_process_run(kind, single):
         assert r["num_layers"] == single["num_layers"]
         assert r["rel"] < 1e-5
         assert r["checksum"] == pytest.approx(single["checksum"], rel=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_two_ranks_meet_ranked_widths_and_flop_targets_like_one_process(kind, sized):
+    """``target_widths="ranked"`` and ``target_flops`` under DDP and FSDP2: the same units and the same shrunk shapes as
+    one process on the same batches, and the shrunk model has exactly the reported size."""
+    variant, reference = sized
+    outputs = run_rank_scripts(WORKER, 2, args=[kind, variant], timeout=360)
+    results = [
+        json.loads(ln[len("RESULT ") :]) for out in outputs for ln in out.splitlines() if ln.startswith("RESULT ")
+    ]
+    assert [r["rank"] for r in results] == [0, 1]
+    measured = "shrunk_flops" if variant == "flops" else "shrunk_params"
+    assert reference[measured] == reference["achieved"]
+    for r in results:
+        assert r["all_ranks_equal"]
+        assert r["dropped"] == reference["dropped"]
+        assert r["achieved"] == reference["achieved"]
+        assert r[measured] == r["achieved"]
+        assert r["widths"] == reference["widths"]
+        assert r["rel"] < 1e-5
 
 
 def _callback(**kwargs) -> CoupledPruningCallback:
