@@ -274,6 +274,7 @@ VARIANTS: dict[str, dict | None] = {
     "act": {"score": "activation"},
     "act_direct": {"score": "activation", "mode": "direct"},
     "act_ramp50": {"score": "activation", "ramp_steps": 50},
+    "taylor": {"score": "taylor"},  # first-order |w * g| per unit, summed over the steps between selections
     "act_patch": {"act": True},  # cross-check: the benchmark-side score of eacc1b9
     "kd": {"kd": 0.5},
     # the library's distillation (CoupledPruningCallback(distill_alpha=...)): CE + alpha * T^2 * KL from the frozen copy
