@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.spec import Cluster
@@ -79,3 +80,14 @@ class OneShotPruningCallback(CoupledPruningCallback):
             clusters, target_sparsity, warmup_steps=warmup_steps, score=score, distill_alpha=distill_alpha,
             **ONE_SHOT_FIXED, **options,
         )  # fmt: skip
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """The key :class:`CoupledPruningCallback` with the same clusters has (not this class's name).
+
+        A checkpoint of the recipe is a checkpoint of the callback: ``lightning-pat shrink`` finds its state, and a
+        run started with either class resumes with the other.
+        """
+        key = {"clusters": self.options.key_names()}
+        return f"{CoupledPruningCallback.__qualname__}{key!r}"

@@ -98,6 +98,25 @@ def test_is_exactly_the_option_set_it_names():
     assert recipe_zeros.zeros == plain_zeros.zeros
     for name, value in recipe.state_dict().items():
         assert torch.equal(value, plain.state_dict()[name]), name
+    # a checkpoint of the recipe is one of the callback (shrink finds it; either class resumes it)
+    assert OneShotPruningCallback(mlp_cluster(), 0.5).state_key == plain_cb.state_key
+
+
+@pytest.mark.parametrize("stop", [WARMUP, WARMUP + 2], ids=["before-the-cut", "healing"])
+def test_a_recipe_checkpoint_resumes_with_the_plain_callback_bitwise(tmp_path, stop):
+    module = StepNet(lr=0.2, optimizer="adamw")
+    save = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    cb = OneShotPruningCallback(mlp_cluster(), 0.5, warmup_steps=WARMUP)
+    quiet_trainer(max_steps=TOTAL, callbacks=[cb, save], checkpointing=True).fit(module)
+    resumed = StepNet(lr=0.2, optimizer="adamw", seed=99)
+    plain = CoupledPruningCallback(
+        mlp_cluster(), 0.5, warmup_steps=WARMUP, ramp_steps=1, score="activation", distill_alpha=0.5
+    )
+    quiet_trainer(max_steps=TOTAL, callbacks=[plain]).fit(resumed, ckpt_path=str(tmp_path / f"step={stop}.ckpt"))
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+    for name, tensor in cb.teacher.state_dict().items():
+        assert torch.equal(plain.teacher.state_dict()[name], tensor), name
 
 
 RECIPE_CASES = [
