@@ -2,7 +2,7 @@
 
 References: the mask and widths are read from the weights themselves (rows of exact zeros), the teacher against a
 snapshot of the model taken by an independent callback, each step's gradient against autograd on the blended loss
-written out by hand (``tests/common/distill_reference.py`` via ``blended_loss``), and the recipe against the
+written out by hand (``assert_blended_gradients`` of test_distill.py), and the recipe against the
 ``CoupledPruningCallback`` option set it names (same fit, bitwise).
 """
 
@@ -17,11 +17,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from torch import nn
 
 from lightning_pat import CoupledPruningCallback, OneShotPruningCallback
 from tests.common.lit_models import HIDDEN, mlp_cluster, quiet_trainer
-from tests.integration.test_distill import GradRecorder, StepNet, blended_loss
+from tests.integration.test_distill import GradRecorder, StepNet, assert_blended_gradients
 
 pytestmark = pytest.mark.integration
 
@@ -73,19 +72,8 @@ def test_prunes_once_to_the_full_target_then_heals_distilling_from_the_dense_mod
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
 
     # every step from the pruning step on (the cut and all the healing) trains on the blended loss with that teacher
-    for step in range(TOTAL):
-        student = StepNet().double()
-        student.load_state_dict({k: v.double() for k, v in rec.params[step].items()})
-        x, y = (t.double() for t in module.batch(step))
-        if step < WARMUP:
-            loss = nn.functional.mse_loss(student(x), y)
-        else:
-            dense = StepNet().double()
-            dense.load_state_dict({k: v.double() for k, v in teacher.state_dict().items()})
-            loss = blended_loss(student, dense, x, y, alpha=0.5, temperature=1.0)
-        loss.backward()
-        for name, param in student.named_parameters():
-            torch.testing.assert_close(rec.grads[step][name], param.grad.float(), rtol=1e-5, atol=1e-6)
+    assert sorted(rec.grads) == list(range(TOTAL))
+    assert_blended_gradients(module, rec, teacher, start=WARMUP, alpha=0.5, temperature=1.0)
     assert float(trainer.callback_metrics["pruning/distill_kl"]) > 0  # healing: the pruned student differs
 
 
