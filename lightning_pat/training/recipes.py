@@ -27,8 +27,8 @@ class OneShotPruningCallback(CoupledPruningCallback):
     full ``target_sparsity`` (``ramp_steps=1``), and the mask is held from there on while training heals the pruned
     model (``heal=True``), distilling from a frozen copy of the model as it was when that step started
     (``distill_alpha``; ``distill_teacher=`` for your own). The default score is ``"activation"``, whose statistics
-    are an average over the training forwards up to the cut (with ``warmup_steps=0``: the first batch only; 8 or more
-    warmup steps give it a calibration like :func:`~lightning_pat.activation.calibrate`'s).
+    are an average over the training forwards up to the cut. With ``warmup_steps=0`` that is the first batch alone,
+    which cost 0.0075 nats against a cut calibrated on 8 batches in the benchmark; ``warmup_steps=8`` tied it.
 
     Why a recipe: in the quality benchmark (BENCHMARKS.md, 75% of MLP channels and heads, 5 seeds) pruning during a
     ramp tied this one-shot cut when both used the activation score and the same teacher (+0.000 +- 0.012 nats), and
