@@ -20,7 +20,8 @@ Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score=
 statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
 ``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
 ``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
-checkpoint). Benchmark-side helpers, not
+checkpoint); ``taylor``: ``score="taylor"``; ``recipe`` and ``recipe_w8``: the option set of ``OneShotPruningCallback``
+(the cut at the first step, or after 8 dense steps of the budget). Benchmark-side helpers, not
 library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
 activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
 the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
@@ -274,6 +275,7 @@ VARIANTS: dict[str, dict | None] = {
     "act": {"score": "activation"},
     "act_direct": {"score": "activation", "mode": "direct"},
     "act_ramp50": {"score": "activation", "ramp_steps": 50},
+    "taylor": {"score": "taylor"},  # first-order |w * g| per unit, summed over the steps between selections
     "act_patch": {"act": True},  # cross-check: the benchmark-side score of eacc1b9
     "kd": {"kd": 0.5},
     # the library's distillation (CoupledPruningCallback(distill_alpha=...)): CE + alpha * T^2 * KL from the frozen copy
@@ -284,6 +286,16 @@ VARIANTS: dict[str, dict | None] = {
     # checkpoint; in training (the ramp) vs one-shot (calibrate, prune once, then heal with the same distillation)
     "act_distill": {"score": "activation", "distill_alpha": 0.5, "distill_module": "model"},
     "oneshot_act_distill": None,
+    # the OneShotPruningCallback recipe as users run it (ramp_steps=1, activation score, distill_alpha=0.5): the cut at
+    # the first step from one batch's statistics, or after 8 dense steps of the budget (their statistics)
+    "recipe": {"ramp_steps": 1, "score": "activation", "distill_alpha": 0.5, "distill_module": "model"},
+    "recipe_w8": {
+        "warmup_steps": 8,
+        "ramp_steps": 1,
+        "score": "activation",
+        "distill_alpha": 0.5,
+        "distill_module": "model",
+    },  # fmt: skip
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
     "oneshot_act": None,

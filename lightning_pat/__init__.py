@@ -12,10 +12,12 @@ from lightning_pat.shrink.export import load_pretrained, save_pretrained
 
 if TYPE_CHECKING:
     from lightning_pat.training.callback import CoupledPruningCallback
+    from lightning_pat.training.recipes import OneShotPruningCallback
 
 __all__ = [
     "Cluster",
     "CoupledPruningCallback",
+    "OneShotPruningCallback",
     "PruneResult",
     "Pruner",
     "ResolvedCluster",
@@ -36,4 +38,8 @@ def __getattr__(name: str) -> Any:
         from lightning_pat.training.callback import CoupledPruningCallback
 
         return CoupledPruningCallback
+    if name == "OneShotPruningCallback":
+        from lightning_pat.training.recipes import OneShotPruningCallback
+
+        return OneShotPruningCallback
     raise AttributeError(f"module 'lightning_pat' has no attribute {name!r}")

@@ -84,6 +84,23 @@ class GradRecorder(pl.Callback):
         self.grads[trainer.global_step] = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
 
 
+def assert_blended_gradients(module, rec, teacher, *, start: int, alpha: float, temperature: float) -> None:
+    """Every recorded step's gradient against float64 autograd: the user's loss before ``start``, blended from it."""
+    for step in sorted(rec.grads):
+        student = StepNet().double()
+        student.load_state_dict({k: v.double() for k, v in rec.params[step].items()})
+        x, y = (t.double() for t in module.batch(step))
+        if step < start:  # warmup: the user's loss alone
+            loss = nn.functional.mse_loss(student(x), y)
+        else:
+            dense = StepNet().double()
+            dense.load_state_dict({k: v.double() for k, v in teacher.state_dict().items()})
+            loss = blended_loss(student, dense, x, y, alpha=alpha, temperature=temperature)
+        loss.backward()
+        for name, param in student.named_parameters():
+            torch.testing.assert_close(rec.grads[step][name], param.grad.float(), rtol=1e-5, atol=1e-6)
+
+
 class StepNet(StepDataModule):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -139,19 +156,7 @@ def test_fit_gradient_is_the_blended_loss_gradient_with_the_frozen_dense_teacher
         t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())
     )
 
-    for step in range(TOTAL):
-        student = StepNet().double()
-        student.load_state_dict({k: v.double() for k, v in rec.params[step].items()})
-        x, y = (t.double() for t in module.batch(step))
-        if step < SCHEDULE["warmup_steps"]:  # warmup: the user's loss alone
-            loss = nn.functional.mse_loss(student(x), y)
-        else:
-            dense = StepNet().double()
-            dense.load_state_dict({k: v.double() for k, v in teacher.state_dict().items()})
-            loss = blended_loss(student, dense, x, y, alpha=0.7, temperature=2.0)
-        loss.backward()
-        for name, param in student.named_parameters():
-            torch.testing.assert_close(rec.grads[step][name], param.grad.float(), rtol=1e-5, atol=1e-6)
+    assert_blended_gradients(module, rec, teacher, start=SCHEDULE["warmup_steps"], alpha=0.7, temperature=2.0)
     # the distillation term mattered: the blended gradient differs from the user's alone after the ramp started
     step = TOTAL - 1
     student = StepNet()

@@ -12,9 +12,10 @@ floors listed for its own:
   found by tracing): adds parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
-* ``training`` (options' users: controller, state, latent, metrics, distill, views, callback, trainer_facts): adds
-  pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py and
-  training/trainer_facts.py (what the callback reads from a Trainer);
+* ``training`` (options' users: controller, state, latent, metrics, distill, views, callback, recipes, trainer_facts):
+  adds pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py,
+  training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the callback reads from a
+  Trainer);
 * ``cli`` and ``demo`` (the top): anything but each other; they may import lightning; the demo may shard with FSDP2;
 * the package face (``__init__``, ``__about__``): the floors below cli and demo.
 
@@ -70,7 +71,7 @@ TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", 
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
 LIGHTNING_OK_FLOORS = {"cli", "demo"}
-LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.trainer_facts"}
+LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.recipes", f"{PKG}.training.trainer_facts"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
 EXPORT = f"{PKG}.shrink.export"
