@@ -49,7 +49,7 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, data: DataLo
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=50,
     )  # fmt: skip
     trainer.fit(module, data)
-    teacher_bytes = 0 if cb is None or cb.distiller is None else cb.distiller.teacher_bytes  # pruning/teacher_bytes
+    teacher_bytes = 0 if cb is None else int(cb.controller.teacher_bytes())  # pruning/teacher_bytes
     return statistics.median(timer.times[skip:]) * 1e3, teacher_bytes / 2**20
 
 
