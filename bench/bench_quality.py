@@ -61,6 +61,12 @@ from lightning_pat.engine import prune_clusters  # noqa: E402
 
 SEQ, BATCH, LR, LR_END, WARMUP, SPARSITY = 64, 16, 3e-3, 3e-4, 50, 0.5
 CFG = TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, d_ff=256, max_seq_len=SEQ)
+#: ``--model``: the default TinyGPT (148k params) or the larger one of issue 16 (d=128, 4 layers, 8 heads, 1.1M params)
+MODELS = {
+    "small": CFG,
+    "large": TinyGPTConfig(vocab_size=256, n_layer=4, n_head=8, n_kv_head=8, d_model=128, d_ff=512, max_seq_len=SEQ),
+}
+MODEL = "small"
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -421,7 +427,8 @@ def _result(name: str, seed: int, model: nn.Module, val: torch.Tensor, t0: float
 
 
 def dense_checkpoint(seed: int, train: torch.Tensor, M: int, cache: Path | None):
-    path = cache / f"dense_seed{seed}_M{M}.pt" if cache else None
+    tag = "" if MODEL == "small" else f"_{MODEL}"  # the small model keeps the cache names of the recorded runs
+    path = cache / f"dense_seed{seed}_M{M}{tag}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path)
     torch.manual_seed(seed)
@@ -484,7 +491,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
                "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
-               "--sparsity", str(args.sparsity)]  # fmt: skip
+               "--sparsity", str(args.sparsity), "--model", args.model]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -492,7 +499,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    global SPARSITY  # noqa: PLW0603 - the module's one knob of the pruned size (small_config and every variant read it)
+    global SPARSITY, CFG, MODEL  # noqa: PLW0603 - the module's knobs of the model and pruned size (every variant reads them)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
@@ -510,12 +517,13 @@ def main() -> None:
     parser.add_argument(
         "--sparsity", type=float, default=SPARSITY, help="fraction of MLP channels and heads removed per layer"
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="small", help="the TinyGPT size (see MODELS)")
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
-    SPARSITY = args.sparsity
+    SPARSITY, CFG, MODEL = args.sparsity, MODELS[args.model], args.model
     if args.isolate and args.cache is None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:
