@@ -67,6 +67,9 @@ MODELS = {
     "large": TinyGPTConfig(vocab_size=256, n_layer=4, n_head=8, n_kv_head=8, d_model=128, d_ff=512, max_seq_len=SEQ),
 }
 MODEL = "small"
+#: ``--clusters``: what is pruned, ``mlp_heads`` (MLP channels and heads of every layer) or ``residual`` (the
+#: hidden-size channels shared by every layer: embedding, norms, every reader and writer of the residual stream)
+CLUSTERS = "mlp_heads"
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -159,6 +162,8 @@ def fit(module: LM, loader: DataLoader, callbacks=(), epochs: int = 1) -> None:
 
 def small_config() -> TinyGPTConfig:
     keep = 1 - SPARSITY
+    if CLUSTERS == "residual":
+        return dataclasses.replace(CFG, d_model=int(CFG.d_model * keep), head_dim=CFG.hd)
     return dataclasses.replace(CFG, d_ff=int(CFG.d_ff * keep), n_head=int(CFG.n_head * keep),
                                n_kv_head=int(CFG.n_kv_head * keep), head_dim=CFG.hd)  # fmt: skip
 
@@ -171,7 +176,8 @@ def active_params(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------------- variants
 def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bool = False):
     out = []
-    for c in demo_preset.tiny_gpt(model):
+    residual = CLUSTERS == "residual"
+    for c in demo_preset.tiny_gpt(model, mlp=not residual, heads=not residual, residual=residual):
         if (shared_heads and c.name.startswith("heads")) or (shared_mlp and c.name.startswith("mlp")):
             c = dataclasses.replace(c, budget=c.name.split(".")[0])
         out.append(c)
@@ -491,7 +497,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
                "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
-               "--sparsity", str(args.sparsity), "--model", args.model]  # fmt: skip
+               "--sparsity", str(args.sparsity), "--model", args.model, "--clusters", args.clusters]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -499,7 +505,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    global SPARSITY, CFG, MODEL  # noqa: PLW0603 - the module's knobs of the model and pruned size (every variant reads them)
+    global SPARSITY, CFG, MODEL, CLUSTERS  # noqa: PLW0603 - the module's knobs of the model and pruned size (every variant reads them)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
@@ -518,12 +524,15 @@ def main() -> None:
         "--sparsity", type=float, default=SPARSITY, help="fraction of MLP channels and heads removed per layer"
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="the TinyGPT size (see MODELS)")
+    parser.add_argument(
+        "--clusters", choices=("mlp_heads", "residual"), default="mlp_heads", help="what is pruned (see CLUSTERS)"
+    )
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
-    SPARSITY, CFG, MODEL = args.sparsity, MODELS[args.model], args.model
+    SPARSITY, CFG, MODEL, CLUSTERS = args.sparsity, MODELS[args.model], args.model, args.clusters
     if args.isolate and args.cache is None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:
@@ -565,7 +574,8 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
     n = sum(p.numel() for p in TinyGPT(CFG).parameters())
     print(f"\nTinyGPT {n / 1e3:.0f}k params, M={args.M}, R={args.R}, seeds {args.seeds}, "
-          f"target {SPARSITY:.0%} of MLP channels and heads per layer\n")  # fmt: skip
+          f"target {SPARSITY:.0%} of " + ("the residual channels" if CLUSTERS == "residual" else
+          "MLP channels and heads per layer") + "\n")  # fmt: skip
     print(table(rows, args.M, args.R))
 
 
