@@ -231,3 +231,23 @@ def test_a_fresh_trainer_writes_a_new_file_and_keeps_the_old_one(tmp_path):
     assert len(list(tmp_path.glob("pat-teacher-*.safetensors"))) == 2
     names = {saved_teacher(p)["files"][0]["name"] for p in tmp_path.glob("*.ckpt")}
     assert names == {p.name for p in tmp_path.glob("pat-teacher-*.safetensors")}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ddp_rank_zero_writes_one_file_every_rank_resumes_bitwise_and_a_rank_without_it_stops_all():
+    import json
+
+    from tests.common.dist import run_rank_scripts
+
+    outputs = run_rank_scripts(Path(__file__).with_name("ddp_teacher_file_worker.py"), 2, timeout=280)
+    results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert len(r["files"]) == 1  # one file for the replicas, written by rank 0
+        assert r["resumed_teacher_is_warmup_end"]
+        # rank 1 cannot find the file: both ranks raise its error (neither hangs in the next collective)
+        assert r["refused"] is not None
+        assert "is in none of" in r["refused"]
+        assert "[raised on rank 1; all ranks stop here]" in r["refused"]
+    assert results[0]["files"] == results[1]["files"]
