@@ -327,6 +327,12 @@ CASES = [
         "init",
     ),
     (
+        "distill-teacher-dir-type",
+        {"distill_alpha": 0.5, "distill_teacher_store": "file", "distill_teacher_dir": 3},
+        r"`distill_teacher_dir` must be a directory path \(str\) or None, got 3",
+        "init",
+    ),
+    (
         "distill-teacher-dir-without-file",
         {"distill_alpha": 0.5, "distill_teacher_dir": "teachers"},
         r"`distill_teacher_dir='teachers'` is set but `distill_teacher_store` is 'checkpoint'",
