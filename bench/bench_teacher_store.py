@@ -1,7 +1,7 @@
 """Checkpoint bytes with distillation: the teacher in every checkpoint (``distill_teacher_store="checkpoint"``, the
 default) vs written once as a file (``"file"``), on one device and under FSDP2 (2 gloo ranks, distributed checkpoints).
 
-    python bench/bench_teacher_store.py                 # TinyGPT d=256, ffn=1024, 4 layers (3.4M parameters), CPU
+    python bench/bench_teacher_store.py                 # TinyGPT d=256, ffn=1024, 4 layers (4.0M parameters), CPU
     python bench/bench_teacher_store.py --skip-fsdp2    # one device only
 
 Each run trains the demo's ``TinyGPTModule`` with AdamW for ``--steps`` steps (warmup 2, ramp 4, distillation from
