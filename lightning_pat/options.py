@@ -36,10 +36,10 @@ Method = Literal["hard", "group_lasso"]
 METHODS: tuple[str, ...] = ("hard", "group_lasso")
 #: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
 StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
-#: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 #: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
 TeacherStore = Literal["checkpoint", "file"]
 TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
+#: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
     "score", "mode", "group_count_ref", "layer_score",
