@@ -11,6 +11,7 @@ takes the strategy as plain facts (its class name and :data:`StrategyKind`), so 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +36,9 @@ Method = Literal["hard", "group_lasso"]
 METHODS: tuple[str, ...] = ("hard", "group_lasso")
 #: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
 StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
+#: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
+TeacherStore = Literal["checkpoint", "file"]
+TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
@@ -180,10 +184,20 @@ class PruningOptions:
             :mod:`lightning_pat.training.distill`); not FSDP1.
         distill_temperature: The softmax temperature ``T`` (> 0).
         distill_teacher: The teacher module (run on the student's inputs, never updated); ``None`` (default) takes
-            a frozen copy of the model when pruning starts, saved in the callback state for resume (under
-            ``ModelParallelStrategy`` with distributed checkpoints, as shards next to the model's). Under
+            a frozen copy of the model when pruning starts, saved for resume (see ``distill_teacher_store``). Under
             ``ModelParallelStrategy`` a teacher you pass is called as it is: shard it yourself (``fully_shard`` /
-            ``parallelize_module`` in ``configure_model``) or keep a replica on every rank.
+            ``parallelize_module`` in ``configure_model``) or keep a replica on every rank; it is never saved.
+        distill_teacher_store: Where the copied teacher is saved for resume. ``"checkpoint"`` (default): in every
+            checkpoint written during pruning, next to the model (the checkpoint holds the model twice; under
+            ``ModelParallelStrategy`` with distributed checkpoints as shards next to the model's). ``"file"``: once,
+            as safetensors (``pat-teacher-<key>.safetensors``, one per rank when sharded), written into the checkpoint
+            directory (every ``ModelCheckpoint``'s ``dirpath``, else ``default_root_dir``; or ``distill_teacher_dir``)
+            at the first checkpoint save after pruning starts; each checkpoint then holds only the file's name and
+            sha256. On resume the file is looked up next to the checkpoint, then in those directories, and checked
+            at fit start on every rank (a missing, truncated or modified file is an error, never a wrong teacher).
+            Copy the file with the checkpoint; a sharded teacher's files resume only on the same mesh.
+        distill_teacher_dir: With ``distill_teacher_store="file"``: the directory the teacher file is written to
+            and looked up in (after the checkpoint's own directory); ``None`` (default): the checkpoint directory.
         distill_module: The submodule whose forward returns the logits (a tensor, or an output with ``logits``,
             such as a Hugging Face ``ModelOutput``); ``""`` (default) is the LightningModule itself, whose forward
             ``training_step`` must call (``self(x)``).
@@ -251,6 +265,8 @@ class PruningOptions:
     distill_temperature: float = 1.0
     distill_teacher: Any = field(default=None, repr=False, compare=False)
     distill_module: str = ""
+    distill_teacher_store: TeacherStore = "checkpoint"
+    distill_teacher_dir: str | None = None
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -301,6 +317,8 @@ class PruningOptions:
         object.__setattr__(self, "clusters", clusters)
         object.__setattr__(self, "distill_alpha", float(self.distill_alpha))
         object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
+        if self.distill_teacher_dir is not None:
+            object.__setattr__(self, "distill_teacher_dir", os.fspath(self.distill_teacher_dir))
         object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
@@ -400,9 +418,11 @@ def check_distillation(options: PruningOptions) -> None:
     """Check the distillation options (``distill_*``).
 
     Raises:
-        ValueError: If ``distill_alpha`` is outside ``[0, 1]``, ``distill_temperature`` is not a number > 0, or a
-            ``distill_teacher`` is given with ``distill_alpha=0``.
-        TypeError: If ``distill_teacher`` is not a ``torch.nn.Module`` or ``distill_module`` is not a string.
+        ValueError: If ``distill_alpha`` is outside ``[0, 1]``, ``distill_temperature`` is not a number > 0, a
+            ``distill_teacher`` or ``distill_teacher_store="file"`` is given with ``distill_alpha=0``,
+            ``distill_teacher_store`` is unknown, or ``distill_teacher_dir`` is given without the file store.
+        TypeError: If ``distill_teacher`` is not a ``torch.nn.Module``, ``distill_module`` is not a string or
+            ``distill_teacher_dir`` is not a path.
     """
     check_number("distill_alpha", options.distill_alpha, low=0.0, high=1.0)
     temperature = options.distill_temperature
@@ -418,6 +438,20 @@ def check_distillation(options: PruningOptions) -> None:
         raise ValueError("`distill_teacher` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill.")
     if not isinstance(options.distill_module, str):
         raise TypeError(f"`distill_module` must be a submodule name (str), got {options.distill_module!r}.")
+    check_choice("distill_teacher_store", options.distill_teacher_store, TEACHER_STORES)
+    if options.distill_teacher_store == "file" and options.distill_alpha == 0:
+        raise ValueError(
+            "`distill_teacher_store='file'` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill "
+            "(the store says where the copied teacher is saved)."
+        )
+    where = options.distill_teacher_dir
+    if where is not None and (isinstance(where, bytes) or not isinstance(where, (str, os.PathLike)) or not str(where)):
+        raise TypeError(f"`distill_teacher_dir` must be a directory path (str) or None, got {where!r}.")
+    if where is not None and options.distill_teacher_store != "file":
+        raise ValueError(
+            f"`distill_teacher_dir={str(where)!r}` is set but `distill_teacher_store` is "
+            f"{options.distill_teacher_store!r}: the directory is used only with distill_teacher_store='file'."
+        )
 
 
 def check_environment(

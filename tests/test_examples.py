@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # subprocesses; slow only on a busy CPU
@@ -202,6 +203,37 @@ def test_console_script_fit_and_shrink_chain_in_a_shell(tmp_path):
         f"lightning-pat shrink: error: cannot read checkpoint {bad}: not a torch checkpoint or trunc"
     )
     assert not (tmp_path / "bad").exists()
+
+
+def test_console_script_resumes_a_file_stored_teacher_and_refuses_a_modified_file(tmp_path):
+    """`lightning-pat fit` with `distill_teacher_store=file`, then `--ckpt_path` resumes; a modified file stops it."""
+    exe = console_script()
+    ckpts = tmp_path / "runs" / "demo" / "version_0" / "checkpoints"
+    base = [exe, *tiny_fit_args(tmp_path, "demo.yaml")]
+    options = [
+        "--trainer.callbacks.init_args.warmup_steps=1",  # the teacher is taken before step 2 ...
+        "--trainer.callbacks.init_args.distill_alpha=0.5",
+        "--trainer.callbacks.init_args.distill_teacher_store=file",
+    ]
+    first = shell(shlex.join([*base, *options, "--trainer.max_steps=3"]), tmp_path)  # ... and saved after it
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    (teacher,) = ckpts.glob("pat-teacher-*.safetensors")
+    saved = torch.load(ckpts / "last.ckpt", weights_only=True)
+    (state,) = (v for k, v in saved["callbacks"].items() if k.startswith("CoupledPruningCallback"))
+    assert [f["name"] for f in state["distill"]["teacher"]["files"]] == [teacher.name]
+    resume = [*base, *options, "--trainer.max_steps=5", f"--ckpt_path={ckpts / 'last.ckpt'}"]
+    second = shell(shlex.join(resume), tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=5` reached." in second.stdout + second.stderr
+    assert list(ckpts.glob("pat-teacher-*.safetensors")) == [teacher]  # the resumed run wrote no second file
+    data = bytearray(teacher.read_bytes())
+    data[-1] ^= 0xFF
+    teacher.write_bytes(bytes(data))
+    refused = shell(shlex.join(resume), tmp_path)
+    assert refused.returncode != 0
+    assert "distill_teacher_store='file'" in refused.stderr
+    assert "does not hold the teacher this checkpoint was written with" in refused.stderr
+    assert "`Trainer.fit` stopped" not in refused.stdout + refused.stderr
 
 
 @pytest.mark.parametrize("where", ["command-line", "config-file"])

@@ -107,6 +107,8 @@ class CoupledPruningCallback(PruningViews, Callback):
         distill_temperature: float = 1.0,
         distill_teacher: torch.nn.Module | None = None,
         distill_module: str = "",
+        distill_teacher_store: Literal["checkpoint", "file"] = "checkpoint",
+        distill_teacher_dir: str | None = None,
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
@@ -118,6 +120,7 @@ class CoupledPruningCallback(PruningViews, Callback):
                 target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
                 layer_score=layer_score, distill_alpha=distill_alpha,
                 distill_temperature=distill_temperature, distill_teacher=distill_teacher, distill_module=distill_module,
+                distill_teacher_store=distill_teacher_store, distill_teacher_dir=distill_teacher_dir,
             )  # fmt: skip
         self.controller = PruningController(self.options, info=rank_zero_info, forward_error=MisconfigurationException)
         self.metrics: PruningMetrics | None = None
@@ -137,8 +140,13 @@ class CoupledPruningCallback(PruningViews, Callback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Distributed checkpoint: the sharded latents and teacher go next to the model's shards (each rank its own)."""
+        """Distributed checkpoint: the sharded latents and teacher go next to the model's shards (each rank its own).
+
+        With ``distill_teacher_store="file"`` the teacher file is written now, once per directory.
+        """
         checkpoint["state_dict"].update(self.controller.sharded_latents())
+        with _user_errors():
+            self.controller.write_teacher(facts.teacher_dirs(trainer, self.options.distill_teacher_dir))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -194,6 +202,7 @@ class CoupledPruningCallback(PruningViews, Callback):
             self.controller.begin_fit(
                 owner=trainer, global_step=trainer.global_step, ckpt_path=trainer.ckpt_path, key=self.state_key,
                 steps_left=getattr(trainer, "estimated_stepping_batches", float("inf")),
+                teacher_dirs=facts.teacher_dirs(trainer, self.options.distill_teacher_dir),
             )  # fmt: skip
 
     @override

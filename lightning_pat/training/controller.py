@@ -30,6 +30,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from lightning_pat.layer_score import LayerStats, layer_clusters
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
-from lightning_pat.training import state
+from lightning_pat.training import state, teacher_file
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.latent import LatentStore
 
@@ -162,6 +163,7 @@ class PruningController:
                 temperature=options.distill_temperature,
                 teacher=options.distill_teacher,
                 error=forward_error,
+                store=options.distill_teacher_store,
             )  # fmt: skip
             if options.distill
             else None
@@ -457,7 +459,16 @@ class PruningController:
                 "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
             )
 
-    def begin_fit(self, *, owner: object, global_step: int, steps_left: float, ckpt_path: Any, key: str) -> None:
+    def begin_fit(
+        self,
+        *,
+        owner: object,
+        global_step: int,
+        steps_left: float,
+        ckpt_path: Any,
+        key: str,
+        teacher_dirs: Sequence[str] = (),
+    ) -> None:
         """A fit starts: continue a restored state, ``owner``'s previous fit, or start a new schedule at step 0.
 
         ``owner``'s previous fit is continued if it ended (:meth:`end_fit`) at ``global_step``; a fit with a fresh
@@ -469,11 +480,14 @@ class PruningController:
             steps_left: The fit's estimated optimizer steps (``inf`` if unknown), for :meth:`warn_short_fit`.
             ckpt_path: The checkpoint the fit resumes from, if any.
             key: This run's state key in a checkpoint (for the message).
+            teacher_dirs: Where a restored state's teacher file (``distill_teacher_store="file"``) is looked up after
+                the directory of ``ckpt_path``.
 
         Raises:
             ConfigurationError: If the fit resumes (``global_step > 0``) but no state was loaded and there is no
                 previous fit of ``owner`` to continue.
-            ValueError: As for :meth:`start`.
+            ValueError: As for :meth:`start`; on every rank, if a restored state's teacher file cannot be read or
+                checked (see :meth:`~lightning_pat.training.distill.Distiller.restore_file`).
         """
         last = self._last_fit
         carry = last is not None and last[0]() is owner and last[1] == global_step
@@ -486,9 +500,29 @@ class PruningController:
             )
         if self.distiller is not None and not self.restoring and not carry:
             self.distiller.reset()  # a new schedule: a new teacher when pruning starts
+        if self.distiller is not None and self.restoring:
+            self._restore_teacher_file(ckpt_path, teacher_dirs)
         self.start(carry=carry, ckpt_path=ckpt_path)
         if self.shrunk is None:
             self.warn_short_fit(steps_left - global_step)
+
+    def _restore_teacher_file(self, ckpt_path: Any, directories: Sequence[str]) -> None:
+        """Read and check a restored teacher file on every rank; if one rank fails, every rank raises (a collective)."""
+        assert self.distiller is not None
+        if not teacher_file.is_file_entry(self.distiller.saved):
+            return
+        where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
+        error = None
+        try:
+            self.distiller.restore_file(directories=[*where, *directories])
+        except ValueError as err:
+            error = f"CoupledPruningCallback: {err}"
+        distributed.check_rank_agreement({}, error)
+
+    def write_teacher(self, directories: Sequence[str]) -> None:
+        """After a checkpoint save: write the teacher file (``distill_teacher_store="file"``) into ``directories``."""
+        if self.distiller is not None:
+            self.distiller.write_file(directories)
 
     def end_fit(self, *, owner: object, global_step: int) -> None:
         """A fit of ``owner`` ended at ``global_step``: keep what its next fit continues from (:meth:`finish_fit`)."""

@@ -20,10 +20,16 @@ untouched). The teacher is a frozen copy of the student's logits module taken wh
 warmup step, before the first selection; hooks are not copied), or a module the user passes; it is held outside the
 student (not a child: not in the model's ``state_dict`` nor in any optimizer), in eval mode, with
 ``requires_grad=False``. Under ``ModelParallelStrategy`` the copy is sharded like the student
-(:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A copied teacher's
-weights are saved in the callback state (a checkpoint written during pruning therefore holds the weights twice; a
-sharded copy as shards next to the model's in a distributed checkpoint, gathered in a full one); a user's teacher
-is not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica).
+(:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A user's teacher is
+not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica).
+
+Where a copied teacher is saved (``distill_teacher_store``): ``"checkpoint"`` (default) keeps its weights in the
+callback state, so every checkpoint written during pruning holds the model twice (a sharded copy as shards next to
+the model's in a distributed checkpoint, gathered in a full one). ``"file"`` writes them once per directory as
+safetensors at the first checkpoint save after pruning started (:mod:`lightning_pat.training.teacher_file`: per rank
+for a sharded copy) and every checkpoint holds only the file's name and sha256; on resume the file is read and checked
+at fit start (:meth:`Distiller.restore_file`, before the first batch), in the checkpoint's directory first. Either
+store's checkpoint resumes under either setting.
 
 Caveats: the added gradient is computed over every token (padding included); if the logits module's forward is
 recomputed under activation checkpointing the teacher runs again (the gradient is still added once).
@@ -33,8 +39,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +49,7 @@ from torch import Tensor, nn
 
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.teacher import HOOK_DICTS, has_dtensors, local_nbytes, sharded_frozen_copy
-from lightning_pat.training import state
+from lightning_pat.training import state, teacher_file
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +151,23 @@ class Distiller:
         temperature: Softmax temperature, ``> 0``.
         teacher: A user's teacher module, or ``None`` for a frozen copy taken when pruning starts.
         error: The exception type raised on misuse (the controller passes its `forward_error`).
+        store: Where a copied teacher is saved: ``"checkpoint"`` (its weights in every checkpoint) or ``"file"``
+            (written once per directory, see :meth:`write_file`; checkpoints hold a reference).
     """
 
     def __init__(
-        self, *, alpha: float, temperature: float, teacher: nn.Module | None, error: type[Exception] = ValueError
+        self,
+        *,
+        alpha: float,
+        temperature: float,
+        teacher: nn.Module | None,
+        error: type[Exception] = ValueError,
+        store: str = "checkpoint",
     ) -> None:
         self.alpha, self.temperature, self.user_teacher, self.error = alpha, temperature, teacher, error
+        self.store = store
+        self._ref: dict[str, Any] | None = None  # the file reference of the current copied teacher (store="file")
+        self._written: set[str] = set()  # directories this process wrote (or found) the teacher file in
         self.teacher: nn.Module | None = teacher
         self.student: nn.Module | None = None
         self.module_name = ""
@@ -232,6 +250,7 @@ class Distiller:
     def reset(self) -> None:
         """A new schedule: forget a copied teacher and any restored state."""
         self.teacher, self._saved, self._skeleton, self.on = self.user_teacher, None, None, False
+        self._ref, self._written = None, set()
 
     # ------------------------------------------------------------------ the teacher
     def ensure_teacher(self, *, step: int, start: int, share: tuple[Any, ...] = (), ckpt_path: Any = None) -> None:
@@ -263,6 +282,7 @@ class Distiller:
             self.teacher, self._saved, self._skeleton = skeleton, None, None
         elif step == start:
             self.teacher = teacher_copy(self.student, share=share)
+            self._ref, self._written = None, set()
         else:
             raise self.error(
                 f"CoupledPruningCallback(distill_alpha={self.alpha}): the fit continues at step {step}, after "
@@ -333,6 +353,11 @@ class Distiller:
         return replace_logits(output, DistillGrad.apply(logits, target.detach(), self.scale, self.temperature))
 
     # ------------------------------------------------------------------ state
+    @property
+    def saved(self) -> Any:
+        """The restored teacher state waiting for :meth:`ensure_teacher` (``None`` if none)."""
+        return self._saved
+
     def state_dict(self) -> dict[str, Any]:
         """A copied teacher's weights (``None`` before pruning starts or with a user's teacher).
 
@@ -341,7 +366,11 @@ class Distiller:
         a collective, every rank calls this).
         """
         if self.teacher is None or self.teacher is self.user_teacher:
-            return {"teacher": self._saved}
+            return {"teacher": self._ref if self._ref is not None and self._saved is not None else self._saved}
+        if self.store == "file":
+            if self._ref is None:
+                self._ref = teacher_file.reference(self.teacher.state_dict())
+            return {"teacher": self._ref}
         if has_dtensors(self.teacher):
             tensors = self.teacher.state_dict()
             local = {n: distributed.local_tensor(t) for n, t in tensors.items()}
@@ -350,7 +379,7 @@ class Distiller:
 
     def sharded_state(self) -> dict[str, Tensor]:
         """For a distributed checkpoint: a sharded teacher's shards as model-state entries, else ``{}``."""
-        if self.teacher is None or self.teacher is self.user_teacher or not self.sharded_ckpt:
+        if self.teacher is None or self.teacher is self.user_teacher or not self.sharded_ckpt or self.store == "file":
             return {}
         if not has_dtensors(self.teacher):
             return {}
@@ -359,7 +388,48 @@ class Distiller:
         return state.sharded_latents(local, tensors, prefix=state.TEACHER_PREFIX)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Stash a saved teacher; it is rebuilt before the next training batch."""
+        """Stash a saved teacher; it is rebuilt before the next training batch (a file: see :meth:`restore_file`)."""
         self.teacher = self.user_teacher
         teacher = saved.get("teacher")
         self._saved = None if teacher is None else dict(teacher)
+        self._ref, self._written = None, set()
+
+    def restore_file(self, *, directories: Sequence[str | os.PathLike[str]]) -> None:
+        """At fit start: read and check the teacher file a restored reference names (nothing else to do otherwise).
+
+        The file is looked up in ``directories`` in order (the checkpoint's directory first); its tensors wait in
+        memory until :meth:`ensure_teacher` loads them into a fresh copy. A user's teacher needs no file.
+
+        Raises:
+            ValueError: As :func:`lightning_pat.training.teacher_file.read` (missing, truncated, modified or foreign
+                file, a name that is not a plain teacher file name, another world size or layout).
+        """
+        if not teacher_file.is_file_entry(self._saved) or self.user_teacher is not None:
+            return
+        assert self.student is not None
+        entry = dict(self._saved)
+        like_module = self._skeleton if self._skeleton is not None else self.student
+        tensors = teacher_file.read(entry, directories=directories, like=like_module.state_dict(keep_vars=True))
+        self._saved = {"format": "local", "tensors": tensors} if entry.get("sharded") else tensors
+        self._ref = entry
+
+    def write_file(self, directories: Sequence[str | os.PathLike[str]]) -> None:
+        """After a checkpoint save with ``store="file"``: write the teacher file into ``directories`` once each.
+
+        Every rank calls this (a sharded teacher: each rank writes its shards; else rank 0 writes). Nothing happens
+        without a copied teacher (a restored one not rebuilt yet is written from the tensors read at fit start).
+        """
+        if self.store != "file" or self._ref is None:
+            return
+        todo = [str(d) for d in directories if str(d) not in self._written]
+        if not todo:
+            return
+        if self.teacher is not None and self.teacher is not self.user_teacher:
+            tensors: Mapping[str, Tensor] = self.teacher.state_dict()
+        elif isinstance(self._saved, Mapping):
+            tensors = self._saved["tensors"] if is_sharded_entry(self._saved) else self._saved
+        else:
+            return
+        for directory in todo:
+            teacher_file.write(self._ref, tensors, directory)
+            self._written.add(directory)

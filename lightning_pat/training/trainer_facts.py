@@ -99,3 +99,15 @@ def watch_restore(
             before(mod, getattr(connector, "_loaded_checkpoint", None), weights)
 
     return module.register_load_state_dict_pre_hook(hook)
+
+
+def teacher_dirs(trainer: pl.Trainer, configured: str | None) -> list[str]:
+    """Where the distillation teacher file is written (``distill_teacher_store="file"``) and looked up.
+
+    ``configured`` (``distill_teacher_dir``) if given; else the ``dirpath`` of every ``ModelCheckpoint`` (resolved
+    in its setup); else the Trainer's ``default_root_dir``.
+    """
+    if configured is not None:
+        return [configured]
+    found = [str(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", ()) if getattr(cb, "dirpath", None)]
+    return list(dict.fromkeys(found)) or [str(trainer.default_root_dir)]

@@ -1,6 +1,6 @@
 """One rank of the ModelParallelStrategy distillation test (launched per rank by test_distill_model_parallel.py).
 
-    python mp_distill_worker.py DP TP {dcp|full} STOP [user]
+    python mp_distill_worker.py DP TP {dcp|full} STOP [user|file]
 
 A TinyGPT sharded in ``configure_model`` (``model_parallel_worker.LitTiny``: FSDP2 over the data-parallel axis, a
 sequence-parallel TP plan when TP > 1) distils from the default teacher (a frozen copy sharded like it). The fit
@@ -14,7 +14,9 @@ runs uninterrupted with a checkpoint after every step, then again resumed from t
   the student, one forward per step, its bytes logged as ``pruning/teacher_bytes``;
 * ``resume_mismatches``: weights and teacher of the resumed run vs the uninterrupted one (bitwise).
 
-With ``user``, the teacher is the user's: a second TinyGPT sharded by the user in ``configure_model``.
+With ``user``, the teacher is the user's: a second TinyGPT sharded by the user in ``configure_model``. With
+``file``, ``distill_teacher_store="file"``: ``teacher_files`` lists the teacher files in the checkpoint directory and
+``teacher_keys_in_ckpt`` the teacher entries of the step-STOP checkpoint (model state and callback state).
 """
 
 from __future__ import annotations
@@ -138,12 +140,15 @@ class Check(pl.Callback):
             self.bytes_logged.append(float(trainer.callback_metrics["pruning/teacher_bytes"]))
 
 
-def fit(dp: int, tp: int, ckpt: str, *, user: bool, ckpt_path: str | None = None, save: bool = False):
+def fit(
+    dp: int, tp: int, ckpt: str, *, user: bool, ckpt_path: str | None = None, save: bool = False,
+    store: str = "checkpoint",
+):  # fmt: skip
     module = UserTeacherTiny() if user else StepTiny()
     teacher = module.teacher[0] if user else None
     cb = CoupledPruningCallback(
         CLUSTERS, 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, mode="latent", distill_alpha=ALPHA,
-        distill_temperature=TEMPERATURE, distill_module="model", distill_teacher=teacher,
+        distill_temperature=TEMPERATURE, distill_module="model", distill_teacher=teacher, distill_teacher_store=store,
     )  # fmt: skip
     check = Check(cb, teacher)
     callbacks: list = [check, cb, Late(check)]
@@ -162,8 +167,38 @@ def fit(dp: int, tp: int, ckpt: str, *, user: bool, ckpt_path: str | None = None
     return module, cb, check, trainer
 
 
-def main(dp: int, tp: int, ckpt: str, stop: int, user: bool) -> None:
-    module, cb, check, trainer = fit(dp, tp, ckpt, user=user, save=not user)
+def teacher_keys(path: str) -> list[str]:
+    """The teacher's entries in a checkpoint: keys under the teacher prefix, teacher tensors in callback states."""
+    from pathlib import Path
+
+    from lightning_pat.parallel.distributed import read_distributed_checkpoint
+    from lightning_pat.training.state import TEACHER_PREFIX
+
+    root = Path(path)
+    state = read_distributed_checkpoint(root) if root.is_dir() else torch.load(root, weights_only=True)
+    if root.is_dir() and (root / "meta.pt").is_file():
+        state = {**state, **torch.load(root / "meta.pt", weights_only=True)}
+    found: list[str] = []
+
+    def walk(obj, where: str) -> None:  # noqa: ANN001
+        if isinstance(obj, dict):
+            if obj.get("format") == "file":
+                return  # a file reference: names and digests only
+            for key, value in obj.items():
+                name = f"{where}.{key}" if where else str(key)
+                is_ref = isinstance(value, dict) and value.get("format") == "file"
+                if str(key).startswith(TEACHER_PREFIX) or (where.endswith("distill") and key == "teacher" and value):
+                    if is_ref:
+                        continue
+                    found.append(name)
+                walk(value, name)
+
+    walk(state, "")
+    return found
+
+
+def main(dp: int, tp: int, ckpt: str, stop: int, user: bool, store: str = "checkpoint") -> None:
+    module, cb, check, trainer = fit(dp, tp, ckpt, user=user, save=not user, store=store)
     teacher = cb.teacher
     s_params = dict(module.model.named_parameters())
     t_params = dict(teacher.named_parameters())
@@ -193,7 +228,13 @@ def main(dp: int, tp: int, ckpt: str, stop: int, user: bool) -> None:
         warm = {n[len("model.") :]: v for n, v in check.at_warmup_end.items()}
         out["teacher_is_warmup_end"] = all(torch.equal(end[n], warm[n]) for n in end)
         want = full(module.named_parameters())
-        resumed, cb2, _, _ = fit(dp, tp, ckpt, user=False, ckpt_path=f"ckpts/step={stop}.ckpt")
+        if store == "file":
+            from pathlib import Path
+
+            out["teacher_files"] = sorted(p.name for p in Path("ckpts").glob("pat-teacher-*"))
+        if dist.get_rank() == 0:
+            out["teacher_keys_in_ckpt"] = teacher_keys(f"ckpts/step={stop}.ckpt")
+        resumed, cb2, _, _ = fit(dp, tp, ckpt, user=False, ckpt_path=f"ckpts/step={stop}.ckpt", store=store)
         got = full(resumed.named_parameters())
         got_teacher = full(cb2.teacher.state_dict().items())
         out["resume_mismatches"] = [n for n in want if not torch.equal(got[n], want[n])] + [
@@ -203,5 +244,9 @@ def main(dp: int, tp: int, ckpt: str, stop: int, user: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), len(sys.argv) > 5 and sys.argv[5] == "user")
+    extra = sys.argv[5] if len(sys.argv) > 5 else ""
+    main(
+        int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), extra == "user",
+        store="file" if extra == "file" else "checkpoint",
+    )  # fmt: skip
     finish_worker()

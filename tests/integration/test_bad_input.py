@@ -314,6 +314,30 @@ CASES = [
         r"`distill_module='fc'` names no submodule of MLPModule .*or '' for the LightningModule itself",
         "fit",
     ),
+    (
+        "distill-teacher-store",
+        {"distill_alpha": 0.5, "distill_teacher_store": "disk"},
+        r"`distill_teacher_store` must be one of \('checkpoint', 'file'\), got 'disk'",
+        "init",
+    ),
+    (
+        "distill-teacher-store-without-alpha",
+        {"distill_teacher_store": "file"},
+        r"`distill_teacher_store='file'` is set but `distill_alpha` is 0",
+        "init",
+    ),
+    (
+        "distill-teacher-dir-type",
+        {"distill_alpha": 0.5, "distill_teacher_store": "file", "distill_teacher_dir": 3},
+        r"`distill_teacher_dir` must be a directory path \(str\) or None, got 3",
+        "init",
+    ),
+    (
+        "distill-teacher-dir-without-file",
+        {"distill_alpha": 0.5, "distill_teacher_dir": "teachers"},
+        r"`distill_teacher_dir='teachers'` is set but `distill_teacher_store` is 'checkpoint'",
+        "init",
+    ),
 ]
 
 
@@ -554,8 +578,68 @@ def _overwrite_foreign_files(tmp_path, marker):
     return lambda: save_pretrained(nn.Linear(2, 2), out, overwrite=True)
 
 
+def _teacher_file(edit):
+    """A checkpoint written with ``distill_teacher_store="file"`` after pruning started, its file edited by ``edit``."""
+
+    def build(tmp_path, marker):
+        from tests.common.lit_models import StepDataModule
+
+        def callback() -> CoupledPruningCallback:
+            return CoupledPruningCallback(
+                mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=2, distill_alpha=0.5, distill_teacher_store="file"
+            )
+
+        run = tmp_path / "run"
+        trainer = quiet_trainer(max_steps=2, callbacks=[callback()], default_root_dir=run)
+        trainer.fit(StepDataModule(lr=0.1))
+        trainer.save_checkpoint(run / "last.ckpt")
+        (file,) = run.glob("pat-teacher-*.safetensors")
+        edit(run / "last.ckpt", file)
+        resumed = quiet_trainer(max_steps=4, callbacks=[callback()], default_root_dir=run)
+        return lambda: resumed.fit(StepDataModule(lr=0.1), ckpt_path=str(run / "last.ckpt"))
+
+    return build
+
+
+def _flip_last_byte(ckpt, file):
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _teacher_name_outside(ckpt, file):
+    state = torch.load(ckpt, weights_only=True)
+    (key,) = (k for k in state["callbacks"] if k.startswith("CoupledPruningCallback"))
+    state["callbacks"][key]["distill"]["teacher"]["files"][0]["name"] = "../" + file.name
+    torch.save(state, ckpt)
+
+
 # (id, builder(tmp_path, marker) -> the call that reads the input, expected exception, message regex)
 FILE_CASES = [
+    (
+        "teacher-file-missing",
+        _teacher_file(lambda ckpt, file: file.unlink()),
+        MisconfigurationException,
+        r"distill_teacher_store='file'.*teacher file 'pat-teacher-.*' is in none of .*Copy that file next to",
+    ),
+    (
+        "teacher-file-truncated",
+        _teacher_file(lambda ckpt, file: file.write_bytes(file.read_bytes()[:100])),
+        MisconfigurationException,
+        r"distill_teacher_store='file'.*cannot read the teacher file .*not a safetensors file or truncated",
+    ),
+    (
+        "teacher-file-modified",
+        _teacher_file(_flip_last_byte),
+        MisconfigurationException,
+        r"distill_teacher_store='file'.*does not hold the teacher this checkpoint was written with",
+    ),
+    (
+        "teacher-file-name-outside",
+        _teacher_file(_teacher_name_outside),
+        MisconfigurationException,
+        r"distill_teacher_store='file'.*names the teacher file '\.\./pat-teacher-.*', which is not a teacher file",
+    ),
     ("export-pickled-module", _export_pickled_module, ValueError, r"is a pickled module .* pass unsafe_pickle=True"),
     (
         "export-class-outside-allow-list",

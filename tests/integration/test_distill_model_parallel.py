@@ -47,6 +47,7 @@ def test_sharded_teacher_gradient_frozen_and_resumed_bitwise(dp, tp, ckpt, stop)
         assert r["teacher_bytes_local"] < 0.6 * r["full_bytes"]
         assert r["resume_mismatches"] == []
     assert results[0]["dropped"] == results[1]["dropped"]
+    assert results[0]["teacher_keys_in_ckpt"]  # the checkpoint store: the teacher is in every checkpoint
 
 
 @pytest.mark.timeout(450)
@@ -58,3 +59,20 @@ def test_a_teacher_sharded_by_the_user_is_used_as_is():
         assert r["teacher_moved"] == []
         assert r["teacher_grads"] == 0
         assert not r["teacher_in_optimizer"]
+
+
+@pytest.mark.timeout(450)
+def test_file_store_writes_each_ranks_shards_once_and_resumes_bitwise():
+    """``distill_teacher_store="file"`` under FSDP2 with distributed checkpoints: one file per rank, none in the
+    checkpoints, and the resumed teacher is bitwise the model at the warmup end (via the uninterrupted run's)."""
+    results = _run("2", "1", "dcp", "4", "file")
+    for r in results:
+        assert r["checked"] == TOTAL - WARMUP
+        assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
+        assert r["teacher_is_warmup_end"]
+        assert r["resume_mismatches"] == []
+        files = r["teacher_files"]
+        assert len(files) == 2
+        assert [f.rsplit("-", 1)[1] for f in files] == ["rank0of2.safetensors", "rank1of2.safetensors"]
+    assert results[0]["teacher_files"] == results[1]["teacher_files"]
+    assert results[0]["teacher_keys_in_ckpt"] == []  # no teacher shard and no teacher tensor in the checkpoint

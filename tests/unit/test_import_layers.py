@@ -12,7 +12,8 @@ floors listed for its own:
   found by tracing): adds parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
-* ``training`` (options' users: controller, state, latent, metrics, distill, views, callback, recipes, trainer_facts):
+* ``training`` (options' users: controller, state, latent, metrics, distill, teacher_file, views, callback, recipes,
+  trainer_facts):
   adds pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py,
   training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the callback reads from a
   Trainer);
