@@ -21,7 +21,12 @@ statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.ca
 ``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
 ``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
 checkpoint); ``taylor``: ``score="taylor"``; ``recipe`` and ``recipe_w8``: the option set of ``OneShotPruningCallback``
-(the cut at the first step, or after 8 dense steps of the budget). Benchmark-side helpers, not
+(the cut at the first step, or after 8 dense steps of the budget); ``gates`` and ``gates_distill``: learned
+hard-concrete gates per MLP channel and head (Louizos et al. 2018) driven to the target by a Lagrangian term
+(Sheared-LLaMA), the first ``GATES["steps"]`` steps of ``R``, then snapped to the exact per-layer top-k by
+``log_alpha`` (kept gates folded into the reader columns) and healed for the rest of ``R`` with the library's mask
+held (``gates_distill``: distillation from the dense checkpoint in both phases, as ``act_distill``; the gate math is
+in ``bench/hard_concrete.py``, ``--gates`` overrides its hyper-parameters). Benchmark-side helpers, not
 library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
 activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
 the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
@@ -264,7 +269,7 @@ def torchao_optimizer(model: nn.Module, R: int):
 #: ``steps`` of the gate phase (of ``R``), the fraction of them over which the target ramps (``ramp``, then held),
 #: the Adam lr of the gates' ``log_alpha`` (``lr``) and of the Lagrange multipliers (``lambda_lr``), the initial
 #: ``log_alpha`` (``init``: 3 opens a gate with probability ~0.99, deterministic value 1).
-GATES: dict[str, float] = {"steps": 100, "ramp": 0.75, "lr": 0.1, "lambda_lr": 0.1, "init": 3.0}
+GATES: dict[str, float] = {"steps": 50, "ramp": 0.6, "lr": 0.3, "lambda_lr": 0.05, "init": 3.0}
 
 
 class GateLM(LM):
@@ -286,6 +291,7 @@ class GateLM(LM):
         self.log_alpha = nn.ParameterList(nn.Parameter(torch.full((n,), float(hp["init"]))) for n in sizes)
         self.lagrangian = hard_concrete.Lagrangian(self.names)
         self.z: list[torch.Tensor] = []
+        self.trace: list[tuple[int, float, float]] = []  # every 10 steps: (step, expected pruned fraction, target)
         self.handles = []
         for i, block in enumerate(model.layers):
             self.handles.append(block.mlp.down_proj.register_forward_pre_hook(self._gate(i, 1)))
@@ -317,6 +323,8 @@ class GateLM(LM):
         expected = torch.stack([hard_concrete.expected_sparsity(a) for a in self.log_alpha])
         ramp = max(round(self.hp["ramp"] * self.gate_steps), 1)
         target = hard_concrete.ramped_target(self.global_step, target=SPARSITY, ramp_steps=ramp)
+        if self.global_step % 10 == 0:
+            self.trace.append((self.global_step, round(float(expected.mean()), 3), round(target, 3)))
         return loss + self.lagrangian(expected, target)
 
     def configure_optimizers(self):
@@ -412,7 +420,7 @@ def run_gates(name: str, seed: int, ckpt, train: torch.Tensor, R: int) -> tuple[
     fit(module, phase2, [cb])
     if cb.dropped != dropped:
         raise RuntimeError(f"gates: healing held {cb.dropped}, not the snapped cut {dropped}")
-    info.update(gate_steps=gate_steps, gates=hp)
+    info.update(gate_steps=gate_steps, gates=hp, trace=gate_module.trace)
     return model, [cb], info
 
 
