@@ -76,6 +76,9 @@ MODELS = {
     "large": TinyGPTConfig(vocab_size=256, n_layer=4, n_head=8, n_kv_head=8, d_model=128, d_ff=512, max_seq_len=SEQ),
 }
 MODEL = "small"
+#: ``--clusters``: what is pruned, ``mlp_heads`` (MLP channels and heads of every layer) or ``residual`` (the
+#: hidden-size channels shared by every layer: embedding, norms, every reader and writer of the residual stream)
+CLUSTERS = "mlp_heads"
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -171,6 +174,8 @@ def fit(module: LM, loader: DataLoader, callbacks=(), epochs: int = 1) -> None:
 
 def small_config() -> TinyGPTConfig:
     keep = 1 - SPARSITY
+    if CLUSTERS == "residual":
+        return dataclasses.replace(CFG, d_model=int(CFG.d_model * keep), head_dim=CFG.hd)
     return dataclasses.replace(CFG, d_ff=int(CFG.d_ff * keep), n_head=int(CFG.n_head * keep),
                                n_kv_head=int(CFG.n_kv_head * keep), head_dim=CFG.hd)  # fmt: skip
 
@@ -183,7 +188,8 @@ def active_params(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------------- variants
 def clusters_for(model: nn.Module, *, shared_heads: bool = False, shared_mlp: bool = False):
     out = []
-    for c in demo_preset.tiny_gpt(model):
+    residual = CLUSTERS == "residual"
+    for c in demo_preset.tiny_gpt(model, mlp=not residual, heads=not residual, residual=residual):
         if (shared_heads and c.name.startswith("heads")) or (shared_mlp and c.name.startswith("mlp")):
             c = dataclasses.replace(c, budget=c.name.split(".")[0])
         out.append(c)
@@ -283,8 +289,11 @@ class GateLM(LM):
     def __init__(self, model: nn.Module, steps: int, *, opt_state, gate_steps: int, teacher: nn.Module | None,
                  hp: dict[str, float]) -> None:  # fmt: skip
         super().__init__(model, steps, warmup=0, decay=True, opt_state=opt_state)
-        if CFG.n_kv_head != CFG.n_head:
-            raise ValueError("gates*: one gate per head needs n_kv_head == n_head (a head cluster unit is a head)")
+        if CFG.n_kv_head != CFG.n_head or CLUSTERS != "mlp_heads":
+            raise ValueError(
+                "gates*: one gate per MLP channel and per head needs --clusters mlp_heads and n_kv_head == n_head, got "
+                f"--clusters {CLUSTERS}, n_head={CFG.n_head}, n_kv_head={CFG.n_kv_head}"
+            )
         self.gate_steps, self.hp, self.distill_teacher = gate_steps, hp, [teacher]
         self.names = [f"mlp.{i}" for i in range(CFG.n_layer)] + [f"heads.{i}" for i in range(CFG.n_layer)]
         sizes = [CFG.d_ff] * CFG.n_layer + [CFG.n_head] * CFG.n_layer
@@ -676,7 +685,8 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
                "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
-               "--sparsity", str(args.sparsity), "--model", args.model, "--gates", args.gates]  # fmt: skip
+               "--sparsity", str(args.sparsity), "--model", args.model, "--clusters", args.clusters,
+               "--gates", args.gates]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -684,7 +694,7 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    global SPARSITY, CFG, MODEL  # noqa: PLW0603 - the module's knobs of the model and pruned size (every variant reads them)
+    global SPARSITY, CFG, MODEL, CLUSTERS  # noqa: PLW0603 - the module's knobs of the model and pruned size (every variant reads them)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--M", type=int, default=500, help="dense steps before pruning")
@@ -704,6 +714,9 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="the TinyGPT size (see MODELS)")
     parser.add_argument(
+        "--clusters", choices=("mlp_heads", "residual"), default="mlp_heads", help="what is pruned (see CLUSTERS)"
+    )
+    parser.add_argument(
         "--gates", default="", help="override GATES for the gates* variants: key=value,... (tune on seeds 10-12 only)"
     )
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
@@ -711,7 +724,7 @@ def main() -> None:
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
-    SPARSITY, CFG, MODEL = args.sparsity, MODELS[args.model], args.model
+    SPARSITY, CFG, MODEL, CLUSTERS = args.sparsity, MODELS[args.model], args.model, args.clusters
     for item in filter(None, args.gates.split(",")):
         key, _, value = item.partition("=")
         if key not in GATES:
@@ -758,7 +771,8 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
     n = sum(p.numel() for p in TinyGPT(CFG).parameters())
     print(f"\nTinyGPT {n / 1e3:.0f}k params, M={args.M}, R={args.R}, seeds {args.seeds}, "
-          f"target {SPARSITY:.0%} of MLP channels and heads per layer\n")  # fmt: skip
+          f"target {SPARSITY:.0%} of " + ("the residual channels" if CLUSTERS == "residual" else
+          "MLP channels and heads per layer") + "\n")  # fmt: skip
     print(table(rows, args.M, args.R))
 
 
