@@ -21,7 +21,12 @@ statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.ca
 ``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
 ``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
 checkpoint); ``taylor``: ``score="taylor"``; ``recipe`` and ``recipe_w8``: the option set of ``OneShotPruningCallback``
-(the cut at the first step, or after 8 dense steps of the budget). Benchmark-side helpers, not
+(the cut at the first step, or after 8 dense steps of the budget); ``gates`` and ``gates_distill``: learned
+hard-concrete gates per MLP channel and head (Louizos et al. 2018) driven to the target by a Lagrangian term
+(Sheared-LLaMA), the first ``GATES["steps"]`` steps of ``R``, then snapped to the exact per-layer top-k by
+``log_alpha`` (kept gates folded into the reader columns) and healed for the rest of ``R`` with the library's mask
+held (``gates_distill``: distillation from the dense checkpoint in both phases, as ``act_distill``; the gate math is
+in ``bench/hard_concrete.py``, ``--gates`` overrides its hyper-parameters). Benchmark-side helpers, not
 library features: knowledge distillation from the frozen dense checkpoint (``kd``), the earlier benchmark-side
 activation score (``act_patch``, a cross-check of the library's: EMA of each unit's mean squared reader input times
 the reader column's squared norm, patched into the pruner's score method), Lightning's ``ModelPruning`` (per tensor,
@@ -53,8 +58,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hard_concrete  # noqa: E402  (bench/hard_concrete.py, next to this script)
+
 from lightning_pat import CoupledPruningCallback  # noqa: E402
 from lightning_pat.activation import calibrate  # noqa: E402
+from lightning_pat.core.selection import num_to_drop  # noqa: E402
 from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import prune_clusters  # noqa: E402
@@ -115,9 +124,10 @@ class LM(pl.LightningModule):
     """Next-byte LM; lr = warmup then constant, or (``decay``) linear decay to ``LR_END`` over the fit."""
 
     def __init__(self, model: nn.Module, steps: int, *, warmup: int, decay: bool, opt_state=None, teacher=None,
-                 kd_alpha: float = 0.0, make_opt=None) -> None:  # fmt: skip
+                 kd_alpha: float = 0.0, make_opt=None, offset: int = 0) -> None:  # fmt: skip
         super().__init__()
         self.model, self.steps, self.warmup, self.decay = model, steps, warmup, decay
+        self.offset = offset  # steps of the lr schedule taken by an earlier fit (``gates*``: the gate phase)
         self.opt_state, self.kd_alpha, self.make_opt = opt_state, kd_alpha, make_opt
         self.teacher = [teacher]  # a list: not a submodule (frozen, not optimized, not saved)
 
@@ -139,16 +149,18 @@ class LM(pl.LightningModule):
             for g in opt.param_groups:
                 g["lr"] = LR
 
-        def factor(step: int) -> float:
-            if step < self.warmup:
-                return (step + 1) / self.warmup
-            if not self.decay:
-                return 1.0
-            frac = min(step / max(self.steps - 1, 1), 1.0)
-            return 1.0 - frac * (1 - LR_END / LR)
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def factor(self, step: int) -> float:
+        """The lr multiplier at ``step`` of this fit."""
+        step += self.offset
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if not self.decay:
+            return 1.0
+        frac = min(step / max(self.steps - 1, 1), 1.0)
+        return 1.0 - frac * (1 - LR_END / LR)
 
 
 def fit(module: LM, loader: DataLoader, callbacks=(), epochs: int = 1) -> None:
@@ -258,6 +270,169 @@ def torchao_optimizer(model: nn.Module, R: int):
     return PruneOptimizer(base, warmup_steps=0, healing_start_step=max(R // 2, 2))
 
 
+# ---------------------------------------------------------------------------------------------------- learned gates
+#: ``gates*`` hyper-parameters (``--gates key=value,...`` overrides them; tuned on seeds 10-12 only, see BENCHMARKS.md):
+#: ``steps`` of the gate phase (of ``R``), the fraction of them over which the target ramps (``ramp``, then held),
+#: the Adam lr of the gates' ``log_alpha`` (``lr``) and of the Lagrange multipliers (``lambda_lr``), the initial
+#: ``log_alpha`` (``init``: 3 opens a gate with probability ~0.99, deterministic value 1).
+GATES: dict[str, float] = {"steps": 50, "ramp": 0.6, "lr": 0.3, "lambda_lr": 0.05, "init": 3.0}
+
+
+class GateLM(LM):
+    """The gate phase of ``gates*``: one hard-concrete gate per MLP channel and per head of every layer, learned
+    jointly with the weights under the Lagrangian term that drives each cluster's expected pruned fraction to the
+    (ramped) target. The gates multiply the readers' inputs (``down_proj``: the channel; ``o_proj``: the head's
+    slice), a fresh sample per training step. ``distill_teacher``: the loss is ``CE + 0.5 * KL(teacher || student)``
+    per token (the library's ``distill_alpha=0.5`` at temperature 1, written out here).
+    """
+
+    def __init__(self, model: nn.Module, steps: int, *, opt_state, gate_steps: int, teacher: nn.Module | None,
+                 hp: dict[str, float]) -> None:  # fmt: skip
+        super().__init__(model, steps, warmup=0, decay=True, opt_state=opt_state)
+        if CFG.n_kv_head != CFG.n_head or CLUSTERS != "mlp_heads":
+            raise ValueError(
+                "gates*: one gate per MLP channel and per head needs --clusters mlp_heads and n_kv_head == n_head, got "
+                f"--clusters {CLUSTERS}, n_head={CFG.n_head}, n_kv_head={CFG.n_kv_head}"
+            )
+        self.gate_steps, self.hp, self.distill_teacher = gate_steps, hp, [teacher]
+        self.names = [f"mlp.{i}" for i in range(CFG.n_layer)] + [f"heads.{i}" for i in range(CFG.n_layer)]
+        sizes = [CFG.d_ff] * CFG.n_layer + [CFG.n_head] * CFG.n_layer
+        self.log_alpha = nn.ParameterList(nn.Parameter(torch.full((n,), float(hp["init"]))) for n in sizes)
+        self.lagrangian = hard_concrete.Lagrangian(self.names)
+        self.z: list[torch.Tensor] = []
+        self.trace: list[tuple[int, float, float]] = []  # every 10 steps: (step, expected pruned fraction, target)
+        self.handles = []
+        for i, block in enumerate(model.layers):
+            self.handles.append(block.mlp.down_proj.register_forward_pre_hook(self._gate(i, 1)))
+            self.handles.append(block.attn.o_proj.register_forward_pre_hook(self._gate(CFG.n_layer + i, CFG.hd)))
+
+    def _gate(self, k: int, width: int):
+        def hook(mod, args):
+            z = self.z[k] if self.z else hard_concrete.deterministic_gate(self.log_alpha[k])
+            return (args[0] * z.repeat_interleave(width).to(args[0].dtype),)
+
+        return hook
+
+    def remove_gates(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.z = [], []
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        self.z = [hard_concrete.sample_gate(a) for a in self.log_alpha]
+        logits = self.model(x[:, :-1])
+        self.z = []
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        if self.distill_teacher[0] is not None:
+            with torch.no_grad():
+                t_logits = self.distill_teacher[0](x[:, :-1])
+            kd = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="none")
+            loss = loss + 0.5 * kd.sum(-1).mean()
+        expected = torch.stack([hard_concrete.expected_sparsity(a) for a in self.log_alpha])
+        ramp = max(round(self.hp["ramp"] * self.gate_steps), 1)
+        target = hard_concrete.ramped_target(self.global_step, target=SPARSITY, ramp_steps=ramp)
+        if self.global_step % 10 == 0:
+            self.trace.append((self.global_step, round(float(expected.mean()), 3), round(target, 3)))
+        return loss + self.lagrangian(expected, target)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        opt.load_state_dict(self.opt_state)
+        for g in opt.param_groups:
+            g["lr"] = LR
+        opt.add_param_group({"params": list(self.log_alpha), "lr": self.hp["lr"], "weight_decay": 0.0})
+        opt.add_param_group({"params": [self.lagrangian.lambdas], "lr": self.hp["lambda_lr"], "weight_decay": 0.0})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [self.factor, lambda s: 1.0, lambda s: 1.0])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@torch.no_grad()
+def snap_gates(model: nn.Module, module: GateLM) -> tuple[dict[str, list[int]], dict]:
+    """Snap every cluster to its exact top-k by ``log_alpha`` (the library's per-layer count, ``num_to_drop``).
+
+    The kept units' deterministic gates are folded into the reader columns (``down_proj`` column, ``o_proj`` head
+    columns); a kept unit whose deterministic gate is 0 is left at its weights' scale (gate 1: folding 0 would kill
+    a unit counted as kept). The dropped units are zeroed in all their parameters (the library's mask then holds).
+
+    Returns:
+        The dropped units per cluster, and diagnostics: the expected pruned fraction at the snap (mean over clusters),
+        the mean folded gate, the kept units reopened from 0, and the dropped units whose gate was still open.
+    """
+    hd = CFG.hd
+    dropped: dict[str, list[int]] = {}
+    folded, reopened, cut_open, expected = [], 0, 0, []
+    for k, name in enumerate(module.names):
+        la = module.log_alpha[k].detach()
+        expected.append(float(hard_concrete.expected_sparsity(la)))
+        kept, drop = hard_concrete.snap_top_k(la, num_to_drop(SPARSITY, la.numel()))
+        z = hard_concrete.deterministic_gate(la)
+        reopened += int((z[kept] == 0).sum())
+        cut_open += int((z[drop] > 0).sum())
+        zk = torch.where(z[kept] > 0, z[kept], torch.ones_like(z[kept]))
+        folded.extend(zk.tolist())
+        kind, layer = name.split(".")
+        block = model.layers[int(layer)]
+        if kind == "mlp":
+            block.mlp.down_proj.weight[:, kept] *= zk
+            block.mlp.gate_proj.weight[drop] = 0
+            block.mlp.up_proj.weight[drop] = 0
+            block.mlp.down_proj.weight[:, drop] = 0
+        else:
+            cols = torch.arange(CFG.n_head * hd).view(CFG.n_head, hd)
+            block.attn.o_proj.weight[:, cols[kept].flatten()] *= zk.repeat_interleave(hd)
+            rows = cols[drop].flatten()
+            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                proj.weight[rows] = 0
+            block.attn.o_proj.weight[:, rows] = 0
+        dropped[name] = drop
+    info = {"expected_at_snap": round(statistics.mean(expected), 4), "reopened": reopened, "cut_open": cut_open,
+            "mean_kept_gate": round(statistics.mean(folded), 4)}  # fmt: skip
+    return dropped, info
+
+
+def run_gates(name: str, seed: int, ckpt, train: torch.Tensor, R: int) -> tuple[nn.Module, list, dict]:
+    """``gates`` / ``gates_distill``: the gate phase, the snap, then the rest of ``R`` healing with the mask held.
+
+    Returns:
+        The model, the healing callbacks, and the diagnostics of :func:`snap_gates` (with the hyper-parameters).
+    """
+    weights, opt_state = ckpt
+    hp = dict(GATES)
+    gate_steps = min(int(hp["steps"]), max(R * 2 // 3, 1))
+    windows = batches(train, R, seed=10_000 + seed).dataset.tensors[0]
+    phase1 = DataLoader(TensorDataset(windows[: gate_steps * BATCH]), batch_size=BATCH, shuffle=False)
+    phase2 = DataLoader(TensorDataset(windows[gate_steps * BATCH :]), batch_size=BATCH, shuffle=False)
+    model = TinyGPT(CFG)
+    model.load_state_dict(weights)
+    dense = None
+    if name == "gates_distill":
+        dense = TinyGPT(CFG).eval()
+        dense.load_state_dict(weights)
+        dense.requires_grad_(False)
+    gate_module = GateLM(model, R, opt_state=opt_state, gate_steps=gate_steps, teacher=dense, hp=hp)
+    fit(gate_module, phase1)
+    sd = gate_module.trainer.optimizers[0].state_dict()
+    ids = sd["param_groups"][0]["params"]  # the model's group: its AdamW state carries into healing
+    state = {i: sd["state"][i] for i in ids if i in sd["state"]}
+    model_state = {"state": state, "param_groups": sd["param_groups"][:1]}
+    gate_module.remove_gates()
+    dropped, info = snap_gates(model, gate_module)
+    check = prune_clusters(model, clusters_for(model), SPARSITY)  # the zeroed units are the lowest: the same cut
+    if check.dropped != dropped:
+        raise RuntimeError(f"gates: the library's cut {check.dropped} differs from the snapped one {dropped}")
+    heal: dict = {}
+    if dense is not None:
+        heal = {"distill_alpha": 0.5, "distill_module": "model", "distill_teacher": dense}
+    module = LM(model, R, warmup=0, decay=True, opt_state=model_state, offset=gate_steps)
+    cb = CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, **heal)
+    fit(module, phase2, [cb])
+    if cb.dropped != dropped:
+        raise RuntimeError(f"gates: healing held {cb.dropped}, not the snapped cut {dropped}")
+    info.update(gate_steps=gate_steps, gates=hp, trace=gate_module.trace)
+    return model, [cb], info
+
+
 # name -> dict of callback options (None: a non-callback variant handled in run_variant)
 VARIANTS: dict[str, dict | None] = {
     "dense": None,  # (a) dense continues
@@ -308,6 +483,10 @@ VARIANTS: dict[str, dict | None] = {
         "distill_alpha": 0.5,
         "distill_module": "model",
     },  # fmt: skip
+    # learned hard-concrete gates with a Lagrangian (Sheared-LLaMA), snapped to the exact per-layer top-k, then healing
+    # with the mask held (``gates_distill``: the library's distillation from the dense checkpoint in both phases)
+    "gates": None,
+    "gates_distill": None,
     "oneshot": None,  # (c) prune_clusters at the final target, then R steps with the mask held
     "oneshot_kd": None,
     "oneshot_act": None,
@@ -349,6 +528,11 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         shared = {k: opts.pop(k) for k in ("shared_heads", "shared_mlp") if k in opts}
         cb = CoupledPruningCallback(clusters_for(module, **shared), target_sparsity=SPARSITY, **opts)
         callbacks = [cb] + ([ActivationScore(cb)] if act else [])
+    elif name.startswith("gates"):
+        model, callbacks, info = run_gates(name, seed, ckpt, train, R)
+        row = _result(name, seed, model, val, t0)
+        row.update(info, same_units=_same_units(weights, callbacks[0].dropped, {}))
+        return row
     elif name.startswith("oneshot"):
         if name.startswith("oneshot_act"):  # calibration on 8 training batches, one selection, then R steps
             calib = [b[0][:, :-1] for b in batches(train, 8, seed=20_000 + seed)]
@@ -402,14 +586,18 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
         return _result(name, seed, model, val, t0)
     fit(module, loader, callbacks)
     row = _result(name, seed, model, val, t0)
-    if opts is not None:  # how many of the finally dropped units one-shot pruning of the checkpoint also drops
-        ref = TinyGPT(CFG)
-        ref.load_state_dict(weights)
-        oneshot = prune_clusters(ref, clusters_for(ref, **shared), SPARSITY).dropped
-        final = callbacks[0].dropped
-        same = sum(len(set(final[k]) & set(oneshot[k])) for k in oneshot)
-        row["same_units"] = round(same / max(sum(len(v) for v in oneshot.values()), 1), 3)
+    if opts is not None:
+        row["same_units"] = _same_units(weights, callbacks[0].dropped, shared)
     return row
+
+
+def _same_units(weights: dict, final: dict[str, list[int]], shared: dict) -> float:
+    """How many of the finally dropped units one-shot pruning (rms) of the checkpoint also drops."""
+    ref = TinyGPT(CFG)
+    ref.load_state_dict(weights)
+    oneshot = prune_clusters(ref, clusters_for(ref, **shared), SPARSITY).dropped
+    same = sum(len(set(final[k]) & set(oneshot[k])) for k in oneshot)
+    return round(same / max(sum(len(v) for v in oneshot.values()), 1), 3)
 
 
 class _Epochs:
@@ -497,7 +685,8 @@ def _isolated(name: str, seed: int, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "row.jsonl"
         cmd = [sys.executable, __file__, "--M", str(args.M), "--R", str(args.R), "--seeds", str(seed),
                "--variants", name, "--jsonl", str(out), "--val-windows", str(args.val_windows),
-               "--sparsity", str(args.sparsity), "--model", args.model, "--clusters", args.clusters]  # fmt: skip
+               "--sparsity", str(args.sparsity), "--model", args.model, "--clusters", args.clusters,
+               "--gates", args.gates]  # fmt: skip
         if args.cache:
             cmd += ["--cache", str(args.cache)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -527,12 +716,20 @@ def main() -> None:
     parser.add_argument(
         "--clusters", choices=("mlp_heads", "residual"), default="mlp_heads", help="what is pruned (see CLUSTERS)"
     )
+    parser.add_argument(
+        "--gates", default="", help="override GATES for the gates* variants: key=value,... (tune on seeds 10-12 only)"
+    )
     parser.add_argument("--ref", default="oneshot", help="the variant of the paired-difference column (--table)")
     parser.add_argument(
         "--isolate", action="store_true", help="run every (variant, seed) in a fresh process (order-independent)"
     )
     args = parser.parse_args()
     SPARSITY, CFG, MODEL, CLUSTERS = args.sparsity, MODELS[args.model], args.model, args.clusters
+    for item in filter(None, args.gates.split(",")):
+        key, _, value = item.partition("=")
+        if key not in GATES:
+            parser.error(f"--gates: unknown key {key!r}; expected some of {sorted(GATES)}")
+        GATES[key] = float(value)
     if args.isolate and args.cache is None:
         parser.error("--isolate needs --cache (each fresh process loads the dense checkpoint from there)")
     if args.table:
