@@ -436,7 +436,10 @@ def run_gates(name: str, seed: int, ckpt, train: torch.Tensor, R: int) -> tuple[
 # name -> dict of callback options (None: a non-callback variant handled in run_variant)
 VARIANTS: dict[str, dict | None] = {
     "dense": None,  # (a) dense continues
-    "default": {},  # (b) library defaults (ramp_steps=100, cubic, latent, hard, rms, per-layer budgets)
+    "default": {},  # (b) library defaults (ramp_steps=100, cubic, latent, hard, per-layer budgets, score="auto")
+    # the weight score: the default of every run recorded before score="auto" (activation wherever it runs) became
+    # the default; the knob variants below ("direct", "ramp50", ...) ran with it then and with "auto" since
+    "rms": {"score": "rms"},
     "direct": {"mode": "direct"},
     "ramp25": {"ramp_steps": 25},
     "ramp50": {"ramp_steps": 50},
@@ -547,7 +550,9 @@ def run_variant(name: str, seed: int, ckpt, data, M: int, R: int) -> dict:
             dense = TinyGPT(CFG)
             dense.load_state_dict(weights)
             heal = {"distill_alpha": 0.5, "distill_module": "model", "distill_teacher": dense}
-        callbacks = [CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, **heal)]
+        callbacks = [
+            CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, score="rms", **heal)
+        ]
     elif name.startswith("scratch"):
         torch.manual_seed(seed)
         steps = R if name == "scratch_R" else M + R

@@ -3,9 +3,10 @@ r"""Activation-aware unit scores: input statistics of each cluster's readers (op
 A reader member (channel axis on dim 1) is the ``weight`` of an ``nn.Linear`` whose input channel ``j`` carries
 the cluster's unit ``c(j)``. A forward pre-hook on that module keeps, per input channel, an exponential moving
 average (``beta``, deterministic, float64) of the mean of ``x_j^2`` over all leading dims, taken only in training
-forwards (``module.training`` and grad enabled; squares summed in float32). Under activation checkpointing each
-batch still counts once: a forward recomputed during the backward is skipped when its first pass was counted
-(non-reentrant checkpoint) and counted when that pass ran under ``no_grad`` (reentrant checkpoint). The score of
+forwards (grad enabled, and ``module.training`` or inside a training batch of the callback; squares summed in
+float32). Under activation checkpointing each batch still counts once: a forward recomputed during the backward is
+skipped when its first pass was counted (non-reentrant checkpoint) and counted when that pass ran under ``no_grad``
+(reentrant checkpoint). The score of
 unit ``c`` is the expected squared contribution of its channels to the readers' outputs::
 
     score_c = sqrt( sum over readers r, sum over channels j of unit c: E[x_j^2] * ||W_r[:, j]||^2 )
@@ -328,9 +329,9 @@ class ActivationStats(TrainingForwardHooks):
             cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)
             raise ValueError(
                 f"Cluster {cluster!r}: score='activation' has no statistics for reader {param!r} (module "
-                f"{name!r}): no training forward (module.training and grad enabled) with finite inputs has reached "
-                f"it yet ({self.skipped.get(name, 0)} non-finite batch(es) skipped on this rank). Run "
-                "at least one training step before the first selection, or calibrate() first for one-shot use."
+                f"{name!r}): no training forward (grad enabled, in train mode or inside a training batch) with finite "
+                f"inputs has reached it yet ({self.skipped.get(name, 0)} non-finite batch(es) skipped on this rank). "
+                "Run at least one training step before the first selection, or calibrate() first for one-shot use."
             )
         if not bool(torch.isfinite(value).all()):
             cluster, param = next((c, m.name) for c, rs in self.readers.items() for m, n in rs if n == name)

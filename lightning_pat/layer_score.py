@@ -17,11 +17,12 @@ forward (its output projections are zero), so it keeps score 0 and stays dropped
 
 Tokens where both vectors are zero count as unchanged (``cos = 1``), where one is zero as orthogonal (``cos = 0``);
 a token whose cosine is not finite (NaN/Inf hidden states) is left out of both sums. Only training forwards count
-(``module.training`` and grad enabled); a forward that activation checkpointing recomputes during the backward is
-counted once. Hidden states that are DTensors are read through their local shards when every token's hidden vector
-is whole on the rank (``Replicate`` or ``Shard`` on a token dim, as sequence parallelism places them): tokens that
-several ranks hold are counted by each of them in the sum and in the count alike, so the mean is unchanged. A
-hidden dim that is sharded, or a pending (``Partial``) sum, is refused with a clear error at the next selection.
+(grad enabled, and ``module.training`` or inside a training batch of the callback); a forward that activation
+checkpointing recomputes during the backward is counted once. Hidden states that are DTensors are read through
+their local shards when every token's hidden vector is whole on the rank (``Replicate`` or ``Shard`` on a token dim,
+as sequence parallelism places them): tokens that several ranks hold are counted by each of them in the sum and in
+the count alike, so the mean is unchanged. A hidden dim that is sharded, or a pending (``Partial``) sum, is refused
+with a clear error at the next selection.
 
 Cost per training forward and layer: three dot products over the hidden states (``3 N H`` multiply-adds, against
 the layer's ``~24 N H^2``) and two numbers of state.

@@ -21,7 +21,7 @@ import torch
 from lightning_pat import presets
 from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
-from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
+from lightning_pat.core.scoring import SCORE_TYPES
 from lightning_pat.core.spec import Cluster, check_declaration
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
 from lightning_pat.flops import check_flops
@@ -49,6 +49,9 @@ MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
 _FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
+#: The callback's scores: a score of :data:`~lightning_pat.core.scoring.SCORE_TYPES`, or ``"auto"`` (the default).
+TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
+TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
 
 
 def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
@@ -153,11 +156,16 @@ class PruningOptions:
             latent and ``gamma`` is the sum of learning rates since warmup; in ``direct`` mode it acts on weights
             that earlier steps already shrank and ``gamma`` is the sum of learning rates since the previous fresh
             selection (this step's lr with ``every_n_steps=1``): a proximal gradient step.
-        score: Unit score: ``"rms"`` (default), ``"l2"`` or ``"param_cost"`` (from the weights), or
-            ``"activation"`` (opt-in, Minitron-style: each unit's expected squared contribution to its readers'
+        score: Unit score: ``"auto"`` (default): ``"activation"`` wherever it runs, else ``"rms"`` (under FSDP1,
+            and for clusters without an ``nn.Linear`` reader, e.g. convolutions); the choice is logged at setup,
+            and a resumed run keeps the score its checkpoint was written with. The activation score beat the weight
+            score at 75% on two budgets of three (on every seed) and at 50% on two of three in the quality
+            benchmark, and never lost (BENCHMARKS.md). ``"rms"``, ``"l2"`` or ``"param_cost"`` (from the weights),
+            or ``"activation"`` (Minitron-style: each unit's expected squared contribution to its readers'
             outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
             over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
-            weights; see :mod:`lightning_pat.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
+            weights; its statistics need a training forward through every reader before the first selection; see
+            :mod:`lightning_pat.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
             over the real steps between selections, from the gradients the optimizer applies; see
             :mod:`lightning_pat.gradient`). Both data-aware scores run on one device, DDP and
             ``ModelParallelStrategy`` (FSDP2/TP: they ride in the sharded path's one gather), not under FSDP1.
@@ -245,7 +253,7 @@ class PruningOptions:
     heal: bool = True
     method: Method = "hard"
     reg_lambda: float = 0.0
-    score: ScoreType = "rms"
+    score: TrainingScore = "auto"
     mode: Mode = "latent"
     executor: ExecutorKind = "auto"
     group_count_ref: int | None = None
@@ -273,7 +281,7 @@ class PruningOptions:
         check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
         check_number("reg_lambda", self.reg_lambda, low=0.0)
         check_choice("method", self.method, METHODS)
-        check_choice("score", self.score, SCORE_TYPES)
+        check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)
         check_choice("layer_score", self.layer_score, LAYER_SCORES)
         check_choice("executor", self.executor, EXECUTOR_KINDS)

@@ -2,9 +2,10 @@
 
 :class:`TrainingForwardHooks` registers one hook per named module (:meth:`~TrainingForwardHooks.attach`,
 :meth:`~TrainingForwardHooks.detach`) and tells a hook whether the call is a training forward to count
-(:meth:`~TrainingForwardHooks.training_forward`): ``module.training`` and grad enabled. Under activation
-checkpointing each batch still counts once: a forward recomputed during the backward is skipped when its first
-pass was counted (non-reentrant checkpoint) and counted when that pass ran under ``no_grad`` (reentrant checkpoint).
+(:meth:`~TrainingForwardHooks.training_forward`): grad enabled, and ``module.training`` or
+:attr:`~TrainingForwardHooks.in_batch`. Under activation checkpointing each batch still counts once: a forward
+recomputed during the backward is skipped when its first pass was counted (non-reentrant checkpoint) and counted
+when that pass ran under ``no_grad`` (reentrant checkpoint).
 Used by :mod:`lightning_pat.activation` (reader inputs) and :mod:`lightning_pat.layer_score` (layer cosines).
 """
 
@@ -34,6 +35,10 @@ class TrainingForwardHooks:
         self._handles: list[Any] = []
         self._unrecomputed: dict[str, int] = {}  # counted forwards that activation checkpointing may recompute
         self._forced = False  # inside collecting(): every forward counts
+        #: A training batch is open (set by the caller, e.g. the pruning controller): a forward counts with grad
+        #: enabled even if the module is in eval mode (Lightning keeps the eval mode of submodules during fit, which
+        #: is how a model from ``from_pretrained`` arrives).
+        self.in_batch = False
 
     def hooked_modules(self) -> Mapping[str, nn.Module]:
         """Name -> module to hook."""
@@ -74,10 +79,14 @@ class TrainingForwardHooks:
                 self.detach()
 
     def training_forward(self, name: str, module: nn.Module) -> bool:
-        """Whether this call of ``module`` counts: a training forward, or any forward inside :meth:`collecting`."""
+        """Whether this call of ``module`` counts: a training forward, or any forward inside :meth:`collecting`.
+
+        A training forward runs with grad enabled, in train mode or while :attr:`in_batch` is set; a forward that
+        activation checkpointing recomputes during the backward counts only if its first pass did not.
+        """
         if self._forced:
             return True
-        if not module.training:
+        if not (module.training or self.in_batch):
             return False
         if in_backward():  # activation checkpointing recomputes this forward during the backward
             if self._unrecomputed.get(name, 0) > 0:  # its first pass was counted (non-reentrant)

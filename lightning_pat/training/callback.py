@@ -19,9 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.spec import Cluster
-from lightning_pat.options import Method, Mode, PruningOptions, check_environment, options_doc
+from lightning_pat.options import Method, Mode, PruningOptions, TrainingScore, check_environment, options_doc
 from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.training import trainer_facts as facts
 from lightning_pat.training.controller import ConfigurationError, PruningController
@@ -87,7 +86,7 @@ class CoupledPruningCallback(PruningViews, Callback):
         heal: bool = True,
         method: Method = "hard",
         reg_lambda: float = 0.0,
-        score: ScoreType = "rms",
+        score: TrainingScore = "auto",
         mode: Mode = "latent",
         executor: ExecutorKind = "auto",
         group_count_ref: int | None = None,

@@ -26,6 +26,7 @@ or cluster; the callback turns them into ``MisconfigurationException``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -136,6 +137,9 @@ class PruningController:
         forward_error: type[Exception] = ConfigurationError,
     ) -> None:
         self.options = options
+        #: The score in use: ``options.score``, or what ``"auto"`` resolved to (see :meth:`bind`)
+        self.score: str = "rms" if options.score == "auto" else options.score
+        self._fallback: str | None = None  # why score="auto" fell back to "rms" for these clusters
         self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
         self.progress = state.Progress()
@@ -289,12 +293,13 @@ class PruningController:
             self.layer_stats = None
             return
         opts = self.options
+        self.score = opts.score if opts.score != "auto" else ("rms" if fsdp1_root is not None else "activation")
         with self._weights() as params:
             plan, error = None, None
             try:
                 declarations = self._declarations(module)
                 plan = make_plan(
-                    params, declarations, score=opts.score, executor=opts.executor,
+                    params, declarations, score=self.score, executor=opts.executor,
                     group_count_ref=opts.group_count_ref,
                     sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
                 )  # fmt: skip
@@ -314,14 +319,8 @@ class PruningController:
             distributed.check_rank_agreement(digest, error)
             assert plan is not None
             self.plan, self.resolved = plan, list(plan.clusters)
-            self.pruner = Pruner(params, plan)
+            self._use_score(self.score, params)
             layers = layer_clusters(self.resolved)
-            if opts.score == "activation" and len(layers) < len(self.resolved):  # layer units: scored below
-                with prefixed("CoupledPruningCallback(score='activation')"):
-                    self.act = ActivationStats(module, self.resolved)
-            if opts.score == "taylor":
-                with prefixed("CoupledPruningCallback(score='taylor')"):
-                    self.taylor = TaylorScores(self.pruner.executors)
             if layers and opts.layer_score == "cosine":
                 with prefixed("CoupledPruningCallback(layer_score='cosine')"):
                     self.layer_stats = LayerStats(module, layers)
@@ -340,8 +339,50 @@ class PruningController:
         if self.size is not None:
             which = "target_params" if opts.target_flops is None else "target_flops"
             self._info(f"CoupledPruningCallback {which}: {self.size.describe()}")
+        if opts.score == "auto":
+            self._info(f"CoupledPruningCallback: score='auto' scores units by {self.score!r} ({self._why_score()}).")
         lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
         self._info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
+
+    def _use_score(self, score: str, params: Mapping[str, Tensor]) -> None:
+        """Build the pruner and the score's collectors for ``score``; ``"auto"`` falls back to ``"rms"`` if needed.
+
+        ``score="auto"`` is ``"activation"`` wherever its statistics can score the clusters, else ``"rms"``: under
+        FSDP1 (decided in :meth:`bind`) and for clusters without an ``nn.Linear`` reader (e.g. convolutions).
+
+        Raises:
+            ValueError: If an explicit ``score="activation"`` cannot score the clusters (no ``nn.Linear`` reader).
+        """
+        assert self.plan is not None
+        assert self._module is not None
+        self.act, self.taylor, self._fallback = None, None, None
+        if score == "activation" and len(layer_clusters(self.resolved)) < len(self.resolved):  # layers: scored apart
+            try:
+                with prefixed("CoupledPruningCallback(score='activation')"):
+                    self.act = ActivationStats(self._module, self.resolved)
+            except ValueError as err:
+                if self.options.score != "auto":
+                    raise
+                score, self._fallback = "rms", str(err)
+        self.score = score
+        if self.plan.score != score:
+            self.plan = dataclasses.replace(self.plan, score=score)
+        self.pruner = Pruner(params, self.plan)
+        if score == "taylor":
+            with prefixed("CoupledPruningCallback(score='taylor')"):
+                self.taylor = TaylorScores(self.pruner.executors)
+
+    def _why_score(self) -> str:
+        """Why ``score="auto"`` uses :attr:`score` (for the log)."""
+        if self.score == "activation":
+            return "the readers' input statistics, collected in training forwards; pass score='rms' for the weights"
+        if self._fallback is not None:
+            return f"the activation score cannot score these clusters: {self._fallback}"
+        return "the activation score does not run under FSDPStrategy (FSDP1)"
+
+    def _resumable(self) -> dict[str, Any]:
+        """The options saved with the state, with the score in use (``"auto"`` resolved)."""
+        return {**self.options.resumable(), "score": self.score}
 
     @contextmanager
     def _weights(self) -> Iterator[dict[str, Tensor]]:
@@ -408,10 +449,16 @@ class PruningController:
 
     def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any) -> None:
         opts = self.options
+        kept = (saved.get("options") or {}).get("score")
+        runs = not (kept == "activation" and self._fsdp1_root is not None)
+        if opts.score == "auto" and kept in ("rms", "activation") and kept != self.score and runs:
+            with self._weights() as params:  # "auto" continues the score the checkpoint was written with
+                self._use_score(kept, params)
+            self._info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {self.score!r}.")
         needs_latents = state.check_restorable(
             saved,
             fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
-            options=opts.resumable(),
+            options=self._resumable(),
             schedule=self.schedule,
             latent_mode=opts.mode == "latent",
             heal=opts.heal,
@@ -545,11 +592,18 @@ class PruningController:
         """
         if self._averaged and first_of_epoch:
             self.reproject()
+        self._batch_open(True)
         if self.distiller is not None:
             self.distiller.ensure_teacher(
                 step=self.progress.step, start=self.schedule.warmup_steps, share=share, ckpt_path=ckpt_path
             )
             self.distiller.open()
+
+    def _batch_open(self, value: bool) -> None:
+        """Tell the statistics collectors that a training batch is open (its forwards count even in eval mode)."""
+        for collector in (self.act, self.layer_stats):
+            if collector is not None:
+                collector.in_batch = value
 
     def reproject_after_averaging(self) -> None:
         """With weight averaging: zero the dropped units again after its final weight transfer."""
@@ -632,6 +686,7 @@ class PruningController:
             ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
         self.kl = None if self.distiller is None else self.distiller.close()
+        self._batch_open(False)
         stepped = self.tracker.consume()
         if self.taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
             self.taylor.commit() if stepped else self.taylor.discard()
@@ -689,11 +744,12 @@ class PruningController:
                     f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
                     "the layer units are ranked by the weight score (layer_score='weight') this time."
                 )
-        if scores is None and opts.score == "activation" and self.act is None:  # only layer units: their weight score
+        if scores is None and self.score == "activation" and self.act is None:  # only layer units: their weight score
             scores = {}
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
         # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
-        with prefixed(f"CoupledPruningCallback(score={opts.score!r})"):
+        used = repr(self.score) if opts.score != "auto" else f"'auto' -> {self.score!r}"
+        with prefixed(f"CoupledPruningCallback(score={used})"):
             result = self.pruner.step(
                 self.targets(step),
                 method=method,
@@ -749,7 +805,7 @@ class PruningController:
             dropped=self.dropped,
             factors={} if self.pruner is None else self.pruner.factors(),
             clusters=self.resolved,
-            options=self.options.resumable(),
+            options=self._resumable(),
             latents=latents,
             shrunk=self.shrunk is not None,
             activation=activation,

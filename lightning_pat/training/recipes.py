@@ -12,8 +12,8 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.spec import Cluster
+from lightning_pat.options import TrainingScore
 from lightning_pat.training.callback import CoupledPruningCallback
 
 #: The options a recipe fixes, and the value it fixes them to.
@@ -26,9 +26,10 @@ class OneShotPruningCallback(CoupledPruningCallback):
     After ``warmup_steps`` dense steps, the next optimizer step is the final one: the units are selected once, at the
     full ``target_sparsity`` (``ramp_steps=1``), and the mask is held from there on while training heals the pruned
     model (``heal=True``), distilling from a frozen copy of the model as it was when that step started
-    (``distill_alpha``; ``distill_teacher=`` for your own). The default score is ``"activation"``, whose statistics
-    are an average over the training forwards up to the cut. With ``warmup_steps=0`` that is the first batch alone,
-    which cost 0.0075 nats against a cut calibrated on 8 batches in the benchmark; ``warmup_steps=8`` tied it.
+    (``distill_alpha``; ``distill_teacher=`` for your own). The score is the callback's default ``"auto"``:
+    ``"activation"`` wherever it runs, whose statistics are an average over the training forwards up to the cut.
+    With ``warmup_steps=0`` that is the first batch alone, which cost 0.0075 nats against a cut calibrated on 8
+    batches in the benchmark; ``warmup_steps=8`` tied it.
 
     Why a recipe: in the quality benchmark (BENCHMARKS.md, 75% of MLP channels and heads, 5 seeds) pruning during a
     ramp tied this one-shot cut when both used the activation score and the same teacher (+0.000 +- 0.012 nats), and
@@ -46,14 +47,14 @@ class OneShotPruningCallback(CoupledPruningCallback):
 
     Raises:
         MisconfigurationException: If ``ramp_steps`` is not 1 or ``heal`` not True (the recipe fixes them), and for
-            everything :class:`CoupledPruningCallback` refuses. ``score="activation"`` and distillation are not
-            supported under FSDP1 (``FSDPStrategy``): pass ``score="rms"`` and ``distill_alpha=0`` there.
+            everything :class:`CoupledPruningCallback` refuses. Distillation is not supported under FSDP1
+            (``FSDPStrategy``): pass ``distill_alpha=0`` there (``score="auto"`` scores by ``"rms"`` there).
 
     Example::
 
         >>> cb = OneShotPruningCallback("llama", 0.75, warmup_steps=8)
         >>> (cb.schedule.final_step, cb.options.score, cb.options.distill_alpha)
-        (9, 'activation', 0.5)
+        (9, 'auto', 0.5)
     """
 
     def __init__(
@@ -62,7 +63,7 @@ class OneShotPruningCallback(CoupledPruningCallback):
         target_sparsity: float = 0.5,
         *,
         warmup_steps: int = 0,
-        score: ScoreType = "activation",
+        score: TrainingScore = "auto",
         distill_alpha: float = 0.5,
         ramp_steps: int = 1,
         heal: bool = True,

@@ -42,6 +42,11 @@ class PruningViews:
         return self.controller.size
 
     @property
+    def score(self) -> str:
+        """The unit score in use (after fit start): ``options.score``, or what ``score="auto"`` resolved to."""
+        return self.controller.score
+
+    @property
     def step(self) -> int:
         """Completed real optimizer steps seen by the schedule."""
         return self.controller.progress.step

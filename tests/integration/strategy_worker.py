@@ -78,6 +78,7 @@ def main(strategy_name: str, mode: str, score: str = "rms") -> None:
             {
                 "rank": dist.get_rank(),
                 "step": cb.step,
+                "score": cb.score,
                 "dropped": cb.dropped,
                 "zero_rows": zero_rows,
                 "zero_cols": zero_cols,

@@ -97,7 +97,7 @@ def test_matches_plain_loop_oracle(mode):
     weights; latent mode updates the dense latent, direct mode the projected weights)."""
     module = MLPModule(optimizer="sgd_plain", lr=0.1)
     oracle = copy.deepcopy(module)
-    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode)
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode, score="rms")  # the oracle
     fit(module, cb, max_steps=8)
 
     opt = torch.optim.SGD(oracle.parameters(), lr=0.1)

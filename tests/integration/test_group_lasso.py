@@ -40,8 +40,9 @@ def run(mode: str, *, lr_decay: bool) -> tuple[CoupledPruningCallback, Capture]:
 
     module = Decaying(optimizer="sgd", lr=0.05)
     cb = CoupledPruningCallback(
-        mlp_cluster(), 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, method="group_lasso", reg_lambda=LAMBDA, mode=mode
-    )
+        mlp_cluster(), 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, method="group_lasso", reg_lambda=LAMBDA, mode=mode,
+        score="rms",  # the reference ranks by the weights
+    )  # fmt: skip
     cap = Capture(cb)
     trainer = quiet_trainer(max_steps=WARMUP + RAMP + 2, callbacks=[cb, cap])
     trainer.fit(module)

@@ -53,8 +53,9 @@ def fit(cb: CoupledPruningCallback) -> tuple[StepNet, GradRecorder, ZeroRows, pl
 
 def test_prunes_once_to_the_full_target_then_heals_distilling_from_the_dense_model():
     cb = OneShotPruningCallback(mlp_cluster(), 0.5, warmup_steps=WARMUP)
-    assert (cb.options.ramp_steps, cb.options.heal, cb.options.score) == (1, True, "activation")
+    assert (cb.options.ramp_steps, cb.options.heal, cb.options.score) == (1, True, "auto")
     module, rec, zeros, trainer = fit(cb)
+    assert cb.score == "activation"  # "auto" on one device
 
     # dense through the warmup; at the first pruning step (WARMUP + 1) the full target at once, then held unchanged
     assert all(not zeros.zeros[s] for s in range(1, WARMUP + 1))
@@ -167,7 +168,7 @@ def test_yaml_recipe_through_the_console_script_fits_prints_its_config_and_shrin
     printed = run(tmp_path, "fit", f"--config={config}", "--print_config")
     assert "class_path: lightning_pat.OneShotPruningCallback" in printed
     assert "ramp_steps: 1" in printed
-    assert "score: activation" in printed
+    assert "score: auto" in printed
     assert "distill_alpha: 0.5" in printed
     (tmp_path / "printed.yaml").write_text(printed)  # a printed config runs again as it is
     run(tmp_path, "fit", f"--config={tmp_path / 'printed.yaml'}", f"--trainer.default_root_dir={tmp_path}")

@@ -60,6 +60,15 @@ def test_fsdp1_materializing_path_prunes_full_params(mode):
 
 
 @pytest.mark.timeout(240)
+def test_the_default_auto_score_is_rms_under_fsdp1_and_selects_what_rms_selects():
+    auto, rms = launch("fsdp1", "latent", "auto"), launch("fsdp1", "latent")
+    check_pruned(auto)
+    assert [r["score"] for r in auto] == ["rms", "rms"]  # FSDP1 cannot address the readers' input channels
+    assert [r["dropped"] for r in auto] == [r["dropped"] for r in rms]
+    assert [r["zero_rows"] for r in auto] == [r["zero_rows"] for r in rms]
+
+
+@pytest.mark.timeout(240)
 def test_ddp_activation_score_selects_the_same_units_from_different_batches():
     results = launch("ddp", "latent", "activation")
     check_pruned(results)  # the same mask on both ranks after every step

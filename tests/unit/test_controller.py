@@ -82,7 +82,7 @@ def test_direct_mode_selects_the_reference_units_and_keeps_them_zero_while_heali
 def test_a_fresh_selection_equals_the_hand_computed_bottom_k():
     net = model(3)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    ctl = PruningController(options(mode="direct", warmup_steps=0, ramp_steps=1))
+    ctl = PruningController(options(mode="direct", warmup_steps=0, ramp_steps=1, score="rms"))  # the reference
     ctl.bind(net, optimizers=[opt])
     ctl.start()
     x, y = batch(0)
