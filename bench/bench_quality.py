@@ -425,7 +425,7 @@ def run_gates(name: str, seed: int, ckpt, train: torch.Tensor, R: int) -> tuple[
     if dense is not None:
         heal = {"distill_alpha": 0.5, "distill_module": "model", "distill_teacher": dense}
     module = LM(model, R, warmup=0, decay=True, opt_state=model_state, offset=gate_steps)
-    cb = CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, **heal)
+    cb = CoupledPruningCallback(clusters_for(module), target_sparsity=SPARSITY, ramp_steps=1, score="rms", **heal)
     fit(module, phase2, [cb])
     if cb.dropped != dropped:
         raise RuntimeError(f"gates: healing held {cb.dropped}, not the snapped cut {dropped}")
