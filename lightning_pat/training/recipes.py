@@ -31,10 +31,12 @@ class OneShotPruningCallback(CoupledPruningCallback):
     With ``warmup_steps=0`` that is the first batch alone, which cost 0.0075 nats against a cut calibrated on 8
     batches in the benchmark; ``warmup_steps=8`` tied it.
 
-    Why a recipe: in the quality benchmark (BENCHMARKS.md, 75% of MLP channels and heads, 5 seeds) pruning during a
-    ramp tied this one-shot cut when both used the activation score and the same teacher (+0.000 +- 0.012 nats), and
-    both beat the defaults (weight score, no distillation) by 0.038 nats. It is the same as
-    ``CoupledPruningCallback(..., ramp_steps=1, score="activation", distill_alpha=0.5)``. Every other option
+    When to use it: when you want the final architecture early (e.g. ``shrink_on_freeze=True`` to heal on the small
+    model). In the quality benchmark (BENCHMARKS.md, 75% of MLP channels and heads, 5 seeds, paired) this cut tied
+    the distilled ramp (``CoupledPruningCallback(..., distill_alpha=0.5)``) on one budget and trailed it by
+    0.017-0.020 nats on three, where a one-shot cut calibrated on the frozen model tied the ramp; the ramp with
+    distillation is the recipe to start from. It is the same as
+    ``CoupledPruningCallback(..., ramp_steps=1, distill_alpha=0.5)`` (``score="auto"``). Every other option
     of :class:`CoupledPruningCallback` is accepted and means the same; ``ramp_steps`` and ``heal`` are fixed (they are
     parameters only so that a config printed by ``lightning-pat fit --print_config`` loads again).
 
