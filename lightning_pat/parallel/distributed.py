@@ -399,6 +399,20 @@ def fsdp2_mesh_dims(module: torch.nn.Module) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+def fsdp2_policy(module: torch.nn.Module) -> Any | None:
+    """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``module``; ``None`` if ``module`` is not FSDP2's.
+
+    FSDP2 keeps it on the module's state (``fully_shard.state(module)._mp_policy``): every ``fully_shard`` module casts
+    its floating-point inputs to ``param_dtype`` (with ``cast_forward_inputs``) and its outputs to ``output_dtype``;
+    its group's floating-point parameters are cast to ``param_dtype`` before they are gathered.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return None
+    return fully_shard.state(module)._mp_policy  # noqa: SLF001 - FSDP2 keeps the policy here
+
+
 def unsharded_class(module: torch.nn.Module) -> type:
     """The class ``module`` had before ``fully_shard`` swapped it for its ``FSDP<Class>`` subclass."""
     from torch.distributed.fsdp import FSDPModule
@@ -445,6 +459,141 @@ def gather_axes(tensor: Tensor, dims: Sequence[str]) -> Tensor:
         full, mesh[tuple(rest)], [data.placements[i] for i, name in enumerate(names) if name in rest],
         run_check=False, shape=data.shape, stride=data.stride(),
     )  # fmt: skip
+
+
+_ALIGN = 16  # bytes: every packed segment starts here, so that its bytes view as any dtype
+
+
+def _packable_axis(tensor: Tensor, dims: Sequence[str]) -> int | None:
+    """The mesh axis named in ``dims`` along which ``tensor`` (a DTensor) is packed, ``-1`` if none shards it.
+
+    ``None`` for a layout FSDP2 does not make, which :func:`gather_packed` leaves to :func:`gather_axes`: several
+    sharded axes in ``dims``, a partial value, or a plain ``Shard`` split again along the same tensor dim by a later
+    axis (the pieces of one coordinate are then not contiguous; FSDP2 writes ``_StridedShard`` there). Global
+    metadata only: every rank decides alike.
+    """
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    placements = tensor.placements
+    names = tensor.device_mesh.mesh_dim_names or ()
+    axes = [i for i, name in enumerate(names) if name in dims and not placements[i].is_replicate()]
+    if not axes:
+        return -1
+    axis = axes[0]
+    if len(axes) > 1 or not isinstance(placements[axis], (Shard, _StridedShard)):
+        return None
+    dim = placements[axis].dim
+    later = [p for p in placements[axis + 1 :] if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+    if later and not isinstance(placements[axis], _StridedShard):
+        return None
+    return axis
+
+
+def _after_gather(full: Tensor, like: Tensor, kept: Sequence[int]) -> Tensor:
+    """``full`` (gathered along the FSDP axes) as a plain tensor, or a DTensor on the sub-mesh of axes ``kept``."""
+    if not kept:
+        return full
+    names = like.device_mesh.mesh_dim_names
+    return DTensor.from_local(
+        full, like.device_mesh[tuple(names[i] for i in kept)], [like.placements[i] for i in kept],
+        run_check=False, shape=like.shape, stride=like.stride(),
+    )  # fmt: skip
+
+
+def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Every tensor gathered along the mesh axes named ``dims`` (as :func:`gather_axes`), one collective per group.
+
+    What FSDP2's unshard does for one ``fully_shard`` group: each DTensor's local shard (cast to ``dtype`` first if
+    it is a floating-point tensor and ``dtype`` is given, as FSDP2 casts to ``param_dtype`` before gathering) is
+    packed as bytes into one flat buffer per process group of the sharding axis (one group in every FSDP2 layout),
+    the buffer is all-gathered once, and the pieces are concatenated along each tensor's shard dim in
+    mesh-coordinate order. Shards may be uneven (FSDP2 chunks dim 0 like ``torch.chunk``: later ranks may hold fewer
+    rows or none): every rank computes every coordinate's size from the global shape, so the buffers have the same
+    length everywhere. A DTensor also sharded along other axes (tensor parallel) comes back as a DTensor on the
+    sub-mesh of those axes, with their placements; one with no sharded axis in ``dims`` and a plain tensor need no
+    communication (a plain tensor is only cast). The choice of collectives depends on global metadata only.
+
+    Args:
+        tensors: The tensors (FSDP2-managed parameters), any mix of dtypes.
+        dims: The mesh dim names of FSDP2's mesh.
+        dtype: The dtype floating-point tensors are cast to before gathering (FSDP2's ``param_dtype``), or ``None``.
+
+    Returns:
+        The gathered tensors, in the order of ``tensors``.
+
+    A layout FSDP2 does not make (several sharded axes in ``dims``, a partial value, a plain ``Shard`` split again
+    by a later axis) is gathered by :func:`gather_axes` instead (per tensor).
+
+    Raises:
+        ValueError: If a DTensor's local shard does not have the size ``torch.chunk`` along its shard dim gives.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    out: list[Tensor | None] = [None] * len(tensors)
+    packs: dict[tuple[int, ...], list[tuple[int, Tensor, int, int, list[tuple[int, ...]], int]]] = {}
+    groups: dict[tuple[int, ...], Any] = {}
+    for i, tensor in enumerate(tensors):
+        data = tensor.detach()
+        if not is_dtensor(data):
+            out[i] = cast(data)
+            continue
+        axis = _packable_axis(data, dims)
+        names = data.device_mesh.mesh_dim_names or ()
+        kept = [j for j, name in enumerate(names) if name not in dims]
+        if axis is None:  # not FSDP2's layout: DTensor's redistribute (one collective per sharded axis)
+            out[i] = cast(gather_axes(data, dims))
+            continue
+        if axis < 0:  # no sharded axis among ``dims``: nothing to gather
+            out[i] = _after_gather(cast(data.to_local()), data, kept)
+            continue
+        mesh, placement = data.device_mesh, data.placements[axis]
+        dim = placement.dim  # type: ignore[attr-defined]
+        rest = [Replicate() if j == axis else p for j, p in enumerate(data.placements)]
+        gathered_shape, _ = compute_local_shape_and_global_offset(data.shape, mesh, rest)
+        k, n = mesh.size(axis), gathered_shape[dim]
+        chunk = -(-n // k)  # torch.chunk: ceil(n / k) rows each, the last ones fewer or none
+        shapes = [(*gathered_shape[:dim], max(0, min(chunk, n - c * chunk)), *gathered_shape[dim + 1 :])
+                  for c in range(k)]  # fmt: skip
+        local = data.to_local()
+        if tuple(local.shape) != shapes[mesh.get_local_rank(axis)]:
+            raise ValueError(
+                f"A DTensor of global shape {tuple(data.shape)} and placements {tuple(data.placements)} holds a local "
+                f"shard of shape {tuple(local.shape)} on this rank, expected {shapes[mesh.get_local_rank(axis)]} "
+                "(torch.chunk along the shard dim, as FSDP2 shards)."
+            )
+        group = mesh.get_group(axis)
+        key = group_key(group)
+        groups.setdefault(key, group)
+        packs.setdefault(key, []).append((i, data, axis, dim, shapes, 0))
+    for key, entries in packs.items():
+        group = groups[key]
+        segments: list[tuple[int, Tensor, int, int, list[tuple[int, ...]], int]] = []
+        length = 0
+        for i, data, axis, dim, shapes, _ in entries:
+            segments.append((i, data, axis, dim, shapes, length))
+            itemsize = torch.empty((), dtype=cast(data.to_local()).dtype).element_size()
+            slot = max(torch.Size(s).numel() for s in shapes) * itemsize
+            length += -(-slot // _ALIGN) * _ALIGN
+        local0 = entries[0][1].to_local()
+        buffer = torch.zeros(length, dtype=torch.uint8, device=local0.device)
+        for _, data, _, _, _, offset in segments:
+            raw = cast(data.to_local()).contiguous().view(-1).view(torch.uint8)
+            buffer[offset : offset + raw.numel()] = raw
+        rows = all_gather_packed(buffer, group=group)
+        for i, data, axis, dim, shapes, offset in segments:
+            kind = cast(data.to_local())
+            order = gather_order(data.device_mesh, (axis,), group)
+            pieces = []
+            for c, shape in enumerate(shapes):
+                nbytes = torch.Size(shape).numel() * kind.element_size()
+                pieces.append(rows[order[c], offset : offset + nbytes].view(kind.dtype).view(shape))
+            names = data.device_mesh.mesh_dim_names or ()
+            kept = [j for j, name in enumerate(names) if name not in dims]
+            out[i] = _after_gather(torch.cat(pieces, dim=dim), data, kept)
+    return out  # type: ignore[return-value]
 
 
 def load_sharded_(state: dict[str, Any], path: Any) -> None:
