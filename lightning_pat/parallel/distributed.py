@@ -11,9 +11,11 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -489,15 +491,69 @@ def _packable_axis(tensor: Tensor, dims: Sequence[str]) -> int | None:
     return axis
 
 
-def _after_gather(full: Tensor, like: Tensor, kept: Sequence[int]) -> Tensor:
-    """``full`` (gathered along the FSDP axes) as a plain tensor, or a DTensor on the sub-mesh of axes ``kept``."""
+def _after_gather(full: Tensor, like: Tensor, dims: Sequence[str]) -> Tensor:
+    """``full`` (DTensor ``like`` gathered along the axes in ``dims``): plain, or a DTensor on the other axes."""
+    names = like.device_mesh.mesh_dim_names or ()
+    kept = [i for i, name in enumerate(names) if name not in dims]
     if not kept:
         return full
-    names = like.device_mesh.mesh_dim_names
     return DTensor.from_local(
         full, like.device_mesh[tuple(names[i] for i in kept)], [like.placements[i] for i in kept],
         run_check=False, shape=like.shape, stride=like.stride(),
     )  # fmt: skip
+
+
+@dataclass
+class _Segment:
+    """One DTensor's place in a packed gather: its (cast) local shard and every coordinate's shard shape."""
+
+    index: int
+    like: Tensor
+    local: Tensor
+    axis: int
+    dim: int
+    shapes: list[tuple[int, ...]]
+    group: Any
+    offset: int = 0
+
+    @classmethod
+    def plan(cls, index: int, data: Tensor, axis: int, local: Tensor) -> _Segment:
+        """Shard shapes by ``torch.chunk`` along the shard dim of what gathering ``axis`` gives this rank.
+
+        Raises:
+            ValueError: If this rank's shard does not have the shape that chunking gives.
+        """
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh, dim = data.device_mesh, data.placements[axis].dim  # type: ignore[attr-defined]
+        rest = [Replicate() if j == axis else p for j, p in enumerate(data.placements)]
+        whole, _ = compute_local_shape_and_global_offset(data.shape, mesh, rest)
+        k, n = mesh.size(axis), whole[dim]
+        chunk = -(-n // k)  # torch.chunk: ceil(n / k) each, the last ones fewer or none (FSDP2's split)
+        shapes = [(*whole[:dim], max(0, min(chunk, n - c * chunk)), *whole[dim + 1 :]) for c in range(k)]
+        mine = shapes[mesh.get_local_rank(axis)]
+        if tuple(local.shape) != mine:
+            raise ValueError(
+                f"A DTensor of global shape {tuple(data.shape)} and placements {tuple(data.placements)} holds a local "
+                f"shard of shape {tuple(local.shape)} on this rank, expected {mine} (torch.chunk along dim {dim}, "
+                "as FSDP2 shards)."
+            )
+        return cls(index, data, local, axis, dim, shapes, mesh.get_group(axis))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the largest coordinate's shard (every rank's slot in the buffer)."""
+        return max(math.prod(s) for s in self.shapes) * self.local.element_size()
+
+    def unpack(self, rows: Tensor) -> Tensor:
+        """The shards in ``rows`` (one gathered buffer per group rank) joined along ``dim`` in coordinate order."""
+        order = gather_order(self.like.device_mesh, (self.axis,), self.group)
+        size = self.local.element_size()
+        pieces = [
+            rows[order[c], self.offset : self.offset + math.prod(shape) * size].view(self.local.dtype).view(shape)
+            for c, shape in enumerate(self.shapes)
+        ]
+        return torch.cat(pieces, dim=self.dim)
 
 
 def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torch.dtype | None = None) -> list[Tensor]:
@@ -527,72 +583,36 @@ def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torc
     Raises:
         ValueError: If a DTensor's local shard does not have the size ``torch.chunk`` along its shard dim gives.
     """
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     out: list[Tensor | None] = [None] * len(tensors)
-    packs: dict[tuple[int, ...], list[tuple[int, Tensor, int, int, list[tuple[int, ...]], int]]] = {}
-    groups: dict[tuple[int, ...], Any] = {}
+    packs: dict[tuple[int, ...], list[_Segment]] = {}
     for i, tensor in enumerate(tensors):
         data = tensor.detach()
         if not is_dtensor(data):
             out[i] = cast(data)
             continue
         axis = _packable_axis(data, dims)
-        names = data.device_mesh.mesh_dim_names or ()
-        kept = [j for j, name in enumerate(names) if name not in dims]
         if axis is None:  # not FSDP2's layout: DTensor's redistribute (one collective per sharded axis)
             out[i] = cast(gather_axes(data, dims))
-            continue
-        if axis < 0:  # no sharded axis among ``dims``: nothing to gather
-            out[i] = _after_gather(cast(data.to_local()), data, kept)
-            continue
-        mesh, placement = data.device_mesh, data.placements[axis]
-        dim = placement.dim  # type: ignore[attr-defined]
-        rest = [Replicate() if j == axis else p for j, p in enumerate(data.placements)]
-        gathered_shape, _ = compute_local_shape_and_global_offset(data.shape, mesh, rest)
-        k, n = mesh.size(axis), gathered_shape[dim]
-        chunk = -(-n // k)  # torch.chunk: ceil(n / k) rows each, the last ones fewer or none
-        shapes = [(*gathered_shape[:dim], max(0, min(chunk, n - c * chunk)), *gathered_shape[dim + 1 :])
-                  for c in range(k)]  # fmt: skip
-        local = data.to_local()
-        if tuple(local.shape) != shapes[mesh.get_local_rank(axis)]:
-            raise ValueError(
-                f"A DTensor of global shape {tuple(data.shape)} and placements {tuple(data.placements)} holds a local "
-                f"shard of shape {tuple(local.shape)} on this rank, expected {shapes[mesh.get_local_rank(axis)]} "
-                "(torch.chunk along the shard dim, as FSDP2 shards)."
-            )
-        group = mesh.get_group(axis)
-        key = group_key(group)
-        groups.setdefault(key, group)
-        packs.setdefault(key, []).append((i, data, axis, dim, shapes, 0))
-    for key, entries in packs.items():
-        group = groups[key]
-        segments: list[tuple[int, Tensor, int, int, list[tuple[int, ...]], int]] = []
+        elif axis < 0:  # no sharded axis among ``dims``: nothing to gather
+            out[i] = _after_gather(cast(data.to_local()), data, dims)
+        else:
+            segment = _Segment.plan(i, data, axis, cast(data.to_local()))
+            packs.setdefault(group_key(segment.group), []).append(segment)
+    for segments in packs.values():
         length = 0
-        for i, data, axis, dim, shapes, _ in entries:
-            segments.append((i, data, axis, dim, shapes, length))
-            itemsize = torch.empty((), dtype=cast(data.to_local()).dtype).element_size()
-            slot = max(torch.Size(s).numel() for s in shapes) * itemsize
-            length += -(-slot // _ALIGN) * _ALIGN
-        local0 = entries[0][1].to_local()
-        buffer = torch.zeros(length, dtype=torch.uint8, device=local0.device)
-        for _, data, _, _, _, offset in segments:
-            raw = cast(data.to_local()).contiguous().view(-1).view(torch.uint8)
-            buffer[offset : offset + raw.numel()] = raw
-        rows = all_gather_packed(buffer, group=group)
-        for i, data, axis, dim, shapes, offset in segments:
-            kind = cast(data.to_local())
-            order = gather_order(data.device_mesh, (axis,), group)
-            pieces = []
-            for c, shape in enumerate(shapes):
-                nbytes = torch.Size(shape).numel() * kind.element_size()
-                pieces.append(rows[order[c], offset : offset + nbytes].view(kind.dtype).view(shape))
-            names = data.device_mesh.mesh_dim_names or ()
-            kept = [j for j, name in enumerate(names) if name not in dims]
-            out[i] = _after_gather(torch.cat(pieces, dim=dim), data, kept)
+        for segment in segments:
+            segment.offset, length = length, length + -(-segment.slot_bytes // _ALIGN) * _ALIGN
+        buffer = torch.zeros(length, dtype=torch.uint8, device=segments[0].local.device)
+        for segment in segments:
+            raw = segment.local.contiguous().view(-1).view(torch.uint8)
+            buffer[segment.offset : segment.offset + raw.numel()] = raw
+        rows = all_gather_packed(buffer, group=segments[0].group)  # the one collective of this group
+        for segment in segments:
+            out[segment.index] = _after_gather(segment.unpack(rows), segment.like, dims)
     return out  # type: ignore[return-value]
 
 
