@@ -319,6 +319,8 @@ def main() -> None:
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
     per_epoch = max(args.steps // 4, 2)  # ModelPruning prunes at the end of the first epoch
     skip = per_epoch + 2
+    if args.steps <= skip:
+        parser.error(f"--steps {args.steps}: the first {skip} steps are not measured; pass at least {skip + 1}")
     variants = [
         "dense",
         "lightning_pat latent, fresh selection every step",
