@@ -569,6 +569,9 @@ def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torc
     sub-mesh of those axes, with their placements; one with no sharded axis in ``dims`` and a plain tensor need no
     communication (a plain tensor is only cast). The choice of collectives depends on global metadata only.
 
+    A layout FSDP2 does not make (several sharded axes in ``dims``, a partial value, a plain ``Shard`` split again
+    by a later axis) is gathered by :func:`gather_axes` instead (per tensor).
+
     Args:
         tensors: The tensors (FSDP2-managed parameters), any mix of dtypes.
         dims: The mesh dim names of FSDP2's mesh.
@@ -576,9 +579,6 @@ def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torc
 
     Returns:
         The gathered tensors, in the order of ``tensors``.
-
-    A layout FSDP2 does not make (several sharded axes in ``dims``, a partial value, a plain ``Shard`` split again
-    by a later axis) is gathered by :func:`gather_axes` instead (per tensor).
 
     Raises:
         ValueError: If a DTensor's local shard does not have the size ``torch.chunk`` along its shard dim gives.
