@@ -176,17 +176,53 @@ def activation_cost(cfg: TinyGPTConfig, data: DataLoader, *, reps: int) -> tuple
 FSDP2_SCORES = ("rms", "activation", "taylor")
 
 
-def _fsdp2_rank(rank: int, world: int, store_path: str, cfg: TinyGPTConfig, steps: int, rounds: int, out) -> None:
-    """One rank: FSDP2 TinyGPT; per score, a fresh selection every step through the controller (interleaved)."""
+def _rank_main(fn, rank: int, world: int, store_path: str, clock, args: tuple, out) -> None:  # noqa: ANN001
+    """A spawned rank: one intra-op thread, a gloo process group, ``fn(rank, world, *args)`` put on ``out``."""
     import torch.distributed as dist
+
+    global CLOCK
+    CLOCK = clock
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, result))
+
+
+def launch(fn, *args, world: int = 2, timeout: float = 1800) -> dict:  # noqa: ANN001
+    """Run ``fn(rank, world, *args)`` (a module-level function) on ``world`` spawned gloo ranks on CPU.
+
+    Returns:
+        Rank -> what ``fn`` returned on that rank.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world, f"{tmp}/store", CLOCK, args, out)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=timeout) for _ in procs)
+        for p in procs:
+            p.join(60)
+    return results
+
+
+def _fsdp2_rank(rank: int, world: int, cfg: TinyGPTConfig, steps: int, rounds: int) -> dict:
+    """One rank: FSDP2 TinyGPT; per score, a fresh selection every step through the controller (interleaved)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_pat.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own half of the batch
     batches = [torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g) for _ in range(steps)]
@@ -223,28 +259,13 @@ def _fsdp2_rank(rank: int, world: int, store_path: str, cfg: TinyGPTConfig, step
             ms, work_ms = statistics.median(times[2:]) * 1e3, statistics.median(work[2:]) * 1e3
             prev = best.get(score, (ms, work_ms))
             best[score] = (min(ms, prev[0]), min(work_ms, prev[1]))
-    dist.destroy_process_group()
-    out.put((rank, best))
+    return best
 
 
 def fsdp2_cost(cfg: TinyGPTConfig, *, steps: int, rounds: int) -> dict[str, tuple[float, float]]:
     """Per score under FSDP2 (a fresh selection every step): median step time and median time in the controller's
     per-step calls (scores, selection, masking, latents), each the slower rank's."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_fsdp2_rank, args=(r, 2, f"{tmp}/store", cfg, steps, rounds, out)) for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join(60)
+    results = launch(_fsdp2_rank, cfg, steps, rounds)
     return {s: tuple(max(results[r][s][i] for r in results) for i in range(2)) for s in FSDP2_SCORES}
 
 
@@ -298,6 +319,8 @@ def main() -> None:
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
     per_epoch = max(args.steps // 4, 2)  # ModelPruning prunes at the end of the first epoch
     skip = per_epoch + 2
+    if args.steps <= skip:
+        parser.error(f"--steps {args.steps}: the first {skip} steps are not measured; pass at least {skip + 1}")
     variants = [
         "dense",
         "lightning_pat latent, fresh selection every step",

@@ -9,11 +9,19 @@ defeat the sharding, so :func:`sharded_frozen_copy` copies the module tree by ha
   its own shard, no communication), with ``requires_grad=False``; buffers are cloned;
 * hooks are dropped, except the input/output layout hooks of tensor parallelism (``parallelize_module``'s, defined
   in ``torch.distributed.tensor``), which the copy needs to lay out its activations like the original;
-* each module whose parameters FSDP2 managed gets a forward pre-hook that gathers them along FSDP2's mesh axes (as
-  FSDP2's unshard does: a plain tensor, or a DTensor on the tensor-parallel sub-mesh) and a forward hook that puts
-  the shards back. The copy's forward therefore holds one module's gathered parameters at a time, like FSDP2, and
-  is meant for ``no_grad`` (its parameters never get gradients). Unlike FSDP2 it gathers parameter by parameter
-  (no bucketing) and ignores a mixed-precision policy (it computes in the parameters' dtype).
+* each module passed to ``fully_shard`` gets FSDP2's forward hooks back, in the copy's own form: before its forward,
+  the parameters its group manages (its own and those of descendants not sharded on their own) are gathered along
+  FSDP2's mesh axes with **one** all-gather (:func:`~lightning_pat.parallel.distributed.gather_packed`: the local
+  shards packed into one flat buffer, uneven shards included; a DTensor also sharded by tensor parallelism stays a
+  DTensor on the tensor-parallel sub-mesh, as FSDP2's unshard gives it); after it, the shards are put back. The
+  group's ``MixedPrecisionPolicy`` is honoured as FSDP2 does: floating-point shards are cast to ``param_dtype``
+  before the gather (the teacher computes in the student's dtype), floating-point inputs are cast to it
+  (``cast_forward_inputs``) and outputs to ``output_dtype``.
+
+The copy's forward therefore issues the same number of parameter gathers as FSDP2's (one per ``fully_shard`` group)
+and holds the same gathered parameters at a time; it is meant for ``no_grad`` (its parameters never get gradients).
+It keeps the parameters in their stored dtype (the shards cost what the student's cost) and does not prefetch the
+next group's gather (FSDP2 overlaps it with compute on GPUs).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 
 from lightning_pat.parallel import distributed
 
@@ -59,37 +69,68 @@ def _meshes(module: nn.Module) -> Iterable[Any]:
                 yield value
 
 
+def _cast(tree: Any, dtype: torch.dtype | None) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype`` (itself when ``dtype`` is ``None``)."""
+    if dtype is None:
+        return tree
+    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
 class _Unshard:
-    """Forward hooks of one copied module: gather its own parameters along ``dims`` before, shards back after."""
+    """Forward hooks of one copied ``fully_shard`` module, as FSDP2's: gather its group's parameters, shards back.
 
-    def __init__(self, dims: tuple[str, ...]) -> None:
-        self.dims = dims
-        self._held: list[dict[str, Any]] = []
+    Args:
+        members: The copied module and its descendants whose own parameters its ``fully_shard`` group manages.
+        dims: The mesh dim names of FSDP2's mesh.
+        policy: The group's ``MixedPrecisionPolicy`` (``None``: none).
+    """
 
-    def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        params = module._parameters  # noqa: SLF001 - swapped in place, as FSDP2 does
-        self._held.append(dict(params))
-        for name, param in list(params.items()):
-            if param is not None:
-                params[name] = distributed.gather_axes(param, self.dims)  # type: ignore[assignment]
+    def __init__(self, members: list[nn.Module], dims: tuple[str, ...], policy: Any) -> None:
+        self.members, self.dims = members, dims
+        self.param_dtype: torch.dtype | None = getattr(policy, "param_dtype", None)
+        cast = bool(getattr(policy, "cast_forward_inputs", False))
+        self.input_dtype = self.param_dtype if cast else None
+        self.output_dtype: torch.dtype | None = getattr(policy, "output_dtype", None)
+        self._held: list[list[dict[str, Any]]] = []
 
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        held = [dict(m._parameters) for m in self.members]  # noqa: SLF001 - swapped in place, as FSDP2 does
+        self._held.append(held)
+        unique = {id(p): p for saved in held for p in saved.values() if p is not None}  # tied parameters once
+        if unique:
+            gathered = distributed.gather_packed(list(unique.values()), self.dims, dtype=self.param_dtype)
+            full = dict(zip(unique, gathered, strict=True))
+            for member, saved in zip(self.members, held, strict=True):
+                for name, param in saved.items():
+                    if param is not None:
+                        member._parameters[name] = full[id(param)]  # type: ignore[assignment]  # noqa: SLF001
+        return _cast(args, self.input_dtype), _cast(kwargs, self.input_dtype)
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._held:
-            module._parameters.update(self._held.pop())  # noqa: SLF001
+            for member, saved in zip(self.members, self._held.pop(), strict=True):
+                member._parameters.update(saved)  # noqa: SLF001
+        return _cast(output, self.output_dtype)
 
 
-def _managing_dims(module: nn.Module) -> dict[int, tuple[str, ...]]:
-    """``id(submodule)`` -> FSDP2 mesh dims of the ``fully_shard`` group that manages its own parameters."""
-    out: dict[int, tuple[str, ...]] = {}
+def _groups(module: nn.Module) -> dict[int, list[nn.Module]]:
+    """``id(fully_shard module)`` -> it and its descendants whose own parameters its group manages."""
+    out: dict[int, list[nn.Module]] = {}
+    seen: set[int] = set()
 
-    def visit(mod: nn.Module, dims: tuple[str, ...]) -> None:
-        own = distributed.fsdp2_mesh_dims(mod)
-        dims = own if own is not None else dims
-        out[id(mod)] = dims
+    def visit(mod: nn.Module, owner: nn.Module | None) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        if distributed.fsdp2_mesh_dims(mod) is not None:
+            owner = mod
+            out[id(mod)] = []
+        if owner is not None:
+            out[id(owner)].append(mod)
         for child in mod.children():
-            visit(child, dims)
+            visit(child, owner)
 
-    visit(module, ())
+    visit(module, None)
     return out
 
 
@@ -108,7 +149,9 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
             forward, while FSDP2 holds gathered parameters), or FSDP2's mesh has no dim names.
     """
     modules = list(module.modules())
-    dims_of = _managing_dims(module)
+    groups = _groups(module)
+    dims_of = {id(m): distributed.fsdp2_mesh_dims(owner) or () for owner in modules if id(owner) in groups
+               for m in groups[id(owner)]}  # fmt: skip
     memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
     memo.update({id(mesh): mesh for mesh in _meshes(module)})
     copies: dict[int, nn.Module] = {}
@@ -125,7 +168,7 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
                 new.__dict__[key] = copy.deepcopy(value, memo)
         params: dict[str, Any] = {}
         for name, param in mod._parameters.items():  # noqa: SLF001
-            if param is not None and dims_of[id(mod)] and not distributed.is_dtensor(param):
+            if param is not None and dims_of.get(id(mod)) and not distributed.is_dtensor(param):
                 raise ValueError(
                     f"The teacher copy found {type(mod).__name__}.{name} gathered (a plain tensor under fully_shard): "
                     "copy the model between training steps, not inside a forward."
@@ -150,10 +193,12 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
         for attr in _ID_DICTS:  # flags of the hooks kept above only
             live = set(new.__dict__.get("_forward_hooks", {})) | set(new.__dict__.get("_forward_pre_hooks", {}))
             new.__dict__[attr] = OrderedDict((k, v) for k, v in new.__dict__.get(attr, {}).items() if k in live)
-        if dims_of[id(mod)] and any(p is not None for p in params.values()):
-            unshard = _Unshard(dims_of[id(mod)])
-            new.register_forward_pre_hook(unshard.pre)
-            new.register_forward_hook(unshard.post, always_call=True)
+    for mod in modules:  # once every copy exists: one gather per fully_shard group, FSDP2's casts
+        if id(mod) in groups:
+            dims = distributed.fsdp2_mesh_dims(mod) or ()
+            unshard = _Unshard([copies[id(m)] for m in groups[id(mod)]], dims, distributed.fsdp2_policy(mod))
+            copies[id(mod)].register_forward_pre_hook(unshard.pre, with_kwargs=True, prepend=True)
+            copies[id(mod)].register_forward_hook(unshard.post, always_call=True)
     teacher = copies[id(module)]
     teacher.eval()
     teacher.requires_grad_(False)

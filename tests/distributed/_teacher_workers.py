@@ -87,3 +87,91 @@ def dtensor_logits_error(rank: int, world: int) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def _fsdp_groups(model: torch.nn.Module) -> int:
+    """``fully_shard`` modules that own parameters (FSDP2 gathers each such group once per forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return sum(isinstance(m, FSDPModule) and fully_shard.state(m)._fsdp_param_group is not None
+               for m in model.modules())  # fmt: skip
+
+
+def teacher_forward_gathers(rank: int, world: int, layout: str, param_dtype: str | None = None) -> dict:
+    """The teacher's forward under the collective recorder, and its logits against the student's (no step taken)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tests.distributed._recorder import Recorder
+
+    dp, tp = {"fsdp2": (world, 1), "tp": (1, world), "2x2": (2, 2)}[layout]
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype)) if param_dtype else MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    student = TinyGPT(CFG)
+    if tp > 1:
+        _tp_plan(student, mesh["tensor_parallel"])
+    if dp > 1:
+        for block in student.layers:
+            fully_shard(block, mesh=mesh["data_parallel"], mp_policy=policy)
+        fully_shard(student, mesh=mesh["data_parallel"], mp_policy=policy)
+    ids = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank // tp))
+    teacher = sharded_frozen_copy(student)  # before any forward: the root keeps its parameters gathered after one
+    with Recorder() as ref, torch.no_grad():
+        want = student(ids)
+    with Recorder() as rec, torch.no_grad():
+        got = teacher(ids)
+    dp_ranks = sorted({r for r in range(world) if r % tp == rank % tp})
+    return {
+        "groups": _fsdp_groups(student) if dp > 1 else 0,
+        "calls": [(c.name, list(c.group), c.dtype) for c in rec.calls],
+        "dp_ranks": dp_ranks,
+        "materialized": rec.materialized,
+        "student_materialized": ref.materialized,  # tensor parallelism's layout hooks redistribute activations
+        "dtype": (str(got.dtype), str(want.dtype)),
+        "max_diff": (got.float() - want.float()).abs().max().item(),
+        "shards_back": all(type(q).__name__ == "DTensor" for q in teacher.parameters()),
+    }
+
+
+def packed_gather_matches_full_tensor(rank: int, world: int) -> dict:
+    """``gather_packed`` on a 2x2 mesh: mixed dtypes, uneven and empty shards, FSDP-style and other layouts."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_pat.parallel.distributed import gather_packed
+    from tests.distributed._recorder import Recorder
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (global tensor, placements); every rank builds the same global tensors
+        (torch.randn(5, 6, generator=g), [Shard(0), Shard(1)]),  # uneven along dp, tp on another dim
+        (torch.randn(3, generator=g, dtype=torch.float64), [Shard(0), Replicate()]),  # float64, 2 + 1 rows
+        (torch.randn(1, 4, generator=g).to(torch.bfloat16), [Shard(0), Replicate()]),  # an empty shard on dp 1
+        (torch.randint(0, 9, (4, 3), generator=g), [Shard(1), Replicate()]),  # int64, sharded along dim 1
+        (torch.randn(6, 2, generator=g), [_StridedShard(0, split_factor=2), Shard(0)]),  # FSDP2 + colwise TP
+        (torch.randn(6, 2, generator=g), [Replicate(), Shard(0)]),  # not sharded along dp: no communication
+        (torch.randn(6, 2, generator=g), [Shard(0), Shard(0)]),  # dp split first: not FSDP2's, redistributed
+        (torch.randn(2, 3, generator=g), None),  # a plain tensor
+    ]
+    tensors = [t if p is None else distribute_tensor(t, mesh, p, src_data_rank=None) for t, p in cases]
+    tp = mesh.get_local_rank("tp")
+    with Recorder() as rec:
+        out = gather_packed(tensors, ("dp",))
+    mismatched = []
+    for i, ((full, placements), got) in enumerate(zip(cases, out, strict=True)):
+        want_type = "Tensor" if placements is None else "DTensor"  # a DTensor stays one on the tp sub-mesh
+        split = placements is not None and placements[1] != Replicate()
+        want = full.chunk(2, dim=placements[1].dim)[tp] if split else full  # tp's piece
+        mine = got.to_local() if type(got).__name__ == "DTensor" else got
+        layout = None if want_type == "Tensor" else (got.device_mesh.mesh_dim_names, tuple(got.placements))
+        ok = type(got).__name__ == want_type and mine.dtype == full.dtype and torch.equal(mine, want)
+        if not ok or layout != (None if want_type == "Tensor" else (("tp",), (placements[1],))):
+            mismatched.append(i)
+    with torch.no_grad():
+        cast = gather_packed(tensors[:3], ("dp",), dtype=torch.bfloat16)
+    wants = [cases[0][0].chunk(2, dim=1)[tp], cases[1][0], cases[2][0]]  # the first is split along tp
+    cast_ok = [c.dtype == torch.bfloat16 for c in cast] + [torch.equal(
+        (c.to_local() if type(c).__name__ == "DTensor" else c), want.to(torch.bfloat16)
+    ) for c, want in zip(cast, wants, strict=True)]  # fmt: skip
+    return {"mismatched": mismatched, "calls": [(c.name, list(c.group), c.dtype) for c in rec.calls],
+            "materialized": rec.materialized, "cast_ok": all(cast_ok)}  # fmt: skip
