@@ -137,8 +137,8 @@ class PruningController:
         forward_error: type[Exception] = ConfigurationError,
     ) -> None:
         self.options = options
-        #: The score in use: ``options.score``, or what ``"auto"`` resolved to (see :meth:`bind`)
-        self.score: str = "rms" if options.score == "auto" else options.score
+        #: The score in use: ``options.score``, or what ``"auto"`` resolved to (``"auto"`` until :meth:`bind`)
+        self.score: str = options.score
         self._fallback: str | None = None  # why score="auto" fell back to "rms" for these clusters
         self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
