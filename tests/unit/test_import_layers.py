@@ -17,7 +17,8 @@ floors listed for its own:
   adds pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py,
   training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the callback reads from a
   Trainer);
-* ``cli`` and ``demo`` (the top): anything but each other; they may import lightning; the demo may shard with FSDP2;
+* ``cli``, ``demo`` and ``lm`` (pretrained LMs: where a real checkpoint comes from, its Lightning modules; the
+  top): anything but each other; they may import lightning; the demo may shard with FSDP2;
 * the package face (``__init__``, ``__about__``): the floors below cli and demo.
 
 Collectives are called only inside parallel/distributed.py. Names that cross modules are public (no
@@ -55,6 +56,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "training": ("training.",),
     "cli": ("cli.",),
     "demo": ("demo.",),
+    "lm": ("lm.",),
     "face": ("", "__about__"),
 }
 #: floor -> the floors it may import from
@@ -66,12 +68,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "training": {"core", "parallel", "pruning", "shrink", "training"},
     "cli": {"core", "parallel", "pruning", "shrink", "training", "cli", "face"},
     "demo": {"core", "parallel", "pruning", "shrink", "training", "demo", "face"},
+    "lm": {"core", "parallel", "pruning", "shrink", "training", "lm", "face"},
     "face": {"core", "parallel", "pruning", "shrink", "training", "face"},
 }
 TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
-LIGHTNING_OK_FLOORS = {"cli", "demo"}
+LIGHTNING_OK_FLOORS = {"cli", "demo", "lm"}
 LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.recipes", f"{PKG}.training.trainer_facts"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
