@@ -184,8 +184,34 @@ def discover(model: nn.Module, example_input: Any, *, check: trials.Check = "aut
     walk = Walk(tr)
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    found = _validated(model, _collect(walk, shapes))
+    found = _multihead_attention(model, _validated(model, _collect(walk, shapes)))
     return replace(_tried(model, found, example_input, check), example_input=example_input)
+
+
+_MHA_REASON = (
+    "nn.MultiheadAttention computes q, k and v at its embed_dim from the packed in_proj_weight, so its heads cannot "
+    "be shrunk (the module would need another forward)"
+)
+
+
+def _multihead_attention(model: nn.Module, found: Discovery) -> Discovery:
+    """Name ``nn.MultiheadAttention`` as the reason for the channels its packed ``in_proj`` touches."""
+    mha = {name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    if not mha:
+        return found
+    packed = {f"{name}.{attr}" if name else attr for name in mha for attr in ("in_proj_weight", "in_proj_bias")}
+
+    def written_by_mha(name: str) -> bool:  # a space is named after its first writer's module
+        return name.split("#")[0] in mha
+
+    left = [replace(lo, reasons=(_MHA_REASON, *lo.reasons)) if written_by_mha(lo.name) else lo for lo in found.left_out]
+    clusters = []
+    for c in found.clusters:
+        if any(m.split("[")[0] in packed for m in (*c.writers, *c.readers)):
+            left.append(LeftOut(c.name, c.num_units or 0, (*c.writers, *c.readers), (_MHA_REASON,)))
+        else:
+            clusters.append(c)
+    return Discovery(clusters=clusters, left_out=left)
 
 
 def _tried(model: nn.Module, found: Discovery, example_input: Any, check: trials.Check) -> Discovery:

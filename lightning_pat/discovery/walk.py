@@ -471,6 +471,33 @@ def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(lab)
 
 
+def _roll(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``roll``/``flip`` move entries along their dims: a channel axis among them is poisoned, the others carried."""
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or len(out) != len(shape):
+        return NotImplemented
+    op = _op_name(node)
+    dims = node.args[2] if op == "roll" and len(node.args) > 2 else node.args[1] if op == "flip" else None
+    dims = node.kwargs.get("dims", dims)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not dims:
+        return NotImplemented  # roll without dims flattens the tensor
+    lab = list(w.ndim_label(src, len(shape)))
+    for d in dims:
+        w.poison(lab[d % len(shape)], f"`{op}` moves channels")
+        lab[d % len(shape)] = None
+    return tuple(lab)
+
+
+def _new_constant(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``new_zeros``/``zeros_like``...: a constant of the input's shape (the input's channels are not read)."""
+    if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
+        return NotImplemented
+    return None if out is None else (None,) * len(out)
+
+
 def _cat(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     tensors = [t for t in node.args[0] if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
     shapes = [_shape(t.meta.get("val")) for t in tensors]
@@ -640,6 +667,11 @@ _HANDLERS = {
     "select": _slice,
     "unbind": _slice,
     "cat": _cat,
+    "roll": _roll,
+    "flip": _roll,
+    **dict.fromkeys(
+        ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant
+    ),
     "constant_pad_nd": _pad,
     "pad": _pad,
     "softmax": _softmax,

@@ -76,7 +76,8 @@ def _kwargs(name: str) -> dict[str, Any]:
 
 def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     """Draw norm weights near 1, biases and running means near 0, variances in [0.5, 1.5), layer scales, class
-    tokens and Swin V2's logit scales at random, so that an inexact shrink changes the outputs visibly."""
+    tokens, Swin V2's logit scales and zero-initialised weights (ViT's head) at random, so that an inexact shrink
+    changes the outputs visibly."""
     gen = torch.Generator().manual_seed(seed + 1)
 
     def draw(t: torch.Tensor, mean: float, std: float) -> None:
@@ -94,6 +95,8 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
                     m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
+            if p.dim() >= 2 and not bool(p.any()):  # a zero-initialised head (ViT's) would make every logit 0
+                draw(p, 0.0, p[0].numel() ** -0.5)
             if leaf == "layer_scale":
                 draw(p, 0.5, 0.2)
             elif leaf in ("class_token", "cls_token"):
