@@ -160,7 +160,7 @@ def run_tp(name: str, reps: int) -> dict:
 
     model = zoo.build(name)
     x, xb = zoo.images(name, 2), zoo.images(name, 8, seed=3)
-    out: dict = {"params": numel(model)}
+    out: dict = {"params": numel(model), "ms_dense": forward_ms(model, xb, reps)}
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -225,8 +225,8 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
 def table(rows: dict[str, dict[str, dict]]) -> list[str]:
     lines = [
         "| model | params | ours: clusters | ours: exact | ours: params cut | TP: exact | TP: params cut "
-        "| ms dense | ms ours | ms TP | ours / dense | what ours left out (groups per cause) |",
-        "| --- " * 12 + "|",
+        "| ms dense | ms ours | ms TP | ours / dense | TP / dense | what ours left out (groups per cause) |",
+        "| --- " * 13 + "|",
     ]
     for name, by_tool in rows.items():
         o, t = by_tool.get("ours"), by_tool.get("tp")
@@ -245,13 +245,15 @@ def table(rows: dict[str, dict[str, dict]]) -> list[str]:
             return ("no: " + r["error"][:70]) if "error" in r else f"no ({r.get('rel', float('nan')):.0e})"
 
         causes = "; ".join(f"{c} ({n})" for c, n in sorted((o or {}).get("causes", {}).items(), key=lambda kv: -kv[1]))
-        ratio = "-"
-        if o and "ms_after" in o and o.get("ms_dense"):
-            ratio = f"{o['ms_after'] / o['ms_dense']:.2f}x"
+
+        def ratio(r: dict | None) -> str:
+            ok = r is not None and "ms_after" in r and r.get("ms_dense")
+            return f"{r['ms_after'] / r['ms_dense']:.2f}x" if ok else "-"
+
         lines.append(
             f"| {name} | {dense or 0:,} | {_cell(o, 'clusters', 'd')} | {exact(o)} | {cut(o)} | {exact(t)} | {cut(t)} "
             f"| {_cell(o, 'ms_dense', '.1f')} | {_cell(o, 'ms_after', '.1f')} | {_cell(t, 'ms_after', '.1f')} "
-            f"| {ratio} | {causes or '-'} |"
+            f"| {ratio(o)} | {ratio(t)} | {causes or '-'} |"
         )
     return lines
 
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         child(args.one, args.tool, args.reps, args.threads)
         return
     if args.quick:
-        args.models, args.tools, args.reps = list(QUICK), ["ours"], 1
+        args.models, args.tools, args.reps = args.models or list(QUICK), ["ours"], 1
     names = args.models or zoo.names()
     try:
         import torch_pruning as tp
