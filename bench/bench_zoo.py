@@ -3,6 +3,7 @@
     make bench-zoo                                          # installs torch-pruning==1.6.1 (--no-deps), then this
     python bench/bench_zoo.py --threads 1 --json bench/results/zoo.jsonl   # every model: the run in BENCHMARKS.md
     python bench/bench_zoo.py --quick                       # two small models, ours only: a smoke test
+    python bench/bench_zoo.py --table bench/results/zoo.jsonl   # the table of a run's results
 
 Every model of ``torchvision.models.list_models(module=torchvision.models)`` (``tests/common/torchvision_zoo.py``:
 random init, 10 classes, randomised norm weights, running statistics, layer scales and class tokens, small inputs:
@@ -287,11 +288,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per model and tool")
     parser.add_argument("--json", type=Path, help="append one JSON line per model and tool")
+    parser.add_argument("--table", type=Path, help="print the table of a --json file (a run's results) and stop")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--tool", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         child(args.one, args.tool, args.reps, args.threads)
+        return
+    if args.table:
+        rows: dict[str, dict[str, dict]] = {}
+        for line in args.table.read_text().splitlines():
+            result = json.loads(line)
+            rows.setdefault(result["model"], {})[result["tool"]] = result
+        print("\n".join(table(rows) + summary(rows)))
         return
     if args.quick:
         args.models, args.tools, args.reps = args.models or list(QUICK), ["ours"], 1
@@ -309,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         f"50% of every cluster / group, {len(names)} models",
         flush=True,
     )
-    rows: dict[str, dict[str, dict]] = {}
+    rows = {}
     for name in names:
         for tool in args.tools:
             result = spawn(name, tool, args)
