@@ -473,6 +473,15 @@ class Pruner:
         if self.last:
             self.apply({k: UnitAction(a.dropped) for k, a in self.last.items()}, grads=True)
 
+    def unit_sq_norms(self) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` squared norm of every unit over all members (float64; a collective when sharded).
+
+        Identical on every participating rank (the executors' one reduction), so a decision taken from it is too.
+        """
+        with self._session():
+            q, _ = self._reduce(None, None)
+        return q
+
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Literal zeros and numel per clustered parameter (global, identical on every participating rank)."""
         zeros, numel = {}, {}

@@ -272,7 +272,7 @@ def main(args: list[str] | None = None) -> int:
     if argv and argv[0] == "shrink":
         try:
             shrink_main(argv[1:])
-        except (ValueError, FileNotFoundError, FileExistsError) as err:
+        except (ValueError, OSError) as err:  # OSError: FileNotFoundError, FileExistsError, permissions
             sys.stderr.write(f"lightning-pat shrink: error: {err}\n")
             return 1
         return 0

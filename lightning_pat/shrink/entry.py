@@ -40,7 +40,14 @@ from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import depth
-from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, read_source, state_source
+from lightning_pat.shrink.plan import (
+    align_names,
+    build_plan,
+    check_source_fits,
+    checkpoint_state,
+    read_source,
+    state_source,
+)
 from lightning_pat.shrink.surgery import apply_plan
 
 
@@ -65,7 +72,10 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
         The shrunk model (``model`` itself when ``inplace``).
 
     Raises:
-        ValueError: Before anything changes, if the source holds no clusters, the plan does not match the model, a
+        ValueError: Before anything changes, if the source holds no clusters, a state or checkpoint does not fit its
+            schema (:mod:`lightning_pat.core.state_schema`) or this model (a member missing or of another shape, two
+            clusters on the same channels, a dropped unit that is not zero in the weights), the plan does not match
+            the model, a
             member belongs to a module the shrink cannot rewrite (the message names the parameter, the module type and
             the fix), an attention module would lose partial heads, or a dropped layer is not an element of an
             ``nn.ModuleList``.
@@ -81,6 +91,9 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
         (Linear(in_features=4, out_features=4, bias=True), Linear(in_features=4, out_features=2, bias=True))
     """
     clusters, dropped = read_source(source)
+    if isinstance(source, Mapping):  # read from a file: the state must belong to this model and its weights
+        what = "the checkpoint's pruning state" if "callbacks" in source else "the pruning state"
+        check_source_fits(model, clusters, dropped, what=what)
     cut = depth.split_layers(clusters, dropped)
     target = model if inplace else copy.deepcopy(model)
     where = depth.locate(target, cut)  # validated before anything changes
