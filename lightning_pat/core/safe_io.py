@@ -138,14 +138,15 @@ def confined(directory: str | Path, name: object, *, what: str) -> Path:
     if posix.is_absolute() or windows.is_absolute() or windows.drive or ".." in posix.parts or ".." in windows.parts:
         raise ValueError(
             f"{what}: {name!r} is not a plain relative name inside {directory} (absolute names and `..` are refused: "
-            "an export only reads its own files)."
+            "only files inside that directory are read or written)."
         )
     root = Path(directory).resolve()
     path = Path(directory) / name
     target = path.resolve()
     if target != root and root not in target.parents:
         raise ValueError(
-            f"{what}: {name!r} leads outside {directory} (a symlink to {target}); an export only reads its own files."
+            f"{what}: {name!r} leads outside {directory} (a symlink to {target}); only files inside that directory "
+            "are read or written. Remove the symlink."
         )
     return path
 
@@ -154,6 +155,15 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (``0o666 & ~umask``; 0o644 for umask 022).
+
+    Temporary files (``tempfile.mkstemp``: 0o600) that are renamed into place get it, so that a file of ours reads
+    like the checkpoints next to it.
+    """
+    return 0o666 & ~_umask()
 
 
 def check_output(destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str) -> Path:

@@ -571,14 +571,16 @@ class PruningController:
             steps_left: The fit's estimated optimizer steps (``inf`` if unknown), for :meth:`warn_short_fit`.
             ckpt_path: The checkpoint the fit resumes from, if any.
             key: This run's state key in a checkpoint (for the message).
-            teacher_dirs: Where a restored state's teacher file (``distill_teacher_store="file"``) is looked up after
-                the directory of ``ckpt_path``.
+            teacher_dirs: Where the teacher file (``distill_teacher_store="file"``) is written, and where a restored
+                state's teacher file is looked up after the directory of ``ckpt_path``; checked at fit start.
 
         Raises:
             ConfigurationError: If the fit resumes (``global_step > 0``) but no state was loaded and there is no
                 previous fit of ``owner`` to continue.
-            ValueError: As for :meth:`start`; on every rank, if a restored state's teacher file cannot be read or
-                checked (see :meth:`~lightning_pat.training.distill.Distiller.restore_file`).
+            ValueError: As for :meth:`start`; on every rank, if the teacher file's directories cannot hold it
+                (:func:`~lightning_pat.training.teacher_file.check_directories`), a restored teacher does not fit the
+                model, or a restored state's teacher file cannot be read or checked (see
+                :meth:`~lightning_pat.training.distill.Distiller.restore_file`).
         """
         last = self._last_fit
         carry = last is not None and last[0]() is owner and last[1] == global_step
@@ -591,11 +593,28 @@ class PruningController:
             )
         if self.distiller is not None and not self.restoring and not carry:
             self.distiller.reset()  # a new schedule: a new teacher when pruning starts
+        if self.distiller is not None:
+            self._check_teacher(teacher_dirs)
         if self.distiller is not None and self.restoring:
             self._restore_teacher_file(ckpt_path, teacher_dirs)
         self.start(carry=carry, ckpt_path=ckpt_path, global_step=global_step)
         if self.shrunk is None:
             self.warn_short_fit(steps_left - global_step)
+
+    def _check_teacher(self, directories: Sequence[str]) -> None:
+        """At fit start, on every rank: the teacher file's directories are usable and a saved teacher fits the model.
+
+        One agreement collective: if one rank fails, every rank raises.
+        """
+        assert self.distiller is not None
+        error = None
+        try:
+            if self.options.distill_teacher_store == "file" and self.options.distill_teacher is None:
+                teacher_file.check_directories(directories)
+            self.distiller.check_saved()
+        except ValueError as err:
+            error = f"CoupledPruningCallback: {err}"
+        distributed.check_rank_agreement({}, error)
 
     def _restore_teacher_file(self, ckpt_path: Any, directories: Sequence[str]) -> None:
         """Read and check a restored teacher file on every rank; if one rank fails, every rank raises (a collective)."""

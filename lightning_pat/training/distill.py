@@ -390,9 +390,46 @@ class Distiller:
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Stash a saved teacher; it is rebuilt before the next training batch (a file: see :meth:`restore_file`)."""
         self.teacher = self.user_teacher
-        teacher = saved.get("teacher")
+        teacher = saved.get("teacher") if isinstance(saved, Mapping) else saved
+        if teacher is not None and not isinstance(teacher, Mapping):
+            raise self.error(
+                f"CoupledPruningCallback: the checkpoint's distillation teacher must be a mapping, got "
+                f"{type(teacher).__name__}; the checkpoint was edited or is not one of ours."
+            )
         self._saved = None if teacher is None else dict(teacher)
         self._ref, self._written = None, set()
+
+    def check_saved(self) -> None:
+        """At fit start: a restored teacher (its weights, or a reference) fits its schema and the student's tensors.
+
+        Raises:
+            ValueError: If the saved teacher is not a mapping of tensors with the student's names, shapes and dtypes
+                (a plain teacher), or a reference or sharded entry is malformed.
+        """
+        saved = self._saved
+        if saved is None or self.user_teacher is not None:
+            return
+        if teacher_file.is_file_entry(saved):
+            teacher_file.check_entry(saved, world=distributed.world_size())
+            return
+        if is_sharded_entry(saved):
+            if saved["format"] not in ("full", "dcp"):
+                raise ValueError(f"the checkpoint's distillation teacher has an unknown format {saved['format']!r}.")
+            return
+        assert self.student is not None
+        like = (self._skeleton if self._skeleton is not None else self.student).state_dict(keep_vars=True)
+        bad = [n for n, t in saved.items() if not isinstance(t, Tensor)]
+        missing, extra = sorted(set(like) - set(saved)), sorted(set(saved) - set(like))
+        differ = [
+            n for n in sorted(set(like) & set(saved))
+            if n not in bad and (tuple(saved[n].shape) != tuple(like[n].shape) or saved[n].dtype != like[n].dtype)
+        ]  # fmt: skip
+        if bad or missing or extra or differ:
+            raise ValueError(
+                f"the checkpoint's distillation teacher does not fit `distill_module={self.module_name!r}` (not "
+                f"tensors {bad[:3]}, missing {missing[:3]}, unexpected {extra[:3]}, other shapes or dtypes "
+                f"{differ[:3]}); resume with the model the checkpoint was written for, or pass `distill_teacher`."
+            )
 
     def restore_file(self, *, directories: Sequence[str | os.PathLike[str]]) -> None:
         """At fit start: read and check the teacher file a restored reference names (nothing else to do otherwise).

@@ -333,6 +333,12 @@ CASES = [
         "init",
     ),
     (
+        "distill-teacher-dir-is-a-file",
+        {"distill_alpha": 0.5, "distill_teacher_store": "file", "distill_teacher_dir": __file__},
+        r"distill_teacher_store='file': the teacher directory .*test_bad_input.py is a file, not a directory",
+        "fit",
+    ),
+    (
         "distill-teacher-dir-without-file",
         {"distill_alpha": 0.5, "distill_teacher_dir": "teachers"},
         r"`distill_teacher_dir='teachers'` is set but `distill_teacher_store` is 'checkpoint'",
