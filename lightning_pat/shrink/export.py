@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.core.safe_io import atomic_directory, check_output, confined
+from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
 from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
 from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
@@ -105,13 +105,13 @@ def save_pretrained(
     directory = Path(directory)
     with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained") as tmp:
         if hf_entry.is_hf(model):
-            _save_hf(model, tmp)
+            _save_hf(model, tmp, destination=directory)
         else:
             _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
     return directory
 
 
-def _save_hf(model: nn.Module, directory: Path) -> None:
+def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
     entry = hf_entry.record(model)
     if entry is None:
         model.save_pretrained(directory)
@@ -132,7 +132,7 @@ def _save_hf(model: nn.Module, directory: Path) -> None:
         "lightning_pat.load_pretrained(%r)",
         cls.__name__,
         entry["why"][0],
-        str(directory),
+        str(destination),  # not the temporary directory the export is built in
     )
 
 
@@ -182,7 +182,9 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
         The model, in eval mode for Hugging Face exports (as ``from_pretrained`` returns it).
 
     Raises:
-        FileNotFoundError: If the directory holds neither ``config.json`` nor ``lightning_pat.json``.
+        FileNotFoundError: If the directory holds neither ``config.json`` nor ``lightning_pat.json`` (naming the
+            leftover folders of an overwrite killed half-way, if any: see
+            :func:`~lightning_pat.core.safe_io.interrupted_overwrite`).
         ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
             not allowed, a file name leads outside the directory, or the export is pickled and ``unsafe_pickle`` is
             false.
@@ -190,6 +192,9 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():
         return _load_module(directory, classes=list(classes), unsafe_pickle=unsafe_pickle)
+    interrupted = interrupted_overwrite(directory)
+    if interrupted is not None:
+        raise FileNotFoundError(f"load_pretrained: {directory} does not exist: {interrupted}")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"load_pretrained: {directory} holds neither config.json nor {SIZES_FILE}; pass a directory written by "

@@ -149,6 +149,19 @@ def test_budget_export_records_per_layer_widths(tmp_path):
     assert recorded == widths  # only what differs from the base config is recorded
 
 
+def test_the_per_layer_width_warning_names_the_destination(tmp_path, caplog):
+    """Issue 23 (D1): not the temporary ``.partial-*`` directory the export was built in."""
+    import logging
+
+    case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
+    model = shrunk(case, ("mlp",), budget=True)
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.shrink.export"):
+        save_pretrained(model, tmp_path / "ranked")
+    (message,) = [r.getMessage() for r in caplog.records if "cannot express" in r.getMessage()]
+    assert f"lightning_pat.load_pretrained('{tmp_path / 'ranked'}')" in message
+    assert ".partial" not in message
+
+
 def test_plain_sequential_round_trip_and_errors(tmp_path):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -136,7 +136,7 @@ def test_a_malformed_reference_is_refused(tmp_path):
         teacher_file.read({"format": "file", "files": []}, directories=[tmp_path], like=tensors())
 
 
-# ---------------------------------------------------------------------------------------------------- issue 23 (B1, C8, C9, C13)
+# ------------------------------------------------------------------------------------ issue 23 (B1, C8, C9, C13)
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
