@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -231,6 +231,17 @@ class ResolvedCluster:
         if self.min_kept:  # absent when 0: fingerprints of earlier checkpoints stay valid
             payload["min_kept"] = self.min_kept
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def found_clusters(clusters: Any) -> Any:
+    """The declarations of a :class:`~lightning_pat.discover` result (its ``clusters``), else ``clusters`` itself.
+
+    A ``Discovery`` (anything with ``clusters`` and ``left_out``) is accepted wherever declarations are:
+    ``prune_clusters(model, discover(model, x), 0.5)``.
+    """
+    if hasattr(clusters, "clusters") and hasattr(clusters, "left_out") and not isinstance(clusters, Mapping):
+        return list(clusters.clusters)
+    return clusters
 
 
 def as_cluster(obj: Cluster | Mapping) -> Cluster:
@@ -464,6 +475,7 @@ def resolve_clusters(
         >>> rc.num_units, rc.unit_numel
         (8, 9)
     """
+    clusters = found_clusters(clusters)
     decls = [as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
     params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
     names = list(params)
@@ -598,6 +610,7 @@ def ensure_resolved(
     Raises:
         ValueError: As for :func:`resolve_clusters`.
     """
+    clusters = found_clusters(clusters)
     items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
     if items and all(isinstance(c, ResolvedCluster) for c in items):
         return list(items)  # type: ignore[arg-type]

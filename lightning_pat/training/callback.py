@@ -77,7 +77,7 @@ class CoupledPruningCallback(PruningViews, Callback):
     def __init__(
         self,
         clusters: list[Cluster] | str = "auto",
-        target_sparsity: float = 0.5,
+        target_sparsity: float | None = None,
         *,
         warmup_steps: int = 0,
         ramp_steps: int = 100,

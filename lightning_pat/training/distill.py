@@ -176,6 +176,8 @@ class Distiller:
         self.on = False  # pruning has started: distill
         self.calls = 0
         self.last_kl: Tensor | None = None
+        self.step = 0  # the optimizer step the open batch computes
+        self._finite: list[Tensor] | None = None  # this step's [KL, student logits, teacher logits] all finite
         self._checked = False
         self._handles: list[Any] = []
         self._calls_open: list[bool] = []  # per open student call: whether another student call ran inside it
@@ -220,6 +222,8 @@ class Distiller:
     def open(self) -> None:
         """A training batch starts: distill its forwards (from the pruning start on)."""
         self.active, self._calls_open = True, []
+        if self.calls == 0:  # a new optimizer step (not the next micro-batch of one)
+            self._finite = None
 
     def close(self) -> Tensor | None:
         """The training batch ended: stop; return the batch's last KL (``None`` if nothing was distilled)."""
@@ -233,6 +237,8 @@ class Distiller:
         Raises:
             Exception: ``self.error`` if distillation is on and the forward of the logits module did not run.
         """
+        if self.on and self.calls and self._finite is not None:
+            self._check_finite()
         if self.on and self.calls == 0:
             raise self.error(
                 f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
@@ -240,6 +246,32 @@ class Distiller:
                 "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
             )
         self.calls = 0
+
+    def _check_finite(self) -> None:
+        """Refuse a step whose distillation KL is not finite, before its update (one sync, distilled steps only).
+
+        Raises:
+            Exception: ``self.error``, naming the temperature and which logits are not finite.
+        """
+        assert self._finite is not None
+        kl_ok, student_ok, teacher_ok = (bool(t) for t in self._finite)
+        self._finite = None
+        if kl_ok:
+            return
+        kl = None if self.last_kl is None else float(self.last_kl)
+        cause = (
+            "the student's logits are not finite (the model diverged before distillation could matter)"
+            if not student_ok
+            else "the teacher's logits are not finite"
+            if not teacher_ok
+            else f"the logits are finite, so the softmax at temperature {self.temperature:g} overflows or underflows"
+        )
+        raise self.error(
+            f"CoupledPruningCallback(distill_alpha={self.alpha}, distill_temperature={self.temperature:g}): the "
+            f"distillation KL is not finite ({kl}) at step {self.step}: {cause}. The step was not applied (no weight "
+            "changed). Use a temperature such as 1.0 or 2.0, and check the teacher (`distill_teacher`) and the loss "
+            "scaling."
+        )
 
     def release(self) -> None:
         """Remove the hook."""
@@ -262,6 +294,7 @@ class Distiller:
             Exception: ``self.error`` if pruning started before this fit and no teacher state was restored.
         """
         self.on = step >= start
+        self.step = step + 1
         if self.teacher is not None or not self.on:
             return
         assert self.student is not None
@@ -350,6 +383,10 @@ class Distiller:
         if not self.on:
             return None  # the first forward only checked a user's teacher
         self.last_kl = kl_value(logits, target, self.temperature)
+        finite = [torch.isfinite(self.last_kl), torch.isfinite(logits).all(), torch.isfinite(target).all()]
+        if self._finite is not None:  # several forwards in the step (accumulation): every one must be finite
+            finite = [a & b for a, b in zip(self._finite, finite, strict=True)]
+        self._finite = finite
         return replace_logits(output, DistillGrad.apply(logits, target.detach(), self.scale, self.temperature))
 
     # ------------------------------------------------------------------ state

@@ -203,3 +203,9 @@ def test_two_saved_clusters_on_the_same_channels_are_refused():
     moved = ResolvedCluster.from_dict({**b.to_dict(), "members": [{**b.to_dict()["members"][0], "dim": 1}]})
     with pytest.raises(ValueError, match=r"clusters 'a' and 'b' both claim channels \[0, 8\) of dim 1 of '2.weight'"):
         check_source_fits(net, [a, moved], {}, what="the state")
+
+
+def test_docs_list_the_shrink_cases():
+    page = (ROOT / "docs" / "bad-input.md").read_text()
+    missing = [c[0] for c in SHRINK_EDITS if f"| `{c[0]}` |" not in page]
+    assert not missing, f"docs/bad-input.md lacks {missing}"
