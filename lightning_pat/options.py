@@ -81,6 +81,16 @@ def check_number(name: str, value: object, *, low: float, high: float | None = N
         raise ValueError(f"`{name}` must be {kind} {span}, got {value!r}.")
 
 
+def check_bool(name: str, value: object) -> None:
+    """Raise unless ``value`` is ``True`` or ``False`` (a string such as ``"false"`` would be truthy).
+
+    Raises:
+        ValueError: If ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.")
+
+
 def _preset_name(name: str) -> str:
     try:
         presets.get(name)
@@ -288,6 +298,8 @@ class PruningOptions:
         object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
         check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
         check_number("reg_lambda", self.reg_lambda, low=0.0)
+        for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
+            check_bool(switch, getattr(self, switch))
         check_choice("method", self.method, METHODS)
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)

@@ -291,6 +291,8 @@ def _check_declaration(decl: Cluster) -> None:
             raise ValueError(f"{where}: `{key}` must be a positive int or None, got {value!r}.")
     if decl.head_dim is not None and decl.num_units is not None:
         raise ValueError(f"{where}: set `head_dim` or `num_units`, not both.")
+    if decl.budget is not None and (not isinstance(decl.budget, str) or not decl.budget):
+        raise ValueError(f"{where}: `budget` must be a non-empty name (str) or None, got {decl.budget!r}.")
     if not _is_int(decl.multiple_of) or decl.multiple_of < 1:
         raise ValueError(f"{where}: `multiple_of` must be a positive int, got {decl.multiple_of!r}.")
     if decl.target is not None and (
