@@ -216,16 +216,66 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
     model = hf_entry.build_empty(cls, base_config)
     state = _read_safetensors(weights)
+    attributes = _entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
     _materialize(model, entry["shapes"], state)
-    for name, values in entry["attributes"].items():
-        module = model.get_submodule(name)
-        for key, value in values.items():
-            old = getattr(module, key, None)
-            setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
+    for module, key, value in attributes:
+        old = getattr(module, key, None)
+        setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
     model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
     setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
     return model.eval()
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _entry_attributes(model: nn.Module, attributes: object) -> list[tuple[nn.Module, str, Any]]:
+    """(module, name, value) of every attribute the entry sets, each checked (the entry is read from a file).
+
+    Only public plain attributes (sizes, head counts, eps: numbers, strings, bools, lists of ints) of modules the model
+    has: never a method, a property, a class attribute, a parameter, a buffer, a submodule or an internal.
+
+    Raises:
+        ValueError: Naming the module and attribute.
+    """
+    where = "load_pretrained: config.json's lightning_pat entry"
+    if not isinstance(attributes, Mapping):
+        raise ValueError(f"{where}: `attributes` must be a mapping, got {type(attributes).__name__}.")
+    out = []
+    for name, values in attributes.items():
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{where}: the attributes of module {name!r} must be a mapping, got {values!r}.")
+        try:
+            module = model.get_submodule(name) if isinstance(name, str) else None
+        except AttributeError:
+            module = None
+        if module is None:
+            raise ValueError(
+                f"{where} names the module {name!r}, which the model ({type(model).__name__}) does not have."
+            )
+        for key, value in values.items():
+            internal = not isinstance(key, str) or key.startswith("_") or not key.isidentifier()
+            taken = not internal and (
+                hasattr(type(module), key) or key in module._parameters or key in module._buffers  # noqa: SLF001
+                or key in module._modules  # noqa: SLF001
+            )  # fmt: skip
+            current = vars(module).get(key) if not internal else None
+            if internal or taken or (current is not None and not _plain(current)):
+                raise ValueError(
+                    f"{where}: attribute {key!r} of module {name!r} is refused: the entry sets only public plain "
+                    "attributes (sizes, head counts, eps), never a method, a tensor, a submodule or an internal."
+                )
+            if not _plain(value):
+                raise ValueError(
+                    f"{where}: attribute {key!r} of module {name!r} must be a plain value (a number, a string, a bool "
+                    f"or a list of ints), got {value!r}."
+                )
+            out.append((module, key, value))
+    return out
 
 
 def _hf_class(transformers: Any, name: object) -> type:

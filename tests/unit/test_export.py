@@ -424,3 +424,26 @@ def test_the_models_own_save_pretrained_reloads_exactly(tmp_path, case, kinds, b
     assert max_err(logits(eager(again), ids), ref) < 1e-6
     again.save_pretrained(tmp_path / "again")  # a loaded export keeps the entry for its own save_pretrained
     assert max_err(logits(eager(load_pretrained(tmp_path / "again")), ids), ref) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda a: a.update(nope={"x": 1}), r"names the module 'nope', which the model .* does not have"),
+        (lambda a: a.setdefault("model", {}).update(forward="x"), r"attribute 'forward' of module 'model' .* refused"),
+        (lambda a: a.setdefault("model", {}).update(_parameters={}), r"attribute '_parameters' .* refused"),
+        (lambda a: a.setdefault("model", {}).update(padding_idx={"a": 1}), r"attribute 'padding_idx' .* plain value"),
+        (lambda a: a.update(model=[1]), r"the attributes of module 'model' must be a mapping"),
+    ],
+    ids=["unknown-module", "method", "private", "not-a-scalar", "not-a-mapping"],
+)
+def test_a_crafted_entry_attribute_is_refused(tmp_path, edit, match):
+    """Issue 23 (the audit's "not covered": crafted lightning_pat entries in config.json): the entry may set only
+    public plain attributes (sizes, head counts, eps) of modules the model has, never a method or an internal."""
+    case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
+    save_pretrained(shrunk(case, ("mlp",), budget=True), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config[ENTRY]["attributes"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)
