@@ -139,6 +139,11 @@ def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
         ValueError: If the checkpoint holds no such state, or several.
     """
     callbacks = ckpt.get("callbacks") or {}
+    if not isinstance(callbacks, Mapping):
+        raise ValueError(
+            f"shrink: the checkpoint's 'callbacks' entry must be a mapping, got {type(callbacks).__name__}; it was "
+            "edited or is not a Lightning checkpoint."
+        )
     keys = [k for k in callbacks if str(k).startswith("CoupledPruningCallback")]
     if len(keys) != 1:
         found = "no CoupledPruningCallback state" if not keys else f"{len(keys)} CoupledPruningCallback states {keys}"

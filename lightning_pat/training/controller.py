@@ -901,7 +901,16 @@ class PruningController:
         return saved
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""
+        """Keep a state (see :meth:`state_dict`); :meth:`start` checks and applies it once the model is bound.
+
+        Raises:
+            ValueError: If ``saved`` is not a mapping.
+        """
+        if not isinstance(saved, Mapping):
+            raise ConfigurationError(
+                f"{state.WHAT} must be a mapping, got {type(saved).__name__}; the checkpoint was edited or is not one "
+                "of lightning_pat's."
+            )
         pending = dict(saved)
         distill = pending.pop("distill", None) or {}
         if self.distiller is not None:

@@ -246,3 +246,16 @@ def test_layer_scores_and_taylor_sums_are_checked():
         check_state({"step": 0, "dropped": {}, "layer_scores": [{"sum": {}, "count": {"l.0": float("inf")}}]})
     with pytest.raises(StateError, match=r"`taylor\[0\].sums\['x'\]` holds negative values"):
         check_state({"step": 0, "dropped": {}, "taylor": [{"steps": 1, "sums": {"x": -torch.ones(2)}}]})
+
+
+def test_a_state_that_is_not_a_mapping_is_refused_when_loaded():
+    ctl = PruningController(options())
+    with pytest.raises(ValueError, match=r"the checkpoint's pruning state must be a mapping, got list"):
+        ctl.load_state_dict([1, 2])
+
+
+def test_checkpoint_callbacks_that_are_not_a_mapping_are_refused():
+    from lightning_pat.shrink import checkpoint_state
+
+    with pytest.raises(ValueError, match=r"the checkpoint's 'callbacks' entry must be a mapping, got list"):
+        checkpoint_state({"state_dict": {}, "callbacks": ["CoupledPruningCallback{}"]})
