@@ -24,6 +24,11 @@ the callbacks' states with rank 0's metadata, so the sharded latents travel as m
 :data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
 distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
 
+A restored state is checked before any of it is applied (:func:`check_saved`, on every rank): against the one schema
+of :mod:`lightning_pat.core.state_schema` (in ``core`` so that ``lightning-pat shrink`` and the shrink floor use the
+same one) and against the run (:func:`restore_context`: the trainer's ``global_step``, the clusters, the latents'
+shapes and dtypes, the activation readers, the layers).
+
 Why not the optimizer state (``optimizer.state[p]["pat_latent"]``, which torch's distributed optimizer state dict
 saves sharded)? Lightning's sharded load (``lightning.fabric.strategies.model_parallel._load_checkpoint``) reads each
 optimizer through a template from the live optimizer, built after the callback's ``on_fit_start`` but from a fresh
