@@ -40,7 +40,15 @@ from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import depth, verify
-from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan, checkpoint_state, read_source, state_source
+from lightning_pat.shrink.plan import (
+    ShrinkPlan,
+    align_names,
+    build_plan,
+    check_source_fits,
+    checkpoint_state,
+    read_source,
+    state_source,
+)
 from lightning_pat.shrink.surgery import apply_plan
 
 
@@ -73,10 +81,12 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input
         The shrunk model (``model`` itself when ``inplace``).
 
     Raises:
-        ValueError: Before anything changes, if the source holds no clusters, the plan does not match the model, a
-            member belongs to a module the shrink cannot rewrite (the message names the parameter, the module type and
-            the fix), an attention module would lose partial heads, a dropped layer is not an element of an
-            ``nn.ModuleList``, the example input does not fit the model's forward, or a meta copy of the shrunk
+        ValueError: Before anything changes, if the source holds no clusters, a state or checkpoint does not fit its
+            schema (:mod:`lightning_pat.core.state_schema`) or this model (a member missing or of another shape, two
+            clusters on the same channels, a dropped unit that is not zero in the weights), the plan does not match
+            the model, a member belongs to a module the shrink cannot rewrite (the message names the parameter, the
+            module type and the fix), an attention module would lose partial heads, a dropped layer is not an element
+            of an ``nn.ModuleList``, the example input does not fit the model's forward, or a meta copy of the shrunk
             model does not run (the message names the module that raised); after the surgery
             (:class:`~lightning_pat.shrink.verify.ShrinkCheckError`, a ``ValueError``), if the shrunk model does not
             run or its outputs differ from the masked model's (the message names the first module whose output
@@ -93,6 +103,9 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input
         (Linear(in_features=4, out_features=4, bias=True), Linear(in_features=4, out_features=2, bias=True))
     """
     clusters, dropped = read_source(source)
+    if isinstance(source, Mapping):  # read from a file: the state must belong to this model and its weights
+        what = "the checkpoint's pruning state" if "callbacks" in source else "the pruning state"
+        check_source_fits(model, clusters, dropped, what=what)
     cut = depth.split_layers(clusters, dropped)
     example = _example_input(model, example_input)
     target = model if inplace else copy.deepcopy(model)
