@@ -46,10 +46,18 @@ def import_torchvision() -> ModuleType:
     for op in ("nms", "qnms"):
         with contextlib.suppress(RuntimeError):  # already declared (a second call, or a working build)
             torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    if TORCHVISION_DIR.is_dir() and str(TORCHVISION_DIR) not in sys.path:
+    # On sys.path only for this import: spawned workers (multiprocessing) inherit the parent's sys.path, and a
+    # worker that imports torchmetrics would then find this torchvision and fail before our declarations run.
+    # Submodules imported later resolve through ``torchvision.__path__``, so the package keeps working.
+    added = TORCHVISION_DIR.is_dir() and str(TORCHVISION_DIR) not in sys.path
+    if added:
         sys.path.append(str(TORCHVISION_DIR))
-    import torchvision
-
+    try:
+        import torchvision
+        import torchvision.models  # noqa: F401  (eagerly, while the folder is on the path)
+    finally:
+        if added:
+            sys.path.remove(str(TORCHVISION_DIR))
     return torchvision
 
 
