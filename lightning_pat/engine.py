@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +44,7 @@ from lightning_pat.parallel.executors import (
     build_executors,
     route,
 )
-from lightning_pat.sizing import check_target, declaration_labels, sized_clusters
+from lightning_pat.sizing import check_target, declaration_labels, sized_clusters, unit_costs
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
@@ -116,13 +116,15 @@ class Plan:
         widths: str = "uniform",
         min_kept: float | None = None,
         flops: tuple[nn.Module, int] | None = None,
+        importance: Mapping[str, Sequence[float]] | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
         number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
         instead, each keeping at least ``min_kept`` of its units. ``flops=(model, seq_len)``: ``target_params`` is
-        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`).
+        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`). ``importance``: each unit's removal
+        cost (:func:`~lightning_pat.sizing.unit_costs`), so that the widths are allocated by importance.
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
@@ -132,6 +134,7 @@ class Plan:
             params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers,
             widths=widths, min_kept=min_kept, name="target_params" if flops is None else "target_flops",
             costs=None if flops is None else flop_costs(flops[0], self.clusters, seq_len=flops[1]),
+            importance=importance,
         )  # fmt: skip
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
@@ -548,6 +551,46 @@ class Pruner:
         self.executors = build_executors(self.clusters, params, self.routes, data_aware=self.score == "activation")
 
 
+#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
+ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
+Allocation = Literal["importance", "fractions"]
+
+
+def plan_importance(
+    model: nn.Module,
+    plan: Plan,
+    declarations: Sequence[Cluster | Mapping],
+    *,
+    activations: ActivationStats | None = None,
+) -> dict[str, list[float]]:
+    """Each unit's removal cost for the size solver: from ``activations`` if given, else from the plan's weight score.
+
+    Unit norms (and the statistics, for DTensors) are reduced as for a selection, so every rank gets the same costs.
+
+    Args:
+        model: The model the plan was made for.
+        plan: The unsized plan.
+        declarations: The declarations (their families: see :func:`~lightning_pat.sizing.unit_costs`).
+        activations: Calibrated statistics (``score="activation"``).
+
+    Returns:
+        Cluster name -> unit costs (layer clusters left out: the solver derives theirs).
+    """
+    pruner = Pruner(model, plan)
+    sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
+    with torch.no_grad(), pruner._session():  # noqa: SLF001 - the pruner's own reduction, as for a selection
+        if activations is not None and not sharded:
+            q, scores = pruner._reduce(activations.unit_scores(_named(model)), None)  # noqa: SLF001
+        else:
+            q, scores = pruner._reduce(None, activations)  # noqa: SLF001
+    if activations is None:
+        weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
+        scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}  # type: ignore[arg-type]
+    assert scores is not None
+    declared = declaration_labels(_named(model), declarations)
+    return unit_costs(scores, plan.clusters, declared=declared, comparable=activations is not None)
+
+
 def prune_clusters(
     model: nn.Module,
     clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
@@ -560,6 +603,7 @@ def prune_clusters(
     min_kept: float | None = None,
     target_flops: int | float | str | None = None,
     seq_len: int | None = None,
+    target_allocation: Allocation = "importance",
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
@@ -596,6 +640,11 @@ def prune_clusters(
             (``"2M"``, or a fraction of the model's): matmul weights cost ``2 * out * in``, attention scores and
             values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.flops`).
         seq_len: The sequence length ``S`` of ``target_flops``.
+        target_allocation: How a size target is spread over the kinds (MLP channels, heads, layers, the residual):
+            ``"importance"`` (default): granules leave in increasing cost per parameter removed, a unit's cost being
+            its squared score (with ``activations``: the expected squared change of the residual stream, comparable
+            across kinds; weight scores are scaled per kind, see :mod:`lightning_pat.sizing`); ``"fractions"``: the
+            kind with the highest kept fraction loses a granule first.
         score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
@@ -639,6 +688,7 @@ def prune_clusters(
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, SCORE_TYPES)
+    check_choice("target_allocation", target_allocation, ALLOCATIONS)
     check_choice("method", method, METHODS)
     check_number("reg_lambda", reg_lambda, low=0.0)
     check_number("gamma", gamma, low=0.0)
@@ -667,10 +717,13 @@ def prune_clusters(
     size = None
     if target_params is not None or target_flops is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+        importance = None
+        if target_allocation == "importance":
+            importance = plan_importance(model, plan, decls, activations=activations)
         plan, size = plan.sized(
             _named(model), target_params if target_flops is None else target_flops, side=target_side,
             declarations=decls, keep_layers=target_layers, widths=target_widths, min_kept=min_kept,
-            flops=None if target_flops is None else (model, int(seq_len or 0)),
+            flops=None if target_flops is None else (model, int(seq_len or 0)), importance=importance,
         )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
