@@ -581,10 +581,27 @@ def _one_shot_score(score: str, activations: object, calibration: object) -> Sco
     return "rms"
 
 
-def _calibrated(
-    model: nn.Module, clusters: object, calibration: Sequence[Any], layer_stats: LayerStats | None
-) -> tuple[ActivationStats, LayerStats | None]:
-    """Activation statistics (and layer scores, for layer units without given ones) from the calibration batches."""
+def one_shot_calibration(
+    model: nn.Module,
+    clusters: object,
+    score: str,
+    activations: ActivationStats | None,
+    calibration: Sequence[Any] | None,
+    *,
+    layer_stats: LayerStats | None = None,
+) -> tuple[ScoreType, ActivationStats | None, LayerStats | None]:
+    """The one-shot score (``"auto"`` resolved) and the statistics, calibrated on ``calibration`` if given.
+
+    With ``calibration``: activation statistics for the width clusters and, when the clusters hold layer units and
+    no ``layer_stats`` are given, the layer cosines.
+
+    Raises:
+        ValueError: As for :func:`prune_clusters` (``calibration`` with ``activations`` or a weight score, or not a
+            list of batches; an invalid declaration).
+    """
+    score = _one_shot_score(score, activations, calibration)
+    if calibration is None:
+        return score, activations, layer_stats
     from lightning_pat.activation import calibrate
     from lightning_pat.layer_score import calibrate_layers
 
@@ -597,7 +614,7 @@ def _calibrated(
     stats = calibrate(model, resolved, calibration)
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
-    return stats, layer_stats
+    return score, stats, layer_stats
 
 
 #: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
@@ -755,8 +772,8 @@ def prune_clusters(
             "CoupledPruningCallback (or lightning_pat.gradient.TaylorScores with a Pruner in your own loop); for "
             "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
         )
-    score = _one_shot_score(score, activations, calibration)
-    if (score == "activation") != (activations is not None or calibration is not None):
+    resolved_score = _one_shot_score(score, activations, calibration)
+    if (resolved_score == "activation") != (activations is not None or calibration is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
             "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
@@ -768,8 +785,9 @@ def prune_clusters(
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
         clusters = presets.resolve_preset(clusters, model)
-    if calibration is not None:
-        activations, layer_stats = _calibrated(model, clusters, calibration, layer_stats)
+    score, activations, layer_stats = one_shot_calibration(
+        model, clusters, resolved_score, activations, calibration, layer_stats=layer_stats
+    )
     plan = make_plan(
         model, clusters, score=score, executor=executor, group_count_ref=group_count_ref,
         sparsity=None if sparsity is None else float(sparsity),

@@ -155,3 +155,29 @@ def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir
     full = AutoModelForCausalLM.from_pretrained(lm_dir)
     assert sum(p.numel() for p in reloaded.parameters()) <= 0.8 * sum(p.numel() for p in full.parameters())
     assert (export / "tokenizer.json").is_file()
+
+
+def test_size_clusters_then_the_callback_reach_the_solved_size(tmp_path, cache, lm_dir):
+    """Size first by calibrated importance (one-shot, nothing mutated), then train with those declarations."""
+    from lightning_pat import size_clusters
+
+    files = text_files(tmp_path / "texts")
+    module = CausalLM(str(lm_dir), lr=1e-3)
+    data = small_data(files, tokenizer=module.tokenizer)
+    data.setup()
+    batches = [x for x, _ in list(data.train_dataloader())[:3]]
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    sized = size_clusters(module, "llama", target_params=0.8, calibration=batches)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+    assert sized.size.rule == "importance"
+    assert {c.name for c in sized.clusters} == {"mlp.{layer}", "heads.{layer}"}
+    assert all(c.target is not None for c in sized.clusters)
+    pruning = CoupledPruningCallback(sized.clusters, warmup_steps=1, ramp_steps=1, shrink_on_freeze=True)
+    trainer = pl.Trainer(
+        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[pruning],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    assert sum(p.numel() for p in module.model.parameters()) == sized.size.achieved
+    with pytest.raises(ValueError, match=r"size_clusters needs `target_params` or `target_flops`, exactly one"):
+        size_clusters(module, "llama", calibration=batches)
