@@ -181,3 +181,14 @@ def test_size_clusters_then_the_callback_reach_the_solved_size(tmp_path, cache, 
     assert sum(p.numel() for p in module.model.parameters()) == sized.size.achieved
     with pytest.raises(ValueError, match=r"size_clusters needs `target_params` or `target_flops`, exactly one"):
         size_clusters(module, "llama", calibration=batches)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"schedule": "step"}, r"`schedule` must be one of"), ({"lr": 0.0}, r"expected lr > 0"),
+     ({"min_lr_ratio": 2.0}, r"0 <= min_lr_ratio <= 1"), ({"warmup_steps": -1}, r"warmup_steps >= 0"),
+     ({"dtype": "float99"}, r"`dtype` must name a torch dtype")],
+)  # fmt: skip
+def test_causal_lm_refuses_bad_options(lm_dir, options, match):
+    with pytest.raises(ValueError, match=match):
+        CausalLM(str(lm_dir), **options)
