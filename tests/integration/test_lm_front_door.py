@@ -155,6 +155,15 @@ def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir
     full = AutoModelForCausalLM.from_pretrained(lm_dir)
     assert sum(p.numel() for p in reloaded.parameters()) <= 0.8 * sum(p.numel() for p in full.parameters())
     assert (export / "tokenizer.json").is_file()
+    # `fit && shrink`: the checkpoint of the run (written after shrink_on_freeze) exports the same model
+    (ckpt,) = (tmp_path / "runs").glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    proc = subprocess.run(
+        [str(SCRIPT), "shrink", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "shrunk")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "shrunk")
+    assert sum(p.numel() for p in again.parameters()) == sum(p.numel() for p in reloaded.parameters())
 
 
 def test_size_clusters_then_the_callback_reach_the_solved_size(tmp_path, cache, lm_dir):
