@@ -35,6 +35,7 @@ from torch.nn.modules.conv import _ConvNd
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery import trial as trials
+from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
 
@@ -144,7 +145,9 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
     return Discovery(clusters=clusters, left_out=left)
 
 
-def discover(model: nn.Module, example_input: Any, *, check: trials.Check = "auto") -> Discovery:
+def discover(
+    model: nn.Module, example_input: Any, *, check: trials.Check = "auto", query_heads: bool | None = None
+) -> Discovery:
     """Trace ``model`` and derive its coupled clusters, and a report of the channels left out.
 
     Only clusters the shrink turns into a model that runs and equals the masked model are returned
@@ -160,6 +163,9 @@ def discover(model: nn.Module, example_input: Any, *, check: trials.Check = "aut
         check: The trial shrink: ``"values"`` (a CPU copy with random weights and the model's buffers, masked vs
             shrunk outputs compared), ``"meta"`` (a meta copy: the shrunk model only has to run), ``"none"``, or
             ``"auto"`` (default: values up to 2**28 parameters, meta above).
+        query_heads: GQA attention of a transformers model: one unit per query head inside its KV group instead of
+            a whole query group (see :mod:`lightning_pat.discovery.query_heads`); default: the presets' default
+            (:data:`lightning_pat.presets.QUERY_HEADS_DEFAULT`).
 
     Returns:
         The clusters (exact parameter names, channel slices where needed, explicit ``num_units``), the channels
@@ -184,7 +190,10 @@ def discover(model: nn.Module, example_input: Any, *, check: trials.Check = "aut
     walk = Walk(tr)
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    found = _multihead_attention(model, _validated(model, _collect(walk, shapes)))
+    found = _collect(walk, shapes)
+    if presets.QUERY_HEADS_DEFAULT if query_heads is None else query_heads:
+        found = Discovery(refine_query_heads(model, found.clusters), found.left_out)
+    found = _multihead_attention(model, _validated(model, found))
     return replace(_tried(model, found, example_input, check), example_input=example_input)
 
 

@@ -32,6 +32,7 @@ of the residual changes the logits by about 17/40/80% relative (``python bench/b
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,8 @@ from lightning_pat.shrink.plan import (
     state_source,
 )
 from lightning_pat.shrink.surgery import apply_plan
+
+log = logging.getLogger(__name__)
 
 
 def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input: Any = "auto") -> nn.Module:
@@ -103,10 +106,15 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input
         (Linear(in_features=4, out_features=4, bias=True), Linear(in_features=4, out_features=2, bias=True))
     """
     clusters, dropped = read_source(source)
+    cut = depth.split_layers(clusters, dropped)
+    if not cut.prefixes and already_shrunk(model, align_names(build_plan(cut.clusters, cut.dropped), model)):
+        log.info(
+            "shrink: the model already has the shrunk shapes (shrink_on_freeze cut it during fit); returned as it is"
+        )
+        return model if inplace else copy.deepcopy(model)
     if isinstance(source, Mapping):  # read from a file: the state must belong to this model and its weights
         what = "the checkpoint's pruning state" if "callbacks" in source else "the pruning state"
         check_source_fits(model, clusters, dropped, what=what)
-    cut = depth.split_layers(clusters, dropped)
     example = _example_input(model, example_input)
     target = model if inplace else copy.deepcopy(model)
     where = depth.locate(target, cut)  # validated before anything changes
@@ -173,6 +181,23 @@ def _dry_run(model: nn.Module, plan: ShrinkPlan, where: Mapping[str, Sequence[in
         "cut channels where they are not cut. Leave the clusters whose members belong to it out of the pruning.",
         module,
     )
+
+
+def already_shrunk(model: nn.Module, plan: ShrinkPlan) -> bool:
+    """Whether every parameter the plan cuts already has its shape after the cut (and the plan cuts something).
+
+    What ``shrink_on_freeze`` leaves: the callback still holds the dropped units, the model is already small.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if not plan.keep or any(name not in params for name in plan.keep):
+        return False
+    for name, dims in plan.keep.items():
+        after = list(plan.shapes[name])
+        for dim, idx in dims.items():
+            after[dim] = idx.numel()
+        if tuple(params[name].shape) != tuple(after) or tuple(after) == plan.shapes[name]:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------- during training

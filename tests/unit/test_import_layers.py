@@ -49,6 +49,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "gradient",
         "layer_score",
         "engine",
+        "allocation",
         "sizing",
         "flops",
         "discovery.",

@@ -182,7 +182,7 @@ def test_non_cluster_object_is_a_type_error():
 BAD_OPTIONS = {
     "score": (
         {"score": "max"},
-        r"`score` must be one of \('rms', 'l2', 'param_cost', 'activation', 'taylor'\), got 'max'",
+        r"`score` must be one of \('auto', 'rms', 'l2', 'param_cost', 'activation', 'taylor'\), got 'max'",
     ),
     "method": ({"method": "lasso"}, r"`method` must be one of \('hard', 'group_lasso'\), got 'lasso'"),
     "executor": ({"executor": "fast"}, r"`executor` must be one of"),
