@@ -87,6 +87,16 @@ def _zero_dropped(model: nn.Module, plan: Any) -> None:
                 param.index_fill_(dim, mask.nonzero().flatten(), 0.0)
 
 
+def _one_per_group(rc: ResolvedCluster) -> list[int]:
+    """The last unit of each of the cluster's ``unit_groups``; none where a group has a single unit.
+
+    Query heads: one per KV group, as a selection keeps the groups balanced.
+    """
+    groups = max(1, getattr(rc, "unit_groups", 1))
+    per = rc.num_units // groups
+    return [] if per < 2 else [(g + 1) * per - 1 for g in range(groups)]
+
+
 class _Trial:
     """Trial shrinks of subsets of the clusters on copies of one model."""
 
@@ -98,7 +108,7 @@ class _Trial:
     def fails(self, clusters: Sequence[ResolvedCluster]) -> str | None:
         """Why shrinking ``clusters`` (one unit dropped in each) breaks the model, or ``None``."""
         self.count += 1
-        plan = build_plan(clusters, {rc.name: [rc.num_units - 1] for rc in clusters if rc.num_units > 1})
+        plan = build_plan(clusters, {rc.name: _one_per_group(rc) for rc in clusters if rc.num_units > 1})
         if self.mode == "meta":
             twin = verify.meta_copy(self.model)
             apply_plan(twin, plan, check_zeros=False)
