@@ -52,6 +52,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | widths | params (M) | tokens/s (batch 32) |",
     ),
     "accumulation": (["bench_accumulation.py", "--repeats", "1"], "| weight dtype | shape | channel dim |"),
+    "serve": (["bench_serve.py", "--quick"], "| variant | params | engine | tokens/s | vs dense | TTFT ms |"),
     "gpu-help": (["gpu.py", "--help"], "usage: gpu.py"),
 }
 TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds on an idle one)

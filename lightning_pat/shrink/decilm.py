@@ -185,17 +185,20 @@ def _layer_shapes(i: int, layer: LayerShape, hidden: int, head_dim: int) -> dict
     }
 
 
-def _layer_attributes(i: int, layer: LayerShape, head_dim: int) -> dict[str, dict[str, Any]]:
+def _layer_attributes(i: int, layer: LayerShape, hidden: int, head_dim: int) -> dict[str, dict[str, Any]]:
     p = f"model.layers.{i}."
-    kv = layer.n_kv_head * head_dim
+    q, kv = layer.n_head * head_dim, layer.n_kv_head * head_dim
     return {
+        p[:-1]: {"hidden_size": hidden},
         p + "self_attn": {"num_key_value_groups": layer.n_head // layer.n_kv_head},
-        p + "self_attn.k_proj": {"out_features": kv},
-        p + "self_attn.v_proj": {"out_features": kv},
-        p + "mlp": {"intermediate_size": layer.ffn},
-        p + "mlp.gate_proj": {"out_features": layer.ffn},
-        p + "mlp.up_proj": {"out_features": layer.ffn},
-        p + "mlp.down_proj": {"in_features": layer.ffn},
+        p + "self_attn.q_proj": {"in_features": hidden, "out_features": q},
+        p + "self_attn.k_proj": {"in_features": hidden, "out_features": kv},
+        p + "self_attn.v_proj": {"in_features": hidden, "out_features": kv},
+        p + "self_attn.o_proj": {"in_features": q, "out_features": hidden},
+        p + "mlp": {"hidden_size": hidden, "intermediate_size": layer.ffn},
+        p + "mlp.gate_proj": {"in_features": hidden, "out_features": layer.ffn},
+        p + "mlp.up_proj": {"in_features": hidden, "out_features": layer.ffn},
+        p + "mlp.down_proj": {"in_features": layer.ffn, "out_features": hidden},
     }
 
 
@@ -224,11 +227,14 @@ def entry_from_config(config: Mapping[str, Any]) -> dict[str, Any]:
     vocab = _positive_int(config.get("vocab_size"), "vocab_size")
     tied = bool(config.get("tie_word_embeddings", False))
     base: dict[str, Any] = {k: config[k] for k in _COPIED if config.get(k) is not None}
+    # transformers refuses a Llama config whose hidden size is not a multiple of the heads (a shrunk residual can be
+    # any width): build at the next multiple, the shapes and attributes below give every module its real width
+    buildable = n_head * math.ceil(hidden / n_head)
     base.update(
         model_type="llama",
         architectures=["LlamaForCausalLM"],
         vocab_size=vocab,
-        hidden_size=hidden,
+        hidden_size=buildable,
         intermediate_size=max(layer.ffn for layer in layers),
         num_hidden_layers=len(layers),
         num_attention_heads=n_head,
@@ -241,9 +247,10 @@ def entry_from_config(config: Mapping[str, Any]) -> dict[str, Any]:
         rope_parameters=rope_parameters(config),
     )
     shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
-    attributes: dict[str, dict[str, Any]] = {}
+    attributes: dict[str, dict[str, Any]] = {"model.embed_tokens": {"embedding_dim": hidden}}
     for i, layer in enumerate(layers):
         shapes.update(_layer_shapes(i, layer, hidden, head_dim))
-        attributes.update(_layer_attributes(i, layer, head_dim))
+        attributes.update(_layer_attributes(i, layer, hidden, head_dim))
     shapes["lm_head.weight"] = [vocab, hidden]
+    attributes["lm_head"] = {"in_features": hidden}
     return {"class": "LlamaForCausalLM", "base_config": base, "shapes": shapes, "attributes": attributes}
