@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 
 def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -92,7 +93,11 @@ def run_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     results = [greedy(p, args.max_tokens) for p in prompts]
     wall = time.perf_counter() - start
     tokens = [r[0] for r in results]
+    texts = json.loads(Path(args.texts).read_text()) if args.texts else []
+    tokenized = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts]
     return {
+        "tokenized": tokenized,
+        "add_bos": bool(llm.metadata.get("tokenizer.ggml.add_bos_token", "true") == "true"),
         "engine": "llama_cpp",
         "version": llama_cpp.__version__,
         "load_s": load_s,
@@ -111,6 +116,7 @@ def main() -> None:
     parser.add_argument("--max_model_len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--trust_remote_code", action="store_true", help="vLLM: a DeciLM export's config class")
+    parser.add_argument("--texts", help="llama_cpp: a JSON list of strings to tokenize with the GGUF's tokenizer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     with open(args.prompts) as fh:
