@@ -71,7 +71,7 @@ def test_llama_cpp_serves_a_per_layer_gguf_as_hf_generates(tmp_path, build):
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "out.json").read_text())
+    [result] = json.loads((tmp_path / "out.json").read_text())
     assert result["tokens"] == expected
     assert result["tokenized"] == [tok(t)["input_ids"] for t in TEXTS]
     assert result["add_bos"] is False

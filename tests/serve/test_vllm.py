@@ -51,6 +51,6 @@ def test_vllm_serves_a_decilm_export_with_per_layer_widths_as_hf_generates(tmp_p
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "vllm.json").read_text())
+    [result] = json.loads((tmp_path / "vllm.json").read_text())
     assert result["engine"] == "vllm"
     assert result["tokens"] == expected
