@@ -50,6 +50,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "engine",
         "sizing",
         "flops",
+        "repair",
         "discovery.",
     ),  # fmt: skip
     "shrink": ("shrink.",),
