@@ -22,6 +22,7 @@ from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
+    bottom_k_balanced,
     bottom_k_floored,
     bottom_k_rows,
     bottom_k_shared,
@@ -392,15 +393,23 @@ class Pruner:
     def _hard_floor(self, scores: Mapping[str, Tensor], targets: Mapping[str, float]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         budgets: dict[str, list[ResolvedCluster]] = {}
-        same: dict[tuple[int, int, torch.dtype, torch.device], list[ResolvedCluster]] = {}
+        same: dict[tuple[int, int, int, torch.dtype, torch.device], list[ResolvedCluster]] = {}
         for rc in self.clusters:
             if rc.budget is not None:
                 budgets.setdefault(rc.budget, []).append(rc)
                 continue
             num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
             s = scores[rc.name]
-            same.setdefault((rc.num_units, num, s.dtype, s.device), []).append(rc)
-        for (_, num, _, _), group in same.items():  # one finite check and one sort per equal-sized group
+            same.setdefault((rc.num_units, num, rc.unit_groups, s.dtype, s.device), []).append(rc)
+        for (_, num, unit_groups, _, _), group in same.items():  # one finite check and one sort per equal-sized group
+            if unit_groups > 1:  # GQA query heads: the same count from every KV group
+                for rc in group:
+                    check_finite(scores[rc.name], f"Cluster {rc.name!r}")
+                stacked_KC = torch.stack([scores[rc.name] for rc in group])
+                for rc, row in zip(group, bottom_k_balanced(stacked_KC, num_drop=num, groups=unit_groups),
+                                   strict=True):  # fmt: skip
+                    out[rc.name] = row
+                continue
             if len(group) == 1:
                 rc = group[0]
                 out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
@@ -418,10 +427,12 @@ class Pruner:
             corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
             total = sum(rc.num_units for rc in group)
             num = num_to_drop(targets[group[0].name], total)
-            if any(rc.min_kept for rc in group):  # a floor per cluster: chunks of multiple_of, ranked jointly
+            if any(rc.min_kept or rc.unit_groups > 1 for rc in group):  # chunks of multiple_of, ranked jointly
                 floors, mults = [rc.min_kept for rc in group], [rc.multiple_of for rc in group]
-                for rc, sel in zip(group, bottom_k_floored(corrected, num_drop=num, floors=floors, multiples=mults),
-                                   strict=True):  # fmt: skip
+                picked = bottom_k_floored(
+                    corrected, num_drop=num, floors=floors, multiples=mults, groups=[rc.unit_groups for rc in group]
+                )
+                for rc, sel in zip(group, picked, strict=True):
                     out[rc.name] = sel
                 continue
             picked = bottom_k_shared(corrected, num_drop=num, what=f"Budget {budget!r}")

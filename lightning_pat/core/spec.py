@@ -19,6 +19,7 @@ import difflib
 import fnmatch
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class Cluster:
         target: Per-cluster final target sparsity in ``[0, 1]``, overriding the global one.
         multiple_of: The kept unit count is rounded down to a multiple of this whenever units are dropped.
         budget: Clusters with the same budget name share one drop count (ranked jointly), so their widths differ.
+        unit_groups: The ``C`` units form this many equal groups of consecutive units (the KV groups of GQA query
+            heads: query head ``h`` reads KV head ``h // n_rep``). Every selection drops the same number of units
+            from each group (in each group its lowest-scored units, ties by index), so the kept count is a multiple
+            of ``unit_groups`` (of its least common multiple with ``multiple_of``).
 
     Example::
 
@@ -68,6 +73,7 @@ class Cluster:
     target: float | None = None
     multiple_of: int = 1
     budget: str | None = None
+    unit_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,12 @@ class ResolvedCluster:
         members: The members, in declaration order (writers first).
         num_units: Number of units ``C``.
         target: Per-cluster target override, or ``None``.
-        multiple_of: Rounding of the kept unit count.
+        multiple_of: Rounding of the kept unit count (a multiple of ``unit_groups``: the declaration's
+            ``multiple_of`` and ``unit_groups``' least common multiple).
         budget: Shared-budget name, or ``None`` for a per-cluster budget.
         min_kept: In a shared budget, the units this cluster keeps at least (a multiple of ``multiple_of``; 0: no
             floor). Set by ``target_params`` with ``target_widths="ranked"``.
+        unit_groups: Equal groups of consecutive units that every selection thins by the same count (1: none).
     """
 
     name: str
@@ -131,6 +139,7 @@ class ResolvedCluster:
     multiple_of: int = 1
     budget: str | None = None
     min_kept: int = 0
+    unit_groups: int = 1
 
     @property
     def unit_numel(self) -> int:
@@ -173,6 +182,8 @@ class ResolvedCluster:
         }
         if self.min_kept:
             out["min_kept"] = self.min_kept
+        if self.unit_groups > 1:
+            out["unit_groups"] = self.unit_groups
         return out
 
     @classmethod
@@ -211,6 +222,7 @@ class ResolvedCluster:
                 multiple_of=int(data.get("multiple_of", 1)),
                 budget=data.get("budget"),
                 min_kept=int(data.get("min_kept", 0)),
+                unit_groups=int(data.get("unit_groups", 1)),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(
@@ -230,6 +242,8 @@ class ResolvedCluster:
         }
         if self.min_kept:  # absent when 0: fingerprints of earlier checkpoints stay valid
             payload["min_kept"] = self.min_kept
+        if self.unit_groups > 1:  # likewise absent when 1
+            payload["unit_groups"] = self.unit_groups
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -280,8 +294,9 @@ def _check_declaration(decl: Cluster) -> None:
             raise ValueError(f"{where}: `{key}` must be a positive int or None, got {value!r}.")
     if decl.head_dim is not None and decl.num_units is not None:
         raise ValueError(f"{where}: set `head_dim` or `num_units`, not both.")
-    if not _is_int(decl.multiple_of) or decl.multiple_of < 1:
-        raise ValueError(f"{where}: `multiple_of` must be a positive int, got {decl.multiple_of!r}.")
+    for key in ("multiple_of", "unit_groups"):
+        if not _is_int(getattr(decl, key)) or getattr(decl, key) < 1:
+            raise ValueError(f"{where}: `{key}` must be a positive int, got {getattr(decl, key)!r}.")
     if decl.target is not None and (
         isinstance(decl.target, bool) or not isinstance(decl.target, (int, float)) or not 0.0 <= decl.target <= 1.0
     ):
@@ -544,13 +559,19 @@ def _build_members(
         alias_list = aliases[(id(params[name]), dim, start, stop)]
         extra = tuple(a for a in alias_list if a != name)
         members.append(Member(name, role, dim, start, stop, (stop - start) // num, shape, extra))
+    if num % decl.unit_groups:
+        raise ValueError(
+            f"Cluster {cname!r}: `unit_groups={decl.unit_groups}` does not divide its {num} units; every group must "
+            "hold the same number of consecutive units (for GQA query heads: the KV head count)."
+        )
     return ResolvedCluster(
         name=cname,
         members=tuple(members),
         num_units=num,
         target=None if decl.target is None else float(decl.target),
-        multiple_of=decl.multiple_of,
+        multiple_of=math.lcm(decl.multiple_of, decl.unit_groups),
         budget=decl.budget,
+        unit_groups=decl.unit_groups,
     )
 
 

@@ -34,6 +34,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
+from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
 
@@ -140,7 +141,7 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
     return Discovery(clusters=clusters, left_out=left)
 
 
-def discover(model: nn.Module, example_input: Any) -> Discovery:
+def discover(model: nn.Module, example_input: Any, *, query_heads: bool | None = None) -> Discovery:
     """Trace ``model`` and derive its coupled clusters, and a report of the channels left out.
 
     Args:
@@ -148,6 +149,9 @@ def discover(model: nn.Module, example_input: Any) -> Discovery:
             is traced).
         example_input: What ``forward`` takes: a tensor, a tuple of positional arguments, or a dict of keyword
             arguments (``LightningModule.example_input_array``, a batch's inputs).
+        query_heads: GQA attention of a transformers model: one unit per query head inside its KV group instead of
+            a whole query group (see :mod:`lightning_pat.discovery.query_heads`); default: the presets' default
+            (:data:`lightning_pat.presets.QUERY_HEADS_DEFAULT`).
 
     Returns:
         The clusters (exact parameter names, channel slices where needed, explicit ``num_units``) and the channels
@@ -168,7 +172,10 @@ def discover(model: nn.Module, example_input: Any) -> Discovery:
     walk = Walk(tr)
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    return _validated(model, _collect(walk, shapes))
+    found = _collect(walk, shapes)
+    if presets.QUERY_HEADS_DEFAULT if query_heads is None else query_heads:
+        found = Discovery(refine_query_heads(model, found.clusters), found.left_out)
+    return _validated(model, found)
 
 
 def _validated(model: nn.Module, found: Discovery) -> Discovery:

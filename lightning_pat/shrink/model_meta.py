@@ -66,6 +66,9 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
                 _set_if_int(module, attr, n_q)
             for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_head"):
                 _set_if_int(module, attr, n_kv)
+            if n_kv and n_q % n_kv == 0:  # query heads cut inside their KV groups change the heads per group
+                for attr in ("num_key_value_groups", "n_rep"):
+                    _set_if_int(module, attr, n_q // n_kv)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             module.split_size = module.c_attn.nf // 3
             _set_if_int(module, "num_heads", module.split_size // module.head_dim)

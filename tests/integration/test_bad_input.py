@@ -78,7 +78,8 @@ CASES = [
     (
         "preset-options-typo",
         {"clusters": "auto", "preset_options": {"residul": True}},
-        r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers'\) to bools, got \{'residul': True\}",
+        r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers', 'query_heads'\) to bools, got "
+        r"\{'residul': True\}",
         "init",
     ),
     ("size-malformed", {"target_params": "4X"}, r"`target_params` must look like '4B', '350M'.* got '4X'", "init"),

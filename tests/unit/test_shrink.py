@@ -374,8 +374,8 @@ def test_embedding_rows_and_partial_heads_raise():
     q_only = [
         Cluster("q", writers=["layers.0.attn.q_proj.weight"], readers=["layers.0.attn.o_proj.weight"], head_dim=8)
     ]
-    result = prune_clusters(model, q_only, 0.25)  # whole query heads but not whole groups
-    with pytest.raises(ValueError, match="do not keep whole query groups"):
+    result = prune_clusters(model, q_only, 0.25)  # whole query heads, but not as many in every KV group
+    with pytest.raises(ValueError, match=r"keep \[1, 2\] heads of the 2 KV groups.*the same number in every group"):
         shrink(model, result)
 
 
