@@ -4,7 +4,7 @@
     python bench/bench_pretrained.py --steps 0                        # every arm one-shot (no healing), both sizes
     python bench/bench_pretrained.py --steps 64 --arms act,tp_mag --sizes 0.75 --seeds 0,1,2 --jsonl runs.jsonl
     python bench/bench_pretrained.py --table runs.jsonl               # the table of stored runs
-    python bench/bench_pretrained.py --device cuda --steps 4000 ...   # the same bench on a GPU (bench/gpu_pretrained.py)
+    python bench/bench_pretrained.py --device cuda --steps 4000 ...   # on a GPU (see bench/gpu_pretrained.py)
 
 Every arm of every size and seed runs in a fresh process (``--one``, spawned by the driver), which appends one JSON
 line to ``--jsonl``; the table is printed from those lines, so runs started separately combine.
@@ -28,9 +28,10 @@ ours, through the public API only:
 * ``act``: the recommended one-shot: ``calibrate`` + ``prune_clusters(score="activation", target_params=...)`` on
   the ``llama`` preset (MLP channels and heads), ``shrink``.
 * ``act_mlp``: the same on the MLP channels only; ``act_ranked``: the MLP with per-layer widths
-  (``target_widths="ranked"``).
-* ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``): the same cut, then
-  ``lightning_pat.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
+  (``target_widths="ranked"``); ``act_q``: MLP channels and query heads inside the GQA groups
+  (``presets.llama(query_heads=True)``: every group keeps the same number, k/v untouched).
+* ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``, ``act_q_refit``, ``act_q_ranked_refit``): the same
+  cut, then ``lightning_pat.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
   calibration data, so that each layer's output matches the dense one (no training).
 * ``depth``: whole layers only (``preset_options={"layers": True}``), ranked by ``calibrate_layers`` cosines.
 * ``ramp``: ``CoupledPruningCallback(target_params=..., distill_alpha=...)`` during the healing steps (the ramp over
@@ -318,7 +319,7 @@ def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ran
     from lightning_pat import presets, prune_clusters, shrink
     from lightning_pat.activation import calibrate
 
-    decls = presets.llama(model, mlp=True, heads=kinds == "mlp_heads")
+    decls = presets.llama(model, mlp=True, heads=kinds != "mlp", query_heads=kinds == "mlp_qheads")
     batches = calib_batches(setup)
     stats = calibrate(model, decls, batches, forward=lm_forward)
     grams = None
@@ -556,6 +557,9 @@ def torch_pruning(model: nn.Module, setup: Setup, size: float, *, taylor: bool) 
 ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "act": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp_heads", ranked=False, refit=False),
     "act_mlp": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=False, refit=False),
+    "act_q": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp_qheads", ranked=False, refit=False),
+    "act_q_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp_qheads", ranked=False, refit=True),
+    "act_q_ranked_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp_qheads", ranked=True, refit=True),
     "act_ranked": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=True, refit=False),
     "act_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp_heads", ranked=False, refit=True),
     "act_mlp_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=False, refit=True),
@@ -660,11 +664,12 @@ def table(records: list[dict]) -> str:
         m = statistics.mean(vals)
         return f"{m:.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
 
-    for (size, steps, arm), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2])):
+    for (size, _steps, arm), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2])):
         code = [r["code"] for r in rs]
         eng = [r["eng"] for r in rs]
         lines.append(
-            f"| {size:.0%} | {arm} | {rs[0]['tokens']:,} | {len(rs)} | {statistics.mean(r['params'] for r in rs) / 1e6:.1f} "
+            f"| {size:.0%} | {arm} | {rs[0]['tokens']:,} | {len(rs)} "
+            f"| {statistics.mean(r['params'] for r in rs) / 1e6:.1f} "
             f"| {ms([r.get('oneshot_code') for r in rs])} | {ms(code)} | {statistics.mean(code) - d_code:+.3f} "
             f"| {math.exp(statistics.mean(code)):.1f} | {ms(eng)} | {statistics.mean(eng) - d_eng:+.3f} "
             f"| {statistics.mean(r['wall_s'] for r in rs):.0f} |"
