@@ -571,7 +571,7 @@ ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "tp_taylor": lambda m, s, z: torch_pruning(m, s, z, taylor=True),
 }
 ARMS = ("dense", *ONESHOT, "ramp", "scratch")
-MAIN_ARMS = ("dense", "act", "act_refit", "depth", "ramp", "tp_mag", "tp_taylor", "llmpruner", "shortgpt", "scratch")
+MAIN_ARMS = ("dense", "act", "act_q_refit", "depth", "ramp", "tp_mag", "tp_taylor", "llmpruner", "shortgpt", "scratch")
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -608,7 +608,7 @@ def run_one(args: argparse.Namespace) -> dict:
     if args.one != "ramp":
         rec["params"] = n_params(model)
         rec["oneshot_code"] = evaluate(model, setup.val_code, setup.device)
-        if args.steps == 0:
+        if args.steps == 0 and not args.skip_eng:
             rec["oneshot_eng"] = evaluate(model, setup.val_eng, setup.device)
     if args.one == "ramp":
         from lightning_pat import CoupledPruningCallback, shrink
@@ -629,7 +629,7 @@ def run_one(args: argparse.Namespace) -> dict:
         rec["code"] = evaluate(model, setup.val_code, setup.device)
         rec["eng"] = evaluate(model, setup.val_eng, setup.device)
     elif "oneshot_code" in rec:
-        rec["code"], rec["eng"] = rec["oneshot_code"], rec["oneshot_eng"]
+        rec["code"], rec["eng"] = rec["oneshot_code"], rec.get("oneshot_eng")
     rec["samples"] = samples(model, setup) if not args.no_samples else {}
     rec["wall_s"] = time.perf_counter() - t_start
     rec["host"] = f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
@@ -637,6 +637,84 @@ def run_one(args: argparse.Namespace) -> dict:
     rec["threads"] = torch.get_num_threads()
     rec["date"] = time.strftime("%Y-%m-%d %H:%M")
     return rec
+
+
+# ---------------------------------------------------------------------------------------------------- overhead
+def overhead(args: argparse.Namespace) -> dict:
+    """The callback's per-step work on this model, component by component, against one training step.
+
+    One process, one thread, the process's CPU time (on a shared machine wall time mostly measures waiting for a
+    core), medians over ``--rounds``. The training step is forward + backward + AdamW on ``--batch`` x 128 tokens.
+    ``statistics``: the same step with the activation-score hooks attached (``lightning_pat.activation``, what the
+    callback collects on every training forward of the ramp) minus the bare step. ``fresh selection``: the
+    engine's ``Pruner.step`` (score from those statistics, select, zero) at 25% of the units, what a ramp step with
+    ``every_n_steps=1`` runs; the weights are restored after it, untimed. ``held mask``: ``Pruner.hold`` (between
+    selections and while healing). ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
+    """
+    from lightning_pat import Pruner, presets, resolve_clusters
+    from lightning_pat.activation import ActivationStats
+    from lightning_pat.engine import make_plan
+
+    torch.set_num_threads(1)
+    setup = load_setup(quick=args.quick, device=args.device)
+    model = setup.dense().train()
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    clusters = resolve_clusters(model, presets.llama(model, query_heads=True))
+    stats = ActivationStats(model, clusters)
+    pruner = Pruner(model, make_plan(model, clusters, score="activation"))
+    params = dict(model.named_parameters())
+    members = {n: params[n] for rc in clusters for n in rc.param_names}
+    x = stream(setup, args.batch, seed=0).to(setup.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def train_step() -> None:
+        logits = model(x[:, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.process_time()
+        fn()
+        return time.process_time() - t0
+
+    rows: dict[str, list[float]] = {k: [] for k in ("step", "step+stats", "selection", "hold", "teacher")}
+    train_step()  # warm up (allocations, AdamW state)
+    stats.attach()
+    train_step()
+    stats.detach()
+    targets = {rc.name: 0.25 for rc in clusters}
+    for _ in range(args.rounds):
+        rows["step"].append(timed(train_step))
+        stats.attach()
+        rows["step+stats"].append(timed(train_step))
+        stats.detach()
+        saved = {n: t.detach().clone() for n, t in members.items()}
+        with torch.no_grad():
+            rows["selection"].append(timed(lambda: pruner.step(targets, scores=stats.unit_scores(params))))
+            rows["hold"].append(timed(pruner.hold))
+            for n, t in members.items():
+                t.copy_(saved[n])
+            rows["teacher"].append(timed(lambda: teacher(x[:, :-1])))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    step = med["step"]
+    parts = {
+        "training step (forward + backward + AdamW)": step,
+        "statistics (hooks on the readers' inputs)": med["step+stats"] - step,
+        "fresh selection (score, select, zero)": med["selection"],
+        "held mask": med["hold"],
+        "teacher forward (distill_alpha)": med["teacher"],
+    }
+    lines = [f"CPU time, 1 thread, median of {args.rounds} rounds, batch {args.batch} x {SEQ} tokens, "
+             f"{n_params(model) / 1e6:.1f}M parameters, {len(clusters)} clusters", "",
+             "| component | ms (CPU) | % of a training step |", "| --- | ---: | ---: |"]  # fmt: skip
+    for name, sec in parts.items():
+        lines.append(f"| {name} | {sec * 1e3:,.1f} | {100 * sec / step:.2f}% |")
+    ramp = parts["statistics (hooks on the readers' inputs)"] + parts["fresh selection (score, select, zero)"]
+    lines.append(f"| per ramp step without the teacher (statistics + fresh selection) | {ramp * 1e3:,.1f} "
+                 f"| {100 * ramp / step:.2f}% |")  # fmt: skip
+    print("\n".join(lines))
+    return {"ms": {k: v * 1e3 for k, v in parts.items()}, "rounds": args.rounds, "batch": args.batch}
 
 
 # ---------------------------------------------------------------------------------------------------- table
@@ -666,12 +744,13 @@ def table(records: list[dict]) -> str:
 
     for (size, _steps, arm), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2])):
         code = [r["code"] for r in rs]
-        eng = [r["eng"] for r in rs]
+        eng = [r["eng"] for r in rs if r.get("eng") is not None]
         lines.append(
             f"| {size:.0%} | {arm} | {rs[0]['tokens']:,} | {len(rs)} "
             f"| {statistics.mean(r['params'] for r in rs) / 1e6:.1f} "
             f"| {ms([r.get('oneshot_code') for r in rs])} | {ms(code)} | {statistics.mean(code) - d_code:+.3f} "
-            f"| {math.exp(statistics.mean(code)):.1f} | {ms(eng)} | {statistics.mean(eng) - d_eng:+.3f} "
+            f"| {math.exp(statistics.mean(code)):.1f} | {ms(eng)} "
+            f"| {(statistics.mean(eng) - d_eng) if eng else float('nan'):+.3f} "
             f"| {statistics.mean(r['wall_s'] for r in rs):.0f} |"
         )
     return "\n".join(lines)
@@ -704,9 +783,9 @@ def read(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- driver
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny random Llama on byte tokens, 2 steps (seconds)")
-    p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma list of {ARMS}")
-    p.add_argument("--sizes", default="0.75,0.5", help="fractions of the dense parameter count")
+    p.add_argument("--quick", action="store_true", help="a tiny random Llama on byte tokens, 2 steps, 2 arms at 75%%")
+    p.add_argument("--arms", default=None, help=f"comma list of {ARMS} (default: {','.join(MAIN_ARMS)})")
+    p.add_argument("--sizes", default=None, help="fractions of the dense parameter count (default 0.75,0.5)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=64, help="healing steps (0: one-shot only)")
     p.add_argument("--batch", type=int, default=2)
@@ -722,18 +801,29 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--table", type=Path, default=None, help="print the table of stored runs and exit")
     p.add_argument("--ref", default="act", help="the arm paired differences are taken against")
     p.add_argument("--no-samples", action="store_true")
+    p.add_argument("--skip-eng", action="store_true", help="one-shot runs: no English eval (halves their cost)")
+    p.add_argument("--overhead", action="store_true", help="the callback's per-step cost on this model, by part")
+    p.add_argument("--rounds", type=int, default=3, help="--overhead: rounds (medians)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", type=float, default=0.75, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick and args.steps == 64:
         args.steps = 2
+    args.arms = args.arms or ("act_q_refit,ramp" if args.quick else ",".join(MAIN_ARMS))
+    args.sizes = args.sizes or ("0.75" if args.quick else "0.75,0.5")
     return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.overhead:
+        out = overhead(args)
+        if args.jsonl is not None:
+            with args.jsonl.open("a") as fh:
+                fh.write(json.dumps({"overhead": out, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+        return [out]
     if args.one is not None:
         rec = run_one(args)
         line = json.dumps(rec)
@@ -760,11 +850,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "--precision", args.precision, "--threads", str(args.threads), "--jsonl", str(jsonl)]  # fmt: skip
     common += ["--quick"] if args.quick else []
     common += ["--no-samples"] if args.no_samples else []
+    common += ["--skip-eng"] if args.skip_eng else []
     have = {(r["arm"], r["size"], r["seed"], r["steps"]) for r in read(jsonl) if r.get("quick") == args.quick}
     runs = [("dense", 1.0, 0)] + [
         (a, float(z), int(s)) for z in args.sizes.split(",") for s in args.seeds.split(",") for a in arms
         if a != "dense"
     ]  # fmt: skip
+    failed: list[str] = []
     for arm, size, seed in runs:
         key = (arm, size, seed, 0 if arm == "dense" else args.steps)
         if key in have or (arm == "dense" and ("dense", 1.0, 0, args.steps) in have):
@@ -777,11 +869,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
         print(f"# {arm} size {size} seed {seed}: {status} in {time.perf_counter() - t0:.0f} s", flush=True)
         if proc.returncode != 0:
+            failed.append(f"{arm} {size} {seed}")
             print(proc.stderr[-4000:], file=sys.stderr, flush=True)
     records = [r for r in read(jsonl) if r.get("quick") == args.quick]
     print(table(records))
     print()
     print(paired(records, args.ref))
+    if failed:
+        raise SystemExit(f"bench_pretrained: {len(failed)} run(s) failed: {failed}")
     return records
 
 

@@ -29,6 +29,12 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | ms/step | vs no distillation | teacher forward (ms/step) | teacher collectives/step |",
     ),
     "quality": (["bench_quality.py", "--quick"], "| variant | seeds | val loss mean ± std |"),
+    "pretrained": (["bench_pretrained.py", "--quick", "--no-samples"], "| size | arm | heal tokens | seeds |"),
+    "pretrained-overhead": (
+        ["bench_pretrained.py", "--quick", "--overhead", "--rounds", "1"],
+        "| component | ms (CPU) | % of a training step |",
+    ),
+    "gpu-pretrained": (["gpu_pretrained.py", "--tiny", "--parallel", "1"], "| size | arm | heal tokens | seeds |"),
     "sharded": (
         ["bench_sharded.py", "--world", "2", "--sizes", "S", "--steps", "1"],
         "| size (d/ffn/layers, params) | clusters | executor | collectives |",
