@@ -39,9 +39,10 @@ ours, through the public API only:
 
 peers, at the same size and with the same healing:
 
-* ``tp_mag`` / ``tp_taylor``: Torch-Pruning 1.6 (``MetaPruner`` as in its LLM example: heads, hidden and MLP
-  channels at one ratio; ``GroupMagnitudeImportance`` / ``GroupTaylorImportance`` with gradients of the calibration
-  batches), the ratio bisected to the size.
+* ``tp_mag`` / ``tp_taylor``: Torch-Pruning 1.6.1 (``MetaPruner``, ``GroupMagnitudeImportance`` /
+  ``GroupTaylorImportance`` with gradients of the calibration batches) on every layer's MLP channels at one ratio,
+  bisected to the size (its LLM example's hidden-size and head pruning never finished building its groups on this
+  transformers Llama: see :func:`torch_pruning`).
 * ``llmpruner``: LLM-Pruner's block-wise one-shot, written here from the paper: first-order Taylor importance
   ``|w * dL/dw|`` per weight (gradients of the LM loss on the calibration batches), summed over each coupled group
   (an MLP channel's gate/up rows and down column; a GQA group's q/k/v rows and o columns), the same ratio of MLP
@@ -504,52 +505,52 @@ def _slice_layer(layer: nn.Module, keep_c: torch.Tensor, keep_g: torch.Tensor, n
 
 
 def torch_pruning(model: nn.Module, setup: Setup, size: float, *, taylor: bool) -> dict:
-    """Torch-Pruning's LLM recipe (MetaPruner, heads + hidden + MLP at one ratio), the ratio bisected to the size."""
+    """Torch-Pruning's ``MetaPruner`` on the MLP channels (attention ignored), the ratio bisected to the size.
+
+    Its LLM example also prunes the hidden size and the heads (``num_heads``, ``prune_num_heads``); with this
+    transformers Llama, TP 1.6.1 never finished building those dependency groups (``get_pruning_group`` kept
+    expanding index mappings: over 150 s on a 4-layer, 48-wide model, against 0.4 s without them), so the arm prunes
+    what TP can here: every layer's MLP channels at one ratio (``global_pruning=False``, ``round_to=4``).
+    """
     import torch_pruning as tp
 
     dense = setup_params(model)
     goal = target(dense, size)
     example = calib_batches(setup)[0][:1, :16]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if taylor:
+        _grads(model, setup)  # once; each trial copy gets these gradients
 
     def prune(ratio: float, net: nn.Module) -> nn.Module:
-        num_heads = {}
+        ignored: list[nn.Module] = [net.lm_head]
         for name, mod in net.named_modules():
             if name.endswith("self_attn"):
-                num_heads[mod.q_proj] = net.config.num_attention_heads
-                num_heads[mod.k_proj] = net.config.num_key_value_heads
-                num_heads[mod.v_proj] = net.config.num_key_value_heads
+                ignored += [mod.q_proj, mod.k_proj, mod.v_proj, mod.o_proj]
         imp = tp.importance.GroupTaylorImportance() if taylor else tp.importance.GroupMagnitudeImportance(p=2)
         pruner = tp.pruner.MetaPruner(
             net, example_inputs=example, importance=imp, global_pruning=False, pruning_ratio=ratio,
-            ignored_layers=[net.lm_head], num_heads=num_heads, prune_num_heads=True, prune_head_dims=False,
-            head_pruning_ratio=ratio, round_to=4, output_transform=lambda out: out.logits,
+            ignored_layers=ignored, round_to=4, output_transform=lambda out: out.logits,
         )  # fmt: skip
-        if taylor:
-            _grads(net, setup)
         for g in pruner.step(interactive=True):
             g.prune()
         net.zero_grad(set_to_none=True)
-        cfg = net.config
-        cfg.hidden_size = net.model.embed_tokens.embedding_dim
-        a0 = net.model.layers[0].self_attn
-        cfg.num_attention_heads = a0.q_proj.out_features // a0.head_dim
-        cfg.num_key_value_heads = a0.k_proj.out_features // a0.head_dim
-        cfg.intermediate_size = net.model.layers[0].mlp.down_proj.in_features
+        net.config.intermediate_size = net.model.layers[0].mlp.down_proj.in_features
         return net
 
-    lo, hi, best = 0.0, 0.95, None
+    lo, hi, best = 0.0, 0.99, None
     for _ in range(8):  # each trial prunes a fresh copy
         mid = (lo + hi) / 2
         trial = copy.deepcopy(model)
+        if taylor:
+            for src, dst in zip(model.parameters(), trial.parameters(), strict=True):
+                dst.grad = None if src.grad is None else src.grad.clone()
         prune(mid, trial)
         if n_params(trial) > goal:
             lo = mid
         else:
             hi, best = mid, trial
+    model.zero_grad(set_to_none=True)
     if best is None:
-        raise ValueError("tp: no ratio reached the size")
-    model.load_state_dict(state)
+        raise ValueError(f"tp: no ratio below 0.99 of the MLP channels reaches {goal:,} parameters")
     return {"model": best, "widths": widths(best), "ratio": hi}
 
 
@@ -645,9 +646,10 @@ def overhead(args: argparse.Namespace) -> dict:
 
     One process, one thread, the process's CPU time (on a shared machine wall time mostly measures waiting for a
     core), medians over ``--rounds``. The training step is forward + backward + AdamW on ``--batch`` x 128 tokens.
-    ``statistics``: the same step with the activation-score hooks attached (``lightning_pat.activation``, what the
-    callback collects on every training forward of the ramp) minus the bare step. ``fresh selection``: the
-    engine's ``Pruner.step`` (score from those statistics, select, zero) at 25% of the units, what a ramp step with
+    ``statistics``: what the activation-score hooks do on every training forward of the ramp
+    (``ActivationStats.observe`` on every reader module's input of one forward, timed on inputs captured once).
+    ``fresh selection``: the engine's ``Pruner.step`` (score from those statistics, select, zero) at 25% of the
+    units, what a ramp step with
     ``every_n_steps=1`` runs; the weights are restored after it, untimed. ``held mask``: ``Pruner.hold`` (between
     selections and while healing). ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
     """
@@ -678,17 +680,27 @@ def overhead(args: argparse.Namespace) -> dict:
         fn()
         return time.process_time() - t0
 
-    rows: dict[str, list[float]] = {k: [] for k in ("step", "step+stats", "selection", "hold", "teacher")}
+    captured: list[tuple[str, torch.Tensor]] = []  # every reader module's input of one forward
+    handles = [
+        mod.register_forward_pre_hook(lambda m, a, name=name: captured.append((name, a[0].detach())))
+        for name, mod in stats.hooked_modules().items()
+    ]
+    with torch.no_grad():
+        model(x[:, :-1])
+    for h in handles:
+        h.remove()
+
+    def observe_all() -> None:
+        for name, inp in captured:
+            stats.observe(name, inp)
+
+    rows: dict[str, list[float]] = {k: [] for k in ("step", "stats", "selection", "hold", "teacher")}
     train_step()  # warm up (allocations, AdamW state)
-    stats.attach()
-    train_step()
-    stats.detach()
+    observe_all()
     targets = {rc.name: 0.25 for rc in clusters}
     for _ in range(args.rounds):
         rows["step"].append(timed(train_step))
-        stats.attach()
-        rows["step+stats"].append(timed(train_step))
-        stats.detach()
+        rows["stats"].append(timed(observe_all))
         saved = {n: t.detach().clone() for n, t in members.items()}
         with torch.no_grad():
             rows["selection"].append(timed(lambda: pruner.step(targets, scores=stats.unit_scores(params))))
@@ -700,7 +712,7 @@ def overhead(args: argparse.Namespace) -> dict:
     step = med["step"]
     parts = {
         "training step (forward + backward + AdamW)": step,
-        "statistics (hooks on the readers' inputs)": med["step+stats"] - step,
+        "statistics (hooks on the readers' inputs)": med["stats"],
         "fresh selection (score, select, zero)": med["selection"],
         "held mask": med["hold"],
         "teacher forward (distill_alpha)": med["teacher"],
