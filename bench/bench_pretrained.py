@@ -649,9 +649,9 @@ def overhead(args: argparse.Namespace) -> dict:
     ``statistics``: what the activation-score hooks do on every training forward of the ramp
     (``ActivationStats.observe`` on every reader module's input of one forward, timed on inputs captured once).
     ``fresh selection``: the engine's ``Pruner.step`` (score from those statistics, select, zero) at 25% of the
-    units, what a ramp step with
-    ``every_n_steps=1`` runs; the weights are restored after it, untimed. ``held mask``: ``Pruner.hold`` (between
-    selections and while healing). ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
+    units, what a ramp step with ``every_n_steps=1`` runs; the weights are restored after it, untimed. ``held
+    mask``: ``Pruner.hold`` (between selections and while healing). ``teacher``: a no-grad forward of the dense
+    model (``distill_alpha``).
     """
     from lightning_pat import Pruner, presets, resolve_clusters
     from lightning_pat.activation import ActivationStats

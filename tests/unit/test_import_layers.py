@@ -8,8 +8,8 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
-* ``pruning`` (options, presets, activation, gradient, layer_score, engine: the one-shot API; discovery: clusters
-  found by tracing): adds parallel;
+* ``pruning`` (options, presets, activation, gradient, layer_score, repair, engine: the one-shot API; discovery:
+  clusters found by tracing): adds parallel;
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
   transformers and safetensors;
 * ``training`` (options' users: controller, state, latent, metrics, distill, teacher_file, views, callback, recipes,
