@@ -648,10 +648,10 @@ def overhead(args: argparse.Namespace) -> dict:
     core), medians over ``--rounds``. The training step is forward + backward + AdamW on ``--batch`` x 128 tokens.
     ``statistics``: what the activation-score hooks do on every training forward of the ramp
     (``ActivationStats.observe`` on every reader module's input of one forward, timed on inputs captured once).
-    ``fresh selection``: the engine's ``Pruner.step`` (score from those statistics, select, zero) at 25% of the
-    units, what a ramp step with ``every_n_steps=1`` runs; the weights are restored after it, untimed. ``held
-    mask``: ``Pruner.hold`` (between selections and while healing). ``teacher``: a no-grad forward of the dense
-    model (``distill_alpha``).
+    ``fresh selection``: the engine's ``Pruner.step(targets, evidence=stats)`` (score from those statistics,
+    select, zero) at 25% of the units, as the callback calls it at every ramp step with ``every_n_steps=1``; the
+    weights are restored after it, untimed. ``held mask``: ``Pruner.hold`` (between selections and while healing).
+    ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
     """
     from lightning_pat import Pruner, presets, resolve_clusters
     from lightning_pat.activation import ActivationStats
@@ -694,7 +694,7 @@ def overhead(args: argparse.Namespace) -> dict:
         for name, inp in captured:
             stats.observe(name, inp)
 
-    rows: dict[str, list[float]] = {k: [] for k in ("step", "stats", "selection", "hold", "teacher")}
+    rows: dict[str, list[float]] = {k: [] for k in ("step", "stats", "selection", "norms", "hold", "teacher")}
     train_step()  # warm up (allocations, AdamW state)
     observe_all()
     targets = {rc.name: 0.25 for rc in clusters}
@@ -703,7 +703,8 @@ def overhead(args: argparse.Namespace) -> dict:
         rows["stats"].append(timed(observe_all))
         saved = {n: t.detach().clone() for n, t in members.items()}
         with torch.no_grad():
-            rows["selection"].append(timed(lambda: pruner.step(targets, scores=stats.unit_scores(params))))
+            rows["selection"].append(timed(lambda: pruner.step(targets, evidence=stats)))  # as the callback calls it
+            rows["norms"].append(timed(lambda: [ex.unit_sq_norms() for ex in pruner.executors]))
             rows["hold"].append(timed(pruner.hold))
             for n, t in members.items():
                 t.copy_(saved[n])
@@ -714,6 +715,7 @@ def overhead(args: argparse.Namespace) -> dict:
         "training step (forward + backward + AdamW)": step,
         "statistics (hooks on the readers' inputs)": med["stats"],
         "fresh selection (score, select, zero)": med["selection"],
+        "  of which: every member's unit norms (the weight partials)": med["norms"],
         "held mask": med["hold"],
         "teacher forward (distill_alpha)": med["teacher"],
     }
