@@ -33,6 +33,8 @@ ours, through the public API only:
 * ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``, ``act_q_refit``, ``act_q_ranked_refit``): the same
   cut, then ``lightning_pat.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
   calibration data, so that each layer's output matches the dense one (no training).
+* ``mix_refit``: MLP channels and whole layers together (``layers=True``; the solver balances depth and width),
+  activation scores and layer cosines, readers refit.
 * ``depth``: whole layers only (``preset_options={"layers": True}``), ranked by ``calibrate_layers`` cosines.
 * ``ramp``: ``CoupledPruningCallback(target_params=..., distill_alpha=...)`` during the healing steps (the ramp over
   the first third, activation score from the training forwards), then ``shrink``.
@@ -340,6 +342,27 @@ def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ran
     return {"widths": widths(model)}
 
 
+def ours_mix(model: nn.Module, setup: Setup, size: float) -> dict:
+    """MLP channels and whole layers together (``layers=True``), activation + layer cosines, readers refit."""
+    from lightning_pat import presets, prune_clusters, shrink
+    from lightning_pat.activation import calibrate
+    from lightning_pat.layer_score import calibrate_layers
+    from lightning_pat.repair import calibrate_readers, refit_readers
+
+    decls = presets.llama(model, mlp=True, heads=False, layers=True)
+    batches = calib_batches(setup)
+    stats = calibrate(model, decls, batches, forward=lm_forward)
+    layer_stats = calibrate_layers(model, decls, batches, forward=lm_forward)
+    grams = calibrate_readers(model, decls, batches, forward=lm_forward)
+    result = prune_clusters(
+        model, decls, target_params=target(setup_params(model), size), score="activation", activations=stats,
+        layer_stats=layer_stats,
+    )  # fmt: skip
+    refit_readers(model, result, grams)
+    shrink(model, result)
+    return {"widths": widths(model)}
+
+
 def ours_depth(model: nn.Module, setup: Setup, size: float) -> dict:
     from lightning_pat import presets, prune_clusters, shrink
     from lightning_pat.layer_score import calibrate_layers
@@ -566,6 +589,7 @@ ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "act_mlp_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=False, refit=True),
     "act_ranked_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=True, refit=True),
     "depth": ours_depth,
+    "mix_refit": ours_mix,
     "shortgpt": shortgpt,
     "llmpruner": llmpruner,
     "tp_mag": lambda m, s, z: torch_pruning(m, s, z, taylor=False),
