@@ -224,7 +224,9 @@ def refit_readers(
     For each reader module with dropped input channels ``D`` (kept ``S``: every other input channel) its weight
     becomes ``W'_S = W G[:, S] (G[S, S] + lambda I)^-1`` on ``S`` and zero on ``D``, where ``W`` is the weight and
     ``G`` the input Gram matrix recorded by :func:`calibrate_readers` and ``lambda = ridge * mean(diag G[S, S])``
-    (solved in float64, stored in the weight's dtype). Writers, biases and everything else are untouched.
+    (solved in float64, stored in the weight's dtype). Rows of the weight that are all zero when it is called (cut
+    by another cluster: a dropped layer's output projection, a dropped residual channel) stay zero. Writers, biases
+    and everything else are untouched.
 
     Args:
         model: The model ``grams`` was calibrated on, pruned since (the same parameters, in place).
@@ -291,8 +293,12 @@ def refit_readers(
         v_s = torch.linalg.solve(g_ss, rhs).T if keep.numel() else rhs.T  # [out, S]
         new = torch.zeros_like(w)
         new[:, keep] = v_s
+        # rows another cut zeroed (a dropped layer's down_proj/o_proj, a dropped residual channel) stay zero
+        cut_rows = (mod.weight.detach() == 0).all(dim=1).cpu()
+        new[cut_rows] = 0.0
         masked = w.clone()
         masked[:, drop] = 0.0
+        masked[cut_rows] = 0.0
         report.error[name] = (_relative_error(w, masked, gram), _relative_error(w, new, gram))
         with torch.no_grad():
             mod.weight.copy_(new.to(dtype=mod.weight.dtype, device=mod.weight.device))

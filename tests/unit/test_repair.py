@@ -8,6 +8,8 @@ relative ridge times the mean of ``diag(X_S^T X_S)``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -119,6 +121,36 @@ def test_refit_lowers_the_loss_of_a_tiny_llama_and_skips_what_it_cannot_refit():
     grams = calibrate_readers(fresh, presets.llama(fresh, mlp=False, heads=False, layers=True), data)
     assert len(grams.skipped) == 2
     assert all("layer unit" in why for why in grams.skipped.values())
+
+
+def test_rows_cut_by_layer_units_stay_zero_so_the_layer_is_removed_exactly():
+    transformers = pytest.importorskip("transformers")
+    from lightning_pat import presets
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    data = [torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    decls = presets.llama(model, mlp=True, heads=False, layers=True)
+    grams = calibrate_readers(model, decls, data)
+    result = prune_clusters(model, decls, target_params=0.6)
+    gone = [int(n.split(".")[1]) for n, units in result.dropped.items() if n.startswith("layer.") and units]
+    assert gone  # the cut removes layers and MLP channels
+    refit_readers(model, result, grams)
+    for i in gone:
+        assert (model.model.layers[i].mlp.down_proj.weight == 0).all()
+    x = data[0]
+    with torch.no_grad():
+        masked = model(x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shrink warns when a removed layer's output projection is not zero
+        small = shrink(model, result)
+    assert len(small.model.layers) == 4 - len(gone)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x).logits, masked, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_input_raises_before_anything_changes():
