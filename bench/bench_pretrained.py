@@ -7,7 +7,8 @@
     python bench/bench_pretrained.py --device cuda --steps 4000 ...   # on a GPU (see bench/gpu_pretrained.py)
 
 Every arm of every size and seed runs in a fresh process (``--one``, spawned by the driver), which appends one JSON
-line to ``--jsonl``; the table is printed from those lines, so runs started separately combine.
+line to ``--jsonl``; the table is printed from those lines, so runs started separately combine (``--quick`` runs
+its arms in the driver's process: it checks the code paths, not the numbers).
 
 Model: ``lightning_pat.lm.smollm2_dir()`` (fp32; 30 layers, hidden 576, 9 query / 3 KV heads, MLP 1536, tied
 embeddings, 134.5M parameters). Data, tokenized with its tokenizer:
@@ -798,18 +799,18 @@ def paired(records: list[dict], ref: str) -> str:
     """Paired code-loss differences (arm - ``ref``) per size and budget, over the seeds both ran."""
     by: dict[tuple, dict] = {}
     for r in records:
-        by.setdefault((r["size"], r["steps"], r["arm"]), {})[r["seed"]] = r["code"]
+        by.setdefault((r["size"], r["tokens"], r["arm"]), {})[r["seed"]] = r["code"]
     lines = [f"| size | heal tokens | arm | minus {ref} (code nats, paired) | seeds | worse on |",
              "| --- | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
-    for (size, steps, arm), seeds in sorted(by.items()):
-        base = by.get((size, steps, ref))
+    for (size, tokens, arm), seeds in sorted(by.items()):
+        base = by.get((size, tokens, ref))
         if arm == ref or base is None:
             continue
         d = [seeds[s] - base[s] for s in seeds if s in base]
         if not d:
             continue
         sd = f" ± {statistics.stdev(d):.3f}" if len(d) > 1 else ""
-        lines.append(f"| {size:.0%} | {steps * 256:,} | {arm} | {statistics.mean(d):+.3f}{sd} | {len(d)} | "
+        lines.append(f"| {size:.0%} | {tokens:,} | {arm} | {statistics.mean(d):+.3f}{sd} | {len(d)} | "
                      f"{sum(x > 0 for x in d)}/{len(d)} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -837,7 +838,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jsonl", type=Path, default=None, help="append every run's record here (and print the table)")
     p.add_argument("--table", type=Path, default=None, help="print the table of stored runs and exit")
-    p.add_argument("--ref", default="act", help="the arm paired differences are taken against")
+    p.add_argument("--ref", default="act_mlp_refit", help="the arm paired differences are taken against")
     p.add_argument("--no-samples", action="store_true")
     p.add_argument("--skip-eng", action="store_true", help="one-shot runs: no English eval (halves their cost)")
     p.add_argument("--overhead", action="store_true", help="the callback's per-step cost on this model, by part")
@@ -848,7 +849,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick and args.steps == 64:
         args.steps = 2
-    args.arms = args.arms or ("act_q_refit,ramp" if args.quick else ",".join(MAIN_ARMS))
+    args.arms = args.arms or ("act_q_refit,mix_refit,ramp" if args.quick else ",".join(MAIN_ARMS))
     args.sizes = args.sizes or ("0.75" if args.quick else "0.75,0.5")
     return args
 
@@ -903,6 +904,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if arm == "dense":
             cmd[cmd.index("--steps") + 1] = "0"
         t0 = time.perf_counter()
+        if args.quick:  # the smoke mode runs in this process (seconds, not a torch import per arm)
+            main(cmd[2:])
+            print(f"# {arm} size {size} seed {seed}: ok in {time.perf_counter() - t0:.0f} s (in-process)", flush=True)
+            continue
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
         print(f"# {arm} size {size} seed {seed}: {status} in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -41,7 +41,7 @@ RUNS: tuple[tuple[str, float], ...] = tuple(
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="CPU, the bench's quick model, 2 steps, 2 runs")
+    p.add_argument("--tiny", action="store_true", help="CPU, the bench's quick model, 2 steps, dense and one arm")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seeds", default="0")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     common += ["--quick", "--no-samples"] if args.tiny else []
     runs = [("dense", 1.0, 0)] + [(a, z, int(s)) for s in args.seeds.split(",") for a, z in RUNS]
     if args.tiny:
-        runs = [("dense", 1.0, 0), ("act_q_refit", 0.75, 0), ("shortgpt", 0.5, 0)]
+        runs = [("dense", 1.0, 0), ("act_q_refit", 0.75, 0)]
     t0 = time.monotonic()
     pending, running, log = list(runs), [], []
     while pending or running:

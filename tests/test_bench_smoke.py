@@ -34,7 +34,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         ["bench_pretrained.py", "--quick", "--overhead", "--rounds", "1"],
         "| component | ms (CPU) | % of a training step |",
     ),
-    "gpu-pretrained": (["gpu_pretrained.py", "--tiny", "--parallel", "1"], "| size | arm | heal tokens | seeds |"),
+    "gpu-pretrained": (["gpu_pretrained.py", "--tiny", "--parallel", "2"], "| size | arm | heal tokens | seeds |"),
     "sharded": (
         ["bench_sharded.py", "--world", "2", "--sizes", "S", "--steps", "1"],
         "| size (d/ffn/layers, params) | clusters | executor | collectives |",
