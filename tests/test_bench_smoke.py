@@ -58,6 +58,10 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | widths | params (M) | tokens/s (batch 32) |",
     ),
     "accumulation": (["bench_accumulation.py", "--repeats", "1"], "| weight dtype | shape | channel dim |"),
+    "oneshot-units": (
+        ["bench_oneshot_units.py", "--quick", "--sizes", "0.75", "--scores", "activation"],
+        "| units | size | score | allocation | params | held-out loss | vs dense | widths |",
+    ),
     "gpu-help": (["gpu.py", "--help"], "usage: gpu.py"),
 }
 TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds on an idle one)

@@ -18,6 +18,18 @@ falling under the target, the group with the highest kept fraction loses one). N
 (removed) without crossing the target, so the achieved count is within one granule of the target and of the best
 configuration on its side. The nearest achievable counts one granule up and down are reported.
 
+By importance (``costs`` given: each unit's cost of removal, e.g. its squared activation score, the expected squared
+change of the residual stream it writes): a group's granules leave in its units' elimination order (lowest cost
+first, balanced over ``unit_groups``), granule ``i`` costing the sum of the costs of the units it removes (a ranked
+group: its ``i``-th chunk in the engine's joint order; a layer group: the ``i``-th cheapest layer, a layer costing
+the sum of the costs of every unit of the width clusters it owns, its whole update under the same additive model).
+The path takes granules in increasing cost per parameter removed (within a group in order, ratios made
+non-decreasing by a running maximum; ties: the group declared first, then the granule), so each configuration on
+the path is the cheapest of all with at most its parameters when the costs per parameter rise within every group (a
+convex separable problem: the greedy is exact at the points it visits). The slack is then filled with the granules
+that restore the most cost (``"above"``: the granules that cost least go), one at a time, as long as the target
+allows.
+
 Example::
 
     >>> groups = [Group("mlp", ("mlp",), num_units=8, multiple_of=1)]
@@ -65,6 +77,7 @@ class Group:
         budget: A ranked group: the shared budget in which its clusters' units are ranked jointly by score, so the
             widths differ between layers; ``k`` counts the units kept over all its clusters (every cluster's units
             carry the same parameters, see :func:`solve`), a granule is ``multiple_of`` units.
+        unit_groups: The clusters' ``unit_groups`` (balanced selection; the elimination order of the costs).
     """
 
     name: str
@@ -75,6 +88,7 @@ class Group:
     fixed: int | None = None
     floor: int = 0
     budget: str | None = None
+    unit_groups: int = 1
 
     @property
     def size(self) -> int:
@@ -121,6 +135,9 @@ class SizeSolution:
         dropped_layers: Number of dropped layers (layer groups).
         fractions: Width cluster name -> fraction of its units dropped (its ``target``).
         unit: What is counted: ``"parameters"``, or ``"FLOPs per token"`` for ``target_flops``.
+        rule: How the granules were ordered: ``"importance"`` (unit costs per parameter removed) or ``"fractions"``
+            (the highest kept fraction first).
+        cost: With ``"importance"``: the summed cost of the removed units (of the solution's configuration).
     """
 
     kept: dict[str, int]
@@ -134,6 +151,8 @@ class SizeSolution:
     dropped_layers: int = 0
     fractions: dict[str, float] = field(default_factory=dict)
     unit: str = "parameters"
+    rule: str = "fractions"
+    cost: float | None = None
 
     def describe(self) -> str:
         """One line for logs: achieved, target, neighbours and kept widths."""
@@ -141,7 +160,7 @@ class SizeSolution:
         return (
             f"{self.achieved:,} {self.unit} (target {self.target:,}, full {self.total:,}; nearest achievable "
             f"below {self.below if self.below is None else f'{self.below:,}'}, above "
-            f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}"
+            f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}; allocated by {self.rule}"
         )
 
 
@@ -216,15 +235,122 @@ def count_params(
     return total
 
 
-def _path(groups: Sequence[Group]) -> list[int]:
-    """Group index of each granule removal, in path order (highest kept fraction first, ties by group)."""
+def _path(groups: Sequence[Group], ratios: Sequence[Sequence[float]] | None = None) -> list[int]:
+    """Group index of each granule removal, in path order (ties by group, then granule).
+
+    Without ``ratios``: the highest kept fraction first. With them (per group, the cost per parameter of each of its
+    granules, non-decreasing): the lowest ratio first.
+    """
     steps: list[tuple[float, int, int]] = []
     for g, group in enumerate(groups):
         values = group.kept_values()
         for i in range(1, len(values)):
-            steps.append((-values[i - 1] / group.size, g, i))
+            steps.append((-values[i - 1] / group.size if ratios is None else ratios[g][i - 1], g, i))
     steps.sort()
     return [g for _, g, _ in steps]
+
+
+Costs = Mapping[str, Sequence[float]]
+
+
+def elimination_order(costs: Sequence[float], unit_groups: int = 1) -> list[int]:
+    """Units in the order they leave: lowest cost first (ties: lower index); balanced over ``unit_groups`` groups.
+
+    The pure counterpart of :func:`lightning_pat.core.selection.elimination_order`: with groups, the cheapest unit of
+    every group (groups in order), then the second cheapest of every group, and so on.
+
+    Example::
+
+        >>> elimination_order([3.0, 1.0, 2.0, 9.0, 8.0, 7.0], unit_groups=2)
+        [1, 5, 2, 4, 0, 3]
+    """
+    per = len(costs) // unit_groups
+    orders = [sorted(range(j * per, (j + 1) * per), key=lambda u: (costs[u], u)) for j in range(unit_groups)]
+    return [orders[j][r] for r in range(per) for j in range(unit_groups)]
+
+
+def _layer_costs(
+    groups: Sequence[Group], axes: Axes, costs: Costs, owners: Mapping[str, str] | None
+) -> dict[str, float]:
+    """Layer cluster -> the summed cost of every unit of the width clusters whose parameters it owns."""
+    width = {c for g in groups if not g.layers for c in g.clusters}
+    out: dict[str, float] = {c: 0.0 for g in groups if g.layers for c in g.clusters}
+    counted: set[str] = set()
+    for (param, _), slices in axes.items():
+        layer = (owners or {}).get(param)
+        for cluster, _, _ in slices:
+            if layer in out and cluster in width and cluster not in counted:
+                counted.add(cluster)
+                out[layer] += float(sum(costs[cluster]))
+    for layer in out:
+        if layer in costs:  # an explicit cost of the layer wins
+            out[layer] = float(sum(costs[layer]))
+    return out
+
+
+def _granule_costs(group: Group, costs: Costs, layer_costs: Mapping[str, float]) -> list[float]:
+    """The cost of each granule of ``group``, in the order they leave (see the module docs)."""
+    values = group.kept_values()
+    if group.fixed is not None:
+        return []
+    if group.layers:
+        return sorted(layer_costs[c] for c in group.clusters)[: len(values) - 1]
+    orders = {c: elimination_order(costs[c], group.unit_groups) for c in group.clusters}
+    if group.budget is None:  # one width for every cluster: granule i removes the same positions of each order
+        out = []
+        for i in range(1, len(values)):
+            lo, hi = group.num_units - values[i - 1], group.num_units - values[i]
+            out.append(sum(float(costs[c][u]) for c in group.clusters for u in orders[c][lo:hi]))
+        return out
+    chunks: list[tuple[float, int, int, float]] = []  # (rank key: running max of the costs, cluster, chunk, cost)
+    for ci, c in enumerate(group.clusters):
+        order, peak = orders[c], float("-inf")
+        for j, start in enumerate(range(0, group.num_units - group.floor, group.multiple_of)):
+            unit_costs = [float(costs[c][u]) for u in order[start : start + group.multiple_of]]
+            peak = max(peak, *unit_costs)
+            chunks.append((peak, ci, j, sum(unit_costs)))
+    chunks.sort()
+    return [cost for *_, cost in chunks][: len(values) - 1]
+
+
+def _importance_ratios(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    groups: Sequence[Group],
+    costs: Costs,
+    owners: Mapping[str, str] | None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per group, each granule's cost and its cost per parameter removed (made non-decreasing).
+
+    A granule's parameters are counted with every other group full: exact without a residual cluster (the count is
+    then additive over the groups), an approximation of the order otherwise (the counts along the path stay exact).
+    """
+    missing = [c for g in groups if not g.layers and g.fixed is None for c in g.clusters if c not in costs]
+    if missing:
+        raise ValueError(f"size solver: no unit costs for clusters {missing[:5]}; give a cost for every unit.")
+    full = {g.name: g.size for g in groups}
+    base = cluster_kept(groups, full)
+    total = count_params(shapes, axes, base, owners=owners)
+    layer_costs = _layer_costs(groups, axes, costs, owners)
+    granule_costs, ratios = [], []
+    for group in groups:
+        values = group.kept_values()
+        gc = _granule_costs(group, costs, layer_costs)
+        if group.layers:
+            per = total - count_params(shapes, axes, {**base, group.clusters[0]: 0}, owners=owners)
+        else:
+            fewer = {**base, group.clusters[0]: base[group.clusters[0]] - 1}
+            if group.budget is None:
+                fewer.update(dict.fromkeys(group.clusters, group.num_units - 1))
+            per = total - count_params(shapes, axes, fewer, owners=owners)
+        out, peak = [], float("-inf")
+        for i, cost in enumerate(gc):
+            size = 1 if group.layers else values[i] - values[i + 1]
+            peak = max(peak, cost / max(per * size, 1))
+            out.append(peak)
+        granule_costs.append(gc)
+        ratios.append(out)
+    return granule_costs, ratios
 
 
 def _indices(groups: Sequence[Group], path: Sequence[int], position: int) -> list[int]:
@@ -253,13 +379,20 @@ def _neighbours(groups: Sequence[Group], index: Sequence[int], *, up: bool, widt
 
 
 def _polish(
-    groups: Sequence[Group], index: list[int], count_of: Callable[[Sequence[int]], int], target: int, *, up: bool
+    groups: Sequence[Group],
+    index: list[int],
+    count_of: Callable[[Sequence[int]], int],
+    target: int,
+    *,
+    up: bool,
+    granule_costs: Sequence[Sequence[float]] | None = None,
 ) -> list[int]:
     """Fill the slack the path left with width granules (layers stay as the path chose them).
 
     ``up`` (side ``"below"``): while a width granule fits under the target, give it back to the group with the lowest
-    kept fraction; else (side ``"above"``) while one can go without falling under the target, take it from the group
-    with the highest kept fraction. Ties: the group declared first.
+    kept fraction (by importance: the granule that restores the most cost); else (side ``"above"``) while one can go
+    without falling under the target, take it from the group with the highest kept fraction (by importance: the
+    granule that costs least). Ties: the group declared first.
     """
     while True:
         options = []
@@ -267,8 +400,12 @@ def _polish(
             c = count_of(n)
             if (c <= target) if up else (c >= target):
                 g = next(k for k in range(len(groups)) if n[k] != index[k])
-                fraction = groups[g].kept_values()[index[g]] / groups[g].size
-                options.append((fraction if up else -fraction, g, n))
+                if granule_costs is None:
+                    fraction = groups[g].kept_values()[index[g]] / groups[g].size
+                    options.append((fraction if up else -fraction, g, n))
+                else:  # the granule restored is the last one removed (index - 1), the one removed the next (index)
+                    cost = granule_costs[g][index[g] - 1] if up else granule_costs[g][index[g]]
+                    options.append((-cost if up else cost, g, n))
         if not options:
             return index
         index = min(options)[2]
@@ -296,6 +433,7 @@ def solve(
     side: Side = "below",
     owners: Mapping[str, str] | None = None,
     name: str = "target_params",
+    costs: Costs | None = None,
 ) -> SizeSolution:
     """Kept units per group meeting a parameter target (see the module docs for the search).
 
@@ -311,13 +449,16 @@ def solve(
         owners: Parameter name -> owning layer cluster (for layer groups).
         name: The option the target came from (``"target_flops"``: ``shapes`` hold FLOP costs, see
             :mod:`lightning_pat.flops`), for messages.
+        costs: Cluster name -> the removal cost of each unit (non-negative): allocate by importance (see the module
+            docs); ``None``: by kept fractions. Layer clusters may be left out (their cost is derived).
 
     Returns:
         The solution.
 
     Raises:
         ValueError: If ``side`` is unknown, the target is above the full size or below the smallest reachable count
-            (the message gives both numbers and the floors), or the layers of a layer group differ in size.
+            (the message gives both numbers and the floors), the layers of a layer group differ in size, or ``costs``
+            lacks a width cluster.
     """
     if side not in SIDES:
         raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
@@ -327,7 +468,8 @@ def solve(
     _check_equal_units(shapes, axes, groups, owners)
     if target > total:
         raise ValueError(f"`{name}` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
-    path = _path(groups)
+    granule_costs, ratios = (None, None) if costs is None else _importance_ratios(shapes, axes, groups, costs, owners)
+    path = _path(groups, ratios)
 
     def count_at(position: int) -> int:
         return count_params(shapes, axes, cluster_kept(groups, _config(groups, path, position)), owners=owners)
@@ -361,7 +503,7 @@ def solve(
         cfg = {g.name: g.kept_values()[i] for g, i in zip(groups, idx, strict=True)}
         return count_params(shapes, axes, cluster_kept(groups, cfg), owners=owners)
 
-    index = _polish(groups, index, count_of, target, up=side == "below")
+    index = _polish(groups, index, count_of, target, up=side == "below", granule_costs=granule_costs)
     achieved = count_of(index)
     ups = [count_of(n) for n in _neighbours(groups, index, up=True, widths_only=False)]
     downs = [count_of(n) for n in _neighbours(groups, index, up=False, widths_only=False)]
@@ -386,6 +528,8 @@ def solve(
         dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
         fractions=fractions,
         unit="FLOPs per token" if name == "target_flops" else "parameters",
+        rule="fractions" if granule_costs is None else "importance",
+        cost=None if granule_costs is None else sum(sum(gc[:i]) for gc, i in zip(granule_costs, index, strict=True)),
     )
 
 
@@ -445,14 +589,16 @@ def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: floa
         ValueError: Naming the clusters, if they differ in ``C`` or ``multiple_of``, or ``C`` is not a multiple.
     """
     sizes = {(rc.num_units, rc.multiple_of) for rc in members}
+    grouped = {(rc.num_units, rc.multiple_of, rc.unit_groups) for rc in members}
     names = [rc.name for rc in members]
-    if len(sizes) > 1:
+    if len(grouped) > 1:
+        what, shown = ("units or multiple_of", sizes) if len(sizes) > 1 else ("unit_groups", grouped)
         raise ValueError(
             f"target_widths='ranked': the clusters of {label!r} ({names[:4]}{'...' if len(names) > 4 else ''}) "
-            "differ in units or multiple_of "
-            f"{sorted(sizes)}; rank only equal clusters together (one declaration, or one `budget`)."
+            f"differ in {what} "
+            f"{sorted(shown)}; rank only equal clusters together (one declaration, or one `budget`)."
         )
-    num_units, mult = sizes.pop()
+    num_units, mult, unit_groups = grouped.pop()
     if num_units % mult:
         raise ValueError(
             f"target_widths='ranked': {label!r} has {num_units} units per cluster, not a multiple of multiple_of="
@@ -460,7 +606,7 @@ def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: floa
         )
     floor = min(num_units, max(mult, math.ceil(min_kept * num_units / mult) * mult))
     budget = members[0].budget or f"ranked:{label}"
-    return Group(label, tuple(names), num_units, mult, floor=floor, budget=budget)
+    return Group(label, tuple(names), num_units, mult, floor=floor, budget=budget, unit_groups=unit_groups)
 
 
 #: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
@@ -548,7 +694,7 @@ def size_problem(
         if ranked and rc.target is None:
             grouped.setdefault(("ranked", rc.budget or label), []).append(rc)
         else:
-            grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target), []).append(rc)
+            grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target, rc.unit_groups), []).append(rc)
     if ranked and layers:
         raise ValueError(
             "target_widths='ranked' with layer units: a dropped layer takes its units with it, so the size would "
@@ -566,7 +712,16 @@ def size_problem(
             fixed = rc.num_units - num_to_drop(rc.target, rc.num_units, multiple_of=rc.multiple_of)
         if any(g.name == label for g in groups):
             label = f"{label}({rc.name})"
-        groups.append(Group(label, tuple(r.name for r in members), rc.num_units, rc.multiple_of, fixed=fixed))
+        groups.append(
+            Group(
+                label,
+                tuple(r.name for r in members),
+                rc.num_units,
+                rc.multiple_of,
+                fixed=fixed,
+                unit_groups=rc.unit_groups,
+            )  # fmt: skip
+        )
     if keep_layers is not None and not 1 <= keep_layers <= len(layers):
         raise ValueError(
             f"`target_layers` = {keep_layers} layers to keep, but the clusters hold {len(layers)} layer units; "

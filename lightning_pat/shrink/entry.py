@@ -32,6 +32,7 @@ of the residual changes the logits by about 17/40/80% relative (``python bench/b
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,8 +41,17 @@ from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import depth
-from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, read_source, state_source
+from lightning_pat.shrink.plan import (
+    ShrinkPlan,
+    align_names,
+    build_plan,
+    checkpoint_state,
+    read_source,
+    state_source,
+)
 from lightning_pat.shrink.surgery import apply_plan
+
+log = logging.getLogger(__name__)
 
 
 def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
@@ -82,6 +92,11 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     """
     clusters, dropped = read_source(source)
     cut = depth.split_layers(clusters, dropped)
+    if not cut.prefixes and already_shrunk(model, align_names(build_plan(cut.clusters, cut.dropped), model)):
+        log.info(
+            "shrink: the model already has the shrunk shapes (shrink_on_freeze cut it during fit); returned as it is"
+        )
+        return model if inplace else copy.deepcopy(model)
     target = model if inplace else copy.deepcopy(model)
     where = depth.locate(target, cut)  # validated before anything changes
     if where:
@@ -89,6 +104,23 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     target = apply_plan(target, align_names(build_plan(cut.clusters, cut.dropped), target))
     depth.remove_layers(target, where)
     return target
+
+
+def already_shrunk(model: nn.Module, plan: ShrinkPlan) -> bool:
+    """Whether every parameter the plan cuts already has its shape after the cut (and the plan cuts something).
+
+    What ``shrink_on_freeze`` leaves: the callback still holds the dropped units, the model is already small.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if not plan.keep or any(name not in params for name in plan.keep):
+        return False
+    for name, dims in plan.keep.items():
+        after = list(plan.shapes[name])
+        for dim, idx in dims.items():
+            after[dim] = idx.numel()
+        if tuple(params[name].shape) != tuple(after) or tuple(after) == plan.shapes[name]:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------- during training

@@ -60,7 +60,10 @@ _VERSION = hf_entry.VERSION
 _MODULE_VERSION = 2  # 1: a pickled model.pt (now only with unsafe_pickle); 2: safetensors + module description
 _EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
-    r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
+    r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|"
+    # the tokenizer written next to the model (lightning_pat.lm.CausalLM's export)
+    r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|vocab\.json|"
+    r"merges\.txt|tokenizer\.model"
 )
 
 

@@ -48,6 +48,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "gradient",
         "layer_score",
         "engine",
+        "allocation",
         "sizing",
         "flops",
         "repair",

@@ -249,3 +249,15 @@ def test_discovery_keeps_whole_query_groups_of_a_custom_attention():
     [cluster] = discover(_CustomGQA(), torch.zeros(2, 3, 8), query_heads=True).clusters
     assert (cluster.num_units, cluster.unit_groups) == (2, 1)
     assert "k_proj.weight" in cluster.writers
+
+
+def test_query_heads_refuse_layers_with_different_kv_head_counts():
+    case = next(c for c in GQA if c.n_layer == 3)
+    model = case.fresh()
+    result = prune_clusters(model, presets.llama(model), target_params=0.7, target_widths="ranked", min_kept=0.5)
+    small = shrink(model, result)
+    counts = {layer.self_attn.k_proj.out_features // case.head_dim for layer in small.model.layers}
+    assert len(counts) > 1  # the ranked KV groups differ between layers
+    with pytest.raises(ValueError, match=r"query_heads=True\): the layers have different KV head counts"):
+        presets.llama(small, query_heads=True)
+    assert presets.llama(small, query_heads=False)  # whole groups still work
