@@ -662,6 +662,12 @@ def run_one(args: argparse.Namespace) -> dict:
     rec["load"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rec["threads"] = torch.get_num_threads()
     rec["date"] = time.strftime("%Y-%m-%d %H:%M")
+    rec["allocation"] = "importance"  # prune_clusters' default target_allocation (the records before it: "fractions")
+    try:
+        rec["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                       capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        rec["commit"] = None
     return rec
 
 
