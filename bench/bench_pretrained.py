@@ -34,6 +34,8 @@ ours, through the public API only:
 * ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``, ``act_q_refit``, ``act_q_ranked_refit``): the same
   cut, then ``lightning_pat.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
   calibration data, so that each layer's output matches the dense one (no training).
+* ``act_mlp_bias``: ``act_mlp``'s cut with FLAP-style mean compensation instead of the refit (bench-side: a bias
+  ``W[:, D] E[x_D]`` on each ``down_proj``, evaluated in memory; a stock Llama has no such bias).
 * ``mix_refit``: MLP channels and whole layers together (``layers=True``; the solver balances depth and width),
   activation scores and layer cosines, readers refit.
 * ``depth``: whole layers only (``preset_options={"layers": True}``), ranked by ``calibrate_layers`` cosines.
@@ -343,6 +345,48 @@ def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ran
     return {"widths": widths(model)}
 
 
+def flap_bias(model: nn.Module, setup: Setup, size: float) -> dict:
+    """FLAP-style mean compensation (bench-side): ``act_mlp``'s cut, then each ``down_proj`` gets the bias
+    ``W[:, D] E[x_D]`` (its dropped channels' mean contribution on the calibration batches). Evaluated in memory: a
+    stock Llama has no ``down_proj`` bias (``mlp_bias=True`` would add gate/up biases too)."""
+    from lightning_pat import presets, prune_clusters, shrink
+    from lightning_pat.activation import calibrate
+
+    decls = presets.llama(model, mlp=True, heads=False)
+    batches = calib_batches(setup)
+    downs = [layer.mlp.down_proj for layer in model.model.layers]
+    sums = [torch.zeros(d.in_features, dtype=torch.float64) for d in downs]
+    rows = [0]
+
+    def hook(i: int):
+        def fn(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            sums[i] += x.double().sum(0).cpu()
+            if i == 0:
+                rows[0] += x.shape[0]
+
+        return fn
+
+    handles = [d.register_forward_pre_hook(hook(i)) for i, d in enumerate(downs)]
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    for h in handles:
+        h.remove()
+    dense_w = [d.weight.detach().clone() for d in downs]
+    stats = calibrate(model, decls, batches, forward=lm_forward)
+    result = prune_clusters(
+        model, decls, target_params=target(setup_params(model), size), score="activation", activations=stats
+    )
+    with torch.no_grad():
+        for i, d in enumerate(downs):
+            drop = torch.tensor(result.dropped[f"mlp.{i}"], dtype=torch.long)
+            mean = (sums[i] / rows[0])[drop].to(dense_w[i].dtype)
+            d.bias = nn.Parameter(dense_w[i][:, drop.to(d.weight.device)] @ mean.to(d.weight.device))
+    shrink(model, result)
+    return {"widths": widths(model)}
+
+
 def ours_mix(model: nn.Module, setup: Setup, size: float) -> dict:
     """MLP channels and whole layers together (``layers=True``), activation + layer cosines, readers refit."""
     from lightning_pat import presets, prune_clusters, shrink
@@ -591,6 +635,7 @@ ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "act_ranked_refit": lambda m, s, z: ours_oneshot(m, s, z, kinds="mlp", ranked=True, refit=True),
     "depth": ours_depth,
     "mix_refit": ours_mix,
+    "act_mlp_bias": flap_bias,
     "shortgpt": shortgpt,
     "llmpruner": llmpruner,
     "tp_mag": lambda m, s, z: torch_pruning(m, s, z, taylor=False),
