@@ -642,7 +642,8 @@ ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "tp_taylor": lambda m, s, z: torch_pruning(m, s, z, taylor=True),
 }
 ARMS = ("dense", *ONESHOT, "ramp", "scratch")
-MAIN_ARMS = ("dense", "act", "act_q_refit", "depth", "ramp", "tp_mag", "tp_taylor", "llmpruner", "shortgpt", "scratch")
+MAIN_ARMS = ("dense", "act_mlp_refit", "act_refit", "act", "mix_refit", "ramp", "tp_mag", "tp_taylor", "llmpruner",
+             "shortgpt", "scratch")  # fmt: skip
 
 
 def run_one(args: argparse.Namespace) -> dict:
