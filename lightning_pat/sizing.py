@@ -34,6 +34,7 @@ from lightning_pat.core.budget import (
     is_layer_cluster,
     parse_size,
     size_problem,
+    size_value,
     solve,
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
@@ -61,8 +62,13 @@ def check_target(
     target_layers: object = None,
     target_widths: object = "uniform",
     min_kept: object = None,
+    *,
+    name: str = "target_params",
 ) -> None:
     """Static checks of ``target_params``, ``target_side``, ``target_layers``, ``target_widths`` and ``min_kept``.
+
+    ``name`` is the option the target came from (``"target_flops"`` for a FLOPs target), for messages. The size's
+    form is checked by :func:`~lightning_pat.core.budget.size_value` (the model's size is not known yet).
 
     Raises:
         ValueError: If the target is not a positive count, fraction or size string, the side or widths are unknown,
@@ -84,7 +90,7 @@ def check_target(
     if target_widths == "ranked" and target_params is None:
         raise ValueError("`target_widths='ranked'` shapes a size target; set `target_params` too.")
     if target_params is not None:
-        parse_size(target_params, total=10**18)
+        size_value(target_params, name=name)
     if target_layers is not None:
         if isinstance(target_layers, bool) or not isinstance(target_layers, int) or target_layers < 1:
             raise ValueError(f"`target_layers` (layers to keep) must be an int >= 1, got {target_layers!r}.")

@@ -136,7 +136,7 @@ def test_cli_help_lists_the_callback_options(capsys):
         assert help_text in flat, option  # jsonargparse read it from the docstring PruningOptions documents
     top = help_of()
     assert "lightning-pat shrink --help" in top
-    assert "{fit,validate,test,predict}" in top
+    assert "{fit,validate,test,predict,shrink}" in top  # shrink is a subcommand like the others
     shrink = help_of("shrink")
     assert "--ckpt_path" in shrink
     assert "--output" in shrink

@@ -46,6 +46,8 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
 from typing import Literal
 
 from lightning_pat.core.selection import num_to_drop
@@ -164,40 +166,94 @@ class SizeSolution:
         )
 
 
-def parse_size(value: object, *, total: int, name: str = "target_params") -> int:
-    """An absolute parameter count from ``4e9``, ``"4B"``, ``"350M"``, ``"50%"`` or a fraction ``0 < x <= 1``.
+def _units(name: str) -> tuple[str, str]:
+    """(what is counted, what the full model is called) for the option ``name``."""
+    if name == "target_flops":
+        return "FLOPs per token", "the model's FLOPs per token"
+    return "parameters", "the model's size"
+
+
+def size_value(value: object, *, name: str = "target_params") -> tuple[str, Fraction]:
+    """Read a size target without the model: ``("count", n)`` or ``("fraction", f)`` (one rule for every form).
+
+    The rule: an ``int`` is always a count (``1`` is one parameter); a ``float`` in ``(0, 1]`` is a fraction of the
+    model and a float above 1 a count (``4e9``), which must be whole; a string is read like the number it spells
+    (``"2000"`` a count, ``"0.5"`` a fraction, ``"1.5e9"`` a count), or with a suffix as a count (``k``, ``M``,
+    ``B``/``G``, ``T``: ``"1.5k"`` is 1,500) or a percentage (``"50%"``, at most 100%). Counts must be whole.
 
     Raises:
-        ValueError: If ``value`` is not a positive number or size string, or is above ``total``.
+        ValueError: If ``value`` is not a number or size string, not finite, not positive, a percentage above 100%,
+            or a count that is not whole (the message names ``name``, the value and what it was read as).
 
     Example::
 
-        >>> parse_size("350M", total=10**9), parse_size(0.25, total=1000), parse_size("50%", total=1000)
-        (350000000, 250, 500)
+        >>> [(kind, int(n) if kind == "count" else float(n)) for kind, n in map(size_value, (1, 1.0, "50%", "1.5k"))]
+        [('count', 1), ('fraction', 1.0), ('fraction', 0.5), ('count', 1500)]
     """
-    count: float
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"`{name}` must be a count, a fraction or a size string like '4B', got {value!r}.")
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match is None:
             raise ValueError(f"`{name}` must look like '4B', '350M', '1.5e9', '120k' or '50%', got {value!r}.")
-        number = float(match["num"]) * 10 ** int(match["exp"] or 0)
+        exp = int(match["exp"] or 0)
+        if exp > 400 or exp < -400:
+            raise ValueError(f"`{name}` = {value!r} is not a finite size; ask for a count such as '4B' or a fraction.")
+        number = Fraction(Decimal(match["num"])) * Fraction(10) ** exp
         unit = match["unit"].lower()
-        count = number / 100 * total if unit == "%" else number * _SUFFIX[unit]
-        if unit == "" and 0 < number <= 1:
-            count = number * total
-    else:
-        if not math.isfinite(value) or value <= 0:
+        if number <= 0:
             raise ValueError(f"`{name}` must be positive, got {value!r}.")
-        count = value * total if value <= 1 else value
-    result = round(count)
+        if unit == "%":
+            if number > 100:
+                raise ValueError(f"`{name}` = {value!r} is above 100%; ask for a percentage in (0, 100].")
+            return "fraction", number / 100
+        if unit:
+            return _whole(number * _SUFFIX[unit], value, name)
+        looks_int = "." not in match["num"] and not match["exp"]
+        if not looks_int and number <= 1:
+            return "fraction", number
+        return _whole(number, value, name)
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite count or fraction, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"`{name}` must be positive, got {value!r}.")
+    if isinstance(value, float) and value <= 1:
+        return "fraction", Fraction(value)
+    return _whole(Fraction(value), value, name)
+
+
+def _whole(count: Fraction, value: object, name: str) -> tuple[str, Fraction]:
+    if count.denominator != 1:
+        raise ValueError(
+            f"`{name}` = {value!r} is a count (above 1) but not a whole number of parameters; give a whole count "
+            "('1500', '1.5k'), or a fraction of the model as a value <= 1 (0.5) or a percentage ('50%')."
+        )
+    return "count", count
+
+
+def parse_size(value: object, *, total: int, name: str = "target_params") -> int:
+    """An absolute count from ``4e9``, ``"4B"``, ``"350M"``, ``"50%"``, a fraction ``0 < x <= 1`` or an int count.
+
+    See :func:`size_value` for the rule (an int is a count, a float <= 1 a fraction); a fraction is rounded to the
+    nearest count of ``total``.
+
+    Raises:
+        ValueError: As for :func:`size_value`; if the count is above ``total``, or a fraction rounds to 0.
+
+    Example::
+
+        >>> parse_size("350M", total=10**9), parse_size(0.25, total=1000), parse_size("50%", total=1000)
+        (350000000, 250, 500)
+    """
+    kind, number = size_value(value, name=name)
+    unit, whole = _units(name)
+    result = round(number * total) if kind == "fraction" else int(number)
     if result <= 0:
-        raise ValueError(f"`{name}` = {value!r} is {result} parameters; ask for a positive size.")
+        raise ValueError(f"`{name}` = {value!r} is {result} {unit} of {total:,}; ask for a positive size.")
     if result > total:
         raise ValueError(
-            f"`{name}` = {value!r} ({result:,} parameters) is above the model's size ({total:,}); ask for at most "
-            f"{total:,} (or a fraction <= 1)."
+            f"`{name}` = {value!r} ({result:,} {unit}) is above {whole} ({total:,}); ask for at most {total:,} (or a "
+            "fraction <= 1)."
         )
     return result
 
@@ -466,14 +522,30 @@ def solve(
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
     _check_equal_units(shapes, axes, groups, owners)
+    unit, whole = _units(name)
     if target > total:
-        raise ValueError(f"`{name}` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
+        raise ValueError(f"`{name}` ({target:,}) is above {whole} ({total:,}); ask for at most that.")
     granule_costs, ratios = (None, None) if costs is None else _importance_ratios(shapes, axes, groups, costs, owners)
     path = _path(groups, ratios)
 
     def count_at(position: int) -> int:
         return count_params(shapes, axes, cluster_kept(groups, _config(groups, path, position)), owners=owners)
 
+    maximum = count_at(0)  # every variable group full; fixed groups (target_layers, own targets) as fixed
+    if target > maximum:
+        fixed = [g for g in groups if g.fixed is not None]
+        layers = next((g for g in fixed if g.layers), None)
+        why = (
+            f"`target_layers={layers.fixed}` keeps at most {maximum:,} {unit}"
+            if layers is not None
+            else f"the clusters with their own `target` ({', '.join(g.name for g in fixed)}) keep at most {maximum:,} "
+            f"{unit}"
+        )
+        fix = "keep more layers" if layers is not None else "remove their `target`"
+        raise ValueError(
+            f"{why} (target {target:,}, full model {total:,}); `{name}` cannot be reached at that depth or those "
+            f"widths. Ask for at most {maximum:,} or {fix}."
+        )
     minimum = count_at(len(path))
     if target < minimum:
         floors = ", ".join(
@@ -483,7 +555,7 @@ def solve(
         )
         raise ValueError(
             f"`{name}` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
-            f"{floors}; {total - minimum:,} of {total:,} parameters are prunable). Ask for at least {minimum:,}, add "
+            f"{floors}; {total - minimum:,} of {total:,} {unit} are prunable). Ask for at least {minimum:,}, add "
             "clusters (e.g. preset_options={'residual': True}), or lower `multiple_of`."
         )
     lo, hi = 0, len(path)  # first position whose count <= target (counts do not increase along the path)

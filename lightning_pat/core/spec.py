@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -247,6 +247,17 @@ class ResolvedCluster:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def found_clusters(clusters: Any) -> Any:
+    """The declarations of a :class:`~lightning_pat.discover` result (its ``clusters``), else ``clusters`` itself.
+
+    A ``Discovery`` (anything with ``clusters`` and ``left_out``) is accepted wherever declarations are:
+    ``prune_clusters(model, discover(model, x), 0.5)``.
+    """
+    if hasattr(clusters, "clusters") and hasattr(clusters, "left_out") and not isinstance(clusters, Mapping):
+        return list(clusters.clusters)
+    return clusters
+
+
 def as_cluster(obj: Cluster | Mapping) -> Cluster:
     """``obj`` as a :class:`Cluster` (a mapping of its fields is constructed).
 
@@ -294,6 +305,8 @@ def _check_declaration(decl: Cluster) -> None:
             raise ValueError(f"{where}: `{key}` must be a positive int or None, got {value!r}.")
     if decl.head_dim is not None and decl.num_units is not None:
         raise ValueError(f"{where}: set `head_dim` or `num_units`, not both.")
+    if decl.budget is not None and (not isinstance(decl.budget, str) or not decl.budget):
+        raise ValueError(f"{where}: `budget` must be a non-empty name (str) or None, got {decl.budget!r}.")
     for key in ("multiple_of", "unit_groups"):
         if not _is_int(getattr(decl, key)) or getattr(decl, key) < 1:
             raise ValueError(f"{where}: `{key}` must be a positive int, got {getattr(decl, key)!r}.")
@@ -479,6 +492,7 @@ def resolve_clusters(
         >>> rc.num_units, rc.unit_numel
         (8, 9)
     """
+    clusters = found_clusters(clusters)
     decls = [as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
     params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
     names = list(params)
@@ -619,6 +633,7 @@ def ensure_resolved(
     Raises:
         ValueError: As for :func:`resolve_clusters`.
     """
+    clusters = found_clusters(clusters)
     items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
     if items and all(isinstance(c, ResolvedCluster) for c in items):
         return list(items)  # type: ignore[arg-type]

@@ -29,12 +29,14 @@ from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
+    head_counts_before,
     input_embedding,
     is_gpt2_attention,
     is_llama_attention,
     module_kind,
     update_config,
     update_containers,
+    update_head_counts,
 )
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
 from lightning_pat.shrink.surgery_conv import CONV_DIMS, CONV_KINDS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
@@ -517,6 +519,7 @@ def apply_plan(
         if param.grad is not None:
             grads[name] = plan.slice(name, param.grad)
             param.grad = None
+    heads = head_counts_before(model, edits)
     layernorms, rescaled_eps = [], {}
     with torch.no_grad():
         for edit in edits.values():
@@ -531,6 +534,7 @@ def apply_plan(
         params[name].grad = grad
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
+    update_head_counts(heads)
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]

@@ -391,11 +391,19 @@ def test_shape_mismatch_and_missing_parameter_raise():
         shrink(nn.Sequential(nn.Linear(2, 2)), result)
 
 
-def test_nonzero_dropped_units_warn():
+def test_nonzero_dropped_units_warn_for_a_result_and_are_refused_for_a_saved_state():
+    """A PruneResult of another model warns (in memory, the caller's choice); a state read from a file whose mask
+    is not zero in the weights is refused before anything changes (issue 23, A3): it does not belong to them."""
+    from lightning_pat.engine import PruneResult
+
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     [rc] = resolve_clusters(net, Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"]))
-    with pytest.warns(UserWarning, match="not zero in the model"):
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the dropped units are not zero in the weights \(cluster 'h' in"):
         shrink(net, {"clusters": [rc.to_dict()], "dropped": {"h": [0, 1]}})
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    with pytest.warns(UserWarning, match="not zero in the model"):
+        shrink(net, PruneResult(dropped={"h": [0, 1]}, num_units={"h": 8}, clusters=(rc,)))
 
 
 # ---------------------------------------------------------------------------------------------------- plan + optimizer
