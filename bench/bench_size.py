@@ -93,6 +93,7 @@ def speed(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[str, str
         result = prune_clusters(
             pruned, presets.llama(pruned, **opts), target_params=target,
             target_layers=keep_layers(name, cfg.num_hidden_layers),
+            target_allocation="fractions",  # the same kept fraction of every kind (as recorded in BENCHMARKS.md)
         )  # fmt: skip
         assert result.size is not None
         small = shrink(copy.deepcopy(pruned), result)

@@ -8,11 +8,12 @@ that it can be held (re-applied) between fresh selections and frozen during heal
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,7 @@ from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
+    bottom_k_balanced,
     bottom_k_floored,
     bottom_k_rows,
     bottom_k_shared,
@@ -30,9 +32,9 @@ from lightning_pat.core.selection import (
     round_kept,
     shrink_factors,
 )
-from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.core.spec import Cluster, ResolvedCluster, found_clusters, resolve_clusters
 from lightning_pat.flops import check_flops, flop_costs
-from lightning_pat.options import METHODS, Method, check_choice, check_number
+from lightning_pat.options import METHODS, Method, auto_declarations, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import (
     Evidence,
@@ -43,11 +45,13 @@ from lightning_pat.parallel.executors import (
     build_executors,
     route,
 )
-from lightning_pat.sizing import check_target, declaration_labels, sized_clusters
+from lightning_pat.sizing import check_target, declaration_labels, sized_clusters, unit_costs
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
     from lightning_pat.layer_score import LayerStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,13 +119,15 @@ class Plan:
         widths: str = "uniform",
         min_kept: float | None = None,
         flops: tuple[nn.Module, int] | None = None,
+        importance: Mapping[str, Sequence[float]] | None = None,
     ) -> tuple[Plan, SizeSolution]:
         """This plan with the per-cluster targets that reach ``target_params`` (see :mod:`lightning_pat.sizing`).
 
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
         number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
         instead, each keeping at least ``min_kept`` of its units. ``flops=(model, seq_len)``: ``target_params`` is
-        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`).
+        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`). ``importance``: each unit's removal
+        cost (:func:`~lightning_pat.sizing.unit_costs`), so that the widths are allocated by importance.
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
@@ -131,6 +137,7 @@ class Plan:
             params, self.clusters, target_params, side=side, declared=declared, keep_layers=keep_layers,
             widths=widths, min_kept=min_kept, name="target_params" if flops is None else "target_flops",
             costs=None if flops is None else flop_costs(flops[0], self.clusters, seq_len=flops[1]),
+            importance=importance,
         )  # fmt: skip
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
@@ -392,15 +399,23 @@ class Pruner:
     def _hard_floor(self, scores: Mapping[str, Tensor], targets: Mapping[str, float]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         budgets: dict[str, list[ResolvedCluster]] = {}
-        same: dict[tuple[int, int, torch.dtype, torch.device], list[ResolvedCluster]] = {}
+        same: dict[tuple[int, int, int, torch.dtype, torch.device], list[ResolvedCluster]] = {}
         for rc in self.clusters:
             if rc.budget is not None:
                 budgets.setdefault(rc.budget, []).append(rc)
                 continue
             num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
             s = scores[rc.name]
-            same.setdefault((rc.num_units, num, s.dtype, s.device), []).append(rc)
-        for (_, num, _, _), group in same.items():  # one finite check and one sort per equal-sized group
+            same.setdefault((rc.num_units, num, rc.unit_groups, s.dtype, s.device), []).append(rc)
+        for (_, num, unit_groups, _, _), group in same.items():  # one finite check and one sort per equal-sized group
+            if unit_groups > 1:  # GQA query heads: the same count from every KV group
+                for rc in group:
+                    check_finite(scores[rc.name], f"Cluster {rc.name!r}")
+                stacked_KC = torch.stack([scores[rc.name] for rc in group])
+                for rc, row in zip(group, bottom_k_balanced(stacked_KC, num_drop=num, groups=unit_groups),
+                                   strict=True):  # fmt: skip
+                    out[rc.name] = row
+                continue
             if len(group) == 1:
                 rc = group[0]
                 out[rc.name] = bottom_k(scores[rc.name], num_drop=num, what=f"Cluster {rc.name!r}")
@@ -418,10 +433,12 @@ class Pruner:
             corrected = [group_count_correction(scores[rc.name], reference=self.group_count_ref) for rc in group]
             total = sum(rc.num_units for rc in group)
             num = num_to_drop(targets[group[0].name], total)
-            if any(rc.min_kept for rc in group):  # a floor per cluster: chunks of multiple_of, ranked jointly
+            if any(rc.min_kept or rc.unit_groups > 1 for rc in group):  # chunks of multiple_of, ranked jointly
                 floors, mults = [rc.min_kept for rc in group], [rc.multiple_of for rc in group]
-                for rc, sel in zip(group, bottom_k_floored(corrected, num_drop=num, floors=floors, multiples=mults),
-                                   strict=True):  # fmt: skip
+                picked = bottom_k_floored(
+                    corrected, num_drop=num, floors=floors, multiples=mults, groups=[rc.unit_groups for rc in group]
+                )
+                for rc, sel in zip(group, picked, strict=True):
                     out[rc.name] = sel
                 continue
             picked = bottom_k_shared(corrected, num_drop=num, what=f"Budget {budget!r}")
@@ -472,6 +489,15 @@ class Pruner:
         """Zero the gradients of the dropped units (healing)."""
         if self.last:
             self.apply({k: UnitAction(a.dropped) for k, a in self.last.items()}, grads=True)
+
+    def unit_sq_norms(self) -> dict[str, Tensor]:
+        """Cluster name -> ``[C]`` squared norm of every unit over all members (float64; a collective when sharded).
+
+        Identical on every participating rank (the executors' one reduction), so a decision taken from it is too.
+        """
+        with self._session():
+            q, _ = self._reduce(None, None)
+        return q
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Literal zeros and numel per clustered parameter (global, identical on every participating rank)."""
@@ -537,6 +563,109 @@ class Pruner:
         self.executors = build_executors(self.clusters, params, self.routes, data_aware=self.score == "activation")
 
 
+def _one_shot_score(score: str, activations: object, calibration: object) -> ScoreType:
+    """``prune_clusters``' score: ``"auto"`` resolved (activation with data, else rms and a warning in the log).
+
+    Raises:
+        ValueError: If both ``activations`` and ``calibration`` are given, or ``calibration`` with a weight score.
+    """
+    if activations is not None and calibration is not None:
+        raise ValueError(
+            "prune_clusters: give `calibration` (batches: calibrated here) or `activations` (statistics calibrated "
+            "already), not both."
+        )
+    if calibration is not None and score not in ("auto", "activation"):
+        raise ValueError(
+            f"prune_clusters: `calibration` feeds the activation score, but score={score!r}; use score='auto' (or "
+            "'activation'), or drop `calibration`."
+        )
+    if score != "auto":
+        return score  # type: ignore[return-value]
+    if activations is not None or calibration is not None:
+        return "activation"
+    log.warning(
+        "prune_clusters: score='auto' without calibration data scores units by their weights ('rms'), which can "
+        "wreck a pretrained model; pass `calibration=[batch, ...]` (a few batches of inputs) for the activation score."
+    )
+    return "rms"
+
+
+def one_shot_calibration(
+    model: nn.Module,
+    clusters: object,
+    score: str,
+    activations: ActivationStats | None,
+    calibration: Sequence[Any] | None,
+    *,
+    layer_stats: LayerStats | None = None,
+) -> tuple[ScoreType, ActivationStats | None, LayerStats | None]:
+    """The one-shot score (``"auto"`` resolved) and the statistics, calibrated on ``calibration`` if given.
+
+    With ``calibration``: activation statistics for the width clusters and, when the clusters hold layer units and
+    no ``layer_stats`` are given, the layer cosines.
+
+    Raises:
+        ValueError: As for :func:`prune_clusters` (``calibration`` with ``activations`` or a weight score, or not a
+            list of batches; an invalid declaration).
+    """
+    score = _one_shot_score(score, activations, calibration)
+    if calibration is None:
+        return score, activations, layer_stats
+    from lightning_pat.activation import calibrate
+    from lightning_pat.layer_score import calibrate_layers
+
+    if isinstance(calibration, (str, bytes, Mapping)) or not isinstance(calibration, Sequence):
+        raise ValueError(
+            "prune_clusters: `calibration` must be a list of batches (each passed as `model(batch)`), got "
+            f"{type(calibration).__name__}; e.g. calibration=[ids[i : i + 4] for i in range(0, 32, 4)]."
+        )
+    resolved = resolve_clusters(model, clusters)  # type: ignore[arg-type]
+    stats = calibrate(model, resolved, calibration)
+    if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
+        layer_stats = calibrate_layers(model, resolved, calibration)
+    return score, stats, layer_stats
+
+
+#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
+ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
+Allocation = Literal["importance", "fractions"]
+
+
+def plan_importance(
+    model: nn.Module,
+    plan: Plan,
+    declarations: Sequence[Cluster | Mapping],
+    *,
+    activations: ActivationStats | None = None,
+) -> dict[str, list[float]]:
+    """Each unit's removal cost for the size solver: from ``activations`` if given, else from the plan's weight score.
+
+    Unit norms (and the statistics, for DTensors) are reduced as for a selection, so every rank gets the same costs.
+
+    Args:
+        model: The model the plan was made for.
+        plan: The unsized plan.
+        declarations: The declarations (their families: see :func:`~lightning_pat.sizing.unit_costs`).
+        activations: Calibrated statistics (``score="activation"``).
+
+    Returns:
+        Cluster name -> unit costs (layer clusters left out: the solver derives theirs).
+    """
+    pruner = Pruner(model, plan)
+    sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
+    with torch.no_grad(), pruner._session():  # noqa: SLF001 - the pruner's own reduction, as for a selection
+        if activations is not None and not sharded:
+            q, scores = pruner._reduce(activations.unit_scores(_named(model)), None)  # noqa: SLF001
+        else:
+            q, scores = pruner._reduce(None, activations)  # noqa: SLF001
+    if activations is None:
+        weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
+        scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}  # type: ignore[arg-type]
+    assert scores is not None
+    declared = declaration_labels(_named(model), declarations)
+    return unit_costs(scores, plan.clusters, declared=declared, comparable=activations is not None)
+
+
 def prune_clusters(
     model: nn.Module,
     clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
@@ -549,7 +678,8 @@ def prune_clusters(
     min_kept: float | None = None,
     target_flops: int | float | str | None = None,
     seq_len: int | None = None,
-    score: ScoreType = "rms",
+    target_allocation: Allocation = "importance",
+    score: ScoreType | Literal["auto"] = "auto",
     executor: ExecutorKind = "auto",
     method: Method = "hard",
     reg_lambda: float = 0.0,
@@ -557,6 +687,7 @@ def prune_clusters(
     group_count_ref: int | None = None,
     activations: ActivationStats | None = None,
     layer_stats: LayerStats | None = None,
+    calibration: Sequence[Any] | None = None,
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -564,10 +695,13 @@ def prune_clusters(
 
     Args:
         model: The module to prune in place.
-        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a preset name (``"llama"``,
-            ``"linear_chain"``, ``"auto"``, ...) or a list mixing both, as for the callback.
+        clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a :func:`~lightning_pat.discover`
+            result, a preset name (``"llama"``, ``"linear_chain"``, ...) or a list mixing both, as for the callback.
+            ``"auto"`` means what it means for the callback: the preset that fits, else discovery by tracing the
+            model's ``example_input_array`` (without one, an error points at ``discover(model, x)``).
         sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``. Give it or
-            ``target_params``, not both.
+            a size target: with ``target_params`` or ``target_flops`` it is unused and warns (as the callback's
+            ``target_sparsity`` does).
         target_params: A size to reach instead: an absolute count (``4e9``, ``"4B"``, ``"350M"``) or a fraction of
             the model's parameters. The per-cluster widths are solved (uniform per declaration, counting every
             parameter a unit carries; see :mod:`lightning_pat.core.budget`); ``result.size`` reports the achieved
@@ -585,7 +719,15 @@ def prune_clusters(
             (``"2M"``, or a fraction of the model's): matmul weights cost ``2 * out * in``, attention scores and
             values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.flops`).
         seq_len: The sequence length ``S`` of ``target_flops``.
-        score: ``"rms"`` (default), ``"l2"``, ``"param_cost"`` or ``"activation"`` (needs ``activations``).
+        target_allocation: How a size target is spread over the kinds (MLP channels, heads, layers, the residual):
+            ``"importance"`` (default): granules leave in increasing cost per parameter removed, a unit's cost being
+            its squared score (with ``activations``: the expected squared change of the residual stream, comparable
+            across kinds; weight scores are scaled per kind, see :mod:`lightning_pat.sizing`); ``"fractions"``: the
+            kind with the highest kept fraction loses a granule first.
+        score: ``"auto"`` (default): ``"activation"`` when ``calibration`` or ``activations`` is given, else
+            ``"rms"`` with a warning in the log (weight scores can wreck a pretrained model: SmolLM2 at 77M
+            parameters, 13.7 nats/token with ``"rms"`` vs 5.9 with ``"activation"``); ``"rms"``, ``"l2"``,
+            ``"param_cost"``; or ``"activation"`` (needs ``calibration`` or ``activations``).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"``.
         method: ``"hard"`` (drop the lowest units) or ``"group_lasso"`` (block soft-threshold).
         reg_lambda: Group-lasso strength ``lambda``.
@@ -596,16 +738,21 @@ def prune_clusters(
         activations: Statistics from :func:`lightning_pat.activation.calibrate` for ``score="activation"``.
         layer_stats: Layer scores from :func:`lightning_pat.layer_score.calibrate_layers`: layer units are ranked by
             ``1 - cos(input, output)`` instead of the RMS of their output projections.
+        calibration: Batches of inputs (a list: each is passed as ``model(batch)``, e.g. token ids ``[B, T]``) for
+            the activation score: :func:`lightning_pat.activation.calibrate` (and, with layer units,
+            :func:`~lightning_pat.layer_score.calibrate_layers`) run on them before anything is pruned.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
 
     Raises:
         ValueError: On an invalid declaration, preset name or option, a target below 1 that would remove every unit
-            of a cluster, ``score="activation"`` without ``activations`` (or with statistics of other clusters), both
-            or neither of ``sparsity``, ``target_params`` and ``target_flops`` (or ``target_flops`` without
+            of a cluster, ``score="activation"`` without ``activations`` or ``calibration`` (or with statistics of
+            other clusters), both ``activations`` and ``calibration``, none of ``sparsity``, ``target_params`` and
+            ``target_flops``, both size targets (or ``target_flops`` without
             ``seq_len``), ranked widths the solver cannot count exactly, or a size target above the model or below
-            what the clusters can reach; nothing is mutated then.
+            what the clusters can reach (or, with ``target_layers``, above what that depth can hold); nothing is
+            mutated then.
 
     Example::
 
@@ -615,6 +762,13 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
+    if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
+        which = "target_params" if target_flops is None else "target_flops"
+        distributed.rank_zero_warn(
+            f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
+            f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
+        )
+        sparsity = None
     if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
         raise ValueError(
             "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as "
@@ -623,11 +777,13 @@ def prune_clusters(
         )
     check_flops(target_flops, seq_len)
     check_target(
-        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept
-    )
+        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept,
+        name="target_params" if target_flops is None else "target_flops",
+    )  # fmt: skip
     if sparsity is not None:
         check_number("sparsity", sparsity, low=0.0, high=1.0)
-    check_choice("score", score, SCORE_TYPES)
+    check_choice("score", score, ("auto", *SCORE_TYPES))
+    check_choice("target_allocation", target_allocation, ALLOCATIONS)
     check_choice("method", method, METHODS)
     check_number("reg_lambda", reg_lambda, low=0.0)
     check_number("gamma", gamma, low=0.0)
@@ -637,18 +793,23 @@ def prune_clusters(
             "CoupledPruningCallback (or lightning_pat.gradient.TaylorScores with a Pruner in your own loop); for "
             "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
         )
-    if (score == "activation") != (activations is not None):
+    resolved_score = _one_shot_score(score, activations, calibration)
+    if (resolved_score == "activation") != (activations is not None or calibration is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
             "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
             f"or neither; got score={score!r} and activations={type(activations).__name__}."
         )
+    clusters = auto_declarations(model, found_clusters(clusters))  # a Discovery; "auto" as the callback means it
     if isinstance(clusters, str) or (
         isinstance(clusters, Sequence)
         and not isinstance(clusters, Mapping)
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
         clusters = presets.resolve_preset(clusters, model)
+    score, activations, layer_stats = one_shot_calibration(
+        model, clusters, resolved_score, activations, calibration, layer_stats=layer_stats
+    )
     plan = make_plan(
         model, clusters, score=score, executor=executor, group_count_ref=group_count_ref,
         sparsity=None if sparsity is None else float(sparsity),
@@ -656,10 +817,13 @@ def prune_clusters(
     size = None
     if target_params is not None or target_flops is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+        importance = None
+        if target_allocation == "importance":
+            importance = plan_importance(model, plan, decls, activations=activations)
         plan, size = plan.sized(
             _named(model), target_params if target_flops is None else target_flops, side=target_side,
             declarations=decls, keep_layers=target_layers, widths=target_widths, min_kept=min_kept,
-            flops=None if target_flops is None else (model, int(seq_len or 0)),
+            flops=None if target_flops is None else (model, int(seq_len or 0)), importance=importance,
         )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded

@@ -11,6 +11,7 @@ takes the strategy as plain facts (its class name and :data:`StrategyKind`), so 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from lightning_pat import presets
 from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
-from lightning_pat.core.spec import Cluster, check_declaration
+from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
 from lightning_pat.flops import check_flops
 from lightning_pat.layer_score import LAYER_SCORES, LayerScore
@@ -68,14 +69,26 @@ def check_number(name: str, value: object, *, low: float, high: float | None = N
     """Raise unless ``value`` is a number (an int if ``integer``) in ``[low, high]``.
 
     Raises:
-        ValueError: If ``value`` is a bool, not a number (not an int), NaN or out of range.
+        ValueError: If ``value`` is a bool, not a number (not an int), not finite (NaN, inf) or out of range.
     """
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     in_range = ok_type and value >= low and (high is None or value <= high)  # type: ignore[operator]  # NaN: False
+    span = f"[{low}, {high}]" if high is not None else f">= {low}"
+    kind = "an int" if integer else "a number"
+    if ok_type and not isinstance(value, bool) and not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"`{name}` must be a finite number {span}, got {value!r}.")
     if isinstance(value, bool) or not in_range:
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        kind = "an int" if integer else "a number"
         raise ValueError(f"`{name}` must be {kind} {span}, got {value!r}.")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise unless ``value`` is ``True`` or ``False`` (a string such as ``"false"`` would be truthy).
+
+    Raises:
+        ValueError: If ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.")
 
 
 def _preset_name(name: str) -> str:
@@ -116,6 +129,7 @@ def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
         ValueError: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a declaration is
             invalid (a mapping with an unknown key or no name included).
     """
+    clusters = found_clusters(clusters)  # a Discovery: its declarations
     if isinstance(clusters, str):
         return _preset_name(clusters)
     if isinstance(clusters, (Cluster, Mapping)):
@@ -139,7 +153,9 @@ class PruningOptions:
             preset name (``"llama"``, ``"gpt2"``, ``"linear_chain"``, the demo's ``"tiny_gpt"``, or ``"auto"`` to
             detect the family; a model no preset fits is traced in ``setup`` from its ``example_input_array`` or first
             training batch, see :func:`~lightning_pat.discover`), or a list mixing preset names and declarations.
-        target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override).
+        target_sparsity: Fraction of each cluster's units removed at the end of the ramp (clusters may override);
+            ``None`` (default) means 0.5. With ``target_params`` or ``target_flops`` the size target sets the widths
+            and ``target_sparsity`` is unused: a given value warns (as ``prune_clusters`` does with ``sparsity``).
         warmup_steps: Optimizer steps of dense training before pruning starts.
         ramp_steps: Optimizer steps over which the target ramps up to ``target_sparsity``; 1 prunes at once. Keep it
             to about a third of the steps spent pruning or less, so that most of them heal (BENCHMARKS.md).
@@ -245,7 +261,7 @@ class PruningOptions:
     """
 
     clusters: str | tuple[Cluster | str, ...] = "auto"
-    target_sparsity: float = 0.5
+    target_sparsity: float | None = None
     warmup_steps: int = 0
     ramp_steps: int = 100
     every_n_steps: int = 1
@@ -278,8 +294,12 @@ class PruningOptions:
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        given_sparsity = self.target_sparsity
+        object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
         check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
         check_number("reg_lambda", self.reg_lambda, low=0.0)
+        for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
+            check_bool(switch, getattr(self, switch))
         check_choice("method", self.method, METHODS)
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)
@@ -291,6 +311,11 @@ class PruningOptions:
             raise ValueError(
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
+        if self.preset_options is not None and not isinstance(self.preset_options, Mapping):
+            raise ValueError(
+                "`preset_options` must be a mapping of preset option names to bools (e.g. {'residual': True}), got "
+                f"{type(self.preset_options).__name__} {self.preset_options!r}."
+            )
         presets.check_options(self.preset_options or {})
         if self.target_params is not None and self.target_flops is not None:
             raise ValueError(
@@ -298,7 +323,16 @@ class PruningOptions:
                 f"target_params={self.target_params!r}, target_flops={self.target_flops!r}."
             )
         check_flops(self.target_flops, self.seq_len)
-        check_target(self.size_target, self.target_side, self.target_layers, self.target_widths, self.min_kept)
+        if given_sparsity is not None and self.size_target is not None:  # one behaviour with prune_clusters
+            which = "target_params" if self.target_flops is None else "target_flops"
+            rank_zero_warn(
+                f"CoupledPruningCallback: `target_sparsity={given_sparsity}` is unused: `{which}` sets the widths "
+                f"({which}={self.size_target!r}); remove `target_sparsity` (e.g. from the config file) to silence this."
+            )
+        check_target(
+            self.size_target, self.target_side, self.target_layers, self.target_widths, self.min_kept,
+            name="target_params" if self.target_flops is None else "target_flops",
+        )  # fmt: skip
         if self.size_target is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
@@ -412,6 +446,28 @@ class PruningOptions:
         return self.schedule.frozen(step, heal=self.heal)
 
 
+def auto_declarations(module: Any, clusters: object) -> object:
+    """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
+
+    A preset that fits the module: its name stays (expanded by the caller). No preset fits: the clusters are
+    discovered by tracing the module's ``example_input_array``, as the callback does; without one, an error points
+    at :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
+
+    Raises:
+        ValueError: If no preset fits and the module has no ``example_input_array``, or discovery fails.
+    """
+    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)):
+        return clusters
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise ValueError(
+            f"clusters='auto': no preset fits {type(module).__name__}, so its clusters are found by tracing, which "
+            "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
+            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, as the callback reads it)."
+        )
+    return discovered_clusters(module, example)
+
+
 def options_doc() -> str:
     """The ``Args:`` section of :class:`PruningOptions`, as written (one entry per option, class-level indentation).
 
@@ -436,6 +492,8 @@ def check_distillation(options: PruningOptions) -> None:
     temperature = options.distill_temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"`distill_temperature` must be a number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
+    if not math.isfinite(temperature):  # T^2 * KL would be inf * 0: NaN trained into the weights
+        raise ValueError(f"`distill_temperature` must be a finite number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
     teacher = options.distill_teacher
     if teacher is not None and not isinstance(teacher, torch.nn.Module):
         raise TypeError(

@@ -51,7 +51,9 @@ from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
 log = logging.getLogger(__name__)
 
 Preset = Callable[..., list[Cluster]]
-OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers")
+#: Whether the Llama-family presets cut GQA attention by query heads inside the KV groups (else whole KV groups).
+QUERY_HEADS_DEFAULT = False
+OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads")
 
 _HOW_TO = (
     "Supported families: llama/mistral/qwen2 (`<prefix>layers.N.self_attn.q_proj.weight`), gpt2 "
@@ -79,6 +81,8 @@ class Layout:
     top: tuple[tuple[str, ...], tuple[str, ...]]  # residual members outside the layers (lm_head is found anywhere)
     layer_params: str  # every parameter a layer may hold
     layer_out: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (writers, readers): zero => the layer is identity
+    # GQA query heads inside their KV groups: (writers, readers, the KV projection's weight); None: no such units
+    query_heads: tuple[tuple[str, ...], tuple[str, ...], str] | None = None
 
 
 def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
@@ -105,6 +109,7 @@ def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
         layer_params=rf"(?:{attn}\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(?:weight|bias)|{norms}\.weight"
         rf"|{attn}\.[qk]_norm\.weight",
         layer_out=((rf"{attn}\.o_proj\.(?:weight|bias)", r"mlp\.down_proj\.(?:weight|bias)"), ()),
+        query_heads=((rf"{attn}\.q_proj\.(?:weight|bias)",), (rf"{attn}\.o_proj\.weight",), rf"{attn}\.k_proj\.weight"),
     )
 
 
@@ -204,10 +209,44 @@ def _residual(layout: Layout, names: Sequence[str], prefix: str, preset: str) ->
     return Cluster(name="residual", writers=writers, readers=readers + [n for n in names if _LM_HEAD.fullmatch(n)])
 
 
+def _kv_heads(layout: Layout, model: nn.Module, prefix: str, head_dim: int, preset: str) -> tuple[int, int] | None:
+    """``(query heads, KV heads)`` of the first layer if every layer is GQA with the same KV head count, else None.
+
+    Raises:
+        ValueError: If the layers' KV head counts differ (one declaration has one ``unit_groups``).
+    """
+    assert layout.query_heads is not None
+    writer = re.compile(rf"{re.escape(prefix)}{re.escape(layout.layers)}\.\d+\.{_WRAPPERS}{layout.anchor}")
+    kv = re.compile(rf"{re.escape(prefix)}{re.escape(layout.layers)}\.\d+\.{_WRAPPERS}{layout.query_heads[2]}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    num_q = [p.shape[0] // head_dim for n, p in params.items() if writer.fullmatch(n)]
+    num_kv = [p.shape[0] // head_dim for n, p in params.items() if kv.fullmatch(n)]
+    if not num_kv or all(q == k for q, k in zip(num_q, num_kv, strict=False)):
+        return None  # multi-head attention: a head is already one query head (with its own k/v head)
+    if len(set(num_kv)) > 1:
+        raise ValueError(
+            f"presets.{preset}(query_heads=True): the layers have different KV head counts {sorted(set(num_kv))}, "
+            "but query-head units keep the same number in every KV group of one declaration; set "
+            "query_heads=False (whole KV groups), or declare one heads cluster per layer with its `unit_groups`."
+        )
+    return num_q[0], num_kv[0]
+
+
 def build(
-    layout: Layout, model: nn.Module, *, mlp: bool, heads: bool, residual: bool, layers: bool = False
+    layout: Layout,
+    model: nn.Module,
+    *,
+    mlp: bool,
+    heads: bool,
+    residual: bool,
+    layers: bool = False,
+    query_heads: bool = False,
 ) -> list[Cluster]:
     """The declarations of the kinds selected for ``model``, a model of ``layout``'s family (see :func:`llama`).
+
+    With ``query_heads`` and a GQA model (and a layout that has query-head patterns), ``heads.{layer}`` has one unit
+    per query head (``q_proj`` rows and bias, ``o_proj`` columns; ``k/v_proj`` in no cluster) in ``unit_groups`` =
+    the KV head count, so every KV group keeps the same number of query heads (the model stays a stock one).
 
     Raises:
         ValueError: As for :func:`llama`.
@@ -239,9 +278,20 @@ def build(
     if heads:
         head_dim = _head_dim(model, attn_module, preset)
         writers, readers = layout.heads
+        gqa = _kv_heads(layout, model, prefix, head_dim, preset) if query_heads and layout.query_heads else None
+        if gqa is not None:
+            (writers, readers, _), groups = layout.query_heads, gqa[1]  # type: ignore[misc]
+            log.info("presets.%s: heads.{layer} are query heads, %d per KV group of %d", preset, gqa[0] // groups,
+                     groups)  # fmt: skip
+        else:
+            groups = 1
         out.append(
             Cluster(
-                "heads.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers], head_dim=head_dim
+                "heads.{layer}",
+                [per_layer + w for w in writers],
+                [per_layer + r for r in readers],
+                head_dim=head_dim,
+                unit_groups=groups,
             )
         )
     if residual:
@@ -274,31 +324,51 @@ def layer_units(per_layer: str, out: tuple[tuple[str, ...], tuple[str, ...]]) ->
 
 
 def llama(
-    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+    model: nn.Module,
+    *,
+    mlp: bool = True,
+    heads: bool = True,
+    residual: bool = False,
+    layers: bool = False,
+    query_heads: bool = QUERY_HEADS_DEFAULT,
 ) -> list[Cluster]:
     """Clusters of a Llama-style decoder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2/3ForCausalLM``, ...).
 
     Args:
         model: The model, or a module that holds exactly one such backbone.
         mlp: Add ``mlp.{layer}`` (gate/up rows and biases, down columns).
-        heads: Add ``heads.{layer}`` (one unit per KV head: a head, or a GQA query group).
+        heads: Add ``heads.{layer}``: one unit per query head inside the GQA groups (``query_heads``), else per
+            KV head (a head, or a whole GQA query group with its KV head).
         residual: Add ``residual`` (the hidden size across the model).
         layers: Add ``layer.{layer}``: whole decoder layers as units (see :func:`layer_units`); not with
             ``residual``.
+        query_heads: With GQA, a ``heads`` unit is one query head (its ``q_proj`` rows and bias, its ``o_proj``
+            columns; ``k/v_proj`` are kept whole) and every KV group keeps the same number of them (the cluster's
+            ``unit_groups`` is the KV head count), so the shrunk model is a stock one with
+            ``num_attention_heads = num_key_value_heads * kept_per_group``. ``False``: whole KV groups. Without GQA
+            (as many KV heads as query heads) a unit is a head with its k/v rows either way.
 
     Returns:
         The declarations, in the order mlp, heads, residual, layers.
 
     Raises:
         ValueError: If nothing is selected, the model has no or several Llama-style backbones, ``head_dim`` cannot
-            be read, ``residual`` is asked for a model holding parameters outside the layout, or ``layers`` with
-            ``residual``.
+            be read, ``residual`` is asked for a model holding parameters outside the layout, ``layers`` with
+            ``residual``, or ``query_heads`` for layers with different KV head counts.
     """
-    return build(_LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
+    return build(
+        _LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads
+    )
 
 
 def gpt2(
-    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+    model: nn.Module,
+    *,
+    mlp: bool = True,
+    heads: bool = True,
+    residual: bool = False,
+    layers: bool = False,
+    query_heads: bool = QUERY_HEADS_DEFAULT,
 ) -> list[Cluster]:
     """Clusters of a GPT-2 model (``GPT2LMHeadModel``, ``GPT2Model``): ``Conv1D`` weights are ``[in, out]``.
 
@@ -310,6 +380,7 @@ def gpt2(
             ``c_proj`` columns and biases, ``lm_head`` columns); see the LayerNorm limitation in the module docs.
         layers: Add ``layer.{layer}`` (whole blocks: ``c_proj`` columns and biases; see :func:`layer_units`); not
             with ``residual``.
+        query_heads: Accepted for a uniform interface; GPT-2 has no GQA, so a head unit is one query head already.
 
     Returns:
         The declarations, in the order mlp, heads, residual, layers.
@@ -317,6 +388,7 @@ def gpt2(
     Raises:
         ValueError: As for :func:`llama`.
     """
+    del query_heads  # multi-head attention only
     return build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
 
 
@@ -346,7 +418,13 @@ def _linear_pairs(model: nn.Module) -> list[tuple[str, nn.Linear, str]]:
 
 
 def linear_chain(
-    model: nn.Module, *, mlp: bool = True, heads: bool = False, residual: bool = False, layers: bool = False
+    model: nn.Module,
+    *,
+    mlp: bool = True,
+    heads: bool = False,
+    residual: bool = False,
+    layers: bool = False,
+    query_heads: bool = False,
 ) -> list[Cluster]:
     """One cluster per hidden axis between consecutive ``nn.Linear`` layers of every ``nn.Sequential``.
 
@@ -362,6 +440,7 @@ def linear_chain(
         heads: Must be false: a chain has no attention heads.
         residual: Must be false: a chain has no residual stream.
         layers: Must be false: a chain has no residual layers to skip.
+        query_heads: Ignored (a chain has no attention).
 
     Returns:
         One ``Cluster`` per hidden axis, named ``hidden.<writer module name>``.

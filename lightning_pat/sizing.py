@@ -4,6 +4,16 @@
 :mod:`lightning_pat.core.budget` and returns the clusters with the per-cluster ``target`` that keeps the solved
 number of units (layer units share the ``layers`` budget's target: the number of dropped layers over the layers).
 The schedule then ramps every cluster towards its own target, so that the widths are met at the final step.
+
+With unit scores (``importance``), the solver allocates by importance: :func:`unit_costs` turns each unit's score
+into its cost of removal, comparable across cluster kinds. An activation score of a cluster with one reader (an MLP's
+``down_proj``, a head's ``o_proj``) is the RMS of what the unit adds to that reader's output, the residual stream, so
+its square is the expected squared change of the residual stream when the unit goes: MLP channels, query heads and
+KV groups of every layer are then costed in the same quantity, unscaled. A family whose scores are not in that
+quantity (a weight score, or a cluster with several readers, such as the residual stream read by every projection)
+is scaled so that its mean cost per parameter equals that of the comparable families (1 if there are none): without
+evidence across kinds, an average unit of every kind costs the same per parameter, and the family's own scores decide
+which of its units go first.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from lightning_pat.core.budget import (
     is_layer_cluster,
     parse_size,
     size_problem,
+    size_value,
     solve,
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
@@ -51,8 +62,13 @@ def check_target(
     target_layers: object = None,
     target_widths: object = "uniform",
     min_kept: object = None,
+    *,
+    name: str = "target_params",
 ) -> None:
     """Static checks of ``target_params``, ``target_side``, ``target_layers``, ``target_widths`` and ``min_kept``.
+
+    ``name`` is the option the target came from (``"target_flops"`` for a FLOPs target), for messages. The size's
+    form is checked by :func:`~lightning_pat.core.budget.size_value` (the model's size is not known yet).
 
     Raises:
         ValueError: If the target is not a positive count, fraction or size string, the side or widths are unknown,
@@ -74,7 +90,7 @@ def check_target(
     if target_widths == "ranked" and target_params is None:
         raise ValueError("`target_widths='ranked'` shapes a size target; set `target_params` too.")
     if target_params is not None:
-        parse_size(target_params, total=10**18)
+        size_value(target_params, name=name)
     if target_layers is not None:
         if isinstance(target_layers, bool) or not isinstance(target_layers, int) or target_layers < 1:
             raise ValueError(f"`target_layers` (layers to keep) must be an int >= 1, got {target_layers!r}.")
@@ -110,6 +126,7 @@ def sized_clusters(
     min_kept: float | None = None,
     costs: tuple[Mapping[str, Sequence[int]], Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]] | None = None,
     name: str = "target_params",
+    importance: Mapping[str, Sequence[float]] | None = None,
 ) -> tuple[list[ResolvedCluster], SizeSolution]:
     """The clusters with the targets that reach ``target_params``, and the solution.
 
@@ -129,6 +146,8 @@ def sized_clusters(
         costs: Instead of the parameters, what to count: ``(shapes, extra axes)`` from
             :func:`lightning_pat.flops.flop_costs` (``target_flops``).
         name: The option the target came from, for messages.
+        importance: Cluster name -> each unit's removal cost (:func:`unit_costs`): the widths are allocated by
+            importance; ``None``: by kept fractions (see :mod:`lightning_pat.core.budget`).
 
     Returns:
         ``(clusters, solution)``.
@@ -146,7 +165,7 @@ def sized_clusters(
     )  # fmt: skip
     if costs is not None:
         axes.update({k: list(v) for k, v in costs[1].items()})
-    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners, name=name)
+    solution = solve(shapes, axes, groups, target=target, side=side, owners=owners, name=name, costs=importance)
     num_layers = sum(1 for rc in clusters if is_layer_cluster(rc))
     ranked = {c: g for g in groups if g.budget is not None for c in g.clusters}
     out = []
@@ -167,6 +186,50 @@ def sized_clusters(
     return out, solution
 
 
+def unit_costs(
+    scores: Mapping[str, Tensor],
+    clusters: Sequence[ResolvedCluster],
+    *,
+    declared: Mapping[str, str] | None = None,
+    comparable: bool,
+) -> dict[str, list[float]]:
+    """Cluster name -> the removal cost of each unit, from unit scores (see the module docs).
+
+    Args:
+        scores: Cluster name -> ``[C]`` unit scores (layer clusters are ignored: their cost is derived by the solver).
+        clusters: The resolved clusters.
+        declared: Cluster name -> declaration label (a family); a cluster not in it is its own family.
+        comparable: Whether the scores of single-reader clusters are activation scores (the residual stream's RMS
+            change); ``False`` for weight scores.
+
+    Returns:
+        The costs of every width cluster that has a score.
+    """
+    families: dict[str, list[ResolvedCluster]] = {}
+    for rc in clusters:
+        if not is_layer_cluster(rc) and rc.name in scores:
+            families.setdefault((declared or {}).get(rc.name, rc.name), []).append(rc)
+    raw = {rc.name: [float(v) ** 2 for v in scores[rc.name].detach().double().cpu().tolist()] for f in families.values()
+           for rc in f}  # fmt: skip
+
+    def per_param(members: Sequence[ResolvedCluster]) -> float:
+        cost = sum(sum(raw[rc.name]) for rc in members)
+        return cost / max(sum(rc.num_units * rc.unit_numel for rc in members), 1)
+
+    direct = {f: m for f, m in families.items() if comparable and all(_readers(rc) == 1 for rc in m)}
+    reference = per_param([rc for m in direct.values() for rc in m]) if direct else 1.0
+    out: dict[str, list[float]] = {}
+    for family, members in families.items():
+        scale = 1.0 if family in direct else reference / (per_param(members) or 1.0)
+        for rc in members:
+            out[rc.name] = [c * scale for c in raw[rc.name]]
+    return out
+
+
+def _readers(rc: ResolvedCluster) -> int:
+    return sum(1 for m in rc.members if m.role == "reader")
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -174,4 +237,6 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["LAYER_BUDGET", "WIDTHS", "check_target", "declaration_labels", "distinct_shapes", "sized_clusters"]
+__all__ = [
+    "LAYER_BUDGET", "WIDTHS", "check_target", "declaration_labels", "distinct_shapes", "sized_clusters", "unit_costs",
+]  # fmt: skip

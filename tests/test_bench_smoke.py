@@ -29,6 +29,12 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | ms/step | vs no distillation | teacher forward (ms/step) | teacher collectives/step |",
     ),
     "quality": (["bench_quality.py", "--quick"], "| variant | seeds | val loss mean ± std |"),
+    "pretrained": (["bench_pretrained.py", "--quick", "--no-samples"], "| size | arm | heal tokens | seeds |"),
+    "pretrained-overhead": (
+        ["bench_pretrained.py", "--quick", "--overhead", "--rounds", "1"],
+        "| component | ms (CPU) | % of a training step |",
+    ),
+    "gpu-pretrained": (["gpu_pretrained.py", "--tiny", "--parallel", "2"], "| size | arm | heal tokens | seeds |"),
     "sharded": (
         ["bench_sharded.py", "--world", "2", "--sizes", "S", "--steps", "1"],
         "| size (d/ffn/layers, params) | clusters | executor | collectives |",
@@ -47,12 +53,17 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| component | ms | % of forward+backward |",
     ),
     "discover": (["bench_discover.py", "--quick", "--models", "resnet"], "| model | ours: clusters / left out |"),
+    "zoo": (["bench_zoo.py", "--quick", "--models", "resnet18"], "| model | params | ours: clusters | ours: exact |"),
     "shrink": (
         ["bench_shrink.py", "--quick", "--reps", "1", "--latency-calls", "1", "--no-torch-pruning"],
         "| variant | widths | params (M) | tokens/s (batch 32) |",
     ),
     "accumulation": (["bench_accumulation.py", "--repeats", "1"], "| weight dtype | shape | channel dim |"),
     "serve": (["bench_serve.py", "--quick"], "| variant | params | engine | tokens/s | vs dense | TTFT ms |"),
+    "oneshot-units": (
+        ["bench_oneshot_units.py", "--quick", "--sizes", "0.75", "--scores", "activation"],
+        "| units | size | score | allocation | params | held-out loss | vs dense | widths |",
+    ),
     "gpu-help": (["gpu.py", "--help"], "usage: gpu.py"),
 }
 TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds on an idle one)

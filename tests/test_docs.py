@@ -12,6 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 
+def test_mkdocs_is_installed_by_make_setup():
+    """The docs build is a test like any other: mkdocs is a test extra that `make setup` installs (issue 23, D4)."""
+    import importlib.util
+
+    extras = (ROOT / "pyproject.toml").read_text().split("\ntest = [", 1)[1].split("]\n", 1)[0]
+    assert '"mkdocs>=' in extras
+    assert '"mkdocstrings[python]>=' in extras
+    assert '-e ".[test' in (ROOT / "Makefile").read_text()  # make setup installs the test extras
+    missing = [m for m in ("mkdocs", "mkdocstrings") if importlib.util.find_spec(m) is None]
+    assert not missing, f"{missing} not installed in {sys.executable}: run `make setup` (they are test extras)"
+
+
 @pytest.mark.timeout(600)
 def test_docs_build_strict(tmp_path):
     site = tmp_path / "site"

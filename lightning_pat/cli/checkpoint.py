@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from torch import nn
 
 from lightning_pat.core.safe_io import confined, load_torch_file
-from lightning_pat.shrink import checkpoint_state, restore_shrunk
+from lightning_pat.shrink import checkpoint_state, restore_shrunk, state_source
 from lightning_pat.training.state import SIDE_PREFIX
 
 
@@ -121,26 +121,56 @@ def model_from_config(config: str | Path) -> LightningModule:
         The LightningModule, freshly initialised (``configure_model`` is not called).
 
     Raises:
-        ValueError: If the file has no ``model.class_path``.
+        ValueError: If the file cannot be read, is not YAML or not a mapping, has no ``model.class_path``, or the model
+            cannot be built from its ``init_args``.
+        FileNotFoundError: If the file does not exist.
     """
     import yaml
 
-    section = (yaml.safe_load(Path(config).read_text()) or {}).get("model")
+    path = Path(config)
+    if not path.exists():
+        raise FileNotFoundError(f"--config {config}: no such file")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"--config {config}: not valid YAML{where} ({problem}).") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {config}: cannot read it ({type(err).__name__}: {err}).") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ValueError(
+            f"--config {config}: a LightningCLI config is a YAML mapping (`model: {{class_path: ..., init_args: "
+            f"...}}`), but the file holds a {type(loaded).__name__}; pass the run's config.yaml."
+        )
+    section = (loaded or {}).get("model")
     if not isinstance(section, dict) or "class_path" not in section:
         raise ValueError(f"{config} has no `model: {{class_path: ..., init_args: ...}}` section.")
     _module_class(section["class_path"], where=f"{config}: model.class_path")  # before jsonargparse calls anything
     parser = LightningArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
-    parsed = parser.parse_object({"model": section})
-    return parser.instantiate_classes(parsed).model
+    try:
+        parsed = parser.parse_object({"model": section})
+        return parser.instantiate_classes(parsed).model
+    except Exception as err:  # noqa: BLE001 - jsonargparse's errors and the model's own: one line naming the file
+        text = str(err).strip().splitlines()
+        raise ValueError(
+            f"{config}: cannot build the model {section['class_path']!r} from its init_args "
+            f"({type(err).__name__}: {text[0] if text else err})."
+        ) from None
 
 
 def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:
     if attribute:
-        target = module.get_submodule(attribute)
-        if target is None:
-            raise ValueError(f"The model has no submodule {attribute!r}.")
-        return target
+        try:
+            return module.get_submodule(attribute)
+        except AttributeError:
+            children = [name for name, _ in module.named_children()]
+            raise ValueError(
+                f"--submodule {attribute!r}: {type(module).__name__} has no such submodule (its children: "
+                f"{children[:8]}); pass an attribute path such as {children[0] if children else 'model'!r}."
+            ) from None
     try:
         from transformers import PreTrainedModel
 
@@ -208,6 +238,11 @@ def shrink_checkpoint(
     check_format(format, gguf_dtype=gguf_dtype)
     checkpoint = load_checkpoint(ckpt_path)
     state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"shrink: the checkpoint's CoupledPruningCallback state is a {type(state).__name__}, not a mapping."
+        )
+    state_source(state, "the checkpoint's pruning state")  # its schema, before the model is built
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     if config is None and model_class is None:
         config = find_config(ckpt_path)
@@ -217,7 +252,13 @@ def shrink_checkpoint(
     elif model_class is not None:
         cls = _module_class(model_class, where=f"the model class of {ckpt_path}")
         init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}
-        module = cls(**init_args)
+        try:
+            module = cls(**init_args)
+        except Exception as err:  # noqa: BLE001 - the user's constructor: one line naming the class and arguments
+            raise ValueError(
+                f"cannot build {model_class} from the checkpoint's hyperparameters {sorted(init_args)[:8]} "
+                f"({type(err).__name__}: {err}); pass `--config` (the run's LightningCLI config)."
+            ) from None
     else:
         raise ValueError(
             f"No config.yaml found next to {ckpt_path} and no class path in its hyperparameters; pass `--config` "
@@ -228,7 +269,14 @@ def shrink_checkpoint(
     already_small = restore_shrunk(target, checkpoint)
     # distributed checkpoints carry the sharded latent copies and teacher next to the weights: not model state
     weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(SIDE_PREFIX)}
-    module.load_state_dict(weights)
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as err:  # missing/unexpected keys, other shapes: the model is not the checkpoint's
+        detail = " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:400]
+        raise ValueError(
+            f"shrink: the checkpoint's weights do not fit {type(module).__name__} as built ({detail}); "
+            "pass the run's config (`--config`) or the class and hyperparameters the checkpoint was written with."
+        ) from None
     if not already_small:
         _warn_if_not_final(state)
         shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix

@@ -18,6 +18,18 @@ falling under the target, the group with the highest kept fraction loses one). N
 (removed) without crossing the target, so the achieved count is within one granule of the target and of the best
 configuration on its side. The nearest achievable counts one granule up and down are reported.
 
+By importance (``costs`` given: each unit's cost of removal, e.g. its squared activation score, the expected squared
+change of the residual stream it writes): a group's granules leave in its units' elimination order (lowest cost
+first, balanced over ``unit_groups``), granule ``i`` costing the sum of the costs of the units it removes (a ranked
+group: its ``i``-th chunk in the engine's joint order; a layer group: the ``i``-th cheapest layer, a layer costing
+the sum of the costs of every unit of the width clusters it owns, its whole update under the same additive model).
+The path takes granules in increasing cost per parameter removed (within a group in order, ratios made
+non-decreasing by a running maximum; ties: the group declared first, then the granule), so each configuration on
+the path is the cheapest of all with at most its parameters when the costs per parameter rise within every group (a
+convex separable problem: the greedy is exact at the points it visits). The slack is then filled with the granules
+that restore the most cost (``"above"``: the granules that cost least go), one at a time, as long as the target
+allows.
+
 Example::
 
     >>> groups = [Group("mlp", ("mlp",), num_units=8, multiple_of=1)]
@@ -34,6 +46,8 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
 from typing import Literal
 
 from lightning_pat.core.selection import num_to_drop
@@ -65,6 +79,7 @@ class Group:
         budget: A ranked group: the shared budget in which its clusters' units are ranked jointly by score, so the
             widths differ between layers; ``k`` counts the units kept over all its clusters (every cluster's units
             carry the same parameters, see :func:`solve`), a granule is ``multiple_of`` units.
+        unit_groups: The clusters' ``unit_groups`` (balanced selection; the elimination order of the costs).
     """
 
     name: str
@@ -75,6 +90,7 @@ class Group:
     fixed: int | None = None
     floor: int = 0
     budget: str | None = None
+    unit_groups: int = 1
 
     @property
     def size(self) -> int:
@@ -121,6 +137,9 @@ class SizeSolution:
         dropped_layers: Number of dropped layers (layer groups).
         fractions: Width cluster name -> fraction of its units dropped (its ``target``).
         unit: What is counted: ``"parameters"``, or ``"FLOPs per token"`` for ``target_flops``.
+        rule: How the granules were ordered: ``"importance"`` (unit costs per parameter removed) or ``"fractions"``
+            (the highest kept fraction first).
+        cost: With ``"importance"``: the summed cost of the removed units (of the solution's configuration).
     """
 
     kept: dict[str, int]
@@ -134,6 +153,8 @@ class SizeSolution:
     dropped_layers: int = 0
     fractions: dict[str, float] = field(default_factory=dict)
     unit: str = "parameters"
+    rule: str = "fractions"
+    cost: float | None = None
 
     def describe(self) -> str:
         """One line for logs: achieved, target, neighbours and kept widths."""
@@ -141,44 +162,98 @@ class SizeSolution:
         return (
             f"{self.achieved:,} {self.unit} (target {self.target:,}, full {self.total:,}; nearest achievable "
             f"below {self.below if self.below is None else f'{self.below:,}'}, above "
-            f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}"
+            f"{self.above if self.above is None else f'{self.above:,}'}); kept: {widths}; allocated by {self.rule}"
         )
 
 
-def parse_size(value: object, *, total: int, name: str = "target_params") -> int:
-    """An absolute parameter count from ``4e9``, ``"4B"``, ``"350M"``, ``"50%"`` or a fraction ``0 < x <= 1``.
+def _units(name: str) -> tuple[str, str]:
+    """(what is counted, what the full model is called) for the option ``name``."""
+    if name == "target_flops":
+        return "FLOPs per token", "the model's FLOPs per token"
+    return "parameters", "the model's size"
+
+
+def size_value(value: object, *, name: str = "target_params") -> tuple[str, Fraction]:
+    """Read a size target without the model: ``("count", n)`` or ``("fraction", f)`` (one rule for every form).
+
+    The rule: an ``int`` is always a count (``1`` is one parameter); a ``float`` in ``(0, 1]`` is a fraction of the
+    model and a float above 1 a count (``4e9``), which must be whole; a string is read like the number it spells
+    (``"2000"`` a count, ``"0.5"`` a fraction, ``"1.5e9"`` a count), or with a suffix as a count (``k``, ``M``,
+    ``B``/``G``, ``T``: ``"1.5k"`` is 1,500) or a percentage (``"50%"``, at most 100%). Counts must be whole.
 
     Raises:
-        ValueError: If ``value`` is not a positive number or size string, or is above ``total``.
+        ValueError: If ``value`` is not a number or size string, not finite, not positive, a percentage above 100%,
+            or a count that is not whole (the message names ``name``, the value and what it was read as).
 
     Example::
 
-        >>> parse_size("350M", total=10**9), parse_size(0.25, total=1000), parse_size("50%", total=1000)
-        (350000000, 250, 500)
+        >>> [(kind, int(n) if kind == "count" else float(n)) for kind, n in map(size_value, (1, 1.0, "50%", "1.5k"))]
+        [('count', 1), ('fraction', 1.0), ('fraction', 0.5), ('count', 1500)]
     """
-    count: float
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"`{name}` must be a count, a fraction or a size string like '4B', got {value!r}.")
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match is None:
             raise ValueError(f"`{name}` must look like '4B', '350M', '1.5e9', '120k' or '50%', got {value!r}.")
-        number = float(match["num"]) * 10 ** int(match["exp"] or 0)
+        exp = int(match["exp"] or 0)
+        if exp > 400 or exp < -400:
+            raise ValueError(f"`{name}` = {value!r} is not a finite size; ask for a count such as '4B' or a fraction.")
+        number = Fraction(Decimal(match["num"])) * Fraction(10) ** exp
         unit = match["unit"].lower()
-        count = number / 100 * total if unit == "%" else number * _SUFFIX[unit]
-        if unit == "" and 0 < number <= 1:
-            count = number * total
-    else:
-        if not math.isfinite(value) or value <= 0:
+        if number <= 0:
             raise ValueError(f"`{name}` must be positive, got {value!r}.")
-        count = value * total if value <= 1 else value
-    result = round(count)
+        if unit == "%":
+            if number > 100:
+                raise ValueError(f"`{name}` = {value!r} is above 100%; ask for a percentage in (0, 100].")
+            return "fraction", number / 100
+        if unit:
+            return _whole(number * _SUFFIX[unit], value, name)
+        looks_int = "." not in match["num"] and not match["exp"]
+        if not looks_int and number <= 1:
+            return "fraction", number
+        return _whole(number, value, name)
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite count or fraction, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"`{name}` must be positive, got {value!r}.")
+    if isinstance(value, float) and value <= 1:
+        return "fraction", Fraction(value)
+    return _whole(Fraction(value), value, name)
+
+
+def _whole(count: Fraction, value: object, name: str) -> tuple[str, Fraction]:
+    if count.denominator != 1:
+        raise ValueError(
+            f"`{name}` = {value!r} is a count (above 1) but not a whole number of parameters; give a whole count "
+            "('1500', '1.5k'), or a fraction of the model as a value <= 1 (0.5) or a percentage ('50%')."
+        )
+    return "count", count
+
+
+def parse_size(value: object, *, total: int, name: str = "target_params") -> int:
+    """An absolute count from ``4e9``, ``"4B"``, ``"350M"``, ``"50%"``, a fraction ``0 < x <= 1`` or an int count.
+
+    See :func:`size_value` for the rule (an int is a count, a float <= 1 a fraction); a fraction is rounded to the
+    nearest count of ``total``.
+
+    Raises:
+        ValueError: As for :func:`size_value`; if the count is above ``total``, or a fraction rounds to 0.
+
+    Example::
+
+        >>> parse_size("350M", total=10**9), parse_size(0.25, total=1000), parse_size("50%", total=1000)
+        (350000000, 250, 500)
+    """
+    kind, number = size_value(value, name=name)
+    unit, whole = _units(name)
+    result = round(number * total) if kind == "fraction" else int(number)
     if result <= 0:
-        raise ValueError(f"`{name}` = {value!r} is {result} parameters; ask for a positive size.")
+        raise ValueError(f"`{name}` = {value!r} is {result} {unit} of {total:,}; ask for a positive size.")
     if result > total:
         raise ValueError(
-            f"`{name}` = {value!r} ({result:,} parameters) is above the model's size ({total:,}); ask for at most "
-            f"{total:,} (or a fraction <= 1)."
+            f"`{name}` = {value!r} ({result:,} {unit}) is above {whole} ({total:,}); ask for at most {total:,} (or a "
+            "fraction <= 1)."
         )
     return result
 
@@ -216,15 +291,122 @@ def count_params(
     return total
 
 
-def _path(groups: Sequence[Group]) -> list[int]:
-    """Group index of each granule removal, in path order (highest kept fraction first, ties by group)."""
+def _path(groups: Sequence[Group], ratios: Sequence[Sequence[float]] | None = None) -> list[int]:
+    """Group index of each granule removal, in path order (ties by group, then granule).
+
+    Without ``ratios``: the highest kept fraction first. With them (per group, the cost per parameter of each of its
+    granules, non-decreasing): the lowest ratio first.
+    """
     steps: list[tuple[float, int, int]] = []
     for g, group in enumerate(groups):
         values = group.kept_values()
         for i in range(1, len(values)):
-            steps.append((-values[i - 1] / group.size, g, i))
+            steps.append((-values[i - 1] / group.size if ratios is None else ratios[g][i - 1], g, i))
     steps.sort()
     return [g for _, g, _ in steps]
+
+
+Costs = Mapping[str, Sequence[float]]
+
+
+def elimination_order(costs: Sequence[float], unit_groups: int = 1) -> list[int]:
+    """Units in the order they leave: lowest cost first (ties: lower index); balanced over ``unit_groups`` groups.
+
+    The pure counterpart of :func:`lightning_pat.core.selection.elimination_order`: with groups, the cheapest unit of
+    every group (groups in order), then the second cheapest of every group, and so on.
+
+    Example::
+
+        >>> elimination_order([3.0, 1.0, 2.0, 9.0, 8.0, 7.0], unit_groups=2)
+        [1, 5, 2, 4, 0, 3]
+    """
+    per = len(costs) // unit_groups
+    orders = [sorted(range(j * per, (j + 1) * per), key=lambda u: (costs[u], u)) for j in range(unit_groups)]
+    return [orders[j][r] for r in range(per) for j in range(unit_groups)]
+
+
+def _layer_costs(
+    groups: Sequence[Group], axes: Axes, costs: Costs, owners: Mapping[str, str] | None
+) -> dict[str, float]:
+    """Layer cluster -> the summed cost of every unit of the width clusters whose parameters it owns."""
+    width = {c for g in groups if not g.layers for c in g.clusters}
+    out: dict[str, float] = {c: 0.0 for g in groups if g.layers for c in g.clusters}
+    counted: set[str] = set()
+    for (param, _), slices in axes.items():
+        layer = (owners or {}).get(param)
+        for cluster, _, _ in slices:
+            if layer in out and cluster in width and cluster not in counted:
+                counted.add(cluster)
+                out[layer] += float(sum(costs[cluster]))
+    for layer in out:
+        if layer in costs:  # an explicit cost of the layer wins
+            out[layer] = float(sum(costs[layer]))
+    return out
+
+
+def _granule_costs(group: Group, costs: Costs, layer_costs: Mapping[str, float]) -> list[float]:
+    """The cost of each granule of ``group``, in the order they leave (see the module docs)."""
+    values = group.kept_values()
+    if group.fixed is not None:
+        return []
+    if group.layers:
+        return sorted(layer_costs[c] for c in group.clusters)[: len(values) - 1]
+    orders = {c: elimination_order(costs[c], group.unit_groups) for c in group.clusters}
+    if group.budget is None:  # one width for every cluster: granule i removes the same positions of each order
+        out = []
+        for i in range(1, len(values)):
+            lo, hi = group.num_units - values[i - 1], group.num_units - values[i]
+            out.append(sum(float(costs[c][u]) for c in group.clusters for u in orders[c][lo:hi]))
+        return out
+    chunks: list[tuple[float, int, int, float]] = []  # (rank key: running max of the costs, cluster, chunk, cost)
+    for ci, c in enumerate(group.clusters):
+        order, peak = orders[c], float("-inf")
+        for j, start in enumerate(range(0, group.num_units - group.floor, group.multiple_of)):
+            unit_costs = [float(costs[c][u]) for u in order[start : start + group.multiple_of]]
+            peak = max(peak, *unit_costs)
+            chunks.append((peak, ci, j, sum(unit_costs)))
+    chunks.sort()
+    return [cost for *_, cost in chunks][: len(values) - 1]
+
+
+def _importance_ratios(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    groups: Sequence[Group],
+    costs: Costs,
+    owners: Mapping[str, str] | None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per group, each granule's cost and its cost per parameter removed (made non-decreasing).
+
+    A granule's parameters are counted with every other group full: exact without a residual cluster (the count is
+    then additive over the groups), an approximation of the order otherwise (the counts along the path stay exact).
+    """
+    missing = [c for g in groups if not g.layers and g.fixed is None for c in g.clusters if c not in costs]
+    if missing:
+        raise ValueError(f"size solver: no unit costs for clusters {missing[:5]}; give a cost for every unit.")
+    full = {g.name: g.size for g in groups}
+    base = cluster_kept(groups, full)
+    total = count_params(shapes, axes, base, owners=owners)
+    layer_costs = _layer_costs(groups, axes, costs, owners)
+    granule_costs, ratios = [], []
+    for group in groups:
+        values = group.kept_values()
+        gc = _granule_costs(group, costs, layer_costs)
+        if group.layers:
+            per = total - count_params(shapes, axes, {**base, group.clusters[0]: 0}, owners=owners)
+        else:
+            fewer = {**base, group.clusters[0]: base[group.clusters[0]] - 1}
+            if group.budget is None:
+                fewer.update(dict.fromkeys(group.clusters, group.num_units - 1))
+            per = total - count_params(shapes, axes, fewer, owners=owners)
+        out, peak = [], float("-inf")
+        for i, cost in enumerate(gc):
+            size = 1 if group.layers else values[i] - values[i + 1]
+            peak = max(peak, cost / max(per * size, 1))
+            out.append(peak)
+        granule_costs.append(gc)
+        ratios.append(out)
+    return granule_costs, ratios
 
 
 def _indices(groups: Sequence[Group], path: Sequence[int], position: int) -> list[int]:
@@ -253,13 +435,20 @@ def _neighbours(groups: Sequence[Group], index: Sequence[int], *, up: bool, widt
 
 
 def _polish(
-    groups: Sequence[Group], index: list[int], count_of: Callable[[Sequence[int]], int], target: int, *, up: bool
+    groups: Sequence[Group],
+    index: list[int],
+    count_of: Callable[[Sequence[int]], int],
+    target: int,
+    *,
+    up: bool,
+    granule_costs: Sequence[Sequence[float]] | None = None,
 ) -> list[int]:
     """Fill the slack the path left with width granules (layers stay as the path chose them).
 
     ``up`` (side ``"below"``): while a width granule fits under the target, give it back to the group with the lowest
-    kept fraction; else (side ``"above"``) while one can go without falling under the target, take it from the group
-    with the highest kept fraction. Ties: the group declared first.
+    kept fraction (by importance: the granule that restores the most cost); else (side ``"above"``) while one can go
+    without falling under the target, take it from the group with the highest kept fraction (by importance: the
+    granule that costs least). Ties: the group declared first.
     """
     while True:
         options = []
@@ -267,8 +456,12 @@ def _polish(
             c = count_of(n)
             if (c <= target) if up else (c >= target):
                 g = next(k for k in range(len(groups)) if n[k] != index[k])
-                fraction = groups[g].kept_values()[index[g]] / groups[g].size
-                options.append((fraction if up else -fraction, g, n))
+                if granule_costs is None:
+                    fraction = groups[g].kept_values()[index[g]] / groups[g].size
+                    options.append((fraction if up else -fraction, g, n))
+                else:  # the granule restored is the last one removed (index - 1), the one removed the next (index)
+                    cost = granule_costs[g][index[g] - 1] if up else granule_costs[g][index[g]]
+                    options.append((-cost if up else cost, g, n))
         if not options:
             return index
         index = min(options)[2]
@@ -296,6 +489,7 @@ def solve(
     side: Side = "below",
     owners: Mapping[str, str] | None = None,
     name: str = "target_params",
+    costs: Costs | None = None,
 ) -> SizeSolution:
     """Kept units per group meeting a parameter target (see the module docs for the search).
 
@@ -311,13 +505,16 @@ def solve(
         owners: Parameter name -> owning layer cluster (for layer groups).
         name: The option the target came from (``"target_flops"``: ``shapes`` hold FLOP costs, see
             :mod:`lightning_pat.flops`), for messages.
+        costs: Cluster name -> the removal cost of each unit (non-negative): allocate by importance (see the module
+            docs); ``None``: by kept fractions. Layer clusters may be left out (their cost is derived).
 
     Returns:
         The solution.
 
     Raises:
         ValueError: If ``side`` is unknown, the target is above the full size or below the smallest reachable count
-            (the message gives both numbers and the floors), or the layers of a layer group differ in size.
+            (the message gives both numbers and the floors), the layers of a layer group differ in size, or ``costs``
+            lacks a width cluster.
     """
     if side not in SIDES:
         raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
@@ -325,13 +522,30 @@ def solve(
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
     _check_equal_units(shapes, axes, groups, owners)
+    unit, whole = _units(name)
     if target > total:
-        raise ValueError(f"`{name}` ({target:,}) is above the model's size ({total:,}); ask for at most that.")
-    path = _path(groups)
+        raise ValueError(f"`{name}` ({target:,}) is above {whole} ({total:,}); ask for at most that.")
+    granule_costs, ratios = (None, None) if costs is None else _importance_ratios(shapes, axes, groups, costs, owners)
+    path = _path(groups, ratios)
 
     def count_at(position: int) -> int:
         return count_params(shapes, axes, cluster_kept(groups, _config(groups, path, position)), owners=owners)
 
+    maximum = count_at(0)  # every variable group full; fixed groups (target_layers, own targets) as fixed
+    if target > maximum:
+        fixed = [g for g in groups if g.fixed is not None]
+        layers = next((g for g in fixed if g.layers), None)
+        why = (
+            f"`target_layers={layers.fixed}` keeps at most {maximum:,} {unit}"
+            if layers is not None
+            else f"the clusters with their own `target` ({', '.join(g.name for g in fixed)}) keep at most {maximum:,} "
+            f"{unit}"
+        )
+        fix = "keep more layers" if layers is not None else "remove their `target`"
+        raise ValueError(
+            f"{why} (target {target:,}, full model {total:,}); `{name}` cannot be reached at that depth or those "
+            f"widths. Ask for at most {maximum:,} or {fix}."
+        )
     minimum = count_at(len(path))
     if target < minimum:
         floors = ", ".join(
@@ -341,7 +555,7 @@ def solve(
         )
         raise ValueError(
             f"`{name}` ({target:,}) is below the smallest size the clusters can reach ({minimum:,}, with "
-            f"{floors}; {total - minimum:,} of {total:,} parameters are prunable). Ask for at least {minimum:,}, add "
+            f"{floors}; {total - minimum:,} of {total:,} {unit} are prunable). Ask for at least {minimum:,}, add "
             "clusters (e.g. preset_options={'residual': True}), or lower `multiple_of`."
         )
     lo, hi = 0, len(path)  # first position whose count <= target (counts do not increase along the path)
@@ -361,7 +575,7 @@ def solve(
         cfg = {g.name: g.kept_values()[i] for g, i in zip(groups, idx, strict=True)}
         return count_params(shapes, axes, cluster_kept(groups, cfg), owners=owners)
 
-    index = _polish(groups, index, count_of, target, up=side == "below")
+    index = _polish(groups, index, count_of, target, up=side == "below", granule_costs=granule_costs)
     achieved = count_of(index)
     ups = [count_of(n) for n in _neighbours(groups, index, up=True, widths_only=False)]
     downs = [count_of(n) for n in _neighbours(groups, index, up=False, widths_only=False)]
@@ -386,6 +600,8 @@ def solve(
         dropped_layers=sum(g.size - kept[g.name] for g in groups if g.layers),
         fractions=fractions,
         unit="FLOPs per token" if name == "target_flops" else "parameters",
+        rule="fractions" if granule_costs is None else "importance",
+        cost=None if granule_costs is None else sum(sum(gc[:i]) for gc, i in zip(granule_costs, index, strict=True)),
     )
 
 
@@ -445,14 +661,16 @@ def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: floa
         ValueError: Naming the clusters, if they differ in ``C`` or ``multiple_of``, or ``C`` is not a multiple.
     """
     sizes = {(rc.num_units, rc.multiple_of) for rc in members}
+    grouped = {(rc.num_units, rc.multiple_of, rc.unit_groups) for rc in members}
     names = [rc.name for rc in members]
-    if len(sizes) > 1:
+    if len(grouped) > 1:
+        what, shown = ("units or multiple_of", sizes) if len(sizes) > 1 else ("unit_groups", grouped)
         raise ValueError(
             f"target_widths='ranked': the clusters of {label!r} ({names[:4]}{'...' if len(names) > 4 else ''}) "
-            "differ in units or multiple_of "
-            f"{sorted(sizes)}; rank only equal clusters together (one declaration, or one `budget`)."
+            f"differ in {what} "
+            f"{sorted(shown)}; rank only equal clusters together (one declaration, or one `budget`)."
         )
-    num_units, mult = sizes.pop()
+    num_units, mult, unit_groups = grouped.pop()
     if num_units % mult:
         raise ValueError(
             f"target_widths='ranked': {label!r} has {num_units} units per cluster, not a multiple of multiple_of="
@@ -460,7 +678,7 @@ def _ranked_group(label: str, members: Sequence[ResolvedCluster], min_kept: floa
         )
     floor = min(num_units, max(mult, math.ceil(min_kept * num_units / mult) * mult))
     budget = members[0].budget or f"ranked:{label}"
-    return Group(label, tuple(names), num_units, mult, floor=floor, budget=budget)
+    return Group(label, tuple(names), num_units, mult, floor=floor, budget=budget, unit_groups=unit_groups)
 
 
 #: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
@@ -548,7 +766,7 @@ def size_problem(
         if ranked and rc.target is None:
             grouped.setdefault(("ranked", rc.budget or label), []).append(rc)
         else:
-            grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target), []).append(rc)
+            grouped.setdefault((label, rc.num_units, rc.multiple_of, rc.target, rc.unit_groups), []).append(rc)
     if ranked and layers:
         raise ValueError(
             "target_widths='ranked' with layer units: a dropped layer takes its units with it, so the size would "
@@ -566,7 +784,16 @@ def size_problem(
             fixed = rc.num_units - num_to_drop(rc.target, rc.num_units, multiple_of=rc.multiple_of)
         if any(g.name == label for g in groups):
             label = f"{label}({rc.name})"
-        groups.append(Group(label, tuple(r.name for r in members), rc.num_units, rc.multiple_of, fixed=fixed))
+        groups.append(
+            Group(
+                label,
+                tuple(r.name for r in members),
+                rc.num_units,
+                rc.multiple_of,
+                fixed=fixed,
+                unit_groups=rc.unit_groups,
+            )  # fmt: skip
+        )
     if keep_layers is not None and not 1 <= keep_layers <= len(layers):
         raise ValueError(
             f"`target_layers` = {keep_layers} layers to keep, but the clusters hold {len(layers)} layer units; "

@@ -8,16 +8,21 @@
   symlinks that lead outside.
 * :func:`atomic_directory` builds a directory next to its destination and moves it into place at the end: a failure
   half-way leaves the previous contents untouched, and nothing is ever written through a symlink already present in
-  the destination.
+  the destination. An existing destination is swapped in one step where Linux's ``renameat2(RENAME_EXCHANGE)`` works
+  (:func:`exchange`), else by two renames; :func:`interrupted_overwrite` names what a process killed between those
+  two renames left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import pickle
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -138,14 +143,15 @@ def confined(directory: str | Path, name: object, *, what: str) -> Path:
     if posix.is_absolute() or windows.is_absolute() or windows.drive or ".." in posix.parts or ".." in windows.parts:
         raise ValueError(
             f"{what}: {name!r} is not a plain relative name inside {directory} (absolute names and `..` are refused: "
-            "an export only reads its own files)."
+            "only files inside that directory are read or written)."
         )
     root = Path(directory).resolve()
     path = Path(directory) / name
     target = path.resolve()
     if target != root and root not in target.parents:
         raise ValueError(
-            f"{what}: {name!r} leads outside {directory} (a symlink to {target}); an export only reads its own files."
+            f"{what}: {name!r} leads outside {directory} (a symlink to {target}); only files inside that directory "
+            "are read or written. Remove the symlink."
         )
     return path
 
@@ -154,6 +160,75 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (``0o666 & ~umask``; 0o644 for umask 022).
+
+    Temporary files (``tempfile.mkstemp``: 0o600) that are renamed into place get it, so that a file of ours reads
+    like the checkpoints next to it.
+    """
+    return 0o666 & ~_umask()
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+#: errno values meaning "this OS or file system cannot exchange": fall back to two renames.
+_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM}
+
+
+def _renameat2() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 (macOS, musl, Windows)
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def exchange(first: str | Path, second: str | Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where it is unsupported.
+
+    Returns:
+        Whether the paths were swapped; ``False`` (nothing changed) if the C library, the kernel or the file system
+        cannot exchange.
+
+    Raises:
+        OSError: For any other failure (e.g. a path that does not exist).
+    """
+    function = _renameat2() if sys.platform.startswith("linux") else None
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
+
+
+def interrupted_overwrite(destination: str | Path) -> str | None:
+    """What an overwrite of ``destination`` killed between its two renames left, as a sentence (``None``: nothing).
+
+    The previous export is in ``.<name>.old-*/export`` and the new, complete one in ``.<name>.partial-*`` (see
+    :func:`atomic_directory`).
+    """
+    destination = Path(destination).absolute()
+    if destination.exists() or not destination.parent.is_dir():
+        return None
+    old = sorted(p / "export" for p in destination.parent.glob(f".{destination.name}.old-*") if (p / "export").is_dir())
+    new = sorted(p for p in destination.parent.glob(f".{destination.name}.partial-*") if p.is_dir())
+    if not old:
+        return None
+    return (
+        f"an overwrite of {destination} was interrupted between its two renames (a killed process): the previous "
+        f"export is in {old[-1]}" + (f", the new one in {new[-1]}" if new else "") + f". Restore the previous "
+        f"export with `mv {old[-1]} {destination}`"
+        + (f" (or the new one with `mv {new[-1]} {destination}`)" if new else "")
+        + ", or save again."
+    )
 
 
 def check_output(destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str) -> Path:
@@ -214,7 +289,9 @@ def atomic_directory(
     try:
         os.chmod(partial, 0o777 & ~_umask())
         yield partial
-        if destination.exists():
+        if destination.exists() and exchange(partial, destination):
+            shutil.rmtree(partial, ignore_errors=True)  # it holds the previous export now
+        elif destination.exists():  # no atomic swap here: two renames (a kill between them: interrupted_overwrite)
             old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
             os.rename(destination, old / "export")
             try:

@@ -91,6 +91,64 @@ def bottom_k_rows(scores_KC: Tensor, *, num_drop: int) -> Tensor:
     return torch.sort(order_KC[:, :num_drop], dim=1).values
 
 
+def bottom_k_balanced(scores_KC: Tensor, *, num_drop: int, groups: int) -> Tensor:
+    """Per row, the ``num_drop`` dropped units when the ``C`` units form ``groups`` equal groups of consecutive units.
+
+    The balanced rule (GQA query heads inside their KV groups): every group loses ``num_drop / groups`` units, its
+    lowest-scored ones, ties by the lower index. ``num_drop`` must be a multiple of ``groups`` (the cluster's
+    ``multiple_of`` is, see :class:`~lightning_pat.core.spec.ResolvedCluster`); scores must already be checked
+    finite.
+
+    Args:
+        scores_KC: ``[K, C]`` scores of ``K`` clusters of equal size (``[C]``: one cluster).
+        num_drop: Units to drop per cluster.
+        groups: Groups per cluster (dividing ``C``).
+
+    Returns:
+        ``[K, num_drop]`` (``[num_drop]`` for a ``[C]`` input) sorted dropped indices.
+
+    Raises:
+        ValueError: If ``groups`` does not divide ``C`` or ``num_drop``.
+
+    Example::
+
+        >>> bottom_k_balanced(torch.tensor([0.1, 0.2, 0.3, 0.9, 0.8, 0.7]), num_drop=2, groups=2)
+        tensor([0, 5])
+    """
+    one = scores_KC.dim() == 1
+    scores_KC = scores_KC[None] if one else scores_KC
+    num_clusters, num_units = scores_KC.shape
+    if num_units % groups or num_drop % groups:
+        raise ValueError(
+            f"balanced selection: {groups} groups must divide the {num_units} units and the {num_drop} dropped ones."
+        )
+    per = num_units // groups
+    picked = bottom_k_rows(scores_KC.reshape(num_clusters * groups, per), num_drop=num_drop // groups)
+    offsets = (torch.arange(num_clusters * groups, device=scores_KC.device) % groups * per)[:, None]
+    out_KN = (picked + offsets).reshape(num_clusters, -1)  # group-major, each group's indices sorted: sorted rows
+    return out_KN[0] if one else out_KN
+
+
+def elimination_order(scores_C: Tensor, *, groups: int = 1) -> Tensor:
+    """The order in which a cluster's units leave as its drop count grows: the lowest score first (ties: index).
+
+    With ``groups`` (the balanced rule of :func:`bottom_k_balanced`) the lowest unit of every group leaves first
+    (groups in order), then the second lowest of every group, and so on; any prefix of a multiple of ``groups``
+    units is then the balanced selection of that many units.
+
+    Example::
+
+        >>> elimination_order(torch.tensor([0.3, 0.1, 0.2, 0.9, 0.8, 0.7]), groups=2).tolist()
+        [1, 5, 2, 4, 0, 3]
+    """
+    if groups == 1:
+        return torch.sort(scores_C, stable=True).indices
+    per = scores_C.numel() // groups
+    order_GP = torch.sort(scores_C.reshape(groups, per), dim=1, stable=True).indices
+    order_GP = order_GP + torch.arange(groups, device=scores_C.device)[:, None] * per
+    return order_GP.T.flatten()
+
+
 def bottom_k_shared(scores: Sequence[Tensor], *, num_drop: int, what: str = "budget") -> list[Tensor]:
     """Joint bottom-k over several clusters; ties break by (cluster order, unit index).
 
@@ -111,22 +169,29 @@ def bottom_k_shared(scores: Sequence[Tensor], *, num_drop: int, what: str = "bud
 
 
 def bottom_k_floored(
-    scores: Sequence[Tensor], *, num_drop: int, floors: Sequence[int], multiples: Sequence[int]
+    scores: Sequence[Tensor],
+    *,
+    num_drop: int,
+    floors: Sequence[int],
+    multiples: Sequence[int],
+    groups: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """Joint bottom-k over a shared budget where every cluster keeps at least its floor, in multiples.
 
-    Each cluster's units, sorted by score (stable), leave in *chunks*: its kept count steps from ``C`` to the
-    multiples of its ``multiple_of`` below ``C``, down to its floor. A chunk's score is the highest score in it, so a
-    cluster's chunks have non-decreasing scores; all chunks are ranked jointly (ties: cluster order, then chunk order)
-    and taken in that order while the dropped units stay within ``num_drop``. With ``multiple_of=1`` and no floor this
-    is :func:`bottom_k_shared`; with equal chunks of ``m`` units and ``num_drop`` a multiple of ``m`` exactly
-    ``num_drop`` units go (if the floors allow). Scores must already be checked finite.
+    Each cluster's units, in their :func:`elimination_order` (sorted by score, stable; balanced over ``groups``),
+    leave in *chunks*: its kept count steps from ``C`` to the multiples of its ``multiple_of`` below ``C``, down to
+    its floor. A chunk's score is the highest score in it and in the chunks before it (the same as the highest in it:
+    a cluster's chunks have non-decreasing scores); all chunks are ranked jointly (ties: cluster order, then chunk
+    order) and taken in that order while the dropped units stay within ``num_drop``. With ``multiple_of=1`` and no
+    floor this is :func:`bottom_k_shared`; with equal chunks of ``m`` units and ``num_drop`` a multiple of ``m``
+    exactly ``num_drop`` units go (if the floors allow). Scores must already be checked finite.
 
     Args:
         scores: Per cluster, the ``[C]`` unit scores.
         num_drop: The most units to drop over all clusters.
         floors: Per cluster, the units it keeps at least.
-        multiples: Per cluster, its ``multiple_of``.
+        multiples: Per cluster, its ``multiple_of`` (a multiple of its ``groups``).
+        groups: Per cluster, its ``unit_groups`` (default: 1 each).
 
     Returns:
         Per cluster, the sorted dropped indices.
@@ -138,15 +203,16 @@ def bottom_k_floored(
         [[0], [0, 1, 2]]
     """
     orders, kept_levels, chunk_scores, chunk_sizes, owners = [], [], [], [], []
-    for c, (s, floor, mult) in enumerate(zip(scores, floors, multiples, strict=True)):
+    groups = [1] * len(scores) if groups is None else groups
+    for c, (s, floor, mult, num_groups) in enumerate(zip(scores, floors, multiples, groups, strict=True)):
         num_units = s.numel()
-        order = torch.sort(s, stable=True).indices
+        order = elimination_order(s, groups=num_groups)
         top = (num_units - 1) // mult * mult
         levels = [num_units] + [k for k in range(top, max(floor, 1) - 1, -mult) if k >= floor and k > 0]
         if floor == 0 and levels[-1] != 0:
             levels.append(0)
         lv = torch.tensor(levels, dtype=torch.long, device=s.device)
-        ordered = s[order].to(torch.float64)
+        ordered = torch.cummax(s[order].to(torch.float64), dim=0).values  # sorted already unless grouped
         orders.append(order)
         kept_levels.append(lv)
         chunk_scores.append(ordered[num_units - lv[1:] - 1])

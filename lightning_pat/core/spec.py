@@ -19,10 +19,11 @@ import difflib
 import fnmatch
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -52,6 +53,10 @@ class Cluster:
         target: Per-cluster final target sparsity in ``[0, 1]``, overriding the global one.
         multiple_of: The kept unit count is rounded down to a multiple of this whenever units are dropped.
         budget: Clusters with the same budget name share one drop count (ranked jointly), so their widths differ.
+        unit_groups: The ``C`` units form this many equal groups of consecutive units (the KV groups of GQA query
+            heads: query head ``h`` reads KV head ``h // n_rep``). Every selection drops the same number of units
+            from each group (in each group its lowest-scored units, ties by index), so the kept count is a multiple
+            of ``unit_groups`` (of its least common multiple with ``multiple_of``).
 
     Example::
 
@@ -68,6 +73,7 @@ class Cluster:
     target: float | None = None
     multiple_of: int = 1
     budget: str | None = None
+    unit_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,12 @@ class ResolvedCluster:
         members: The members, in declaration order (writers first).
         num_units: Number of units ``C``.
         target: Per-cluster target override, or ``None``.
-        multiple_of: Rounding of the kept unit count.
+        multiple_of: Rounding of the kept unit count (a multiple of ``unit_groups``: the declaration's
+            ``multiple_of`` and ``unit_groups``' least common multiple).
         budget: Shared-budget name, or ``None`` for a per-cluster budget.
         min_kept: In a shared budget, the units this cluster keeps at least (a multiple of ``multiple_of``; 0: no
             floor). Set by ``target_params`` with ``target_widths="ranked"``.
+        unit_groups: Equal groups of consecutive units that every selection thins by the same count (1: none).
     """
 
     name: str
@@ -131,6 +139,7 @@ class ResolvedCluster:
     multiple_of: int = 1
     budget: str | None = None
     min_kept: int = 0
+    unit_groups: int = 1
 
     @property
     def unit_numel(self) -> int:
@@ -173,6 +182,8 @@ class ResolvedCluster:
         }
         if self.min_kept:
             out["min_kept"] = self.min_kept
+        if self.unit_groups > 1:
+            out["unit_groups"] = self.unit_groups
         return out
 
     @classmethod
@@ -211,6 +222,7 @@ class ResolvedCluster:
                 multiple_of=int(data.get("multiple_of", 1)),
                 budget=data.get("budget"),
                 min_kept=int(data.get("min_kept", 0)),
+                unit_groups=int(data.get("unit_groups", 1)),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(
@@ -230,7 +242,20 @@ class ResolvedCluster:
         }
         if self.min_kept:  # absent when 0: fingerprints of earlier checkpoints stay valid
             payload["min_kept"] = self.min_kept
+        if self.unit_groups > 1:  # likewise absent when 1
+            payload["unit_groups"] = self.unit_groups
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def found_clusters(clusters: Any) -> Any:
+    """The declarations of a :class:`~lightning_pat.discover` result (its ``clusters``), else ``clusters`` itself.
+
+    A ``Discovery`` (anything with ``clusters`` and ``left_out``) is accepted wherever declarations are:
+    ``prune_clusters(model, discover(model, x), 0.5)``.
+    """
+    if hasattr(clusters, "clusters") and hasattr(clusters, "left_out") and not isinstance(clusters, Mapping):
+        return list(clusters.clusters)
+    return clusters
 
 
 def as_cluster(obj: Cluster | Mapping) -> Cluster:
@@ -280,8 +305,11 @@ def _check_declaration(decl: Cluster) -> None:
             raise ValueError(f"{where}: `{key}` must be a positive int or None, got {value!r}.")
     if decl.head_dim is not None and decl.num_units is not None:
         raise ValueError(f"{where}: set `head_dim` or `num_units`, not both.")
-    if not _is_int(decl.multiple_of) or decl.multiple_of < 1:
-        raise ValueError(f"{where}: `multiple_of` must be a positive int, got {decl.multiple_of!r}.")
+    if decl.budget is not None and (not isinstance(decl.budget, str) or not decl.budget):
+        raise ValueError(f"{where}: `budget` must be a non-empty name (str) or None, got {decl.budget!r}.")
+    for key in ("multiple_of", "unit_groups"):
+        if not _is_int(getattr(decl, key)) or getattr(decl, key) < 1:
+            raise ValueError(f"{where}: `{key}` must be a positive int, got {getattr(decl, key)!r}.")
     if decl.target is not None and (
         isinstance(decl.target, bool) or not isinstance(decl.target, (int, float)) or not 0.0 <= decl.target <= 1.0
     ):
@@ -464,6 +492,7 @@ def resolve_clusters(
         >>> rc.num_units, rc.unit_numel
         (8, 9)
     """
+    clusters = found_clusters(clusters)
     decls = [as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
     params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
     names = list(params)
@@ -544,13 +573,19 @@ def _build_members(
         alias_list = aliases[(id(params[name]), dim, start, stop)]
         extra = tuple(a for a in alias_list if a != name)
         members.append(Member(name, role, dim, start, stop, (stop - start) // num, shape, extra))
+    if num % decl.unit_groups:
+        raise ValueError(
+            f"Cluster {cname!r}: `unit_groups={decl.unit_groups}` does not divide its {num} units; every group must "
+            "hold the same number of consecutive units (for GQA query heads: the KV head count)."
+        )
     return ResolvedCluster(
         name=cname,
         members=tuple(members),
         num_units=num,
         target=None if decl.target is None else float(decl.target),
-        multiple_of=decl.multiple_of,
+        multiple_of=math.lcm(decl.multiple_of, decl.unit_groups),
         budget=decl.budget,
+        unit_groups=decl.unit_groups,
     )
 
 
@@ -598,6 +633,7 @@ def ensure_resolved(
     Raises:
         ValueError: As for :func:`resolve_clusters`.
     """
+    clusters = found_clusters(clusters)
     items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
     if items and all(isinstance(c, ResolvedCluster) for c in items):
         return list(items)  # type: ignore[arg-type]

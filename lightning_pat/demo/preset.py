@@ -17,7 +17,13 @@ LAYOUT = presets.llama_like("tiny_gpt", attn="attn", norms="(?:attn_norm|mlp_nor
 
 
 def tiny_gpt(
-    model: nn.Module, *, mlp: bool = True, heads: bool = True, residual: bool = False, layers: bool = False
+    model: nn.Module,
+    *,
+    mlp: bool = True,
+    heads: bool = True,
+    residual: bool = False,
+    layers: bool = False,
+    query_heads: bool = False,
 ) -> list[Cluster]:
     """Clusters of :class:`~lightning_pat.demo.model.TinyGPT` (same kinds as :func:`lightning_pat.presets.llama`).
 
@@ -27,6 +33,8 @@ def tiny_gpt(
         heads: Add ``heads.{layer}``.
         residual: Add ``residual``.
         layers: Add ``layer.{layer}`` (see :func:`lightning_pat.presets.layer_units`).
+        query_heads: A ``heads`` unit is one query head inside its KV group (see :func:`lightning_pat.presets.llama`);
+            off by default here, so that the demo's numbers stay those of whole query groups.
 
     Returns:
         The declarations, in the order mlp, heads, residual, layers.
@@ -34,7 +42,7 @@ def tiny_gpt(
     Raises:
         ValueError: As for :func:`lightning_pat.presets.llama`.
     """
-    return presets.build(LAYOUT, model, mlp=mlp, heads=heads, residual=residual, layers=layers)
+    return presets.build(LAYOUT, model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
 
 
 presets.register("tiny_gpt", tiny_gpt, layout=LAYOUT)

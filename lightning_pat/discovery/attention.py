@@ -63,6 +63,30 @@ def split_axis(w: Walk, label: Label, first: int) -> Label:
     return tuple(segments)
 
 
+def packed_heads(w: Walk, label: Label, sizes: list[int], consumer: Node) -> Label:
+    """The head axis when a packed projection's channels are reshaped into ``(parts, heads, head_dim, ...)``.
+
+    A fused QKV ``Linear`` reshaped as ``(B, N, 3, H, D)`` (timm's and torchvision Swin's attention; then ``permute``
+    and ``unbind``/``select`` of the parts): its space is cut into the ``parts`` (as ``split`` would), the parts are
+    joined (head ``h`` of q, of k and of v is one unit) and the second axis carries the heads; the parts axis and the
+    axes after the heads lie inside a unit (untracked). ``None`` (and nothing changed) unless the label is one
+    segment that nothing else reads, cut into whole heads.
+    """
+    parts, heads = sizes[0], sizes[1]
+    if label is None or len(label) != 1 or parts < 2 or heads < 2:
+        return None
+    length = label[0][1] * label[0][2]
+    if length % parts or (length // parts) % heads:
+        return None
+    pieces = _cut(w, label, [length // parts] * parts, consumer)
+    if pieces is None:
+        return None
+    joined = pieces[0]
+    for other in pieces[1:]:
+        joined = w.join(joined, other, "the parts of a packed projection")
+    return split_axis(w, joined, heads)
+
+
 # ---------------------------------------------------------------------------------------------------- batch axes
 def _join_batch(
     w: Walk, operands: list[tuple[tuple[int, ...], tuple[Label, ...]]], out: tuple[int, ...], op: str

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -34,6 +34,8 @@ from torch.nn.modules.conv import _ConvNd
 
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
+from lightning_pat.discovery import trial as trials
+from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
 
@@ -64,10 +66,13 @@ class Discovery:
     Attributes:
         clusters: The coupled clusters, ordinary declarations (print, edit, pass to the callback).
         left_out: Channels that touch parameters but are not safe to prune, with the reasons.
+        example_input: The example input discovery traced (``shrink(model, result, example_input=found)`` checks
+            the shrunk model on it).
     """
 
     clusters: list[Cluster]
     left_out: list[LeftOut]
+    example_input: Any = field(default=None, repr=False, compare=False)
 
     def table(self) -> str:
         """A readable report: one line per cluster found and per group of channels left out."""
@@ -140,21 +145,36 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
     return Discovery(clusters=clusters, left_out=left)
 
 
-def discover(model: nn.Module, example_input: Any) -> Discovery:
+def discover(
+    model: nn.Module, example_input: Any, *, check: trials.Check = "auto", query_heads: bool | None = None
+) -> Discovery:
     """Trace ``model`` and derive its coupled clusters, and a report of the channels left out.
+
+    Only clusters the shrink turns into a model that runs and equals the masked model are returned
+    (:mod:`lightning_pat.discovery.trial`): each cluster passes the shrink's own validation (every member belongs to
+    a module the shrink can rewrite), and a trial shrink of a copy that drops one unit of every cluster runs and
+    matches the masked copy on ``example_input``. Whatever fails is left out with the reason.
 
     Args:
         model: Any module (a LightningModule traces its ``forward``); it is not changed or run on data (a meta copy
-            is traced).
+            is traced; the trial shrink runs a copy).
         example_input: What ``forward`` takes: a tensor, a tuple of positional arguments, or a dict of keyword
             arguments (``LightningModule.example_input_array``, a batch's inputs).
+        check: The trial shrink: ``"values"`` (a CPU copy with random weights and the model's buffers, masked vs
+            shrunk outputs compared), ``"meta"`` (a meta copy: the shrunk model only has to run), ``"none"``, or
+            ``"auto"`` (default: values up to 2**28 parameters, meta above).
+        query_heads: GQA attention of a transformers model: one unit per query head inside its KV group instead of
+            a whole query group (see :mod:`lightning_pat.discovery.query_heads`); default: the presets' default
+            (:data:`lightning_pat.presets.QUERY_HEADS_DEFAULT`).
 
     Returns:
-        The clusters (exact parameter names, channel slices where needed, explicit ``num_units``) and the channels
-        left out with the reasons. ``Discovery.table()`` prints both.
+        The clusters (exact parameter names, channel slices where needed, explicit ``num_units``), the channels
+        left out with the reasons (``Discovery.table()`` prints both), and the example input.
 
     Raises:
-        ValueError: If the model cannot be traced (the message says why and suggests declaring clusters).
+        ValueError: If the example input does not fit the forward (the message names the module that raised), the
+            model cannot be traced (the message says why and suggests declaring clusters), or ``check`` is not one
+            of the values above.
 
     Example::
 
@@ -164,11 +184,60 @@ def discover(model: nn.Module, example_input: Any) -> Discovery:
         >>> [(c.writers, c.readers) for c in found.clusters]
         [(['0.weight', '0.bias', '1.weight', '1.bias'], ['3.weight'])]
     """
+    if check not in ("auto", "values", "meta", "none"):
+        raise ValueError(f"discover: `check` must be 'auto', 'values', 'meta' or 'none', got {check!r}.")
     tr = trace(model, example_input)
     walk = Walk(tr)
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    return _validated(model, _collect(walk, shapes))
+    found = _collect(walk, shapes)
+    if presets.QUERY_HEADS_DEFAULT if query_heads is None else query_heads:
+        found = Discovery(refine_query_heads(model, found.clusters), found.left_out)
+    found = _multihead_attention(model, _validated(model, found))
+    return replace(_tried(model, found, example_input, check), example_input=example_input)
+
+
+_MHA_REASON = (
+    "nn.MultiheadAttention computes q, k and v at its embed_dim from the packed in_proj_weight, so its heads cannot "
+    "be shrunk (the module would need another forward)"
+)
+
+
+def _multihead_attention(model: nn.Module, found: Discovery) -> Discovery:
+    """Name ``nn.MultiheadAttention`` as the reason for the channels its packed ``in_proj`` touches."""
+    mha = {name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    if not mha:
+        return found
+    packed = {f"{name}.{attr}" if name else attr for name in mha for attr in ("in_proj_weight", "in_proj_bias")}
+
+    def written_by_mha(name: str) -> bool:  # a space is named after its first writer's module
+        return name.split("#")[0] in mha
+
+    left = [replace(lo, reasons=(_MHA_REASON, *lo.reasons)) if written_by_mha(lo.name) else lo for lo in found.left_out]
+    clusters = []
+    for c in found.clusters:
+        if any(m.split("[")[0] in packed for m in (*c.writers, *c.readers)):
+            left.append(LeftOut(c.name, c.num_units or 0, (*c.writers, *c.readers), (_MHA_REASON,)))
+        else:
+            clusters.append(c)
+    return Discovery(clusters=clusters, left_out=left)
+
+
+def _tried(model: nn.Module, found: Discovery, example_input: Any, check: trials.Check) -> Discovery:
+    """Leave out the clusters the shrink cannot rewrite, then those whose trial shrink fails."""
+    if not found.clusters:
+        return found
+    resolved = {rc.name: rc for rc in resolve_clusters(model, found.clusters)}
+    refused = trials.shrinkable(model, list(resolved.values()))
+    rest = [rc for name, rc in resolved.items() if name not in refused]
+    refused.update(trials.trial(model, rest, example_input, check=check))
+    if not refused:
+        return found
+    left = list(found.left_out)
+    for c in found.clusters:
+        if c.name in refused:
+            left.append(LeftOut(c.name, c.num_units or 0, (*c.writers, *c.readers), (refused[c.name],)))
+    return Discovery(clusters=[c for c in found.clusters if c.name not in refused], left_out=left)
 
 
 def _validated(model: nn.Module, found: Discovery) -> Discovery:

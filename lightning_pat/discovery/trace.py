@@ -7,8 +7,10 @@ memory and no compute and leaves the model untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +109,60 @@ def _strip(names: Mapping[str, str]) -> dict[str, str]:
     return {k: v.removeprefix("inner.") for k, v in names.items()}
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence torch's fake-tensor and symbolic-shape logs while exporting (a failure is reported as our error)."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+#: words of torch's messages for a forward that runs eagerly but depends on data (not a misfit of the input)
+_DATA_DEPENDENT = ("meta", "data-dependent", "item()", "Could not guard", "GuardOnDataDependent", "symbolic")
+
+
+def _input_misfit(twin: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why the forward rejects the (meta) example input when run eagerly, or ``None`` if it runs or depends on data."""
+    stack: list[str] = []
+    names = {id(m): n for n, m in twin.named_modules()}
+    handles = [m.register_forward_pre_hook(lambda m, _a: stack.append(names.get(id(m), ""))) for m in twin.modules()]
+
+    def pop(*_: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles += [m.register_forward_hook(pop) for m in twin.modules()]
+    try:
+        with torch.no_grad():
+            twin(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the finding
+        text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+        if any(word in text for word in _DATA_DEPENDENT):
+            return None
+        where = stack[-1].removeprefix("inner.").removeprefix("inner") if stack else ""
+        return f"module {where!r} raised {text}" if where else text
+    finally:
+        for h in handles:
+            h.remove()
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "a dict of " + ", ".join(f"{k}: {_describe(v)}" for k, v in list(value.items())[:4])
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of (" + ", ".join(_describe(v) for v in value[:4]) + ")"
+    return type(value).__name__
+
+
 def trace(model: nn.Module, example_input: Any) -> Trace:
     """Export ``model`` (its meta twin, in eval mode) on meta copies of ``example_input``.
 
@@ -118,8 +174,9 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
         The trace.
 
     Raises:
-        ValueError: If the model cannot be copied or exported (data-dependent control flow, unsupported Python);
-            the message carries torch's reason.
+        ValueError: If the example input does not fit the forward (run eagerly on meta copies: the message names
+            the module that raised and what was passed), or the model cannot be copied or exported (data-dependent
+            control flow, unsupported Python); the message carries torch's reason.
     """
     twin = _TensorOutputs(meta_twin(model)).eval()
     example = to_meta(example_input)
@@ -127,9 +184,17 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     if not isinstance(args, tuple):
         args = (args,)
     try:
-        program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
+        with _quiet_fake_tensor_log():
+            program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
     except Exception as err:  # noqa: BLE001 - torch raises many types; all mean "cannot trace"
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        misfit = _input_misfit(twin, args, dict(kwargs))
+        if misfit is not None:
+            raise ValueError(
+                f"discover: the example input does not fit {type(model).__name__}'s forward ({misfit}); pass the "
+                "`example_input` forward takes (a tensor, a tuple of positional arguments or a dict of keyword "
+                f"arguments), got {_describe(example_input)}."
+            ) from err
         raise ValueError(
             f"discover: torch.export could not trace {type(model).__name__} ({type(err).__name__}: {first[:300]}); "
             "data-dependent control flow or unsupported Python in forward. Declare the clusters by hand, or pass an "

@@ -14,7 +14,7 @@ from typing import Any
 from torch.fx import Node
 
 from lightning_pat.discovery.attention import HANDLERS as _ATTENTION
-from lightning_pat.discovery.attention import split_axis
+from lightning_pat.discovery.attention import packed_heads, split_axis
 from lightning_pat.discovery.conv import conv as _conv
 from lightning_pat.discovery.nodes import flat as _flat
 from lightning_pat.discovery.nodes import op_name as _op_name
@@ -85,6 +85,7 @@ class Walk:
         self.members: dict[tuple[str, int, int, int], int] = {}  # (param, dim, start, stop) -> space
         self.flows: dict[tuple[str, int, int, int], str] = {}  # "in" (reads the channels) or "out" (writes them)
         self.direct: dict[str, str] = {}  # parameter used outside a weight slot -> why
+        self.untraced_reads: dict[tuple[str, int], str] = {}  # (param, dim) read at a call site of untraced channels
 
     # -- union-find
     def new_space(self, units: int, reason: str | None = None) -> int:
@@ -157,12 +158,27 @@ class Walk:
             self.flows[key] = flow
 
     def add_segments(self, param: str, flow: str, dim: int, label: Label, scale: int = 1) -> None:
-        """Register ``param``'s channel axis as members of the label's segments (lengths times ``scale``)."""
+        """Register ``param``'s channel axis as members of the label's segments (lengths times ``scale``).
+
+        A reader (``flow="in"``) of untraced channels (``label`` is ``None``: the model's input, a size-1 axis, an
+        axis inside a unit) is remembered: if another call site of the same parameter puts its columns in a cluster,
+        the shrink would cut them on this call site too, so that cluster is poisoned (:func:`poison_untraced_reads`).
+        """
+        if label is None and flow == "in":
+            why = f"{param} also reads channels that are not traced (the model's input, a normalised axis)"
+            self.untraced_reads.setdefault((param, dim), why)
         offset = 0
         for space, units, block in label or ():
             length = units * block * scale
             self.add_member(param, flow, dim, offset, offset + length, space)
             offset += length
+
+    def poison_untraced_reads(self) -> None:
+        """Poison the spaces of every member read elsewhere from untraced channels (see :meth:`add_segments`)."""
+        for (param, dim, _, _), space in self.members.items():
+            reason = self.untraced_reads.get((param, dim))
+            if reason is not None:
+                self.poison_space(space, reason)
 
     # -- node values
     def label_of(self, arg: Any) -> tuple[Label, ...] | None:
@@ -204,6 +220,7 @@ class Walk:
                 for arg in _flat(node.args):
                     for lab in self.label_of(arg) or ():
                         self.poison(lab, "reaches the model's output")
+        self.poison_untraced_reads()
 
     def placeholder(self, node: Node) -> tuple[Label, ...] | None:
         """Labels of an input: untracked for model inputs, poisoned for parameters, buffers and constants."""
@@ -381,6 +398,9 @@ def _view(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
             trailing = math.prod(shape[d] for d in gi[1:])
             result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in lab[gi[0]])
             continue
+        if len(gi) == 1 and len(gj) >= 3 and (heads := packed_heads(w, lab[gi[0]], [out[d] for d in gj], node)):
+            result[gj[1]] = heads  # (parts, heads, head_dim, ...): a packed QKV; the parts axis lies inside a unit
+            continue
         if len(gi) == 1 and (split := split_axis(w, lab[gi[0]], out[gj[0]])) is not None:
             result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
             continue
@@ -432,11 +452,15 @@ def _expand(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
 def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     src = node.args[0]
     shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
-    if shape is None or out is None:
+    if shape is None or (out is None and _op_name(node) != "unbind"):
         return NotImplemented
     lab = list(w.ndim_label(src, len(shape)))
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
     op = _op_name(node)
+    if op == "unbind":
+        w.poison(lab[dim], "`unbind` picks channels one by one")
+        rest = tuple(lab[:dim] + lab[dim + 1 :])
+        return [rest] * shape[dim]
     if op == "select":
         w.poison(lab[dim], "`select` picks one channel")
         del lab[dim]
@@ -445,6 +469,33 @@ def _slice(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
         w.poison(lab[dim], "`slice` keeps part of a channel axis")
         lab[dim] = w.fresh(out[dim], "`slice` keeps part of a channel axis")
     return tuple(lab)
+
+
+def _roll(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``roll``/``flip`` move entries along their dims: a channel axis among them is poisoned, the others carried."""
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or len(out) != len(shape):
+        return NotImplemented
+    op = _op_name(node)
+    dims = node.args[2] if op == "roll" and len(node.args) > 2 else node.args[1] if op == "flip" else None
+    dims = node.kwargs.get("dims", dims)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not dims:
+        return NotImplemented  # roll without dims flattens the tensor
+    lab = list(w.ndim_label(src, len(shape)))
+    for d in dims:
+        w.poison(lab[d % len(shape)], f"`{op}` moves channels")
+        lab[d % len(shape)] = None
+    return tuple(lab)
+
+
+def _new_constant(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``new_zeros``/``zeros_like``...: a constant of the input's shape (the input's channels are not read)."""
+    if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
+        return NotImplemented
+    return None if out is None else (None,) * len(out)
 
 
 def _cat(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -614,7 +665,13 @@ _HANDLERS = {
     "expand": _expand,
     "slice": _slice,
     "select": _slice,
+    "unbind": _slice,
     "cat": _cat,
+    "roll": _roll,
+    "flip": _roll,
+    **dict.fromkeys(
+        ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant
+    ),
     "constant_pad_nd": _pad,
     "pad": _pad,
     "softmax": _softmax,

@@ -5,7 +5,7 @@ shrunk model (``export``).
 """
 
 from lightning_pat.shrink.entry import restore_shrunk, shrink, shrink_for_training
-from lightning_pat.shrink.plan import ShrinkPlan, build_plan, checkpoint_state, plan_for, read_source
+from lightning_pat.shrink.plan import ShrinkPlan, build_plan, checkpoint_state, plan_for, read_source, state_source
 from lightning_pat.shrink.surgery import (
     BASE_CONFIG_ATTR,
     LayerNormShrinkWarning,
@@ -22,6 +22,7 @@ __all__ = [
     "build_plan",
     "check_shrinkable",
     "checkpoint_state",
+    "state_source",
     "plan_for",
     "read_source",
     "restore_shrunk",

@@ -32,6 +32,7 @@ of the residual changes the logits by about 17/40/80% relative (``python bench/b
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,12 +40,22 @@ import torch
 from torch import nn
 
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.shrink import depth
-from lightning_pat.shrink.plan import align_names, build_plan, checkpoint_state, read_source, state_source
+from lightning_pat.shrink import depth, verify
+from lightning_pat.shrink.plan import (
+    ShrinkPlan,
+    align_names,
+    build_plan,
+    check_source_fits,
+    checkpoint_state,
+    read_source,
+    state_source,
+)
 from lightning_pat.shrink.surgery import apply_plan
 
+log = logging.getLogger(__name__)
 
-def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
+
+def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input: Any = "auto") -> nn.Module:
     """Physically remove the dropped units of ``model``: a smaller dense model of the same class.
 
     ``shrunk(x)`` equals the masked model's output (RMSNorm residuals are rescaled; a LayerNorm residual warns
@@ -60,15 +71,29 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
         source: A ``PruneResult`` (from ``prune_clusters`` or ``Pruner.result()``), a ``CoupledPruningCallback``
             after ``fit``, the callback's ``state_dict()``, or a whole Lightning checkpoint dict.
         inplace: Shrink ``model`` itself (default: a large model is never held twice); if false, shrink a deep copy.
+        example_input: What the shrink checks its result on: ``forward``'s input (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments), or the :class:`~lightning_pat.Discovery` that found the
+            clusters (its example input). ``"auto"`` (default): the model's ``example_input_array`` (a
+            LightningModule's), if it has one; ``None``: no check. With an input, the masked model is run once
+            before the surgery, a meta copy of the shrunk model is run before anything changes, and the shrunk model
+            is run and compared with the masked one after (eval mode, no gradient, the RNG state restored; relative
+            tolerance 1e-4 in float32, 2e-2 in half precision). A LayerNorm that loses channels cannot be exact (it
+            warns), so then only that the shrunk model runs is checked.
 
     Returns:
         The shrunk model (``model`` itself when ``inplace``).
 
     Raises:
-        ValueError: Before anything changes, if the source holds no clusters, the plan does not match the model, a
-            member belongs to a module the shrink cannot rewrite (the message names the parameter, the module type and
-            the fix), an attention module would lose partial heads, or a dropped layer is not an element of an
-            ``nn.ModuleList``.
+        ValueError: Before anything changes, if the source holds no clusters, a state or checkpoint does not fit its
+            schema (:mod:`lightning_pat.core.state_schema`) or this model (a member missing or of another shape, two
+            clusters on the same channels, a dropped unit that is not zero in the weights), the plan does not match
+            the model, a member belongs to a module the shrink cannot rewrite (the message names the parameter, the
+            module type and the fix), an attention module would lose partial heads, a dropped layer is not an element
+            of an ``nn.ModuleList``, the example input does not fit the model's forward, or a meta copy of the shrunk
+            model does not run (the message names the module that raised); after the surgery
+            (:class:`~lightning_pat.shrink.verify.ShrinkCheckError`, a ``ValueError``), if the shrunk model does not
+            run or its outputs differ from the masked model's (the message names the first module whose output
+            differs).
         TypeError: If ``source`` is of an unknown type.
 
     Example::
@@ -82,13 +107,97 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True) -> nn.Module:
     """
     clusters, dropped = read_source(source)
     cut = depth.split_layers(clusters, dropped)
+    if not cut.prefixes and already_shrunk(model, align_names(build_plan(cut.clusters, cut.dropped), model)):
+        log.info(
+            "shrink: the model already has the shrunk shapes (shrink_on_freeze cut it during fit); returned as it is"
+        )
+        return model if inplace else copy.deepcopy(model)
+    if isinstance(source, Mapping):  # read from a file: the state must belong to this model and its weights
+        what = "the checkpoint's pruning state" if "callbacks" in source else "the pruning state"
+        check_source_fits(model, clusters, dropped, what=what)
+    example = _example_input(model, example_input)
     target = model if inplace else copy.deepcopy(model)
     where = depth.locate(target, cut)  # validated before anything changes
     if where:
         depth.check_identity(target, cut)
-    target = apply_plan(target, align_names(build_plan(cut.clusters, cut.dropped), target))
+    plan = align_names(build_plan(cut.clusters, cut.dropped), target)
+    before = None
+    if example is not None:
+        example = verify.move(example, _device_of(target))
+        before = verify.record(target, example)
+        _dry_run(target, plan, where, example)
+        exact = not _loses_layernorm_channels(target, plan)  # a LayerNorm cannot be exact (it warns)
+    target = apply_plan(target, plan)
     depth.remove_layers(target, where)
+    if before is not None:
+        try:
+            verify.compare(target, example, before, values=exact)
+        except verify.ShrinkCheckError as err:
+            state = "in place" if inplace else "as a copy"
+            raise verify.ShrinkCheckError(
+                f"shrink: {err} (checked on the example input; the model was shrunk {state} and is not usable). "
+                "Leave the clusters whose members belong to that module out of the pruning, or report the model: "
+                "discovery should not have offered them.",
+                err.module,
+            ) from err
     return target
+
+
+def _example_input(model: nn.Module, example_input: Any) -> Any:
+    if isinstance(example_input, str) and example_input == "auto":
+        return getattr(model, "example_input_array", None)
+    if hasattr(example_input, "left_out") and hasattr(example_input, "clusters"):  # a Discovery
+        return getattr(example_input, "example_input", None)
+    return example_input
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+
+
+def _loses_layernorm_channels(model: nn.Module, plan: ShrinkPlan) -> bool:
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return any(
+        isinstance(m, nn.LayerNorm) and any(names.get(id(p)) in plan.keep for p in m.parameters(recurse=False))
+        for m in model.modules()
+    )
+
+
+def _dry_run(model: nn.Module, plan: ShrinkPlan, where: Mapping[str, Sequence[int]], example: Any) -> None:
+    """Shrink a meta copy and run it (nothing allocated): a shrunk model that cannot run is refused unchanged."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    twin = verify.meta_copy(model)
+    apply_plan(twin, plan, check_zeros=False)
+    depth.remove_layers(twin, where)
+    failed = verify.runs_on_meta(twin, example)
+    if failed is None or verify.runs_on_meta(verify.meta_copy(model), example) is not None:
+        return  # it runs, or the model does not run on meta at all (then the check after the surgery decides)
+    module, message = failed
+    raise verify.ShrinkCheckError(
+        f"shrink: a meta copy of the shrunk model does not run on the example input: {message}; nothing was changed. "
+        "That module's forward holds a channel count of these clusters in an attribute or a literal, or reads the "
+        "cut channels where they are not cut. Leave the clusters whose members belong to it out of the pruning.",
+        module,
+    )
+
+
+def already_shrunk(model: nn.Module, plan: ShrinkPlan) -> bool:
+    """Whether every parameter the plan cuts already has its shape after the cut (and the plan cuts something).
+
+    What ``shrink_on_freeze`` leaves: the callback still holds the dropped units, the model is already small.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if not plan.keep or any(name not in params for name in plan.keep):
+        return False
+    for name, dims in plan.keep.items():
+        after = list(plan.shapes[name])
+        for dim, idx in dims.items():
+            after[dim] = idx.numel()
+        if tuple(params[name].shape) != tuple(after) or tuple(after) == plan.shapes[name]:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------- during training

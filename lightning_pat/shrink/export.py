@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.core.safe_io import atomic_directory, check_output, confined
+from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
 from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
 from lightning_pat.shrink.llama_layout import read_layout
@@ -181,7 +181,7 @@ def save_pretrained(
         if deci_config is not None:
             _save_decilm(model, tmp, deci_config)
         elif is_hf:
-            _save_hf(model, tmp)
+            _save_hf(model, tmp, destination=directory)
         else:
             _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
         if source is not None:
@@ -215,7 +215,7 @@ def _save_decilm(model: nn.Module, directory: Path, config: Mapping[str, Any]) -
     log.info("save_pretrained: DeciLM export (%d layers); vLLM: LLM(model=..., trust_remote_code=True)", layers)
 
 
-def _save_hf(model: nn.Module, directory: Path) -> None:
+def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
     entry = hf_entry.record(model)
     if entry is None:
         model.save_pretrained(directory)
@@ -230,7 +230,7 @@ def _save_hf(model: nn.Module, directory: Path) -> None:
         "lightning_pat.load_pretrained(%r)%s",
         cls.__name__,
         entry["why"][0],
-        str(directory),
+        str(destination),  # not the temporary directory the export is built in
         " (format='decilm' writes a config vLLM serves)" if cls.__name__ == "LlamaForCausalLM" else "",
     )
 
@@ -281,7 +281,9 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
         The model, in eval mode for Hugging Face exports (as ``from_pretrained`` returns it).
 
     Raises:
-        FileNotFoundError: If the directory holds neither ``config.json`` nor ``lightning_pat.json``.
+        FileNotFoundError: If the directory holds neither ``config.json`` nor ``lightning_pat.json`` (naming the
+            leftover folders of an overwrite killed half-way, if any: see
+            :func:`~lightning_pat.core.safe_io.interrupted_overwrite`).
         ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
             not allowed, a file name leads outside the directory, or the export is pickled and ``unsafe_pickle`` is
             false.
@@ -289,6 +291,9 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():
         return _load_module(directory, classes=list(classes), unsafe_pickle=unsafe_pickle)
+    interrupted = interrupted_overwrite(directory)
+    if interrupted is not None:
+        raise FileNotFoundError(f"load_pretrained: {directory} does not exist: {interrupted}")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"load_pretrained: {directory} holds neither config.json nor {SIZES_FILE}; pass a directory written by "
@@ -322,15 +327,65 @@ def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torc
     cls = _hf_class(transformers, entry["class"])
     base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
     model = hf_entry.build_empty(cls, base_config)
+    attributes = _entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
     _materialize(model, entry["shapes"], state)
-    for name, values in entry["attributes"].items():
-        module = model.get_submodule(name)
-        for key, value in values.items():
-            old = getattr(module, key, None)
-            setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
+    for module, key, value in attributes:
+        old = getattr(module, key, None)
+        setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
     model.config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
     return model
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _entry_attributes(model: nn.Module, attributes: object) -> list[tuple[nn.Module, str, Any]]:
+    """(module, name, value) of every attribute the entry sets, each checked (the entry is read from a file).
+
+    Only public plain attributes (sizes, head counts, eps: numbers, strings, bools, lists of ints) of modules the model
+    has: never a method, a property, a class attribute, a parameter, a buffer, a submodule or an internal.
+
+    Raises:
+        ValueError: Naming the module and attribute.
+    """
+    where = "load_pretrained: config.json's lightning_pat entry"
+    if not isinstance(attributes, Mapping):
+        raise ValueError(f"{where}: `attributes` must be a mapping, got {type(attributes).__name__}.")
+    out = []
+    for name, values in attributes.items():
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{where}: the attributes of module {name!r} must be a mapping, got {values!r}.")
+        try:
+            module = model.get_submodule(name) if isinstance(name, str) else None
+        except AttributeError:
+            module = None
+        if module is None:
+            raise ValueError(
+                f"{where} names the module {name!r}, which the model ({type(model).__name__}) does not have."
+            )
+        for key, value in values.items():
+            internal = not isinstance(key, str) or key.startswith("_") or not key.isidentifier()
+            taken = not internal and (
+                hasattr(type(module), key) or key in module._parameters or key in module._buffers  # noqa: SLF001
+                or key in module._modules  # noqa: SLF001
+            )  # fmt: skip
+            current = vars(module).get(key) if not internal else None
+            if internal or taken or (current is not None and not _plain(current)):
+                raise ValueError(
+                    f"{where}: attribute {key!r} of module {name!r} is refused: the entry sets only public plain "
+                    "attributes (sizes, head counts, eps), never a method, a tensor, a submodule or an internal."
+                )
+            if not _plain(value):
+                raise ValueError(
+                    f"{where}: attribute {key!r} of module {name!r} must be a plain value (a number, a string, a bool "
+                    f"or a list of ints), got {value!r}."
+                )
+            out.append((module, key, value))
+    return out
 
 
 def _hf_class(transformers: Any, name: object) -> type:

@@ -66,6 +66,9 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
                 _set_if_int(module, attr, n_q)
             for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_head"):
                 _set_if_int(module, attr, n_kv)
+            if n_kv and n_q % n_kv == 0:  # query heads cut inside their KV groups change the heads per group
+                for attr in ("num_key_value_groups", "n_rep"):
+                    _set_if_int(module, attr, n_q // n_kv)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             module.split_size = module.c_attn.nf // 3
             _set_if_int(module, "num_heads", module.split_size // module.head_dim)
@@ -159,3 +162,50 @@ def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_ch
         _set_config(config, ("hidden_size", "n_embd", "d_model"), emb.embedding_dim, "the hidden size")
     if norm_eps:
         _set_config(config, ("rms_norm_eps",), _uniform(norm_eps), "the RMSNorm eps")
+
+
+# ---------------------------------------------------------------------------------------------------- head counts
+#: Names of a hand-written attention's (packed) query projection, a direct child of the attention module.
+QUERY_PROJECTIONS = ("qkv", "qkv_proj", "in_proj", "Wqkv", "query_key_value", "to_qkv", "q", "q_proj", "query", "to_q")
+#: Attributes holding a hand-written attention's head count, and its inner width (heads * head_dim).
+HEAD_COUNTS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads")
+INNER_WIDTHS = ("attn_dim", "inner_dim", "all_head_size")
+
+
+def _int_attr(module: nn.Module, attr: str) -> int | None:
+    value = module.__dict__.get(attr)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tuple[nn.Module, nn.Linear, int]]:
+    """``(attention, query projection, its out_features)`` for each hand-written attention whose projection is cut.
+
+    A module counts when it holds an int head count (:data:`HEAD_COUNTS`) and a direct ``nn.Linear`` child named as
+    in :data:`QUERY_PROJECTIONS` that the shrink edits; Llama-style and GPT-2 attention have their own rules.
+    """
+    found = []
+    for module in model.modules():
+        if is_llama_attention(module) or is_gpt2_attention(module):
+            continue
+        if not any(_int_attr(module, a) for a in HEAD_COUNTS):
+            continue
+        proj = next(
+            (getattr(module, n) for n in QUERY_PROJECTIONS if isinstance(getattr(module, n, None), nn.Linear)), None
+        )
+        if proj is not None and id(proj) in edited:
+            found.append((module, proj, proj.out_features))
+    return found
+
+
+def update_head_counts(records: Sequence[tuple[nn.Module, nn.Linear, int]]) -> None:
+    """Scale each recorded attention's head count and inner width with its query projection's kept rows.
+
+    A projection of ``3 * H * D`` rows that keeps ``3 * H' * D`` gives ``num_heads = H'`` (whole heads are cut: the
+    shrink's check and discovery's trial shrink prove the model runs and is exact with the new count).
+    """
+    for module, proj, old_out in records:
+        new_out = proj.out_features
+        for attr in (*HEAD_COUNTS, *INNER_WIDTHS):
+            old = _int_attr(module, attr)
+            if old and (old * new_out) % old_out == 0:
+                setattr(module, attr, old * new_out // old_out)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.state_schema import check_state
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,12 @@ def build_plan(clusters: Sequence[ResolvedCluster], dropped: Mapping[str, Sequen
 def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
     """The clusters and dropped units of a callback state (``what`` names it in the error).
 
+    The state is checked against its schema first (:func:`~lightning_pat.core.state_schema.check_state`): the
+    clusters rebuild and match their fingerprints, the dropped indices are distinct ints of known clusters in
+    ``[0, C)``, and no cluster is emptied unless its target is 1.
+
     Raises:
-        ValueError: If the state has no ``clusters`` or no ``dropped`` entry.
+        ValueError: If the state has no ``clusters`` or no ``dropped`` entry, or does not fit the schema.
     """
     if "clusters" not in state or "dropped" not in state:
         raise ValueError(
@@ -113,7 +118,11 @@ def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedClus
             f"{sorted(state)[:8]}); pass a PruneResult, a CoupledPruningCallback after fit, its state_dict() or a "
             "checkpoint written by a version of lightning_pat that stores the clusters."
         )
-    clusters = [rc if isinstance(rc, ResolvedCluster) else ResolvedCluster.from_dict(rc) for rc in state["clusters"]]
+    if all(isinstance(rc, ResolvedCluster) for rc in state["clusters"]):  # built in memory (not read from a file)
+        clusters = list(state["clusters"])
+    else:
+        state = {k: v for k, v in state.items() if k != "distill"}
+        clusters = check_state(state, what=f"shrink: {what}", required=("dropped",))
     return clusters, {str(k): [int(i) for i in v] for k, v in state["dropped"].items()}
 
 
@@ -130,6 +139,11 @@ def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
         ValueError: If the checkpoint holds no such state, or several.
     """
     callbacks = ckpt.get("callbacks") or {}
+    if not isinstance(callbacks, Mapping):
+        raise ValueError(
+            f"shrink: the checkpoint's 'callbacks' entry must be a mapping, got {type(callbacks).__name__}; it was "
+            "edited or is not a Lightning checkpoint."
+        )
     keys = [k for k in callbacks if str(k).startswith("CoupledPruningCallback")]
     if len(keys) != 1:
         found = "no CoupledPruningCallback state" if not keys else f"{len(keys)} CoupledPruningCallback states {keys}"
@@ -170,6 +184,84 @@ def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]
         f"shrink: `source` must be a PruneResult, a CoupledPruningCallback, its state_dict() or a Lightning "
         f"checkpoint dict, got {type(source).__name__}."
     )
+
+
+def _prefix_for(names: Sequence[str], model_names: set[str]) -> str:
+    """The common prefix to strip from ``names`` so that they name ``model``'s parameters (``""`` if none fits)."""
+    if not names or all(n in model_names for n in names):
+        return ""
+    parts = names[0].split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i]) + "."
+        if all(n.startswith(prefix) and n[len(prefix) :] in model_names for n in names):
+            return prefix
+    return ""
+
+
+def check_source_fits(
+    model: nn.Module, clusters: Sequence[ResolvedCluster], dropped: Mapping[str, Sequence[int]], *, what: str
+) -> None:
+    """A saved pruning state (from a file) must belong to ``model``: its clusters, and its mask in its weights.
+
+    Every member must be a parameter of ``model`` (after stripping a common prefix, as :func:`align_names`) with the
+    saved shape, no two members may claim the same channels of one tensor (what resolution guarantees), and every
+    dropped unit must be exactly zero in every member: else the shrunk model would not compute what the pruned model
+    computed (units that were kept would be cut). Checked before anything changes; tensors on the meta device are
+    not read.
+
+    Args:
+        model: The model to shrink, with the checkpoint's weights loaded.
+        clusters: The saved clusters.
+        dropped: The saved mask.
+        what: The state's name, for messages.
+
+    Raises:
+        ValueError: Naming the cluster, the member and what differs.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    names = [m.name for rc in clusters for m in rc.members]
+    prefix = _prefix_for(names, set(params))
+    claims: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    nonzero: dict[str, list[str]] = {}
+    for rc in clusters:
+        units = sorted(set(dropped.get(rc.name, ())))
+        for m in rc.members:
+            name = m.name[len(prefix) :] if prefix and m.name.startswith(prefix) else m.name
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"shrink: {what} names {m.name!r} (a member of cluster {rc.name!r}), which is not a parameter of "
+                    f"{type(model).__name__}; the saved clusters do not belong to this model. Shrink the model the "
+                    "checkpoint was written for."
+                )
+            if tuple(param.shape) != tuple(m.shape):
+                raise ValueError(
+                    f"shrink: {what}: cluster {rc.name!r} has member {m.name!r} of shape {tuple(m.shape)}, but the "
+                    f"model's parameter has shape {tuple(param.shape)}; shrink the model the checkpoint was written "
+                    "for."
+                )
+            for other, start, stop in claims.setdefault((id(param), m.dim), []):
+                if start < m.stop and m.start < stop and other != rc.name:
+                    raise ValueError(
+                        f"shrink: {what}: clusters {other!r} and {rc.name!r} both claim channels "
+                        f"[{max(start, m.start)}, {min(stop, m.stop)}) of dim {m.dim} of {m.name!r}; the saved "
+                        "clusters were edited or do not belong to this model."
+                    )
+            claims[(id(param), m.dim)].append((rc.name, m.start, m.stop))
+            if not units or param.is_meta:
+                continue
+            channels = torch.tensor(
+                [m.start + u * m.block + j for u in units for j in range(m.block)], dtype=torch.long
+            ).to(param.device)
+            if bool(param.detach().index_select(m.dim, channels).any()):
+                nonzero.setdefault(rc.name, []).append(m.name)
+    if nonzero:
+        shown = "; ".join(f"cluster {c!r} in {ms[:3]}" for c, ms in list(nonzero.items())[:5])
+        raise ValueError(
+            f"shrink: {what}: the dropped units are not zero in the weights ({shown}), so the mask does not belong "
+            "to these weights (the checkpoint was edited, or the weights were not loaded) and cutting them would "
+            "change the model's output. Shrink an unedited checkpoint of the run, with its weights loaded."
+        )
 
 
 def align_names(plan: ShrinkPlan, model: nn.Module) -> ShrinkPlan:

@@ -29,12 +29,14 @@ from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
+    head_counts_before,
     input_embedding,
     is_gpt2_attention,
     is_llama_attention,
     module_kind,
     update_config,
     update_containers,
+    update_head_counts,
 )
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
 from lightning_pat.shrink.surgery_conv import CONV_DIMS, CONV_KINDS, CONV_TIED_AXES, check_conv_edit, rewrite_conv
@@ -188,7 +190,10 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, _Edit
     hd = attn.head_dim
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     where = f"Shrink: attention {name!r} ({type(attn).__name__})"
-    fix = "prune attention with a heads cluster (whole heads / whole GQA query groups: q, k, v rows and o columns)"
+    fix = (
+        "prune attention with a heads cluster (whole heads / whole GQA query groups: q, k, v rows and o columns; or "
+        "GQA query heads: q rows and o columns, the same number in every KV group)"
+    )
     try:
         q_heads = _whole_heads(_kept(edits, q, "weight", 0, q.out_features), hd, f"{where}, q_proj rows")
         k_heads = _whole_heads(_kept(edits, k, "weight", 0, k.out_features), hd, f"{where}, k_proj rows")
@@ -201,7 +206,17 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, _Edit
             f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
             "layer's heads with a target below 1.0 (a per-cluster `target`), or fewer units in a shared budget."
         )
-    n_rep = (q.out_features // hd) // (k.out_features // hd)
+    num_kv = k.out_features // hd
+    n_rep = (q.out_features // hd) // num_kv
+    if torch.equal(q_heads, o_heads) and k_heads.numel() == v_heads.numel() == num_kv:
+        per_group = torch.bincount(q_heads // n_rep, minlength=num_kv)  # query heads inside the KV groups
+        if bool((per_group == per_group[0]).all()):
+            return
+        raise ValueError(
+            f"{where}: kept query heads {q_heads.tolist()} keep {per_group.tolist()} heads of the {num_kv} KV groups "
+            f"(n_rep={n_rep}); a Llama attention needs the same number in every group. Select query heads with "
+            "`unit_groups` set to the KV head count (the presets' query-head units do)."
+        )
     groups = (q_heads // n_rep).unique_consecutive()
     expected_q = (groups[:, None] * n_rep + torch.arange(n_rep)).flatten()
     if not (torch.equal(q_heads, o_heads) and torch.equal(k_heads, v_heads)) or not (
@@ -445,7 +460,11 @@ def check_shrinkable(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> N
     Raises:
         ValueError: As for :func:`apply_plan`.
     """
-    trial = {rc.name: [0] for rc in clusters if rc.num_units > 1}
+    trial = {  # the first unit of every group (a cluster of balanced groups, see ResolvedCluster.unit_groups)
+        rc.name: list(range(0, rc.num_units, rc.num_units // rc.unit_groups))
+        for rc in clusters
+        if rc.num_units > rc.unit_groups
+    }
     _validate(model, align_names(build_plan(clusters, trial), model), ())
 
 
@@ -500,6 +519,7 @@ def apply_plan(
         if param.grad is not None:
             grads[name] = plan.slice(name, param.grad)
             param.grad = None
+    heads = head_counts_before(model, edits)
     layernorms, rescaled_eps = [], {}
     with torch.no_grad():
         for edit in edits.values():
@@ -514,6 +534,7 @@ def apply_plan(
         params[name].grad = grad
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
+    update_head_counts(heads)
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]

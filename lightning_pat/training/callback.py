@@ -77,7 +77,7 @@ class CoupledPruningCallback(PruningViews, Callback):
     def __init__(
         self,
         clusters: list[Cluster] | str = "auto",
-        target_sparsity: float = 0.5,
+        target_sparsity: float | None = None,
         *,
         warmup_steps: int = 0,
         ramp_steps: int = 100,
@@ -150,7 +150,8 @@ class CoupledPruningCallback(PruningViews, Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Stash the state; it is applied in ``on_train_start`` once the model, clusters and weights are restored."""
-        self.controller.load_state_dict(state_dict)
+        with _user_errors():
+            self.controller.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ fit
     @override

@@ -402,7 +402,7 @@ class PruningController:
         """Whether a loaded state waits for :meth:`start`."""
         return self._pending is not None
 
-    def start(self, *, carry: bool = False, ckpt_path: Any = None) -> None:
+    def start(self, *, carry: bool = False, ckpt_path: Any = None, global_step: int | None = None) -> None:
         """Decide where the schedule stands and project the weights accordingly.
 
         A state given to :meth:`load_state_dict` continues; else, with ``carry``, the in-memory state of the previous
@@ -411,14 +411,19 @@ class PruningController:
         Args:
             carry: Continue the in-memory state of the previous fit, if there is one.
             ckpt_path: The checkpoint the loaded state came from (a distributed checkpoint's latents are read there).
+            global_step: The trainer's optimizer steps so far: a loaded state's ``step`` may not exceed it.
 
         Raises:
-            ValueError: If the loaded state cannot be continued exactly (other clusters, options that cannot take
-                effect, missing latents), its latents or statistics do not match the model, or the mask is empty
-                after the final ramp step although the target requires dropped units.
+            ValueError: On every rank, before anything of it is applied, if the loaded state does not fit its schema
+                (see :mod:`lightning_pat.core.state_schema`: a field of the wrong type or out of range, unknown
+                names, other shapes or dtypes) or this run, its dropped units are not zero in the restored weights,
+                or it cannot be continued exactly (other clusters, options that cannot take effect, missing
+                latents); if the mask is empty after the final ramp step although the target requires dropped units.
         """
         restored, self._pending = self._pending, None
         if self.shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps
+            if restored is not None:
+                state.check_saved(restored, state.restore_context(global_step=global_step))
             saved = restored or self._carry or {}
             self.progress.step = int(saved.get("step", self.progress.step))
             self.progress.gamma = float(saved.get("gamma", self.progress.gamma))
@@ -427,7 +432,7 @@ class PruningController:
         assert self.pruner is not None
         assert self.plan is not None
         if restored is not None:
-            self._restore(restored, ckpt_path=ckpt_path)
+            self._restore(restored, ckpt_path=ckpt_path, global_step=global_step)
         elif carry and self._carry is not None:
             self._apply(self._carry, latents=self._carry["latents"]["tensors"] if self._carry["latents"] else None)
         else:
@@ -447,22 +452,36 @@ class PruningController:
         if self.layer_stats is not None and not self.frozen:
             self.layer_stats.attach()
 
-    def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any) -> None:
+    def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any, global_step: int | None) -> None:
         opts = self.options
-        kept = (saved.get("options") or {}).get("score")
+        saved_options = saved.get("options")
+        kept = saved_options.get("score") if isinstance(saved_options, Mapping) else None
         runs = not (kept == "activation" and self._fsdp1_root is not None)
         if opts.score == "auto" and kept in ("rms", "activation") and kept != self.score and runs:
             with self._weights() as params:  # "auto" continues the score the checkpoint was written with
                 self._use_score(kept, params)
             self._info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {self.score!r}.")
-        needs_latents = state.check_restorable(
-            saved,
-            fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
-            options=self._resumable(),
-            schedule=self.schedule,
-            latent_mode=opts.mode == "latent",
-            heal=opts.heal,
-        )
+        assert self.latents is not None
+        context = state.restore_context(
+            global_step=global_step, clusters=self.resolved, params=self._params, latent_names=self.latents.names,
+            readers=None if self.act is None else {n: m.in_features for n, m in self.act.modules.items()},
+            layers=None if self.layer_stats is None else list(self.layer_stats.modules),
+        )  # fmt: skip
+        error, needs_latents = None, False
+        try:  # local checks; a rank-local failure (e.g. a latent's local shape) stops every rank together
+            needs_latents = state.check_restorable(
+                saved,
+                fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
+                options=self._resumable(),
+                schedule=self.schedule,
+                latent_mode=opts.mode == "latent",
+                heal=opts.heal,
+                context=context,
+            )
+        except ValueError as err:
+            error = str(err)
+        distributed.check_rank_agreement({}, error)
+        self._check_dropped_are_zero(saved["dropped"])
         entry = saved.get("latents")
         latents = state.read_latents(entry, self._params, ckpt_path=ckpt_path) if needs_latents and entry else None
         self._apply(saved, latents=latents)
@@ -487,6 +506,31 @@ class PruningController:
             self.layer_stats.load_state_dict(state.rank_activation(saved.get("layer_scores")) or {})
         with torch.no_grad(), self._weights():
             self.pruner.hold()
+
+    def _check_dropped_are_zero(self, dropped: Mapping[str, Sequence[int]]) -> None:
+        """A restored mask must be the one the restored weights carry: its dropped units exactly zero.
+
+        One reduction of the unit norms (the executors' own, identical on every rank), so every rank raises together.
+
+        Raises:
+            ValueError: Naming the clusters whose dropped units are not zero in the weights.
+        """
+        assert self.pruner is not None
+        with torch.no_grad(), self._weights():
+            norms = self.pruner.unit_sq_norms()
+        bad = {}
+        for name, units in dropped.items():
+            if name in norms and units:
+                live = [u for u, v in zip(units, norms[name][list(units)].tolist(), strict=True) if v != 0.0]
+                if live:
+                    bad[name] = live
+        if bad:
+            shown = "; ".join(f"cluster {n!r} (units {u[:8]})" for n, u in list(bad.items())[:5])
+            raise ValueError(
+                f"{state.WHAT}: the dropped units of {shown} are not zero in the weights restored from the checkpoint, "
+                "so the mask does not belong to these weights (the checkpoint was edited, or its weights come from "
+                "another run). Resume from an unedited checkpoint of this run, or start a new run."
+            )
 
     def _check_mask_not_empty(self) -> None:
         """Never heal with an empty mask where the final target requires dropped units."""
@@ -527,14 +571,16 @@ class PruningController:
             steps_left: The fit's estimated optimizer steps (``inf`` if unknown), for :meth:`warn_short_fit`.
             ckpt_path: The checkpoint the fit resumes from, if any.
             key: This run's state key in a checkpoint (for the message).
-            teacher_dirs: Where a restored state's teacher file (``distill_teacher_store="file"``) is looked up after
-                the directory of ``ckpt_path``.
+            teacher_dirs: Where the teacher file (``distill_teacher_store="file"``) is written, and where a restored
+                state's teacher file is looked up after the directory of ``ckpt_path``; checked at fit start.
 
         Raises:
             ConfigurationError: If the fit resumes (``global_step > 0``) but no state was loaded and there is no
                 previous fit of ``owner`` to continue.
-            ValueError: As for :meth:`start`; on every rank, if a restored state's teacher file cannot be read or
-                checked (see :meth:`~lightning_pat.training.distill.Distiller.restore_file`).
+            ValueError: As for :meth:`start`; on every rank, if the teacher file's directories cannot hold it
+                (:func:`~lightning_pat.training.teacher_file.check_directories`), a restored teacher does not fit the
+                model, or a restored state's teacher file cannot be read or checked (see
+                :meth:`~lightning_pat.training.distill.Distiller.restore_file`).
         """
         last = self._last_fit
         carry = last is not None and last[0]() is owner and last[1] == global_step
@@ -547,11 +593,28 @@ class PruningController:
             )
         if self.distiller is not None and not self.restoring and not carry:
             self.distiller.reset()  # a new schedule: a new teacher when pruning starts
+        if self.distiller is not None:
+            self._check_teacher(teacher_dirs)
         if self.distiller is not None and self.restoring:
             self._restore_teacher_file(ckpt_path, teacher_dirs)
-        self.start(carry=carry, ckpt_path=ckpt_path)
+        self.start(carry=carry, ckpt_path=ckpt_path, global_step=global_step)
         if self.shrunk is None:
             self.warn_short_fit(steps_left - global_step)
+
+    def _check_teacher(self, directories: Sequence[str]) -> None:
+        """At fit start, on every rank: the teacher file's directories are usable and a saved teacher fits the model.
+
+        One agreement collective: if one rank fails, every rank raises.
+        """
+        assert self.distiller is not None
+        error = None
+        try:
+            if self.options.distill_teacher_store == "file" and self.options.distill_teacher is None:
+                teacher_file.check_directories(directories)
+            self.distiller.check_saved()
+        except ValueError as err:
+            error = f"CoupledPruningCallback: {err}"
+        distributed.check_rank_agreement({}, error)
 
     def _restore_teacher_file(self, ckpt_path: Any, directories: Sequence[str]) -> None:
         """Read and check a restored teacher file on every rank; if one rank fails, every rank raises (a collective)."""
@@ -838,7 +901,16 @@ class PruningController:
         return saved
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Keep a state (see :meth:`state_dict`); :meth:`start` applies it once the model is bound."""
+        """Keep a state (see :meth:`state_dict`); :meth:`start` checks and applies it once the model is bound.
+
+        Raises:
+            ValueError: If ``saved`` is not a mapping.
+        """
+        if not isinstance(saved, Mapping):
+            raise ConfigurationError(
+                f"{state.WHAT} must be a mapping, got {type(saved).__name__}; the checkpoint was edited or is not one "
+                "of lightning_pat's."
+            )
         pending = dict(saved)
         distill = pending.pop("distill", None) or {}
         if self.distiller is not None:

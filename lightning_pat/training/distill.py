@@ -176,6 +176,8 @@ class Distiller:
         self.on = False  # pruning has started: distill
         self.calls = 0
         self.last_kl: Tensor | None = None
+        self.step = 0  # the optimizer step the open batch computes
+        self._finite: list[Tensor] | None = None  # this step's [KL, student logits, teacher logits] all finite
         self._checked = False
         self._handles: list[Any] = []
         self._calls_open: list[bool] = []  # per open student call: whether another student call ran inside it
@@ -220,6 +222,8 @@ class Distiller:
     def open(self) -> None:
         """A training batch starts: distill its forwards (from the pruning start on)."""
         self.active, self._calls_open = True, []
+        if self.calls == 0:  # a new optimizer step (not the next micro-batch of one)
+            self._finite = None
 
     def close(self) -> Tensor | None:
         """The training batch ended: stop; return the batch's last KL (``None`` if nothing was distilled)."""
@@ -233,6 +237,8 @@ class Distiller:
         Raises:
             Exception: ``self.error`` if distillation is on and the forward of the logits module did not run.
         """
+        if self.on and self.calls and self._finite is not None:
+            self._check_finite()
         if self.on and self.calls == 0:
             raise self.error(
                 f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
@@ -240,6 +246,32 @@ class Distiller:
                 "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
             )
         self.calls = 0
+
+    def _check_finite(self) -> None:
+        """Refuse a step whose distillation KL is not finite, before its update (one sync, distilled steps only).
+
+        Raises:
+            Exception: ``self.error``, naming the temperature and which logits are not finite.
+        """
+        assert self._finite is not None
+        kl_ok, student_ok, teacher_ok = (bool(t) for t in self._finite)
+        self._finite = None
+        if kl_ok:
+            return
+        kl = None if self.last_kl is None else float(self.last_kl)
+        cause = (
+            "the student's logits are not finite (the model diverged before distillation could matter)"
+            if not student_ok
+            else "the teacher's logits are not finite"
+            if not teacher_ok
+            else f"the logits are finite, so the softmax at temperature {self.temperature:g} overflows or underflows"
+        )
+        raise self.error(
+            f"CoupledPruningCallback(distill_alpha={self.alpha}, distill_temperature={self.temperature:g}): the "
+            f"distillation KL is not finite ({kl}) at step {self.step}: {cause}. The step was not applied (no weight "
+            "changed). Use a temperature such as 1.0 or 2.0, and check the teacher (`distill_teacher`) and the loss "
+            "scaling."
+        )
 
     def release(self) -> None:
         """Remove the hook."""
@@ -262,6 +294,7 @@ class Distiller:
             Exception: ``self.error`` if pruning started before this fit and no teacher state was restored.
         """
         self.on = step >= start
+        self.step = step + 1
         if self.teacher is not None or not self.on:
             return
         assert self.student is not None
@@ -350,6 +383,10 @@ class Distiller:
         if not self.on:
             return None  # the first forward only checked a user's teacher
         self.last_kl = kl_value(logits, target, self.temperature)
+        finite = [torch.isfinite(self.last_kl), torch.isfinite(logits).all(), torch.isfinite(target).all()]
+        if self._finite is not None:  # several forwards in the step (accumulation): every one must be finite
+            finite = [a & b for a, b in zip(self._finite, finite, strict=True)]
+        self._finite = finite
         return replace_logits(output, DistillGrad.apply(logits, target.detach(), self.scale, self.temperature))
 
     # ------------------------------------------------------------------ state
@@ -390,9 +427,46 @@ class Distiller:
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Stash a saved teacher; it is rebuilt before the next training batch (a file: see :meth:`restore_file`)."""
         self.teacher = self.user_teacher
-        teacher = saved.get("teacher")
+        teacher = saved.get("teacher") if isinstance(saved, Mapping) else saved
+        if teacher is not None and not isinstance(teacher, Mapping):
+            raise self.error(
+                f"CoupledPruningCallback: the checkpoint's distillation teacher must be a mapping, got "
+                f"{type(teacher).__name__}; the checkpoint was edited or is not one of ours."
+            )
         self._saved = None if teacher is None else dict(teacher)
         self._ref, self._written = None, set()
+
+    def check_saved(self) -> None:
+        """At fit start: a restored teacher (its weights, or a reference) fits its schema and the student's tensors.
+
+        Raises:
+            ValueError: If the saved teacher is not a mapping of tensors with the student's names, shapes and dtypes
+                (a plain teacher), or a reference or sharded entry is malformed.
+        """
+        saved = self._saved
+        if saved is None or self.user_teacher is not None:
+            return
+        if teacher_file.is_file_entry(saved):
+            teacher_file.check_entry(saved, world=distributed.world_size())
+            return
+        if is_sharded_entry(saved):
+            if saved["format"] not in ("full", "dcp"):
+                raise ValueError(f"the checkpoint's distillation teacher has an unknown format {saved['format']!r}.")
+            return
+        assert self.student is not None
+        like = (self._skeleton if self._skeleton is not None else self.student).state_dict(keep_vars=True)
+        bad = [n for n, t in saved.items() if not isinstance(t, Tensor)]
+        missing, extra = sorted(set(like) - set(saved)), sorted(set(saved) - set(like))
+        differ = [
+            n for n in sorted(set(like) & set(saved))
+            if n not in bad and (tuple(saved[n].shape) != tuple(like[n].shape) or saved[n].dtype != like[n].dtype)
+        ]  # fmt: skip
+        if bad or missing or extra or differ:
+            raise ValueError(
+                f"the checkpoint's distillation teacher does not fit `distill_module={self.module_name!r}` (not "
+                f"tensors {bad[:3]}, missing {missing[:3]}, unexpected {extra[:3]}, other shapes or dtypes "
+                f"{differ[:3]}); resume with the model the checkpoint was written for, or pass `distill_teacher`."
+            )
 
     def restore_file(self, *, directories: Sequence[str | os.PathLike[str]]) -> None:
         """At fit start: read and check the teacher file a restored reference names (nothing else to do otherwise).

@@ -62,7 +62,7 @@ class OneShotPruningCallback(CoupledPruningCallback):
     def __init__(
         self,
         clusters: list[Cluster] | str = "auto",
-        target_sparsity: float = 0.5,
+        target_sparsity: float | None = None,
         *,
         warmup_steps: int = 0,
         score: TrainingScore = "auto",

@@ -24,6 +24,11 @@ the callbacks' states with rank 0's metadata, so the sharded latents travel as m
 :data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
 distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
 
+A restored state is checked before any of it is applied (:func:`check_saved`, on every rank): against the one schema
+of :mod:`lightning_pat.core.state_schema` (in ``core`` so that ``lightning-pat shrink`` and the shrink floor use the
+same one) and against the run (:func:`restore_context`: the trainer's ``global_step``, the clusters, the latents'
+shapes and dtypes, the activation readers, the layers).
+
 Why not the optimizer state (``optimizer.state[p]["pat_latent"]``, which torch's distributed optimizer state dict
 saves sharded)? Lightning's sharded load (``lightning.fabric.strategies.model_parallel._load_checkpoint``) reads each
 optimizer through a template from the live optimizer, built after the callback's ``on_fit_start`` but from a fresh
@@ -45,11 +50,15 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.schedule import Schedule
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
 from lightning_pat.options import MASK_SHAPING
 from lightning_pat.parallel import distributed
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
+#: How a restored state is named in the messages of :func:`check_saved`.
+WHAT = "CoupledPruningCallback: the checkpoint's pruning state"
 TEACHER_PREFIX = SIDE_PREFIX + "teacher."  # the sharded distillation teacher (see lightning_pat.training.distill)
 
 
@@ -201,6 +210,47 @@ def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, A
 
 
 # ---------------------------------------------------------------------- resume checks
+def restore_context(
+    *,
+    global_step: int | None,
+    clusters: Sequence[ResolvedCluster] | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    latent_names: Sequence[str] = (),
+    readers: Mapping[str, int] | None = None,
+    layers: Sequence[str] | None = None,
+) -> StateContext:
+    """What a run restoring a state knows (see :class:`~lightning_pat.core.state_schema.StateContext`).
+
+    Args:
+        global_step: The trainer's optimizer steps so far (``None``: not known).
+        clusters: The run's resolved clusters.
+        params: Parameter name -> live parameter (for the latents' shapes and dtypes).
+        latent_names: The parameters that get a latent copy.
+        readers: ``score="activation"``: reader module name -> ``in_features``.
+        layers: Layer units: the module paths of the layers.
+    """
+    facts = None
+    if params is not None:
+        facts = {
+            n: TensorFacts(tuple(params[n].shape), tuple(distributed.local_tensor(params[n]).shape), params[n].dtype)
+            for n in latent_names
+        }
+    return StateContext(
+        global_step=global_step, clusters=clusters, latents=facts, readers=readers, layers=layers,
+        world=distributed.world_size(), rank=distributed.world_rank(),
+    )  # fmt: skip
+
+
+def check_saved(saved: Mapping[str, Any], context: StateContext) -> None:
+    """Check a restored state against the schema and the run, before anything of it is applied.
+
+    Raises:
+        ValueError: Naming the field, what was expected and what was found (see
+            :func:`~lightning_pat.core.state_schema.check_state`).
+    """
+    check_state(saved, context=context, what=WHAT)
+
+
 def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int, final: bool) -> None:
     """Compare the options a state was written with to the current ones (resume).
 
@@ -242,13 +292,18 @@ def check_restorable(
     schedule: Schedule,
     latent_mode: bool,
     heal: bool,
+    context: StateContext | None = None,
 ) -> bool:
     """Check that a saved state can be continued exactly; return whether latent copies must be restored.
 
+    The state is first checked against its schema and ``context`` (:func:`check_saved`).
+
     Raises:
-        ValueError: If the clusters' fingerprints differ, changed options cannot take effect (see
-            :func:`check_resumed_options`), or latent mode must continue a ramp but the state has no latents.
+        ValueError: If the state does not fit the schema or the run, the clusters' fingerprints differ, changed
+            options cannot take effect (see :func:`check_resumed_options`), or latent mode must continue a ramp but
+            the state has no latents.
     """
+    check_saved(state, context if context is not None else StateContext())
     saved = state.get("fingerprints", {})
     if saved != fingerprints:
         changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))

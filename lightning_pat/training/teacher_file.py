@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pat.core.safe_io import confined
+from lightning_pat.core.safe_io import confined, default_file_mode
 from lightning_pat.parallel import distributed
 
 #: The only file names a reference may hold.
@@ -130,8 +130,10 @@ def write(entry: Mapping[str, Any], tensors: Mapping[str, Tensor], directory: st
 
     mine = _my_file(entry)
     directory = Path(directory)
+    check_directories([directory])
     directory.mkdir(parents=True, exist_ok=True)
     path = confined(directory, mine["name"], what=OPTION)
+    _check_slot(path)
     if path.is_file():
         try:
             if digest(_load(path)) == mine["digest"]:
@@ -142,11 +144,60 @@ def write(entry: Mapping[str, Any], tensors: Mapping[str, Tensor], directory: st
     os.close(fd)
     try:
         save_file({n: _local(t).clone() for n, t in tensors.items()}, tmp)  # clones: tied tensors are stored apart
+        os.chmod(tmp, default_file_mode())  # mkstemp's 0600 -> what the checkpoints next to it get (the umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _check_slot(path: Path) -> None:
+    """Refuse anything but a regular file (or nothing) at a teacher file's place.
+
+    Raises:
+        ValueError: If a directory, a FIFO, a socket or a device is there.
+    """
+    if path.is_symlink() or not path.exists() or path.is_file():
+        return
+    kind = "a directory" if path.is_dir() else "not a regular file"
+    raise ValueError(
+        f"{OPTION}: {str(path)!r} is {kind}, not a file; it is where the teacher file is written and read. Move it "
+        "away, or set `distill_teacher_dir` to another directory."
+    )
+
+
+def check_directories(directories: Sequence[str | os.PathLike[str]]) -> None:
+    """Check, before training, that the teacher file can be written into ``directories`` (nothing is created).
+
+    Each must be a directory (or creatable: its nearest existing ancestor a writable directory), writable, and hold
+    no ``pat-teacher-*`` entry that is not a regular file inside it (a directory, a FIFO, a symlink leading out).
+
+    Raises:
+        ValueError: Naming the directory or entry and the fix.
+    """
+    for raw in directories:
+        directory = Path(raw)
+        existing = directory
+        while not existing.exists() and existing.parent != existing and not existing.is_symlink():
+            existing = existing.parent
+        if not existing.is_dir():
+            what = f"{directory}" if existing == directory else f"{directory} cannot be created: {existing}"
+            raise ValueError(
+                f"{OPTION}: the teacher directory {what} is a file, not a directory. Set `distill_teacher_dir` (or the "
+                "checkpoint directory) to a directory."
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"{OPTION}: the teacher directory {str(directory)!r} is not writable ({str(existing)!r} denies it); "
+                "the teacher file is written there at the first checkpoint after pruning starts. Set "
+                "`distill_teacher_dir` to a writable directory."
+            )
+        if existing != directory:
+            continue
+        for entry in sorted(directory.iterdir()):
+            if NAME.fullmatch(entry.name):
+                _check_slot(confined(directory, entry.name, what=OPTION))
 
 
 def _load(path: Path) -> dict[str, Tensor]:
@@ -168,6 +219,23 @@ def check_entry(entry: Mapping[str, Any], *, world: int) -> None:
     files = entry.get("files")
     if not isinstance(files, list) or not files or not all(isinstance(f, Mapping) for f in files):
         raise ValueError(f"{OPTION}: the checkpoint's teacher reference is malformed (files={files!r}).")
+    edited = "The checkpoint was edited or is not one of ours."
+    if not isinstance(entry.get("sharded", False), bool):
+        raise ValueError(
+            f"{OPTION}: `sharded` of the checkpoint's teacher reference must be a bool, got {entry.get('sharded')!r}. "
+            + edited
+        )
+    world_saved = entry.get("world", len(files))
+    if isinstance(world_saved, bool) or not isinstance(world_saved, int) or world_saved < 1:
+        raise ValueError(
+            f"{OPTION}: `world` of the checkpoint's teacher reference must be an int >= 1, got {world_saved!r}. "
+            + edited
+        )
+    if entry.get("sharded") and len(files) != world_saved:
+        raise ValueError(
+            f"{OPTION}: the checkpoint's teacher reference names {len(files)} shard file(s) for {world_saved} ranks. "
+            + edited
+        )
     for item in files:
         name = item.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(item.get("digest"), str):
@@ -176,7 +244,7 @@ def check_entry(entry: Mapping[str, Any], *, world: int) -> None:
                 "(pat-teacher-<16 hex>[-rank<r>of<w>].safetensors; names with a directory or `..` are refused: the "
                 "file is read only next to the checkpoint). The checkpoint was edited or is not one of ours."
             )
-    if entry.get("sharded") and int(entry.get("world", len(files))) != world:
+    if entry.get("sharded") and world_saved != world:
         raise ValueError(
             f"{OPTION}: the checkpoint's teacher was written as the shards of {entry.get('world')} ranks "
             f"({entry.get('mesh')}), and this run has {world}; its shard files cannot be redistributed. Resume on "
@@ -207,7 +275,10 @@ def read(
     mine = _my_file(entry)
     name = mine["name"]
     searched = list(dict.fromkeys(str(Path(d)) for d in directories))
-    path = next((p for p in (confined(d, name, what=OPTION) for d in searched) if p.is_file()), None)
+    candidates = [confined(d, name, what=OPTION) for d in searched]
+    for candidate in candidates:
+        _check_slot(candidate)
+    path = next((p for p in candidates if p.is_file()), None)
     if path is None:
         raise ValueError(f"{OPTION}: the checkpoint's teacher file {name!r} is in none of {searched}. {_FIX}")
     try:

@@ -216,8 +216,65 @@ def local_shape_mismatch(rank: int, world: int) -> dict[str, Any]:
         sharded.placement.local_box = real
 
 
+# ---------------------------------------------------------------------------------------------- edited states
+def edited_resume(rank: int, world: int) -> dict[str, Any]:
+    """Issue 23: a restored state is refused on every rank together, before anything is applied, when it fails a
+    check on one rank only (a rank-local edit) or when its mask is not zero in the sharded weights (a reduction)."""
+    import copy
+
+    from lightning_pat import Cluster
+    from lightning_pat.options import PruningOptions
+    from lightning_pat.training.controller import PruningController
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(5)
+    m = nn.Module()
+    m.w = nn.Parameter(distribute_tensor(torch.randn(8, 6, generator=gen), mesh, [S0], src_data_rank=None))
+    m.r = nn.Parameter(distribute_tensor(torch.randn(6, 8, generator=gen), mesh, [S1], src_data_rank=None))
+    opts = PruningOptions(
+        [Cluster("h", writers=["w"], readers=["r"])], target_sparsity=0.5, warmup_steps=0, ramp_steps=2,
+        mode="direct", score="rms",
+    )  # fmt: skip
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ctl = PruningController(opts)
+    ctl.bind(m, optimizers=[opt])
+    ctl.start()
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    ctl.after_backward(opt)
+    opt.step()
+    ctl.after_step()
+    saved = ctl.state_dict()
+    ctl.release()
+    kept = [u for u in range(8) if u not in saved["dropped"]["h"]]
+    edits = {
+        "rank-local": lambda s: s.update(step=99) if rank == world - 1 else None,
+        "kept-as-dropped": lambda s: s["dropped"].update(h=kept[: len(s["dropped"]["h"])]),
+        "unedited": lambda s: None,
+    }
+    out: dict[str, Any] = {"routes": dict(ctl.plan.routes) if ctl.plan else {}}
+    before = (m.w.full_tensor().clone(), m.r.full_tensor().clone())
+    for case, edit in edits.items():
+        state = copy.deepcopy(saved)
+        edit(state)
+        again = PruningController(opts)
+        again.bind(m, optimizers=[opt])
+        again.load_state_dict(state)
+        try:
+            again.start(global_step=1)
+            out[case] = None
+        except ValueError as err:
+            out[case] = str(err)
+        again.release()
+        out[f"{case}/unchanged"] = torch.equal(m.w.full_tensor(), before[0]) and torch.equal(
+            m.r.full_tensor(), before[1]
+        )
+    return out
+
+
 def suite(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"near_ties": near_ties(rank, world), "stale": stale_copies(rank, world)}
+    out["edited"] = edited_resume(rank, world)
     out["shape_check"] = local_shape_mismatch(rank, world)
     out["grads"] = grads_on_some_ranks(rank, world)
     if world == 4:

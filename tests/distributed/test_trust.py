@@ -98,3 +98,22 @@ def test_rank_local_layout_check_raises_on_every_rank(world):
     errors = [out["shape_check"]["error"] for out in results(world)]
     assert errors[0] == "The sharded path found local shards whose shapes differ from the layout it computed"
     assert all(e == errors[0] for e in errors)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_edited_state_is_refused_on_every_rank_before_anything_is_applied(world):
+    """Issue 23: one rank's failed check stops every rank (no hang in a later collective); a mask that is not zero
+    in the sharded weights is found by one reduction, identically on every rank; the unedited state resumes."""
+    outs = [out["edited"] for out in results(world)]
+    assert all({kind for kind, _ in o["routes"].values()} == {"sharded"} for o in outs), outs[0]["routes"]
+    local = {o["rank-local"] for o in outs}
+    assert len(local) == 1
+    (message,) = local
+    assert message is not None
+    assert "`step` must be in [0, 1], got 99; " in message
+    assert f"[raised on rank {world - 1}; all ranks stop here]" in message
+    kept = {o["kept-as-dropped"] for o in outs}
+    assert len(kept) == 1
+    assert "the dropped units of cluster 'h'" in next(iter(kept))
+    assert all(o["unedited"] is None for o in outs)
+    assert all(o[f"{c}/unchanged"] for o in outs for c in ("rank-local", "kept-as-dropped"))

@@ -134,3 +134,32 @@ def test_validate_with_a_checkpoint_from_before_the_shrink_says_so(tmp_path):
     fresh = trainer.validate(ValModule(), ckpt_path=str(tmp_path / "step=2.ckpt"), verbose=False)
     assert after[0]["val_loss"] >= 0
     assert fresh[0]["val_loss"] >= 0
+
+
+def test_a_non_finite_distillation_kl_stops_before_the_update_and_before_any_checkpoint(tmp_path):
+    """Issue 23 (A6): a temperature that overflows the softmax (finite, so accepted) makes the KL NaN at the first
+    distilled step; the run stops there with its own message, before the optimizer applies it, and no checkpoint
+    ever holds a non-finite weight."""
+    module = MLPModule(optimizer="sgd_plain", n_batches=8)
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=2, ramp_steps=2, distill_alpha=0.5,
+                                distill_temperature=1e-300)  # fmt: skip
+    every = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer = quiet_trainer(max_steps=4, callbacks=[cb, every], checkpointing=True)
+    seen = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["before"] = copy.deepcopy(pl_module.state_dict())
+
+    trainer.callbacks.append(Snapshot())
+    with pytest.raises(MisconfigurationException, match=r"the distillation KL is not finite \(nan\) at step 3") as err:
+        trainer.fit(module)
+    assert "distill_temperature=1e-300" in str(err.value)
+    assert trainer.global_step == 2  # the step that computed it was not applied
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, seen["before"][k]), k
+    saved = sorted(tmp_path.glob("*.ckpt"))
+    assert [p.name for p in saved] == ["step=1.ckpt", "step=2.ckpt"]
+    for path in saved:
+        weights = torch.load(path, weights_only=True)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in weights.values()), path

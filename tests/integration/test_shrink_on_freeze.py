@@ -121,6 +121,11 @@ def test_shrink_on_freeze_continues_exactly_like_the_masked_run(optimizer, mode)
     reference = shrink(copy.deepcopy(masked), cb_masked)
     for (name, p), (_, q) in zip(small.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    # what a user copies after fit: the model is already small, so shrink returns it as it is (no error)
+    before = {n: p.detach().clone() for n, p in small.named_parameters()}
+    assert shrink(small.model, cb_small) is small.model
+    assert shrink(small, cb_small) is small
+    assert all(torch.equal(p, before[n]) for n, p in small.named_parameters())
 
     # optimizer state at the shrink: the masked run's state at the kept rows (independent index arithmetic)
     rows = kept(cb_masked.dropped["mlp.0"], units=64, block=1)

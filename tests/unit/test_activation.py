@@ -7,6 +7,8 @@ x^2 over all leading dims, an exponential average with the first batch as its st
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -143,7 +145,10 @@ def test_calibrate_then_prune_clusters_drops_the_lowest_activation_scores():
     assert torch.all(model[0].weight[want] == 0)
     assert torch.all(model[2].weight[:, want] == 0)
     # the weight score would pick other units here (the test would not tell the scores apart otherwise)
-    assert prune_clusters(mlp(3), MLP, 0.5).dropped["h"] != want
+    assert prune_clusters(mlp(3), MLP, 0.5, score="rms").dropped["h"] != want
+    # score="auto" (the default) with statistics is the activation score; with calibration batches too
+    assert prune_clusters(mlp(3), MLP, 0.5, activations=calibrate(mlp(3), MLP, batches)).dropped["h"] == want
+    assert prune_clusters(mlp(3), MLP, 0.5, calibration=batches).dropped["h"] == want
 
 
 def test_prune_clusters_activation_needs_statistics_and_nothing_is_mutated():
@@ -153,9 +158,28 @@ def test_prune_clusters_activation_needs_statistics_and_nothing_is_mutated():
         prune_clusters(model, MLP, 0.5, score="activation")
     stats = calibrate(model, MLP, [torch.randn(2, 6)])
     with pytest.raises(ValueError, match=r"go together.*got score='rms' and activations=ActivationStats"):
-        prune_clusters(model, MLP, 0.5, activations=stats)
+        prune_clusters(model, MLP, 0.5, score="rms", activations=stats)
+    with pytest.raises(ValueError, match=r"give `calibration` .* or `activations` .*, not both"):
+        prune_clusters(model, MLP, 0.5, activations=stats, calibration=[torch.randn(2, 6)])
+    with pytest.raises(ValueError, match=r"`calibration` feeds the activation score, but score='l2'"):
+        prune_clusters(model, MLP, 0.5, score="l2", calibration=[torch.randn(2, 6)])
+    with pytest.raises(ValueError, match=r"`calibration` must be a list of batches .* got Tensor"):
+        prune_clusters(model, MLP, 0.5, calibration=torch.randn(2, 6))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_the_default_score_without_data_is_the_weight_score_and_says_so(caplog):
+    batches = [torch.randn(16, 6) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.engine"):
+        auto = prune_clusters(mlp(3), MLP, 0.5)
+    assert auto.dropped == prune_clusters(mlp(3), MLP, 0.5, score="rms").dropped
+    [record] = [r for r in caplog.records if "score='auto'" in r.getMessage()]
+    assert "pass `calibration=" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.engine"):
+        prune_clusters(mlp(3), MLP, 0.5, calibration=batches)
+    assert not [r for r in caplog.records if "score='auto'" in r.getMessage()]
 
 
 def test_errors_name_the_cluster_the_parameter_and_the_fix():

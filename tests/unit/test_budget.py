@@ -34,12 +34,45 @@ def test_parse_size(value, expected):
 
 @pytest.mark.parametrize(
     ("value", "match"),
-    [("4X", "must look like"), (-1, "positive"), (float("nan"), "positive"), (True, "must be a count"),
+    [("4X", "must look like"), (-1, "positive"), (float("nan"), "finite"), (True, "must be a count"),
      ("20B", "above the model's size"), (None, "must be a count")],
 )  # fmt: skip
 def test_parse_size_refuses(value, match):
     with pytest.raises(ValueError, match=match):
         parse_size(value, total=10**10)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(1, 1), (2, 2), (1.0, 10**10), (0.999, 9_990_000_000), (2.0, 2), ("1", 1), ("1.0", 10**10), ("2000", 2000),
+     ("1.1M", 1_100_000), ("0.1B", 10**8), ("100%", 10**10), ("1e3", 1000), ("4e9", 4 * 10**9)],
+)  # fmt: skip
+def test_one_rule_for_counts_and_fractions(value, expected):
+    """Issue 23 (C5): an int is always a count; a float (or a string without a suffix that spells one) <= 1 is a
+    fraction, above 1 a whole count; suffixes are counts, percentages fractions. Decimal suffixes are exact."""
+    assert parse_size(value, total=10**10) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [(1.5, r"`target_params` = 1.5 is a count \(above 1\) but not a whole number"),
+     ("1.5", r"= '1.5' is a count \(above 1\) but not a whole"), ("1.2345k", r"not a whole number"),
+     ("1e999", r"`target_params` = '1e999' is not a finite size"), (float("inf"), r"must be a finite count"),
+     ("150%", r"`target_params` = '150%' is above 100%"), ("0%", r"must be positive")],
+)  # fmt: skip
+def test_sizes_that_are_not_a_count_or_a_fraction_are_refused_without_the_model(value, match):
+    from lightning_pat.core.budget import size_value
+
+    with pytest.raises(ValueError, match=match):
+        size_value(value)
+
+
+def test_flops_targets_speak_of_flops():
+    with pytest.raises(ValueError, match=r"`target_flops` = '2G' \(2,000,000,000 FLOPs per token\) is above the "
+                       r"model's FLOPs per token \(1,000\)"):  # fmt: skip
+        parse_size("2G", total=1000, name="target_flops")
+    with pytest.raises(ValueError, match=r"`target_flops` must be a finite count or fraction, got nan"):
+        parse_size(float("nan"), total=1000, name="target_flops")
 
 
 # ------------------------------------------------------------------------------------------- a chain, brute force
@@ -240,8 +273,8 @@ def test_prune_clusters_needs_exactly_one_size():
     decl = Cluster("h1", ["0.weight", "0.bias"], ["2.weight"])
     with pytest.raises(ValueError, match="exactly one of them"):
         prune_clusters(model, decl)
-    with pytest.raises(ValueError, match="exactly one of them"):
-        prune_clusters(model, decl, 0.5, target_params="1k")
+    with pytest.raises(ValueError, match="below the smallest size"), pytest.warns(UserWarning, match="unused"):
+        prune_clusters(model, decl, 0.5, target_params=10)  # the size target wins (as in the callback), and warns
     with pytest.raises(ValueError, match="below the smallest size"):
         prune_clusters(model, decl, target_params=10)
     assert all(bool(p.ne(0).any()) for p in model.parameters())  # nothing mutated

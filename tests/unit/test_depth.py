@@ -7,6 +7,7 @@ layer count and ``layer_idx`` read off the shrunk modules, and the parameter cou
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -151,10 +152,18 @@ def test_custom_declaration_of_layer_units():
 def test_target_layers_fixes_the_depth_and_widths_make_up_the_rest(keep):
     model = LLAMA.fresh()
     total = sum(p.numel() for p in model.parameters())
-    result = prune_clusters(model, presets.llama(model, layers=True), target_params=0.6, target_layers=keep)
+    target = 0.6
+    if keep < 3:  # 0.6 of the model needs 3 of 4 layers: fewer cannot reach it, and say the most they hold (issue 23)
+        with pytest.raises(ValueError, match=rf"`target_layers={keep}` keeps at most ([\d,]+) parameters") as err:
+            prune_clusters(model, presets.llama(model, layers=True), target_params=0.6, target_layers=keep)
+        target = int(re.search(r"keeps at most ([\d,]+)", str(err.value))[1].replace(",", ""))
+        assert target < parse_size(0.6, total=total)
+    result = prune_clusters(model, presets.llama(model, layers=True), target_params=target, target_layers=keep)
     assert result.size is not None
     assert result.size.kept["layers"] == keep
-    assert result.size.achieved <= parse_size(0.6, total=total)
+    assert result.size.achieved <= parse_size(target, total=total)
+    if keep < 3:
+        assert result.size.achieved == target  # the largest reachable count is reachable: every width full
     small = shrink(model, result)
     assert len(small.model.layers) == keep
     assert sum(p.numel() for p in small.parameters()) == result.size.achieved

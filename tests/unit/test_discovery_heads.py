@@ -81,16 +81,17 @@ def test_gqa_units_are_whole_query_groups():
 class _Packed(nn.Module):
     """One Linear writes q, k and v side by side; ``split`` cuts them apart (GPT-2's ``c_attn`` layout)."""
 
-    def __init__(self, *, also_read_whole: bool = False) -> None:
+    def __init__(self, *, also_read_whole: bool = False, literal_split: bool = False) -> None:
         super().__init__()
-        self.also_read_whole = also_read_whole
+        self.also_read_whole, self.literal_split = also_read_whole, literal_split
         self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
         self.side = nn.Linear(24, 8)
 
     def forward(self, x):
         b, t, _ = x.shape
         packed = self.qkv(x)
-        q, k, v = (p.view(b, t, -1, 4).transpose(1, 2) for p in packed.split(8, dim=-1))
+        parts = packed.split(8, dim=-1) if self.literal_split else packed.chunk(3, dim=-1)
+        q, k, v = (p.view(b, t, -1, 4).transpose(1, 2) for p in parts)
         y = self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
         return y + self.side(packed) if self.also_read_whole else y
 
@@ -117,11 +118,18 @@ def test_packed_qkv_is_cut_into_its_parts():
     assert int(torch.count_nonzero(model.qkv.weight.detach())) == 12 * 8  # the dropped head's rows in q, k and v
 
 
+def test_packed_qkv_split_by_a_literal_size_is_left_out_by_the_trial_shrink():
+    found = discover(_Packed(literal_split=True), torch.zeros(2, 3, 8))
+    assert found.clusters == []
+    [qkv] = [lo for lo in found.left_out if lo.name == "qkv"]
+    assert qkv.reasons[0].startswith("a trial shrink (one unit dropped) fails: the shrunk model does not run")
+
+
 def test_packed_output_read_whole_elsewhere_is_left_out():
     found = discover(_Packed(also_read_whole=True), torch.zeros(2, 3, 8))
     assert found.clusters == []
     reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("`split` cuts a channel axis that other ops also read" in r for r in reasons)
+    assert any("`chunk` cuts a channel axis that other ops also read" in r for r in reasons)
 
 
 class _MixHeads(nn.Module):

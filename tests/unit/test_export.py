@@ -149,6 +149,19 @@ def test_budget_export_records_per_layer_widths(tmp_path):
     assert recorded == widths  # only what differs from the base config is recorded
 
 
+def test_the_per_layer_width_warning_names_the_destination(tmp_path, caplog):
+    """Issue 23 (D1): not the temporary ``.partial-*`` directory the export was built in."""
+    import logging
+
+    case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
+    model = shrunk(case, ("mlp",), budget=True)
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.shrink.export"):
+        save_pretrained(model, tmp_path / "ranked")
+    (message,) = [r.getMessage() for r in caplog.records if "cannot express" in r.getMessage()]
+    assert f"lightning_pat.load_pretrained('{tmp_path / 'ranked'}')" in message
+    assert ".partial" not in message
+
+
 def test_plain_sequential_round_trip_and_errors(tmp_path):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -411,3 +424,26 @@ def test_the_models_own_save_pretrained_reloads_exactly(tmp_path, case, kinds, b
     assert max_err(logits(eager(again), ids), ref) < 1e-6
     again.save_pretrained(tmp_path / "again")  # a loaded export keeps the entry for its own save_pretrained
     assert max_err(logits(eager(load_pretrained(tmp_path / "again")), ids), ref) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda a: a.update(nope={"x": 1}), r"names the module 'nope', which the model .* does not have"),
+        (lambda a: a.setdefault("model", {}).update(forward="x"), r"attribute 'forward' of module 'model' .* refused"),
+        (lambda a: a.setdefault("model", {}).update(_parameters={}), r"attribute '_parameters' .* refused"),
+        (lambda a: a.setdefault("model", {}).update(padding_idx={"a": 1}), r"attribute 'padding_idx' .* plain value"),
+        (lambda a: a.update(model=[1]), r"the attributes of module 'model' must be a mapping"),
+    ],
+    ids=["unknown-module", "method", "private", "not-a-scalar", "not-a-mapping"],
+)
+def test_a_crafted_entry_attribute_is_refused(tmp_path, edit, match):
+    """Issue 23 (the audit's "not covered": crafted lightning_pat entries in config.json): the entry may set only
+    public plain attributes (sizes, head counts, eps) of modules the model has, never a method or an internal."""
+    case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
+    save_pretrained(shrunk(case, ("mlp",), budget=True), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config[ENTRY]["attributes"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)

@@ -8,8 +8,9 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
-* ``pruning`` (options, presets, activation, gradient, layer_score, engine: the one-shot API; discovery: clusters
-  found by tracing): adds parallel;
+* ``pruning`` (options, presets, activation, gradient, layer_score, repair, engine: the one-shot API; discovery:
+  clusters found by tracing): adds parallel, and shrink (discovery returns only clusters the shrink can rewrite,
+  checked by the shrink's own validation and a trial shrink);
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
   export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
   DeciLM export carries) transformers;
@@ -49,8 +50,10 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "gradient",
         "layer_score",
         "engine",
+        "allocation",
         "sizing",
         "flops",
+        "repair",
         "discovery.",
     ),  # fmt: skip
     "shrink": ("shrink.",),
@@ -64,7 +67,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
 MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
     "parallel": {"core", "parallel"},
-    "pruning": {"core", "parallel", "pruning"},
+    "pruning": {"core", "parallel", "pruning", "shrink"},  # discovery checks its clusters with the shrink
     "shrink": {"core", "shrink"},
     "training": {"core", "parallel", "pruning", "shrink", "training"},
     "cli": {"core", "parallel", "pruning", "shrink", "training", "cli", "face"},

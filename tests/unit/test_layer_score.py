@@ -243,12 +243,15 @@ def test_one_shot_prune_clusters_ranks_layers_by_calibrated_cosine_and_shrinks_t
     expected = reference_scores(net, batches(3))
     got = [float(stats.scores()[f"layer.{i}"]) for i in range(CFG.n_layer)]
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)  # float32 dot products: ~1e-7 in cos
-    result = prune_clusters(net, decls, target_params=0.7, target_layers=2, layer_stats=stats)
+    result = prune_clusters(net, decls, target_params=0.65, target_layers=2, layer_stats=stats)  # 2 layers: <= 0.69
     assert [i for i in range(CFG.n_layer) if result.dropped[f"layer.{i}"]] == [2]
     small = shrink(net, result)
     assert sum(p.numel() for p in small.parameters()) == result.size.achieved
-    by_weight = prune_clusters(model(), decls, target_params=0.7, target_layers=2)
+    by_weight = prune_clusters(model(), decls, target_params=0.65, target_layers=2, score="rms")
     assert [i for i in range(CFG.n_layer) if by_weight.dropped[f"layer.{i}"]] != [2]
+    # calibration= calibrates the layer cosines too (and the widths' activation statistics)
+    calibrated = prune_clusters(model(), decls, target_params=0.65, target_layers=2, calibration=batches(3))
+    assert [i for i in range(CFG.n_layer) if calibrated.dropped[f"layer.{i}"]] == [2]
 
 
 def test_calibrate_layers_refuses_clusters_without_layer_units():

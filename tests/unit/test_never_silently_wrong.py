@@ -274,3 +274,82 @@ def test_training_average_skips_a_non_finite_batch_and_a_module_seeing_only_thos
     again = ActivationStats(net, resolved, beta=0.9)
     again.load_state_dict(state)
     assert torch.equal(again.stacked(), clean.stacked())
+
+
+# ---------------------------------------------------------------------------------------------------- issue 23
+def test_target_layers_with_a_size_depth_cannot_reach_is_refused_with_the_largest_reachable_count():
+    """Audit A7: 2 of 4 layers at full width hold 139,584 parameters; 0.9 of the model cannot be reached there."""
+    from lightning_pat.demo import TinyGPT, TinyGPTConfig
+    from lightning_pat.demo import preset as demo_preset
+
+    net = TinyGPT(TinyGPTConfig(n_layer=4))
+    before = _snapshot(net)
+    for side in ("below", "above"):
+        match = r"`target_layers=2` keeps at most 139,584 parameters .*target 236,448"
+        with pytest.raises(ValueError, match=match) as e:
+            prune_clusters(net, demo_preset.tiny_gpt(net, layers=True), target_params=0.9, target_layers=2,
+                           target_side=side)  # fmt: skip
+        assert "Ask for at most 139,584 or keep more layers" in str(e.value)
+    assert _unchanged(net, before)
+    reachable = prune_clusters(net, demo_preset.tiny_gpt(net, layers=True), target_params=139_584, target_layers=2)
+    assert reachable.size.achieved == 139_584
+
+
+def test_target_sparsity_with_a_size_target_warns_the_same_way_in_the_callback_and_prune_clusters():
+    """Audit C6: one behaviour: the size target sets the widths, and an explicit target_sparsity is named as unused."""
+    from lightning_pat.options import PruningOptions
+
+    with pytest.warns(UserWarning, match=r"`target_sparsity=0.3` is unused: `target_params` sets the widths"):
+        PruningOptions([H], target_sparsity=0.3, target_params=0.5)
+    with pytest.warns(UserWarning, match=r"`sparsity=0.3` is unused: `target_params` sets the widths"):
+        res = prune_clusters(_mlp(), H, 0.3, target_params=0.8)
+    assert res.size is not None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = PruningOptions([H], target_params=0.5)  # no target_sparsity given: nothing to warn about
+    assert opts.target_sparsity == 0.5  # the documented default when no size target is given
+    assert PruningOptions([H]).target_sparsity == 0.5
+
+
+def test_prune_clusters_auto_means_what_the_callbacks_auto_means():
+    """Audit C11: "auto" detects a preset, else traces (the module's example_input_array), else points at discover."""
+    from lightning_pat import discover
+
+    net = _mlp()  # a preset fits (linear_chain): the same clusters as the preset
+    assert prune_clusters(_mlp(), "auto", 0.5).dropped == prune_clusters(net, "linear_chain", 0.5).dropped
+
+    class Branchy(nn.Module):  # no preset fits: the callback would trace it
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.a(x)) * torch.relu(self.b(x)))
+
+    model = Branchy()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"clusters='auto'.*no preset fits Branchy.*discover\(model, example_input\)"):
+        prune_clusters(model, "auto", 0.5)
+    assert _unchanged(model, before)
+    model.example_input_array = torch.randn(3, 4)  # what the callback traces
+    traced = prune_clusters(model, "auto", 0.5)
+    found = discover(Branchy(), torch.randn(3, 4))
+    assert sorted(traced.dropped) == sorted(c.name for c in found.clusters)
+
+
+def test_a_discovery_is_accepted_where_clusters_are_expected():
+    """Audit: ``prune_clusters(m, discover(m, x), 0.5)`` was ``TypeError: 'Discovery' object is not iterable``."""
+    from lightning_pat import CoupledPruningCallback, discover
+    from lightning_pat.activation import calibrate
+
+    x = torch.randn(3, 4)
+    net, ref = _mlp(), _mlp()
+    found = discover(net, x)
+    res = prune_clusters(net, found, 0.5)
+    assert res.dropped == prune_clusters(ref, found.clusters, 0.5).dropped
+    stats = calibrate(_mlp(), found, [x])
+    assert set(stats.unit_scores(dict(_mlp().named_parameters()))) == set(res.dropped)
+    cb = CoupledPruningCallback(found, 0.5)
+    assert [c.name for c in cb.options.clusters] == [c.name for c in found.clusters]

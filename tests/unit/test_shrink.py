@@ -374,8 +374,8 @@ def test_embedding_rows_and_partial_heads_raise():
     q_only = [
         Cluster("q", writers=["layers.0.attn.q_proj.weight"], readers=["layers.0.attn.o_proj.weight"], head_dim=8)
     ]
-    result = prune_clusters(model, q_only, 0.25)  # whole query heads but not whole groups
-    with pytest.raises(ValueError, match="do not keep whole query groups"):
+    result = prune_clusters(model, q_only, 0.25)  # whole query heads, but not as many in every KV group
+    with pytest.raises(ValueError, match=r"keep \[1, 2\] heads of the 2 KV groups.*the same number in every group"):
         shrink(model, result)
 
 
@@ -384,17 +384,26 @@ def test_shape_mismatch_and_missing_parameter_raise():
     model = case.fresh()
     result = prune_clusters(model, clusters_of(case, model, ("mlp",)), 0.5)
     shrink(model, result)
-    with pytest.raises(ValueError, match="already shrunk"):
-        shrink(model, result)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    assert shrink(model, result) is model  # already small (as after shrink_on_freeze): returned as it is
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
     with pytest.raises(ValueError, match="is not a parameter of Sequential"):
         shrink(nn.Sequential(nn.Linear(2, 2)), result)
 
 
-def test_nonzero_dropped_units_warn():
+def test_nonzero_dropped_units_warn_for_a_result_and_are_refused_for_a_saved_state():
+    """A PruneResult of another model warns (in memory, the caller's choice); a state read from a file whose mask
+    is not zero in the weights is refused before anything changes (issue 23, A3): it does not belong to them."""
+    from lightning_pat.engine import PruneResult
+
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     [rc] = resolve_clusters(net, Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"]))
-    with pytest.warns(UserWarning, match="not zero in the model"):
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the dropped units are not zero in the weights \(cluster 'h' in"):
         shrink(net, {"clusters": [rc.to_dict()], "dropped": {"h": [0, 1]}})
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    with pytest.warns(UserWarning, match="not zero in the model"):
+        shrink(net, PruneResult(dropped={"h": [0, 1]}, num_units={"h": 8}, clusters=(rc,)))
 
 
 # ---------------------------------------------------------------------------------------------------- plan + optimizer

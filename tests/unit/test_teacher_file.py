@@ -8,6 +8,8 @@ is ``test_file_store_writes_each_ranks_shards_once_and_resumes_bitwise`` in
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 
 import pytest
 import torch
@@ -132,3 +134,95 @@ def test_a_symlink_leading_outside_the_directory_is_refused(tmp_path):
 def test_a_malformed_reference_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"the checkpoint's teacher reference is malformed"):
         teacher_file.read({"format": "file", "files": []}, directories=[tmp_path], like=tensors())
+
+
+# ------------------------------------------------------------------------------------ issue 23 (B1, C8, C9, C13)
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"world": "two"}, r"`world` of the checkpoint's teacher reference must be an int >= 1, got 'two'"),
+        ({"sharded": "yes"}, r"`sharded` of the checkpoint's teacher reference must be a bool, got 'yes'"),
+    ],
+)
+def test_a_reference_with_fields_of_the_wrong_type_is_refused(tmp_path, edit, match):
+    entry = {**teacher_file.reference(tensors()), **edit}
+    with pytest.raises(ValueError, match=match):
+        teacher_file.read(entry, directories=[tmp_path], like=tensors())
+
+
+def test_a_directory_in_the_teacher_files_place_is_named_as_such(tmp_path):
+    t = tensors()
+    entry = teacher_file.reference(t)
+    (tmp_path / entry["files"][0]["name"]).mkdir()
+    with pytest.raises(ValueError, match=r"is a directory, not a file"):
+        teacher_file.read(entry, directories=[tmp_path], like=t)
+    with pytest.raises(ValueError, match=r"is a directory, not a file"):
+        teacher_file.write(entry, t, tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_teacher_file_gets_the_mode_a_checkpoint_gets(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = teacher_file.write(teacher_file.reference(tensors()), tensors(), tmp_path)
+        plain = tmp_path / "like_a_checkpoint"
+        plain.write_bytes(b"")  # what torch.save / open() give a new file under this umask
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o666 & ~umask
+
+
+def test_teacher_directories_are_checked_before_training(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=rf"{OPTION}: the teacher directory .*afile is a file, not a directory"):
+        teacher_file.check_directories([a_file])
+    with pytest.raises(ValueError, match=r"is a file, not a directory"):
+        teacher_file.check_directories([a_file / "below"])  # cannot be created either
+    teacher_file.check_directories([tmp_path / "new" / "dir"])  # created when the file is written
+    assert not (tmp_path / "new").exists()  # nothing is created by the check
+    blocked = tmp_path / "blocked"
+    (blocked / "pat-teacher-0123456789abcdef.safetensors").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"pat-teacher-0123456789abcdef.safetensors' is a directory, not a file"):
+        teacher_file.check_directories([blocked])
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "pat-teacher-0123456789abcdef.safetensors").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"leads outside .* \(a symlink to"):
+        teacher_file.check_directories([linked])
+
+
+def test_a_symlink_refusal_on_write_does_not_speak_of_exports(tmp_path):
+    t = tensors()
+    entry = teacher_file.reference(t)
+    (tmp_path / "elsewhere").write_bytes(b"")
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / entry["files"][0]["name"]).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"leads outside") as caught:
+        teacher_file.write(entry, t, tmp_path / "ckpts")
+    assert "export" not in str(caught.value)
+
+
+def test_a_saved_teacher_of_another_model_is_refused_at_fit_start():
+    from torch import nn
+
+    from lightning_pat.training.distill import Distiller
+
+    distiller = Distiller(alpha=0.5, temperature=1.0, teacher=None)
+    distiller.bind(nn.Linear(3, 2), "")
+    distiller.load_state_dict({"teacher": {"weight": torch.zeros(2, 4), "bias": torch.zeros(2)}})
+    with pytest.raises(ValueError, match=r"does not fit .*other shapes or dtypes \['weight'\]"):
+        distiller.check_saved()
+    distiller.load_state_dict({"teacher": {"weight": torch.zeros(2, 3)}})
+    with pytest.raises(ValueError, match=r"missing \['bias'\]"):
+        distiller.check_saved()
+    distiller.load_state_dict({"teacher": {**nn.Linear(3, 2).state_dict(), "extra": 1}})
+    with pytest.raises(ValueError, match=r"not tensors \['extra'\]"):
+        distiller.check_saved()
+    distiller.load_state_dict({"teacher": nn.Linear(3, 2).state_dict()})
+    distiller.check_saved()
+    distiller.load_state_dict({"teacher": {**teacher_file.reference(tensors()), "world": "two"}})
+    with pytest.raises(ValueError, match=r"`world` .* must be an int >= 1, got 'two'"):
+        distiller.check_saved()

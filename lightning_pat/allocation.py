@@ -1,0 +1,117 @@
+"""Size first, then train: declarations whose per-cluster ``target`` reaches a size, allocated by measured importance.
+
+The callback's ``target_params`` is solved when fit starts, before any training statistics exist, so it spreads the
+size over the kinds by kept fractions. :func:`size_clusters` solves the same target one-shot with calibration data
+(the activation score's unit costs, see :mod:`lightning_pat.sizing`) and returns ordinary declarations with their
+``target`` set: pass them to :class:`~lightning_pat.CoupledPruningCallback` (or
+:class:`~lightning_pat.OneShotPruningCallback`) as ``clusters``, and the training forwards then choose *which* units
+go, while the sizes are those the calibration chose. Nothing is mutated.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> net = TinyGPT(TinyGPTConfig(vocab_size=32, d_model=16, d_ff=32, n_layer=2, max_seq_len=8))
+    >>> sized = size_clusters(net, "tiny_gpt", target_params=0.8, calibration=[torch.randint(0, 32, (2, 8))])
+    >>> [(c.name, round(c.target, 3)) for c in sized.clusters], sized.size.achieved
+    ([('mlp.{layer}', 0.344), ('heads.{layer}', 0.0)], 4144)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_pat import presets
+from lightning_pat.core.budget import Side, SizeSolution
+from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
+from lightning_pat.engine import ALLOCATIONS, Allocation, make_plan, one_shot_calibration, plan_importance
+from lightning_pat.flops import check_flops
+from lightning_pat.options import check_choice
+from lightning_pat.sizing import check_target
+
+if TYPE_CHECKING:
+    from lightning_pat.activation import ActivationStats
+
+
+@dataclass(frozen=True)
+class SizedClusters:
+    """What :func:`size_clusters` solved.
+
+    Attributes:
+        clusters: The declarations, each with the ``target`` (fraction of its units dropped) that reaches the size.
+        size: The solution (achieved count, neighbours, kept widths, the allocation rule).
+    """
+
+    clusters: list[Cluster]
+    size: SizeSolution
+
+
+def size_clusters(
+    model: nn.Module,
+    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
+    target_params: int | float | str | None = None,
+    *,
+    target_flops: int | float | str | None = None,
+    seq_len: int | None = None,
+    target_side: Side = "below",
+    target_layers: int | None = None,
+    target_allocation: Allocation = "importance",
+    calibration: Sequence[Any] | None = None,
+    activations: ActivationStats | None = None,
+) -> SizedClusters:
+    """Solve a size target one-shot and return declarations with their per-cluster ``target`` (uniform widths).
+
+    Args:
+        model: The model (not changed).
+        clusters: Declarations or preset names, as for :func:`~lightning_pat.prune_clusters`.
+        target_params: The size: a count (``"100M"``) or a fraction of the model's parameters.
+        target_flops: Instead: FLOPs per token for ``seq_len`` tokens.
+        seq_len: The sequence length of ``target_flops``.
+        target_side: ``"below"`` (the closest count not above the target) or ``"above"``.
+        target_layers: With layer units: the layers to keep.
+        target_allocation: ``"importance"`` (default; with ``calibration`` or ``activations`` the costs are the
+            activation scores', else the weights' scaled per kind) or ``"fractions"``.
+        calibration: Batches of inputs for the activation score (see :func:`~lightning_pat.prune_clusters`).
+        activations: Calibrated statistics instead of ``calibration``.
+
+    Returns:
+        The declarations with their targets, and the solution.
+
+    Raises:
+        ValueError: As for :func:`~lightning_pat.prune_clusters` with ``target_params``; nothing is mutated.
+    """
+    if (target_params is None) == (target_flops is None):
+        raise ValueError(
+            "size_clusters needs `target_params` or `target_flops`, exactly one of them; got "
+            f"target_params={target_params!r}, target_flops={target_flops!r}."
+        )
+    check_flops(target_flops, seq_len)
+    check_target(target_params if target_flops is None else target_flops, target_side, target_layers)
+    check_choice("target_allocation", target_allocation, ALLOCATIONS)
+    entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
+    decls = [c for e in entries for c in (presets.resolve_preset(e, model) if isinstance(e, str) else [as_cluster(e)])]
+    score, activations, _ = one_shot_calibration(model, decls, "auto", activations, calibration)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    plan = make_plan(model, decls, score=score)
+    importance = (
+        plan_importance(model, plan, decls, activations=activations) if target_allocation == "importance" else None
+    )
+    sized, size = plan.sized(
+        params, target_params if target_flops is None else target_flops, side=target_side, declarations=decls,
+        keep_layers=target_layers, flops=None if target_flops is None else (model, int(seq_len or 0)),
+        importance=importance,
+    )  # fmt: skip
+    targets = {rc.name: rc.target for rc in sized.clusters}
+    out = []
+    for decl in decls:
+        found = {targets[rc.name] for rc in resolve_clusters(params, [decl])}
+        if len(found) != 1:  # uniform widths give one target per declaration
+            raise ValueError(f"size_clusters: declaration {decl.name!r} got several targets {sorted(found)}.")
+        out.append(dataclasses.replace(decl, target=found.pop()))
+    return SizedClusters(clusters=out, size=size)

@@ -1,0 +1,521 @@
+"""The pruning state's schema: every field of a saved state checked before any of it is used (pure, no Lightning).
+
+A state (written by :func:`lightning_pat.training.state.build`, read back by a resume, ``lightning-pat shrink`` and
+:func:`lightning_pat.shrink`) comes from a file, so it is untrusted: a hand-edited or foreign checkpoint must be an
+error naming the field, what was expected and what was found, never a wrong mask, a wrong schedule position or an
+``IndexError`` deep in the masking code. :func:`check_state` checks
+
+* the keys (no unknown entry), and each field's type and range: ``step`` an int in ``[0, global_step]``, ``gamma`` and
+  ``gamma_prox`` finite sums of learning rates, ``shrunk`` a bool, the saved ``options``;
+* ``clusters`` (each rebuilds into a :class:`~lightning_pat.core.spec.ResolvedCluster` with consistent member slices)
+  against ``fingerprints`` (the same names; each fingerprint recomputed from its cluster);
+* ``dropped``: known cluster names, distinct int indices in ``[0, C)``, no cluster emptied unless its target is 1
+  (a shared budget is checked on its total); ``factors``: ``[C]`` float tensors in ``[0, 1]``;
+* ``latents``, ``activation``, ``taylor`` and ``layer_scores``: their layout, names, shapes, dtypes and finiteness,
+  against what the run holds where the caller says so (:class:`StateContext`).
+
+Every check is local and the same on every rank for the same state (the caller makes the ranks agree). Errors are
+:class:`StateError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pat.core.spec import ResolvedCluster
+
+#: The entries of a state (see :mod:`lightning_pat.training.state`).
+KEYS: tuple[str, ...] = (
+    "step", "gamma", "gamma_prox", "dropped", "factors", "fingerprints", "clusters", "options", "latents", "shrunk",
+    "activation", "taylor", "layer_scores",
+)  # fmt: skip
+#: The entries a restored state must hold (the others default to empty; a shrink needs only ``dropped``).
+REQUIRED: tuple[str, ...] = ("step", "dropped")
+#: Latent formats (see :mod:`lightning_pat.training.state`).
+LATENT_FORMATS: tuple[str, ...] = ("local", "tensors", "per_rank", "full", "dcp")
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "ramp": ("cubic", "linear"),
+    "method": ("hard", "group_lasso"),
+    "score": ("auto", "rms", "l2", "param_cost", "activation", "taylor"),
+    "mode": ("latent", "direct"),
+    "layer_score": ("cosine", "weight"),
+}
+_FIX = "the checkpoint was edited or not written by lightning_pat; use an unedited checkpoint of this run"
+
+
+class StateError(ValueError):
+    """A saved pruning state that does not fit the schema (or the run it is restored into)."""
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    """What a saved tensor must match: the parameter's global shape, this rank's local shape, its dtype."""
+
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StateContext:
+    """What the run restoring a state knows (each field optional: ``None`` skips the checks that need it).
+
+    Attributes:
+        global_step: The trainer's optimizer steps so far: ``step`` may not exceed it.
+        clusters: The run's resolved clusters (names and unit counts for ``dropped``, ``factors``, ``taylor``);
+            by default the state's own ``clusters``.
+        latents: Parameter name -> facts, for every parameter that gets a latent copy.
+        readers: ``score="activation"``: reader module name -> ``in_features``.
+        layers: Layer units: the module paths of the layers.
+        world: The number of ranks (a ``per_rank`` latent entry holds one entry per rank).
+        rank: This rank.
+    """
+
+    global_step: int | None = None
+    clusters: Sequence[ResolvedCluster] | None = None
+    latents: Mapping[str, TensorFacts] | None = None
+    readers: Mapping[str, int] | None = None
+    layers: Collection[str] | None = None
+    world: int = 1
+    rank: int = 0
+
+
+class _Checker:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def fail(self, where: str, problem: str, fix: str = _FIX) -> StateError:
+        return StateError(f"{self.what}: `{where}` {problem}; {fix}.")
+
+    def mapping(self, value: object, where: str, *, allow_none: bool = False) -> Mapping[str, Any] | None:
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise self.fail(where, f"must be a mapping with str keys, got {_describe(value)}")
+        return value
+
+    def sequence(self, value: object, where: str) -> Sequence[Any]:
+        if not isinstance(value, (list, tuple)):
+            raise self.fail(where, f"must be a list, got {_describe(value)}")
+        return value
+
+    def integer(self, value: object, where: str, *, low: int = 0, high: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"must be an int, got {_describe(value)}")
+        if value < low or (high is not None and value > high):
+            span = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise self.fail(where, f"must be in {span}, got {value}")
+        return value
+
+    def real(self, value: object, where: str, *, low: float | None = None, high: float | None = None) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(where, f"must be a number, got {_describe(value)}")
+        if not math.isfinite(value):
+            raise self.fail(where, f"must be finite, got {value!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise self.fail(where, f"must be in [{low}, {high}], got {value!r}")
+        return float(value)
+
+    def tensor(
+        self,
+        value: object,
+        where: str,
+        *,
+        shape: tuple[int, ...] | None = None,
+        nonnegative: bool = False,
+        scan: bool = True,
+    ) -> Tensor:
+        if not isinstance(value, Tensor):
+            raise self.fail(where, f"must be a tensor, got {_describe(value)}")
+        if not value.is_floating_point():
+            raise self.fail(where, f"must be a floating-point tensor, got dtype {value.dtype}")
+        if shape is not None and tuple(value.shape) != shape:
+            raise self.fail(where, f"must have shape {shape}, got {tuple(value.shape)}")
+        if scan and value.device.type != "meta" and value.numel():
+            finite = bool(torch.isfinite(value).all())
+            if not finite:
+                raise self.fail(where, "holds non-finite values (NaN or inf)")
+            if nonnegative and bool((value < 0).any()):
+                raise self.fail(where, "holds negative values (it is a sum of squares)")
+        return value
+
+    def names(self, found: Collection[str], known: Collection[str] | None, where: str, what: str) -> None:
+        if known is None:
+            return
+        unknown = sorted(set(found) - set(known))
+        if unknown:
+            raise self.fail(
+                where, f"names {what} {unknown[:5]} that this run does not have (it has {sorted(known)[:5]})"
+            )
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+# ---------------------------------------------------------------------------------------------------- clusters
+def _cluster(check: _Checker, raw: object, where: str) -> ResolvedCluster:
+    data = check.mapping(raw, where)
+    assert data is not None
+    for key in ("name", "members", "num_units"):
+        if key not in data:
+            raise check.fail(where, f"has no {key!r} entry")
+    if not isinstance(data["name"], str) or not data["name"]:
+        raise check.fail(f"{where}.name", f"must be a non-empty str, got {_describe(data['name'])}")
+    name = data["name"]
+    num_units = check.integer(data["num_units"], f"clusters[{name!r}].num_units", low=1)
+    check.integer(data.get("multiple_of", 1), f"clusters[{name!r}].multiple_of", low=1)
+    check.integer(data.get("min_kept", 0), f"clusters[{name!r}].min_kept", low=0, high=num_units)
+    if data.get("target") is not None:
+        check.real(data["target"], f"clusters[{name!r}].target", low=0.0, high=1.0)
+    if data.get("budget") is not None and not isinstance(data["budget"], str):
+        raise check.fail(f"clusters[{name!r}].budget", f"must be a str or None, got {_describe(data['budget'])}")
+    members = check.sequence(data["members"], f"clusters[{name!r}].members")
+    if not members:
+        raise check.fail(f"clusters[{name!r}].members", "is empty")
+    for i, raw_member in enumerate(members):
+        at = f"clusters[{name!r}].members[{i}]"
+        member = check.mapping(raw_member, at)
+        assert member is not None
+        if not isinstance(member.get("name"), str) or not member["name"]:
+            raise check.fail(f"{at}.name", f"must be a parameter name, got {_describe(member.get('name'))}")
+        if member.get("role") not in ("writer", "reader"):
+            raise check.fail(f"{at}.role", f"must be 'writer' or 'reader', got {_describe(member.get('role'))}")
+        shape = check.sequence(member.get("shape"), f"{at}.shape")
+        if not shape:
+            raise check.fail(f"{at}.shape", "is empty")
+        dims = [check.integer(s, f"{at}.shape", low=1) for s in shape]
+        dim = check.integer(member.get("dim"), f"{at}.dim", high=len(dims) - 1)
+        start = check.integer(member.get("start"), f"{at}.start")
+        stop = check.integer(member.get("stop"), f"{at}.stop", low=start + 1, high=dims[dim])
+        block = check.integer(member.get("block"), f"{at}.block", low=1)
+        if block * num_units != stop - start:
+            raise check.fail(
+                at, f"spans channels [{start}, {stop}) of dim {dim}, not num_units * block = {num_units} * {block}"
+            )
+        aliases = member.get("aliases", [])
+        if not isinstance(aliases, (list, tuple)) or not all(isinstance(a, str) for a in aliases):
+            raise check.fail(f"{at}.aliases", f"must be a list of names, got {_describe(aliases)}")
+    try:
+        return ResolvedCluster.from_dict(data)
+    except ValueError as err:
+        raise check.fail(where, f"does not rebuild into a cluster ({err})") from None
+
+
+def saved_clusters(state: Mapping[str, Any], *, what: str) -> list[ResolvedCluster]:
+    """The state's ``clusters``, each checked and rebuilt, and checked against ``fingerprints``.
+
+    Raises:
+        StateError: If an entry is malformed, two clusters share a name, or a cluster's fingerprint is missing or
+            differs from the one recomputed from its definition.
+    """
+    check = _Checker(what)
+    raw = check.sequence(state.get("clusters", []), "clusters")
+    clusters = [_cluster(check, item, f"clusters[{i}]") for i, item in enumerate(raw)]
+    names = [rc.name for rc in clusters]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise check.fail("clusters", f"holds clusters {twice[:5]} twice")
+    prints = check.mapping(state.get("fingerprints", {}), "fingerprints")
+    assert prints is not None
+    if "clusters" in state and "fingerprints" in state and set(prints) != set(names):
+        missing, extra = sorted(set(names) - set(prints)), sorted(set(prints) - set(names))
+        raise check.fail(
+            "fingerprints", f"does not name the saved clusters (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
+    for rc in clusters:
+        if rc.name in prints and prints[rc.name] != rc.fingerprint():
+            raise check.fail(
+                f"fingerprints[{rc.name!r}]",
+                f"is {prints[rc.name]!r}, but the saved definition of cluster {rc.name!r} has fingerprint "
+                f"{rc.fingerprint()!r} (a member, a shape or a target was changed)",
+            )
+    return clusters
+
+
+# ---------------------------------------------------------------------------------------------------- the state
+def check_state(
+    state: object,
+    *,
+    context: StateContext | None = None,
+    what: str = "the checkpoint's pruning state",
+    required: Sequence[str] = REQUIRED,
+) -> list[ResolvedCluster]:
+    """Check a saved pruning state against the schema (and ``context``); nothing is applied or mutated.
+
+    Args:
+        state: The state (what the callback's ``state_dict()`` returned, without ``"distill"``).
+        context: What the run knows that the state must agree with (see :class:`StateContext`).
+        what: The state's name for messages (e.g. ``"CoupledPruningCallback: the checkpoint's pruning state"``).
+        required: The entries the state must hold (a resume needs ``step``; a shrink only ``dropped``).
+
+    Returns:
+        The state's clusters, rebuilt.
+
+    Raises:
+        StateError: Naming the field, what was expected, what was found and the fix.
+
+    Example::
+
+        >>> check_state({"step": 3, "dropped": {}}, context=StateContext(global_step=5))
+        []
+        >>> try:
+        ...     check_state({"step": 9, "dropped": {}}, context=StateContext(global_step=5))
+        ... except StateError as err:
+        ...     print(str(err).split(";")[0])
+        the checkpoint's pruning state: `step` must be in [0, 5], got 9
+    """
+    ctx = context or StateContext()
+    check = _Checker(what)
+    data = check.mapping(state, "state")
+    assert data is not None
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise check.fail("state", f"has unknown entries {unknown[:5]} (a state holds {list(KEYS)})")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise check.fail("state", f"lacks the entries {missing} (keys: {sorted(data)[:8]})")
+    check.integer(data.get("step", 0), "step", high=ctx.global_step)
+    gamma = check.real(data.get("gamma", 0.0), "gamma", low=0.0)
+    check.real(data.get("gamma_prox", 0.0), "gamma_prox", low=0.0, high=gamma)
+    if not isinstance(data.get("shrunk", False), bool):
+        raise check.fail("shrunk", f"must be a bool, got {_describe(data.get('shrunk'))}")
+    options = _options(check, data.get("options", {}))
+    saved = saved_clusters(data, what=what)
+    if ctx.clusters is not None and "fingerprints" in data:
+        prints, current = dict(data["fingerprints"]), {rc.name: rc.fingerprint() for rc in ctx.clusters}
+        if prints != current:
+            changed = sorted(k for k in set(prints) | set(current) if prints.get(k) != current.get(k))
+            raise StateError(
+                f"{what} was written for different clusters ({changed[:5]} differ); resume with the same cluster "
+                "declarations and model, or start a new run."
+            )
+    clusters = list(ctx.clusters) if ctx.clusters is not None else saved
+    units = {rc.name: rc.num_units for rc in clusters}
+    known = units if (ctx.clusters is not None or "clusters" in data) else None
+    dropped = _dropped(check, data.get("dropped", {}), units, known)
+    _not_emptied(check, dropped, clusters, options)
+    factors = check.mapping(data.get("factors", {}), "factors", allow_none=True) or {}
+    check.names(factors, known, "factors", "clusters")
+    for name, value in factors.items():
+        tensor = check.tensor(value, f"factors[{name!r}]", shape=(units[name],) if name in units else None)
+        if tensor.numel() and (bool((tensor < 0).any()) or bool((tensor > 1).any())):
+            raise check.fail(f"factors[{name!r}]", "holds values outside [0, 1] (group-lasso factors)")
+    _latents(check, data.get("latents"), ctx)
+    _activation(check, data.get("activation"), ctx.readers)
+    _taylor(check, data.get("taylor"), units if known is not None else None)
+    _layer_scores(check, data.get("layer_scores"), ctx.layers)
+    return saved
+
+
+def _options(check: _Checker, raw: object) -> Mapping[str, Any]:
+    options = check.mapping(raw, "options")
+    assert options is not None
+    checks = {
+        "target_sparsity": lambda v, w: check.real(v, w, low=0.0, high=1.0),
+        "warmup_steps": lambda v, w: check.integer(v, w),
+        "ramp_steps": lambda v, w: check.integer(v, w, low=1),
+        "every_n_steps": lambda v, w: check.integer(v, w, low=1),
+        "reg_lambda": lambda v, w: check.real(v, w, low=0.0),
+        "group_count_ref": lambda v, w: None if v is None else check.integer(v, w, low=1),
+    }
+    for key, value in options.items():
+        where = f"options[{key!r}]"
+        if key in checks:
+            checks[key](value, where)
+        elif key in _CHOICES and value not in _CHOICES[key]:
+            raise check.fail(where, f"must be one of {_CHOICES[key]}, got {_describe(value)}")
+        elif key == "heal" and not isinstance(value, bool):
+            raise check.fail(where, f"must be a bool, got {_describe(value)}")
+    return options
+
+
+def _dropped(
+    check: _Checker, raw: object, units: Mapping[str, int], known: Collection[str] | None
+) -> dict[str, list[int]]:
+    dropped = check.mapping(raw, "dropped")
+    assert dropped is not None
+    check.names(dropped, known, "dropped", "clusters")
+    out = {}
+    for name, indices in dropped.items():
+        where = f"dropped[{name!r}]"
+        items = check.sequence(indices, where)
+        size = units.get(name)
+        bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise check.fail(where, f"must hold int unit indices, got {_describe(bad[0])}")
+        if len(set(items)) != len(items):
+            twice = sorted({i for i in items if items.count(i) > 1})
+            raise check.fail(where, f"holds the indices {twice[:5]} more than once")
+        if size is not None:
+            outside = [i for i in items if not 0 <= i < size]
+            if outside:
+                raise check.fail(
+                    where, f"holds unit indices {sorted(outside)[:5]} outside [0, {size}) (cluster {name!r} has {size})"
+                )
+        out[name] = sorted(items)
+    return out
+
+
+def _not_emptied(
+    check: _Checker,
+    dropped: Mapping[str, list[int]],
+    clusters: Sequence[ResolvedCluster],
+    options: Mapping[str, Any],
+) -> None:
+    """No cluster (a shared budget: its total) loses every unit unless its target is 1 (DESIGN invariant 11)."""
+    default = options.get("target_sparsity", 0.0)
+    budgets: dict[str, list[ResolvedCluster]] = {}
+    for rc in clusters:
+        if rc.budget is not None:
+            budgets.setdefault(rc.budget, []).append(rc)
+            continue
+        target = default if rc.target is None else rc.target
+        if len(dropped.get(rc.name, ())) == rc.num_units and target < 1.0:
+            raise check.fail(
+                f"dropped[{rc.name!r}]",
+                f"drops every one of the cluster's {rc.num_units} units although its target is {target:g} (below 1): "
+                "the shrunk model would lose the cluster entirely",
+            )
+    for budget, group in budgets.items():
+        target = default if group[0].target is None else group[0].target
+        total = sum(rc.num_units for rc in group)
+        if sum(len(dropped.get(rc.name, ())) for rc in group) == total and target < 1.0:
+            raise check.fail(
+                "dropped", f"drops every unit of budget {budget!r} ({total} units) although its target is {target:g}"
+            )
+
+
+def _latents(check: _Checker, raw: object, ctx: StateContext) -> None:
+    entry = check.mapping(raw, "latents", allow_none=True)
+    if entry is None:
+        return
+    fmt = entry.get("format")
+    if fmt not in LATENT_FORMATS:
+        raise check.fail("latents.format", f"must be one of {LATENT_FORMATS}, got {_describe(fmt)}")
+    expected = ctx.latents
+    if fmt == "dcp":
+        names = check.sequence(entry.get("names"), "latents.names")
+        if not all(isinstance(n, str) for n in names):
+            raise check.fail("latents.names", "must be a list of parameter names")
+        _same_names(check, names, expected, "latents.names")
+        return
+    if fmt == "per_rank":
+        ranks = check.sequence(entry.get("tensors"), "latents.tensors")
+        if len(ranks) != ctx.world:
+            raise check.fail(
+                "latents.tensors",
+                f"holds the latent pieces of {len(ranks)} rank(s) (FSDP1 flat shards), and this run has {ctx.world}",
+                f"resume on {len(ranks)} ranks, or from a checkpoint written outside the ramp",
+            )
+        for r, piece in enumerate(ranks):
+            _latent_tensors(check, piece, expected if r == ctx.rank else None, f"latents.tensors[{r}]", local=True)
+        return
+    _latent_tensors(check, entry.get("tensors"), expected, "latents.tensors", local=fmt != "full")
+
+
+def _latent_tensors(
+    check: _Checker, raw: object, expected: Mapping[str, TensorFacts] | None, where: str, *, local: bool
+) -> None:
+    tensors = check.mapping(raw, where)
+    assert tensors is not None
+    for name, value in tensors.items():
+        facts = None if expected is None else expected.get(name)
+        tensor = check.tensor(value, f"{where}[{name!r}]", scan=False)  # a model-sized copy: not scanned
+        if facts is None:
+            continue
+        want = facts.local_shape if local else facts.shape
+        if tuple(tensor.shape) != tuple(want):
+            raise check.fail(f"{where}[{name!r}]", f"has shape {tuple(tensor.shape)}, the parameter {tuple(want)}")
+        if tensor.dtype != facts.dtype:
+            raise check.fail(f"{where}[{name!r}]", f"has dtype {tensor.dtype}, the parameter {facts.dtype}")
+    _same_names(check, list(tensors), expected, where)
+
+
+def _same_names(check: _Checker, names: Sequence[str], expected: Mapping[str, Any] | None, where: str) -> None:
+    if expected is None:
+        return
+    missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+    if missing or extra:
+        raise check.fail(
+            where,
+            f"names other parameters than the clustered ones (missing {missing[:5]}, unexpected {extra[:5]})",
+            "resume with the model and clusters the checkpoint was written for",
+        )
+
+
+def _activation(check: _Checker, raw: object, readers: Mapping[str, int] | None) -> None:
+    if raw is None:
+        return
+    for r, item in enumerate(check.sequence(raw, "activation")):
+        where = f"activation[{r}]"
+        entry = check.mapping(item, where)
+        assert entry is not None
+        unknown = sorted(set(entry) - {"beta", "ema", "count", "window"})
+        if unknown:
+            raise check.fail(where, f"has unknown entries {unknown}")
+        if "beta" in entry:
+            check.real(entry["beta"], f"{where}.beta", low=0.0, high=1.0)
+        ema = check.mapping(entry.get("ema", {}), f"{where}.ema") or {}
+        counts = check.mapping(entry.get("count", {}), f"{where}.count") or {}
+        windows = check.mapping(entry.get("window", {}), f"{where}.window") or {}
+        for part, names in (("ema", ema), ("count", counts), ("window", windows)):
+            check.names(names, readers, f"{where}.{part}", "reader modules")
+        for name, value in ema.items():
+            tensor = check.tensor(value, f"{where}.ema[{name!r}]", nonnegative=True)
+            if tensor.dim() != 1:
+                raise check.fail(f"{where}.ema[{name!r}]", f"must be 1-D, got shape {tuple(tensor.shape)}")
+            width = None if readers is None else readers.get(name)
+            window = windows.get(name, (0, tensor.numel() if width is None else width))
+            window = check.sequence(window, f"{where}.window[{name!r}]")
+            if len(window) != 2:
+                raise check.fail(f"{where}.window[{name!r}]", f"must be [first channel, channels], got {window!r}")
+            offset = check.integer(window[0], f"{where}.window[{name!r}]")
+            length = check.integer(window[1], f"{where}.window[{name!r}]", low=1)
+            if tensor.numel() != length or (width is not None and offset + length > width):
+                raise check.fail(
+                    f"{where}.ema[{name!r}]",
+                    f"has {tensor.numel()} channels for a window of {length} from channel {offset}"
+                    + ("" if width is None else f" of the module's {width} input channels"),
+                )
+        for name, value in counts.items():
+            check.integer(value, f"{where}.count[{name!r}]")
+
+
+def _taylor(check: _Checker, raw: object, units: Mapping[str, int] | None) -> None:
+    if raw is None:
+        return
+    for r, item in enumerate(check.sequence(raw, "taylor")):
+        where = f"taylor[{r}]"
+        entry = check.mapping(item, where)
+        assert entry is not None
+        check.integer(entry.get("steps", 0), f"{where}.steps")
+        sums = check.mapping(entry.get("sums", {}), f"{where}.sums") or {}
+        check.names(sums, units, f"{where}.sums", "clusters")
+        for name, value in sums.items():
+            shape = None if units is None else (units[name],)
+            check.tensor(value, f"{where}.sums[{name!r}]", shape=shape, nonnegative=True)
+
+
+def _layer_scores(check: _Checker, raw: object, layers: Collection[str] | None) -> None:
+    if raw is None:
+        return
+    for r, item in enumerate(check.sequence(raw, "layer_scores")):
+        where = f"layer_scores[{r}]"
+        entry = check.mapping(item, where)
+        assert entry is not None
+        for part in ("sum", "count"):
+            values = check.mapping(entry.get(part, {}), f"{where}.{part}") or {}
+            check.names(values, layers, f"{where}.{part}", "layers")
+            for name, value in values.items():
+                check.real(value, f"{where}.{part}[{name!r}]", low=0.0)
+
+
+__all__ = ["KEYS", "LATENT_FORMATS", "REQUIRED", "StateContext", "StateError", "TensorFacts", "check_state"]

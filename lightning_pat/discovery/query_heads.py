@@ -1,0 +1,80 @@
+"""GQA query heads inside their KV groups, for the whole query groups the trace found in a transformers attention.
+
+The walk (:mod:`lightning_pat.discovery.attention`) proves a whole query group exact: one KV head and its ``n_rep``
+query heads. A finer unit, one query head (its ``q_proj`` rows and bias and its ``o_proj`` columns; ``k/v_proj``
+kept whole), is exact too when nothing inside the group mixes its query heads: a dropped query head's query is zero,
+so it attends uniformly and returns the mean of its values, which its zero ``o_proj`` columns ignore. The trace
+cannot tell that apart from an op mixing the heads of one group (the group is one unit for it), so this refinement
+is applied only where the attention module is a Hugging Face one (a class defined in ``transformers.models``) of the
+Llama layout (``nn.Linear`` ``q/k/v/o_proj``, an int ``head_dim`` and ``num_key_value_groups``): their attention
+functions compute every query head on its own, and the shrink rewrites their head counts, so that every KV group
+must keep the same number of query heads (``unit_groups`` = the KV head count).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_pat.core.spec import Cluster
+
+
+def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | None:
+    """The transformers attention module whose whole query groups ``cluster`` is, or ``None``."""
+    if not cluster.writers or not cluster.writers[0].endswith(".q_proj.weight"):
+        return None
+    path = cluster.writers[0][: -len(".q_proj.weight")]
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    projections = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(p, nn.Linear) for p in projections) or not type(module).__module__.startswith(
+        "transformers.models."
+    ):
+        return None
+    if not all(isinstance(getattr(module, a, None), int) for a in ("head_dim", "num_key_value_groups")):
+        return None
+    expected = {f"{path}.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")}
+    found = set(cluster.writers)
+    if not {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= found <= expected:
+        return None
+    if cluster.readers != [f"{path}.o_proj.weight"]:
+        return None
+    return path, module
+
+
+def refine_query_heads(model: nn.Module, clusters: list[Cluster]) -> list[Cluster]:
+    """Replace each whole-query-group cluster of a transformers GQA attention by its query-head cluster.
+
+    Args:
+        model: The traced model.
+        clusters: The clusters found (whole channel axes, explicit ``num_units``).
+
+    Returns:
+        The clusters, those of GQA attention modules (``num_key_value_groups > 1``, one unit per KV head) replaced
+        by ``q_proj`` rows (and bias) and ``o_proj`` columns with one unit per query head and ``unit_groups`` = the
+        KV head count; the others unchanged.
+    """
+    out = []
+    for cluster in clusters:
+        found = _attention(model, cluster)
+        if found is None:
+            out.append(cluster)
+            continue
+        path, module = found
+        num_kv = module.k_proj.out_features // module.head_dim
+        n_rep = module.num_key_value_groups
+        if n_rep < 2 or cluster.num_units != num_kv or module.q_proj.out_features != num_kv * n_rep * module.head_dim:
+            out.append(cluster)
+            continue
+        writers = [w for w in cluster.writers if w.startswith(f"{path}.q_proj.")]
+        out.append(
+            Cluster(
+                name=cluster.name,
+                writers=writers,
+                readers=list(cluster.readers),
+                num_units=num_kv * n_rep,
+                unit_groups=num_kv,
+            )  # fmt: skip
+        )
+    return out

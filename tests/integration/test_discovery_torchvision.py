@@ -1,0 +1,70 @@
+"""torchvision's classification models (the CI subset of bench/bench_zoo.py, which runs the whole zoo): a residual
+CNN, a depthwise/squeeze-excite net, a ViT, a Swin and a ShuffleNet, random init with randomised norms, layer scales
+and class tokens. Discovery, 50% pruning of every cluster, ``shrink(..., example_input=found)`` (which runs and
+compares the shrunk model itself), and an independent comparison here (eval, fp32, rel < 1e-5); what each model
+leaves out, and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pat import discover, prune_clusters, shrink
+from tests.common import torchvision_zoo as zoo
+
+try:
+    zoo.import_torchvision()
+except ImportError:  # a guard only: `make setup` installs torchvision into .venv/torchvision, so these run in CI
+    pytest.skip("torchvision is not installed (make setup)", allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _reasons(found) -> dict[str, tuple[str, ...]]:
+    return {lo.name: lo.reasons for lo in found.left_out}
+
+
+@pytest.mark.parametrize("name", zoo.CI_SUBSET)
+def test_zoo_model_prunes_half_and_shrinks_exactly(name):
+    model = zoo.build(name)
+    x = zoo.images(name, 2)
+    found = discover(model, x)
+    assert found.clusters
+    before = sum(p.numel() for p in model.parameters())
+    result = prune_clusters(model, found.clusters, 0.5)
+    with torch.no_grad():
+        masked = model(x)
+    small = shrink(model, result, example_input=found)
+    with torch.no_grad():
+        out = small(zoo.images(name, 2))
+    assert float(masked.norm()) > 1e-3
+    assert float((out - masked).norm() / masked.norm()) < 1e-5
+    assert sum(p.numel() for p in small.parameters()) < before
+    reasons = _reasons(found)
+    if name == "resnet18":  # every convolution: only the logits are left out
+        writers = {m.name for rc in result.clusters for m in rc.members if m.role == "writer"}
+        assert {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d)} <= writers
+        assert list(reasons) == ["fc"]
+    if name == "vit_b_32":  # the MLPs; the heads sit in nn.MultiheadAttention, the stream is LayerNorm-ed
+        assert len(found.clusters) == 12
+        assert all(c.name.endswith("mlp.0") for c in found.clusters)
+        assert any("MultiheadAttention" in " ".join(r) or "in_proj" in " ".join(r) for r in reasons.values())
+    if name == "swin_t":  # heads found behind the packed qkv (whole heads), left out with the reason; MLPs pruned
+        heads = [lo for lo in found.left_out if lo.name.endswith("attn.qkv") and lo.units in (3, 6, 12, 24)]
+        assert len(heads) == 12
+        assert len(found.clusters) == 12
+
+
+def test_discover_with_an_input_that_does_not_fit_says_so():
+    model = zoo.build("resnet18")
+    with pytest.raises(ValueError, match=r"the example input does not fit ResNet's forward \(module 'conv1' raised"):
+        discover(model, torch.zeros(2, 4, 32, 32))
