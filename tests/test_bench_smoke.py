@@ -29,6 +29,12 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | ms/step | vs no distillation | teacher forward (ms/step) | teacher collectives/step |",
     ),
     "quality": (["bench_quality.py", "--quick"], "| variant | seeds | val loss mean ± std |"),
+    "pretrained": (["bench_pretrained.py", "--quick", "--no-samples"], "| size | arm | heal tokens | seeds |"),
+    "pretrained-overhead": (
+        ["bench_pretrained.py", "--quick", "--overhead", "--rounds", "1"],
+        "| component | ms (CPU) | % of a training step |",
+    ),
+    "gpu-pretrained": (["gpu_pretrained.py", "--tiny", "--parallel", "2"], "| size | arm | heal tokens | seeds |"),
     "sharded": (
         ["bench_sharded.py", "--world", "2", "--sizes", "S", "--steps", "1"],
         "| size (d/ffn/layers, params) | clusters | executor | collectives |",
@@ -53,6 +59,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | widths | params (M) | tokens/s (batch 32) |",
     ),
     "accumulation": (["bench_accumulation.py", "--repeats", "1"], "| weight dtype | shape | channel dim |"),
+    "serve": (["bench_serve.py", "--quick"], "| variant | params | engine | tokens/s | vs dense | TTFT ms |"),
     "oneshot-units": (
         ["bench_oneshot_units.py", "--quick", "--sizes", "0.75", "--scores", "activation"],
         "| units | size | score | allocation | params | held-out loss | vs dense | widths |",

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.integration
 NOT_RUN = {
     "make demo": "the full demo; examples/demo.py runs in test_examples.py",
     "make test": "this test suite",
+    "lightning-pat shrink --ckpt_path CKPT --output served --format decilm gguf --gguf_dtype f16": "a Llama "
+    "checkpoint with a tokenizer; tests/integration/test_serve_cli.py runs this command",
+    "make bench-serve": "the serving benchmark (vLLM and llama.cpp venv, SmolLM2); bench_serve.py --quick runs in "
+    "test_bench_smoke.py",
     "python examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
     "torchrun --nproc_per_node=8 examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
     "lightning-pat fit --config examples/configs/fsdp2.yaml --trainer.accelerator=gpu --trainer.devices=8 "

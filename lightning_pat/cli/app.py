@@ -5,6 +5,7 @@
     lightning-pat fit --config examples/configs/demo.yaml        # train (and prune) from a YAML file
     lightning-pat validate --config ... --ckpt_path CKPT          # evaluate a checkpoint
     lightning-pat shrink --ckpt_path CKPT --output DIR            # cut the pruned units out of a checkpoint's model
+    lightning-pat shrink ... --format decilm gguf                 # ... as DeciLM (vLLM) plus model.gguf (llama.cpp)
     python -m lightning_pat.cli ...                               # the same without the console script
 
 Any LightningModule / LightningDataModule can be named by ``class_path`` in the config, and
@@ -258,6 +259,24 @@ def shrink_main(args: list[str] | None = None) -> Path:
     parser.add_argument("--config", help="the run's LightningCLI config (default: config.yaml next to the logs)")
     parser.add_argument("--model_class", help="LightningModule class path, instead of a config (uses saved hparams)")
     parser.add_argument("--submodule", help="attribute path of the module to export (default: the wrapped model)")
+    parser.add_argument(
+        "--format",
+        nargs="+",
+        default=["hf"],
+        choices=["hf", "decilm", "gguf"],
+        help="hf (default; stock Hugging Face layout), decilm (Llama with per-layer widths, for vLLM with "
+        "trust_remote_code), gguf (model.gguf for llama.cpp, next to the main format); e.g. --format decilm gguf",
+    )
+    parser.add_argument(
+        "--gguf_dtype", default="f32", help="GGUF tensor type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1"
+    )
+    tok = parser.add_mutually_exclusive_group()
+    tok.add_argument(
+        "--tokenizer",
+        help="directory to copy the tokenizer files from (default: the LightningModule's `tokenizer`, else the "
+        "tokenizer files of the directory the model was loaded from)",
+    )
+    tok.add_argument("--no_tokenizer", action="store_true", help="write no tokenizer")
     ns = parser.parse_args(args)
     out = shrink_checkpoint(
         ns.ckpt_path,
@@ -266,6 +285,9 @@ def shrink_main(args: list[str] | None = None) -> Path:
         model_class=ns.model_class,
         submodule=ns.submodule,
         overwrite=ns.overwrite,
+        tokenizer=None if ns.no_tokenizer else (ns.tokenizer or "auto"),
+        format=ns.format,
+        gguf_dtype=ns.gguf_dtype,
     )
     sys.stdout.write(f"shrunk model written to {out}\n")
     return out

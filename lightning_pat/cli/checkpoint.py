@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,9 @@ def shrink_checkpoint(
     model_class: str | None = None,
     submodule: str | None = None,
     overwrite: bool = False,
+    tokenizer: object = "auto",
+    format: str | Sequence[str] = "hf",  # noqa: A002 - save_pretrained's name
+    gguf_dtype: str = "f32",
 ) -> Path:
     """Load a checkpoint's model, cut the pruned units out, and save the smaller model.
 
@@ -203,6 +206,10 @@ def shrink_checkpoint(
     exported model is the LightningModule's only transformers model (``save_pretrained``), else its only child
     module, else ``submodule`` or the whole module (a ``torch.save``'d module plus its sizes).
 
+    The tokenizer goes next to the model: with ``tokenizer="auto"``, the LightningModule's ``tokenizer`` attribute if
+    it has one with ``save_pretrained`` (``lightning_pat.lm.CausalLM`` keeps its tokenizer there), else the tokenizer
+    files of the directory the model's config names (``name_or_path``), else none.
+
     Args:
         ckpt_path: A ``.ckpt`` file, or a distributed checkpoint directory written under ``ModelParallelStrategy``.
         output: Directory to write.
@@ -210,19 +217,25 @@ def shrink_checkpoint(
         model_class: LightningModule class path, used when there is no config.
         submodule: Attribute path of the module to export (default: see above).
         overwrite: Replace an earlier export in ``output`` (a non-empty ``output`` is refused otherwise).
+        tokenizer: ``"auto"`` (see above), ``None``, a tokenizer object or a directory holding tokenizer files.
+        format: As for :func:`~lightning_pat.shrink.export.save_pretrained`: ``"hf"``, ``"decilm"``, ``"gguf"`` or
+            a list (``["decilm", "gguf"]``).
+        gguf_dtype: The GGUF tensor type (``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``, ...).
 
     Returns:
         The output directory.
 
     Raises:
         ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
-            anything but a LightningModule / ``nn.Module`` class), or the checkpoint holds no pruning state.
+            anything but a LightningModule / ``nn.Module`` class), the checkpoint holds no pruning state, or
+            ``format`` / ``gguf_dtype`` / ``tokenizer`` is refused (as by ``save_pretrained``).
         FileExistsError: If ``output`` is not empty and ``overwrite`` is false.
     """
     from lightning_pat import shrink
-    from lightning_pat.shrink.export import check_directory, save_pretrained
+    from lightning_pat.shrink.export import check_directory, check_format, save_pretrained
 
     check_directory(output, overwrite=overwrite)  # before the (long) load
+    check_format(format, gguf_dtype=gguf_dtype)
     checkpoint = load_checkpoint(ckpt_path)
     state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
     if not isinstance(state, Mapping):
@@ -267,7 +280,17 @@ def shrink_checkpoint(
     if not already_small:
         _warn_if_not_final(state)
         shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
-    return save_pretrained(target.eval(), output, overwrite=overwrite)
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        tokenizer = module_tokenizer(module) or "auto"
+    return save_pretrained(
+        target.eval(), output, overwrite=overwrite, tokenizer=tokenizer, format=format, gguf_dtype=gguf_dtype
+    )
+
+
+def module_tokenizer(module: nn.Module) -> Any:
+    """The LightningModule's ``tokenizer`` attribute if it can write itself (``save_pretrained``), else ``None``."""
+    found = getattr(module, "tokenizer", None)
+    return found if callable(getattr(found, "save_pretrained", None)) else None
 
 
 def _warn_if_not_final(state: Mapping[str, Any]) -> None:

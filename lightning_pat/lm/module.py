@@ -179,7 +179,7 @@ class CausalLM(pl.LightningModule):
         if callback is not None:
             shrink(self.model, callback)  # returns at once if shrink_on_freeze already cut the model
         if self.trainer.is_global_zero:
-            save_pretrained(self.model, self.export, overwrite=self.export_overwrite)
-            self.tokenizer.save_pretrained(self.export)
+            # the tokenizer goes into the same atomic directory as the weights
+            save_pretrained(self.model, self.export, overwrite=self.export_overwrite, tokenizer=self.tokenizer)
             log.info("CausalLM: exported %s parameters and the tokenizer to %s",
                      f"{sum(p.numel() for p in self.model.parameters()):,}", Path(self.export))  # fmt: skip

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
-from lightning_pat.shrink import hf_entry
+from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
+from lightning_pat.shrink.llama_layout import read_layout
 from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
 
 log = logging.getLogger(__name__)
@@ -60,16 +61,42 @@ _VERSION = hf_entry.VERSION
 _MODULE_VERSION = 2  # 1: a pickled model.pt (now only with unsafe_pickle); 2: safetensors + module description
 _EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
-    r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|"
-    # the tokenizer written next to the model (lightning_pat.lm.CausalLM's export)
-    r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|vocab\.json|"
-    r"merges\.txt|tokenizer\.model"
+    r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|model\.gguf|"
+    r"configuration_decilm\.py"
 )
+#: The values of ``format``: the directory's main format ("hf" or "decilm"), and "gguf" next to it.
+FORMATS = ("hf", "decilm", "gguf")
 
 
 def is_export_file(name: str) -> bool:
-    """Whether ``name`` is a file an export writes (what ``overwrite=True`` may replace)."""
-    return _EXPORT_FILES.fullmatch(name) is not None
+    """Whether ``name`` is a file an export writes (what ``overwrite=True`` may replace), tokenizer files included."""
+    return _EXPORT_FILES.fullmatch(name) is not None or tokenizer_files.is_tokenizer_file(name)
+
+
+def check_format(format: str | Iterable[str], *, gguf_dtype: str = "f32") -> tuple[str, bool]:  # noqa: A002
+    """``(main format, whether a GGUF file is written)`` for ``save_pretrained``'s ``format``, checked.
+
+    Raises:
+        ValueError: If a value is not one of :data:`FORMATS`, both "hf" and "decilm" are given, or ``gguf_dtype``
+            is not a GGUF type this writer knows.
+    """
+    values = [format] if isinstance(format, str) else list(format)
+    unknown = [v for v in values if v not in FORMATS]
+    if unknown or not values:
+        raise ValueError(
+            f"save_pretrained: `format` must be one of {list(FORMATS)} or a list of them (e.g. ['decilm', 'gguf']), "
+            f"got {format!r}."
+        )
+    if "hf" in values and "decilm" in values:
+        raise ValueError(
+            "save_pretrained: `format` holds both 'hf' and 'decilm'; the directory has one config.json, so choose "
+            "one of them ('gguf' may go with either)."
+        )
+    if "gguf" in values:
+        from lightning_pat.shrink.gguf import check_dtype
+
+        check_dtype(gguf_dtype)
+    return ("decilm" if "decilm" in values else "hf"), "gguf" in values
 
 
 def check_directory(directory: str | Path, *, overwrite: bool) -> None:
@@ -84,7 +111,14 @@ def check_directory(directory: str | Path, *, overwrite: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------------- save
 def save_pretrained(
-    model: nn.Module, directory: str | Path, *, overwrite: bool = False, unsafe_pickle: bool = False
+    model: nn.Module,
+    directory: str | Path,
+    *,
+    overwrite: bool = False,
+    unsafe_pickle: bool = False,
+    tokenizer: object = "auto",
+    format: str | Iterable[str] = "hf",  # noqa: A002 - the name users know from serving tools
+    gguf_dtype: str = "f32",
 ) -> Path:
     """Write a (shrunk) model so that :func:`load_pretrained` (and, where possible, stock tools) can load it.
 
@@ -94,6 +128,17 @@ def save_pretrained(
         overwrite: Replace an earlier export in ``directory`` (a directory holding other files is still refused).
         unsafe_pickle: For a module the safe format cannot describe, write a pickled ``model.pt`` instead of refusing.
             Loading it needs ``load_pretrained(..., unsafe_pickle=True)`` and runs whatever code the file contains.
+        tokenizer: The tokenizer written next to the model: a tokenizer object (``save_pretrained(dir)``), a
+            directory to copy its tokenizer files from, ``None`` for none, or ``"auto"``: the tokenizer files of the
+            directory the model was loaded from (``config.name_or_path``), if it is a local one holding them.
+        format: ``"hf"`` (the stock Hugging Face layout, plus a ``lightning_pat`` config entry for shapes its config
+            cannot express), ``"decilm"`` (Llama family: a DeciLM ``nemotron-nas`` config with per-layer KV groups
+            and MLP widths, which vLLM serves with ``trust_remote_code=True``; see
+            :mod:`lightning_pat.shrink.decilm`), and/or ``"gguf"`` (Llama family: ``model.gguf`` for llama.cpp next
+            to the main format, with the tokenizer embedded; :mod:`lightning_pat.shrink.gguf`). A list combines
+            them: ``["decilm", "gguf"]``.
+        gguf_dtype: The GGUF tensor type: ``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
+            ``"q5_0"`` or ``"q5_1"``.
 
     Returns:
         The directory.
@@ -101,17 +146,73 @@ def save_pretrained(
     Raises:
         ValueError: If a Hugging Face model's shapes are not expressible by its config and the config it was built
             from cannot be rebuilt, or a module holds state the safe format cannot describe and ``unsafe_pickle`` is
-            false (the messages name the class or attribute and the fix).
+            false (the messages name the class or attribute and the fix); if ``format`` or ``gguf_dtype`` is not
+            one of the values above, "decilm"/"gguf" is asked of a model that is not a ``LlamaForCausalLM`` (or
+            has biases, RMSNorm eps that differ, a RoPE scaling for GGUF), DeciLM is asked of a model whose
+            query-head count differs between layers, GGUF without a byte-level BPE tokenizer whose pre-tokenizer
+            llama.cpp names, or ``tokenizer`` is neither a tokenizer object nor a directory holding one.
         FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
             of an export.
+        ModuleNotFoundError: If "gguf" is asked and the ``gguf`` package is not installed.
     """
     directory = Path(directory)
-    with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained") as tmp:
-        if hf_entry.is_hf(model):
+    what = "save_pretrained"
+    main, with_gguf = check_format(format, gguf_dtype=gguf_dtype)
+    is_hf = hf_entry.is_hf(model)
+    if (main == "decilm" or with_gguf) and not is_hf:
+        raise ValueError(
+            f"save_pretrained: format {format!r} writes Llama-family Hugging Face models; {type(model).__name__} is "
+            "not one. Use the default format='hf'."
+        )
+    deci_config = None
+    if main == "decilm":
+        deci_config = decilm.config_dict(read_layout(model, what=f"{what}(format='decilm')"), what=what)
+    if with_gguf:
+        from lightning_pat.shrink.gguf import layout_for_gguf
+
+        layout_for_gguf(model, what=f"{what}(format='gguf')")
+    source = tokenizer_files.resolve(tokenizer, model, what=what) if is_hf or tokenizer != "auto" else None
+    if with_gguf and source is None:
+        raise ValueError(
+            "save_pretrained(format='gguf'): a GGUF file embeds the tokenizer, and none was found; pass tokenizer= "
+            "(a tokenizer object, or the directory holding tokenizer.json)."
+        )
+    with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what=what) as tmp:
+        if deci_config is not None:
+            _save_decilm(model, tmp, deci_config)
+        elif is_hf:
             _save_hf(model, tmp, destination=directory)
         else:
             _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
+        if source is not None:
+            tokenizer_files.write(source, tmp, what=what)
+        if with_gguf:
+            from lightning_pat.shrink.gguf import GGUF_FILE, write_gguf
+
+            write_gguf(model, tmp / GGUF_FILE, tokenizer_dir=tmp, dtype=gguf_dtype, what=f"{what}(format='gguf')")
     return directory
+
+
+def _save_with_base_config(model: nn.Module, directory: Path) -> None:
+    """``model.save_pretrained`` under the config it was built from; the caller writes ``config.json`` afterwards.
+
+    transformers validates the config it writes; the weights are written as they are.
+    """
+    _, base_config = hf_entry.base_config(model)
+    shrunk_config = model.config
+    model.config = base_config
+    try:
+        model.save_pretrained(directory)
+    finally:
+        model.config = shrunk_config
+
+
+def _save_decilm(model: nn.Module, directory: Path, config: Mapping[str, Any]) -> None:
+    _save_with_base_config(model, directory)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    (directory / decilm.CONFIG_MODULE_FILE).write_text(decilm.config_module_source())
+    layers = len(config["block_configs"])
+    log.info("save_pretrained: DeciLM export (%d layers); vLLM: LLM(model=..., trust_remote_code=True)", layers)
 
 
 def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
@@ -121,21 +222,16 @@ def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
         log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", type(model).__name__)
         return
     cls = type(model)
-    _, base_config = hf_entry.base_config(model)
-    shrunk_config = model.config
-    model.config = base_config  # transformers validates the config it writes; the weights are written as they are
-    try:
-        model.save_pretrained(directory)
-    finally:
-        model.config = shrunk_config
-    config = {**shrunk_config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
+    _save_with_base_config(model, directory)
+    config = {**model.config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     log.warning(
         "save_pretrained: the stock %s config cannot express this model (%s); load it with "
-        "lightning_pat.load_pretrained(%r)",
+        "lightning_pat.load_pretrained(%r)%s",
         cls.__name__,
         entry["why"][0],
         str(destination),  # not the temporary directory the export is built in
+        " (format='decilm' writes a config vLLM serves)" if cls.__name__ == "LlamaForCausalLM" else "",
     )
 
 
@@ -207,6 +303,11 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
 
     config = json.loads(confined(directory, "config.json", what="load_pretrained").read_text())
     weights = _weight_files(directory)  # every name confined, before transformers opens anything
+    if decilm.is_decilm(config):  # read as data: the export's configuration_decilm.py is never imported
+        deci = decilm.entry_from_config(config)
+        model = _build(transformers, deci, _read_safetensors(weights), directory)
+        hf_entry.record(model)  # per-layer widths: the entry that lets save_pretrained(model) write it again
+        return model.eval()
     entry = config.get(ENTRY)
     if entry is None:
         arch = (config.get("architectures") or [None])[0]
@@ -215,19 +316,25 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
         version = entry.get("version") if isinstance(entry, Mapping) else entry
         raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")
+    model = _build(transformers, entry, _read_safetensors(weights), directory)
+    model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
+    setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
+    return model.eval()
+
+
+def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torch.Tensor], directory: Path) -> Any:
+    """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights."""
     cls = _hf_class(transformers, entry["class"])
     base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
     model = hf_entry.build_empty(cls, base_config)
-    state = _read_safetensors(weights)
     attributes = _entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
     _materialize(model, entry["shapes"], state)
     for module, key, value in attributes:
         old = getattr(module, key, None)
         setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
-    model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
-    setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
-    return model.eval()
+    model.config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
+    return model
 
 
 def _plain(value: object) -> bool:

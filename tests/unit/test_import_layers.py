@@ -8,11 +8,12 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
-* ``pruning`` (options, presets, activation, gradient, layer_score, engine: the one-shot API; discovery: clusters
-  found by tracing): adds parallel, and shrink (discovery returns only clusters the shrink can rewrite, checked by
-  the shrink's own validation and a trial shrink);
-* ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export): core and itself; export.py adds
-  transformers and safetensors;
+* ``pruning`` (options, presets, activation, gradient, layer_score, repair, engine: the one-shot API; discovery:
+  clusters found by tracing): adds parallel, and shrink (discovery returns only clusters the shrink can rewrite,
+  checked by the shrink's own validation and a trial shrink);
+* ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
+  export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
+  DeciLM export carries) transformers;
 * ``training`` (options' users: controller, state, latent, metrics, distill, teacher_file, views, callback, recipes,
   trainer_facts):
   adds pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py,
@@ -52,6 +53,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "allocation",
         "sizing",
         "flops",
+        "repair",
         "discovery.",
     ),  # fmt: skip
     "shrink": ("shrink.",),
@@ -81,6 +83,12 @@ LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.recipes", f"{PKG}.t
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
 EXPORT = f"{PKG}.shrink.export"
+#: shrink modules that may import a third-party package besides torch (the serving formats import theirs lazily)
+SHRINK_THIRD_PARTY = {
+    EXPORT: ("transformers", "safetensors"),
+    f"{PKG}.shrink.gguf": ("gguf",),
+    f"{PKG}.shrink.decilm_config": ("transformers",),
+}
 COLLECTIVES_OK = {f"{PKG}.parallel.distributed"}
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
@@ -234,7 +242,7 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
                 errors.append(f"{where} as {alias}: no one-letter module aliases")
             continue
         if floor in ("core", "shrink") and not (_is_stdlib(name) or top == "torch"):
-            ok_export = mod == EXPORT and top in ("transformers", "safetensors")
+            ok_export = top in SHRINK_THIRD_PARTY.get(mod, ())
             if not ok_export:
                 errors.append(f"{where}: the {floor} floor imports only the stdlib and torch")
         dtensor_types = mod in DTENSOR_TYPES_OK and name.startswith(DTENSOR_TYPE_MODULES)

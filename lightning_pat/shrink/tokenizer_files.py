@@ -1,0 +1,150 @@
+"""The tokenizer of an export: written next to the model, from a tokenizer object or a directory's tokenizer files.
+
+A served model needs its tokenizer: vLLM and ``AutoTokenizer`` read it from the model directory, and a GGUF file
+embeds it. :func:`resolve` turns what the caller gave (``tokenizer=`` of ``save_pretrained``) into a source, checked
+before anything is written; :func:`write` puts its files into the export's temporary directory.
+
+* A tokenizer object (anything with ``save_pretrained(directory)``, e.g. a transformers tokenizer): it writes its own
+  files; only the known tokenizer file names (:data:`TOKENIZER_FILES`) are kept.
+* A directory (``str`` or ``Path``): its known tokenizer files are copied (plain files inside it only; a symlink
+  that leads outside is refused).
+* ``"auto"``: the tokenizer files of the directory the model was loaded from (``config.name_or_path``), when it is a
+  local directory holding a ``tokenizer.json`` or ``tokenizer_config.json``; otherwise no tokenizer.
+* ``None``: no tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_pat.core.safe_io import confined
+
+log = logging.getLogger(__name__)
+
+#: The file names a tokenizer may consist of (what is copied, and what ``overwrite=True`` may replace).
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+#: Any one of these makes a directory a tokenizer directory.
+_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether ``name`` is one of :data:`TOKENIZER_FILES`."""
+    return name in TOKENIZER_FILES
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where the tokenizer files come from: a tokenizer object or a directory (exactly one is set)."""
+
+    obj: Any = None
+    directory: Path | None = None
+
+    def describe(self) -> str:
+        """For log and error messages."""
+        return f"the tokenizer files of {self.directory}" if self.directory else f"a {type(self.obj).__name__}"
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return directory.is_dir() and any((directory / m).is_file() for m in _MARKERS)
+
+
+def source_directory(model: nn.Module) -> Path | None:
+    """The local directory named by ``model.config.name_or_path`` if it holds tokenizer files, else ``None``."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    if not isinstance(name, str) or not name:
+        return None
+    path = Path(name).expanduser()
+    return path if _has_tokenizer(path) else None
+
+
+def resolve(tokenizer: object, model: nn.Module, *, what: str) -> TokenizerSource | None:
+    """The tokenizer source for ``tokenizer=`` (see the module docstring), checked before anything is written.
+
+    Args:
+        tokenizer: ``"auto"``, ``None``, a tokenizer object, or a directory.
+        model: The model being exported (for ``"auto"``).
+        what: The caller, for error messages.
+
+    Returns:
+        The source, or ``None`` for no tokenizer.
+
+    Raises:
+        ValueError: If a path is not a directory holding ``tokenizer.json`` or ``tokenizer_config.json``, or an
+            object has no ``save_pretrained``.
+    """
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        found = source_directory(model)
+        if found is None:
+            log.info("%s: no tokenizer written (the model's config names no local directory with one)", what)
+            return None
+        return TokenizerSource(directory=found)
+    if isinstance(tokenizer, (str, Path)):
+        path = Path(tokenizer).expanduser()
+        if not _has_tokenizer(path):
+            raise ValueError(
+                f"{what}: `tokenizer` {str(tokenizer)!r} is not a directory holding tokenizer.json or "
+                "tokenizer_config.json; pass a tokenizer object (e.g. AutoTokenizer.from_pretrained(...)), the "
+                "directory the model was loaded from, or tokenizer=None."
+            )
+        return TokenizerSource(directory=path)
+    if callable(getattr(tokenizer, "save_pretrained", None)):
+        return TokenizerSource(obj=tokenizer)
+    raise ValueError(
+        f"{what}: `tokenizer` must be 'auto', None, a directory or an object with save_pretrained(directory); got "
+        f"a {type(tokenizer).__name__}."
+    )
+
+
+def write(source: TokenizerSource, directory: Path, *, what: str) -> list[str]:
+    """Write the tokenizer files of ``source`` into ``directory`` (the export's temporary directory).
+
+    Returns:
+        The file names written.
+
+    Raises:
+        ValueError: If the source yields no tokenizer file, or a file of a source directory is a symlink leading
+            outside it.
+    """
+    written: list[str] = []
+    if source.directory is not None:
+        for name in TOKENIZER_FILES:
+            if (source.directory / name).is_file():
+                path = confined(source.directory, name, what=f"{what}: tokenizer")
+                shutil.copyfile(path, directory / name)
+                written.append(name)
+    else:
+        with tempfile.TemporaryDirectory(prefix=".tokenizer-", dir=directory) as scratch:
+            source.obj.save_pretrained(scratch)
+            for child in sorted(Path(scratch).iterdir()):
+                if child.is_file() and not child.is_symlink() and is_tokenizer_file(child.name):
+                    shutil.move(str(child), directory / child.name)
+                    written.append(child.name)
+                else:
+                    log.info("%s: the tokenizer also wrote %s, which is not kept", what, child.name)
+    if not written:
+        raise ValueError(f"{what}: {source.describe()} yielded none of the tokenizer files {list(TOKENIZER_FILES)}.")
+    log.info("%s: tokenizer written from %s (%s)", what, source.describe(), ", ".join(written))
+    return written
