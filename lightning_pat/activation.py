@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.budget import is_layer_cluster
 from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import fold_to_units, unit_of_channels
@@ -259,7 +260,7 @@ class ActivationStats(TrainingForwardHooks):
                 f"score='activation': skipped non-finite input batches of reader modules {new} (NaN/Inf, or values "
                 "whose squares overflow float32); their statistics keep the finite batches only "
                 "(`ActivationStats.skipped`).",
-                RuntimeWarning,
+                PruningWarning,
                 stacklevel=3,
             )
 

@@ -15,7 +15,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser
 from torch import nn
 
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.safe_io import confined, load_torch_file
+from lightning_pat.core.schedule import final_step_of
 from lightning_pat.shrink import checkpoint_state, restore_shrunk, state_source
 from lightning_pat.training.state import SIDE_PREFIX
 
@@ -296,12 +298,12 @@ def module_tokenizer(module: nn.Module) -> Any:
 def _warn_if_not_final(state: Mapping[str, Any]) -> None:
     """Warn when the checkpoint was written before the schedule's final step (the mask may still change)."""
     options = state.get("options") or {}
-    final = int(options.get("warmup_steps", 0)) + int(options.get("ramp_steps", 0))
+    final = final_step_of(options)
     if options and int(state.get("step", 0)) < final:
         warnings.warn(
             f"lightning-pat shrink: the checkpoint was written at pruning step {state.get('step')}, before the final "
             f"ramp step {final}; the shrunk model removes the units dropped so far (the mask was not final). Shrink "
             "a checkpoint from the end of the ramp or later for the final widths.",
-            UserWarning,
+            PruningWarning,
             stacklevel=3,
         )

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
@@ -469,7 +469,7 @@ def _polish(
 
 def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, int]:
     """Cluster name -> kept units, from a group configuration (a layer group keeps its first ``k`` layers)."""
-    out = {}
+    out: dict[str, int] = {}
     for group in groups:
         k = kept[group.name]
         if group.budget is not None:
@@ -739,7 +739,7 @@ def size_problem(
     """
     axes: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
     owners: dict[str, str] = {}
-    grouped: dict[tuple, list[ResolvedCluster]] = {}
+    grouped: dict[tuple[Any, ...], list[ResolvedCluster]] = {}
     layers: list[ResolvedCluster] = []
     for rc in clusters:
         if is_layer_cluster(rc):

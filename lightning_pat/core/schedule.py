@@ -11,8 +11,9 @@ Steps count real optimizer steps: ``t`` is the number of completed steps, evalua
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Phase = Literal["warmup", "ramp", "final", "healing"]
 RampShape = Literal["cubic", "linear"]
@@ -129,3 +130,19 @@ class Schedule:
         if phase == "ramp":
             return (step - self.warmup_steps) % self.every_n_steps == 0
         return False
+
+
+def final_step_of(options: Mapping[str, Any]) -> int:
+    """The final ramp step of a state's saved options: ``warmup_steps + ramp_steps``.
+
+    :class:`Schedule`'s defaults stand in for a missing key; the resume checks and ``lightning-pat shrink`` share this
+    one rule (``lightning-pat shrink`` used to default ``ramp_steps`` to 0).
+
+    Example::
+
+        >>> final_step_of({"warmup_steps": 2, "ramp_steps": 5}), final_step_of({})
+        (7, 1)
+    """
+    default = Schedule()
+    warmup = int(options.get("warmup_steps", default.warmup_steps))
+    return Schedule(warmup_steps=warmup, ramp_steps=int(options.get("ramp_steps", default.ramp_steps))).final_step

@@ -29,6 +29,12 @@ import torch
 from torch import nn
 
 Role = Literal["writer", "reader"]
+#: A member pattern's trailing slice: ``[a:b]`` as ``(a, b)``, ``[i/n]`` as ``(i, n, "/")``.
+SliceSpec = tuple[int, int] | tuple[int, int, str]
+#: One pattern match: (role, parameter name, its slice, the pattern's named groups).
+Entry = tuple[Role, str, SliceSpec | None, dict[str, str]]
+#: The named-group values a cluster is expanded by, sorted.
+GroupKey = tuple[tuple[str, str], ...]
 
 #: Module name segments that wrappers insert into parameter names (activation checkpointing, FSDP1, ``torch.compile``).
 WRAPPER_NAMES: tuple[str, ...] = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
@@ -151,7 +157,7 @@ class ResolvedCluster:
         """Distinct parameter names of the members, in order."""
         return tuple(dict.fromkeys(m.name for m in self.members))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Plain types only (JSON/YAML-able); :meth:`from_dict` inverts it exactly.
 
         Example::
@@ -187,7 +193,7 @@ class ResolvedCluster:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> ResolvedCluster:
+    def from_dict(cls, data: Mapping[str, Any]) -> ResolvedCluster:
         """Rebuild a cluster written by :meth:`to_dict`.
 
         Args:
@@ -258,7 +264,7 @@ def found_clusters(clusters: Any) -> Any:
     return clusters
 
 
-def as_cluster(obj: Cluster | Mapping) -> Cluster:
+def as_cluster(obj: Cluster | Mapping[str, Any]) -> Cluster:
     """``obj`` as a :class:`Cluster` (a mapping of its fields is constructed).
 
     Raises:
@@ -316,7 +322,7 @@ def _check_declaration(decl: Cluster) -> None:
         raise ValueError(f"{where}: `target` must be a number in [0, 1], got {decl.target!r}.")
 
 
-def check_declaration(decl: Cluster | Mapping) -> Cluster:
+def check_declaration(decl: Cluster | Mapping[str, Any]) -> Cluster:
     """Static checks of one declaration (no model needed): fields, types, ranges, regex syntax.
 
     Returns:
@@ -331,7 +337,7 @@ def check_declaration(decl: Cluster | Mapping) -> Cluster:
     return cluster
 
 
-def _split_slice(pattern: str) -> tuple[str, tuple[int, int] | tuple[int, int, str] | None]:
+def _split_slice(pattern: str) -> tuple[str, SliceSpec | None]:
     """Split a trailing ``[a:b]`` / ``[i/n]`` off a pattern."""
     match = _SLICE_RE.match(pattern)
     if match is None:
@@ -366,7 +372,9 @@ def _no_match_error(cluster: str, role: str, pattern: str, names: Sequence[str])
     )
 
 
-def _channel_range(cluster: str, name: str, dim: int, shape: tuple[int, ...], spec: tuple | None) -> tuple[int, int]:
+def _channel_range(
+    cluster: str, name: str, dim: int, shape: tuple[int, ...], spec: SliceSpec | None
+) -> tuple[int, int]:
     length = shape[dim]
     if spec is None:
         return 0, length
@@ -437,11 +445,12 @@ def _num_units(decl: Cluster, cluster: str, lengths: dict[str, int]) -> int:
     return num
 
 
-def _expand(decl: Cluster, names: Sequence[str]) -> dict[tuple, list[tuple[Role, str, tuple | None, dict]]]:
+def _expand(decl: Cluster, names: Sequence[str]) -> dict[GroupKey, list[Entry]]:
     """Group pattern matches by their named-group values."""
-    grouped: dict[tuple, list[tuple[Role, str, tuple | None, dict]]] = {}
-    shared: list[tuple[Role, str, tuple | None, dict]] = []
-    for role, patterns in (("writer", decl.writers), ("reader", decl.readers)):
+    grouped: dict[GroupKey, list[Entry]] = {}
+    shared: list[Entry] = []
+    roles: tuple[tuple[Role, Sequence[str]], ...] = (("writer", decl.writers), ("reader", decl.readers))
+    for role, patterns in roles:
         for pattern in patterns:
             base, slice_spec = _split_slice(pattern)
             matches = _match(base, names)
@@ -458,12 +467,13 @@ def _expand(decl: Cluster, names: Sequence[str]) -> dict[tuple, list[tuple[Role,
     return {key: shared + entries for key, entries in grouped.items()}
 
 
-def _natural_key(text: str) -> tuple:
+def _natural_key(text: str) -> tuple[Any, ...]:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
 
 
 def resolve_clusters(
-    model: nn.Module | Mapping[str, torch.Tensor], clusters: Cluster | Mapping | Sequence[Cluster | Mapping]
+    model: nn.Module | Mapping[str, torch.Tensor],
+    clusters: Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]],
 ) -> list[ResolvedCluster]:
     """Expand cluster declarations against a module's parameters and validate them.
 
@@ -494,7 +504,9 @@ def resolve_clusters(
     """
     clusters = found_clusters(clusters)
     decls = [as_cluster(c) for c in ([clusters] if isinstance(clusters, (Cluster, Mapping)) else clusters)]
-    params = dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
+    params: dict[str, torch.Tensor] = (
+        dict(model.named_parameters(remove_duplicate=False)) if isinstance(model, nn.Module) else dict(model)
+    )
     names = list(params)
     first_name: dict[int, str] = {}
     for n, p in params.items():
@@ -530,7 +542,7 @@ def resolve_clusters(
 def _build_members(
     decl: Cluster,
     cname: str,
-    entries: list[tuple[Role, str, tuple | None, dict]],
+    entries: list[Entry],
     params: dict[str, torch.Tensor],
     first_name: dict[int, str],
     owners: dict[tuple[int, int], list[tuple[str, str, int, int]]],
@@ -598,10 +610,11 @@ def _check_same_layout(cname: str, name: str, tensor: torch.Tensor, first: torch
             f"Cluster {cname!r}, member {name!r}: mixes DTensor and plain-tensor members; shard all members of a "
             "cluster the same way (e.g. apply `fully_shard` to every module holding them)."
         )
-    if is_dt and tensor.device_mesh != first.device_mesh:
+    mesh, first_mesh = getattr(tensor, "device_mesh", None), getattr(first, "device_mesh", None)
+    if is_dt and mesh != first_mesh:
         raise ValueError(
-            f"Cluster {cname!r}, member {name!r}: lives on mesh {tensor.device_mesh}, other members on "
-            f"{first.device_mesh}; all members of a cluster must share one DeviceMesh."
+            f"Cluster {cname!r}, member {name!r}: lives on mesh {mesh}, other members on {first_mesh}; all members "
+            "of a cluster must share one DeviceMesh."
         )
     if tensor.device != first.device:
         raise ValueError(
@@ -626,7 +639,7 @@ def _check_budgets(resolved: Sequence[ResolvedCluster]) -> None:
 
 def ensure_resolved(
     model: nn.Module | Mapping[str, torch.Tensor],
-    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    clusters: Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]] | Sequence[ResolvedCluster],
 ) -> list[ResolvedCluster]:
     """``clusters`` if they are all resolved already, else :func:`resolve_clusters` of them against ``model``.
 

@@ -21,7 +21,7 @@ Every check is local and the same on every rank for the same state (the caller m
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,7 +318,7 @@ def check_state(
 def _options(check: _Checker, raw: object) -> Mapping[str, Any]:
     options = check.mapping(raw, "options")
     assert options is not None
-    checks = {
+    checks: dict[str, Callable[[Any, str], object]] = {
         "target_sparsity": lambda v, w: check.real(v, w, low=0.0, high=1.0),
         "warmup_steps": lambda v, w: check.integer(v, w),
         "ramp_steps": lambda v, w: check.integer(v, w, low=1),

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from lightning_pat.core.pruning_warning import PruningWarning
+
 
 def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (parameters included)."""
@@ -272,9 +274,12 @@ def _launch_rank() -> int:
 
 
 def rank_zero_warn(message: str) -> None:
-    """A ``UserWarning`` on global rank 0 only (every rank reaches the same conclusion; one rank says it)."""
+    """A :class:`~lightning_pat.core.pruning_warning.PruningWarning` on global rank 0 only.
+
+    Every rank reaches the same conclusion; one rank says it.
+    """
     if _launch_rank() == 0:
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, PruningWarning, stacklevel=3)
 
 
 def rank_zero_info(message: str, *, logger: logging.Logger) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_pat.core.budget import is_layer_cluster, layer_prefix
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink.model_meta import config_owners
 
@@ -104,6 +105,7 @@ def check_identity(model: nn.Module, cut: LayerCut) -> None:
             warnings.warn(
                 f"shrink: layer member {found!r} is not zero; removing its layer changes the model's output (was "
                 "the mask applied?).",
+                PruningWarning,
                 stacklevel=3,
             )
 

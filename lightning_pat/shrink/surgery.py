@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
@@ -50,7 +51,7 @@ _FIX_MODULE = (
 )
 
 
-class LayerNormShrinkWarning(UserWarning):
+class LayerNormShrinkWarning(PruningWarning):
     """A LayerNorm lost channels: the shrunk model is not output-preserving (fine-tune after the shrink)."""
 
 
@@ -372,7 +373,7 @@ def _check_zeros(edits: Mapping[int, _Edit], plan_names: Mapping[int, str]) -> N
             f"shrink: dropped units of {sorted(set(nonzero))[:5]} are not zero in the model, so the shrunk model "
             "equals the masked model, not the one passed in. Shrink the model the pruning ran on (after `fit`, or "
             "with the checkpoint's weights loaded).",
-            UserWarning,
+            PruningWarning,
             stacklevel=3,
         )
 

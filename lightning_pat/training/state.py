@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pat.core.schedule import Schedule
+from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
 from lightning_pat.options import MASK_SHAPING
@@ -264,7 +264,7 @@ def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], 
     if not changed:
         return
     desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items()))
-    new_final = int(current["warmup_steps"]) + int(current["ramp_steps"])
+    new_final = final_step_of(current)
     if not final and step >= new_final:
         raise ValueError(
             f"CoupledPruningCallback: the checkpoint was taken at step {step} inside the ramp, but the changed options "
@@ -313,7 +313,7 @@ def check_restorable(
         )
     step = int(state.get("step", 0))
     saved_options = state.get("options", {})
-    final = step >= int(saved_options.get("warmup_steps", 0)) + int(saved_options.get("ramp_steps", 1))
+    final = step >= final_step_of(saved_options)
     check_resumed_options(saved_options, options, step=step, final=final)
     needs = latent_mode and schedule.phase(step) != "warmup"
     needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")

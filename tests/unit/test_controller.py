@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pat import Cluster
+from lightning_pat import Cluster, PruningWarning
 from lightning_pat.options import PruningOptions
 from lightning_pat.training.controller import ConfigurationError, PruningController
 
@@ -166,7 +166,8 @@ def test_a_state_of_other_clusters_is_refused():
     ctl.bind(net, optimizers=[opt])
     saved = ctl.state_dict()
     other = PruningController(PruningOptions([Cluster("hidden", writers=["0.weight"], readers=["2.weight"])]))
-    other.bind(model(), optimizers=[opt])
+    net2 = model()
+    other.bind(net2, optimizers=[torch.optim.SGD(net2.parameters(), lr=0.1)])
     other.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"written for different clusters \(\['hidden'\] differ\)"):
         other.start()
@@ -182,7 +183,8 @@ def test_begin_fit_continues_the_same_owner_and_refuses_a_resume_without_state()
     ctl = PruningController(options(mode="direct", ramp_steps=4))
     first, other = _Trainer(), _Trainer()
     ctl.bind(net, optimizers=[opt])
-    ctl.begin_fit(owner=first, global_step=0, steps_left=3, ckpt_path=None, key="k")
+    with pytest.warns(PruningWarning, match=r"this fit ends after optimizer step 3, before the final ramp step 5"):
+        ctl.begin_fit(owner=first, global_step=0, steps_left=3, ckpt_path=None, key="k")
     run(ctl, net, opt, range(1, 4))
     dropped = ctl.dropped
     ctl.end_fit(owner=first, global_step=3)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters
+from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import resolve_clusters
 from tests.common.tiny_families import llama_like
 
@@ -138,7 +139,7 @@ def test_a_non_finite_batch_is_skipped_counted_and_warned_not_folded_into_the_st
     good = [torch.randn(16, 4) for _ in range(3)]
     bad = torch.full((16, 4), float("nan")) if poison == "nan" else torch.full((16, 4), 1e20)
     clean = calibrate(_mlp(), H, good)
-    with pytest.warns(RuntimeWarning, match=r"skipped non-finite input batches of reader modules \{'2': 1\}"):
+    with pytest.warns(PruningWarning, match=r"skipped non-finite input batches of reader modules \{'2': 1\}"):
         dirty = calibrate(_mlp(), H, [good[0], bad, good[1], good[2]])
     assert dirty.skipped == {"2": 1}
     params = dict(_mlp().named_parameters())
@@ -267,7 +268,10 @@ def test_training_average_skips_a_non_finite_batch_and_a_module_seeing_only_thos
     only_bad.observe("2", torch.full((16, 8), 1e20))
     assert only_bad.skipped == {"2": 1}
     assert not bool(only_bad.stacked().any())  # no average and not seen: summed over ranks, the others decide
-    with pytest.raises(ValueError, match=r"with finite inputs has reached it yet \(1 non-finite batch\(es\) skipped"):
+    with (
+        pytest.warns(PruningWarning, match=r"skipped non-finite input batches of reader modules \{'2': 1\}"),
+        pytest.raises(ValueError, match=r"with finite inputs has reached it yet \(1 non-finite batch\(es\) skipped"),
+    ):  # warned where the scores are read, then refused: no finite batch reached the module
         only_bad.unit_scores(dict(net.named_parameters()))
     state = dirty.state_dict()
     assert state["count"] == {"2": 2}
