@@ -7,6 +7,8 @@
 recomputed during the backward is skipped when its first pass was counted (non-reentrant checkpoint) and counted
 when that pass ran under ``no_grad`` (reentrant checkpoint).
 Used by :mod:`lightning_pat.activation` (reader inputs) and :mod:`lightning_pat.layer_score` (layer cosines).
+:func:`map_tensors` and :func:`tensors_of` walk a forward's inputs and outputs (tensors inside tuples, lists and
+mappings), for discovery's trace and the shrink's check.
 """
 
 from __future__ import annotations
@@ -107,3 +109,33 @@ def run_batches(model: nn.Module, batches: Iterable[Any], *, forward: Callable[[
                 forward(model, batch)
             else:
                 model(batch)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside it; anything else is returned as it is.
+
+    Tuples, lists and mappings are rebuilt (a mapping, a ``ModelOutput`` included, becomes a dict).
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [map_tensors(v, fn) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output, in order.
+
+    Tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other objects (a key/value cache) are not
+    outputs.
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []

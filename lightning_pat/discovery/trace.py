@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pat.core.forwards import map_tensors, tensors_of
+
 #: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
 _FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
 
@@ -69,29 +71,7 @@ def meta_twin(model: nn.Module) -> nn.Module:
 
 def to_meta(value: Any) -> Any:
     """``value`` with every tensor replaced by a meta tensor of the same shape and dtype (nested lists/dicts)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if isinstance(value, Mapping):
-        return {k: to_meta(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        out = [to_meta(v) for v in value]
-        return tuple(out) if isinstance(value, tuple) else out
-    return value
-
-
-def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors of a forward's output.
-
-    Tensors, tuples, lists and mappings (a ``ModelOutput``) are walked; other objects (a key/value cache) are not
-    outputs for discovery.
-    """
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_of(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_of(v)]
-    return []
+    return map_tensors(value, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 class _TensorOutputs(nn.Module):

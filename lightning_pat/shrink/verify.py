@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.forwards import map_tensors, tensors_of
+
 #: relative tolerance of the output check, by the outputs' dtype
 TOLERANCE: dict[torch.dtype, float] = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
 DEFAULT_TOLERANCE = 1e-4
@@ -47,28 +49,13 @@ class Run:
     calls: list[tuple[str, Tensor]] = field(default_factory=list)
 
 
-def tensors_of(value: Any) -> list[Tensor]:
-    """The tensors of a forward's output (tensors, tuples, lists and mappings are walked)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_of(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_of(v)]
-    return []
-
-
 def move(value: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
     """``value`` with every tensor moved to ``device`` (floating tensors cast to ``float_dtype`` if given)."""
-    if isinstance(value, Tensor):
-        dtype = float_dtype if float_dtype is not None and value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=dtype)
-    if isinstance(value, Mapping):
-        return {k: move(v, device, float_dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        out = [move(v, device, float_dtype) for v in value]
-        return tuple(out) if isinstance(value, tuple) else out
-    return value
+
+    def moved(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=float_dtype if float_dtype is not None and t.is_floating_point() else t.dtype)
+
+    return map_tensors(value, moved)
 
 
 def _call(model: nn.Module, example_input: Any) -> Any:
