@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import check_state
+from lightning_pat.core.units import unit_channels
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +251,10 @@ def check_source_fits(
             claims[(id(param), m.dim)].append((rc.name, m.start, m.stop))
             if not units or param.is_meta:
                 continue
-            channels = torch.tensor(
-                [m.start + u * m.block + j for u in units for j in range(m.block)], dtype=torch.long
-            ).to(param.device)
+            channels = unit_channels(
+                m, torch.tensor(units), num_units=rc.num_units, offset=0, length=param.shape[m.dim],
+                device=param.device,
+            )  # fmt: skip
             if bool(param.detach().index_select(m.dim, channels).any()):
                 nonzero.setdefault(rc.name, []).append(m.name)
     if nonzero:
