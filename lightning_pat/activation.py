@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.budget import is_layer_cluster
 from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
+from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved

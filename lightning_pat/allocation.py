@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_pat import presets
-from lightning_pat.core.budget import Side, SizeSolution
 from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
 from lightning_pat.engine import ALLOCATIONS, Allocation, make_plan, one_shot_calibration, plan_importance
-from lightning_pat.flops import check_flops
 from lightning_pat.options import check_choice
-from lightning_pat.sizing import check_target
+from lightning_pat.sizing.flops import check_flops
+from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.targets import check_target
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats

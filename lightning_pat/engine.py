@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat import presets
-from lightning_pat.core.budget import Side, SizeSolution, is_layer_cluster
+from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -33,7 +33,6 @@ from lightning_pat.core.selection import (
     shrink_factors,
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, found_clusters, resolve_clusters
-from lightning_pat.flops import check_flops, flop_costs
 from lightning_pat.options import METHODS, Method, auto_declarations, check_choice, check_number
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import (
@@ -45,7 +44,9 @@ from lightning_pat.parallel.executors import (
     build_executors,
     route,
 )
-from lightning_pat.sizing import check_target, declaration_labels, sized_clusters, unit_costs
+from lightning_pat.sizing.flops import check_flops, flop_costs
+from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.targets import check_target, declaration_labels, sized_clusters, unit_costs
 
 if TYPE_CHECKING:
     from lightning_pat.activation import ActivationStats
@@ -126,8 +127,8 @@ class Plan:
         The clusters of one of ``declarations`` keep one width (uniform over the layers); ``keep_layers`` fixes the
         number of layers kept (layer units); ``widths="ranked"`` ranks the units of a declaration's clusters jointly
         instead, each keeping at least ``min_kept`` of its units. ``flops=(model, seq_len)``: ``target_params`` is
-        a count of FLOPs per token instead (see :mod:`lightning_pat.flops`). ``importance``: each unit's removal
-        cost (:func:`~lightning_pat.sizing.unit_costs`), so that the widths are allocated by importance.
+        a count of FLOPs per token instead (see :mod:`lightning_pat.sizing.flops`). ``importance``: each unit's removal
+        cost (:func:`~lightning_pat.sizing.targets.unit_costs`), so that the widths are allocated by importance.
 
         Raises:
             ValueError: If the target is malformed, above the model's size or below what the clusters can reach.
@@ -645,7 +646,7 @@ def plan_importance(
     Args:
         model: The model the plan was made for.
         plan: The unsized plan.
-        declarations: The declarations (their families: see :func:`~lightning_pat.sizing.unit_costs`).
+        declarations: The declarations (their families: see :func:`~lightning_pat.sizing.targets.unit_costs`).
         activations: Calibrated statistics (``score="activation"``).
 
     Returns:
@@ -704,7 +705,7 @@ def prune_clusters(
             ``target_sparsity`` does).
         target_params: A size to reach instead: an absolute count (``4e9``, ``"4B"``, ``"350M"``) or a fraction of
             the model's parameters. The per-cluster widths are solved (uniform per declaration, counting every
-            parameter a unit carries; see :mod:`lightning_pat.core.budget`); ``result.size`` reports the achieved
+            parameter a unit carries; see :mod:`lightning_pat.sizing.solver`); ``result.size`` reports the achieved
             count and the nearest achievable ones on either side.
         target_side: ``"below"`` (default): the closest achievable count not above ``target_params``; ``"above"``.
         target_layers: With layer units and ``target_params``: the number of layers to keep; the widths make up the
@@ -717,7 +718,7 @@ def prune_clusters(
             0.25, rounded up to ``multiple_of``).
         target_flops: Instead of ``target_params``: forward FLOPs per token for sequences of ``seq_len`` tokens
             (``"2M"``, or a fraction of the model's): matmul weights cost ``2 * out * in``, attention scores and
-            values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.flops`).
+            values ``4 * S`` per query channel, lookups nothing (see :mod:`lightning_pat.sizing.flops`).
         seq_len: The sequence length ``S`` of ``target_flops``.
         target_allocation: How a size target is spread over the kinds (MLP channels, heads, layers, the residual):
             ``"importance"`` (default): granules leave in increasing cost per parameter removed, a unit's cost being

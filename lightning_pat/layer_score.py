@@ -38,8 +38,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.budget import is_layer_cluster, layer_prefix
 from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
+from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.parallel import distributed
 
@@ -108,7 +108,7 @@ class LayerStats(TrainingForwardHooks):
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
-        clusters: Resolved clusters; only the layer units (:func:`~lightning_pat.core.budget.is_layer_cluster`)
+        clusters: Resolved clusters; only the layer units (:func:`~lightning_pat.core.layers.is_layer_cluster`)
             are scored.
 
     Raises:

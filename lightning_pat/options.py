@@ -20,16 +20,16 @@ from typing import Any, Literal
 import torch
 
 from lightning_pat import presets
-from lightning_pat.core.budget import Side
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
-from lightning_pat.flops import check_flops
 from lightning_pat.layer_score import LAYER_SCORES, LayerScore
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
-from lightning_pat.sizing import check_target
+from lightning_pat.sizing.flops import check_flops
+from lightning_pat.sizing.problem import Side
+from lightning_pat.sizing.targets import check_target
 
 Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
@@ -241,7 +241,8 @@ class PruningOptions:
         min_kept: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least (default
             0.25, rounded up to ``multiple_of``).
         target_flops: Instead of ``target_params``: forward FLOPs per token for sequences of ``seq_len`` tokens
-            (``"2M"``, or a fraction of the model's), solved like a parameter count (see :mod:`lightning_pat.flops`).
+            (``"2M"``, or a fraction of the model's), solved like a parameter count (see
+            :mod:`lightning_pat.sizing.flops`).
         seq_len: The sequence length of ``target_flops`` (attention costs grow with it).
         layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.core.budget import LAYER_BUDGET
+from lightning_pat.core.layers import LAYER_BUDGET
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
 
 log = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.budget import is_layer_cluster
 from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
+from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import unit_channels
 from lightning_pat.parallel import distributed

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pat.core.budget import is_layer_cluster, layer_prefix
+from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink.model_meta import config_owners

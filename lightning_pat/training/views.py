@@ -10,11 +10,11 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from lightning_pat.core.budget import SizeSolution
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.engine import Pruner
 from lightning_pat.options import PruningOptions
+from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training.controller import PruningController
 from lightning_pat.training.metrics import PruningMetrics
 

@@ -88,7 +88,7 @@ def ids() -> torch.Tensor:
 
 
 def report(lit: LitLayers, cb: CoupledPruningCallback, state: dict) -> dict:
-    from lightning_pat.flops import count_flops
+    from lightning_pat.sizing.flops import count_flops
 
     """Shrink a plain copy of ``lit``'s full weights with ``state``; what the tests compare."""
     plain = LitLayers()

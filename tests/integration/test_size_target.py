@@ -12,7 +12,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
-from lightning_pat.core.budget import parse_size
+from lightning_pat.sizing.problem import parse_size
 from tests.common.lit_models import quiet_trainer
 from tests.common.tiny_families import llama_like, logits, token_ids
 

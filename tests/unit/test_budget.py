@@ -1,4 +1,5 @@
-"""The size solver (:mod:`lightning_pat.core.budget`) against brute force, and ``target_params`` in ``prune_clusters``.
+"""The size solver (:mod:`lightning_pat.sizing.solver`) against brute force, and ``target_params`` in
+``prune_clusters``.
 
 References written here: the parameter count of a chain of ``nn.Linear`` from its widths (``in * out + out``), every
 configuration enumerated with ``itertools.product``, the water-filling path rebuilt as a greedy loop, and the
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters, shrink
-from lightning_pat.core.budget import Group, count_params, parse_size, size_problem, solve
-from lightning_pat.sizing import declaration_labels, distinct_shapes
+from lightning_pat.sizing.problem import Group, count_params, parse_size, size_problem
+from lightning_pat.sizing.solver import solve
+from lightning_pat.sizing.targets import declaration_labels, distinct_shapes
 from tests.common import tiny_families as fam
 
 # ------------------------------------------------------------------------------------------------------ parse_size
@@ -61,7 +63,7 @@ def test_one_rule_for_counts_and_fractions(value, expected):
      ("150%", r"`target_params` = '150%' is above 100%"), ("0%", r"must be positive")],
 )  # fmt: skip
 def test_sizes_that_are_not_a_count_or_a_fraction_are_refused_without_the_model(value, match):
-    from lightning_pat.core.budget import size_value
+    from lightning_pat.sizing.problem import size_value
 
     with pytest.raises(ValueError, match=match):
         size_value(value)

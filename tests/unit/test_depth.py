@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, resolve_clusters, save_pretrained, shrink
-from lightning_pat.core.budget import LAYER_BUDGET, parse_size
+from lightning_pat.core.layers import LAYER_BUDGET
+from lightning_pat.sizing.problem import parse_size
 from tests.common.tiny_families import gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")

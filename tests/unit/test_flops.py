@@ -11,8 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pat import presets, prune_clusters, shrink
-from lightning_pat.core.budget import parse_size
-from lightning_pat.flops import count_flops
+from lightning_pat.sizing.flops import count_flops
+from lightning_pat.sizing.problem import parse_size
 from tests.common import tiny_families as fam
 
 S = 8

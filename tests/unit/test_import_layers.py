@@ -8,8 +8,9 @@ floors listed for its own:
 * ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
+* ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
 * ``pruning`` (options, presets, activation, gradient, layer_score, repair, engine: the one-shot API; discovery:
-  clusters found by tracing): adds parallel, and shrink (discovery returns only clusters the shrink can rewrite,
+  clusters found by tracing): adds parallel, sizing, and shrink (discovery returns only clusters the shrink can rewrite,
   checked by the shrink's own validation and a trial shrink);
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
   export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
@@ -43,6 +44,7 @@ PKG = "lightning_pat"
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
+    "sizing": ("sizing.",),
     "pruning": (
         "options",
         "presets",
@@ -51,8 +53,6 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "layer_score",
         "engine",
         "allocation",
-        "sizing",
-        "flops",
         "repair",
         "discovery.",
     ),  # fmt: skip
@@ -67,13 +67,14 @@ FLOORS: dict[str, tuple[str, ...]] = {
 MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
     "parallel": {"core", "parallel"},
-    "pruning": {"core", "parallel", "pruning", "shrink"},  # discovery checks its clusters with the shrink
+    "sizing": {"core", "sizing"},
+    "pruning": {"core", "parallel", "sizing", "pruning", "shrink"},  # discovery checks its clusters with the shrink
     "shrink": {"core", "shrink"},
-    "training": {"core", "parallel", "pruning", "shrink", "training"},
-    "cli": {"core", "parallel", "pruning", "shrink", "training", "cli", "face"},
-    "demo": {"core", "parallel", "pruning", "shrink", "training", "demo", "face"},
-    "lm": {"core", "parallel", "pruning", "shrink", "training", "lm", "face"},
-    "face": {"core", "parallel", "pruning", "shrink", "training", "face"},
+    "training": {"core", "parallel", "sizing", "pruning", "shrink", "training"},
+    "cli": {"core", "parallel", "sizing", "pruning", "shrink", "training", "cli", "face"},
+    "demo": {"core", "parallel", "sizing", "pruning", "shrink", "training", "demo", "face"},
+    "lm": {"core", "parallel", "sizing", "pruning", "shrink", "training", "lm", "face"},
+    "face": {"core", "parallel", "sizing", "pruning", "shrink", "training", "face"},
 }
 TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}

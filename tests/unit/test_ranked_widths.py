@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters, shrink
-from lightning_pat.core.budget import parse_size, size_problem, solve
 from lightning_pat.core.selection import bottom_k_floored, bottom_k_shared
-from lightning_pat.sizing import declaration_labels, distinct_shapes
+from lightning_pat.sizing.problem import parse_size, size_problem
+from lightning_pat.sizing.solver import solve
+from lightning_pat.sizing.targets import declaration_labels, distinct_shapes
 from tests.common import tiny_families as fam
 
 

@@ -1,7 +1,7 @@
 """Size targets on a model: resolved clusters -> the targets that reach a parameter count (no Lightning here).
 
 :func:`sized_clusters` counts the model's distinct parameters (a tied tensor once), runs the pure solver of
-:mod:`lightning_pat.core.budget` and returns the clusters with the per-cluster ``target`` that keeps the solved
+:mod:`lightning_pat.sizing.solver` and returns the clusters with the per-cluster ``target`` that keeps the solved
 number of units (layer units share the ``layers`` budget's target: the number of dropped layers over the layers).
 The schedule then ramps every cluster towards its own target, so that the widths are met at the final step.
 
@@ -22,22 +22,22 @@ import dataclasses
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
-from lightning_pat.core.budget import (
+from lightning_pat.core.layers import LAYER_BUDGET, is_layer_cluster
+from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
+from lightning_pat.sizing.problem import (
     DEFAULT_MIN_KEPT,
-    LAYER_BUDGET,
     SIDES,
     Side,
     SizeSolution,
-    is_layer_cluster,
     parse_size,
     size_problem,
     size_value,
-    solve,
 )
-from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
+from lightning_pat.sizing.solver import solve
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def check_target(
     """Static checks of ``target_params``, ``target_side``, ``target_layers``, ``target_widths`` and ``min_kept``.
 
     ``name`` is the option the target came from (``"target_flops"`` for a FLOPs target), for messages. The size's
-    form is checked by :func:`~lightning_pat.core.budget.size_value` (the model's size is not known yet).
+    form is checked by :func:`~lightning_pat.sizing.problem.size_value` (the model's size is not known yet).
 
     Raises:
         ValueError: If the target is not a positive count, fraction or size string, the side or widths are unknown,
@@ -100,7 +100,9 @@ def check_target(
         raise ValueError(f"`target_side` must be one of {SIDES}, got {side!r}.")
 
 
-def declaration_labels(params: Mapping[str, Tensor], declarations: Sequence[Cluster | Mapping]) -> dict[str, str]:
+def declaration_labels(
+    params: Mapping[str, Tensor], declarations: Sequence[Cluster | Mapping[str, Any]]
+) -> dict[str, str]:
     """Cluster name -> the label of the declaration it expands from (``"mlp.{layer}"`` -> ``"mlp"``).
 
     Each declaration is expanded on its own (validation happens in :func:`~lightning_pat.resolve_clusters`).
@@ -142,12 +144,12 @@ def sized_clusters(
             of a declared ``budget``) are ranked jointly by score at each selection, each cluster keeping at least
             ``min_kept`` of its units; the solver fixes their total.
         min_kept: With ``"ranked"``: the fraction of each cluster's units it keeps at least (default
-            :data:`~lightning_pat.core.budget.DEFAULT_MIN_KEPT`).
+            :data:`~lightning_pat.sizing.problem.DEFAULT_MIN_KEPT`).
         costs: Instead of the parameters, what to count: ``(shapes, extra axes)`` from
-            :func:`lightning_pat.flops.flop_costs` (``target_flops``).
+            :func:`lightning_pat.sizing.flops.flop_costs` (``target_flops``).
         name: The option the target came from, for messages.
         importance: Cluster name -> each unit's removal cost (:func:`unit_costs`): the widths are allocated by
-            importance; ``None``: by kept fractions (see :mod:`lightning_pat.core.budget`).
+            importance; ``None``: by kept fractions (see :mod:`lightning_pat.sizing.solver`).
 
     Returns:
         ``(clusters, solution)``.

@@ -1,6 +1,6 @@
 """FLOPs per token as a size: the cost model that lets the size solver meet ``target_flops`` (no Lightning here).
 
-The solver of :mod:`lightning_pat.core.budget` counts the product of each tensor's dims, with every clustered dim
+The solver of :mod:`lightning_pat.sizing.solver` counts the product of each tensor's dims, with every clustered dim
 at its kept width. FLOPs per token of a decoder fit that model exactly:
 
 * every weight used in a matmul (``nn.Linear``, GPT-2's ``Conv1D``, a tied ``lm_head`` once) costs ``2 * out * in``:
@@ -20,13 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
 
 #: Suffix of the pseudo-tensors that carry the attention FLOPs of one layer.
 ATTENTION = "#attention"
 Axes = dict[tuple[str, int], list[tuple[str, int, int]]]
+
+
+def _shape(weight: object) -> tuple[int, ...]:
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"expected a weight tensor, found {type(weight).__name__}")
+    return tuple(weight.shape)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -59,7 +65,7 @@ def flop_costs(
     queries: list[tuple[str, int, int]] = []  # (weight name, dim of the query channels, their number)
     for module in model.modules():
         if isinstance(module, nn.Linear) or _is_conv1d(module):
-            shapes[first[id(module.weight)]] = (*module.weight.shape, 2)
+            shapes[first[id(module.weight)]] = (*_shape(module.weight), 2)
         q_proj = getattr(module, "q_proj", None)
         if isinstance(q_proj, nn.Linear) and isinstance(getattr(module, "head_dim", None), int):
             queries.append((first[id(q_proj.weight)], 0, q_proj.out_features))
