@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pat import Cluster
+from lightning_pat import Cluster, PruningWarning
 
 HIDDEN = 32
 
@@ -76,6 +81,23 @@ class StepDataModule(MLPModule):
         x = torch.randn(4, 8, generator=g)
         y = torch.randn(4, 4, generator=g)
         return super().training_step((x, y), batch_idx)
+
+
+#: The callback's warning for a fit that stops inside the ramp (our warnings are errors in the tests).
+SHORT_FIT = "before the final ramp step"
+
+
+def ends_mid_ramp() -> pytest.WarningsChecker:
+    """``pytest.warns`` for a fit that stops inside the ramp on purpose: the callback must say so."""
+    return pytest.warns(PruningWarning, match=SHORT_FIT)
+
+
+@contextlib.contextmanager
+def allow_short_fit() -> Iterator[None]:
+    """Only the short-fit warning allowed, where a parametrized case may or may not get that far."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f".*{SHORT_FIT}", category=PruningWarning)
+        yield
 
 
 def quiet_trainer(*, max_steps: int, callbacks: list, checkpointing: bool = False, **kwargs) -> pl.Trainer:

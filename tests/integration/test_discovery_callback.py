@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from lightning_pat import Cluster, CoupledPruningCallback, shrink
 from tests.common.cnn_models import ResBlockNet, randomize_norms
-from tests.common.lit_models import MLPModule, quiet_trainer
+from tests.common.lit_models import MLPModule, ends_mid_ramp, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +93,8 @@ def test_auto_on_a_preset_family_still_uses_the_preset():
             return self.seq(x)
 
     cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
-    quiet_trainer(max_steps=2, callbacks=[cb]).fit(Seq())
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=2, callbacks=[cb]).fit(Seq())
     assert [rc.name for rc in cb.resolved] == ["hidden.seq.0"]  # linear_chain's naming: the preset, not discovery
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.training.distill import Distiller
 from tests.common.distill_reference import distill_term
-from tests.common.lit_models import MLPModule, StepDataModule, mlp_cluster, quiet_trainer
+from tests.common.lit_models import MLPModule, StepDataModule, ends_mid_ramp, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -229,7 +229,8 @@ def test_resume_equals_uninterrupted_bitwise_with_the_teacher_restored(tmp_path,
 def test_the_checkpoint_holds_the_teacher_only_in_the_callback_state(tmp_path):
     module = StepNet(lr=0.2)
     trainer = quiet_trainer(max_steps=4, callbacks=[make_cb()], checkpointing=True, default_root_dir=tmp_path)
-    trainer.fit(module)
+    with ends_mid_ramp():
+        trainer.fit(module)
     path = tmp_path / "ckpt.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
@@ -241,15 +242,18 @@ def test_the_checkpoint_holds_the_teacher_only_in_the_callback_state(tmp_path):
 def test_a_fresh_trainer_takes_a_new_teacher_and_a_resume_without_one_is_refused(tmp_path):
     module = StepNet(lr=0.2)
     cb = make_cb()
-    quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)
     first = cb.teacher
-    quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)  # a new schedule: a new copy at its warmup end
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)  # a new schedule: a new copy at its warmup end
     assert cb.teacher is not first
     assert not torch.equal(cb.teacher.fc1.weight, first.fc1.weight)
 
     plain = CoupledPruningCallback(mlp_cluster(), 0.5, **SCHEDULE, mode="direct")
     trainer = quiet_trainer(max_steps=4, callbacks=[plain], checkpointing=True, default_root_dir=tmp_path)
-    trainer.fit(StepNet(lr=0.2))
+    with ends_mid_ramp():
+        trainer.fit(StepNet(lr=0.2))
     trainer.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(MisconfigurationException, match=r"no teacher was saved .* Pass the dense model as"):
         quiet_trainer(max_steps=6, callbacks=[make_cb()]).fit(StepNet(lr=0.2), ckpt_path=str(tmp_path / "plain.ckpt"))
@@ -374,7 +378,8 @@ def test_teacher_forwards_do_not_reach_the_students_activation_statistics():
                 counts[trainer.global_step] = act.state_dict()["count"]
 
     cb = make_cb(score="activation")
-    quiet_trainer(max_steps=5, callbacks=[cb, Peek()]).fit(StepNet(lr=0.2))
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=5, callbacks=[cb, Peek()]).fit(StepNet(lr=0.2))
     assert cb.teacher is not None
     # one student forward per step: the teacher (a copy without hooks) adds nothing
     assert counts == {step: {"fc2": step} for step in range(1, 6)}

@@ -15,7 +15,7 @@ import torch
 
 from lightning_pat import CoupledPruningCallback
 from tests.common.dist import run_rank_scripts
-from tests.common.lit_models import quiet_trainer
+from tests.common.lit_models import ends_mid_ramp, quiet_trainer
 from tests.integration import layer_worker
 from tests.integration.layer_worker import LitLayers
 
@@ -106,7 +106,8 @@ def test_resume_between_selections_restores_the_layer_sums_bitwise(tmp_path):
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     first_cb = _callback()
-    quiet_trainer(max_steps=4, callbacks=[first_cb, ckpt], checkpointing=True).fit(LitLayers(batch_size=4))
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=4, callbacks=[first_cb, ckpt], checkpointing=True).fit(LitLayers(batch_size=4))
     assert first_cb.controller.layer_stats.seen()  # the checkpoint holds pending sums
     resumed, cb = LitLayers(batch_size=4), _callback()
     quiet_trainer(max_steps=6, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))

@@ -6,6 +6,7 @@ when a stop falls inside an epoch cannot make a difference: only the callback's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -15,8 +16,8 @@ import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_pat import Cluster, CoupledPruningCallback
-from tests.common.lit_models import StepDataModule, mlp_cluster, quiet_trainer
+from lightning_pat import Cluster, CoupledPruningCallback, PruningWarning
+from tests.common.lit_models import StepDataModule, ends_mid_ramp, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +124,8 @@ def test_second_fit_of_the_same_trainer_continues_exactly():
 
     cb = make_cb("latent", "hard")
     trainer = trainer_for(cb, max_steps=5)  # stops inside the ramp
-    trainer.fit(module)
+    with ends_mid_ramp():
+        trainer.fit(module)
     assert cb.step == 5
     trainer.fit_loop.epoch_loop.max_steps = TOTAL
     trainer.fit(module)  # a "continue training" cell: same Trainer, same callback
@@ -134,7 +136,8 @@ def test_second_fit_of_the_same_trainer_continues_exactly():
 
 def _checkpoint(tmp_path: Path, cb: CoupledPruningCallback, k: int) -> str:
     trainer = trainer_for(cb, max_steps=k, tmp_path=tmp_path, every=k)
-    trainer.fit(StepDataModule())
+    with ends_mid_ramp() if k < cb.schedule.final_step else contextlib.nullcontext():
+        trainer.fit(StepDataModule())
     return str(tmp_path / f"step={k}.ckpt")
 
 
@@ -176,7 +179,10 @@ def test_latent_resume_from_a_checkpoint_without_latents_raises(tmp_path):
     state = next(v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if "Pruning" in k)
     assert state["latents"] is None
     assert state["options"]["mode"] == "direct"
-    with pytest.raises(MisconfigurationException, match=r"step 4, final step 8.*no latent copies.*mode='direct'"):
+    with (
+        pytest.raises(MisconfigurationException, match=r"step 4, final step 8.*no latent copies.*mode='direct'"),
+        pytest.warns(PruningWarning, match=r"changed options \(mode: 'direct' -> 'latent'\)"),
+    ):
         trainer_for(make_cb("latent", "hard"), max_steps=TOTAL).fit(StepDataModule(), ckpt_path=path)
     cb = make_cb("direct", "hard")
     trainer_for(cb, max_steps=TOTAL).fit(StepDataModule(), ckpt_path=path)  # direct: fine

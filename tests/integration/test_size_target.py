@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
 from lightning_pat.sizing.problem import parse_size
-from tests.common.lit_models import quiet_trainer
+from tests.common.lit_models import ends_mid_ramp, quiet_trainer
 from tests.common.tiny_families import llama_like, logits, token_ids
 
 pytestmark = pytest.mark.integration
@@ -78,7 +78,8 @@ def test_a_second_fit_keeps_the_solved_widths():
     lit = LM()
     cb = CoupledPruningCallback("llama", target_params="10k", warmup_steps=0, ramp_steps=2)
     trainer = quiet_trainer(max_steps=1, callbacks=[cb])  # stops inside the ramp
-    trainer.fit(lit)
+    with ends_mid_ramp():
+        trainer.fit(lit)
     first = cb.size
     trainer.fit_loop.epoch_loop.max_steps = 5
     trainer.fit(lit)
@@ -106,7 +107,8 @@ def test_resume_mid_ramp_with_target_params(tmp_path, kind):
 
     first = LM()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    quiet_trainer(max_steps=3, callbacks=[callback(), ckpt], checkpointing=True).fit(first)
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=3, callbacks=[callback(), ckpt], checkpointing=True).fit(first)
     resumed = LM()
     cb = callback()
     quiet_trainer(max_steps=7, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))

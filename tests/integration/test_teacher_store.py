@@ -15,7 +15,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_pat import CoupledPruningCallback
-from tests.common.lit_models import StepDataModule, mlp_cluster, quiet_trainer
+from tests.common.lit_models import StepDataModule, ends_mid_ramp, mlp_cluster, quiet_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,8 @@ def test_the_checkpoint_is_half_the_size_of_the_checkpoint_store(tmp_path):
     for store in ("checkpoint", "file"):
         cb = make_cb(distill_teacher_store=store)
         trainer = quiet_trainer(max_steps=4, callbacks=[cb], default_root_dir=tmp_path)
-        trainer.fit(StepDataModule(lr=0.2))
+        with ends_mid_ramp():
+            trainer.fit(StepDataModule(lr=0.2))
         trainer.save_checkpoint(tmp_path / f"{store}.ckpt")
         sizes[store] = (tmp_path / f"{store}.ckpt").stat().st_size
     weights = sum(t.numel() * t.element_size() for t in StepDataModule().state_dict().values())
@@ -176,7 +177,8 @@ def test_save_checkpoint_elsewhere_resumes_from_distill_teacher_dir(tmp_path):
     root, other = tmp_path / "root", tmp_path / "other"
     cb, start = make_cb(), AtPruningStart()
     trainer = quiet_trainer(max_steps=5, callbacks=[cb, start], default_root_dir=root)
-    trainer.fit(StepDataModule(lr=0.2, optimizer="adamw"))
+    with ends_mid_ramp():
+        trainer.fit(StepDataModule(lr=0.2, optimizer="adamw"))
     trainer.save_checkpoint(other / "mine.ckpt")
     (file,) = root.glob("pat-teacher-*.safetensors")  # the checkpoint directory of that Trainer: default_root_dir
     assert not list(other.glob("pat-teacher-*"))
@@ -192,7 +194,8 @@ def test_second_fit_continues_and_the_store_may_change_on_resume(tmp_path):
     # a second fit of the same Trainer keeps its teacher (and writes no second file)
     module, cb2, again = StepDataModule(lr=0.2, optimizer="adamw"), make_cb(), tmp_path / "again"
     trainer = quiet_trainer(max_steps=4, callbacks=[cb2], default_root_dir=again)
-    trainer.fit(module, ckpt_path=str(ckpts / "step=3.ckpt"))
+    with ends_mid_ramp():
+        trainer.fit(module, ckpt_path=str(ckpts / "step=3.ckpt"))
     first = cb2.teacher
     trainer.fit_loop.epoch_loop.max_steps = 6
     trainer.fit(module)
@@ -206,9 +209,10 @@ def test_second_fit_continues_and_the_store_may_change_on_resume(tmp_path):
     # ... and a checkpoint-store checkpoint resumed with the file store
     plain = tmp_path / "plain"
     cb4 = make_cb(distill_teacher_store="checkpoint")
-    quiet_trainer(max_steps=5, callbacks=[cb4, every_step(plain)], checkpointing=True).fit(
-        StepDataModule(lr=0.2, optimizer="adamw")
-    )
+    with ends_mid_ramp():
+        quiet_trainer(max_steps=5, callbacks=[cb4, every_step(plain)], checkpointing=True).fit(
+            StepDataModule(lr=0.2, optimizer="adamw")
+        )
     assert isinstance(saved_teacher(plain / "step=4.ckpt")["fc1.weight"], torch.Tensor)
     assert not list(plain.glob("pat-teacher-*"))
     module, cb5 = StepDataModule(lr=0.2, optimizer="adamw", seed=99), make_cb()
@@ -226,7 +230,8 @@ def test_a_fresh_trainer_writes_a_new_file_and_keeps_the_old_one(tmp_path):
     cb, module = make_cb(), StepDataModule(lr=0.2)
     for _ in range(2):
         trainer = quiet_trainer(max_steps=4, callbacks=[cb], default_root_dir=tmp_path)
-        trainer.fit(module)  # the module trains on: a fresh Trainer takes a new teacher at its warmup end
+        with ends_mid_ramp():
+            trainer.fit(module)  # the module trains on: a fresh Trainer takes a new teacher at its warmup end
         trainer.save_checkpoint(tmp_path / f"{len(list(tmp_path.glob('*.ckpt')))}.ckpt")
     assert len(list(tmp_path.glob("pat-teacher-*.safetensors"))) == 2
     names = {saved_teacher(p)["files"][0]["name"] for p in tmp_path.glob("*.ckpt")}
