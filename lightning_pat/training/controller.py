@@ -37,16 +37,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.activation import ActivationStats
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
-from lightning_pat.gradient import TaylorScores
-from lightning_pat.layer_score import LayerStats, layer_clusters
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
+from lightning_pat.scoring.activation import ActivationStats
+from lightning_pat.scoring.layers import LayerStats, layer_clusters
+from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
