@@ -17,7 +17,7 @@ floors listed for its own:
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
   export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
   DeciLM export carries) transformers;
-* ``training`` (options' users: controller, state, latent, metrics, distill, teacher_file, views,
+* ``training`` (options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
   callback, recipes, trainer_facts):
   adds scoring, pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
   training/callback.py, training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the
