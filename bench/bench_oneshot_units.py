@@ -31,7 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pat import presets, prune_clusters, shrink  # noqa: E402
-from lightning_pat.activation import calibrate  # noqa: E402
 from lightning_pat.lm.data import (  # noqa: E402
     Windows,
     eval_starts,
@@ -40,6 +39,7 @@ from lightning_pat.lm.data import (  # noqa: E402
     stdlib_files,
     tokenize,
 )
+from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 SEQ = 128
 

@@ -150,7 +150,7 @@ def run(variant: str, cfg: TinyGPTConfig, *, steps: int, skip: int, batches_per_
 def activation_cost(cfg: TinyGPTConfig, data: DataLoader, *, reps: int) -> tuple[float, float]:
     """Median forward+backward time without and with ``score="activation"``'s statistics hooks (interleaved)."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.activation import ActivationStats
+    from lightning_pat.scoring.activation import ActivationStats
 
     module = LM(cfg)
     model = module.model

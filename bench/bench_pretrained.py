@@ -323,7 +323,7 @@ def target(dense_params: int, size: float) -> int:
 def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ranked: bool, refit: bool) -> dict:
     """``calibrate`` + ``prune_clusters(score="activation")`` (+ ``refit_readers``) + ``shrink``."""
     from lightning_pat import presets, prune_clusters, shrink
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     decls = presets.llama(model, mlp=True, heads=kinds != "mlp", query_heads=kinds == "mlp_qheads")
     batches = calib_batches(setup)
@@ -350,7 +350,7 @@ def flap_bias(model: nn.Module, setup: Setup, size: float) -> dict:
     ``W[:, D] E[x_D]`` (its dropped channels' mean contribution on the calibration batches). Evaluated in memory: a
     stock Llama has no ``down_proj`` bias (``mlp_bias=True`` would add gate/up biases too)."""
     from lightning_pat import presets, prune_clusters, shrink
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     decls = presets.llama(model, mlp=True, heads=False)
     batches = calib_batches(setup)
@@ -390,9 +390,9 @@ def flap_bias(model: nn.Module, setup: Setup, size: float) -> dict:
 def ours_mix(model: nn.Module, setup: Setup, size: float) -> dict:
     """MLP channels and whole layers together (``layers=True``), activation + layer cosines, readers refit."""
     from lightning_pat import presets, prune_clusters, shrink
-    from lightning_pat.activation import calibrate
-    from lightning_pat.layer_score import calibrate_layers
     from lightning_pat.repair import calibrate_readers, refit_readers
+    from lightning_pat.scoring.activation import calibrate
+    from lightning_pat.scoring.layers import calibrate_layers
 
     decls = presets.llama(model, mlp=True, heads=False, layers=True)
     batches = calib_batches(setup)
@@ -410,7 +410,7 @@ def ours_mix(model: nn.Module, setup: Setup, size: float) -> dict:
 
 def ours_depth(model: nn.Module, setup: Setup, size: float) -> dict:
     from lightning_pat import presets, prune_clusters, shrink
-    from lightning_pat.layer_score import calibrate_layers
+    from lightning_pat.scoring.layers import calibrate_layers
 
     decls = presets.llama(model, mlp=False, heads=False, layers=True)
     stats = calibrate_layers(model, decls, calib_batches(setup), forward=lm_forward)
@@ -731,8 +731,8 @@ def overhead(args: argparse.Namespace) -> dict:
     ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
     """
     from lightning_pat import Pruner, presets, resolve_clusters
-    from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import make_plan
+    from lightning_pat.scoring.activation import ActivationStats
 
     torch.set_num_threads(1)
     setup = load_setup(quick=args.quick, device=args.device)

@@ -17,9 +17,9 @@ one) trains from scratch for ``R`` and for ``M + R`` steps with the same recipe.
 loss (nats per byte) on a fixed set of held-out windows, after the last step.
 
 Variants (``--variants``): see ``VARIANTS``. ``act*`` use the library's ``score="activation"`` (the callback's
-statistics over training batches; ``oneshot_act``: ``lightning_pat.activation.calibrate`` on 8 training batches, then
-``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill`` and
-``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
+statistics over training batches; ``oneshot_act``: ``lightning_pat.scoring.activation.calibrate`` on 8 training
+batches, then ``prune_clusters(score="activation")``; ``distill*``: the library's ``distill_alpha``; ``act_distill``
+and ``oneshot_act_distill``: both, in training and one-shot, healing with the same distillation from the dense
 checkpoint); ``taylor``: ``score="taylor"``; ``recipe`` and ``recipe_w8``: the option set of ``OneShotPruningCallback``
 (the cut at the first step, or after 8 dense steps of the budget); ``gates`` and ``gates_distill``: learned
 hard-concrete gates per MLP channel and head (Louizos et al. 2018) driven to the target by a Lagrangian term
@@ -62,11 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hard_concrete  # noqa: E402  (bench/hard_concrete.py, next to this script)
 
 from lightning_pat import CoupledPruningCallback  # noqa: E402
-from lightning_pat.activation import calibrate  # noqa: E402
 from lightning_pat.core.selection import num_to_drop  # noqa: E402
 from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
 from lightning_pat.engine import prune_clusters  # noqa: E402
+from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 SEQ, BATCH, LR, LR_END, WARMUP, SPARSITY = 64, 16, 3e-3, 3e-4, 50, 0.5
 CFG = TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, d_ff=256, max_seq_len=SEQ)

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_pat import load_pretrained, presets, prune_clusters, save_pretrained, shrink  # noqa: E402
-from lightning_pat.activation import calibrate  # noqa: E402
+from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 COMPARED = 16  # greedy tokens that must equal Hugging Face's
 

@@ -36,7 +36,7 @@ from lightning_pat.sizing.problem import Side, SizeSolution
 from lightning_pat.sizing.targets import check_target
 
 if TYPE_CHECKING:
-    from lightning_pat.activation import ActivationStats
+    from lightning_pat.scoring.activation import ActivationStats
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,8 @@ from lightning_pat.sizing.problem import Side, SizeSolution
 from lightning_pat.sizing.targets import check_target, declaration_labels, sized_clusters, unit_costs
 
 if TYPE_CHECKING:
-    from lightning_pat.activation import ActivationStats
-    from lightning_pat.layer_score import LayerStats
+    from lightning_pat.scoring.activation import ActivationStats
+    from lightning_pat.scoring.layers import LayerStats
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class Pruner:
         clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`), or a :class:`Plan` from
             :func:`make_plan` (already validated and routed; the options below are then taken from it).
         score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
-            are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.activation`).
+            are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.scoring.activation`).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.parallel.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
@@ -318,7 +318,7 @@ class Pruner:
         if self.score not in WEIGHT_SCORES:
             raise ValueError(
                 f"score={self.score!r} needs precomputed unit scores: pass `scores=` (see "
-                "lightning_pat.activation.ActivationStats.unit_scores), or use a weight score "
+                "lightning_pat.scoring.activation.ActivationStats.unit_scores), or use a weight score "
                 f"{WEIGHT_SCORES}."
             )
         return {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=self.score) for rc in self.clusters}
@@ -612,8 +612,8 @@ def one_shot_calibration(
     score = _one_shot_score(score, activations, calibration)
     if calibration is None:
         return score, activations, layer_stats
-    from lightning_pat.activation import calibrate
-    from lightning_pat.layer_score import calibrate_layers
+    from lightning_pat.scoring.activation import calibrate
+    from lightning_pat.scoring.layers import calibrate_layers
 
     if isinstance(calibration, (str, bytes, Mapping)) or not isinstance(calibration, Sequence):
         raise ValueError(
@@ -736,12 +736,12 @@ def prune_clusters(
             ||u||)`` (the callback uses the sum of learning rates since warmup in latent mode, since the previous
             selection in direct mode).
         group_count_ref: Opt-in score correction for shared budgets.
-        activations: Statistics from :func:`lightning_pat.activation.calibrate` for ``score="activation"``.
-        layer_stats: Layer scores from :func:`lightning_pat.layer_score.calibrate_layers`: layer units are ranked by
+        activations: Statistics from :func:`lightning_pat.scoring.activation.calibrate` for ``score="activation"``.
+        layer_stats: Layer scores from :func:`lightning_pat.scoring.layers.calibrate_layers`: layer units are ranked by
             ``1 - cos(input, output)`` instead of the RMS of their output projections.
         calibration: Batches of inputs (a list: each is passed as ``model(batch)``, e.g. token ids ``[B, T]``) for
-            the activation score: :func:`lightning_pat.activation.calibrate` (and, with layer units,
-            :func:`~lightning_pat.layer_score.calibrate_layers`) run on them before anything is pruned.
+            the activation score: :func:`lightning_pat.scoring.activation.calibrate` (and, with layer units,
+            :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -791,15 +791,15 @@ def prune_clusters(
     if score == "taylor":
         raise ValueError(
             "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
-            "CoupledPruningCallback (or lightning_pat.gradient.TaylorScores with a Pruner in your own loop); for "
+            "CoupledPruningCallback (or lightning_pat.scoring.taylor.TaylorScores with a Pruner in your own loop); for "
             "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
         )
     resolved_score = _one_shot_score(score, activations, calibration)
     if (resolved_score == "activation") != (activations is not None or calibration is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
-            "`activations=lightning_pat.activation.calibrate(model, clusters, batches)` with score='activation', "
-            f"or neither; got score={score!r} and activations={type(activations).__name__}."
+            "`activations=lightning_pat.scoring.activation.calibrate(model, clusters, batches)` with "
+            f"score='activation', or neither; got score={score!r} and activations={type(activations).__name__}."
         )
     clusters = auto_declarations(model, found_clusters(clusters))  # a Discovery; "auto" as the callback means it
     if isinstance(clusters, str) or (

@@ -24,9 +24,9 @@ from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
-from lightning_pat.layer_score import LAYER_SCORES, LayerScore
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
+from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops
 from lightning_pat.sizing.problem import Side
 from lightning_pat.sizing.targets import check_target
@@ -181,9 +181,9 @@ class PruningOptions:
             outputs, ``sqrt(sum E[x_j^2] ||W[:, j]||^2)``, from an exponential average (0.9) of the readers' input
             over training batches, averaged over ranks before each selection; readers must be ``nn.Linear``
             weights; its statistics need a training forward through every reader before the first selection; see
-            :mod:`lightning_pat.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
+            :mod:`lightning_pat.scoring.activation`), or ``"taylor"`` (opt-in: ``|w * g|`` per unit summed
             over the real steps between selections, from the gradients the optimizer applies; see
-            :mod:`lightning_pat.gradient`). Both data-aware scores run on one device, DDP and
+            :mod:`lightning_pat.scoring.taylor`). Both data-aware scores run on one device, DDP and
             ``ModelParallelStrategy`` (FSDP2/TP: they ride in the sharded path's one gather), not under FSDP1.
         mode: ``"latent"`` (default: the optimizer updates a dense latent copy, the model uses its projection) or
             ``"direct"`` (project the weights themselves; no extra memory).
@@ -246,7 +246,7 @@ class PruningOptions:
         seq_len: The sequence length of ``target_flops`` (attention costs grow with it).
         layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
-            see :mod:`lightning_pat.layer_score`), the weight score if no layer saw a forward; ``"weight"``: the
+            see :mod:`lightning_pat.scoring.layers`), the weight score if no layer saw a forward; ``"weight"``: the
             RMS of the layer's output projections.
 
     Raises:

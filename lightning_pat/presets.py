@@ -307,7 +307,7 @@ def layer_units(per_layer: str, out: tuple[tuple[str, ...], tuple[str, ...]]) ->
     In a pre-norm transformer a layer whose output projections (and their biases) are zero adds nothing to the
     residual stream: it is the identity, so dropping the unit removes the layer exactly. The ``layers`` budget ranks
     the layers jointly (lowest score first: during training ``1 - cos(input, output)`` of the layer, as in ShortGPT,
-    see :mod:`lightning_pat.layer_score`; one-shot, the RMS of the output projections), and
+    see :mod:`lightning_pat.scoring.layers`; one-shot, the RMS of the output projections), and
     :func:`lightning_pat.shrink` deletes the dropped layers and renumbers the rest.
 
     Args:

@@ -16,7 +16,7 @@ layout does not have).
 
 Usage (one-shot)::
 
-    stats = calibrate(model, decls, batches)                  # lightning_pat.activation: which units to cut
+    stats = calibrate(model, decls, batches)                  # lightning_pat.scoring.activation: which units to cut
     grams = calibrate_readers(model, decls, batches)          # the readers' input Gram matrices, dense weights
     result = prune_clusters(model, decls, target_params=0.75, score="activation", activations=stats)
     refit_readers(model, result, grams)                       # kept reader columns refit; dropped ones stay 0
@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import unit_channels
 from lightning_pat.parallel import distributed
+from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from lightning_pat.core.units import fold_to_units, unit_of_channels
 ScoreType = Literal["rms", "l2", "param_cost", "activation", "taylor"]
 #: Scores computed from the weights alone (every executor, every layout).
 WEIGHT_SCORES: tuple[str, ...] = ("rms", "l2", "param_cost")
-#: Scores that need data: ``"activation"`` (the readers' input statistics, ``lightning_pat.activation``) and
-#: ``"taylor"`` (``|w * g|`` summed over training steps, ``lightning_pat.gradient``).
+#: Scores that need data: ``"activation"`` (the readers' input statistics, ``lightning_pat.scoring.activation``) and
+#: ``"taylor"`` (``|w * g|`` summed over training steps, ``lightning_pat.scoring.taylor``).
 DATA_SCORES: tuple[str, ...] = ("activation", "taylor")
 #: Every score type.
 SCORE_TYPES: tuple[str, ...] = (*WEIGHT_SCORES, *DATA_SCORES)
@@ -167,7 +167,7 @@ def normalise(q_C: Tensor, *, unit_numel: int, score: ScoreType) -> Tensor:
     if score == "param_cost":
         return norm / unit_numel
     raise ValueError(
-        f"`score` must be one of {WEIGHT_SCORES}, got {score!r} (activation scores: lightning_pat.activation)."
+        f"`score` must be one of {WEIGHT_SCORES}, got {score!r} (activation scores: lightning_pat.scoring.activation)."
     )
 
 

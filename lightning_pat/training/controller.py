@@ -1,7 +1,8 @@
 """The training controller: what happens to the weights around each real optimizer step (no Lightning here).
 
 :class:`PruningController` owns the progress counters, the real-step tracker, the latent copies, the pruner, the
-activation statistics and the freeze transition. A training loop (the callback, or any loop of your own) calls:
+data-aware scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the freeze transition. A training
+loop (the callback, or any loop of your own) calls:
 
 * :meth:`~PruningController.bind` once the model and optimizers are final: resolve the clusters, agree across
   ranks, route them to executors (nothing is mutated);
@@ -37,19 +38,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.activation import ActivationStats
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
-from lightning_pat.gradient import TaylorScores
-from lightning_pat.layer_score import LayerStats, layer_clusters
 from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import distributed, fsdp1
+from lightning_pat.scoring.activation import ActivationStats
+from lightning_pat.scoring.layers import LayerStats, layer_clusters
+from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
+from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.latent import LatentStore
 
@@ -149,9 +151,7 @@ class PruningController:
         self.pruner: Pruner | None = None
         self.resolved: list[ResolvedCluster] = []
         self.latents: LatentStore | None = None
-        self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
-        self.taylor: TaylorScores | None = None  # score="taylor": |w * g| summed between selections
-        self.layer_stats: LayerStats | None = None  # layer units, layer_score="cosine": 1 - cos(input, output)
+        self.scorers = Collectors()  # the data-aware scores in use (activation, taylor, layer cosines)
         self.shrunk: dict[str, list[int]] | None = None  # the dropped units, once the model has been shrunk
         self.size: SizeSolution | None = None  # target_params: the solved widths and the achieved count
         self._module: nn.Module | None = None
@@ -189,6 +189,21 @@ class PruningController:
         if self.shrunk is not None:
             return dict(self.shrunk)
         return {} if self.pruner is None else self.pruner.result().dropped
+
+    @property
+    def act(self) -> ActivationStats | None:
+        """The readers' input statistics (``score="activation"``), else ``None``."""
+        return self.scorers.act
+
+    @property
+    def taylor(self) -> TaylorScores | None:
+        """The sums of ``|w * g|`` since the last selection (``score="taylor"``), else ``None``."""
+        return self.scorers.taylor
+
+    @property
+    def layer_stats(self) -> LayerStats | None:
+        """The layer units' ``1 - cos(input, output)`` sums (``layer_score="cosine"``), else ``None``."""
+        return self.scorers.layers
 
     @property
     def teacher(self) -> nn.Module | None:
@@ -290,8 +305,7 @@ class PruningController:
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self.tracker.attach(self._optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            self.plan, self.pruner, self.latents, self.act, self.taylor = None, None, None, None, None
-            self.layer_stats = None
+            self.plan, self.pruner, self.latents, self.scorers = None, None, None, Collectors()
             return
         opts = self.options
         self.score = opts.score if opts.score != "auto" else ("rms" if fsdp1_root is not None else "activation")
@@ -324,7 +338,7 @@ class PruningController:
             layers = layer_clusters(self.resolved)
             if layers and opts.layer_score == "cosine":
                 with prefixed("CoupledPruningCallback(layer_score='cosine')"):
-                    self.layer_stats = LayerStats(module, layers)
+                    self.scorers.layers = LayerStats(module, layers)
             if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
                 with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                     check_shrinkable(module, self.resolved)
@@ -356,11 +370,11 @@ class PruningController:
         """
         assert self.plan is not None
         assert self._module is not None
-        self.act, self.taylor, self._fallback = None, None, None
+        self.scorers.act, self.scorers.taylor, self._fallback = None, None, None
         if score == "activation" and len(layer_clusters(self.resolved)) < len(self.resolved):  # layers: scored apart
             try:
                 with prefixed("CoupledPruningCallback(score='activation')"):
-                    self.act = ActivationStats(self._module, self.resolved)
+                    self.scorers.act = ActivationStats(self._module, self.resolved)
             except ValueError as err:
                 if self.options.score != "auto":
                     raise
@@ -371,7 +385,7 @@ class PruningController:
         self.pruner = Pruner(params, self.plan)
         if score == "taylor":
             with prefixed("CoupledPruningCallback(score='taylor')"):
-                self.taylor = TaylorScores(self.pruner.executors)
+                self.scorers.taylor = TaylorScores(self.pruner.executors)
 
     def _why_score(self) -> str:
         """Why ``score="auto"`` uses :attr:`score` (for the log)."""
@@ -440,18 +454,11 @@ class PruningController:
             if self._carry is not None:
                 self._info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
             self.progress = state.Progress()
-            if self.act is not None:
-                self.act.reset()
-            if self.taylor is not None:
-                self.taylor.reset()
-            if self.layer_stats is not None:
-                self.layer_stats.reset()
+            self.scorers.reset()
         self._carry = None
         self._check_mask_not_empty()
-        if self.act is not None and not self.frozen:
-            self.act.attach()  # removed at the freeze and at the end of the fit
-        if self.layer_stats is not None and not self.frozen:
-            self.layer_stats.attach()
+        if not self.frozen:
+            self.scorers.attach()  # removed at the freeze and at the end of the fit
 
     def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any, global_step: int | None) -> None:
         opts = self.options
@@ -465,8 +472,7 @@ class PruningController:
         assert self.latents is not None
         context = state.restore_context(
             global_step=global_step, clusters=self.resolved, params=self._params, latent_names=self.latents.names,
-            readers=None if self.act is None else {n: m.in_features for n, m in self.act.modules.items()},
-            layers=None if self.layer_stats is None else list(self.layer_stats.modules),
+            **self.scorers.saved_shapes(),
         )  # fmt: skip
         error, needs_latents = None, False
         try:  # local checks; a rank-local failure (e.g. a latent's local shape) stops every rank together
@@ -497,14 +503,7 @@ class PruningController:
             self.latents.clear()
         else:
             self.latents.load_state_dict(latents)
-        if self.act is not None:  # no saved statistics (e.g. the score changed on resume): collect from here on
-            self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
-        if self.taylor is not None:  # none saved (e.g. the score changed on resume): sum from here on
-            rank, world = distributed.world_rank(), distributed.world_size()
-            with prefixed("CoupledPruningCallback"):
-                self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
-        if self.layer_stats is not None:  # this rank's sums since the last selection
-            self.layer_stats.load_state_dict(state.rank_activation(saved.get("layer_scores")) or {})
+        self.scorers.load(saved, errors=prefixed)  # none saved (e.g. the score changed on resume): from here on
         with torch.no_grad(), self._weights():
             self.pruner.hold()
 
@@ -656,18 +655,12 @@ class PruningController:
         """
         if self._averaged and first_of_epoch:
             self.reproject()
-        self._batch_open(True)
+        self.scorers.batch_open(True)
         if self.distiller is not None:
             self.distiller.ensure_teacher(
                 step=self.progress.step, start=self.schedule.warmup_steps, share=share, ckpt_path=ckpt_path
             )
             self.distiller.open()
-
-    def _batch_open(self, value: bool) -> None:
-        """Tell the statistics collectors that a training batch is open (its forwards count even in eval mode)."""
-        for collector in (self.act, self.layer_stats):
-            if collector is not None:
-                collector.in_batch = value
 
     def reproject_after_averaging(self) -> None:
         """With weight averaging: zero the dropped units again after its final weight transfer."""
@@ -695,22 +688,16 @@ class PruningController:
             return
         assert self.pruner is not None
         latents = self.latents if self.latents is not None and self.latents.active else None
-        world = distributed.world_size()  # this rank's own statistics at every index: each rank reads its own
-        self._carry = self._state(latents=None if latents is None else state.latent_entry(
-            latents.state_dict(), self._params, fmt="local"
-        ), activation=None if self.act is None else [self.act.state_dict()] * world,
-            taylor=None if self.taylor is None else [self.taylor.state_dict()] * world,
-            layer_scores=None if self.layer_stats is None else [self.layer_stats.state_dict()] * world)  # fmt: skip
+        entry = None if latents is None else state.latent_entry(latents.state_dict(), self._params, fmt="local")
+        # this rank's own statistics at every index: each rank reads its own
+        self._carry = self._state(latents=entry, scorers=self.scorers.state_dicts(gather=False))
 
     def release(self) -> None:
-        """Remove the optimizer, activation and distillation hooks (the state for a next fit is kept)."""
+        """Remove the optimizer, scorer and distillation hooks (the state for a next fit is kept)."""
         self.tracker.detach()
-        if self.act is not None:
-            self.act.detach()
+        self.scorers.detach()
         if self.distiller is not None:
             self.distiller.release()
-        if self.layer_stats is not None:
-            self.layer_stats.detach()
 
     # ------------------------------------------------------------------ per step
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
@@ -730,8 +717,8 @@ class PruningController:
                     self.pruner.zero_grads()
             elif action != "none" and self.latents.active:
                 self.latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
-            if self.taylor is not None and action != "freeze":  # the weights this update applies to (latents)
-                self.taylor.observe()
+            if self.scorers.taylor is not None and action != "freeze":  # the weights this update applies to
+                self.scorers.taylor.observe()
 
     def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
         """After a batch: if a real optimizer step happened, advance the schedule and act.
@@ -750,10 +737,11 @@ class PruningController:
             ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
         self.kl = None if self.distiller is None else self.distiller.close()
-        self._batch_open(False)
+        self.scorers.batch_open(False)
         stepped = self.tracker.consume()
-        if self.taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
-            self.taylor.commit() if stepped else self.taylor.discard()
+        taylor = self.scorers.taylor
+        if taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
+            taylor.commit() if stepped else taylor.discard()
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if stepped:
                 self.progress.tick()
@@ -800,15 +788,15 @@ class PruningController:
         opts = self.options
         method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
         scores = None
-        if self.layer_stats is not None:
+        if self.scorers.layers is not None:
             with prefixed("CoupledPruningCallback(layer_score='cosine')"):
-                scores = self.layer_stats.summed_scores()  # one collective when distributed
+                scores = self.scorers.layers.summed_scores()  # one collective when distributed
             if scores is None:
                 distributed.rank_zero_warn(
                     f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
                     "the layer units are ranked by the weight score (layer_score='weight') this time."
                 )
-        if scores is None and self.score == "activation" and self.act is None:  # only layer units: their weight score
+        if scores is None and self.score == "activation" and self.scorers.act is None:  # only layer units: weights
             scores = {}
         threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
         # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
@@ -820,10 +808,10 @@ class PruningController:
                 threshold=threshold,
                 count=count,
                 scores=scores,
-                evidence=self.act or self.taylor,
+                evidence=self.scorers.evidence,
             )
-        if self.taylor is not None:
-            self.taylor.reset()  # the next selection sums the steps from here
+        if self.scorers.taylor is not None:
+            self.scorers.taylor.reset()  # the next selection sums the steps from here
         self.progress.mark_selection()
         if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
             distributed.check_selection_agreement(self.dropped, step=step)
@@ -833,18 +821,14 @@ class PruningController:
         """The mask is final: free the latents, stop collecting statistics, and shrink if asked to."""
         assert self.latents is not None
         self.latents.clear()
-        if self.act is not None:
-            self.act.detach()  # no per-forward cost during healing
-        if self.layer_stats is not None:
-            self.layer_stats.detach()
+        self.scorers.detach()  # no per-forward cost during healing
         if not self.options.shrink_on_freeze:
             return
         assert self._module is not None
         dropped = self.dropped
         with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
             shrink_for_training(self._module, self.resolved, dropped, optimizers=self._optimizers)
-        self.shrunk, self.plan, self.pruner, self.latents, self.act, self.taylor = dropped, None, None, None, None, None
-        self.layer_stats = None
+        self.shrunk, self.plan, self.pruner, self.latents, self.scorers = dropped, None, None, None, Collectors()
         self._info(
             f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
             f"{sum(p.numel() for p in self._module.parameters()):,} parameters; healing runs on the small model."
@@ -856,14 +840,8 @@ class PruningController:
             self._params.values(), fsdp1=self._fsdp1_root is not None, sharded_ckpt=self._sharded_ckpt
         )
 
-    def _state(
-        self,
-        *,
-        latents: dict[str, Any] | None,
-        activation: list[Any] | None,
-        taylor: list[Any] | None = None,
-        layer_scores: list[Any] | None = None,
-    ) -> dict[str, Any]:
+    def _state(self, *, latents: dict[str, Any] | None, scorers: Mapping[str, list[Any] | None]) -> dict[str, Any]:
+        """A state from the latents' entry and the scorers' (``activation``, ``taylor``, ``layer_scores``)."""
         return state.build(
             self.progress,
             dropped=self.dropped,
@@ -872,9 +850,7 @@ class PruningController:
             options=self._resumable(),
             latents=latents,
             shrunk=self.shrunk is not None,
-            activation=activation,
-            taylor=taylor,
-            layer_scores=layer_scores,
+            **scorers,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -885,18 +861,7 @@ class PruningController:
         latents = None
         if self.latents is not None and self.latents.active:
             latents = state.latent_entry(self.latents.state_dict(), self._params, fmt=self._latent_format())
-        activation = None
-        if self.act is not None:  # every rank's statistics (ranks see other batches; each resumes its own)
-            activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
-        taylor = None
-        if self.taylor is not None:  # sharded: every rank's partials; plain: the same sums on every rank
-            mine = self.taylor.state_dict()
-            sharded = self.taylor.sharded
-            taylor = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
-        layer_scores = None
-        if self.layer_stats is not None:  # every rank's sums since the last selection
-            layer_scores = distributed.gather_objects(self.layer_stats.state_dict(), group=distributed.world_group())
-        saved = self._state(latents=latents, activation=activation, taylor=taylor, layer_scores=layer_scores)
+        saved = self._state(latents=latents, scorers=self.scorers.state_dicts())  # every rank's statistics: collective
         if self.distiller is not None:
             saved["distill"] = self.distiller.state_dict()
         return saved

@@ -72,8 +72,8 @@ def _train_forwards(model: nn.Module, batches: list[torch.Tensor]) -> None:
 def _single(d: int, f: int) -> dict:
     """One process, the whole batches: the library's plain-tensor path."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.scoring.activation import ActivationStats
 
     model = _Net(d, f)
     stats = ActivationStats(model, resolve_clusters(model, _clusters()), beta=BETA)
@@ -85,7 +85,7 @@ def _single(d: int, f: int) -> dict:
         result = pruner.step(TARGETS, evidence=stats)
     averages = stats.averages()
     from lightning_pat import prune_clusters
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     fresh = _Net(d, f)
     one_shot = prune_clusters(
@@ -151,9 +151,9 @@ def sharded(model: _Net, kind: str, rank: int, world: int) -> tuple[int, int]:
 
 def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat import resolve_clusters
-    from lightning_pat.activation import ActivationStats
     from lightning_pat.engine import Pruner, make_plan
     from lightning_pat.parallel import distributed as D
+    from lightning_pat.scoring.activation import ActivationStats
     from tests.distributed._recorder import Recorder
 
     model = _Net(d, f)
@@ -178,7 +178,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
         averages[name] = (summed[:width] / summed[width:]).tolist()
     # one-shot: calibrate() and prune_clusters() on the sharded model (the statistics ride in the same gather)
     from lightning_pat import prune_clusters
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     fresh = _Net(d, f)
     sharded(fresh, kind, rank, world)

@@ -1,4 +1,4 @@
-"""Layer scores with DTensor hidden states on 2 gloo ranks (lightning_pat.layer_score).
+"""Layer scores with DTensor hidden states on 2 gloo ranks (lightning_pat.scoring.layers).
 
 A layer whose input and output are DTensors placed ``Shard(1)`` (sequence parallel: every token's hidden vector is
 whole on one rank) is read through the local shards; the sums of both ranks give the score of the full tensors,
@@ -42,7 +42,7 @@ def _worker(rank: int, world_size: int, placement: str) -> object:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.layer_score import LayerStats
+    from lightning_pat.scoring.layers import LayerStats
 
     mesh = init_device_mesh("cpu", (world_size,))
     net = nn.ModuleDict({"blk": Block()})

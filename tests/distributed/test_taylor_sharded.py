@@ -37,7 +37,7 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, taylor, batches: list[t
 
 def _single(d: int, f: int) -> dict:
     from lightning_pat.engine import Pruner, make_plan
-    from lightning_pat.gradient import TaylorScores
+    from lightning_pat.scoring.taylor import TaylorScores
 
     model = _Net(d, f)
     pruner = Pruner(model, make_plan(model, _clusters(), score="taylor"))
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_pat.engine import Pruner, make_plan
-    from lightning_pat.gradient import TaylorScores
+    from lightning_pat.scoring.taylor import TaylorScores
     from tests.distributed._recorder import Recorder
 
     model = _Net(d, f)

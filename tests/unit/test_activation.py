@@ -1,4 +1,4 @@
-"""Activation statistics and activation-aware unit scores (lightning_pat.activation) against plain float64 math.
+"""Activation statistics and activation-aware unit scores (lightning_pat.scoring.activation) against plain float64 math.
 
 The references below are written from the formula in the module docstring with plain torch (per-channel mean of
 x^2 over all leading dims, an exponential average with the first batch as its start, and
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters, resolve_clusters
-from lightning_pat.activation import ActivationStats, calibrate
 from lightning_pat.engine import Pruner, make_plan
+from lightning_pat.scoring.activation import ActivationStats, calibrate
 
 MLP = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
 

@@ -152,7 +152,7 @@ def test_prune_clusters_refuses_taylor():
 def test_plain_sums_resume_on_another_world_size():
     """Plain parameters: every rank's sums are the same, so a checkpoint of 2 ranks resumes on 1 (entry 0)."""
     from lightning_pat.engine import Pruner, make_plan
-    from lightning_pat.gradient import TaylorScores
+    from lightning_pat.scoring.taylor import TaylorScores
 
     model = _model()
     taylor = TaylorScores(Pruner(model, make_plan(model, CLUSTER, score="taylor")).executors)

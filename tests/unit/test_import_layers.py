@@ -9,17 +9,19 @@ floors listed for its own:
   parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
 * ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
-* ``pruning`` (options, presets, activation, gradient, layer_score, repair, engine: the one-shot API; discovery:
-  clusters found by tracing): adds parallel, sizing, and shrink (discovery returns only clusters the shrink can rewrite,
-  checked by the shrink's own validation and a trial shrink);
+* ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
+  core and parallel (the executors' evidence protocol, rank-ordered sums);
+* ``pruning`` (options, presets, repair, engine: the one-shot API; allocation; discovery: clusters found by tracing):
+  adds parallel, sizing, scoring, and shrink (discovery returns only clusters the shrink can rewrite, checked by the
+  shrink's own validation and a trial shrink);
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
   export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
   DeciLM export carries) transformers;
-* ``training`` (options' users: controller, state, latent, metrics, distill, teacher_file, views, callback, recipes,
-  trainer_facts):
-  adds pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in training/callback.py,
-  training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the callback reads from a
-  Trainer);
+* ``training`` (options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
+  callback, recipes, trainer_facts):
+  adds scoring, pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
+  training/callback.py, training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the
+  callback reads from a Trainer);
 * ``cli``, ``demo`` and ``lm`` (pretrained LMs: where a real checkpoint comes from, its Lightning modules; the
   top): anything but each other; they may import lightning; the demo may shard with FSDP2;
 * the package face (``__init__``, ``__about__``): the floors below cli and demo.
@@ -45,12 +47,10 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
     "parallel": ("parallel.",),
     "sizing": ("sizing.",),
+    "scoring": ("scoring.",),
     "pruning": (
         "options",
         "presets",
-        "activation",
-        "gradient",
-        "layer_score",
         "engine",
         "allocation",
         "repair",
@@ -68,13 +68,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
     "parallel": {"core", "parallel"},
     "sizing": {"core", "sizing"},
-    "pruning": {"core", "parallel", "sizing", "pruning", "shrink"},  # discovery checks its clusters with the shrink
+    "scoring": {"core", "parallel", "scoring"},
+    "pruning": {"core", "parallel", "sizing", "scoring", "pruning", "shrink"},  # discovery checks with the shrink
     "shrink": {"core", "shrink"},
-    "training": {"core", "parallel", "sizing", "pruning", "shrink", "training"},
-    "cli": {"core", "parallel", "sizing", "pruning", "shrink", "training", "cli", "face"},
-    "demo": {"core", "parallel", "sizing", "pruning", "shrink", "training", "demo", "face"},
-    "lm": {"core", "parallel", "sizing", "pruning", "shrink", "training", "lm", "face"},
-    "face": {"core", "parallel", "sizing", "pruning", "shrink", "training", "face"},
+    "training": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training"},
+    "cli": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "cli", "face"},
+    "demo": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "demo", "face"},
+    "lm": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "lm", "face"},
+    "face": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "face"},
 }
 TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
@@ -330,6 +331,10 @@ KNOWN = {
         ("discovery/entry.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
         ("discovery/trace.py", "import lightning\n", "lightning is imported only"),
         ("shrink/surgery_conv.py", "from lightning_pat.engine import Pruner\n", "the shrink floor imports only"),
+        ("scoring/activation.py", "from lightning_pat.engine import Pruner\n", "the scoring floor imports only"),
+        ("scoring/hooks.py", "from lightning_pat.training import controller\n", "the scoring floor imports only"),
+        ("shrink/verify.py", "from lightning_pat.scoring.hooks import run_batches\n", "the shrink floor imports only"),
+        ("sizing/targets.py", "from lightning_pat.scoring.layers import LayerStats\n", "the sizing floor imports"),
         ("engine.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
         ("engine.py", "from lightning_pat.parallel import distributed as D\n", "no one-letter module aliases"),
         ("new_module.py", "import torch\n", "belongs to no floor"),
@@ -360,6 +365,9 @@ def test_checkers_detect_violations(rel, source, needle):
         ),
         ("training/callback.py", "import lightning.pytorch as pl\nfrom lightning_pat.training import controller\n"),
         ("training/controller.py", "from lightning_pat.engine import Pruner\nfrom lightning_pat.shrink import entry\n"),
+        ("scoring/taylor.py", "from lightning_pat.parallel import distributed\nfrom lightning_pat.core import spec\n"),
+        ("engine.py", "from lightning_pat.scoring.activation import ActivationStats\n"),
+        ("training/controller.py", "from lightning_pat.scoring.taylor import TaylorScores\n"),
         ("training/metrics.py", "from torchmetrics import Metric\n"),
         ("shrink/entry.py", "import math\nimport torch\nfrom lightning_pat.core.spec import ResolvedCluster\n"),
         ("shrink/export.py", "from lightning_pat.shrink import entry\ndef f():\n    import transformers\n"),

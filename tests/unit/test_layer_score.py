@@ -1,4 +1,4 @@
-"""Layer scores ``1 - cos(input, output)`` (lightning_pat.layer_score) against a cosine computed by hand.
+"""Layer scores ``1 - cos(input, output)`` (lightning_pat.scoring.layers) against a cosine computed by hand.
 
 Reference: the TinyGPT blocks run one by one outside the model, the cosine of every token written out in float64
 (``<x, y> / (|x| |y|)``), averaged over all tokens of all batches.
@@ -19,7 +19,7 @@ from lightning_pat.core.spec import resolve_clusters
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from lightning_pat.demo.preset import tiny_gpt
 from lightning_pat.engine import Pruner
-from lightning_pat.layer_score import LayerStats, token_cosines
+from lightning_pat.scoring.layers import LayerStats, token_cosines
 
 CFG = TinyGPTConfig(vocab_size=32, n_layer=3, n_head=2, n_kv_head=2, d_model=16, d_ff=24, max_seq_len=8)
 
@@ -225,7 +225,7 @@ def test_transformers_layers_are_read_and_an_emptied_layer_scores_zero(case_id):
 
 def test_one_shot_prune_clusters_ranks_layers_by_calibrated_cosine_and_shrinks_to_size():
     from lightning_pat import prune_clusters, shrink
-    from lightning_pat.layer_score import calibrate_layers
+    from lightning_pat.scoring.layers import calibrate_layers
 
     def model() -> TinyGPT:
         net, _, _ = model_and_stats()
@@ -255,7 +255,7 @@ def test_one_shot_prune_clusters_ranks_layers_by_calibrated_cosine_and_shrinks_t
 
 
 def test_calibrate_layers_refuses_clusters_without_layer_units():
-    from lightning_pat.layer_score import calibrate_layers
+    from lightning_pat.scoring.layers import calibrate_layers
 
     net, _, _ = model_and_stats()
     with pytest.raises(ValueError, match=r"calibrate_layers: the clusters hold no layer unit.*layers=True"):

@@ -133,7 +133,7 @@ def test_prune_clusters_accepts_a_preset_name_like_the_callback():
 # ---------------------------------------------------------------------------------------------------- activation stats
 @pytest.mark.parametrize("poison", ["nan", "overflow"], ids=["nan-batch", "1e20-batch"])
 def test_a_non_finite_batch_is_skipped_counted_and_warned_not_folded_into_the_statistics(poison):
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     torch.manual_seed(0)
     good = [torch.randn(16, 4) for _ in range(3)]
@@ -154,7 +154,7 @@ def test_a_non_finite_batch_is_skipped_counted_and_warned_not_folded_into_the_st
 
 
 def test_non_finite_statistics_are_named_as_statistics_not_weights():
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     stats = calibrate(_mlp(), H, [torch.randn(8, 4)])
     state = stats.state_dict()
@@ -254,7 +254,7 @@ def test_a_batchnorm_declared_in_the_cluster_is_shrunk_exactly_with_its_running_
 
 
 def test_training_average_skips_a_non_finite_batch_and_a_module_seeing_only_those_counts_as_unseen():
-    from lightning_pat.activation import ActivationStats
+    from lightning_pat.scoring.activation import ActivationStats
 
     net = _mlp()
     resolved = resolve_clusters(net, [H])
@@ -346,7 +346,7 @@ def test_prune_clusters_auto_means_what_the_callbacks_auto_means():
 def test_a_discovery_is_accepted_where_clusters_are_expected():
     """Audit: ``prune_clusters(m, discover(m, x), 0.5)`` was ``TypeError: 'Discovery' object is not iterable``."""
     from lightning_pat import CoupledPruningCallback, discover
-    from lightning_pat.activation import calibrate
+    from lightning_pat.scoring.activation import calibrate
 
     x = torch.randn(3, 4)
     net, ref = _mlp(), _mlp()

@@ -38,10 +38,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
 from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.parallel import distributed
+from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 #: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
 LayerScore = Literal["cosine", "weight"]

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.forwards import TrainingForwardHooks, run_batches
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.scoring import channel_sq_sums
@@ -51,6 +50,7 @@ from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_res
 from lightning_pat.core.units import fold_to_units, unit_of_channels
 from lightning_pat.parallel import distributed, placement
 from lightning_pat.parallel.executors import Reduced
+from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 
 def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module | None, str]:
@@ -63,7 +63,7 @@ class ActivationStats(TrainingForwardHooks):
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
-        clusters: The resolved clusters (layer units are left out: :mod:`lightning_pat.layer_score` scores them).
+        clusters: The resolved clusters (layer units are left out: :mod:`lightning_pat.scoring.layers` scores them).
         beta: Weight of the previous average: ``ema = beta * ema + (1 - beta) * batch_mean`` (the first batch sets
             it). ``None`` keeps the plain mean over all batches seen (calibration).
 
@@ -85,7 +85,7 @@ class ActivationStats(TrainingForwardHooks):
             raise ValueError(f"`beta` must be None or a number in [0, 1), got {beta!r}.")
         super().__init__()
         self.beta = beta
-        self.clusters = [rc for rc in clusters if not is_layer_cluster(rc)]  # layers: lightning_pat.layer_score
+        self.clusters = [rc for rc in clusters if not is_layer_cluster(rc)]  # layers: lightning_pat.scoring.layers
         modules = dict(model.named_modules(remove_duplicate=False))
         params = dict(model.named_parameters(remove_duplicate=False))
         self.readers: dict[str, list[tuple[Member, str]]] = {}  # cluster -> [(member, reader module name)]
