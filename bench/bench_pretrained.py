@@ -38,6 +38,9 @@ ours, through the public API only:
   ``W[:, D] E[x_D]`` on each ``down_proj``, evaluated in memory; a stock Llama has no such bias).
 * ``mix_refit``: MLP channels and whole layers together (``layers=True``; the solver balances depth and width),
   activation scores and layer cosines, readers refit.
+* ``dense_heal``: the control: the dense model, not cut, healed with the same tokens and recipe (teacher: its own
+  starting copy). Healing on this stream is also in-domain fine-tuning, so "vs dense" of a healed arm mixes the
+  repair of the cut with what the data alone gives; the difference to ``dense_heal`` is the cut's cost.
 * ``depth``: whole layers only (``preset_options={"layers": True}``), ranked by ``calibrate_layers`` cosines.
 * ``ramp``: ``CoupledPruningCallback(target_params=..., distill_alpha=...)`` during the healing steps (the ramp over
   the first third, activation score from the training forwards), then ``shrink``.
@@ -641,7 +644,7 @@ ONESHOT: dict[str, Callable[[nn.Module, Setup, float], dict]] = {
     "tp_mag": lambda m, s, z: torch_pruning(m, s, z, taylor=False),
     "tp_taylor": lambda m, s, z: torch_pruning(m, s, z, taylor=True),
 }
-ARMS = ("dense", *ONESHOT, "ramp", "scratch")
+ARMS = ("dense", "dense_heal", *ONESHOT, "ramp", "scratch")
 MAIN_ARMS = ("dense", "act_mlp_refit", "act_refit", "act", "mix_refit", "ramp", "tp_mag", "tp_taylor", "llmpruner",
              "shortgpt", "scratch")  # fmt: skip
 
@@ -660,7 +663,7 @@ def run_one(args: argparse.Namespace) -> dict:
     if args.one != "dense" and args.steps > 0 and args.alpha > 0:
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
     t0 = time.perf_counter()
-    if args.one == "dense":
+    if args.one in ("dense", "dense_heal"):  # dense_heal: no cut, the same healing (the control of every arm)
         info: dict = {"widths": widths(model)}
     elif args.one in ONESHOT:
         info = ONESHOT[args.one](model, setup, args.size)
@@ -945,8 +948,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     have = {(r["arm"], r["size"], r["seed"], r["steps"]) for r in read(jsonl) if r.get("quick") == args.quick}
     runs = [("dense", 1.0, 0)] + [
         (a, float(z), int(s)) for z in args.sizes.split(",") for s in args.seeds.split(",") for a in arms
-        if a != "dense"
-    ]  # fmt: skip
+        if a not in ("dense", "dense_heal")
+    ] + [("dense_heal", 1.0, int(s)) for s in args.seeds.split(",") if "dense_heal" in arms]  # fmt: skip
     failed: list[str] = []
     for arm, size, seed in runs:
         key = (arm, size, seed, 0 if arm == "dense" else args.steps)
