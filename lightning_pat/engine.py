@@ -353,22 +353,43 @@ class Pruner:
         """
         check_choice("method", method, METHODS)
         with self._session():  # dense copies (if any) do not outlive the call
-            q, scores = self._reduce(scores, evidence)
+            q, scores = self._reduce(scores, evidence, weights=self._weights_read(method, scores, evidence))
         return self._decide(q, targets, method=method, threshold=threshold, scores=scores)
 
+    def _weights_read(
+        self, method: Method, scores: Mapping[str, Tensor] | None, evidence: Evidence | None
+    ) -> set[str] | None:
+        """The clusters whose ``Q`` a selection reads (``None``: every cluster), the same on every rank.
+
+        A data-aware score (``evidence``) ranks every cluster but the layer units, so ``Q`` is read only for the
+        layer units that ``scores`` does not rank (their ``"rms"`` fallback); a weight score and the group lasso's
+        shrinkage read every cluster's. Skipping the rest saves a pass over every clustered weight per selection.
+        """
+        if evidence is None or method == "group_lasso" or self.score in WEIGHT_SCORES:
+            return None
+        given = scores or {}
+        return {rc.name for rc in self.clusters if is_layer_cluster(rc) and rc.name not in given}
+
     def _reduce(
-        self, scores: Mapping[str, Tensor] | None, evidence: Evidence | None
+        self,
+        scores: Mapping[str, Tensor] | None,
+        evidence: Evidence | None,
+        *,
+        weights: set[str] | None = None,
     ) -> tuple[dict[str, Tensor], Mapping[str, Tensor] | None]:
-        """``Q`` from every executor, and the scores (``evidence``'s, reduced in the same collectives, if given)."""
+        """``Q`` from every executor (of ``weights`` only, if given), and the scores (``evidence``'s, if given).
+
+        The evidence's partials are reduced in the same collectives as ``Q``.
+        """
         if evidence is None:
             q: dict[str, Tensor] = {}
             for ex in self.executors:
-                q.update(ex.unit_sq_norms())
+                q.update(ex.unit_sq_norms(weights))
             return q, scores
         shard, data = evidence.shard_riders(), evidence.data_riders()
         total = Reduced({})
         for ex in self.executors:
-            part = ex.reduce(shard_riders=shard, data_riders=data, columns=evidence.columns)
+            part = ex.reduce(shard_riders=shard, data_riders=data, columns=evidence.columns, weights=weights)
             total.q.update(part.q)
             total.shard.update(part.shard)
             total.data.update(part.data)
@@ -473,7 +494,7 @@ class Pruner:
         """
         check_choice("method", method, METHODS)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
-            q, scores = self._reduce(scores, evidence)
+            q, scores = self._reduce(scores, evidence, weights=self._weights_read(method, scores, evidence))
             actions = self._decide(q, targets, method=method, threshold=threshold, scores=scores)
             self.apply(actions)
             self.last = actions

@@ -277,3 +277,46 @@ def test_a_residual_cluster_is_scored_by_its_linear_readers_only():
         e_up, e_head = sum(ups) / 2, sum(heads) / 2
         want = (e_up * model.up.weight.square().sum(dim=0) + e_head * model.head.weight.square().sum(dim=0)).sqrt()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def _spy_norms(monkeypatch: pytest.MonkeyPatch, pruner: Pruner) -> list:
+    """Record the ``names`` every executor's ``unit_sq_norms`` is asked for (the weight partials it computes)."""
+    calls: list = []
+    for cls in {type(ex) for ex in pruner.executors}:
+        original = cls.unit_sq_norms
+
+        def spy(self, names=None, _original=original):  # noqa: ANN001, ANN202 - calls through
+            calls.append(None if names is None else sorted(names))
+            return _original(self, names)
+
+        monkeypatch.setattr(cls, "unit_sq_norms", spy)
+    return calls
+
+
+def test_a_data_aware_selection_computes_no_weight_norms_it_does_not_read(monkeypatch):
+    """The activation score ranks every width cluster, so their unit norms are not computed (half of a selection's
+    cost on a real model); the group lasso and layer units' weight-score fallback still get theirs, and the units
+    selected are the reference's."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    torch.manual_seed(3)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    batches = [torch.randn(16, 6) for _ in range(3)]
+    with torch.no_grad():
+        hidden = [torch.relu(model[0](b)) for b in batches]
+    layer = Cluster("block", writers=["2.weight", "2.bias"], num_units=1, budget="layers")
+    stats = calibrate(model, MLP, batches)
+    pruner = Pruner(model, make_plan(model, [MLP, layer], score="activation"))
+    calls = _spy_norms(monkeypatch, pruner)
+
+    actions = pruner.select({"h": 0.5, "block": 0.0}, evidence=stats)
+    assert calls == [["block"]]  # only the layer unit's norms: its "rms" fallback
+    want_scores = ref_scores(model[2].weight, ref_ema(hidden, None), 8)
+    assert sorted(actions["h"].dropped.tolist()) == sorted(sorted(range(8), key=lambda c: (want_scores[c], c))[:4])
+
+    calls.clear()
+    pruner.select({"h": 0.5, "block": 0.0}, evidence=stats, scores={"block": torch.ones(1)})
+    assert calls == [[]]  # the layer unit ranked by its given score: no norm at all
+    calls.clear()
+    pruner.select({"h": 0.5, "block": 0.0}, evidence=stats, method="group_lasso", threshold=0.1)
+    assert calls == [None]  # the shrinkage acts on every unit's norm

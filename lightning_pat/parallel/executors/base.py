@@ -11,7 +11,7 @@ Executors are stateless between calls: dense copies (materializing path) live on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -129,8 +129,12 @@ class Executor(ABC):
         zero_channels_(tensor, m, hit[1])
 
     @abstractmethod
-    def unit_sq_norms(self) -> dict[str, Tensor]:
-        """Per cluster, ``Q``: the squared norm of every unit over all members (``[C]``, accumulation dtype)."""
+    def unit_sq_norms(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
+        """Per cluster, ``Q``: the squared norm of every unit over all members (``[C]``, accumulation dtype).
+
+        Args:
+            names: Only these clusters (``None``: every cluster); the same on every rank.
+        """
 
     def reduce(
         self,
@@ -138,13 +142,16 @@ class Executor(ABC):
         shard_riders: Mapping[str, Tensor] | None = None,
         data_riders: Mapping[str, Tensor] | None = None,
         columns: bool = False,
+        weights: Collection[str] | None = None,
     ) -> Reduced:
         """``Q`` of every cluster, with the riders of an :class:`Evidence` reduced alongside (see :class:`Reduced`).
 
         The default serves plain tensors that every rank holds whole: shard riders are complete already, data riders
-        are summed over every rank (one collective), columns are computed from the (dense) readers.
+        are summed over every rank (one collective), columns are computed from the (dense) readers. ``weights``:
+        the clusters whose ``Q`` is computed (``None``: every cluster; the same on every rank), for a data-aware
+        selection that reads ``Q`` of a few clusters only (layer units), or of none.
         """
-        out = Reduced(self.unit_sq_norms())
+        out = Reduced(self.unit_sq_norms(weights))
         mine = [rc for rc in self.clusters if shard_riders and rc.name in shard_riders]
         out.shard = {rc.name: shard_riders[rc.name] for rc in mine}  # type: ignore[index]
         if data_riders:

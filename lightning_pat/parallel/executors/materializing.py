@@ -11,7 +11,7 @@ that a rank without a gradient can never leave the others waiting in a gather.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import Tensor
@@ -71,11 +71,13 @@ class MaterializingExecutor(Executor):
     def _dense_param(self, name: str) -> Tensor:
         return self._get(name, self._dense())
 
-    def unit_sq_norms(self) -> dict[str, Tensor]:
+    def unit_sq_norms(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
         """See :meth:`Executor.unit_sq_norms`."""
         out = {}
         dense = self._dense()
         for rc in self.clusters:
+            if names is not None and rc.name not in names:
+                continue
             parts = [
                 member_unit_sq_sums(self._get(m.name, dense), m, num_units=rc.num_units, acc_dtype=ACCUMULATION_DTYPE)
                 for m in rc.members

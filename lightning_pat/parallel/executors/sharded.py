@@ -19,7 +19,7 @@ Legend: ``C`` units of a cluster, ``L`` packed length, ``n`` ranks in a gather g
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,12 +195,12 @@ class ShardedExecutor(Executor):
         return n > 2 and (n - 1) * length * ACCUMULATION_DTYPE.itemsize > self._two_phase_min
 
     @torch.no_grad()
-    def unit_sq_norms(self) -> dict[str, Tensor]:
+    def unit_sq_norms(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
         """See :meth:`Executor.unit_sq_norms`: one packed reduction per distinct gather group, nothing else.
 
         A reduction is one ``all_gather`` (or, for large packs, ``all_to_all`` + ``all_gather``, same bits).
         """
-        return self.reduce().q
+        return self.reduce(weights=names).q
 
     @torch.no_grad()
     def reduce(
@@ -209,6 +209,7 @@ class ShardedExecutor(Executor):
         shard_riders: Mapping[str, Tensor] | None = None,
         data_riders: Mapping[str, Tensor] | None = None,
         columns: bool = False,
+        weights: Collection[str] | None = None,
     ) -> Reduced:
         """See :meth:`Executor.reduce`: the riders and columns travel in the same packed vector as ``Q``.
 
@@ -218,7 +219,8 @@ class ShardedExecutor(Executor):
         shard_riders, data_riders = shard_riders or {}, data_riders or {}
         out = Reduced({})
         for rc in self._ungathered:  # every member replicated and a one-rank (or weight-only) group: all complete
-            out.q[rc.name] = self._partial(rc)
+            if weights is None or rc.name in weights:
+                out.q[rc.name] = self._partial(rc)
             if rc.name in shard_riders:
                 out.shard[rc.name] = shard_riders[rc.name]
             if rc.name in data_riders:
@@ -229,7 +231,7 @@ class ShardedExecutor(Executor):
             parts: list[Tensor] = []
             layout: list[tuple[str, str, int]] = []  # (kind, key, length) in packing order
             for rc in pack.clusters:
-                segment = [("q", rc.name, self._partial(rc))]
+                segment = [("q", rc.name, self._partial(rc))] if weights is None or rc.name in weights else []
                 if rc.name in shard_riders:
                     segment.append(("shard", rc.name, shard_riders[rc.name]))
                 if columns:
@@ -239,6 +241,8 @@ class ShardedExecutor(Executor):
                 for kind, key, tensor in segment:
                     parts.append(tensor.to(ACCUMULATION_DTYPE).reshape(-1))
                     layout.append((kind, key, tensor.numel()))
+            if not parts:  # nothing of this pack is read (every rank skips the same packs: the same `weights`)
+                continue
             buffer_L = torch.cat(parts)
             two_phase = self._two_phase(pack, buffer_L.numel())
             reduce = distributed.scatter_gather_sum if two_phase else distributed.gather_sum
