@@ -774,7 +774,16 @@ def overhead(args: argparse.Namespace) -> dict:
         for name, inp in captured:
             stats.observe(name, inp)
 
-    rows: dict[str, list[float]] = {k: [] for k in ("step", "stats", "selection", "norms", "hold", "teacher")}
+    rows: dict[str, list[float]] = {k: [] for k in ("step", "stats", "selection", "selection_all", "norms", "hold",
+                                                     "teacher")}  # fmt: skip
+
+    def every_norm() -> None:  # the baseline: the selection as it was before it skipped the norms it does not read
+        pruner._weights_read = lambda *_a: None  # noqa: SLF001 - bench-only switch to the old behaviour
+        try:
+            pruner.step(targets, evidence=stats)
+        finally:
+            del pruner._weights_read
+
     train_step()  # warm up (allocations, AdamW state)
     observe_all()
     targets = {rc.name: 0.25 for rc in clusters}
@@ -784,6 +793,9 @@ def overhead(args: argparse.Namespace) -> dict:
         saved = {n: t.detach().clone() for n, t in members.items()}
         with torch.no_grad():
             rows["selection"].append(timed(lambda: pruner.step(targets, evidence=stats)))  # as the callback calls it
+            for n, t in members.items():
+                t.copy_(saved[n])
+            rows["selection_all"].append(timed(every_norm))
             rows["norms"].append(timed(lambda: [ex.unit_sq_norms() for ex in pruner.executors]))
             rows["hold"].append(timed(pruner.hold))
             for n, t in members.items():
@@ -795,7 +807,8 @@ def overhead(args: argparse.Namespace) -> dict:
         "training step (forward + backward + AdamW)": step,
         "statistics (hooks on the readers' inputs)": med["stats"],
         "fresh selection (score, select, zero)": med["selection"],
-        "  of which: every member's unit norms (the weight partials)": med["norms"],
+        "  baseline: the same selection computing every unit norm (before they were skipped)": med["selection_all"],
+        "  every member's unit norms alone (the weight partials)": med["norms"],
         "held mask": med["hold"],
         "teacher forward (distill_alpha)": med["teacher"],
     }
@@ -807,6 +820,7 @@ def overhead(args: argparse.Namespace) -> dict:
     ramp = parts["statistics (hooks on the readers' inputs)"] + parts["fresh selection (score, select, zero)"]
     lines.append(f"| per ramp step without the teacher (statistics + fresh selection) | {ramp * 1e3:,.1f} "
                  f"| {100 * ramp / step:.2f}% |")  # fmt: skip
+    lines.append(f"\nfresh selection / baseline: {med['selection'] / med['selection_all']:.2f}x")
     print("\n".join(lines))
     return {"ms": {k: v * 1e3 for k, v in parts.items()}, "rounds": args.rounds, "batch": args.batch}
 
