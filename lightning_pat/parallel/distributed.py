@@ -7,6 +7,7 @@ may be all-reduced (exact).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -14,7 +15,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,39 @@ def check_rank_agreement(digest: Mapping[str, Any], error: str | None) -> None:
             "must build the same model and pass the same cluster declarations and options; check code that "
             "depends on the rank (e.g. `if trainer.global_rank == 0`)."
         )
+
+
+@contextlib.contextmanager
+def together(prefix: str | None = None) -> Iterator[None]:
+    """Fail on every rank together: a ``ValueError`` raised inside the block stops every rank, naming the rank.
+
+    The block's ``ValueError`` is caught; then one agreement collective (:func:`check_rank_agreement`) runs on every
+    rank, so every rank must enter the block (and the ranks that succeeded raise the failed rank's message too). Values
+    the block assigns must be initialised before it. Outside torch.distributed the one rank is rank 0.
+
+    Args:
+        prefix: Put before the message (e.g. ``"CoupledPruningCallback"``), unless ``None``.
+
+    Raises:
+        ValueError: On every rank, if the block raised one on any rank.
+
+    Example::
+
+        >>> with together("X"):
+        ...     pass
+        >>> try:
+        ...     with together("X"):
+        ...         raise ValueError("no")
+        ... except ValueError as err:
+        ...     print(err)
+        X: no [raised on rank 0; all ranks stop here]
+    """
+    error = None
+    try:
+        yield
+    except ValueError as err:
+        error = str(err) if prefix is None else f"{prefix}: {err}"
+    check_rank_agreement({}, error)
 
 
 def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) -> None:

@@ -474,8 +474,8 @@ class PruningController:
             global_step=global_step, clusters=self.resolved, params=self._params, latent_names=self.latents.names,
             **self.scorers.saved_shapes(),
         )  # fmt: skip
-        error, needs_latents = None, False
-        try:  # local checks; a rank-local failure (e.g. a latent's local shape) stops every rank together
+        needs_latents = False
+        with distributed.together():  # local checks; a rank-local failure (a latent's local shape) stops every rank
             needs_latents = state.check_restorable(
                 saved,
                 fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
@@ -485,9 +485,6 @@ class PruningController:
                 heal=opts.heal,
                 context=context,
             )
-        except ValueError as err:
-            error = str(err)
-        distributed.check_rank_agreement({}, error)
         self._check_dropped_are_zero(saved["dropped"])
         entry = saved.get("latents")
         latents = state.read_latents(entry, self._params, ckpt_path=ckpt_path) if needs_latents and entry else None
@@ -607,14 +604,10 @@ class PruningController:
         One agreement collective: if one rank fails, every rank raises.
         """
         assert self.distiller is not None
-        error = None
-        try:
+        with distributed.together("CoupledPruningCallback"):
             if self.options.distill_teacher_store == "file" and self.options.distill_teacher is None:
                 teacher_file.check_directories(directories)
             self.distiller.check_saved()
-        except ValueError as err:
-            error = f"CoupledPruningCallback: {err}"
-        distributed.check_rank_agreement({}, error)
 
     def _restore_teacher_file(self, ckpt_path: Any, directories: Sequence[str]) -> None:
         """Read and check a restored teacher file on every rank; if one rank fails, every rank raises (a collective)."""
@@ -622,12 +615,8 @@ class PruningController:
         if not teacher_file.is_file_entry(self.distiller.saved):
             return
         where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
-        error = None
-        try:
+        with distributed.together("CoupledPruningCallback"):
             self.distiller.restore_file(directories=[*where, *directories])
-        except ValueError as err:
-            error = f"CoupledPruningCallback: {err}"
-        distributed.check_rank_agreement({}, error)
 
     def write_teacher(self, directories: Sequence[str]) -> None:
         """After a checkpoint save: write the teacher file (``distill_teacher_store="file"``) into ``directories``."""
