@@ -34,7 +34,7 @@ from lightning_pat.core.selection import (
 )
 from lightning_pat.core.spec import Cluster, ResolvedCluster, found_clusters, resolve_clusters
 from lightning_pat.options import METHODS, Method, auto_declarations, check_choice, check_number
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks
 from lightning_pat.parallel.executors import (
     Evidence,
     Executor,
@@ -189,7 +189,7 @@ def make_plan(
         resolved = resolve_clusters(named, items)  # type: ignore[arg-type]
     if sparsity is not None:  # every cluster, not only this rank's: every rank raises the same error
         check_not_emptied(resolved, sparsity)
-    mine = tuple(rc for rc in resolved if distributed.participates(named[rc.members[0].name]))
+    mine = tuple(rc for rc in resolved if dtensor.participates(named[rc.members[0].name]))
     return Plan(mine, route(mine, named, executor=executor), score, group_count_ref)
 
 
@@ -674,7 +674,7 @@ def plan_importance(
         Cluster name -> unit costs (layer clusters left out: the solver derives theirs).
     """
     pruner = Pruner(model, plan)
-    sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
+    sharded = any(dtensor.is_dtensor(t) for t in _named(model).values())
     with torch.no_grad(), pruner._session():  # noqa: SLF001 - the pruner's own reduction, as for a selection
         if activations is not None and not sharded:
             q, scores = pruner._reduce(activations.unit_scores(_named(model)), None)  # noqa: SLF001
@@ -786,7 +786,7 @@ def prune_clusters(
     """
     if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
         which = "target_params" if target_flops is None else "target_flops"
-        distributed.rank_zero_warn(
+        ranks.rank_zero_warn(
             f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
             f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
         )
@@ -850,7 +850,7 @@ def prune_clusters(
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
     # path's one reduction (and are summed over the ranks of the mesh)
-    sharded = any(distributed.is_dtensor(t) for t in _named(model).values())
+    sharded = any(dtensor.is_dtensor(t) for t in _named(model).values())
     with torch.no_grad():
         scores = None if activations is None or sharded else activations.unit_scores(_named(model))
         if layer_stats is not None:

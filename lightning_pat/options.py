@@ -24,7 +24,7 @@ from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
-from lightning_pat.parallel.distributed import rank_zero_warn
+from lightning_pat.parallel.comm.ranks import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import unit_channels
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 
@@ -122,7 +122,7 @@ class ReaderGrams(TrainingForwardHooks):
             if not self.training_forward(name, mod):
                 return
             x = args[0].detach()
-            if distributed.is_dtensor(x) or distributed.is_dtensor(mod.weight):
+            if dtensor.is_dtensor(x) or dtensor.is_dtensor(mod.weight):
                 raise ValueError(
                     f"calibrate_readers: reader {name!r} holds a DTensor; the refit works on plain tensors on one "
                     "process. Calibrate and refit before sharding the model (fully_shard / parallelize_module)."

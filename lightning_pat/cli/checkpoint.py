@@ -59,7 +59,7 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     ``AttributeDict``): a checkpoint that asks for any other Python object is refused before anything is called.
     A directory written under ``ModelParallelStrategy`` (``save_distributed_checkpoint=True``) holds the sharded
     ``state_dict`` and optimizer states plus ``meta.pt`` (everything else: callbacks, hyperparameters); its shards are
-    read in memory (:func:`~lightning_pat.parallel.distributed.read_distributed_checkpoint`: the ``.metadata``
+    read in memory (:func:`~lightning_pat.parallel.comm.dcp.read_distributed_checkpoint`: the ``.metadata``
     file through an allow-list unpickler, shard names confined to the directory), nothing is written next to it.
 
     Args:
@@ -84,7 +84,7 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
             raise FileNotFoundError(
                 f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
             )
-        from lightning_pat.parallel.distributed import read_distributed_checkpoint
+        from lightning_pat.parallel.comm.dcp import read_distributed_checkpoint
 
         checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
         if isinstance(checkpoint, dict):

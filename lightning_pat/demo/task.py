@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor
 
 
 def stdlib_sources() -> list[Path]:
@@ -219,7 +219,7 @@ class TinyGPTModule(_NextTokenModule):
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``: shard every block and the root with FSDP2 over the data-parallel axis."""
         mesh = self._device_mesh
-        if mesh is not None and not distributed.is_dtensor(self.model.embed.weight):
+        if mesh is not None and not dtensor.is_dtensor(self.model.embed.weight):
             fully_shard_blocks(self.model, list(self.model.layers), mesh["data_parallel"])
 
     def forward(self, idx: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ defeat the sharding, so :func:`sharded_frozen_copy` copies the module tree by ha
   in ``torch.distributed.tensor``), which the copy needs to lay out its activations like the original;
 * each module passed to ``fully_shard`` gets FSDP2's forward hooks back, in the copy's own form: before its forward,
   the parameters its group manages (its own and those of descendants not sharded on their own) are gathered along
-  FSDP2's mesh axes with **one** all-gather (:func:`~lightning_pat.parallel.distributed.gather_packed`: the local
+  FSDP2's mesh axes with **one** all-gather (:func:`~lightning_pat.parallel.comm.fsdp2.gather_packed`: the local
   shards packed into one flat buffer, uneven shards included; a DTensor also sharded by tensor parallelism stays a
   DTensor on the tensor-parallel sub-mesh, as FSDP2's unshard gives it); after it, the shards are put back. The
   group's ``MixedPrecisionPolicy`` is honoured as FSDP2 does: floating-point shards are cast to ``param_dtype``
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, fsdp2
 
 #: The hook dictionaries of ``nn.Module`` (dropped from copies, except tensor-parallel layout hooks).
 HOOK_DICTS = (
@@ -51,7 +51,7 @@ _FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
 def has_dtensors(module: nn.Module) -> bool:
     """Whether some parameter of ``module`` is a DTensor (FSDP2 or tensor parallel)."""
-    return any(distributed.is_dtensor(p) for p in module.parameters())
+    return any(dtensor.is_dtensor(p) for p in module.parameters())
 
 
 def _is_layout_hook(hook: Any) -> bool:
@@ -61,11 +61,11 @@ def _is_layout_hook(hook: Any) -> bool:
 
 def _meshes(module: nn.Module) -> Iterable[Any]:
     for tensor in (*module.parameters(), *module.buffers()):
-        if distributed.is_dtensor(tensor):
+        if dtensor.is_dtensor(tensor):
             yield tensor.device_mesh
     for sub in module.modules():
         for value in sub.__dict__.values():
-            if distributed.is_device_mesh(value):
+            if dtensor.is_device_mesh(value):
                 yield value
 
 
@@ -98,7 +98,7 @@ class _Unshard:
         self._held.append(held)
         unique = {id(p): p for saved in held for p in saved.values() if p is not None}  # tied parameters once
         if unique:
-            gathered = distributed.gather_packed(list(unique.values()), self.dims, dtype=self.param_dtype)
+            gathered = fsdp2.gather_packed(list(unique.values()), self.dims, dtype=self.param_dtype)
             full = dict(zip(unique, gathered, strict=True))
             for member, saved in zip(self.members, held, strict=True):
                 for name, param in saved.items():
@@ -122,7 +122,7 @@ def _groups(module: nn.Module) -> dict[int, list[nn.Module]]:
         if id(mod) in seen:
             return
         seen.add(id(mod))
-        if distributed.fsdp2_mesh_dims(mod) is not None:
+        if fsdp2.fsdp2_mesh_dims(mod) is not None:
             owner = mod
             out[id(mod)] = []
         if owner is not None:
@@ -150,13 +150,13 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
     """
     modules = list(module.modules())
     groups = _groups(module)
-    dims_of = {id(m): distributed.fsdp2_mesh_dims(owner) or () for owner in modules if id(owner) in groups
+    dims_of = {id(m): fsdp2.fsdp2_mesh_dims(owner) or () for owner in modules if id(owner) in groups
                for m in groups[id(owner)]}  # fmt: skip
     memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
     memo.update({id(mesh): mesh for mesh in _meshes(module)})
     copies: dict[int, nn.Module] = {}
     for mod in modules:
-        cls = distributed.unsharded_class(mod)
+        cls = fsdp2.unsharded_class(mod)
         copies[id(mod)] = cls.__new__(cls)
     memo.update(copies)
     clones: dict[int, nn.Parameter] = {}
@@ -164,11 +164,11 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
         new = copies[id(mod)]
         skip = {"_parameters", "_buffers", "_modules", *HOOK_DICTS, *_FSDP_FLAGS}
         for key, value in mod.__dict__.items():
-            if key not in skip and not distributed.is_composable_state_key(key):
+            if key not in skip and not fsdp2.is_composable_state_key(key):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         params: dict[str, Any] = {}
         for name, param in mod._parameters.items():  # noqa: SLF001
-            if param is not None and dims_of.get(id(mod)) and not distributed.is_dtensor(param):
+            if param is not None and dims_of.get(id(mod)) and not dtensor.is_dtensor(param):
                 raise ValueError(
                     f"The teacher copy found {type(mod).__name__}.{name} gathered (a plain tensor under fully_shard): "
                     "copy the model between training steps, not inside a forward."
@@ -195,8 +195,8 @@ def sharded_frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn
             new.__dict__[attr] = OrderedDict((k, v) for k, v in new.__dict__.get(attr, {}).items() if k in live)
     for mod in modules:  # once every copy exists: one gather per fully_shard group, FSDP2's casts
         if id(mod) in groups:
-            dims = distributed.fsdp2_mesh_dims(mod) or ()
-            unshard = _Unshard([copies[id(m)] for m in groups[id(mod)]], dims, distributed.fsdp2_policy(mod))
+            dims = fsdp2.fsdp2_mesh_dims(mod) or ()
+            unshard = _Unshard([copies[id(m)] for m in groups[id(mod)]], dims, fsdp2.fsdp2_policy(mod))
             copies[id(mod)].register_forward_pre_hook(unshard.pre, with_kwargs=True, prepend=True)
             copies[id(mod)].register_forward_hook(unshard.post, always_call=True)
     teacher = copies[id(module)]
@@ -213,6 +213,6 @@ def local_nbytes(module: nn.Module) -> int:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        local: Tensor = distributed.local_tensor(tensor)
+        local: Tensor = dtensor.local_tensor(tensor)
         total += local.numel() * local.element_size()
     return total

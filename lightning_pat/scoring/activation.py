@@ -48,7 +48,8 @@ from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import fold_to_units, unit_of_channels
-from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel import placement
+from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import Reduced
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
@@ -221,16 +222,16 @@ class ActivationStats(TrainingForwardHooks):
         """
         module = self.modules[name]
         width = module.in_features
-        if distributed.is_dtensor(x):
+        if dtensor.is_dtensor(x):
             mesh = x.device_mesh
             box = placement.local_box(
                 tuple(x.shape), tuple(x.placements), mesh_shape=tuple(mesh.shape), coordinate=mesh.get_coordinate()
             )
-            return distributed.local_tensor(x), box[-1][0]
+            return dtensor.local_tensor(x), box[-1][0]
         if x.shape[-1] == width:
             return x, 0
         weight = module.weight
-        if distributed.is_dtensor(weight) and x.shape[-1] == distributed.local_tensor(weight).shape[1]:
+        if dtensor.is_dtensor(weight) and x.shape[-1] == dtensor.local_tensor(weight).shape[1]:
             mesh = weight.device_mesh
             box = placement.local_box(
                 tuple(weight.shape), tuple(weight.placements), mesh_shape=tuple(mesh.shape),
@@ -272,7 +273,7 @@ class ActivationStats(TrainingForwardHooks):
         """
         module = self.modules[name]
         width = module.in_features
-        device = distributed.local_tensor(module.weight).device
+        device = dtensor.local_tensor(module.weight).device
         values = torch.zeros(width, dtype=torch.float64, device=device)
         seen = torch.zeros(width, dtype=torch.float64, device=device)
         ema = self._ema.get(name)
@@ -286,7 +287,7 @@ class ActivationStats(TrainingForwardHooks):
     def stacked(self) -> Tensor:
         """``[2 S]``: every module's average times its "seen" flag, then per channel the flag (0 or 1), float64.
 
-        Summed over ranks (:func:`~lightning_pat.parallel.distributed.sum_over_ranks`), passed to :meth:`unit_scores`,
+        Summed over ranks (:func:`~lightning_pat.parallel.comm.reduce.sum_over_ranks`), passed to :meth:`unit_scores`,
         it gives the mean over the ranks that saw the module; a module no rank saw stays detectably empty. Under
         tensor parallelism a rank fills only the input channels it sees (its window).
         """
@@ -358,7 +359,7 @@ class ActivationStats(TrainingForwardHooks):
         for rc in self.clusters:
             for m, _ in self.readers[rc.name]:
                 if m.name not in columns:
-                    weight = distributed.full_tensor(params[m.name].detach())  # a DTensor: gathered (one-shot use)
+                    weight = dtensor.full_tensor(params[m.name].detach())  # a DTensor: gathered (one-shot use)
                     columns[m.name] = channel_sq_sums(weight, dim=1, acc_dtype=torch.float64)  # ||W[:, j]||^2
         return self._scores(averages, columns)
 
@@ -456,7 +457,7 @@ class ActivationStats(TrainingForwardHooks):
                     "the same model."
                 )
             self._window[name] = (int(offset), int(length))
-            device = distributed.local_tensor(module.weight).device
+            device = dtensor.local_tensor(module.weight).device
             self._ema[name] = ema.to(device=device, dtype=torch.float64).clone()
             count = int(state.get("count", {}).get(name, 1))
             self._count[name] = torch.tensor(count, dtype=torch.long, device=device)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 #: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
@@ -89,7 +89,7 @@ def _hidden_pair(args: tuple, kwargs: Mapping[str, Any], output: Any) -> tuple[T
         )
     if x.shape != y.shape:
         return f"its input has shape {tuple(x.shape)} and its output {tuple(y.shape)}; they must be equal"
-    if distributed.is_dtensor(x) or distributed.is_dtensor(y):
+    if dtensor.is_dtensor(x) or dtensor.is_dtensor(y):
         places = getattr(x, "placements", None), getattr(y, "placements", None)
         if places[0] != places[1]:
             return f"its input and output hidden states are placed differently ({places[0]} vs {places[1]})"
@@ -99,7 +99,7 @@ def _hidden_pair(args: tuple, kwargs: Mapping[str, Any], output: Any) -> tuple[T
                 f"its hidden states are placed as {places[0]}: a token's hidden vector is not whole on one rank "
                 "(the hidden dim is sharded, or a sum is pending)"
             )
-        return distributed.local_tensor(x), distributed.local_tensor(y)
+        return dtensor.local_tensor(x), dtensor.local_tensor(y)
     return x, y
 
 
@@ -240,7 +240,7 @@ class LayerStats(TrainingForwardHooks):
         Raises:
             ValueError: As for :meth:`scores`.
         """
-        summed = distributed.sum_over_ranks(self.stacked(), group=distributed.world_group())
+        summed = reduce.sum_over_ranks(self.stacked(), group=ranks.world_group())
         try:
             return self.scores(summed)
         finally:
@@ -262,7 +262,7 @@ class LayerStats(TrainingForwardHooks):
             if module is None:
                 continue
             first = next(module.parameters(), None)
-            device = torch.device("cpu") if first is None else distributed.local_tensor(first).device
+            device = torch.device("cpu") if first is None else dtensor.local_tensor(first).device
             count = float(state.get("count", {}).get(path, 0.0))
             self._sum[path] = torch.tensor(float(value), dtype=torch.float64, device=device)
             self._count[path] = torch.tensor(count, dtype=torch.float64, device=device)

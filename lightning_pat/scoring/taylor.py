@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import Executor, Reduced, ShardedExecutor
 
 
@@ -166,7 +166,7 @@ class TaylorScores:
         """
         self.reset()
         first = next((t for ex in self.executors for t in ex.params.values()), None)
-        device = None if first is None else distributed.local_tensor(first).device
+        device = None if first is None else dtensor.local_tensor(first).device
         units = {rc.name: rc.num_units for ex in self.executors for rc in ex.clusters}
         for name, total in state.get("sums", {}).items():
             if name not in units:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import ranks
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.layers import LayerStats
 from lightning_pat.scoring.taylor import TaylorScores
@@ -92,7 +92,7 @@ class Collectors:
                 collective).
         """
         if not gather:
-            world = distributed.world_size()
+            world = ranks.world_size()
             return {
                 "activation": None if self.act is None else [self.act.state_dict()] * world,
                 "taylor": None if self.taylor is None else [self.taylor.state_dict()] * world,
@@ -100,15 +100,15 @@ class Collectors:
             }
         activation = None
         if self.act is not None:
-            activation = distributed.gather_objects(self.act.state_dict(), group=distributed.world_group())
+            activation = ranks.gather_objects(self.act.state_dict(), group=ranks.world_group())
         taylor = None
         if self.taylor is not None:  # sharded: every rank's partials; plain: the same sums on every rank
             mine = self.taylor.state_dict()
             sharded = self.taylor.sharded
-            taylor = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
+            taylor = ranks.gather_objects(mine, group=ranks.world_group()) if sharded else [mine]
         layer_scores = None
         if self.layers is not None:
-            layer_scores = distributed.gather_objects(self.layers.state_dict(), group=distributed.world_group())
+            layer_scores = ranks.gather_objects(self.layers.state_dict(), group=ranks.world_group())
         return {"activation": activation, "taylor": taylor, "layer_scores": layer_scores}
 
     def load(self, saved: Mapping[str, Any], *, errors: Callable[[str], AbstractContextManager[None]]) -> None:
@@ -125,7 +125,7 @@ class Collectors:
         if self.act is not None:
             self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
         if self.taylor is not None:
-            rank, world = distributed.world_rank(), distributed.world_size()
+            rank, world = ranks.world_rank(), ranks.world_size()
             with errors("CoupledPruningCallback"):
                 self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
         if self.layers is not None:  # this rank's sums since the last selection

@@ -44,7 +44,8 @@ from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
 from lightning_pat.options import PruningOptions
-from lightning_pat.parallel import distributed, fsdp1
+from lightning_pat.parallel import fsdp1
+from lightning_pat.parallel.comm import ranks
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.layers import LayerStats, layer_clusters
 from lightning_pat.scoring.taylor import TaylorScores
@@ -143,7 +144,7 @@ class PruningController:
         #: The score in use: ``options.score``, or what ``"auto"`` resolved to (``"auto"`` until :meth:`bind`)
         self.score: str = options.score
         self._fallback: str | None = None  # why score="auto" fell back to "rms" for these clusters
-        self._info = info or (lambda message: distributed.rank_zero_info(message, logger=log))
+        self._info = info or (lambda message: ranks.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
         self.progress = state.Progress()
         self.tracker = StepTracker()
@@ -244,13 +245,13 @@ class PruningController:
             return
         # rank 0 traces; the others take its declarations (JSON bytes in one broadcast, no pickle)
         mine = None
-        if distributed.world_rank() == 0:
+        if ranks.world_rank() == 0:
             try:
                 mine = self.options.early_declarations(module, batch_input)
             except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
                 mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
-        group = distributed.world_group()
-        self._early = outcome_from_json(distributed.broadcast_json(outcome_to_json(mine), group=group))
+        group = ranks.world_group()
+        self._early = outcome_from_json(ranks.broadcast_json(outcome_to_json(mine), group=group))
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
@@ -331,7 +332,7 @@ class PruningController:
                 "routes": None if plan is None else plan.routes,
                 "options": opts.resumable(),
             }
-            distributed.check_rank_agreement(digest, error)
+            ranks.check_rank_agreement(digest, error)
             assert plan is not None
             self.plan, self.resolved = plan, list(plan.clusters)
             self._use_score(self.score, params)
@@ -475,7 +476,7 @@ class PruningController:
             **self.scorers.saved_shapes(),
         )  # fmt: skip
         needs_latents = False
-        with distributed.together():  # local checks; a rank-local failure (a latent's local shape) stops every rank
+        with ranks.together():  # local checks; a rank-local failure (a latent's local shape) stops every rank
             needs_latents = state.check_restorable(
                 saved,
                 fingerprints={rc.name: rc.fingerprint() for rc in self.resolved},
@@ -604,7 +605,7 @@ class PruningController:
         One agreement collective: if one rank fails, every rank raises.
         """
         assert self.distiller is not None
-        with distributed.together("CoupledPruningCallback"):
+        with ranks.together("CoupledPruningCallback"):
             if self.options.distill_teacher_store == "file" and self.options.distill_teacher is None:
                 teacher_file.check_directories(directories)
             self.distiller.check_saved()
@@ -615,7 +616,7 @@ class PruningController:
         if not teacher_file.is_file_entry(self.distiller.saved):
             return
         where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
-        with distributed.together("CoupledPruningCallback"):
+        with ranks.together("CoupledPruningCallback"):
             self.distiller.restore_file(directories=[*where, *directories])
 
     def write_teacher(self, directories: Sequence[str]) -> None:
@@ -662,7 +663,7 @@ class PruningController:
             return
         schedule, end = self.schedule, self.progress.step + int(steps_left)
         if end < schedule.final_step:
-            distributed.rank_zero_warn(
+            ranks.rank_zero_warn(
                 f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
                 f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will "
                 f"only reach {schedule.fraction(end):.0%} of the target and is not frozen. Raise max_steps/max_epochs "
@@ -781,7 +782,7 @@ class PruningController:
             with prefixed("CoupledPruningCallback(layer_score='cosine')"):
                 scores = self.scorers.layers.summed_scores()  # one collective when distributed
             if scores is None:
-                distributed.rank_zero_warn(
+                ranks.rank_zero_warn(
                     f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
                     "the layer units are ranked by the weight score (layer_score='weight') this time."
                 )
@@ -803,7 +804,7 @@ class PruningController:
             self.scorers.taylor.reset()  # the next selection sums the steps from here
         self.progress.mark_selection()
         if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
-            distributed.check_selection_agreement(self.dropped, step=step)
+            ranks.check_selection_agreement(self.dropped, step=step)
         return result
 
     def _freeze(self) -> None:
@@ -939,13 +940,13 @@ def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimi
     frozen = [n for n in names if not params[n].requires_grad]
     orphan = [n for n in names if params[n].requires_grad and id(params[n]) not in in_opt]
     if frozen:
-        distributed.rank_zero_warn(
+        ranks.rank_zero_warn(
             f"CoupledPruningCallback: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
             "dropped units are set to zero and stay zero, but they are never trained; unfreeze them or remove them "
             "from the clusters if they must not be pruned."
         )
     if orphan:
-        distributed.rank_zero_warn(
+        ranks.rank_zero_warn(
             f"CoupledPruningCallback: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
             "set to zero but they are never updated; add them to `configure_optimizers` or remove them from the "
             "clusters."

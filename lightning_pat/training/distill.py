@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks
 from lightning_pat.parallel.teacher import HOOK_DICTS, has_dtensors, local_nbytes, sharded_frozen_copy
 from lightning_pat.training import state, teacher_file
 
@@ -304,7 +304,7 @@ class Distiller:
             saved = state.read_latents(self._saved, tensors, ckpt_path=ckpt_path, prefix=state.TEACHER_PREFIX)
             with torch.no_grad():
                 for name, tensor in tensors.items():
-                    distributed.local_tensor(tensor).copy_(saved[name])
+                    dtensor.local_tensor(tensor).copy_(saved[name])
             self.teacher, self._saved = teacher, None
         elif self._saved is not None:
             skeleton = self._skeleton if self._skeleton is not None else frozen_copy(self.student, share=share)
@@ -322,7 +322,7 @@ class Distiller:
                 f"pruning started (step {start}), but no teacher was saved (the checkpoint was written without "
                 "distillation). Pass the dense model as `distill_teacher`, or resume without distillation."
             )
-        distributed.rank_zero_info(
+        ranks.rank_zero_info(
             f"CoupledPruningCallback: distillation teacher ready ({self.teacher_bytes / 2**20:.1f} MiB of "
             "parameters and buffers on rank 0; logged per rank as `pruning/teacher_bytes`).",
             logger=log,
@@ -360,7 +360,7 @@ class Distiller:
                 f"{self.module_name!r}` returned {type(output).__name__}, which is neither a tensor nor has "
                 "`logits`. Set `distill_module` to the submodule whose output is the logits."
             )
-        if distributed.is_dtensor(logits):  # e.g. vocabulary-sharded logits for loss_parallel: not supported
+        if dtensor.is_dtensor(logits):  # e.g. vocabulary-sharded logits for loss_parallel: not supported
             raise self.error(
                 f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
                 f"{self.module_name!r}` returned DTensor logits (placements {tuple(logits.placements)}); distillation "
@@ -410,7 +410,7 @@ class Distiller:
             return {"teacher": self._ref}
         if has_dtensors(self.teacher):
             tensors = self.teacher.state_dict()
-            local = {n: distributed.local_tensor(t) for n, t in tensors.items()}
+            local = {n: dtensor.local_tensor(t) for n, t in tensors.items()}
             return {"teacher": state.latent_entry(local, tensors, fmt="dcp" if self.sharded_ckpt else "full")}
         return {"teacher": self.teacher.state_dict()}
 
@@ -421,7 +421,7 @@ class Distiller:
         if not has_dtensors(self.teacher):
             return {}
         tensors = self.teacher.state_dict()
-        local = {n: distributed.local_tensor(t) for n, t in tensors.items()}
+        local = {n: dtensor.local_tensor(t) for n, t in tensors.items()}
         return state.sharded_latents(local, tensors, prefix=state.TEACHER_PREFIX)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
@@ -447,7 +447,7 @@ class Distiller:
         if saved is None or self.user_teacher is not None:
             return
         if teacher_file.is_file_entry(saved):
-            teacher_file.check_entry(saved, world=distributed.world_size())
+            teacher_file.check_entry(saved, world=ranks.world_size())
             return
         if is_sharded_entry(saved):
             if saved["format"] not in ("full", "dcp"):

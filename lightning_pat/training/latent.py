@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor
 
 
 def _copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
@@ -48,7 +48,7 @@ class LatentStore:
     def swap_in(self, optimizer_params: Collection[int]) -> None:
         """Copy the latents of parameters the optimizer updates (by ``id``) into the weights, before the update."""
         names = [n for n in self._latents if id(self.params[n]) in optimizer_params]
-        _copy_all([distributed.local_tensor(self.params[n]) for n in names], [self._latents[n] for n in names])
+        _copy_all([dtensor.local_tensor(self.params[n]) for n in names], [self._latents[n] for n in names])
         self._swapped.update(names)
 
     def commit(self) -> None:
@@ -57,11 +57,11 @@ class LatentStore:
         The first call creates the latents from the current weights.
         """
         if not self._latents:
-            self._latents = {n: distributed.local_tensor(self.params[n]).clone() for n in self.names}
+            self._latents = {n: dtensor.local_tensor(self.params[n]).clone() for n in self.names}
         kept = [n for n in self._latents if n in self._swapped]
         back = [n for n in self._latents if n not in self._swapped]
-        _copy_all([self._latents[n] for n in kept], [distributed.local_tensor(self.params[n]) for n in kept])
-        _copy_all([distributed.local_tensor(self.params[n]) for n in back], [self._latents[n] for n in back])
+        _copy_all([self._latents[n] for n in kept], [dtensor.local_tensor(self.params[n]) for n in kept])
+        _copy_all([dtensor.local_tensor(self.params[n]) for n in back], [self._latents[n] for n in back])
         self._swapped.clear()
 
     def clear(self) -> None:
@@ -84,7 +84,7 @@ class LatentStore:
             raise ValueError(f"The saved latent copies lack parameters {missing[:5]}; resume with the same model.")
         out = {}
         for name in self.names:
-            local = distributed.local_tensor(self.params[name])
+            local = dtensor.local_tensor(self.params[name])
             saved = latents[name]
             if tuple(saved.shape) != tuple(local.shape):
                 raise ValueError(

@@ -53,7 +53,7 @@ from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
 from lightning_pat.options import MASK_SHAPING
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dcp, dtensor, ranks
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
@@ -142,7 +142,7 @@ def latent_format(params: Iterable[Tensor], *, fsdp1: bool, sharded_ckpt: bool) 
     """How latents of these parameters are written to a checkpoint (see the module docstring)."""
     if fsdp1:
         return "per_rank"
-    if any(distributed.is_dtensor(p) for p in params):
+    if any(dtensor.is_dtensor(p) for p in params):
         return "dcp" if sharded_ckpt else "full"
     return "tensors"
 
@@ -155,9 +155,9 @@ def latent_entry(local: Mapping[str, Tensor], params: Mapping[str, Tensor], *, f
         return {"format": fmt, "tensors": {n: t.detach().cpu().clone() for n, t in local.items()}}
     if fmt == "per_rank":
         mine = {n: t.detach().cpu().clone() for n, t in local.items()}
-        return {"format": fmt, "tensors": distributed.gather_objects(mine, group=distributed.world_group())}
+        return {"format": fmt, "tensors": ranks.gather_objects(mine, group=ranks.world_group())}
     if fmt == "full":
-        full = {n: distributed.full_tensor(distributed.as_dtensor(t, params[n])).cpu() for n, t in local.items()}
+        full = {n: dtensor.full_tensor(dtensor.as_dtensor(t, params[n])).cpu() for n, t in local.items()}
         return {"format": fmt, "tensors": full}
     return {"format": fmt, "names": sorted(local)}
 
@@ -166,7 +166,7 @@ def sharded_latents(
     local: Mapping[str, Tensor], params: Mapping[str, Tensor], *, prefix: str = DCP_PREFIX
 ) -> dict[str, Tensor]:
     """Model-state entries (DTensors laid out like their parameters, keys under ``prefix``) for a ``dcp`` checkpoint."""
-    return {prefix + n: distributed.as_dtensor(t, params[n]) for n, t in local.items()}
+    return {prefix + n: dtensor.as_dtensor(t, params[n]) for n, t in local.items()}
 
 
 def read_latents(
@@ -180,23 +180,21 @@ def read_latents(
     if fmt in ("local", "tensors"):
         return dict(entry["tensors"])
     if fmt == "per_rank":
-        return dict(entry["tensors"][distributed.world_rank()])
+        return dict(entry["tensors"][ranks.world_rank()])
     if fmt == "full":
-        return {n: distributed.shard_like(t, params[n]) for n, t in entry["tensors"].items()}
+        return {n: dtensor.shard_like(t, params[n]) for n, t in entry["tensors"].items()}
     like = {n: params[n] for n in entry["names"]}
-    holders = {
-        prefix + n: distributed.as_dtensor(torch.empty_like(distributed.local_tensor(p)), p) for n, p in like.items()
-    }
-    distributed.load_sharded_({"state_dict": holders}, ckpt_path)
-    return {n: distributed.local_tensor(holders[prefix + n]) for n in like}
+    holders = {prefix + n: dtensor.as_dtensor(torch.empty_like(dtensor.local_tensor(p)), p) for n, p in like.items()}
+    dcp.load_sharded_({"state_dict": holders}, ckpt_path)
+    return {n: dtensor.local_tensor(holders[prefix + n]) for n in like}
 
 
 def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:
     """This rank's activation statistics from a state's ``activation`` list; ``None`` if there are none."""
     if not saved:
         return None
-    rank = distributed.world_rank()
-    world = distributed.world_size()
+    rank = ranks.world_rank()
+    world = ranks.world_size()
     # a window that starts after channel 0 exists exactly when some reader's input channels were split over ranks
     partial = [name for entry in saved for name, (offset, _) in entry.get("window", {}).items() if offset]
     if partial and len(saved) != world:  # every rank reads the same state: every rank raises
@@ -232,12 +230,12 @@ def restore_context(
     facts = None
     if params is not None:
         facts = {
-            n: TensorFacts(tuple(params[n].shape), tuple(distributed.local_tensor(params[n]).shape), params[n].dtype)
+            n: TensorFacts(tuple(params[n].shape), tuple(dtensor.local_tensor(params[n]).shape), params[n].dtype)
             for n in latent_names
         }
     return StateContext(
         global_step=global_step, clusters=clusters, latents=facts, readers=readers, layers=layers,
-        world=distributed.world_size(), rank=distributed.world_rank(),
+        world=ranks.world_size(), rank=ranks.world_rank(),
     )  # fmt: skip
 
 
@@ -278,7 +276,7 @@ def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], 
             f"is frozen; the changed options ({desc}) cannot change it. Resume with the saved options "
             f"({ {k: saved[k] for k in shaping} }), or start a new run (a fresh Trainer) to prune again."
         )
-    distributed.rank_zero_warn(
+    ranks.rank_zero_warn(
         f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
         "the saved step with the new options."
     )

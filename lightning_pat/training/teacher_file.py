@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.safe_io import confined, default_file_mode
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks
 
 #: The only file names a reference may hold.
 NAME = re.compile(r"pat-teacher-[0-9a-f]{16}(-rank[0-9]+of[0-9]+)?\.safetensors")
@@ -53,7 +53,7 @@ def is_file_entry(entry: Any) -> bool:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return distributed.local_tensor(tensor).detach().to("cpu").contiguous()
+    return dtensor.local_tensor(tensor).detach().to("cpu").contiguous()
 
 
 def digest(tensors: Mapping[str, Tensor]) -> str:
@@ -72,7 +72,7 @@ def layout(tensors: Mapping[str, Tensor]) -> str:
     parts = []
     for name in sorted(tensors):
         tensor = tensors[name]
-        local = distributed.local_tensor(tensor)
+        local = dtensor.local_tensor(tensor)
         placements = getattr(tensor, "placements", None)
         mesh = getattr(tensor, "device_mesh", None)
         mesh_desc = None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names)
@@ -96,9 +96,9 @@ def reference(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
         ``{"format": "file", "sharded", "world", "mesh", "files": [{"name", "digest", "layout"}, ...]}``: one file for
         plain tensors, one per rank (in rank order) for DTensors.
     """
-    sharded = any(distributed.is_dtensor(t) for t in tensors.values())
+    sharded = any(dtensor.is_dtensor(t) for t in tensors.values())
     mine = {"digest": digest(tensors), "layout": layout(tensors)}
-    files = distributed.gather_objects(mine, group=distributed.world_group()) if sharded else [mine]
+    files = ranks.gather_objects(mine, group=ranks.world_group()) if sharded else [mine]
     world = len(files)
     key = hashlib.sha256("".join(f["digest"] for f in files).encode()).hexdigest()[:16]
     for rank, entry in enumerate(files):
@@ -113,7 +113,7 @@ def reference(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _my_file(entry: Mapping[str, Any]) -> Mapping[str, Any]:
-    return entry["files"][distributed.world_rank() if entry.get("sharded") else 0]
+    return entry["files"][ranks.world_rank() if entry.get("sharded") else 0]
 
 
 def write(entry: Mapping[str, Any], tensors: Mapping[str, Tensor], directory: str | os.PathLike[str]) -> Path | None:
@@ -124,7 +124,7 @@ def write(entry: Mapping[str, Any], tensors: Mapping[str, Tensor], directory: st
     Returns:
         The file written or kept (``None`` on a rank that writes nothing).
     """
-    if not entry.get("sharded") and distributed.world_rank() != 0:
+    if not entry.get("sharded") and ranks.world_rank() != 0:
         return None
     from safetensors.torch import save_file
 
@@ -271,7 +271,7 @@ def read(
             not a safetensors file, its digest or names differ from the reference, or a shard's layout differs from
             this run's.
     """
-    check_entry(entry, world=distributed.world_size())
+    check_entry(entry, world=ranks.world_size())
     mine = _my_file(entry)
     name = mine["name"]
     searched = list(dict.fromkeys(str(Path(d)) for d in directories))
@@ -296,7 +296,7 @@ def read(
             f"{OPTION}: the teacher file {path} holds other tensors than the model (missing {missing[:3]}, unexpected "
             f"{extra[:3]}). Resume with the model the checkpoint was written for."
         )
-    shapes = [n for n in sorted(tensors) if tuple(tensors[n].shape) != tuple(distributed.local_tensor(like[n]).shape)]
+    shapes = [n for n in sorted(tensors) if tuple(tensors[n].shape) != tuple(dtensor.local_tensor(like[n]).shape)]
     if shapes or (entry.get("sharded") and layout(like) != mine["layout"]):
         raise ValueError(
             f"{OPTION}: the teacher file {path} holds tensors of other shapes {shapes[:3]} or another layout "

@@ -3,7 +3,7 @@
 ``Recorder`` swaps the collective functions of ``torch.distributed`` for thin wrappers that log the call (name,
 group ranks, dtype, element count) and then call the original, so the communication really happens. It also
 wraps ``DTensor.full_tensor``, ``DTensor.redistribute`` and ``distribute_tensor`` (in ``torch.distributed.tensor``
-and in ``lightning_pat.parallel.distributed``), and runs a ``CommDebugMode`` that sees the collectives DTensor issues
+and in ``lightning_pat.parallel.comm.dtensor``), and runs a ``CommDebugMode`` that sees the collectives DTensor issues
 internally through functional collectives, which no Python-level wrapper of ``torch.distributed`` would catch.
 """
 
@@ -109,7 +109,7 @@ class Recorder:
         setattr(owner, attr, new)
 
     def __enter__(self) -> Recorder:
-        import lightning_pat.parallel.distributed as lpd
+        from lightning_pat.parallel.comm import dtensor
 
         for name in COLLECTIVES:
             if hasattr(dist, name):
@@ -118,7 +118,7 @@ class Recorder:
         self._patch(DTensor, "redistribute", self._wrap_mat("redistribute", DTensor.redistribute))
         distribute = dtensor_mod.distribute_tensor
         self._patch(dtensor_mod, "distribute_tensor", self._wrap_mat("distribute_tensor", distribute))
-        self._patch(lpd, "distribute_tensor", self._wrap_mat("distribute_tensor", lpd.distribute_tensor))
+        self._patch(dtensor, "distribute_tensor", self._wrap_mat("distribute_tensor", dtensor.distribute_tensor))
         self.comm_mode.__enter__()
         return self
 

@@ -138,7 +138,7 @@ def packed_gather_matches_full_tensor(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_pat.parallel.distributed import gather_packed
+    from lightning_pat.parallel.comm.fsdp2 import gather_packed
     from tests.distributed._recorder import Recorder
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -29,9 +29,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_pat.parallel.distributed as lpd
 from lightning_pat import Cluster, CoupledPruningCallback
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
+from lightning_pat.parallel.comm import dtensor, reduce
 from tests.common.dist import finish_worker
 
 CFG = TinyGPTConfig(
@@ -139,8 +139,9 @@ def _count_calls(module, name: str, counter: dict[str, int]) -> None:  # noqa: A
 
 def fit_once(dp: int, tp: int, mode: str, executor: str, score: str = "rms") -> dict:
     calls: dict[str, int] = {}
-    for name in ("all_gather_packed", "reduce_counts", "full_tensor", "write_back_"):
-        _count_calls(lpd, name, calls)
+    counted = {"all_gather_packed": reduce, "reduce_counts": reduce, "full_tensor": dtensor, "write_back_": dtensor}
+    for name, owner in counted.items():
+        _count_calls(owner, name, calls)
     clusters = CLUSTERS  # the residual cluster too: data-aware scores take it from its nn.Linear readers
     cb = CoupledPruningCallback(
         clusters, target_sparsity=0.5, warmup_steps=0, ramp_steps=4, every_n_steps=1, executor=executor, mode=mode,
@@ -160,8 +161,8 @@ def fit_once(dp: int, tp: int, mode: str, executor: str, score: str = "rms") -> 
     )
     module = LitTiny()
     trainer.fit(module)
-    for name in calls:  # undo the wrappers before the next fit
-        setattr(lpd, name, getattr(lpd, name).__wrapped_original__)
+    for name, owner in counted.items():  # undo the wrappers before the next fit
+        setattr(owner, name, getattr(owner, name).__wrapped_original__)
     params = dict(module.named_parameters())
     placements = {n: [repr(p) for p in params[n].placements] for n in sorted(params)}
     zero_units = {}

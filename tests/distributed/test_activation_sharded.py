@@ -152,13 +152,13 @@ def sharded(model: _Net, kind: str, rank: int, world: int) -> tuple[int, int]:
 def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat import resolve_clusters
     from lightning_pat.engine import Pruner, make_plan
-    from lightning_pat.parallel import distributed as D
+    from lightning_pat.parallel.comm import dtensor
     from lightning_pat.scoring.activation import ActivationStats
     from tests.distributed._recorder import Recorder
 
     model = _Net(d, f)
     dp_rank, dp_size = sharded(model, kind, rank, world)
-    assert all(D.is_dtensor(p) for p in model.parameters())
+    assert all(dtensor.is_dtensor(p) for p in model.parameters())
     stats = ActivationStats(model, resolve_clusters(model, _clusters()), beta=BETA)
     stats.attach()
     half = ROWS // dp_size

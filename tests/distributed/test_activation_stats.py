@@ -1,5 +1,5 @@
 """``score="activation"`` under DDP-style plain parameters on 2 gloo ranks: every rank sees other batches, the
-statistics are summed over ranks by one collective (``distributed.sum_over_ranks``), and every rank then holds the
+statistics are summed over ranks by one collective (``reduce.sum_over_ranks``), and every rank then holds the
 same averaged statistics and selects the same units. The averages are checked against an independent float64
 computation from every rank's inputs, the collectives are counted by the recorder.
 """
@@ -29,7 +29,7 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 def _worker(rank: int, world_size: int) -> dict:
     from lightning_pat import Cluster, resolve_clusters
     from lightning_pat.engine import Pruner, make_plan
-    from lightning_pat.parallel import distributed as D
+    from lightning_pat.parallel.comm import reduce
     from lightning_pat.scoring.activation import ActivationStats
     from tests.distributed._recorder import Recorder
 
@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int) -> dict:
     params = dict(model.named_parameters())
     local = stats.unit_scores(params)["h"]
     with Recorder() as rec:
-        summed = D.sum_over_ranks(stats.stacked(), group=dist.group.WORLD)
+        summed = reduce.sum_over_ranks(stats.stacked(), group=dist.group.WORLD)
     scores = stats.unit_scores(params, summed=summed)
     pruner = Pruner(model, make_plan(model, cluster, score="activation"))
     with torch.no_grad():

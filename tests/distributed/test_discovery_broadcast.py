@@ -10,7 +10,7 @@ import torch
 from lightning_pat import discover
 from lightning_pat.discovery import entry, outcome_from_json, outcome_to_json
 from lightning_pat.options import PruningOptions
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import ranks
 from lightning_pat.training.controller import PruningController
 from tests.common.cnn_models import INPUTS, ConvChain, DataDependent
 from tests.common.dist import run_distributed
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 
 def _send(rank: int, world: int) -> object:
     payload = {"clusters": [{"name": "é.{layer}", "writers": ["a[0:4]"], "num_units": 4}], "n": [1.5, None, True]}
-    return distributed.broadcast_json(payload if rank == 0 else None, group=distributed.world_group())
+    return ranks.broadcast_json(payload if rank == 0 else None, group=ranks.world_group())
 
 
 @pytest.mark.timeout(120)
@@ -30,7 +30,7 @@ def test_broadcast_json_delivers_rank_zeros_object_to_every_rank():
 
 
 def test_broadcast_json_without_a_process_group_returns_the_object():
-    assert distributed.broadcast_json({"a": 1}, group=None) == {"a": 1}
+    assert ranks.broadcast_json({"a": 1}, group=None) == {"a": 1}
 
 
 def _prepare(rank: int, world: int, which: str) -> tuple[int, dict]:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pat import CoupledPruningCallback, shrink
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
-from lightning_pat.parallel import distributed as lpd
+from lightning_pat.parallel.comm import dtensor
 
 CFG = TinyGPTConfig(
     vocab_size=64, n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_seq_len=16, tie_embeddings=False
@@ -93,7 +93,7 @@ def report(lit: LitLayers, cb: CoupledPruningCallback, state: dict) -> dict:
     """Shrink a plain copy of ``lit``'s full weights with ``state``; what the tests compare."""
     plain = LitLayers()
     with torch.no_grad():
-        full = {n: lpd.full_tensor(p).detach().clone() for n, p in lit.named_parameters()}
+        full = {n: dtensor.full_tensor(p).detach().clone() for n, p in lit.named_parameters()}
         plain.load_state_dict(full)
         plain.eval()
         masked = plain.model(ids())

@@ -171,7 +171,7 @@ def teacher_keys(path: str) -> list[str]:
     """The teacher's entries in a checkpoint: keys under the teacher prefix, teacher tensors in callback states."""
     from pathlib import Path
 
-    from lightning_pat.parallel.distributed import read_distributed_checkpoint
+    from lightning_pat.parallel.comm.dcp import read_distributed_checkpoint
     from lightning_pat.training.state import TEACHER_PREFIX
 
     root = Path(path)

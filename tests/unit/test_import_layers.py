@@ -5,8 +5,8 @@ floors listed for its own:
 
 * ``core`` (spec, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
   and torch (not torch.distributed);
-* ``parallel`` (distributed, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
-  parallel/distributed.py and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
+* ``parallel`` (comm, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
+  the modules of parallel/comm/ and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
 * ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
 * ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
@@ -26,7 +26,7 @@ floors listed for its own:
   top): anything but each other; they may import lightning; the demo may shard with FSDP2;
 * the package face (``__init__``, ``__about__``): the floors below cli and demo.
 
-Collectives are called only inside parallel/distributed.py. Names that cross modules are public (no
+Collectives are called only inside parallel/comm/. Names that cross modules are public (no
 ``from lightning_pat.x import _y``) and no module is imported under a one-letter alias. The checkers are also run on
 small bad sources so that they are known to detect what they look for.
 """
@@ -77,7 +77,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lm": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "lm", "face"},
     "face": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "face"},
 }
-TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.distributed", f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
+#: the package whose modules may import torch.distributed and call collectives (one job per module)
+COMM = f"{PKG}.parallel.comm"
+TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
 LIGHTNING_OK_FLOORS = {"cli", "demo", "lm"}
@@ -91,7 +93,6 @@ SHRINK_THIRD_PARTY = {
     f"{PKG}.shrink.gguf": ("gguf",),
     f"{PKG}.shrink.decilm_config": ("transformers",),
 }
-COLLECTIVES_OK = {f"{PKG}.parallel.distributed"}
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
 
@@ -218,6 +219,11 @@ def _is_stdlib(name: str) -> bool:
     return name.split(".")[0] in sys.stdlib_module_names or name.split(".")[0] == "__future__"
 
 
+def _in_comm(mod: str) -> bool:
+    """Whether dotted module ``mod`` is parallel/comm/ or one of its modules (where collectives live)."""
+    return mod == COMM or mod.startswith(f"{COMM}.")
+
+
 def _is_torch_distributed(name: str) -> bool:
     return name == "torch.distributed" or name.startswith("torch.distributed.")
 
@@ -248,16 +254,15 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
             if not ok_export:
                 errors.append(f"{where}: the {floor} floor imports only the stdlib and torch")
         dtensor_types = mod in DTENSOR_TYPES_OK and name.startswith(DTENSOR_TYPE_MODULES)
-        if _is_torch_distributed(name) and mod not in TORCH_DISTRIBUTED_OK and not dtensor_types:
-            errors.append(f"{where}: torch.distributed is imported only by parallel/distributed.py (and fsdp1.py)")
+        if _is_torch_distributed(name) and not (_in_comm(mod) or mod in TORCH_DISTRIBUTED_OK or dtensor_types):
+            errors.append(f"{where}: torch.distributed is imported only by parallel/comm/ (and fsdp1.py)")
         if top in LIGHTNING_PACKAGES and mod not in LIGHTNING_OK and floor not in LIGHTNING_OK_FLOORS:
             errors.append(f"{where}: lightning is imported only by training/{{callback,trainer_facts}}.py, cli/, demo/")
         if top == "torchmetrics" and mod not in TORCHMETRICS_OK:
             errors.append(f"{where}: torchmetrics is imported only by training/metrics.py")
-    if mod not in COLLECTIVES_OK:
+    if not _in_comm(mod):
         errors += [
-            f"{rel}:{line} calls {call}: collectives live in parallel/distributed.py"
-            for line, call in collective_calls(source)
+            f"{rel}:{line} calls {call}: collectives live in parallel/comm/" for line, call in collective_calls(source)
         ]
     return errors
 
@@ -290,9 +295,9 @@ def test_every_module_has_a_floor_and_the_floors_exist():
 KNOWN = {
     f"{PKG}.{n}"
     for n in (
-        "core", "core.spec", "core.scoring", "parallel", "parallel.distributed", "parallel.placement", "engine",
-        "options", "training", "training.callback", "training.controller", "training.trainer_facts", "training.views",
-        "shrink", "shrink.entry", "demo", "cli",
+        "core", "core.spec", "core.scoring", "parallel", "parallel.comm", "parallel.comm.reduce", "parallel.placement",
+        "engine", "options", "training", "training.callback", "training.controller", "training.trainer_facts",
+        "training.views", "shrink", "shrink.entry", "demo", "cli",
         "presets", "discovery", "discovery.trace",
     )
 }  # fmt: skip
@@ -302,7 +307,7 @@ KNOWN = {
     ("rel", "source", "needle"),
     [
         ("core/spec.py", "import numpy\n", "imports only the stdlib and torch"),
-        ("core/scoring.py", "from lightning_pat.parallel import distributed\n", "the core floor imports only"),
+        ("core/scoring.py", "from lightning_pat.parallel.comm import reduce\n", "the core floor imports only"),
         ("core/scoring.py", "from .. import engine\n", "the core floor imports only"),
         ("core/masking.py", "from lightning_pat import Cluster\n", "the core floor imports only"),
         ("core/selection.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
@@ -318,12 +323,12 @@ KNOWN = {
         ("training/callback.py", "import torchmetrics\n", "torchmetrics is imported only"),
         ("parallel/executors/base.py", "from lightning_pat.training.callback import X\n", "parallel floor imports"),
         ("parallel/executors/base.py", "from ...engine import Pruner\n", "the parallel floor imports only"),
-        ("parallel/distributed.py", "from lightning_pat import engine\n", "the parallel floor imports only"),
+        ("parallel/comm/ranks.py", "from lightning_pat import engine\n", "the parallel floor imports only"),
         ("engine.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
         ("engine.py", "from lightning_pat.demo import TinyGPT\n", "the pruning floor imports only"),
         ("training/callback.py", "from lightning_pat.cli import main\n", "the training floor imports only"),
         ("shrink/entry.py", "from lightning_pat.engine import PruneResult\n", "the shrink floor imports only"),
-        ("shrink/surgery.py", "from lightning_pat.parallel import distributed\n", "the shrink floor imports only"),
+        ("shrink/surgery.py", "from lightning_pat.parallel.comm import dtensor\n", "the shrink floor imports only"),
         ("shrink/entry.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
         ("shrink/entry.py", "import transformers\n", "imports only the stdlib and torch"),
         ("shrink/export.py", "import lightning\n", "lightning is imported only"),
@@ -336,12 +341,17 @@ KNOWN = {
         ("shrink/verify.py", "from lightning_pat.scoring.hooks import run_batches\n", "the shrink floor imports only"),
         ("sizing/targets.py", "from lightning_pat.scoring.layers import LayerStats\n", "the sizing floor imports"),
         ("engine.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
-        ("engine.py", "from lightning_pat.parallel import distributed as D\n", "no one-letter module aliases"),
+        ("engine.py", "from lightning_pat.parallel.comm import reduce as R\n", "no one-letter module aliases"),
         ("new_module.py", "import torch\n", "belongs to no floor"),
         ("parallel/executors/sharded.py", "import torch\ntorch.distributed.all_gather_into_tensor(a, b)\n", "collect"),
         ("parallel/executors/sharded.py", "def f(mesh):\n    mesh.get_group().allreduce(t)\n", "collectives"),
         ("parallel/placement.py", "from torch.distributed import broadcast as b\nb(t, 0)\n", "collectives"),
-        ("engine.py", "from lightning_pat.parallel import distributed\ndistributed.barrier()\n", "collectives"),
+        ("engine.py", "from lightning_pat.parallel.comm import ranks\nranks.barrier()\n", "collectives"),
+        (
+            "parallel/placement.py",
+            "import torch.distributed as dist\ndist.all_reduce(t)\n",
+            "collectives live in parallel/comm/",
+        ),
         ("training/callback.py", "import torch.distributed as dist\ndist.all_reduce(t)\n", "collectives"),
         ("training/callback.py", "strategy.barrier()\n", "collectives"),
     ],
@@ -356,16 +366,18 @@ def test_checkers_detect_violations(rel, source, needle):
     [
         ("core/spec.py", "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.scoring import x\n"),
         ("core/masking.py", "from .scoring import unit_of_channels\nfrom .spec import Member\n"),
-        ("parallel/distributed.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
+        ("parallel/comm/reduce.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
+        ("parallel/comm/__init__.py", "import torch.distributed as dist\n"),
+        ("parallel/comm/ranks.py", "from torch.distributed import ProcessGroup\nfrom lightning_pat.core import spec\n"),
         ("parallel/placement.py", "from torch.distributed.tensor import Replicate, Shard\n"),
         (
             "parallel/executors/sharded.py",
             "from torch.distributed.tensor.placement_types import Placement\n"
-            "from lightning_pat.parallel import distributed\ndistributed.all_gather_stacked(x, group=g)\n",
+            "from lightning_pat.parallel.comm import reduce\nreduce.all_gather_packed(x, group=g)\n",
         ),
         ("training/callback.py", "import lightning.pytorch as pl\nfrom lightning_pat.training import controller\n"),
         ("training/controller.py", "from lightning_pat.engine import Pruner\nfrom lightning_pat.shrink import entry\n"),
-        ("scoring/taylor.py", "from lightning_pat.parallel import distributed\nfrom lightning_pat.core import spec\n"),
+        ("scoring/taylor.py", "from lightning_pat.parallel.comm import dtensor\nfrom lightning_pat.core import spec\n"),
         ("engine.py", "from lightning_pat.scoring.activation import ActivationStats\n"),
         ("training/controller.py", "from lightning_pat.scoring.taylor import TaylorScores\n"),
         ("training/metrics.py", "from torchmetrics import Metric\n"),

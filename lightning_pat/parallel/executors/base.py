@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_pat.core.masking import unit_channels, zero_channels_
 from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums
 from lightning_pat.core.spec import Member, ResolvedCluster
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks, reduce
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Executor(ABC):
         """Riders summed over every rank: one packed collective (nothing without a process group)."""
         if not riders:
             return {}
-        summed = distributed.sum_over_ranks(torch.cat(list(riders.values())), group=distributed.world_group())
+        summed = reduce.sum_over_ranks(torch.cat(list(riders.values())), group=ranks.world_group())
         out, start = {}, 0
         for name, rider in riders.items():
             out[name] = summed[start : start + rider.numel()]
@@ -197,7 +197,7 @@ class Executor(ABC):
                 if param.grad is None:
                     continue
                 part_C = member_unit_abs_prod_sums(
-                    distributed.full_tensor(param), distributed.full_tensor(param.grad), m, num_units=rc.num_units,
+                    dtensor.full_tensor(param), dtensor.full_tensor(param.grad), m, num_units=rc.num_units,
                     acc_dtype=ACCUMULATION_DTYPE,
                 )  # fmt: skip
                 total_C = total_C.to(part_C.device) + part_C

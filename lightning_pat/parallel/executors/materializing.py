@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
 from lightning_pat.core.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
-from lightning_pat.parallel import distributed
+from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.parallel.executors.base import Executor, UnitAction
 
 
@@ -35,7 +35,7 @@ class MaterializingExecutor(Executor):
         key = f"{name}.grad" if grads else name
         if key not in dense:
             src = self.params[name].grad if grads else self.params[name]
-            dense[key] = distributed.full_tensor(src)
+            dense[key] = dtensor.full_tensor(src)
         return dense[key]
 
     def _dense(self) -> dict[str, Tensor]:
@@ -51,12 +51,12 @@ class MaterializingExecutor(Executor):
         by_group: dict[tuple[int, ...], tuple[object, list[str]]] = {}
         for name in names:
             param = self.params[name]
-            if distributed.is_dtensor(param):
-                group = distributed.mesh_group(param.device_mesh, cache=self._groups)
-                by_group.setdefault(distributed.group_key(group), (group, []))[1].append(name)
+            if dtensor.is_dtensor(param):
+                group = reduce.mesh_group(param.device_mesh, cache=self._groups)
+                by_group.setdefault(reduce.group_key(group), (group, []))[1].append(name)
         for group, group_names in by_group.values():
             has = [n in present for n in group_names]
-            flags = distributed.any_rank([not h for h in has] + has, group=group)
+            flags = ranks.any_rank([not h for h in has] + has, group=group)
             for i, name in enumerate(group_names):
                 missing_somewhere, has_somewhere = flags[i], flags[len(group_names) + i]
                 if missing_somewhere and has_somewhere:
@@ -107,7 +107,7 @@ class MaterializingExecutor(Executor):
                 touched.append(m.name)
         for name in dict.fromkeys(touched):
             target = self.params[name].grad if grads else self.params[name]
-            distributed.write_back_(target, cache[f"{name}.grad" if grads else name])
+            dtensor.write_back_(target, cache[f"{name}.grad" if grads else name])
 
     @torch.no_grad()
     def zero_counts(self) -> dict[str, tuple[int, int]]:

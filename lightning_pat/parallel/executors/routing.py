@@ -8,7 +8,8 @@ from typing import Literal
 from torch import Tensor
 
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel import placement
+from lightning_pat.parallel.comm import dtensor, reduce
 from lightning_pat.parallel.executors.base import Executor
 from lightning_pat.parallel.executors.materializing import MaterializingExecutor
 from lightning_pat.parallel.executors.sharded import ShardedExecutor
@@ -20,7 +21,7 @@ EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")
 def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
     """Why ``cluster`` cannot take the sharded path (global metadata only), or ``None`` if it can."""
     tensors = [params[m.name] for m in cluster.members]
-    if not all(distributed.is_dtensor(t) for t in tensors):
+    if not all(dtensor.is_dtensor(t) for t in tensors):
         return "plain tensors (not DTensors)"
     mesh = tensors[0].device_mesh
     if any(t.device_mesh != mesh for t in tensors):
@@ -37,7 +38,7 @@ def materializing_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor])
     """
     for m in cluster.members:
         tensor = params[m.name]
-        if distributed.is_dtensor(tensor) and not distributed.mesh_is_increasing(tensor.device_mesh):
+        if dtensor.is_dtensor(tensor) and not reduce.mesh_is_increasing(tensor.device_mesh):
             return (
                 f"member {m.name!r} lives on a DeviceMesh whose ranks do not increase along every axis "
                 f"({tensor.device_mesh.mesh.tolist()}), where torch's full_tensor assembles pieces in the wrong order"

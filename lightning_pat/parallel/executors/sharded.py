@@ -33,7 +33,8 @@ from lightning_pat.core.scoring import (
     member_unit_sq_sums,
 )
 from lightning_pat.core.spec import Member, ResolvedCluster
-from lightning_pat.parallel import distributed, placement
+from lightning_pat.parallel import placement
+from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.parallel.executors.base import Executor, Reduced, UnitAction
 
 
@@ -90,7 +91,7 @@ class ShardedExecutor(Executor):
             axes = tuple(range(mesh.ndim)) if data_aware and mesh.size() > 1 else placement.gather_axes(placements)
             for m, ps in zip(rc.members, placements, strict=True):
                 box = placement.local_box(m.shape, ps, mesh_shape=tuple(mesh.shape), coordinate=coord)
-                local_shape = tuple(distributed.local_tensor(self.params[m.name]).shape)
+                local_shape = tuple(dtensor.local_tensor(self.params[m.name]).shape)
                 if local_shape != tuple(n for _, n in box):  # a torch whose DTensor layout differs from ours
                     mismatches.append(f"{m.name}: local shape {local_shape} != expected box {box} for {ps}")
                 offset, length = box[m.dim]
@@ -100,19 +101,17 @@ class ShardedExecutor(Executor):
             if not axes:
                 self._ungathered.append(rc)
                 continue
-            group = distributed.axes_group(mesh, axes, cache=self._groups)
-            order = distributed.gather_order(mesh, axes, group)
-            packs.setdefault((distributed.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
+            group = reduce.axes_group(mesh, axes, cache=self._groups)
+            order = reduce.gather_order(mesh, axes, group)
+            packs.setdefault((reduce.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
         self._packs = list(packs.values())
         counts: dict[tuple[int, ...], tuple[object, list[str]]] = {}  # whole-mesh group -> parameter names
         for name, tensor in self.params.items():
-            group = distributed.mesh_group(tensor.device_mesh, cache=self._groups)
-            counts.setdefault(distributed.group_key(group), (group, []))[1].append(name)
+            group = reduce.mesh_group(tensor.device_mesh, cache=self._groups)
+            counts.setdefault(reduce.group_key(group), (group, []))[1].append(name)
         self._count_groups = list(counts.values())
         # a local shape check must not make one rank raise while the others go on into a gather: agree first
-        flags = [
-            distributed.any_rank([bool(mismatches)], group=group)[0] for group, _ in self._count_groups
-        ]  # no short cut
+        flags = [ranks.any_rank([bool(mismatches)], group=group)[0] for group, _ in self._count_groups]  # no short cut
         if any(flags):
             raise ValueError(
                 "The sharded path found local shards whose shapes differ from the layout it computed (on some "
@@ -126,7 +125,7 @@ class ShardedExecutor(Executor):
         q_C = None
         for m in rc.members:
             piece = self._pieces[(rc.name, m.name)]
-            local = distributed.local_tensor(self.params[m.name])
+            local = dtensor.local_tensor(self.params[m.name])
             if piece.contributes:
                 part_C = member_unit_sq_sums(local, m, num_units=rc.num_units, acc_dtype=acc, offset=piece.offset)
             else:
@@ -149,14 +148,14 @@ class ShardedExecutor(Executor):
             for m in rc.members:
                 param = self.params[m.name]
                 piece = self._pieces[(rc.name, m.name)]
-                local = distributed.local_tensor(param)
+                local = dtensor.local_tensor(param)
                 grad = param.grad
                 part_C = torch.zeros(rc.num_units, dtype=ACCUMULATION_DTYPE, device=local.device)
                 # the layout is global metadata: every rank raises together
                 if grad is not None and (
-                    not distributed.is_dtensor(grad) or tuple(grad.placements) != tuple(param.placements)
+                    not dtensor.is_dtensor(grad) or tuple(grad.placements) != tuple(param.placements)
                 ):
-                    layout = tuple(grad.placements) if distributed.is_dtensor(grad) else "a plain tensor"
+                    layout = tuple(grad.placements) if dtensor.is_dtensor(grad) else "a plain tensor"
                     raise ValueError(
                         f"Cluster {rc.name!r}: score='taylor' needs member {m.name!r}'s gradient laid out like "
                         f"the parameter ({tuple(param.placements)}), got {layout}; keep gradients in their "
@@ -164,7 +163,7 @@ class ShardedExecutor(Executor):
                     )
                 if grad is not None and piece.contributes:
                     part_C = member_unit_abs_prod_sums(
-                        local, distributed.local_tensor(grad), m, num_units=rc.num_units,
+                        local, dtensor.local_tensor(grad), m, num_units=rc.num_units,
                         acc_dtype=ACCUMULATION_DTYPE, offset=piece.offset,
                     )  # fmt: skip
                 total_C = part_C if total_C is None else total_C + part_C
@@ -179,7 +178,7 @@ class ShardedExecutor(Executor):
             if m.role != "reader":
                 continue
             piece = self._pieces[(rc.name, m.name)]
-            local = distributed.local_tensor(self.params[m.name]).detach()
+            local = dtensor.local_tensor(self.params[m.name]).detach()
             width = self.params[m.name].shape[1]
             col_I = torch.zeros(width, dtype=ACCUMULATION_DTYPE, device=local.device)
             if piece.contributes:
@@ -191,7 +190,7 @@ class ShardedExecutor(Executor):
 
     def _two_phase(self, pack: _Pack, length: int) -> bool:
         """Whether a pack of ``length`` elements is reduced in two phases (global metadata: every rank agrees)."""
-        n = distributed.group_size(pack.group)
+        n = reduce.group_size(pack.group)
         return n > 2 and (n - 1) * length * ACCUMULATION_DTYPE.itemsize > self._two_phase_min
 
     @torch.no_grad()
@@ -245,8 +244,8 @@ class ShardedExecutor(Executor):
                 continue
             buffer_L = torch.cat(parts)
             two_phase = self._two_phase(pack, buffer_L.numel())
-            reduce = distributed.scatter_gather_sum if two_phase else distributed.gather_sum
-            summed_L = reduce(buffer_L, group=pack.group, order=pack.order)
+            gather_sum = reduce.scatter_gather_sum if two_phase else reduce.gather_sum
+            summed_L = gather_sum(buffer_L, group=pack.group, order=pack.order)
             start = 0
             for kind, key, length in layout:
                 getattr(out, kind)[key] = summed_L[start : start + length]
@@ -256,25 +255,25 @@ class ShardedExecutor(Executor):
     # ------------------------------------------------------------------ masking
     def _apply_member(self, target: Tensor, rc: ResolvedCluster, m: Member, action: UnitAction) -> None:
         piece = self._pieces[(rc.name, m.name)]
-        in_place = distributed.is_dtensor(target) and tuple(target.placements) == tuple(self.params[m.name].placements)
+        in_place = dtensor.is_dtensor(target) and tuple(target.placements) == tuple(self.params[m.name].placements)
         if in_place:
-            local = distributed.local_tensor(target)
+            local = dtensor.local_tensor(target)
             offset, length = piece.offset, piece.length
         else:  # a gradient laid out differently: same decision on every rank (placements are global metadata)
-            if not distributed.mesh_is_increasing(target.device_mesh):
+            if not reduce.mesh_is_increasing(target.device_mesh):
                 raise ValueError(
                     f"Cluster {rc.name!r}, member {m.name!r}: the gradient is laid out as {tuple(target.placements)}, "
                     "unlike its parameter, on a mesh whose ranks do not increase along every axis, where torch's "
                     "full_tensor is wrong; keep gradients in their parameter's layout."
                 )
-            local = distributed.full_tensor(target).clone()
+            local = dtensor.full_tensor(target).clone()
             offset, length = 0, local.shape[m.dim]
         if action.factors is not None:
             scale_units_(local, m, action.factors, offset=offset, length=length)
         else:
             self._zero_units(local, rc, m, action.dropped, offset=offset, length=length)
         if not in_place:
-            distributed.write_back_(target, local)
+            dtensor.write_back_(target, local)
 
     @torch.no_grad()
     def apply(self, actions: Mapping[str, UnitAction], *, grads: bool = False) -> None:
@@ -295,11 +294,11 @@ class ShardedExecutor(Executor):
         out: dict[str, tuple[int, int]] = {}
         for group, names in self._count_groups:
             local = [
-                count_zeros(distributed.local_tensor(self.params[n]))
-                if distributed.is_counting_replica(self.params[n])
-                else torch.zeros((), dtype=torch.int64, device=distributed.local_tensor(self.params[n]).device)
+                count_zeros(dtensor.local_tensor(self.params[n]))
+                if dtensor.is_counting_replica(self.params[n])
+                else torch.zeros((), dtype=torch.int64, device=dtensor.local_tensor(self.params[n]).device)
                 for n in names
             ]
-            counts = distributed.reduce_counts(torch.stack(local).to(torch.int64), group=group).tolist()
+            counts = reduce.reduce_counts(torch.stack(local).to(torch.int64), group=group).tolist()
             out.update({n: (c, self.params[n].numel()) for n, c in zip(names, counts, strict=True)})
         return out
