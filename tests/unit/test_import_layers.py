@@ -11,7 +11,7 @@ floors listed for its own:
 * ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
 * ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
   core and parallel (the executors' evidence protocol, rank-ordered sums);
-* ``pruning`` (options, presets, repair, engine: the one-shot API; allocation; discovery: clusters found by tracing):
+* ``pruning`` (options, presets/, repair, engine: the one-shot API; allocation; discovery: clusters found by tracing):
   adds parallel, sizing, scoring, and shrink (discovery returns only clusters the shrink can rewrite, checked by the
   shrink's own validation and a trial shrink);
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
@@ -50,7 +50,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "scoring": ("scoring.",),
     "pruning": (
         "options",
-        "presets",
+        "presets.",
         "engine",
         "allocation",
         "repair",
@@ -317,7 +317,7 @@ KNOWN = {
         ("parallel/executors/sharded.py", "from torch.distributed import all_gather\n", "torch.distributed is"),
         ("engine.py", "from torch.distributed.tensor import DTensor\n", "torch.distributed is imported only"),
         ("engine.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
-        ("presets.py", "from pytorch_lightning import Trainer\n", "lightning is imported only"),
+        ("presets/registry.py", "from pytorch_lightning import Trainer\n", "lightning is imported only"),
         ("engine.py", "import importlib\nimportlib.import_module('lightning')\n", "lightning is imported only"),
         ("training/controller.py", "import lightning\n", "lightning is imported only"),
         ("training/callback.py", "import torchmetrics\n", "torchmetrics is imported only"),

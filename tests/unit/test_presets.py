@@ -508,7 +508,16 @@ def test_tiny_gpt_is_causal():
         assert not torch.allclose(model(ids)[:, 5:], model(changed)[:, 5:])
 
 
-@pytest.mark.parametrize("module", ["presets.py", "demo/model.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "presets/__init__.py",
+        "presets/registry.py",
+        "presets/transformers.py",
+        "presets/linear_chain.py",
+        "demo/model.py",
+    ],
+)
 def test_no_lightning_or_transformers_import(module):
     path = Path(__file__).resolve().parents[2] / "lightning_pat" / module
     roots = set()

@@ -1,61 +1,30 @@
-r"""Ready cluster declarations for common model families.
+"""The transformer layout model: one :class:`Layout` of parameter-name regexes per family, and its declarations.
 
-A preset reads the layout and sizes from the model (parameter names, shapes, the attention module's ``head_dim``
-or ``model.config``) and returns plain :class:`~lightning_pat.Cluster` declarations. Per-layer kinds use one
-regex declaration with a named ``layer`` group, so they print and serialise short. Names are matched under the
-backbone's prefix as found in the module, so a preset also works on a wrapper (a LightningModule holding the model
-as ``self.model``): pass the same module to the preset and to ``resolve_clusters`` / the callback.
-
-Kinds (keyword-selectable in every transformer preset):
-
-* ``mlp`` (on): ``mlp.{layer}``, the MLP hidden channels: gate/up rows and biases, down columns (GPT-2: ``c_fc``
-  columns and bias, ``c_proj`` rows, as ``Conv1D`` stores weights ``[in, out]``).
-* ``heads`` (on): ``heads.{layer}``, one unit per KV head: for MHA a head, for GQA a whole query group (its KV head
-  rows in k/v, its ``n_rep`` query heads' rows in q, their o columns, q/k/v biases); HF ``repeat_kv`` and TinyGPT
-  map query head ``h`` to KV head ``h // n_rep``, so a group is contiguous. GPT-2: the three chunks of the packed
-  ``c_attn`` weight (columns) and bias, and ``attn.c_proj`` rows.
-* ``residual`` (off): ``residual``, the hidden size across the whole model: embedding columns (and GPT-2 ``wpe``),
-  every q/k/v/gate/up column, every o/down row and bias, every norm weight (and LayerNorm bias), ``lm_head``
-  columns; a tied ``lm_head`` is the embedding tensor and counts once. Every parameter of the model must belong to
-  the family's layout (else a ``ValueError``), because an unknown writer would keep a pruned channel alive.
-
-Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
-``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
-(``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``) and ``linear_chain`` (see
-:func:`linear_chain`). Other packages add families with :func:`register` (the demo registers ``tiny_gpt``, its
-:class:`~lightning_pat.demo.model.TinyGPT`, when ``lightning_pat.demo`` is imported).
-
-Limitations:
-
-* A pruned residual channel is exactly zero everywhere, but the norms still divide by the full width ``d``. RMSNorm
-  over the ``d'`` kept channels reproduces the zeroed model with weight ``w * sqrt(d / d')`` and eps
-  ``eps * d / d'``, so a physical shrink must rescale. LayerNorm (GPT-2) subtracts the mean over all ``d``
-  channels, zeros included; no LayerNorm over ``d'`` channels reproduces that, so shrinking a GPT-2 residual is not
-  output-preserving (the zeroed model is; fine-tune after the shrink).
-* ``linear_chain`` cannot see ``forward``; it assumes an ``nn.Sequential`` runs its children in order.
+:func:`build` turns a layout into the declarations of the kinds asked for (``mlp``, ``heads``, ``residual``,
+``layers``, ``query_heads``); :func:`llama` and :func:`gpt2` are the built-in families, :func:`llama_like` builds the
+layout of another Llama-style family (the demo's ``tiny_gpt``). The kinds and the limitations are described in
+:mod:`lightning_pat.presets`.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from lightning_pat.core.layers import LAYER_BUDGET
-from lightning_pat.core.spec import WRAPPER_NAMES, Cluster, as_cluster
+from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
 
 log = logging.getLogger(__name__)
 
-Preset = Callable[..., list[Cluster]]
+
 #: Whether the Llama-family presets cut GQA attention by query heads inside the KV groups (else whole KV groups).
 QUERY_HEADS_DEFAULT = False
-OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads")
-
-_HOW_TO = (
+#: The end of a message that rejects a model: the supported families and how to declare clusters by hand.
+HOW_TO = (
     "Supported families: llama/mistral/qwen2 (`<prefix>layers.N.self_attn.q_proj.weight`), gpt2 "
     "(`<prefix>h.N.attn.c_attn.weight`), linear_chain (consecutive nn.Linear layers in an nn.Sequential) and "
     "those registered with lightning_pat.presets.register (tiny_gpt, by lightning_pat.demo). For other models "
@@ -114,7 +83,8 @@ def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
 
 
 _QKV = tuple(rf"attn\.c_attn\.{kind}[{i}/3]" for kind in ("weight", "bias") for i in range(3))
-_LAYOUTS: dict[str, Layout] = {
+#: The built-in families' layouts (the registry adds those registered with one).
+LAYOUTS: dict[str, Layout] = {
     "llama": llama_like(
         "llama", attn="self_attn", norms="(?:input_layernorm|post_attention_layernorm)", embed="embed_tokens"
     ),
@@ -133,7 +103,8 @@ _LAYOUTS: dict[str, Layout] = {
         layer_out=((r"(?:attn|mlp)\.c_proj\.bias",), (r"(?:attn|mlp)\.c_proj\.weight",)),  # Conv1D: [in, out]
     ),
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+
+
 _LM_HEAD = re.compile(r"(?:.*\.)?lm_head\.weight")
 # module wrappers that may sit between `layers.N.` and the layer's own names (activation checkpointing, FSDP1 and
 # per-block torch.compile); anywhere above the layer list they are simply part of the prefix
@@ -145,11 +116,12 @@ def _wrappers(names: Sequence[str]) -> str:
     return _WRAPPERS if any(f".{w}." in n for n in names for w in WRAPPER_NAMES) else ""
 
 
-def _param_names(model: nn.Module) -> list[str]:
+def param_names(model: nn.Module) -> list[str]:
+    """Every parameter name of ``model``, a tied tensor under each of its names (what a preset must cover)."""
     return [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
 
-def _find_backbone(layout: Layout, names: Sequence[str]) -> tuple[str, str] | None:
+def find_backbone(layout: Layout, names: Sequence[str]) -> tuple[str, str] | None:
     """The backbone prefix of ``layout`` in ``names`` and the attention module of its first layer, or ``None``."""
     layer = rf"{re.escape(layout.layers)}\.(?P<layer>\d+)\.{_WRAPPERS}"
     regex = re.compile(rf"(?P<prefix>(?:.+\.)?){layer}{layout.anchor}")
@@ -262,12 +234,12 @@ def build(
             "layer's output projections, which the residual cluster also prunes along the same axis. Choose one "
             "of them (widths: mlp/heads combine with layers)."
         )
-    names = _param_names(model)
-    backbone = _find_backbone(layout, names)
+    names = param_names(model)
+    backbone = find_backbone(layout, names)
     if backbone is None:
         raise ValueError(
             f"presets.{preset}: no parameter of the model matches `<prefix>{layout.layers}.N.{layout.anchor}`, so "
-            f"this is not a {preset} model. {_HOW_TO}"
+            f"this is not a {preset} model. {HOW_TO}"
         )
     prefix, attn_module = backbone
     per_layer = f"re:{re.escape(prefix)}{re.escape(layout.layers)}\\.(?P<layer>\\d+)\\.{_wrappers(names)}"
@@ -357,7 +329,7 @@ def llama(
             ``residual``, or ``query_heads`` for layers with different KV head counts.
     """
     return build(
-        _LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads
+        LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads
     )
 
 
@@ -389,223 +361,4 @@ def gpt2(
         ValueError: As for :func:`llama`.
     """
     del query_heads  # multi-head attention only
-    return build(_LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)
-
-
-_ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.CELU,
-    nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink,
-    nn.LogSigmoid, nn.Identity, nn.Dropout,
-)  # fmt: skip
-
-
-def _linear_pairs(model: nn.Module) -> list[tuple[str, nn.Linear, str]]:
-    """``(writer name, writer, reader name)`` for consecutive Linears in every ``nn.Sequential``."""
-    pairs = []
-    for seq_name, seq in model.named_modules():
-        if not isinstance(seq, nn.Sequential):
-            continue
-        prev: tuple[str, nn.Linear] | None = None
-        for child_name, child in seq.named_children():
-            name = f"{seq_name}.{child_name}" if seq_name else child_name
-            if isinstance(child, nn.Linear):
-                if prev is not None and prev[1].out_features == child.in_features:
-                    pairs.append((prev[0], prev[1], name))
-                prev = (name, child)
-            elif not isinstance(child, _ELEMENTWISE):
-                prev = None
-    return pairs
-
-
-def linear_chain(
-    model: nn.Module,
-    *,
-    mlp: bool = True,
-    heads: bool = False,
-    residual: bool = False,
-    layers: bool = False,
-    query_heads: bool = False,
-) -> list[Cluster]:
-    """One cluster per hidden axis between consecutive ``nn.Linear`` layers of every ``nn.Sequential``.
-
-    Linear ``i`` and the next Linear ``i+1`` in the same ``nn.Sequential`` are coupled when only elementwise modules
-    (activations, ``Dropout``, ``Identity``) sit between them: Linear ``i`` rows and bias are writers, Linear ``i+1``
-    columns the reader. Any other module (a norm, a nested container) breaks the chain. This assumes the Sequential
-    runs its children in order and nothing else reads Linear ``i``'s output. With an activation where
-    ``f(0) != 0`` (sigmoid, softplus) a pruned channel is a constant that the zero reader columns ignore.
-
-    Args:
-        model: Any module.
-        mlp: Must be true (the hidden axes are the only kind here).
-        heads: Must be false: a chain has no attention heads.
-        residual: Must be false: a chain has no residual stream.
-        layers: Must be false: a chain has no residual layers to skip.
-        query_heads: Ignored (a chain has no attention).
-
-    Returns:
-        One ``Cluster`` per hidden axis, named ``hidden.<writer module name>``.
-
-    Raises:
-        ValueError: If ``mlp`` is false, ``heads``, ``residual`` or ``layers`` is true, or no pair of consecutive
-            Linears exists.
-
-    Example::
-
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> [(c.name, c.writers, c.readers) for c in linear_chain(net)]
-        [('hidden.0', ['0.weight', '0.bias'], ['2.weight'])]
-    """
-    if not mlp or heads or residual or layers:
-        raise ValueError(
-            "presets.linear_chain: only the hidden axes (mlp=True) exist in a chain of nn.Linear; got "
-            f"mlp={mlp}, heads={heads}, residual={residual}, layers={layers}. Declare other clusters by hand."
-        )
-    pairs = _linear_pairs(model)
-    if not pairs:
-        raise ValueError(f"presets.linear_chain: no two consecutive nn.Linear layers in an nn.Sequential. {_HOW_TO}")
-    out = []
-    for writer_name, writer, reader_name in pairs:
-        writers = [f"{writer_name}.weight"] + ([f"{writer_name}.bias"] if writer.bias is not None else [])
-        out.append(Cluster(f"hidden.{writer_name}", writers, [f"{reader_name}.weight"]))
-    return out
-
-
-def detect(model: nn.Module) -> str:
-    """The preset name for ``model``: from ``model.config.model_type`` when known, else from parameter names.
-
-    Args:
-        model: The model (or a wrapper holding one backbone).
-
-    Returns:
-        One of ``"llama"``, ``"gpt2"``, a registered family with a layout (``"tiny_gpt"`` once the demo is
-        imported), ``"linear_chain"``.
-
-    Raises:
-        ValueError: If no family, or more than one, matches; the message lists the supported families and how to
-            declare clusters by hand.
-    """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    names = _param_names(model)
-    found = [family for family, layout in _LAYOUTS.items() if _find_backbone(layout, names) is not None]
-    if len(found) > 1:
-        raise ValueError(f"The model matches several families {found}; pass one backbone, or name a preset.")
-    if found:
-        return found[0]
-    if _linear_pairs(model):
-        return "linear_chain"
-    raise ValueError(f"Cannot detect the model family of {type(model).__name__} (model_type={model_type!r}). {_HOW_TO}")
-
-
-def for_model(model: nn.Module, **options: bool) -> list[Cluster]:
-    """Detect the family of ``model`` (see :func:`detect`) and return its preset's declarations.
-
-    Args:
-        model: The model (or a wrapper holding one backbone).
-        **options: ``mlp``, ``heads``, ``residual`` for the preset (each preset's defaults apply otherwise).
-
-    Returns:
-        The declarations.
-
-    Raises:
-        ValueError: If the family cannot be detected, or the preset rejects the options.
-    """
-    family = detect(model)
-    log.info("presets.for_model: %s detected as %r", type(model).__name__, family)
-    return PRESETS[family](model, **options)
-
-
-PRESETS: dict[str, Preset] = {
-    "llama": llama,
-    "mistral": llama,
-    "qwen2": llama,
-    "qwen3": llama,
-    "gpt2": gpt2,
-    "linear_chain": linear_chain,
-}
-
-
-def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None:
-    """Add the preset ``name`` (usable as ``clusters=name`` everywhere); with a ``layout``, :func:`detect` finds it.
-
-    Registering the same preset again is a no-op (a module imported twice, e.g. by a notebook's re-run cell).
-
-    Args:
-        name: The preset's name (lower case).
-        preset: A callable ``(model, *, mlp, heads, residual, layers) -> list[Cluster]``.
-        layout: The family's parameter layout, for detection by ``clusters="auto"``.
-
-    Raises:
-        ValueError: If ``name`` is ``"auto"``, not lower case, or already names another preset.
-    """
-    if name == "auto" or name != name.lower() or PRESETS.get(name, preset) is not preset:
-        raise ValueError(
-            f"presets.register: cannot register {name!r}: the name must be lower case, not 'auto', and not taken by "
-            f"another preset (taken: {sorted(PRESETS)})."
-        )
-    PRESETS[name] = preset
-    if layout is not None:
-        _LAYOUTS[name] = layout
-
-
-def get(name: str) -> Preset:
-    """The preset called ``name`` (case-insensitive; ``"auto"`` is :func:`for_model`).
-
-    Args:
-        name: A key of :data:`PRESETS`, or ``"auto"``.
-
-    Returns:
-        A callable ``(model, **options) -> list[Cluster]``.
-
-    Raises:
-        ValueError: If the name is unknown.
-    """
-    key = name.lower() if isinstance(name, str) else name
-    if key == "auto":
-        return for_model
-    if key not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {name!r}; expected one of {[*PRESETS, 'auto']}, or a list of Cluster declarations."
-        )
-    return PRESETS[key]
-
-
-def check_options(options: Mapping[str, object]) -> None:
-    """Raise unless ``options`` maps preset option names (:data:`OPTIONS`) to bools.
-
-    Raises:
-        ValueError: If a key is unknown or a value is not a bool.
-    """
-    bad = {k: v for k, v in dict(options).items() if k not in OPTIONS or not isinstance(v, bool)}
-    if bad:
-        raise ValueError(f"`preset_options` must map some of {OPTIONS} to bools, got {bad}; e.g. {{'residual': True}}.")
-
-
-def resolve_preset(
-    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
-) -> list[Cluster]:
-    """Turn a callback's ``clusters`` argument into declarations.
-
-    Args:
-        clusters: A preset name or ``"auto"``, a ``Cluster`` or mapping of its fields, or a list mixing them
-            (preset names expand in place).
-        model: The module the declarations will be resolved against.
-        **options: ``mlp``, ``heads``, ``residual`` for the named presets.
-
-    Returns:
-        The declarations, in order.
-
-    Raises:
-        ValueError: If a preset name is unknown or rejects the model, an option is unknown or not a bool, or options
-            are given without any preset name.
-        TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
-    """
-    check_options(options)
-    entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
-    if options and not any(isinstance(e, str) for e in entries):
-        raise ValueError(f"`preset_options` {dict(options)} apply to preset names only; none was given.")
-    out: list[Cluster] = []
-    for entry in entries:
-        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [as_cluster(entry)])
-    return out
+    return build(LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)

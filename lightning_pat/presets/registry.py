@@ -1,0 +1,169 @@
+"""The registry of presets by name, family detection (``clusters="auto"``) and the ``clusters=`` argument's reading.
+
+:data:`PRESETS` maps names to presets (the built-in families and those added with :func:`register`); :func:`detect`
+names a model's family from ``model.config.model_type`` or its parameter names; :func:`resolve_preset` turns a
+callback's ``clusters`` argument into declarations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import nn
+
+from lightning_pat.core.spec import Cluster, as_cluster
+from lightning_pat.presets.linear_chain import linear_chain, linear_pairs
+from lightning_pat.presets.transformers import HOW_TO, LAYOUTS, Layout, find_backbone, gpt2, llama, param_names
+
+log = logging.getLogger(__name__)
+
+#: A preset: ``(model, *, mlp, heads, residual, layers, query_heads) -> list[Cluster]``.
+Preset = Callable[..., list[Cluster]]
+#: The option names a preset takes (``preset_options``).
+OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads")
+#: ``model.config.model_type`` -> the preset that reads it.
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+#: Layouts that :func:`detect` tries: the built-in families, then those registered with one.
+_LAYOUTS: dict[str, Layout] = dict(LAYOUTS)
+
+
+def detect(model: nn.Module) -> str:
+    """The preset name for ``model``: from ``model.config.model_type`` when known, else from parameter names.
+
+    Args:
+        model: The model (or a wrapper holding one backbone).
+
+    Returns:
+        One of ``"llama"``, ``"gpt2"``, a registered family with a layout (``"tiny_gpt"`` once the demo is
+        imported), ``"linear_chain"``.
+
+    Raises:
+        ValueError: If no family, or more than one, matches; the message lists the supported families and how to
+            declare clusters by hand.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    names = param_names(model)
+    found = [family for family, layout in _LAYOUTS.items() if find_backbone(layout, names) is not None]
+    if len(found) > 1:
+        raise ValueError(f"The model matches several families {found}; pass one backbone, or name a preset.")
+    if found:
+        return found[0]
+    if linear_pairs(model):
+        return "linear_chain"
+    raise ValueError(f"Cannot detect the model family of {type(model).__name__} (model_type={model_type!r}). {HOW_TO}")
+
+
+def for_model(model: nn.Module, **options: bool) -> list[Cluster]:
+    """Detect the family of ``model`` (see :func:`detect`) and return its preset's declarations.
+
+    Args:
+        model: The model (or a wrapper holding one backbone).
+        **options: ``mlp``, ``heads``, ``residual`` for the preset (each preset's defaults apply otherwise).
+
+    Returns:
+        The declarations.
+
+    Raises:
+        ValueError: If the family cannot be detected, or the preset rejects the options.
+    """
+    family = detect(model)
+    log.info("presets.for_model: %s detected as %r", type(model).__name__, family)
+    return PRESETS[family](model, **options)
+
+
+PRESETS: dict[str, Preset] = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "qwen3": llama,
+    "gpt2": gpt2,
+    "linear_chain": linear_chain,
+}
+
+
+def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None:
+    """Add the preset ``name`` (usable as ``clusters=name`` everywhere); with a ``layout``, :func:`detect` finds it.
+
+    Registering the same preset again is a no-op (a module imported twice, e.g. by a notebook's re-run cell).
+
+    Args:
+        name: The preset's name (lower case).
+        preset: A callable ``(model, *, mlp, heads, residual, layers) -> list[Cluster]``.
+        layout: The family's parameter layout, for detection by ``clusters="auto"``.
+
+    Raises:
+        ValueError: If ``name`` is ``"auto"``, not lower case, or already names another preset.
+    """
+    if name == "auto" or name != name.lower() or PRESETS.get(name, preset) is not preset:
+        raise ValueError(
+            f"presets.register: cannot register {name!r}: the name must be lower case, not 'auto', and not taken by "
+            f"another preset (taken: {sorted(PRESETS)})."
+        )
+    PRESETS[name] = preset
+    if layout is not None:
+        _LAYOUTS[name] = layout
+
+
+def get(name: str) -> Preset:
+    """The preset called ``name`` (case-insensitive; ``"auto"`` is :func:`for_model`).
+
+    Args:
+        name: A key of :data:`PRESETS`, or ``"auto"``.
+
+    Returns:
+        A callable ``(model, **options) -> list[Cluster]``.
+
+    Raises:
+        ValueError: If the name is unknown.
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key == "auto":
+        return for_model
+    if key not in PRESETS:
+        raise ValueError(
+            f"Unknown preset {name!r}; expected one of {[*PRESETS, 'auto']}, or a list of Cluster declarations."
+        )
+    return PRESETS[key]
+
+
+def check_options(options: Mapping[str, object]) -> None:
+    """Raise unless ``options`` maps preset option names (:data:`OPTIONS`) to bools.
+
+    Raises:
+        ValueError: If a key is unknown or a value is not a bool.
+    """
+    bad = {k: v for k, v in dict(options).items() if k not in OPTIONS or not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"`preset_options` must map some of {OPTIONS} to bools, got {bad}; e.g. {{'residual': True}}.")
+
+
+def resolve_preset(
+    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
+) -> list[Cluster]:
+    """Turn a callback's ``clusters`` argument into declarations.
+
+    Args:
+        clusters: A preset name or ``"auto"``, a ``Cluster`` or mapping of its fields, or a list mixing them
+            (preset names expand in place).
+        model: The module the declarations will be resolved against.
+        **options: ``mlp``, ``heads``, ``residual`` for the named presets.
+
+    Returns:
+        The declarations, in order.
+
+    Raises:
+        ValueError: If a preset name is unknown or rejects the model, an option is unknown or not a bool, or options
+            are given without any preset name.
+        TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
+    """
+    check_options(options)
+    entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
+    if options and not any(isinstance(e, str) for e in entries):
+        raise ValueError(f"`preset_options` {dict(options)} apply to preset names only; none was given.")
+    out: list[Cluster] = []
+    for entry in entries:
+        out.extend(get(entry)(model, **options) if isinstance(entry, str) else [as_cluster(entry)])
+    return out
