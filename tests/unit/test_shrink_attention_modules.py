@@ -214,3 +214,26 @@ def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
     assert rel < 1e-5
     attns = [m for m in smaller.modules() if isinstance(m, (HeadsMultiheadAttention, WindowAttention))]
     assert sorted(m.num_heads for m in attns) == [1] * len(attns)
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+def test_heads_of_a_torch_transformer_encoder_are_cut_exactly():
+    """``nn.TransformerEncoderLayer`` calls its ``self_attn`` without masks; ours keeps it off the fused path."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    found = discover(model, torch.randn(2, 5, 16))
+    assert sorted(c.name for c in found.clusters if c.num_units == 4) == [
+        "enc.layers.0.self_attn",
+        "enc.layers.1.self_attn",
+    ]
+    small = exact_shrink(model, found.clusters, torch.randn(3, 6, 16))
+    assert [layer.self_attn.num_heads for layer in small.enc.layers] == [2, 2]
