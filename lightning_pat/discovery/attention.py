@@ -15,7 +15,9 @@ Why whole heads are exact: a dropped head's q/k/v rows and biases are zero and t
 are zero, so whatever the head computes (any finite value: attention over zero keys is uniform over zero values) is
 multiplied by zero columns; every kept head computes on exactly its own channels, because nothing on the way mixes
 the head axis. Shrinking removes the head from every member; the shrink updates the head counts of Llama-style
-(``q/k/v/o_proj`` with ``head_dim``, transformers' ViT too) and GPT-2 attention modules. A custom forward that
+(``q/k/v/o_proj`` with ``head_dim``, transformers' ViT too) and GPT-2 attention modules, and replaces
+``nn.MultiheadAttention`` and torchvision's Swin window attention by modules of its own
+(:mod:`lightning_pat.shrink.attention_modules`, which discovery traces in their place). A custom forward that
 hard-codes the head count (``view(b, t, 4, d)`` instead of ``view(b, t, -1, d)``) cannot run shrunk.
 
 GQA: ``repeat_kv`` (``expand`` + ``reshape``), ``repeat_interleave`` and ``scaled_dot_product_attention(...,

@@ -38,6 +38,7 @@ from lightning_pat.discovery import trial as trials
 from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
+from lightning_pat.shrink.attention_modules import mha_refusal
 
 log = logging.getLogger(__name__)
 
@@ -193,33 +194,58 @@ def discover(
     found = _collect(walk, shapes)
     if presets.QUERY_HEADS_DEFAULT if query_heads is None else query_heads:
         found = Discovery(refine_query_heads(model, found.clusters), found.left_out)
-    found = _multihead_attention(model, _validated(model, found))
+    found = _multihead_attention(model, _validated(model, found), tr.refused)
     return replace(_tried(model, found, example_input, check), example_input=example_input)
 
 
-_MHA_REASON = (
-    "nn.MultiheadAttention computes q, k and v at its embed_dim from the packed in_proj_weight, so its heads cannot "
-    "be shrunk (the module would need another forward)"
-)
+def _mha_refusals(model: nn.Module, refused_calls: Mapping[str, str]) -> dict[str, str]:
+    """Module name -> why its heads cannot be cut, for every ``nn.MultiheadAttention`` the shrink cannot rewrite."""
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        why = mha_refusal(module) or refused_calls.get(name)
+        if why is not None:
+            out[name] = (
+                f"nn.MultiheadAttention {name!r}: {why}; only self-attention without masks (torchvision's ViT) is "
+                "computed with fewer heads, so its heads and its packed in_proj are not cut"
+            )
+    return out
 
 
-def _multihead_attention(model: nn.Module, found: Discovery) -> Discovery:
-    """Name ``nn.MultiheadAttention`` as the reason for the channels its packed ``in_proj`` touches."""
-    mha = {name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
-    if not mha:
+def _multihead_attention(model: nn.Module, found: Discovery, refused_calls: Mapping[str, str]) -> Discovery:
+    """Leave out, with the reason, the channels of every ``nn.MultiheadAttention`` whose heads cannot be cut."""
+    reasons = _mha_refusals(model, refused_calls)
+    if not reasons:
         return found
-    packed = {f"{name}.{attr}" if name else attr for name in mha for attr in ("in_proj_weight", "in_proj_bias")}
+    attrs = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+    packed = {f"{name}.{attr}" if name else attr: name for name in reasons for attr in attrs}
 
-    def written_by_mha(name: str) -> bool:  # a space is named after its first writer's module
-        return name.split("#")[0] in mha
+    def owner(name: str) -> str | None:  # a space is named after its first writer's module
+        base = name.split("#")[0]
+        return base if base in reasons else None
 
-    left = [replace(lo, reasons=(_MHA_REASON, *lo.reasons)) if written_by_mha(lo.name) else lo for lo in found.left_out]
+    left, named = [], set()
+    for lo in found.left_out:
+        mha = owner(lo.name) or next((packed[m.split("[")[0]] for m in lo.members if m.split("[")[0] in packed), None)
+        if mha is not None:
+            named.add(mha)
+            lo = replace(lo, reasons=(reasons[mha], *(r for r in lo.reasons if r != reasons[mha])))
+        left.append(lo)
     clusters = []
     for c in found.clusters:
-        if any(m.split("[")[0] in packed for m in (*c.writers, *c.readers)):
-            left.append(LeftOut(c.name, c.num_units or 0, (*c.writers, *c.readers), (_MHA_REASON,)))
+        hit = next((packed[m.split("[")[0]] for m in (*c.writers, *c.readers) if m.split("[")[0] in packed), None)
+        if hit is not None:
+            named.add(hit)
+            left.append(LeftOut(c.name, c.num_units or 0, (*c.writers, *c.readers), (reasons[hit],)))
         else:
             clusters.append(c)
+    for name in sorted(set(reasons) - named):  # its projections were not traced at all (kdim: separate q/k/v)
+        module = model.get_submodule(name)
+        members = tuple(
+            p for p in packed if packed[p] == name and getattr(module, p.rsplit(".", 1)[-1], None) is not None
+        )
+        left.append(LeftOut(name, int(module.num_heads), members, (reasons[name],)))
     return Discovery(clusters=clusters, left_out=left)
 
 

@@ -1,5 +1,9 @@
 """Trace a model into an ATen graph for :mod:`lightning_pat.discovery.entry` (``torch.export``, on the meta device).
 
+Supported ``nn.MultiheadAttention`` and torchvision Swin window attention modules are traced as the modules the
+shrink puts in their place (:mod:`lightning_pat.shrink.attention_modules`: the same parameters, the head count and
+head dim explicit), so the walk sees their heads.
+
 The model is never run on real data: a *meta twin* (a deep copy whose parameters and buffers are meta tensors of
 the same global shapes, DTensors included) is exported non-strictly with meta example inputs, so tracing costs no
 memory and no compute and leaves the model untouched.
@@ -11,13 +15,14 @@ import contextlib
 import copy
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_pat.core.forwards import map_tensors, tensors_of
+from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, replace_attention
 
 #: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
 _FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
@@ -32,12 +37,15 @@ class Trace:
         params: Placeholder name -> parameter name in the model.
         buffers: Placeholder name -> buffer name.
         constants: Placeholder names of lifted tensor constants.
+        refused: Module name -> why, for each ``nn.MultiheadAttention`` called in a way whose heads cannot be cut
+            (cross-attention, masks: :meth:`~lightning_pat.shrink.attention_modules.HeadsMultiheadAttention.forward`).
     """
 
     graph: torch.fx.Graph
     params: dict[str, str]
     buffers: dict[str, str]
     constants: frozenset[str]
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 def _global_shape(tensor: torch.Tensor) -> torch.Size:
@@ -158,7 +166,9 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
             the module that raised and what was passed), or the model cannot be copied or exported (data-dependent
             control flow, unsupported Python); the message carries torch's reason.
     """
-    twin = _TensorOutputs(meta_twin(model)).eval()
+    inner = meta_twin(model)
+    replace_attention(inner)  # traced as the shrink will rewrite them (same parameter names)
+    twin = _TensorOutputs(inner).eval()
     example = to_meta(example_input)
     args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})
     if not isinstance(args, tuple):
@@ -181,9 +191,15 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
             "`example_input` the forward accepts."
         ) from err
     sig = program.graph_signature
+    refused = {
+        name: str(m.__dict__["refused_call"])
+        for name, m in inner.named_modules()
+        if isinstance(m, HeadsMultiheadAttention) and "refused_call" in m.__dict__
+    }
     return Trace(
         graph=program.graph,
         params=_strip(sig.inputs_to_parameters),
         buffers=_strip(sig.inputs_to_buffers),
         constants=frozenset(sig.inputs_to_lifted_tensor_constants),
+        refused=refused,
     )

@@ -4,14 +4,15 @@ Two checks after the walk, for :func:`~lightning_pat.discovery.entry.discover`:
 
 1. **The shrink can rewrite every member** (:func:`shrinkable`): each cluster goes through the shrink's own
    validation (:func:`~lightning_pat.shrink.check_shrinkable`), so a parameter used by a module the shrink cannot
-   rewrite (``F.linear(x, self.w)``, ``nn.MultiheadAttention.in_proj_weight``, an embedding's vocabulary rows) is
-   left out with the shrink's message instead of being pruned for a whole run and refused at the end.
+   rewrite (``F.linear(x, self.w)``, an unsupported ``nn.MultiheadAttention``'s ``in_proj_weight``, an embedding's
+   vocabulary rows) is left out with the shrink's message instead of being pruned for a whole run and refused at the
+   end.
 2. **A trial shrink** (:func:`trial`): a copy of the model drops one unit of every cluster and is shrunk; with
    ``check="values"`` the copy has random weights (its buffers are the model's), the masked copy's outputs on the
    example input are compared with the shrunk copy's (:mod:`lightning_pat.shrink.verify`); with ``check="meta"`` the
    copy is a meta copy and only has to run. This catches what tracing cannot see: a channel count in a module
    attribute or a literal (``view(B, T, 4, d)``, ``split(x, self.sizes)``, a head count derived from the input width
-   as in torchvision's Swin, ``x.split(self.chs // 2)``). If the joint trial fails, halves are tried (group testing),
+   as in a hand-written Swin, ``x.split(self.chs // 2)``). If the joint trial fails, halves are tried (group testing),
    so each failing cluster is left out with the error of its own trial.
 
 ``check="auto"`` compares values for models of at most ``VALUE_TRIAL_MAX`` parameters (the random copy is allocated on

@@ -10,9 +10,10 @@ Two layers, both usable on their own (both re-exported by :mod:`lightning_pat.sh
   ``nn.Embedding`` (columns only), ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face ``*RMSNorm`` modules
   (``weight * x / rms(x)`` with ``variance_epsilon``). Attention modules (``q/k/v/o_proj`` with ``head_dim``;
   GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups and get their head counts
-  updated; MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where uniform. Everything is
-  validated before the first tensor changes; the optimizer state can be sliced in the same pass
-  (:func:`slice_optimizer_state`).
+  updated (``nn.MultiheadAttention`` and torchvision's Swin window attention are replaced by modules of
+  :mod:`lightning_pat.shrink.attention_modules` holding the same parameters); MLP modules get ``intermediate_size``;
+  ``model.config`` gets the new sizes where uniform. Everything is validated before the first tensor changes; the
+  optimizer state can be sliced in the same pass (:func:`slice_optimizer_state`).
 
 :func:`shrink` is the entry point: it reads the plan from a ``PruneResult``, a callback, the callback's state or a
 Lightning checkpoint.

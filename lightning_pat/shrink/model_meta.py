@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, is_swin_attention, mha_refusal
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -35,6 +36,10 @@ def module_kind(module: nn.Module) -> str | None:
         return "rmsnorm"
     if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "variance_epsilon", None), float):
         return "hf_rmsnorm"
+    if isinstance(module, (nn.MultiheadAttention, HeadsMultiheadAttention)):
+        return "mha" if mha_refusal(module) is None else None
+    if is_swin_attention(module):
+        return "window_attention"
     return conv_kind(module)
 
 
@@ -185,8 +190,8 @@ def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tupl
     """
     found = []
     for module in model.modules():
-        if is_llama_attention(module) or is_gpt2_attention(module):
-            continue
+        if is_llama_attention(module) or is_gpt2_attention(module) or is_swin_attention(module):
+            continue  # Swin's window attention is replaced by the shrink (lightning_pat.shrink.attention_modules)
         if not any(_int_attr(module, a) for a in HEAD_COUNTS):
             continue
         proj = next(

@@ -7,8 +7,10 @@ running statistics are cut with their weight), and ``nn.Conv1d/2d/3d``, ``nn.Con
 (:mod:`lightning_pat.shrink.surgery_conv`). A module between a cut writer and its reader that holds per-channel
 tensors of the cut width that no member covers is refused (the shrunk model could not run). Attention modules
 (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups
-and get their head counts updated; MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where
-uniform. Everything is validated before the first tensor changes; the optimizer state is sliced in the same pass
+and get their head counts updated; ``nn.MultiheadAttention`` and torchvision's Swin window attention are checked the
+same way and replaced by modules of :mod:`lightning_pat.shrink.attention_modules` holding the same parameters (their
+stock forwards cannot run with fewer heads); MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes
+where uniform. Everything is validated before the first tensor changes; the optimizer state is sliced in the same pass
 (:func:`slice_optimizer_state`). See :mod:`lightning_pat.shrink` for the norms over a shrunk residual.
 """
 
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import hf_entry
+from lightning_pat.shrink.attention_modules import mha_refusal, replace_attention
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
@@ -71,6 +74,9 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("batchnorm", "bias"): (0,),
     ("rmsnorm", "weight"): (0,),
     ("hf_rmsnorm", "weight"): (0,),
+    ("mha", "in_proj_weight"): (0,),
+    ("mha", "in_proj_bias"): (0,),
+    ("window_attention", "relative_position_bias_table"): (1,),
     **CONV_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
@@ -78,6 +84,7 @@ _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "conv1d": (("weight", 1), ("bias", 0)),  # Conv1D weights are [in, out]
     "layernorm": (("weight", 0), ("bias", 0)),
     "batchnorm": (("weight", 0), ("bias", 0)),
+    "mha": (("in_proj_weight", 0), ("in_proj_bias", 0)),
     **CONV_TIED_AXES,
 }
 
@@ -126,6 +133,12 @@ def _collect_edits(model: nn.Module, plan: ShrinkPlan) -> tuple[dict[str, nn.Par
         for mname, module, attr in holders[id(param)]:
             kind = module_kind(module)
             full = _full_name(mname, attr)
+            refusal = mha_refusal(module) if isinstance(module, nn.MultiheadAttention) else None
+            if refusal is not None:
+                raise ValueError(
+                    f"Shrink: parameter {full!r} belongs to nn.MultiheadAttention {mname!r}, whose heads the shrink "
+                    f"cannot cut: {refusal}. Remove it from the cluster."
+                )
             if kind is None or (kind, attr) not in _DIMS:
                 raise ValueError(
                     f"Shrink: parameter {full!r} is used by module {mname!r} of type {type(module).__name__} "
@@ -252,8 +265,58 @@ def _check_gpt2_attention(name: str, attn: nn.Module, edits: Mapping[int, _Edit]
         )
 
 
+def _same_heads(where: str, heads: Mapping[str, Tensor]) -> None:
+    """Every part must keep the same heads, and at least one."""
+    first = next(iter(heads.values()))
+    if first.numel() == 0:
+        raise ValueError(
+            f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
+            "layer's heads with a target below 1.0."
+        )
+    if not all(torch.equal(h, first) for h in heads.values()):
+        shown = ", ".join(f"{k} {v.tolist()}" for k, v in heads.items())
+        raise ValueError(f"{where}: the parts keep different heads ({shown}); prune them with one heads cluster.")
+
+
+def _qkv_heads(kept: Tensor, inner: int, head_dim: int, where: str) -> dict[str, Tensor]:
+    chunks = {p: kept[(kept >= i * inner) & (kept < (i + 1) * inner)] - i * inner for i, p in enumerate("qkv")}
+    return {f"{p} rows": _whole_heads(c, head_dim, f"{where}, {p} rows") for p, c in chunks.items()}
+
+
+def _check_mha(name: str, attn: nn.Module, edits: Mapping[int, _Edit]) -> None:
+    """An ``nn.MultiheadAttention`` (or ours) must lose whole heads, the same in q, k, v rows and out_proj columns."""
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    hd, rows = int(attn.head_dim), attn.in_proj_weight.shape[0]
+    heads = _qkv_heads(_kept(edits, attn, "in_proj_weight", 0, rows), rows // 3, hd, where)
+    cols = _kept(edits, attn.out_proj, "weight", 1, attn.out_proj.in_features)
+    heads["out_proj columns"] = _whole_heads(cols, hd, f"{where}, out_proj columns")
+    _same_heads(where, heads)
+
+
+def _check_window_attention(name: str, attn: nn.Module, edits: Mapping[int, _Edit]) -> None:
+    """Swin's window attention: whole heads of qkv rows, proj columns and the bias table's columns, the same."""
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    table = attn.relative_position_bias_table
+    inner, num_heads = attn.proj.in_features, int(table.shape[1])
+    hd = inner // num_heads
+    heads = _qkv_heads(_kept(edits, attn.qkv, "weight", 0, attn.qkv.out_features), inner, hd, where)
+    heads["proj columns"] = _whole_heads(_kept(edits, attn.proj, "weight", 1, inner), hd, f"{where}, proj columns")
+    heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
+    _same_heads(where, heads)
+
+
 def _check_attention(model: nn.Module, edits: Mapping[int, _Edit]) -> None:
     for name, module in model.named_modules():
+        kind = module_kind(module)
+        if not name and kind in ("mha", "window_attention") and id(module) in edits:
+            raise ValueError(
+                f"Shrink: the model itself is a {type(module).__name__}, whose heads are cut by putting another "
+                "module in its place; wrap it in a container module to shrink it."
+            )
+        if kind == "mha" and (id(module) in edits or id(module.out_proj) in edits):
+            _check_mha(name, module, edits)
+        elif kind == "window_attention" and any(id(m) in edits for m in (module, module.qkv, module.proj)):
+            _check_window_attention(name, module, edits)
         if is_llama_attention(module):
             parts = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
             if any(id(p) in edits for p in parts):
@@ -325,6 +388,12 @@ def _rescale_norm(edit: _Edit, old: int, new: int) -> None:
 def _rewrite(edit: _Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
     module = edit.module
+    if edit.kind in ("mha", "window_attention"):  # replaced by a module of ours afterwards (replace_attention)
+        for attr in edit.cuts:
+            param = module._parameters[attr]
+            if param is not None and param.shape != new_params[id(param)].shape:
+                param.data = new_params[id(param)]
+        return
     old_width = module.weight.shape[0]
     for attr in edit.cuts:
         param = module._parameters[attr]
@@ -533,6 +602,7 @@ def apply_plan(
                 rescaled_eps[id(edit.module)] = edit.module.eps
     for name, grad in grads.items():
         params[name].grad = grad
+    replace_attention(model, [e.module for e in edits.values() if e.kind in ("mha", "window_attention")])
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)

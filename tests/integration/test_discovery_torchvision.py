@@ -54,14 +54,17 @@ def test_zoo_model_prunes_half_and_shrinks_exactly(name):
         writers = {m.name for rc in result.clusters for m in rc.members if m.role == "writer"}
         assert {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d)} <= writers
         assert list(reasons) == ["fc"]
-    if name == "vit_b_32":  # the MLPs; the heads sit in nn.MultiheadAttention, the stream is LayerNorm-ed
-        assert len(found.clusters) == 12
-        assert all(c.name.endswith("mlp.0") for c in found.clusters)
-        assert any("MultiheadAttention" in " ".join(r) or "in_proj" in " ".join(r) for r in reasons.values())
-    if name == "swin_t":  # heads found behind the packed qkv (whole heads), left out with the reason; MLPs pruned
-        heads = [lo for lo in found.left_out if lo.name.endswith("attn.qkv") and lo.units in (3, 6, 12, 24)]
+    if name == "vit_b_32":  # the MLPs and heads (nn.MultiheadAttention, replaced on shrink); the stream is LayerNorm-ed
+        heads = [c for c in found.clusters if c.name.endswith("self_attention")]
+        assert len(found.clusters) == 24
         assert len(heads) == 12
-        assert len(found.clusters) == 12
+        assert all(c.num_units == 12 for c in heads)
+        assert {b.self_attention.num_heads for b in small.encoder.layers} == {6}
+    if name == "swin_t":  # heads behind the packed qkv with the bias table's columns (replaced on shrink); MLPs
+        heads = [c for c in found.clusters if c.name.endswith("attn.qkv")]
+        assert sorted(c.num_units for c in heads) == [3, 3, 6, 6, 12, 12, 12, 12, 12, 12, 24, 24]
+        assert len(found.clusters) == 24
+        assert [b.attn.num_heads for s in (1, 3, 5, 7) for b in small.features[s]] == [1, 1, 3, 3, *[6] * 6, 12, 12]
 
 
 def test_discover_with_an_input_that_does_not_fit_says_so():

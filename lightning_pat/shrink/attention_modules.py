@@ -1,0 +1,432 @@
+"""Attention modules whose inner width is ``num_heads * head_dim``, for attention the shrink cannot rewrite in place.
+
+Two stock modules compute their head width from another width, so they cannot run with fewer heads:
+
+* ``nn.MultiheadAttention`` computes q, k and v at ``embed_dim`` from its packed ``in_proj_weight`` (``head_dim =
+  embed_dim // num_heads``, and ``out_proj`` reads ``embed_dim`` columns);
+* torchvision's Swin ``ShiftedWindowAttention`` derives ``head_dim`` as ``C // num_heads`` from its input width and
+  reads a per-head relative position bias table ``(entries, num_heads)``.
+
+:class:`HeadsMultiheadAttention` and :class:`WindowAttention` compute the same functions with the head count and the
+head dim held explicitly; their parameters have the stock names (``in_proj_weight``, ``in_proj_bias``,
+``out_proj.*``; ``qkv.*``, ``proj.*``, ``relative_position_bias_table``), so state dicts stay compatible. When the
+shrink cuts heads of such a module (:mod:`lightning_pat.shrink.surgery`), :func:`replace_attention` puts one of these
+in its place, holding the very same ``nn.Parameter`` objects (now smaller). Discovery traces a model with its
+supported stock modules replaced the same way (:func:`swap_for_trace`), so it sees where the heads are.
+
+Supported: ``nn.MultiheadAttention`` (exactly that class) with ``kdim == vdim == embed_dim``, no ``add_bias_kv``, no
+``add_zero_attn``, called as self-attention (``query is key is value``) without ``attn_mask``,
+``key_padding_mask`` or ``is_causal`` (torchvision's ViT calls ``attn(x, x, x, need_weights=False)``); with
+``need_weights=True`` the weights returned are those of the kept heads. torchvision's ``ShiftedWindowAttention``
+(not V2: its logit scale and continuous position bias MLP are per-head parameters used directly).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: The window attention class of torchvision's Swin V1 that :class:`WindowAttention` reproduces.
+SWIN_ATTENTION = ("torchvision.models.swin_transformer", "ShiftedWindowAttention")
+
+
+def mha_refusal(module: nn.Module) -> str | None:
+    """Why the heads of an ``nn.MultiheadAttention`` cannot be shrunk (its configuration), or ``None`` if they can.
+
+    Args:
+        module: Any module.
+
+    Returns:
+        ``None`` for a supported ``nn.MultiheadAttention`` or a :class:`HeadsMultiheadAttention`; else the reason
+        (also for modules that are no multi-head attention at all).
+    """
+    if isinstance(module, HeadsMultiheadAttention):
+        return None
+    if not isinstance(module, nn.MultiheadAttention):
+        return f"{type(module).__name__} is not nn.MultiheadAttention"
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        return f"{type(module).__name__} overrides nn.MultiheadAttention.forward"
+    if not module._qkv_same_embed_dim:  # noqa: SLF001 - the stock flag for kdim/vdim != embed_dim
+        return "kdim or vdim differs from embed_dim (separate q/k/v projections)"
+    if module.bias_k is not None or module.bias_v is not None:
+        return "add_bias_kv=True (learned key/value biases appended to the sequence)"
+    if module.add_zero_attn:
+        return "add_zero_attn=True"
+    if module.in_proj_weight is None or module.in_proj_weight.dim() != 2:
+        return "no packed in_proj_weight"
+    return None
+
+
+def is_swin_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is torchvision's Swin V1 ``ShiftedWindowAttention`` (exactly that class) or ours."""
+    if isinstance(module, WindowAttention):
+        return True
+    cls = type(module)
+    return (cls.__module__, cls.__name__) == SWIN_ATTENTION and all(
+        isinstance(getattr(module, a, None), nn.Linear) for a in ("qkv", "proj")
+    )
+
+
+def _move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """``new`` takes over the hooks registered on ``old`` and its training flag."""
+    for attr in (
+        "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+    ):  # fmt: skip
+        if attr in old.__dict__:
+            new.__dict__[attr] = old.__dict__[attr]
+    new.train(old.training)
+
+
+# ---------------------------------------------------------------------------------------------------- MHA
+class HeadsMultiheadAttention(nn.Module):
+    """Self-attention with ``nn.MultiheadAttention``'s parameters and an inner width of ``num_heads * head_dim``.
+
+    ``in_proj_weight`` is ``[3 * num_heads * head_dim, embed_dim]`` (q, k, v rows, head by head), ``out_proj`` is an
+    ``nn.Linear(num_heads * head_dim, embed_dim)``. With ``num_heads * head_dim == embed_dim`` it computes what
+    ``nn.MultiheadAttention`` computes for the calls it supports (see the module docstring).
+
+    Args:
+        embed_dim: The model width (input and output).
+        num_heads: Number of heads.
+        head_dim: Width of one head.
+        bias: Whether ``in_proj_bias`` and ``out_proj.bias`` exist.
+        dropout: Dropout on the attention weights (training only).
+        batch_first: Inputs and outputs are ``(batch, seq, feature)`` (else ``(seq, batch, feature)``).
+        device: Where the parameters are allocated.
+        dtype: Their dtype.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = True,
+        dropout: float = 0.0,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.dropout, self.batch_first = dropout, batch_first
+        inner = num_heads * head_dim
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * inner, embed_dim, device=device, dtype=dtype))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.zeros(3 * inner, device=device, dtype=dtype))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(inner, embed_dim, bias=bias, device=device, dtype=dtype)
+        # read by nn.TransformerEncoderLayer: False keeps it off its fused path, which assumes embed_dim-wide heads
+        self._qkv_same_embed_dim = False
+        if device is None or torch.device(device).type != "meta":
+            nn.init.xavier_uniform_(self.in_proj_weight)
+
+    @classmethod
+    def adopt(cls, mha: nn.Module) -> HeadsMultiheadAttention:
+        """A module that holds ``mha``'s parameters and ``out_proj`` themselves (whatever their rows now are).
+
+        Args:
+            mha: A supported ``nn.MultiheadAttention`` (see :func:`mha_refusal`) or a :class:`HeadsMultiheadAttention`.
+
+        Returns:
+            The new module; the head count is the packed projection's rows over ``3 * head_dim``.
+
+        Raises:
+            ValueError: If ``mha`` is not supported or its rows are not whole heads.
+        """
+        refusal = mha_refusal(mha)
+        if refusal is not None:
+            raise ValueError(f"HeadsMultiheadAttention: cannot adopt {type(mha).__name__}: {refusal}.")
+        head_dim = int(mha.head_dim)
+        rows = mha.in_proj_weight.shape[0]
+        if rows % (3 * head_dim):
+            raise ValueError(f"HeadsMultiheadAttention: {rows} in_proj rows are not whole heads of {head_dim}.")
+        new = cls(
+            int(mha.embed_dim), rows // (3 * head_dim), head_dim, bias=mha.in_proj_bias is not None,
+            dropout=float(mha.dropout), batch_first=bool(mha.batch_first), device="meta",
+        )  # fmt: skip
+        new.in_proj_weight = mha.in_proj_weight
+        new.in_proj_bias = mha.in_proj_bias
+        new.out_proj = mha.out_proj
+        _move_hooks(mha, new)
+        return new
+
+    def extra_repr(self) -> str:
+        """The sizes, for ``print(model)``."""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"batch_first={self.batch_first}"
+        )
+
+    @staticmethod
+    def call_refusal(query: Tensor, key: Tensor, value: Tensor, masks: Sequence[Any], is_causal: bool) -> str | None:
+        """Why a call cannot be computed with fewer heads, or ``None``."""
+        if query is not key or key is not value:
+            return "called as cross-attention (query, key and value are not one tensor)"
+        if any(m is not None for m in masks):
+            return "called with an attn_mask or a key_padding_mask"
+        if is_causal:
+            return "called with is_causal=True"
+        return None
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``nn.MultiheadAttention``'s call for self-attention: ``(output, weights or None)``.
+
+        Raises:
+            ValueError: If the call is not supported (see :meth:`call_refusal`) and the heads were cut.
+        """
+        refusal = self.call_refusal(query, key, value, (key_padding_mask, attn_mask), is_causal)
+        if refusal is not None:
+            return self._stock(refusal, query, key, value, key_padding_mask, need_weights, attn_mask,
+                               average_attn_weights, is_causal)  # fmt: skip
+        x = query if self.batch_first else query.transpose(0, 1)
+        batch, length = x.shape[0], x.shape[1]
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        qkv = qkv.reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            attn = F.dropout(F.softmax(scores, dim=-1), p, self.training)  # returned after dropout, as torch does
+            weights = attn.mean(dim=1) if average_attn_weights else attn
+            out = torch.matmul(attn, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def _stock(self, refusal: str, *args: Any) -> tuple[Tensor, Tensor | None]:
+        """A call :meth:`forward` does not support, computed by torch's own function while no head was cut."""
+        self.refused_call = refusal  # read by discovery (lightning_pat.discovery.trace)
+        if self.num_heads * self.head_dim != self.embed_dim:
+            raise ValueError(
+                f"HeadsMultiheadAttention: {refusal}, which is not supported with cut heads ({self.num_heads} heads "
+                f"of {self.head_dim}, embed_dim {self.embed_dim})."
+            )
+        query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = args
+        if self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, None, None,
+            False, self.dropout, self.out_proj.weight, self.out_proj.bias, training=self.training,
+            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            average_attn_weights=average, is_causal=is_causal,
+        )  # fmt: skip
+        return (out.transpose(0, 1) if self.batch_first else out), weights
+
+
+# ---------------------------------------------------------------------------------------------------- Swin
+class WindowAttention(nn.Module):
+    """Swin's (shifted) window attention with a relative position bias, ``num_heads`` heads of ``head_dim``.
+
+    Computes what torchvision's ``shifted_window_attention`` computes for its ``ShiftedWindowAttention`` (pad to
+    whole windows, cyclic shift, attention inside each window with the bias of the relative positions, the shifted
+    regions masked with -100, shift back, crop), with the head dim held explicitly instead of ``C // num_heads``.
+    ``qkv`` is ``nn.Linear(dim, 3 * num_heads * head_dim)``, ``proj`` is ``nn.Linear(num_heads * head_dim, dim)``,
+    ``relative_position_bias_table`` is ``[(2 * Wh - 1) * (2 * Ww - 1), num_heads]``.
+
+    Args:
+        dim: Input and output width.
+        window_size: ``[Wh, Ww]``.
+        shift_size: ``[Sh, Sw]`` (a shift is dropped along an axis the padded input fits in one window).
+        num_heads: Number of heads.
+        head_dim: Width of one head.
+        qkv_bias: Whether ``qkv`` has a bias.
+        proj_bias: Whether ``proj`` has a bias.
+        attention_dropout: Dropout on the attention weights (training only).
+        dropout: Dropout on the output (training only).
+        device: Where the parameters are allocated.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        window_size: Sequence[int],
+        shift_size: Sequence[int],
+        num_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        attention_dropout: float = 0.0,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.window_size, self.shift_size = list(window_size), list(shift_size)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.attention_dropout, self.dropout = attention_dropout, dropout
+        inner = num_heads * head_dim
+        self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias, device=device)
+        self.proj = nn.Linear(inner, dim, bias=proj_bias, device=device)
+        wh, ww = self.window_size
+        entries = (2 * wh - 1) * (2 * ww - 1)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(entries, num_heads, device=device))
+        if device is None or torch.device(device).type != "meta":
+            nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.register_buffer("relative_position_index", _relative_index(wh, ww, device))
+
+    @classmethod
+    def adopt(cls, attn: nn.Module) -> WindowAttention:
+        """A module that holds ``attn``'s parameters, submodules and index buffer themselves.
+
+        Args:
+            attn: torchvision's ``ShiftedWindowAttention`` or a :class:`WindowAttention`, its heads possibly cut.
+
+        Returns:
+            The new module; the head count is the bias table's columns, the head dim ``qkv`` rows over 3 heads.
+
+        Raises:
+            ValueError: If ``attn`` is not such a module or its widths are not whole heads.
+        """
+        if not is_swin_attention(attn):
+            raise ValueError(f"WindowAttention: cannot adopt {type(attn).__name__}.")
+        heads = int(attn.relative_position_bias_table.shape[1])
+        rows, inner = attn.qkv.out_features, attn.proj.in_features
+        if heads < 1 or rows != 3 * inner or inner % heads:
+            raise ValueError(
+                f"WindowAttention: qkv rows {rows}, proj columns {inner} and {heads} heads are not whole heads."
+            )
+        new = cls(
+            attn.qkv.in_features, attn.window_size, attn.shift_size, heads, inner // heads,
+            qkv_bias=attn.qkv.bias is not None, proj_bias=attn.proj.bias is not None,
+            attention_dropout=float(attn.attention_dropout), dropout=float(attn.dropout), device="meta",
+        )  # fmt: skip
+        new.qkv, new.proj = attn.qkv, attn.proj
+        new.relative_position_bias_table = attn.relative_position_bias_table
+        new.relative_position_index = attn.relative_position_index
+        _move_hooks(attn, new)
+        return new
+
+    def extra_repr(self) -> str:
+        """The sizes, for ``print(model)``."""
+        return f"window_size={self.window_size}, shift_size={self.shift_size}, num_heads={self.num_heads}, " + (
+            f"head_dim={self.head_dim}"
+        )
+
+    def position_bias(self) -> Tensor:
+        """The relative position bias of one window, ``[1, num_heads, N, N]`` (``N = Wh * Ww``)."""
+        n = self.window_size[0] * self.window_size[1]
+        bias = F.embedding(self.relative_position_index.reshape(-1), self.relative_position_bias_table)
+        return bias.reshape(n, n, self.num_heads).permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, H, W, C]`` -> ``[B, H, W, C]``."""
+        batch, height, width, channels = x.shape
+        wh, ww = self.window_size
+        x = F.pad(x, (0, 0, 0, (-width) % ww, 0, (-height) % wh))
+        ph, pw = x.shape[1], x.shape[2]
+        sh = 0 if wh >= ph else self.shift_size[0]
+        sw = 0 if ww >= pw else self.shift_size[1]
+        shifted = sh + sw > 0
+        if shifted:
+            x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
+        rows, cols, n = ph // wh, pw // ww, wh * ww
+        windows = x.reshape(batch, rows, wh, cols, ww, channels).permute(0, 1, 3, 2, 4, 5)
+        windows = windows.reshape(batch * rows * cols, n, channels)
+        qkv = self.qkv(windows).reshape(-1, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = torch.matmul(q * self.head_dim**-0.5, k.transpose(-2, -1)) + self.position_bias()
+        if shifted:
+            mask = _shift_mask(ph, pw, wh, ww, sh, sw, x)
+            attn = attn.reshape(batch, rows * cols, self.num_heads, n, n) + mask[None, :, None]
+            attn = attn.reshape(-1, self.num_heads, n, n)
+        attn = F.dropout(F.softmax(attn, dim=-1), p=self.attention_dropout, training=self.training)
+        out = torch.matmul(attn, v).transpose(1, 2).reshape(-1, n, self.num_heads * self.head_dim)
+        out = F.dropout(self.proj(out), p=self.dropout, training=self.training)
+        out = out.reshape(batch, rows, cols, wh, ww, channels).permute(0, 1, 3, 2, 4, 5)
+        out = out.reshape(batch, ph, pw, channels)
+        if shifted:
+            out = torch.roll(out, shifts=(sh, sw), dims=(1, 2))
+        return out[:, :height, :width, :].contiguous()
+
+
+def _relative_index(wh: int, ww: int, device: torch.device | str | None) -> Tensor:
+    """Index into the bias table of every (query, key) pair of a window, flattened (``N * N``)."""
+    ys, xs = torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")
+    ys, xs = ys.flatten(), xs.flatten()
+    dy = ys[:, None] - ys[None, :] + (wh - 1)
+    dx = xs[:, None] - xs[None, :] + (ww - 1)
+    return (dy * (2 * ww - 1) + dx).flatten().to(device)
+
+
+def _regions(size: int, window: int, shift: int) -> Tensor:
+    """The region of each position along one axis after a cyclic shift: 0, 1 (last window), 2 (wrapped in)."""
+    pos = torch.arange(size)
+    return (pos >= size - window).long() + (pos >= size - shift).long()
+
+
+def _shift_mask(ph: int, pw: int, wh: int, ww: int, sh: int, sw: int, like: Tensor) -> Tensor:
+    """``[windows, N, N]``: 0 where two positions of a window came from one region, -100 where not."""
+    region = _regions(ph, wh, sh)[:, None] * 3 + _regions(pw, ww, sw)[None, :]
+    region = region.reshape(ph // wh, wh, pw // ww, ww).permute(0, 2, 1, 3).reshape(-1, wh * ww)
+    differs = region[:, :, None] != region[:, None, :]
+    return torch.where(differs, -100.0, 0.0).to(device=like.device, dtype=like.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- swapping
+def _replacement(module: nn.Module) -> nn.Module | None:
+    """Our module in place of a supported stock one (``None``: not one, unsupported, or ours: its counts updated)."""
+    if isinstance(module, HeadsMultiheadAttention):
+        module.num_heads = module.in_proj_weight.shape[0] // (3 * module.head_dim)
+        return None
+    if isinstance(module, WindowAttention):
+        module.num_heads = int(module.relative_position_bias_table.shape[1])
+        module.head_dim = module.proj.in_features // max(1, module.num_heads)
+        return None
+    if isinstance(module, nn.MultiheadAttention) and mha_refusal(module) is None:
+        return HeadsMultiheadAttention.adopt(module)
+    if is_swin_attention(module):
+        return WindowAttention.adopt(module)
+    return None
+
+
+def replace_attention(model: nn.Module, modules: Sequence[nn.Module] | None = None) -> dict[str, nn.Module]:
+    """Put our module in place of every supported stock attention module (of ``modules``, if given).
+
+    The replacement holds the same parameter objects, so optimizers and tied weights are unaffected; it is set on
+    every parent that registers the old module.
+
+    Args:
+        model: The model (never replaced itself).
+        modules: Only these modules (default: every supported one).
+
+    Returns:
+        Module name -> the new module, for every module replaced (modules of ours have their head counts updated
+        from their parameters instead).
+    """
+    wanted = None if modules is None else {id(m) for m in modules}
+    done: dict[int, nn.Module] = {}
+    names: dict[str, nn.Module] = {}
+    for name, parent in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(parent._modules.items()):  # noqa: SLF001 - every registration, duplicates too
+            if child is None or (wanted is not None and id(child) not in wanted):
+                continue
+            new = done.get(id(child))
+            if new is None:
+                new = _replacement(child)
+                if new is None:
+                    continue
+                done[id(child)] = new
+            parent._modules[child_name] = new  # noqa: SLF001 - keeps the child's position
+            names[f"{name}.{child_name}" if name else child_name] = new
+    return names

@@ -1,0 +1,239 @@
+"""Heads of ``nn.MultiheadAttention`` and of torchvision's Swin window attention: found by discovery, cut by the shrink
+(the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding the same parameters), and the
+shrunk model equal to the masked one; the MHA configurations and calls that are not supported are left out with the
+reason. Small models built from torchvision's own classes (random init, randomised norms), eval, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pat import discover, prune_clusters, shrink
+from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttention
+from tests.common import torchvision_zoo as zoo
+from tests.common.cnn_models import exact_shrink
+
+try:
+    tv = zoo.import_torchvision()
+except ImportError:  # a guard only: `make setup` installs torchvision into .venv/torchvision
+    tv = None
+
+needs_torchvision = pytest.mark.skipif(tv is None, reason="torchvision is not installed (make setup)")
+
+
+def _mha(**kwargs) -> nn.MultiheadAttention:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, **kwargs).eval()
+    with torch.no_grad():
+        for p in (mha.in_proj_bias, mha.out_proj.bias):
+            if p is not None:
+                p.normal_()
+    return mha
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_heads_mha_computes_what_mha_computes(batch_first, need_weights):
+    mha = _mha(batch_first=batch_first)
+    ours = HeadsMultiheadAttention.adopt(mha)
+    assert ours.in_proj_weight is mha.in_proj_weight
+    assert ours.out_proj is mha.out_proj
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        (a, wa), (b, wb) = mha(x, x, x, need_weights=need_weights), ours(x, x, x, need_weights=need_weights)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if need_weights:
+        torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
+    assert set(ours.state_dict()) == set(mha.state_dict())
+
+
+@needs_torchvision
+@pytest.mark.parametrize(("shift", "side"), [([0, 0], 8), ([2, 2], 8), ([2, 2], 10), ([2, 2], 4)])
+def test_window_attention_computes_what_swin_computes(shift, side):
+    from torchvision.models.swin_transformer import ShiftedWindowAttention
+
+    torch.manual_seed(0)
+    swin = ShiftedWindowAttention(16, [4, 4], shift, 4).eval()
+    ours = WindowAttention.adopt(swin)
+    x = torch.randn(2, side, side + 2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), swin(x), rtol=1e-5, atol=1e-6)
+    assert set(ours.state_dict()) == set(swin.state_dict())
+
+
+def _small_vit() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = tv.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=10
+    )
+    return zoo.randomize(model).eval(), torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _small_swin() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)  # 64x64: 16x16 then 8x8 patches, windows of 4: shifted windows in both stages
+    model = tv.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4], num_classes=10
+    )
+    return zoo.randomize(model).eval(), torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _prune_and_shrink(model: nn.Module, x: torch.Tensor, clusters) -> tuple[nn.Module, float]:
+    result = prune_clusters(model, clusters, 0.5, score="rms")
+    with torch.no_grad():
+        masked = model(x)
+    small = shrink(model, result, example_input=x)
+    with torch.no_grad():
+        out = small(x)
+    assert float(masked.norm()) > 1e-3
+    return small, float((out - masked).abs().max() / masked.abs().max())
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@needs_torchvision
+def test_vit_heads_are_found_pruned_and_shrunk_exactly():
+    model, x = _small_vit()
+    found = discover(model, x)
+    heads = [c for c in found.clusters if c.name.endswith("self_attention")]
+    assert len(heads) == 2
+    assert all(c.num_units == 4 for c in heads)
+    assert heads[0].writers == [
+        f"encoder.layers.encoder_layer_0.self_attention.{p}[{i}:{i + 32}]"
+        for p in ("in_proj_weight", "in_proj_bias")
+        for i in (0, 32, 64)
+    ]
+    assert heads[0].readers == ["encoder.layers.encoder_layer_0.self_attention.out_proj.weight"]
+    before = _count(model)
+    small, rel = _prune_and_shrink(model, x, found.clusters)
+    assert rel < 1e-5
+    for block in small.encoder.layers:
+        attn = block.self_attention
+        assert isinstance(attn, HeadsMultiheadAttention)
+        assert (attn.num_heads, attn.head_dim, attn.embed_dim) == (2, 8, 32)
+        assert attn.in_proj_weight.shape == (48, 32)
+        assert attn.out_proj.in_features == 16
+        assert block.mlp[0].out_features == 32
+    # independent count: per layer, heads 4 -> 2 of 8 (in_proj 3*16 rows of 32 + bias, out_proj 16 columns of 32)
+    # and the MLP 64 -> 32 (fc1 32 rows of 32 + bias, fc2 32 columns of 32)
+    per_layer = 3 * 16 * 32 + 3 * 16 + 16 * 32 + 32 * 32 + 32 + 32 * 32
+    assert before - _count(small) == 2 * per_layer
+
+
+@needs_torchvision
+def test_swin_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
+    model, x = _small_swin()
+    found = discover(model, x)
+    heads = {c.name: c for c in found.clusters if c.name.endswith("attn.qkv")}
+    assert {n: c.num_units for n, c in heads.items()} == {
+        "features.1.0.attn.qkv": 2, "features.1.1.attn.qkv": 2, "features.3.0.attn.qkv": 4, "features.3.1.attn.qkv": 4,
+    }  # fmt: skip
+    assert set(heads["features.3.1.attn.qkv"].readers) == {
+        "features.3.1.attn.proj.weight", "features.3.1.attn.relative_position_bias_table",
+    }  # fmt: skip
+    before = _count(model)
+    small, rel = _prune_and_shrink(model, x, found.clusters)
+    assert rel < 1e-5
+    cut = 0
+    for stage, (heads_before, dim) in ((1, (2, 16)), (3, (4, 32))):
+        for block in small.features[stage]:
+            attn = block.attn
+            assert isinstance(attn, WindowAttention)
+            assert (attn.num_heads, attn.head_dim) == (heads_before // 2, 8)
+            assert attn.relative_position_bias_table.shape == (49, heads_before // 2)
+            d, h = dim // 2, heads_before // 2  # kept inner width, heads dropped
+            # qkv: 3*d rows of dim + 3*d biases; proj: d columns of dim; the table: h columns of 49; MLP 4*dim -> 2*dim
+            cut += 3 * d * dim + 3 * d + d * dim + 49 * h + 2 * dim * dim + 2 * dim + 2 * dim * dim
+    assert before - _count(small) == cut
+
+
+class _Block(nn.Module):
+    def __init__(self, mha: nn.MultiheadAttention, call: str = "self") -> None:
+        super().__init__()
+        self.inp, self.mha, self.out, self.call = nn.Linear(8, 16), mha, nn.Linear(16, 4), call
+
+    def forward(self, x):
+        a = self.inp(x)
+        if self.call == "mask":
+            mask = torch.zeros(a.shape[1], a.shape[1], dtype=torch.bool, device=a.device)
+            return self.out(self.mha(a, a, a, need_weights=False, attn_mask=mask)[0])
+        if self.call == "cross":
+            return self.out(self.mha(a, a.flip(1), a.flip(1), need_weights=False)[0])
+        if self.call == "kdim":
+            return self.out(self.mha(a, a[..., :12], a[..., :12], need_weights=False)[0])
+        return self.out(self.mha(a, a, a, need_weights=False)[0])
+
+
+def test_mha_heads_are_cut_and_the_model_shrunk_exactly():
+    model = _Block(_mha(batch_first=True)).eval()
+    found = discover(model, torch.randn(2, 5, 8))
+    [heads] = [c for c in found.clusters if c.name == "mha"]
+    assert heads.num_units == 4
+    small = exact_shrink(model, found.clusters, torch.randn(3, 7, 8))
+    assert isinstance(small.mha, HeadsMultiheadAttention)
+    assert small.mha.num_heads < 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "call", "reason"),
+    [
+        ({"add_bias_kv": True}, "self", "add_bias_kv=True"),
+        ({"add_zero_attn": True}, "self", "add_zero_attn=True"),
+        ({"kdim": 12, "vdim": 12}, "kdim", "kdim or vdim differs from embed_dim"),
+        ({}, "mask", "called with an attn_mask or a key_padding_mask"),
+        ({}, "cross", "called as cross-attention"),
+    ],
+)
+def test_unsupported_mha_is_left_out_with_its_reason(kwargs, call, reason):
+    mha = _mha(batch_first=True, **kwargs)
+    model = _Block(mha, call).eval()
+    x = torch.randn(2, 5, 8)
+    found = discover(model, x)
+
+    def packed(member: str) -> bool:  # in_proj_weight/bias, or q/k/v_proj_weight with kdim
+        return member.startswith("mha.") and not member.startswith("mha.out_proj")
+
+    assert not [m for c in found.clusters for m in (*c.writers, *c.readers) if packed(m)]
+    reasons = [r for lo in found.left_out if any(packed(m) for m in lo.members) for r in lo.reasons]
+    assert any(f"nn.MultiheadAttention 'mha': {reason}" in r for r in reasons), reasons
+    exact_shrink(model, found.clusters, x)
+
+
+@needs_torchvision
+@pytest.mark.parametrize("build", [_small_vit, _small_swin])
+def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
+    model, x = build()
+    found = discover(model, x)
+    small, _ = _prune_and_shrink(model, x, found.clusters)
+    again = discover(small, x)  # our modules traced as they are: heads of 2 (ViT, Swin's second stage) found again
+    heads = [c for c in again.clusters if c.name.endswith(("self_attention", "attn.qkv")) and c.num_units == 2]
+    assert len(heads) == 2
+    smaller, rel = _prune_and_shrink(small, x, again.clusters)
+    assert rel < 1e-5
+    attns = [m for m in smaller.modules() if isinstance(m, (HeadsMultiheadAttention, WindowAttention))]
+    assert sorted(m.num_heads for m in attns) == [1] * len(attns)
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+def test_heads_of_a_torch_transformer_encoder_are_cut_exactly():
+    """``nn.TransformerEncoderLayer`` calls its ``self_attn`` without masks; ours keeps it off the fused path."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    found = discover(model, torch.randn(2, 5, 16))
+    assert sorted(c.name for c in found.clusters if c.num_units == 4) == [
+        "enc.layers.0.self_attn",
+        "enc.layers.1.self_attn",
+    ]
+    small = exact_shrink(model, found.clusters, torch.randn(3, 6, 16))
+    assert [layer.self_attn.num_heads for layer in small.enc.layers] == [2, 2]
