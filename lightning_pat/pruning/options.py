@@ -2,30 +2,30 @@
 
 :class:`PruningOptions` is a frozen dataclass: constructing one validates every option (numbers, enums, cluster
 declarations, preset names and options, the schedule) and raises ``ValueError``/``TypeError`` naming the option,
-what was expected, what was found and the fix. The callback, :func:`~lightning_pat.prune_clusters`, the plan and
-the presets use the same checkers; the callback turns their errors into ``MisconfigurationException`` at its
-boundary. :func:`check_environment` refuses, before any step, the training setups the callback cannot serve; it
-takes the strategy as plain facts (its class name and :data:`StrategyKind`), so it needs no Lightning either.
+what was expected, what was found and the fix. The checkers are those of :mod:`lightning_pat.core.checks`;
+``clusters`` becomes declarations in :mod:`lightning_pat.pruning.declarations`, and the Trainer's setup is checked
+by :func:`lightning_pat.training.environment.check_environment`. The callback turns the errors into
+``MisconfigurationException`` at its boundary.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from lightning_pat import presets
+from lightning_pat.core.checks import check_bool, check_choice, check_number
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
-from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
-from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.distributed import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
+from lightning_pat.pruning.declarations import normalize_clusters
 from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops
 from lightning_pat.sizing.problem import Side
@@ -35,8 +35,6 @@ Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
 Method = Literal["hard", "group_lasso"]
 METHODS: tuple[str, ...] = ("hard", "group_lasso")
-#: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
-StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
 #: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
 TeacherStore = Literal["checkpoint", "file"]
 TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
@@ -49,96 +47,12 @@ RESUMABLE: tuple[str, ...] = (
 MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
-_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
 #: The callback's scores: a score of :data:`~lightning_pat.core.scoring.SCORE_TYPES`, or ``"auto"`` (the default).
 TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
 TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
-
-
-def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
-    """Raise unless ``value`` is one of ``valid``.
-
-    Raises:
-        ValueError: If ``value`` is not in ``valid``.
-    """
-    if value not in valid:
-        raise ValueError(f"`{name}` must be one of {tuple(valid)}, got {value!r}.")
-
-
-def check_number(name: str, value: object, *, low: float, high: float | None = None, integer: bool = False) -> None:
-    """Raise unless ``value`` is a number (an int if ``integer``) in ``[low, high]``.
-
-    Raises:
-        ValueError: If ``value`` is a bool, not a number (not an int), not finite (NaN, inf) or out of range.
-    """
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    in_range = ok_type and value >= low and (high is None or value <= high)  # type: ignore[operator]  # NaN: False
-    span = f"[{low}, {high}]" if high is not None else f">= {low}"
-    kind = "an int" if integer else "a number"
-    if ok_type and not isinstance(value, bool) and not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"`{name}` must be a finite number {span}, got {value!r}.")
-    if isinstance(value, bool) or not in_range:
-        raise ValueError(f"`{name}` must be {kind} {span}, got {value!r}.")
-
-
-def check_bool(name: str, value: object) -> None:
-    """Raise unless ``value`` is ``True`` or ``False`` (a string such as ``"false"`` would be truthy).
-
-    Raises:
-        ValueError: If ``value`` is not a bool.
-    """
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.")
-
-
-def _preset_name(name: str) -> str:
-    try:
-        presets.get(name)
-    except ValueError as err:
-        raise ValueError(f"`clusters`: {err}") from err
-    return name
-
-
-def _declaration(entry: object, index: int) -> Cluster:
-    if isinstance(entry, Mapping):
-        label = entry.get("name", f"#{index}")
-        unknown = sorted(str(k) for k in entry if k not in _FIELDS)
-        if unknown:
-            raise ValueError(
-                f"Cluster {label!r}: unknown key(s) {unknown}; a cluster declaration has the fields {list(_FIELDS)}."
-            )
-        if "name" not in entry:
-            raise ValueError(
-                f"Cluster #{index}: the mapping {dict(entry)!r} has no `name`; every declaration needs one."
-            )
-    elif not isinstance(entry, Cluster):
-        raise ValueError(
-            f"`clusters` entry #{index} must be a Cluster, a mapping of its fields or a preset name, got "
-            f"{type(entry).__name__} ({entry!r})."
-        )
-    try:
-        return check_declaration(entry if isinstance(entry, Cluster) else Cluster(**entry))
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"`clusters`: {err}") from err
-
-
-def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
-    """A preset name (checked), or declarations and preset names (checked; mappings become Clusters).
-
-    Raises:
-        ValueError: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a declaration is
-            invalid (a mapping with an unknown key or no name included).
-    """
-    clusters = found_clusters(clusters)  # a Discovery: its declarations
-    if isinstance(clusters, str):
-        return _preset_name(clusters)
-    if isinstance(clusters, (Cluster, Mapping)):
-        clusters = [clusters]
-    if not isinstance(clusters, Sequence) or not clusters:
-        raise ValueError(
-            f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
-        )
-    return tuple(_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters))
+#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
+ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
+Allocation = Literal["importance", "fractions"]
 
 
 @dataclass(frozen=True)
@@ -366,6 +280,38 @@ class PruningOptions:
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
         object.__setattr__(self, "schedule", schedule)
+        if self.size_target is not None and self.method == "group_lasso":
+            raise ValueError(
+                "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
+                "solved widths. Use method='hard' with `target_params`, or `target_sparsity` with group lasso."
+            )
+        if self.target_sparsity == 1.0:
+            rank_zero_warn(
+                "CoupledPruningCallback: `target_sparsity=1.0` removes every unit of each cluster without its own "
+                "target; the model's output will not depend on those weights at all. Use a value below 1 unless that "
+                "is intended."
+            )
+        clusters = normalize_clusters(self.clusters)
+        schedule = Schedule(
+            warmup_steps=self.warmup_steps,
+            ramp_steps=self.ramp_steps,
+            every_n_steps=self.every_n_steps,
+            shape=self.ramp,
+        )
+        if self.shrink_on_freeze and not self.heal:
+            raise ValueError(
+                "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
+            )
+        check_distillation(self)
+        object.__setattr__(self, "clusters", clusters)
+        object.__setattr__(self, "distill_alpha", float(self.distill_alpha))
+        object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
+        if self.distill_teacher_dir is not None:
+            object.__setattr__(self, "distill_teacher_dir", os.fspath(self.distill_teacher_dir))
+        object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
+        object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
+        object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
+        object.__setattr__(self, "schedule", schedule)
 
     @property
     def size_target(self) -> int | float | str | None:
@@ -387,86 +333,9 @@ class PruningOptions:
             return self.clusters
         return ",".join(c if isinstance(c, str) else c.name for c in self.clusters)
 
-    def declarations(self, module: Any) -> list[Cluster]:
-        """The cluster declarations for ``module``: the given ones, or the presets' (expanded from preset names).
-
-        With ``clusters="auto"`` and a module no preset covers, they are discovered by tracing its
-        ``example_input_array`` (:func:`~lightning_pat.discover`).
-
-        Raises:
-            ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module;
-                if discovery has no example input or fails.
-        """
-        if self.discovers(module):
-            return self._discovered(module, getattr(module, "example_input_array", None))
-        clusters = self.clusters if isinstance(self.clusters, str) else list(self.clusters)
-        return presets.resolve_preset(clusters, module, **self.preset_options)
-
-    def discovers(self, module: Any) -> bool:
-        """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it)."""
-        return isinstance(self.clusters, str) and self.clusters.lower() == "auto" and prefers_discovery(module)
-
-    def early_declarations(self, module: Any, batch_input: Callable[[], Any]) -> list[Cluster] | ValueError | None:
-        """``clusters="auto"`` by tracing, before the model is sharded (FSDP2 modules cannot be copied for tracing).
-
-        Args:
-            module: The model, before ``configure_model``.
-            batch_input: Returns the first training batch's inputs (``None`` if there is none); called only if the
-                module has no ``example_input_array``.
-
-        Returns:
-            The discovered declarations; the ``ValueError`` that discovery raised (the caller raises it where every
-            rank raises together); or ``None`` when discovery does not apply (declarations, a preset).
-        """
-        if not self.discovers(module):
-            return None
-        example = getattr(module, "example_input_array", None)
-        try:
-            return self._discovered(module, example if example is not None else batch_input())
-        except ValueError as err:
-            return err
-
-    def _discovered(self, module: Any, example: Any) -> list[Cluster]:
-        """``clusters="auto"`` for a model no preset covers: trace ``example`` (see :mod:`lightning_pat.discovery`)."""
-        if example is None:
-            raise ValueError(
-                f"clusters='auto': no preset fits {type(module).__name__}, and discovering the clusters by tracing "
-                "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes) "
-                "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
-                "them)."
-            )
-        if self.preset_options:
-            raise ValueError(
-                f"`preset_options` {self.preset_options} apply to presets, but no preset fits {type(module).__name__} "
-                "and its clusters are discovered by tracing; remove `preset_options`."
-            )
-        return discovered_clusters(module, example)
-
     def frozen(self, step: int) -> bool:
         """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
         return self.schedule.frozen(step, heal=self.heal)
-
-
-def auto_declarations(module: Any, clusters: object) -> object:
-    """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
-
-    A preset that fits the module: its name stays (expanded by the caller). No preset fits: the clusters are
-    discovered by tracing the module's ``example_input_array``, as the callback does; without one, an error points
-    at :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
-
-    Raises:
-        ValueError: If no preset fits and the module has no ``example_input_array``, or discovery fails.
-    """
-    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)):
-        return clusters
-    example = getattr(module, "example_input_array", None)
-    if example is None:
-        raise ValueError(
-            f"clusters='auto': no preset fits {type(module).__name__}, so its clusters are found by tracing, which "
-            "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
-            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, as the callback reads it)."
-        )
-    return discovered_clusters(module, example)
 
 
 def options_doc() -> str:
@@ -518,79 +387,4 @@ def check_distillation(options: PruningOptions) -> None:
         raise ValueError(
             f"`distill_teacher_dir={str(where)!r}` is set but `distill_teacher_store` is "
             f"{options.distill_teacher_store!r}: the directory is used only with distill_teacher_store='file'."
-        )
-
-
-def check_environment(
-    options: PruningOptions,
-    *,
-    strategy: str,
-    kind: StrategyKind,
-    automatic_optimization: bool,
-    module: str,
-    weight_averaging: str | None = None,
-) -> None:
-    """Refuse, before any step, a training setup the callback cannot serve with these options.
-
-    Args:
-        options: The run's options.
-        strategy: The strategy's class name (for the messages).
-        kind: How the strategy holds parameters.
-        automatic_optimization: The LightningModule's ``automatic_optimization``.
-        module: The LightningModule's class name (for the messages).
-        weight_averaging: The class name of a weight-averaging callback (``StochasticWeightAveraging``) that runs
-            too, if any. It copies averaged weights into the model; the callback then re-applies the mask after each
-            copy (the average includes snapshots taken before units were dropped).
-
-    Raises:
-        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP1 (``FSDPStrategy``),
-            ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
-            averaging (its full-size average cannot be copied into the shrunk model).
-    """
-    if kind == "deepspeed":
-        raise ValueError(
-            f"CoupledPruningCallback does not support {strategy}: DeepSpeed partitions parameters into flat buffers "
-            "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
-        )
-    if not automatic_optimization:
-        raise ValueError(
-            f"CoupledPruningCallback does not support manual optimization ({module}."
-            "automatic_optimization is False): it must see every optimizer step between the backward and the "
-            "update (a raw optimizer bypasses Lightning's hooks, and with several optimizers the schedule could not "
-            "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
-            "call lightning_pat.prune_clusters yourself after your optimizer steps."
-        )
-    if options.score == "activation" and kind == "fsdp1":
-        raise ValueError(
-            f"CoupledPruningCallback(score='activation') supports a single device, DDP and ModelParallelStrategy "
-            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps parameters in flat shards, where the readers' "
-            "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
-            "(score='rms', the default) under FSDPStrategy."
-        )
-    if options.score == "taylor" and kind == "fsdp1":
-        raise ValueError(
-            f"CoupledPruningCallback(score='taylor') supports a single device, DDP and ModelParallelStrategy "
-            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
-            "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
-        )
-    if options.distill and kind not in ("single", "ddp", "model_parallel"):
-        raise ValueError(
-            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
-            f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
-            "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
-            "distill_alpha=0."
-        )
-    if options.shrink_on_freeze and weight_averaging is not None:
-        raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
-            "averaged copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. "
-            "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
-            "callback."
-        )
-    if options.shrink_on_freeze and kind != "single":
-        raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
-            f"{strategy}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
-            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
-            "(lightning_pat.shrink(model, callback)), or train on one device."
         )

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_pat import presets
+from lightning_pat.core.checks import check_choice
 from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
-from lightning_pat.engine import ALLOCATIONS, Allocation, make_plan, one_shot_calibration, plan_importance
-from lightning_pat.options import check_choice
+from lightning_pat.pruning.api import one_shot_calibration, plan_importance
+from lightning_pat.pruning.options import ALLOCATIONS, Allocation
+from lightning_pat.pruning.plan import make_plan
 from lightning_pat.sizing.flops import check_flops
 from lightning_pat.sizing.problem import Side, SizeSolution
 from lightning_pat.sizing.targets import check_target
