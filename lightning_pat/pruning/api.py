@@ -1,9 +1,9 @@
 """One pruning step without a Trainer: :func:`prune_clusters` and its one-shot helpers (no Lightning here).
 
-:func:`prune_clusters` checks its options, turns ``clusters`` into declarations
-(:func:`~lightning_pat.pruning.declarations.one_shot_declarations`), resolves the score
-(:func:`one_shot_calibration`: ``"auto"``, calibration), builds the plan (sized by :func:`plan_importance` for a size
-target) and runs one :meth:`~lightning_pat.pruning.pruner.Pruner.step`. It shares the checkers, the plan and
+:func:`prune_clusters` checks its options once (:class:`~lightning_pat.pruning.options.StepOptions`), turns
+``clusters`` into declarations (:func:`~lightning_pat.pruning.declarations.one_shot_declarations`), resolves the
+score (:func:`one_shot_calibration`: ``"auto"``, calibration), builds the plan (sized by :func:`plan_importance` for
+a size target) and runs one :meth:`~lightning_pat.pruning.pruner.Pruner.step`. It shares the checkers, the plan and
 the pruner with the callback's controller, not the controller itself (see ARCHITECTURE.md).
 """
 
@@ -17,19 +17,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from lightning_pat.core.checks import check_choice, check_number
 from lightning_pat.core.layers import is_layer_cluster
-from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, normalise
+from lightning_pat.core.scoring import WEIGHT_SCORES, ScoreType, normalise
 from lightning_pat.core.spec import Cluster, resolve_clusters
 from lightning_pat.parallel import distributed
 from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.pruning.declarations import one_shot_declarations
-from lightning_pat.pruning.options import ALLOCATIONS, METHODS, Allocation, Method
+from lightning_pat.pruning.options import Allocation, Method, StepOptions
 from lightning_pat.pruning.plan import Plan, make_plan, named_tensors
 from lightning_pat.pruning.pruner import Pruner, PruneResult
-from lightning_pat.sizing.flops import check_flops
 from lightning_pat.sizing.problem import Side
-from lightning_pat.sizing.targets import check_target, declaration_labels, unit_costs
+from lightning_pat.sizing.targets import declaration_labels, unit_costs
 
 if TYPE_CHECKING:
     from lightning_pat.scoring.activation import ActivationStats
@@ -232,38 +230,13 @@ def prune_clusters(
         >>> len(res.dropped["h"]), int((mlp[0].weight == 0).all(dim=1).sum())
         (4, 4)
     """
-    if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
-        which = "target_params" if target_flops is None else "target_flops"
-        distributed.rank_zero_warn(
-            f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
-            f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
-        )
-        sparsity = None
-    if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
-        raise ValueError(
-            "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as "
-            "'350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
-            f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
-        )
-    check_flops(target_flops, seq_len)
-    check_target(
-        target_params if target_flops is None else target_flops, target_side, target_layers, target_widths, min_kept,
-        name="target_params" if target_flops is None else "target_flops",
+    opts = StepOptions(
+        sparsity=sparsity, target_params=target_params, target_side=target_side, target_layers=target_layers,
+        target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
+        target_allocation=target_allocation, score=score, method=method, reg_lambda=reg_lambda, gamma=gamma,
+        group_count_ref=group_count_ref,
     )  # fmt: skip
-    if sparsity is not None:
-        check_number("sparsity", sparsity, low=0.0, high=1.0)
-    check_choice("score", score, ("auto", *SCORE_TYPES))
-    check_choice("target_allocation", target_allocation, ALLOCATIONS)
-    check_choice("method", method, METHODS)
-    check_number("reg_lambda", reg_lambda, low=0.0)
-    check_number("gamma", gamma, low=0.0)
-    if score == "taylor":
-        raise ValueError(
-            "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
-            "CoupledPruningCallback (or lightning_pat.scoring.taylor.TaylorScores with a Pruner in your own loop); for "
-            "prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
-        )
-    resolved_score = _one_shot_score(score, activations, calibration)
+    resolved_score = _one_shot_score(opts.score, activations, calibration)
     if (resolved_score == "activation") != (activations is not None or calibration is not None):
         raise ValueError(
             "score='activation' and `activations` go together: pass "
@@ -271,23 +244,23 @@ def prune_clusters(
             f"score='activation', or neither; got score={score!r} and activations={type(activations).__name__}."
         )
     clusters = one_shot_declarations(model, clusters)
-    score, activations, layer_stats = one_shot_calibration(
+    plan_score, activations, layer_stats = one_shot_calibration(
         model, clusters, resolved_score, activations, calibration, layer_stats=layer_stats
     )
     plan = make_plan(
-        model, clusters, score=score, executor=executor, group_count_ref=group_count_ref,
-        sparsity=None if sparsity is None else float(sparsity),
+        model, clusters, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
+        sparsity=opts.sparsity,
     )  # fmt: skip
     size = None
-    if target_params is not None or target_flops is not None:
+    if opts.size_target is not None:
         decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
         importance = None
-        if target_allocation == "importance":
+        if opts.target_allocation == "importance":
             importance = plan_importance(model, plan, decls, activations=activations)
         plan, size = plan.sized(
-            named_tensors(model), target_params if target_flops is None else target_flops, side=target_side,
-            declarations=decls, keep_layers=target_layers, widths=target_widths, min_kept=min_kept,
-            flops=None if target_flops is None else (model, int(seq_len or 0)), importance=importance,
+            named_tensors(model), opts.size_target, side=opts.target_side, declarations=decls,
+            keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
+            flops=None if opts.target_flops is None else (model, int(opts.seq_len or 0)), importance=importance,
         )  # fmt: skip
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
@@ -298,7 +271,7 @@ def prune_clusters(
         if layer_stats is not None:
             scores = {**(scores or {}), **(layer_stats.scores() or {})}
         result = pruner.step(
-            plan.targets(float(sparsity or 0.0)), method=method, threshold=reg_lambda * gamma, count=True,
-            scores=scores, evidence=activations if sharded else None,
+            plan.targets(opts.sparsity or 0.0), method=opts.method, threshold=opts.reg_lambda * opts.gamma,
+            count=True, scores=scores, evidence=activations if sharded else None,
         )  # fmt: skip
     return result if size is None else dataclasses.replace(result, size=size)

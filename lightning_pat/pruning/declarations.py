@@ -85,7 +85,7 @@ def declarations_for(
     Args:
         module: The model the declarations are for.
         clusters: ``PruningOptions.clusters`` (checked by :func:`normalize_clusters`).
-        preset_options: ``PruningOptions.preset_options``.
+        preset_options: ``PruningOptions.preset_options`` (checked when the options were built).
 
     Raises:
         ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module;
@@ -93,7 +93,7 @@ def declarations_for(
     """
     if discovers(module, clusters):
         return _discovered(module, getattr(module, "example_input_array", None), preset_options)
-    return presets.resolve_preset(clusters if isinstance(clusters, str) else list(clusters), module, **preset_options)
+    return presets.expand(clusters if isinstance(clusters, str) else list(clusters), module, preset_options)
 
 
 def early_declarations(
@@ -177,5 +177,5 @@ def one_shot_declarations(module: Any, clusters: object) -> object:
         and not isinstance(clusters, Mapping)
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
-        return presets.resolve_preset(clusters, module)
+        return presets.expand(clusters, module, {})
     return clusters

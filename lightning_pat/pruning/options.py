@@ -1,11 +1,13 @@
-"""The pruning options, built and checked in one place (no Lightning here).
+"""The pruning options, each checked once, where they enter (no Lightning here).
 
-:class:`PruningOptions` is a frozen dataclass: constructing one validates every option (numbers, enums, cluster
-declarations, preset names and options, the schedule) and raises ``ValueError``/``TypeError`` naming the option,
-what was expected, what was found and the fix. The checkers are those of :mod:`lightning_pat.core.checks`;
-``clusters`` becomes declarations in :mod:`lightning_pat.pruning.declarations`, and the Trainer's setup is checked
-by :func:`lightning_pat.training.environment.check_environment`. The callback turns the errors into
-``MisconfigurationException`` at its boundary.
+:class:`PruningOptions` (the callback's options) and :class:`StepOptions` (the options of one step without a
+Trainer, :func:`~lightning_pat.prune_clusters`) are frozen dataclasses: building one checks every option it holds,
+through the checkers below and those of :mod:`lightning_pat.core.checks`, and raises ``ValueError``/``TypeError``
+naming the option, what was expected, what was found and the fix. The plan and the pruner take the options as they
+are (:func:`~lightning_pat.pruning.plan.make_plan` does not check them again); the callback turns the errors into
+``MisconfigurationException`` at its boundary. ``clusters`` becomes declarations in
+:mod:`lightning_pat.pruning.declarations`; the Trainer's setup is checked by
+:func:`lightning_pat.training.environment.check_environment`.
 """
 
 from __future__ import annotations
@@ -55,12 +57,76 @@ ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
 Allocation = Literal["importance", "fractions"]
 
 
+def check_method(method: object, reg_lambda: object) -> None:
+    """``method`` is ``"hard"`` or ``"group_lasso"``, ``reg_lambda`` a number >= 0.
+
+    Raises:
+        ValueError: If ``method`` is unknown or ``reg_lambda`` is not a finite number >= 0.
+    """
+    check_choice("method", method, METHODS)
+    check_number("reg_lambda", reg_lambda, low=0.0)
+
+
+def check_group_count_ref(group_count_ref: object) -> None:
+    """``group_count_ref`` is ``None`` or an int >= 1.
+
+    Raises:
+        ValueError: If it is anything else (a bool included).
+    """
+    if group_count_ref is not None:
+        check_number("group_count_ref", group_count_ref, low=1, integer=True)
+
+
+def check_size_target(
+    target_params: object,
+    target_flops: object,
+    *,
+    seq_len: object,
+    side: object = "below",
+    layers: object = None,
+    widths: object = "uniform",
+    min_kept: object = None,
+) -> None:
+    """A size target: ``target_params`` or ``target_flops`` (with ``seq_len``), its side, layers and widths.
+
+    Raises:
+        ValueError: If both targets are given, ``target_flops`` and ``seq_len`` are not given together, or the
+            target, side, layers, widths or ``min_kept`` are malformed (see
+            :func:`~lightning_pat.sizing.targets.check_target`).
+    """
+    if target_params is not None and target_flops is not None:
+        raise ValueError(
+            "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
+            f"target_params={target_params!r}, target_flops={target_flops!r}."
+        )
+    check_flops(target_flops, seq_len)
+    check_target(
+        target_params if target_flops is None else target_flops, side, layers, widths, min_kept,
+        name="target_params" if target_flops is None else "target_flops",
+    )  # fmt: skip
+
+
+def check_preset_options(preset_options: object) -> None:
+    """``preset_options`` is ``None`` or a mapping of preset option names to bools.
+
+    Raises:
+        ValueError: If it is not a mapping, a name is unknown or a value is not a bool.
+    """
+    if preset_options is not None and not isinstance(preset_options, Mapping):
+        raise ValueError(
+            "`preset_options` must be a mapping of preset option names to bools (e.g. {'residual': True}), got "
+            f"{type(preset_options).__name__} {preset_options!r}."
+        )
+    presets.check_options(preset_options or {})
+
+
 @dataclass(frozen=True)
 class PruningOptions:
     """Every option of a pruning run, checked once at construction.
 
     The options are those of :class:`~lightning_pat.CoupledPruningCallback` (whose help lists them from here);
-    :func:`~lightning_pat.prune_clusters` and the plan use the ones that apply to a single step.
+    one step without a Trainer (:func:`~lightning_pat.prune_clusters`) takes its subset as :class:`StepOptions`,
+    checked by the same checkers.
 
     Args:
         clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
@@ -212,74 +278,29 @@ class PruningOptions:
         given_sparsity = self.target_sparsity
         object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
         check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
-        check_number("reg_lambda", self.reg_lambda, low=0.0)
+        check_method(self.method, self.reg_lambda)
         for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
             check_bool(switch, getattr(self, switch))
-        check_choice("method", self.method, METHODS)
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)
         check_choice("layer_score", self.layer_score, LAYER_SCORES)
         check_choice("executor", self.executor, EXECUTOR_KINDS)
-        if self.group_count_ref is not None:
-            check_number("group_count_ref", self.group_count_ref, low=1, integer=True)
+        check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:
             raise ValueError(
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
-        if self.preset_options is not None and not isinstance(self.preset_options, Mapping):
-            raise ValueError(
-                "`preset_options` must be a mapping of preset option names to bools (e.g. {'residual': True}), got "
-                f"{type(self.preset_options).__name__} {self.preset_options!r}."
-            )
-        presets.check_options(self.preset_options or {})
-        if self.target_params is not None and self.target_flops is not None:
-            raise ValueError(
-                "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
-                f"target_params={self.target_params!r}, target_flops={self.target_flops!r}."
-            )
-        check_flops(self.target_flops, self.seq_len)
+        check_preset_options(self.preset_options)
+        check_size_target(
+            self.target_params, self.target_flops, seq_len=self.seq_len, side=self.target_side,
+            layers=self.target_layers, widths=self.target_widths, min_kept=self.min_kept,
+        )  # fmt: skip
         if given_sparsity is not None and self.size_target is not None:  # one behaviour with prune_clusters
             which = "target_params" if self.target_flops is None else "target_flops"
             rank_zero_warn(
                 f"CoupledPruningCallback: `target_sparsity={given_sparsity}` is unused: `{which}` sets the widths "
                 f"({which}={self.size_target!r}); remove `target_sparsity` (e.g. from the config file) to silence this."
             )
-        check_target(
-            self.size_target, self.target_side, self.target_layers, self.target_widths, self.min_kept,
-            name="target_params" if self.target_flops is None else "target_flops",
-        )  # fmt: skip
-        if self.size_target is not None and self.method == "group_lasso":
-            raise ValueError(
-                "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
-                "solved widths. Use method='hard' with `target_params`, or `target_sparsity` with group lasso."
-            )
-        if self.target_sparsity == 1.0:
-            rank_zero_warn(
-                "CoupledPruningCallback: `target_sparsity=1.0` removes every unit of each cluster without its own "
-                "target; the model's output will not depend on those weights at all. Use a value below 1 unless that "
-                "is intended."
-            )
-        clusters = normalize_clusters(self.clusters)
-        schedule = Schedule(
-            warmup_steps=self.warmup_steps,
-            ramp_steps=self.ramp_steps,
-            every_n_steps=self.every_n_steps,
-            shape=self.ramp,
-        )
-        if self.shrink_on_freeze and not self.heal:
-            raise ValueError(
-                "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
-            )
-        check_distillation(self)
-        object.__setattr__(self, "clusters", clusters)
-        object.__setattr__(self, "distill_alpha", float(self.distill_alpha))
-        object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
-        if self.distill_teacher_dir is not None:
-            object.__setattr__(self, "distill_teacher_dir", os.fspath(self.distill_teacher_dir))
-        object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
-        object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
-        object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
-        object.__setattr__(self, "schedule", schedule)
         if self.size_target is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
@@ -333,9 +354,79 @@ class PruningOptions:
             return self.clusters
         return ",".join(c if isinstance(c, str) else c.name for c in self.clusters)
 
-    def frozen(self, step: int) -> bool:
-        """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
-        return self.schedule.frozen(step, heal=self.heal)
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The options of one pruning step without a Trainer (:func:`~lightning_pat.prune_clusters`), checked once.
+
+    The same checkers as :class:`PruningOptions` (``sparsity`` is its ``target_sparsity``, without the default);
+    ``executor`` is checked where it is used (:func:`~lightning_pat.parallel.executors.route`). See
+    :func:`~lightning_pat.prune_clusters` for the meaning of each option.
+
+    Raises:
+        ValueError: If an option is out of range or unknown, none or several of ``sparsity``, ``target_params``
+            and ``target_flops`` are given (``sparsity`` with a size target warns and is dropped), ``target_flops``
+            comes without ``seq_len``, or ``score="taylor"`` (it exists only during training).
+
+    Example::
+
+        >>> StepOptions(sparsity=0.5).method, StepOptions(target_params="1M").sparsity
+        ('hard', None)
+    """
+
+    sparsity: float | None = None
+    target_params: int | float | str | None = None
+    target_side: Side = "below"
+    target_layers: int | None = None
+    target_widths: str = "uniform"
+    min_kept: float | None = None
+    target_flops: int | float | str | None = None
+    seq_len: int | None = None
+    target_allocation: Allocation = "importance"
+    score: TrainingScore = "auto"
+    method: Method = "hard"
+    reg_lambda: float = 0.0
+    gamma: float = 1.0
+    group_count_ref: int | None = None
+
+    def __post_init__(self) -> None:
+        sparsity, target_params, target_flops = self.sparsity, self.target_params, self.target_flops
+        if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
+            which = "target_params" if target_flops is None else "target_flops"
+            rank_zero_warn(
+                f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
+                f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
+            )
+            sparsity = None
+        if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
+            raise ValueError(
+                "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such "
+                "as '350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
+                f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
+            )
+        check_size_target(
+            target_params, target_flops, seq_len=self.seq_len, side=self.target_side, layers=self.target_layers,
+            widths=self.target_widths, min_kept=self.min_kept,
+        )  # fmt: skip
+        if sparsity is not None:
+            check_number("sparsity", sparsity, low=0.0, high=1.0)
+        check_choice("score", self.score, TRAINING_SCORES)
+        check_choice("target_allocation", self.target_allocation, ALLOCATIONS)
+        check_method(self.method, self.reg_lambda)
+        check_number("gamma", self.gamma, low=0.0)
+        check_group_count_ref(self.group_count_ref)
+        if self.score == "taylor":
+            raise ValueError(
+                "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
+                "CoupledPruningCallback (or lightning_pat.scoring.taylor.TaylorScores with a Pruner in your own "
+                "loop); for prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
+            )
+        object.__setattr__(self, "sparsity", None if sparsity is None else float(sparsity))
+
+    @property
+    def size_target(self) -> int | float | str | None:
+        """``target_params`` or ``target_flops``, whichever is set (``None``: ``sparsity`` applies)."""
+        return self.target_params if self.target_flops is None else self.target_flops
 
 
 def options_doc() -> str:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from lightning_pat.core.checks import check_choice, check_number
-from lightning_pat.core.scoring import SCORE_TYPES, ScoreType
+from lightning_pat.core.scoring import ScoreType
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.parallel import distributed
@@ -31,8 +30,7 @@ class Plan:
     """Declarations resolved against a model and routed to executors (global metadata only, no communication).
 
     Built by :func:`make_plan`; shared by :func:`~lightning_pat.prune_clusters`, the callback and
-    :class:`~lightning_pat.pruning.pruner.Pruner`, so that options are validated and per-cluster targets are applied
-    in one place.
+    :class:`~lightning_pat.pruning.pruner.Pruner`, so that per-cluster targets are applied in one place.
 
     Attributes:
         clusters: The resolved clusters this rank takes part in (all, except ranks outside a sub-mesh).
@@ -100,7 +98,10 @@ def make_plan(
     group_count_ref: int | None = None,
     sparsity: float | None = None,
 ) -> Plan:
-    """Validate options, resolve declarations (unless already resolved) and route every cluster; mutates nothing.
+    """Resolve declarations (unless already resolved) and route every cluster; mutates nothing.
+
+    The options are taken as they are: each entry point checked them once (``PruningOptions``, ``StepOptions``, a
+    :class:`~lightning_pat.pruning.pruner.Pruner` given resolved clusters); ``executor`` is checked by the routing.
 
     Args:
         params: The model, or a mapping of parameter names to tensors, holding every member.
@@ -112,13 +113,9 @@ def make_plan(
             would drop every unit of a cluster is refused (see :func:`check_not_emptied`).
 
     Raises:
-        ValueError: If an option is unknown or out of range, a declaration is invalid (see
-            :func:`~lightning_pat.resolve_clusters`), no executor can serve a cluster correctly, or a target below
-            1 would empty a cluster.
+        ValueError: If ``executor`` is unknown, a declaration is invalid (see :func:`~lightning_pat.resolve_clusters`),
+            no executor can serve a cluster correctly, or a target below 1 would empty a cluster.
     """
-    check_choice("score", score, SCORE_TYPES)
-    if group_count_ref is not None:
-        check_number("group_count_ref", group_count_ref, low=1, integer=True)
     named = named_tensors(params)
     items = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
     if all(isinstance(c, ResolvedCluster) for c in items):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.checks import check_choice
 from lightning_pat.core.layers import is_layer_cluster
-from lightning_pat.core.scoring import WEIGHT_SCORES, ScoreType, group_count_correction, normalise
+from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
     bottom_k_balanced,
@@ -31,7 +31,7 @@ from lightning_pat.core.selection import (
 )
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.executors import Evidence, Executor, ExecutorKind, Reduced, UnitAction, build_executors
-from lightning_pat.pruning.options import METHODS, Method
+from lightning_pat.pruning.options import METHODS, Method, check_group_count_ref
 from lightning_pat.pruning.plan import Plan, make_plan, named_tensors
 from lightning_pat.sizing.problem import SizeSolution
 
@@ -77,15 +77,16 @@ class Pruner:
     Args:
         params: The model, or a mapping of parameter names to tensors, holding every member.
         clusters: Resolved clusters (see :func:`~lightning_pat.resolve_clusters`), or a
-            :class:`~lightning_pat.pruning.plan.Plan` from :func:`~lightning_pat.pruning.plan.make_plan` (already
-            validated and routed; the options below are then taken from it).
+            :class:`~lightning_pat.pruning.plan.Plan` from :func:`~lightning_pat.pruning.plan.make_plan` (routed,
+            its options checked where they entered; the options below are then taken from it).
         score: Score normalisation: ``"rms"``, ``"l2"`` or ``"param_cost"``; or ``"activation"``, whose unit scores
             are passed to :meth:`select` / :meth:`step` as ``scores`` (see :mod:`lightning_pat.scoring.activation`).
         executor: ``"auto"``, ``"materializing"`` or ``"sharded"`` (:func:`~lightning_pat.parallel.executors.route`).
         group_count_ref: If set, scores of clusters in a shared budget are multiplied by ``sqrt(C / ref)``.
 
     Raises:
-        ValueError: If an option is unknown or an executor cannot serve a cluster.
+        ValueError: If an option is unknown or out of range (checked here for resolved clusters, once), or an
+            executor cannot serve a cluster.
     """
 
     def __init__(
@@ -97,9 +98,12 @@ class Pruner:
         executor: ExecutorKind = "auto",
         group_count_ref: int | None = None,
     ) -> None:
-        plan = clusters if isinstance(clusters, Plan) else make_plan(
-            params, clusters, score=score, executor=executor, group_count_ref=group_count_ref
-        )  # fmt: skip
+        if isinstance(clusters, Plan):
+            plan = clusters  # its options were checked where they entered (PruningOptions, StepOptions)
+        else:
+            check_choice("score", score, SCORE_TYPES)
+            check_group_count_ref(group_count_ref)
+            plan = make_plan(params, clusters, score=score, executor=executor, group_count_ref=group_count_ref)
         self.plan = plan
         self.score = plan.score
         self.group_count_ref = plan.group_count_ref
@@ -173,9 +177,9 @@ class Pruner:
             Cluster name -> action.
 
         Raises:
-            ValueError: If ``scores`` lacks a cluster or has a wrong shape, or the score type needs ``scores``.
+            ValueError: If ``scores`` lacks a cluster or has a wrong shape, the score type needs ``scores``, or
+                ``method`` is unknown.
         """
-        check_choice("method", method, METHODS)
         with self._session():  # dense copies (if any) do not outlive the call
             q, scores = self._reduce(scores, evidence, weights=self._weights_read(method, scores, evidence))
         return self._decide(q, targets, method=method, threshold=threshold, scores=scores)
@@ -232,14 +236,15 @@ class Pruner:
     ) -> dict[str, UnitAction]:
         scores = self._scores(q, scores)
         dropped = self._hard_floor(scores, targets)
+        if method == "hard":
+            return {rc.name: UnitAction(dropped[rc.name]) for rc in self.clusters}
+        if method != "group_lasso":  # no silent "hard": the options were checked once, a direct call was not
+            check_choice("method", method, METHODS)
         actions = {}
         for rc in self.clusters:
-            if method == "group_lasso":
-                factors = shrink_factors(q[rc.name].sqrt(), threshold=threshold * rc.unit_numel**0.5)
-                factors[dropped[rc.name]] = 0.0
-                actions[rc.name] = UnitAction(torch.nonzero(factors == 0).flatten(), factors)
-            else:
-                actions[rc.name] = UnitAction(dropped[rc.name])
+            factors = shrink_factors(q[rc.name].sqrt(), threshold=threshold * rc.unit_numel**0.5)
+            factors[dropped[rc.name]] = 0.0
+            actions[rc.name] = UnitAction(torch.nonzero(factors == 0).flatten(), factors)
         return actions
 
     def _hard_floor(self, scores: Mapping[str, Tensor], targets: Mapping[str, float]) -> dict[str, Tensor]:
@@ -316,7 +321,6 @@ class Pruner:
 
         ``scores`` and ``evidence``: see :meth:`select`.
         """
-        check_choice("method", method, METHODS)
         with self._session():  # one dense copy per parameter for the whole step, none afterwards
             q, scores = self._reduce(scores, evidence, weights=self._weights_read(method, scores, evidence))
             actions = self._decide(q, targets, method=method, threshold=threshold, scores=scores)
