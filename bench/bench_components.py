@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_pat import resolve_clusters  # noqa: E402
 from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
-from lightning_pat.engine import Pruner  # noqa: E402
 from lightning_pat.parallel.executors import materializing  # noqa: E402
+from lightning_pat.pruning.pruner import Pruner  # noqa: E402
 from lightning_pat.training.latent import LatentStore  # noqa: E402
 
 

@@ -90,7 +90,7 @@ def _fsdp2_rank(rank: int, world: int, cfg: TinyGPTConfig, steps: int, rounds: i
 
     from lightning_pat.demo import preset as demo_preset
     from lightning_pat.demo.model import TinyGPT
-    from lightning_pat.options import PruningOptions
+    from lightning_pat.pruning.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
     clock = bench_overhead.CLOCK

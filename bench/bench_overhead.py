@@ -220,7 +220,7 @@ def _fsdp2_rank(rank: int, world: int, cfg: TinyGPTConfig, steps: int, rounds: i
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_pat.options import PruningOptions
+    from lightning_pat.pruning.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
     mesh = init_device_mesh("cpu", (world,))

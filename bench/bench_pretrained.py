@@ -734,7 +734,7 @@ def overhead(args: argparse.Namespace) -> dict:
     ``teacher``: a no-grad forward of the dense model (``distill_alpha``).
     """
     from lightning_pat import Pruner, presets, resolve_clusters
-    from lightning_pat.engine import make_plan
+    from lightning_pat.pruning.plan import make_plan
     from lightning_pat.scoring.activation import ActivationStats
 
     torch.set_num_threads(1)

@@ -65,7 +65,7 @@ from lightning_pat import CoupledPruningCallback  # noqa: E402
 from lightning_pat.core.selection import num_to_drop  # noqa: E402
 from lightning_pat.demo import preset as demo_preset  # noqa: E402
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig  # noqa: E402
-from lightning_pat.engine import prune_clusters  # noqa: E402
+from lightning_pat.pruning.api import prune_clusters  # noqa: E402
 from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 SEQ, BATCH, LR, LR_END, WARMUP, SPARSITY = 64, 16, 3e-3, 3e-4, 50, 0.5

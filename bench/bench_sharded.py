@@ -138,7 +138,7 @@ def worker(rank: int, world: int, store_path: str, sizes: list[str], steps: int,
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     mesh = init_device_mesh("cpu", (world,))
     rows = []

@@ -4,11 +4,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pat import presets
 from lightning_pat.__about__ import __version__
-from lightning_pat.allocation import SizedClusters, size_clusters
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.discovery import discover
-from lightning_pat.engine import Pruner, PruneResult, prune_clusters
+from lightning_pat.pruning.allocation import SizedClusters, size_clusters
+from lightning_pat.pruning.api import prune_clusters
+from lightning_pat.pruning.pruner import Pruner, PruneResult
 from lightning_pat.shrink import shrink
 from lightning_pat.shrink.export import load_pretrained, save_pretrained
 

@@ -160,6 +160,21 @@ def resolve_preset(
         TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
     """
     check_options(options)
+    return expand(clusters, model, options)
+
+
+def expand(
+    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, options: Mapping[str, bool]
+) -> list[Cluster]:
+    """:func:`resolve_preset` with ``options`` taken as checked (by :func:`check_options`, once, by the caller).
+
+    :class:`~lightning_pat.pruning.options.PruningOptions` checks its ``preset_options`` when it is built; the
+    callback's declarations are expanded here, without a second check.
+
+    Raises:
+        ValueError: If a preset name is unknown or rejects the model, or options are given without any preset name.
+        TypeError: If an entry is neither a name, a ``Cluster`` nor a mapping.
+    """
     entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
     if options and not any(isinstance(e, str) for e in entries):
         raise ValueError(f"`preset_options` {dict(options)} apply to preset names only; none was given.")

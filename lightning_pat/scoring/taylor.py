@@ -49,7 +49,8 @@ class TaylorScores:
 
         >>> import torch.nn as nn
         >>> from lightning_pat import Cluster
-        >>> from lightning_pat.engine import Pruner, make_plan
+        >>> from lightning_pat.pruning.plan import make_plan
+        >>> from lightning_pat.pruning.pruner import Pruner
         >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> pruner = Pruner(mlp, make_plan(mlp, Cluster("h", writers=["0.weight"], readers=["2.weight"])))
         >>> taylor = TaylorScores(pruner.executors)

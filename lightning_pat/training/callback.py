@@ -20,10 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_pat.core.spec import Cluster
-from lightning_pat.options import Method, Mode, PruningOptions, TrainingScore, check_environment, options_doc
 from lightning_pat.parallel.executors import ExecutorKind
+from lightning_pat.pruning.options import Method, Mode, PruningOptions, TrainingScore, options_doc
 from lightning_pat.training import trainer_facts as facts
 from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.environment import check_environment
 from lightning_pat.training.metrics import PruningMetrics
 from lightning_pat.training.views import PruningViews
 
@@ -53,8 +54,9 @@ class CoupledPruningCallback(PruningViews, Callback):
     a later ``fit`` of the same Trainer continues where the previous one stopped; a fit with a fresh Trainer starts
     a new schedule at step 0 (a new mask is selected; nothing of an earlier run is reused). The read-only views
     (``dropped``, ``step``, ``size``, ``sparsity()``, ...) are :class:`~lightning_pat.training.views.PruningViews`'.
-    The options are documented once, in :class:`~lightning_pat.options.PruningOptions`; at import their ``Args:``
-    section is appended here, where ``help(CoupledPruningCallback)`` and ``lightning-pat fit --help`` read it.
+    The options are documented once, in :class:`~lightning_pat.pruning.options.PruningOptions`; at import their
+    ``Args:`` section is appended here, where ``help(CoupledPruningCallback)`` and ``lightning-pat fit --help`` read
+    it.
 
     Raises:
         MisconfigurationException: With a message naming the option or cluster and the fix (``docs/bad-input.md``):

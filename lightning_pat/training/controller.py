@@ -42,10 +42,12 @@ from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
-from lightning_pat.engine import Plan, Pruner, PruneResult, make_plan
-from lightning_pat.options import PruningOptions
 from lightning_pat.parallel import fsdp1
 from lightning_pat.parallel.comm import ranks
+from lightning_pat.pruning.declarations import declarations_for, early_declarations
+from lightning_pat.pruning.options import PruningOptions
+from lightning_pat.pruning.plan import Plan, make_plan
+from lightning_pat.pruning.pruner import Pruner, PruneResult
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.layers import LayerStats, layer_clusters
 from lightning_pat.scoring.taylor import TaylorScores
@@ -247,7 +249,8 @@ class PruningController:
         mine = None
         if ranks.world_rank() == 0:
             try:
-                mine = self.options.early_declarations(module, batch_input)
+                opts = self.options
+                mine = early_declarations(module, opts.clusters, opts.preset_options, batch_input)
             except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
                 mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
         group = ranks.world_group()
@@ -256,7 +259,7 @@ class PruningController:
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
             raise self._early
-        return self._early or self.options.declarations(module)
+        return self._early or declarations_for(module, self.options.clusters, self.options.preset_options)
 
     def bind(
         self,

@@ -2,7 +2,7 @@
 
 A recipe is a subclass that only fixes or changes defaults, so it is a ``Callback`` LightningCLI can build from a
 YAML ``class_path`` and every other option keeps its meaning (and its check) in
-:class:`~lightning_pat.options.PruningOptions`.
+:class:`~lightning_pat.pruning.options.PruningOptions`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_pat.core.spec import Cluster
-from lightning_pat.options import TrainingScore
+from lightning_pat.pruning.options import TrainingScore
 from lightning_pat.training.callback import CoupledPruningCallback
 
 #: The options a recipe fixes, and the value it fixes them to.

@@ -6,7 +6,7 @@ A state is a dict of plain types and CPU tensors::
     dropped                   cluster name -> dropped unit indices of the current mask
     factors                   cluster name -> group-lasso factors of the current mask
     fingerprints, clusters    the resolved clusters (fingerprints to refuse another model, definitions to shrink)
-    options                   the options that may change on resume (see :data:`lightning_pat.options.RESUMABLE`)
+    options                   the options that may change on resume (:data:`lightning_pat.pruning.options.RESUMABLE`)
     latents                   the latent copies during the ramp (``None`` otherwise), ``{"format": ..., ...}``
     shrunk                    whether the model was physically shrunk (``shrink_on_freeze``)
     activation                the ranks' activation statistics in rank order (``score="activation"``), else ``None``;
@@ -52,8 +52,8 @@ from torch import Tensor
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
-from lightning_pat.options import MASK_SHAPING
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
+from lightning_pat.pruning.options import MASK_SHAPING
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents

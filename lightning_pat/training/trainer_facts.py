@@ -1,7 +1,8 @@
 """What the callback reads from a Lightning Trainer: the strategy's kind, the first batch, a checkpoint being restored.
 
 Each function reads one fact and hands plain values (or a hook handle) to the Lightning-free
-:class:`~lightning_pat.training.controller.PruningController` and :func:`~lightning_pat.options.check_environment`.
+:class:`~lightning_pat.training.controller.PruningController` and
+:func:`~lightning_pat.training.environment.check_environment`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 
-from lightning_pat.options import StrategyKind
+from lightning_pat.training.environment import StrategyKind
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -52,7 +53,7 @@ def first_batch_input(trainer: pl.Trainer) -> Any:
 
 
 def strategy_kind(strategy: Strategy) -> StrategyKind:
-    """How ``strategy`` holds the parameters (see :data:`~lightning_pat.options.StrategyKind`)."""
+    """How ``strategy`` holds the parameters (see :data:`~lightning_pat.training.environment.StrategyKind`)."""
     if "DeepSpeed" in type(strategy).__name__:
         return "deepspeed"
     kinds: tuple[tuple[type, StrategyKind], ...] = (

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.engine import Pruner
-from lightning_pat.options import PruningOptions
+from lightning_pat.pruning.options import PruningOptions
+from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training.controller import PruningController
 from lightning_pat.training.metrics import PruningMetrics

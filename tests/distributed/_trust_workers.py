@@ -82,7 +82,7 @@ def permuted_mesh(rank: int, world: int) -> dict[str, Any]:
     """On a 2x2 mesh [[2, 0], [1, 3]]: forced materializing and an ineligible layout raise before any change;
     ``auto`` takes the sharded path and matches the reference."""
     from lightning_pat import Cluster, prune_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     mesh = DeviceMesh("cpu", torch.tensor([[2, 0], [1, 3]]))
     gen = torch.Generator().manual_seed(5)
@@ -151,7 +151,7 @@ def reinit(rank: int, world: int, store_dir: str) -> dict[str, Any]:
 def _materializing_pair(world: int, *, seed: int) -> tuple[nn.Module, Any]:
     """A writer ``w`` (Shard(0)) and a reader ``r`` (Shard(1)) of one 8-unit cluster, on the materializing path."""
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(seed)
@@ -197,8 +197,8 @@ def local_shape_mismatch(rank: int, world: int) -> dict[str, Any]:
     """A layout check that fails on the last rank only (simulated: its computed box is wrong) must make every rank
     raise before the first gather, instead of leaving the others waiting in it."""
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.engine import Pruner
     from lightning_pat.parallel.executors import sharded
+    from lightning_pat.pruning.pruner import Pruner
 
     mesh = init_device_mesh("cpu", (world,))
     m = nn.Module()
@@ -223,7 +223,7 @@ def edited_resume(rank: int, world: int) -> dict[str, Any]:
     import copy
 
     from lightning_pat import Cluster
-    from lightning_pat.options import PruningOptions
+    from lightning_pat.pruning.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
     mesh = init_device_mesh("cpu", (world,))

@@ -177,7 +177,7 @@ def _compare(tag: str, tensors: dict[str, Any], want: dict[str, torch.Tensor], e
 # ---------------------------------------------------------------------------------------------- parity suite
 def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     torch.manual_seed(0)
     mesh = make_mesh(kind, world)
@@ -275,7 +275,7 @@ def parity_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
 def _materializing_refused(tag: str, full: dict, mesh: DeviceMesh, layout: dict, shared: bool, mult: int) -> list[str]:
     """On a permuted mesh, executor='materializing' raises a ValueError naming the mesh problem; nothing changes."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     module = build(full, mesh, layout)
     before = {n: p.to_local().clone() for n, p in module.named_parameters()}
@@ -328,7 +328,7 @@ def _group_sets(mesh: DeviceMesh, axes: tuple[int, ...]) -> set[tuple[int, ...]]
 def _accounting(full: dict, mesh: DeviceMesh, layout: dict) -> dict[str, Any]:
     """Count collectives of one pruning step with and without counts; the expectation is computed here."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     module = build(full, mesh, layout)
     pruner = Pruner(module, resolve_clusters(module, M.declarations()), executor="sharded")
@@ -381,7 +381,7 @@ def _q_bits(pruner: Any) -> dict[str, list[str]]:
 
 def _forced_sharded_raises(lname: str, full: dict, mesh: DeviceMesh, layout: dict) -> list[str]:
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     module = build(full, mesh, layout)
     try:
@@ -420,7 +420,7 @@ def _partial_routes(mesh: DeviceMesh) -> list[str]:
 def _grad_with_other_layout(mesh: DeviceMesh) -> list[str]:
     """A gradient whose placements differ from its parameter's is still masked right (through a dense copy)."""
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     n = mesh.ndim
     gen = torch.Generator().manual_seed(11)
@@ -482,7 +482,7 @@ def _tie_module(mesh: DeviceMesh, ps2: tuple, ps1: tuple) -> tuple[nn.Module, li
 
 def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     meshes = {"1d": [make_mesh("1d", world)]}.get(kind) or [make_mesh("2x2", world), make_mesh("2x2-permuted", world)]
     if kind == "1d":
@@ -524,7 +524,7 @@ def agreement_suite(rank: int, world: int, kind: str) -> dict[str, Any]:
 def submesh_suite(rank: int, world: int) -> dict[str, Any]:
     """A mesh over ranks [1, 2] of 3: rank 0 issues no collectives and gets no clusters; the others prune right."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner
+    from lightning_pat.pruning.pruner import Pruner
 
     mesh = DeviceMesh("cpu", [1, 2])
     full = M.full_weights()

@@ -72,7 +72,8 @@ def _train_forwards(model: nn.Module, batches: list[torch.Tensor]) -> None:
 def _single(d: int, f: int) -> dict:
     """One process, the whole batches: the library's plain-tensor path."""
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.activation import ActivationStats
 
     model = _Net(d, f)
@@ -151,8 +152,9 @@ def sharded(model: _Net, kind: str, rank: int, world: int) -> tuple[int, int]:
 
 def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat import resolve_clusters
-    from lightning_pat.engine import Pruner, make_plan
     from lightning_pat.parallel.comm import dtensor
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.activation import ActivationStats
     from tests.distributed._recorder import Recorder
 

@@ -28,8 +28,9 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 
 def _worker(rank: int, world_size: int) -> dict:
     from lightning_pat import Cluster, resolve_clusters
-    from lightning_pat.engine import Pruner, make_plan
     from lightning_pat.parallel.comm import reduce
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.activation import ActivationStats
     from tests.distributed._recorder import Recorder
 

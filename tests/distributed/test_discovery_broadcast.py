@@ -9,8 +9,8 @@ import torch
 
 from lightning_pat import discover
 from lightning_pat.discovery import entry, outcome_from_json, outcome_to_json
-from lightning_pat.options import PruningOptions
 from lightning_pat.parallel.comm import ranks
+from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.training.controller import PruningController
 from tests.common.cnn_models import INPUTS, ConvChain, DataDependent
 from tests.common.dist import run_distributed

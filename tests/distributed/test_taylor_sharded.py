@@ -36,7 +36,8 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, taylor, batches: list[t
 
 
 def _single(d: int, f: int) -> dict:
-    from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.taylor import TaylorScores
 
     model = _Net(d, f)
@@ -68,7 +69,8 @@ def _single(d: int, f: int) -> dict:
 def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.taylor import TaylorScores
     from tests.distributed._recorder import Recorder
 

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters, resolve_clusters
-from lightning_pat.engine import Pruner, make_plan
+from lightning_pat.pruning.plan import make_plan
+from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.scoring.activation import ActivationStats, calibrate
 
 MLP = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
@@ -171,13 +172,13 @@ def test_prune_clusters_activation_needs_statistics_and_nothing_is_mutated():
 
 def test_the_default_score_without_data_is_the_weight_score_and_says_so(caplog):
     batches = [torch.randn(16, 6) for _ in range(3)]
-    with caplog.at_level(logging.WARNING, logger="lightning_pat.engine"):
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.pruning.api"):
         auto = prune_clusters(mlp(3), MLP, 0.5)
     assert auto.dropped == prune_clusters(mlp(3), MLP, 0.5, score="rms").dropped
     [record] = [r for r in caplog.records if "score='auto'" in r.getMessage()]
     assert "pass `calibration=" in record.getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lightning_pat.engine"):
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.pruning.api"):
         prune_clusters(mlp(3), MLP, 0.5, calibration=batches)
     assert not [r for r in caplog.records if "score='auto'" in r.getMessage()]
 

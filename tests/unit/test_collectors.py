@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster
-from lightning_pat.engine import Pruner, make_plan
+from lightning_pat.pruning.plan import make_plan
+from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.training.collectors import Collectors

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, PruningWarning
-from lightning_pat.options import PruningOptions
+from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.training.controller import ConfigurationError, PruningController
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]

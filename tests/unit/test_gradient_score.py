@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_pat import Cluster
 from lightning_pat.core.selection import num_to_drop
-from lightning_pat.options import PruningOptions
+from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.training.controller import PruningController
 
 CLUSTER = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
@@ -151,7 +151,8 @@ def test_prune_clusters_refuses_taylor():
 
 def test_plain_sums_resume_on_another_world_size():
     """Plain parameters: every rank's sums are the same, so a checkpoint of 2 ranks resumes on 1 (entry 0)."""
-    from lightning_pat.engine import Pruner, make_plan
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.taylor import TaylorScores
 
     model = _model()

@@ -11,14 +11,14 @@ floors listed for its own:
 * ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
 * ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
   core and parallel (the executors' evidence protocol, rank-ordered sums);
-* ``pruning`` (options, presets/, repair, engine: the one-shot API; allocation; discovery: clusters found by tracing):
-  adds parallel, sizing, scoring, and shrink (discovery returns only clusters the shrink can rewrite, checked by the
-  shrink's own validation and a trial shrink);
+* ``pruning`` (the ``pruning`` package: options, declarations, plan, pruner, the one-shot API, allocation; presets/;
+  repair; discovery: clusters found by tracing): adds parallel, sizing, scoring, and shrink (discovery returns only
+  clusters the shrink can rewrite, checked by the shrink's own validation and a trial shrink);
 * ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
   export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
   DeciLM export carries) transformers;
-* ``training`` (options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
-  callback, recipes, trainer_facts):
+* ``training`` (the options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
+  environment, callback, recipes, trainer_facts):
   adds scoring, pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
   training/callback.py, training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the
   callback reads from a Trainer);
@@ -49,10 +49,8 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "sizing": ("sizing.",),
     "scoring": ("scoring.",),
     "pruning": (
-        "options",
+        "pruning.",
         "presets.",
-        "engine",
-        "allocation",
         "repair",
         "discovery.",
     ),  # fmt: skip
@@ -295,9 +293,10 @@ def test_every_module_has_a_floor_and_the_floors_exist():
 KNOWN = {
     f"{PKG}.{n}"
     for n in (
-        "core", "core.spec", "core.scoring", "parallel", "parallel.comm", "parallel.comm.reduce", "parallel.placement",
-        "engine", "options", "training", "training.callback", "training.controller", "training.trainer_facts",
-        "training.views", "shrink", "shrink.entry", "demo", "cli",
+        "core", "core.spec", "core.scoring", "core.checks", "parallel", "parallel.comm", "parallel.comm.reduce",
+        "parallel.placement", "pruning", "pruning.plan", "pruning.pruner", "pruning.options", "training",
+        "training.callback", "training.controller", "training.trainer_facts", "training.views", "training.environment",
+        "shrink", "shrink.entry", "demo", "cli",
         "presets", "discovery", "discovery.trace",
     )
 }  # fmt: skip
@@ -308,26 +307,29 @@ KNOWN = {
     [
         ("core/spec.py", "import numpy\n", "imports only the stdlib and torch"),
         ("core/scoring.py", "from lightning_pat.parallel.comm import reduce\n", "the core floor imports only"),
-        ("core/scoring.py", "from .. import engine\n", "the core floor imports only"),
+        ("core/scoring.py", "from .. import pruning\n", "the core floor imports only"),
+        ("core/checks.py", "from lightning_pat.pruning.options import METHODS\n", "the core floor imports only"),
+        ("pruning/options.py", "from lightning_pat.training.environment import X\n", "the pruning floor imports only"),
+        ("sizing/targets.py", "from lightning_pat.pruning.plan import Plan\n", "the sizing floor imports only"),
         ("core/masking.py", "from lightning_pat import Cluster\n", "the core floor imports only"),
         ("core/selection.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
         ("core/selection.py", "from torch import distributed\n", "torch.distributed is imported only"),
-        ("engine.py", "def f():\n    import torch.distributed\n", "torch.distributed is imported only"),
+        ("pruning/pruner.py", "def f():\n    import torch.distributed\n", "torch.distributed is imported only"),
         ("parallel/placement.py", "import torch.distributed as dist\n", "torch.distributed is imported only"),
         ("parallel/executors/sharded.py", "from torch.distributed import all_gather\n", "torch.distributed is"),
-        ("engine.py", "from torch.distributed.tensor import DTensor\n", "torch.distributed is imported only"),
-        ("engine.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
+        ("pruning/pruner.py", "from torch.distributed.tensor import DTensor\n", "torch.distributed is imported only"),
+        ("pruning/pruner.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
         ("presets/registry.py", "from pytorch_lightning import Trainer\n", "lightning is imported only"),
-        ("engine.py", "import importlib\nimportlib.import_module('lightning')\n", "lightning is imported only"),
+        ("pruning/pruner.py", "import importlib\nimportlib.import_module('lightning')\n", "lightning is imported only"),
         ("training/controller.py", "import lightning\n", "lightning is imported only"),
         ("training/callback.py", "import torchmetrics\n", "torchmetrics is imported only"),
         ("parallel/executors/base.py", "from lightning_pat.training.callback import X\n", "parallel floor imports"),
-        ("parallel/executors/base.py", "from ...engine import Pruner\n", "the parallel floor imports only"),
-        ("parallel/comm/ranks.py", "from lightning_pat import engine\n", "the parallel floor imports only"),
-        ("engine.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
-        ("engine.py", "from lightning_pat.demo import TinyGPT\n", "the pruning floor imports only"),
+        ("parallel/executors/base.py", "from ...pruning.pruner import Pruner\n", "the parallel floor imports only"),
+        ("parallel/comm/ranks.py", "from lightning_pat import pruning\n", "the parallel floor imports only"),
+        ("pruning/pruner.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
+        ("pruning/pruner.py", "from lightning_pat.demo import TinyGPT\n", "the pruning floor imports only"),
         ("training/callback.py", "from lightning_pat.cli import main\n", "the training floor imports only"),
-        ("shrink/entry.py", "from lightning_pat.engine import PruneResult\n", "the shrink floor imports only"),
+        ("shrink/entry.py", "from lightning_pat.pruning.pruner import PruneResult\n", "the shrink floor imports only"),
         ("shrink/surgery.py", "from lightning_pat.parallel.comm import dtensor\n", "the shrink floor imports only"),
         ("shrink/entry.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
         ("shrink/entry.py", "import transformers\n", "imports only the stdlib and torch"),
@@ -335,18 +337,18 @@ KNOWN = {
         ("cli/app.py", "from lightning_pat.demo import TinyGPT\n", "the cli floor imports only"),
         ("discovery/entry.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
         ("discovery/trace.py", "import lightning\n", "lightning is imported only"),
-        ("shrink/surgery_conv.py", "from lightning_pat.engine import Pruner\n", "the shrink floor imports only"),
-        ("scoring/activation.py", "from lightning_pat.engine import Pruner\n", "the scoring floor imports only"),
+        ("shrink/surgery_conv.py", "from lightning_pat.pruning import pruner\n", "the shrink floor imports only"),
+        ("scoring/activation.py", "from lightning_pat.pruning import pruner\n", "the scoring floor imports only"),
         ("scoring/hooks.py", "from lightning_pat.training import controller\n", "the scoring floor imports only"),
         ("shrink/verify.py", "from lightning_pat.scoring.hooks import run_batches\n", "the shrink floor imports only"),
         ("sizing/targets.py", "from lightning_pat.scoring.layers import LayerStats\n", "the sizing floor imports"),
-        ("engine.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
-        ("engine.py", "from lightning_pat.parallel.comm import reduce as R\n", "no one-letter module aliases"),
+        ("pruning/pruner.py", "from lightning_pat.core.spec import _helper\n", "a name that crosses modules is public"),
+        ("pruning/pruner.py", "from lightning_pat.parallel.comm import reduce as R\n", "no one-letter module aliases"),
         ("new_module.py", "import torch\n", "belongs to no floor"),
         ("parallel/executors/sharded.py", "import torch\ntorch.distributed.all_gather_into_tensor(a, b)\n", "collect"),
         ("parallel/executors/sharded.py", "def f(mesh):\n    mesh.get_group().allreduce(t)\n", "collectives"),
         ("parallel/placement.py", "from torch.distributed import broadcast as b\nb(t, 0)\n", "collectives"),
-        ("engine.py", "from lightning_pat.parallel.comm import ranks\nranks.barrier()\n", "collectives"),
+        ("pruning/pruner.py", "from lightning_pat.parallel.comm import ranks\nranks.barrier()\n", "collectives"),
         (
             "parallel/placement.py",
             "import torch.distributed as dist\ndist.all_reduce(t)\n",
@@ -376,9 +378,11 @@ def test_checkers_detect_violations(rel, source, needle):
             "from lightning_pat.parallel.comm import reduce\nreduce.all_gather_packed(x, group=g)\n",
         ),
         ("training/callback.py", "import lightning.pytorch as pl\nfrom lightning_pat.training import controller\n"),
-        ("training/controller.py", "from lightning_pat.engine import Pruner\nfrom lightning_pat.shrink import entry\n"),
+        ("training/controller.py", "from lightning_pat.pruning import plan\nfrom lightning_pat.shrink import entry\n"),
         ("scoring/taylor.py", "from lightning_pat.parallel.comm import dtensor\nfrom lightning_pat.core import spec\n"),
-        ("engine.py", "from lightning_pat.scoring.activation import ActivationStats\n"),
+        ("pruning/pruner.py", "from lightning_pat.scoring.activation import ActivationStats\n"),
+        ("pruning/options.py", "from lightning_pat.core.checks import check_choice\n"),
+        ("training/environment.py", "from lightning_pat.pruning.options import PruningOptions\n"),
         ("training/controller.py", "from lightning_pat.scoring.taylor import TaylorScores\n"),
         ("training/metrics.py", "from torchmetrics import Metric\n"),
         ("shrink/entry.py", "import math\nimport torch\nfrom lightning_pat.core.spec import ResolvedCluster\n"),

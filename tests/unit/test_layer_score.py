@@ -18,7 +18,7 @@ from lightning_pat import presets
 from lightning_pat.core.spec import resolve_clusters
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
 from lightning_pat.demo.preset import tiny_gpt
-from lightning_pat.engine import Pruner
+from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.scoring.layers import LayerStats, token_cosines
 
 CFG = TinyGPTConfig(vocab_size=32, n_layer=3, n_head=2, n_kv_head=2, d_model=16, d_ff=24, max_seq_len=8)
@@ -264,7 +264,7 @@ def test_calibrate_layers_refuses_clusters_without_layer_units():
 
 def test_the_controller_falls_back_to_the_weight_score_with_a_warning_when_no_layer_ran_in_training():
     """A model kept in eval mode during training: no training forward, so the weight RMS ranks the layers."""
-    from lightning_pat.options import PruningOptions
+    from lightning_pat.pruning.options import PruningOptions
     from lightning_pat.training.controller import PruningController
 
     def fit(layer_score: str) -> dict:

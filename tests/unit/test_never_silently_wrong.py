@@ -85,7 +85,7 @@ def test_target_1_and_0_are_not_refused():
 
 
 def test_shared_budget_is_checked_on_its_total_and_each_multiple_of():
-    from lightning_pat.engine import check_not_emptied
+    from lightning_pat.pruning.plan import check_not_emptied
 
     params = dict(_mlp().named_parameters())
     a = Cluster("a", writers=["0.weight", "0.bias"], readers=["2.weight"], budget="b")
@@ -301,7 +301,7 @@ def test_target_layers_with_a_size_depth_cannot_reach_is_refused_with_the_larges
 
 def test_target_sparsity_with_a_size_target_warns_the_same_way_in_the_callback_and_prune_clusters():
     """Audit C6: one behaviour: the size target sets the widths, and an explicit target_sparsity is named as unused."""
-    from lightning_pat.options import PruningOptions
+    from lightning_pat.pruning.options import PruningOptions
 
     with pytest.warns(UserWarning, match=r"`target_sparsity=0.3` is unused: `target_params` sets the widths"):
         PruningOptions([H], target_sparsity=0.3, target_params=0.5)

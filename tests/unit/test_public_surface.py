@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import lightning_pat
-from lightning_pat.options import PruningOptions
+from lightning_pat.pruning.options import PruningOptions
 
 PINNED = Path(__file__).with_name("public_surface.json")
 

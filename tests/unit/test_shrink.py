@@ -394,7 +394,7 @@ def test_shape_mismatch_and_missing_parameter_raise():
 def test_nonzero_dropped_units_warn_for_a_result_and_are_refused_for_a_saved_state():
     """A PruneResult of another model warns (in memory, the caller's choice); a state read from a file whose mask
     is not zero in the weights is refused before anything changes (issue 23, A3): it does not belong to them."""
-    from lightning_pat.engine import PruneResult
+    from lightning_pat.pruning.pruner import PruneResult
 
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     [rc] = resolve_clusters(net, Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"]))

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_pat import Cluster
 from lightning_pat.core.state_schema import StateContext, StateError, check_state
-from lightning_pat.options import PruningOptions
+from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.training.controller import PruningController
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]

@@ -1,31 +1,33 @@
-"""The pruning options, built and checked in one place (no Lightning here).
+"""The pruning options, each checked once, where they enter (no Lightning here).
 
-:class:`PruningOptions` is a frozen dataclass: constructing one validates every option (numbers, enums, cluster
-declarations, preset names and options, the schedule) and raises ``ValueError``/``TypeError`` naming the option,
-what was expected, what was found and the fix. The callback, :func:`~lightning_pat.prune_clusters`, the plan and
-the presets use the same checkers; the callback turns their errors into ``MisconfigurationException`` at its
-boundary. :func:`check_environment` refuses, before any step, the training setups the callback cannot serve; it
-takes the strategy as plain facts (its class name and :data:`StrategyKind`), so it needs no Lightning either.
+:class:`PruningOptions` (the callback's options) and :class:`StepOptions` (the options of one step without a
+Trainer, :func:`~lightning_pat.prune_clusters`) are frozen dataclasses: building one checks every option it holds,
+through the checkers below and those of :mod:`lightning_pat.core.checks`, and raises ``ValueError``/``TypeError``
+naming the option, what was expected, what was found and the fix. The plan and the pruner take the options as they
+are (:func:`~lightning_pat.pruning.plan.make_plan` does not check them again); the callback turns the errors into
+``MisconfigurationException`` at its boundary. ``clusters`` becomes declarations in
+:mod:`lightning_pat.pruning.declarations`; the Trainer's setup is checked by
+:func:`lightning_pat.training.environment.check_environment`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from lightning_pat import presets
+from lightning_pat.core.checks import check_bool, check_choice, check_number
 from lightning_pat.core.schedule import RampShape, Schedule
 from lightning_pat.core.scoring import SCORE_TYPES
-from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
-from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.comm.ranks import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
+from lightning_pat.pruning.declarations import normalize_clusters
 from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops
 from lightning_pat.sizing.problem import Side
@@ -35,8 +37,6 @@ Mode = Literal["latent", "direct"]
 MODES: tuple[str, ...] = ("latent", "direct")
 Method = Literal["hard", "group_lasso"]
 METHODS: tuple[str, ...] = ("hard", "group_lasso")
-#: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
-StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
 #: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
 TeacherStore = Literal["checkpoint", "file"]
 TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
@@ -49,96 +49,75 @@ RESUMABLE: tuple[str, ...] = (
 MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
-_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
 #: The callback's scores: a score of :data:`~lightning_pat.core.scoring.SCORE_TYPES`, or ``"auto"`` (the default).
 TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
 TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
+#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
+ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
+Allocation = Literal["importance", "fractions"]
 
 
-def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
-    """Raise unless ``value`` is one of ``valid``.
-
-    Raises:
-        ValueError: If ``value`` is not in ``valid``.
-    """
-    if value not in valid:
-        raise ValueError(f"`{name}` must be one of {tuple(valid)}, got {value!r}.")
-
-
-def check_number(name: str, value: object, *, low: float, high: float | None = None, integer: bool = False) -> None:
-    """Raise unless ``value`` is a number (an int if ``integer``) in ``[low, high]``.
+def check_method(method: object, reg_lambda: object) -> None:
+    """``method`` is ``"hard"`` or ``"group_lasso"``, ``reg_lambda`` a number >= 0.
 
     Raises:
-        ValueError: If ``value`` is a bool, not a number (not an int), not finite (NaN, inf) or out of range.
+        ValueError: If ``method`` is unknown or ``reg_lambda`` is not a finite number >= 0.
     """
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    in_range = ok_type and value >= low and (high is None or value <= high)  # type: ignore[operator]  # NaN: False
-    span = f"[{low}, {high}]" if high is not None else f">= {low}"
-    kind = "an int" if integer else "a number"
-    if ok_type and not isinstance(value, bool) and not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"`{name}` must be a finite number {span}, got {value!r}.")
-    if isinstance(value, bool) or not in_range:
-        raise ValueError(f"`{name}` must be {kind} {span}, got {value!r}.")
+    check_choice("method", method, METHODS)
+    check_number("reg_lambda", reg_lambda, low=0.0)
 
 
-def check_bool(name: str, value: object) -> None:
-    """Raise unless ``value`` is ``True`` or ``False`` (a string such as ``"false"`` would be truthy).
+def check_group_count_ref(group_count_ref: object) -> None:
+    """``group_count_ref`` is ``None`` or an int >= 1.
 
     Raises:
-        ValueError: If ``value`` is not a bool.
+        ValueError: If it is anything else (a bool included).
     """
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.")
+    if group_count_ref is not None:
+        check_number("group_count_ref", group_count_ref, low=1, integer=True)
 
 
-def _preset_name(name: str) -> str:
-    try:
-        presets.get(name)
-    except ValueError as err:
-        raise ValueError(f"`clusters`: {err}") from err
-    return name
+def check_size_target(
+    target_params: object,
+    target_flops: object,
+    *,
+    seq_len: object,
+    side: object = "below",
+    layers: object = None,
+    widths: object = "uniform",
+    min_kept: object = None,
+) -> None:
+    """A size target: ``target_params`` or ``target_flops`` (with ``seq_len``), its side, layers and widths.
 
-
-def _declaration(entry: object, index: int) -> Cluster:
-    if isinstance(entry, Mapping):
-        label = entry.get("name", f"#{index}")
-        unknown = sorted(str(k) for k in entry if k not in _FIELDS)
-        if unknown:
-            raise ValueError(
-                f"Cluster {label!r}: unknown key(s) {unknown}; a cluster declaration has the fields {list(_FIELDS)}."
-            )
-        if "name" not in entry:
-            raise ValueError(
-                f"Cluster #{index}: the mapping {dict(entry)!r} has no `name`; every declaration needs one."
-            )
-    elif not isinstance(entry, Cluster):
+    Raises:
+        ValueError: If both targets are given, ``target_flops`` and ``seq_len`` are not given together, or the
+            target, side, layers, widths or ``min_kept`` are malformed (see
+            :func:`~lightning_pat.sizing.targets.check_target`).
+    """
+    if target_params is not None and target_flops is not None:
         raise ValueError(
-            f"`clusters` entry #{index} must be a Cluster, a mapping of its fields or a preset name, got "
-            f"{type(entry).__name__} ({entry!r})."
+            "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
+            f"target_params={target_params!r}, target_flops={target_flops!r}."
         )
-    try:
-        return check_declaration(entry if isinstance(entry, Cluster) else Cluster(**entry))
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"`clusters`: {err}") from err
+    check_flops(target_flops, seq_len)
+    check_target(
+        target_params if target_flops is None else target_flops, side, layers, widths, min_kept,
+        name="target_params" if target_flops is None else "target_flops",
+    )  # fmt: skip
 
 
-def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
-    """A preset name (checked), or declarations and preset names (checked; mappings become Clusters).
+def check_preset_options(preset_options: object) -> None:
+    """``preset_options`` is ``None`` or a mapping of preset option names to bools.
 
     Raises:
-        ValueError: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a declaration is
-            invalid (a mapping with an unknown key or no name included).
+        ValueError: If it is not a mapping, a name is unknown or a value is not a bool.
     """
-    clusters = found_clusters(clusters)  # a Discovery: its declarations
-    if isinstance(clusters, str):
-        return _preset_name(clusters)
-    if isinstance(clusters, (Cluster, Mapping)):
-        clusters = [clusters]
-    if not isinstance(clusters, Sequence) or not clusters:
+    if preset_options is not None and not isinstance(preset_options, Mapping):
         raise ValueError(
-            f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
+            "`preset_options` must be a mapping of preset option names to bools (e.g. {'residual': True}), got "
+            f"{type(preset_options).__name__} {preset_options!r}."
         )
-    return tuple(_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters))
+    presets.check_options(preset_options or {})
 
 
 @dataclass(frozen=True)
@@ -146,7 +125,8 @@ class PruningOptions:
     """Every option of a pruning run, checked once at construction.
 
     The options are those of :class:`~lightning_pat.CoupledPruningCallback` (whose help lists them from here);
-    :func:`~lightning_pat.prune_clusters` and the plan use the ones that apply to a single step.
+    one step without a Trainer (:func:`~lightning_pat.prune_clusters`) takes its subset as :class:`StepOptions`,
+    checked by the same checkers.
 
     Args:
         clusters: Cluster declarations (:class:`~lightning_pat.Cluster` objects or mappings of their fields), a
@@ -298,42 +278,29 @@ class PruningOptions:
         given_sparsity = self.target_sparsity
         object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
         check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
-        check_number("reg_lambda", self.reg_lambda, low=0.0)
+        check_method(self.method, self.reg_lambda)
         for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
             check_bool(switch, getattr(self, switch))
-        check_choice("method", self.method, METHODS)
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)
         check_choice("layer_score", self.layer_score, LAYER_SCORES)
         check_choice("executor", self.executor, EXECUTOR_KINDS)
-        if self.group_count_ref is not None:
-            check_number("group_count_ref", self.group_count_ref, low=1, integer=True)
+        check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:
             raise ValueError(
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
-        if self.preset_options is not None and not isinstance(self.preset_options, Mapping):
-            raise ValueError(
-                "`preset_options` must be a mapping of preset option names to bools (e.g. {'residual': True}), got "
-                f"{type(self.preset_options).__name__} {self.preset_options!r}."
-            )
-        presets.check_options(self.preset_options or {})
-        if self.target_params is not None and self.target_flops is not None:
-            raise ValueError(
-                "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
-                f"target_params={self.target_params!r}, target_flops={self.target_flops!r}."
-            )
-        check_flops(self.target_flops, self.seq_len)
+        check_preset_options(self.preset_options)
+        check_size_target(
+            self.target_params, self.target_flops, seq_len=self.seq_len, side=self.target_side,
+            layers=self.target_layers, widths=self.target_widths, min_kept=self.min_kept,
+        )  # fmt: skip
         if given_sparsity is not None and self.size_target is not None:  # one behaviour with prune_clusters
             which = "target_params" if self.target_flops is None else "target_flops"
             rank_zero_warn(
                 f"CoupledPruningCallback: `target_sparsity={given_sparsity}` is unused: `{which}` sets the widths "
                 f"({which}={self.size_target!r}); remove `target_sparsity` (e.g. from the config file) to silence this."
             )
-        check_target(
-            self.size_target, self.target_side, self.target_layers, self.target_widths, self.min_kept,
-            name="target_params" if self.target_flops is None else "target_flops",
-        )  # fmt: skip
         if self.size_target is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
@@ -387,86 +354,79 @@ class PruningOptions:
             return self.clusters
         return ",".join(c if isinstance(c, str) else c.name for c in self.clusters)
 
-    def declarations(self, module: Any) -> list[Cluster]:
-        """The cluster declarations for ``module``: the given ones, or the presets' (expanded from preset names).
 
-        With ``clusters="auto"`` and a module no preset covers, they are discovered by tracing its
-        ``example_input_array`` (:func:`~lightning_pat.discover`).
+@dataclass(frozen=True)
+class StepOptions:
+    """The options of one pruning step without a Trainer (:func:`~lightning_pat.prune_clusters`), checked once.
 
-        Raises:
-            ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module;
-                if discovery has no example input or fails.
-        """
-        if self.discovers(module):
-            return self._discovered(module, getattr(module, "example_input_array", None))
-        clusters = self.clusters if isinstance(self.clusters, str) else list(self.clusters)
-        return presets.resolve_preset(clusters, module, **self.preset_options)
-
-    def discovers(self, module: Any) -> bool:
-        """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it)."""
-        return isinstance(self.clusters, str) and self.clusters.lower() == "auto" and prefers_discovery(module)
-
-    def early_declarations(self, module: Any, batch_input: Callable[[], Any]) -> list[Cluster] | ValueError | None:
-        """``clusters="auto"`` by tracing, before the model is sharded (FSDP2 modules cannot be copied for tracing).
-
-        Args:
-            module: The model, before ``configure_model``.
-            batch_input: Returns the first training batch's inputs (``None`` if there is none); called only if the
-                module has no ``example_input_array``.
-
-        Returns:
-            The discovered declarations; the ``ValueError`` that discovery raised (the caller raises it where every
-            rank raises together); or ``None`` when discovery does not apply (declarations, a preset).
-        """
-        if not self.discovers(module):
-            return None
-        example = getattr(module, "example_input_array", None)
-        try:
-            return self._discovered(module, example if example is not None else batch_input())
-        except ValueError as err:
-            return err
-
-    def _discovered(self, module: Any, example: Any) -> list[Cluster]:
-        """``clusters="auto"`` for a model no preset covers: trace ``example`` (see :mod:`lightning_pat.discovery`)."""
-        if example is None:
-            raise ValueError(
-                f"clusters='auto': no preset fits {type(module).__name__}, and discovering the clusters by tracing "
-                "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes) "
-                "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
-                "them)."
-            )
-        if self.preset_options:
-            raise ValueError(
-                f"`preset_options` {self.preset_options} apply to presets, but no preset fits {type(module).__name__} "
-                "and its clusters are discovered by tracing; remove `preset_options`."
-            )
-        return discovered_clusters(module, example)
-
-    def frozen(self, step: int) -> bool:
-        """Whether the mask is frozen after ``step`` (healing): nothing is selected any more."""
-        return self.schedule.frozen(step, heal=self.heal)
-
-
-def auto_declarations(module: Any, clusters: object) -> object:
-    """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
-
-    A preset that fits the module: its name stays (expanded by the caller). No preset fits: the clusters are
-    discovered by tracing the module's ``example_input_array``, as the callback does; without one, an error points
-    at :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
+    The same checkers as :class:`PruningOptions` (``sparsity`` is its ``target_sparsity``, without the default);
+    ``executor`` is checked where it is used (:func:`~lightning_pat.parallel.executors.route`). See
+    :func:`~lightning_pat.prune_clusters` for the meaning of each option.
 
     Raises:
-        ValueError: If no preset fits and the module has no ``example_input_array``, or discovery fails.
+        ValueError: If an option is out of range or unknown, none or several of ``sparsity``, ``target_params``
+            and ``target_flops`` are given (``sparsity`` with a size target warns and is dropped), ``target_flops``
+            comes without ``seq_len``, or ``score="taylor"`` (it exists only during training).
+
+    Example::
+
+        >>> StepOptions(sparsity=0.5).method, StepOptions(target_params="1M").sparsity
+        ('hard', None)
     """
-    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)):
-        return clusters
-    example = getattr(module, "example_input_array", None)
-    if example is None:
-        raise ValueError(
-            f"clusters='auto': no preset fits {type(module).__name__}, so its clusters are found by tracing, which "
-            "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
-            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, as the callback reads it)."
-        )
-    return discovered_clusters(module, example)
+
+    sparsity: float | None = None
+    target_params: int | float | str | None = None
+    target_side: Side = "below"
+    target_layers: int | None = None
+    target_widths: str = "uniform"
+    min_kept: float | None = None
+    target_flops: int | float | str | None = None
+    seq_len: int | None = None
+    target_allocation: Allocation = "importance"
+    score: TrainingScore = "auto"
+    method: Method = "hard"
+    reg_lambda: float = 0.0
+    gamma: float = 1.0
+    group_count_ref: int | None = None
+
+    def __post_init__(self) -> None:
+        sparsity, target_params, target_flops = self.sparsity, self.target_params, self.target_flops
+        if sparsity is not None and (target_params is not None or target_flops is not None):  # as the callback does
+            which = "target_params" if target_flops is None else "target_flops"
+            rank_zero_warn(
+                f"prune_clusters: `sparsity={sparsity}` is unused: `{which}` sets the widths "
+                f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
+            )
+            sparsity = None
+        if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
+            raise ValueError(
+                "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such "
+                "as '350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
+                f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
+            )
+        check_size_target(
+            target_params, target_flops, seq_len=self.seq_len, side=self.target_side, layers=self.target_layers,
+            widths=self.target_widths, min_kept=self.min_kept,
+        )  # fmt: skip
+        if sparsity is not None:
+            check_number("sparsity", sparsity, low=0.0, high=1.0)
+        check_choice("score", self.score, TRAINING_SCORES)
+        check_choice("target_allocation", self.target_allocation, ALLOCATIONS)
+        check_method(self.method, self.reg_lambda)
+        check_number("gamma", self.gamma, low=0.0)
+        check_group_count_ref(self.group_count_ref)
+        if self.score == "taylor":
+            raise ValueError(
+                "score='taylor' sums |w * g| over training steps, so it exists only during training: use it with "
+                "CoupledPruningCallback (or lightning_pat.scoring.taylor.TaylorScores with a Pruner in your own "
+                "loop); for prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
+            )
+        object.__setattr__(self, "sparsity", None if sparsity is None else float(sparsity))
+
+    @property
+    def size_target(self) -> int | float | str | None:
+        """``target_params`` or ``target_flops``, whichever is set (``None``: ``sparsity`` applies)."""
+        return self.target_params if self.target_flops is None else self.target_flops
 
 
 def options_doc() -> str:
@@ -518,79 +478,4 @@ def check_distillation(options: PruningOptions) -> None:
         raise ValueError(
             f"`distill_teacher_dir={str(where)!r}` is set but `distill_teacher_store` is "
             f"{options.distill_teacher_store!r}: the directory is used only with distill_teacher_store='file'."
-        )
-
-
-def check_environment(
-    options: PruningOptions,
-    *,
-    strategy: str,
-    kind: StrategyKind,
-    automatic_optimization: bool,
-    module: str,
-    weight_averaging: str | None = None,
-) -> None:
-    """Refuse, before any step, a training setup the callback cannot serve with these options.
-
-    Args:
-        options: The run's options.
-        strategy: The strategy's class name (for the messages).
-        kind: How the strategy holds parameters.
-        automatic_optimization: The LightningModule's ``automatic_optimization``.
-        module: The LightningModule's class name (for the messages).
-        weight_averaging: The class name of a weight-averaging callback (``StochasticWeightAveraging``) that runs
-            too, if any. It copies averaged weights into the model; the callback then re-applies the mask after each
-            copy (the average includes snapshots taken before units were dropped).
-
-    Raises:
-        ValueError: On DeepSpeed, manual optimization, ``score="activation"`` under FSDP1 (``FSDPStrategy``),
-            ``shrink_on_freeze`` under another strategy than a single device, or ``shrink_on_freeze`` with weight
-            averaging (its full-size average cannot be copied into the shrunk model).
-    """
-    if kind == "deepspeed":
-        raise ValueError(
-            f"CoupledPruningCallback does not support {strategy}: DeepSpeed partitions parameters into flat buffers "
-            "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
-        )
-    if not automatic_optimization:
-        raise ValueError(
-            f"CoupledPruningCallback does not support manual optimization ({module}."
-            "automatic_optimization is False): it must see every optimizer step between the backward and the "
-            "update (a raw optimizer bypasses Lightning's hooks, and with several optimizers the schedule could not "
-            "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
-            "call lightning_pat.prune_clusters yourself after your optimizer steps."
-        )
-    if options.score == "activation" and kind == "fsdp1":
-        raise ValueError(
-            f"CoupledPruningCallback(score='activation') supports a single device, DDP and ModelParallelStrategy "
-            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps parameters in flat shards, where the readers' "
-            "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
-            "(score='rms', the default) under FSDPStrategy."
-        )
-    if options.score == "taylor" and kind == "fsdp1":
-        raise ValueError(
-            f"CoupledPruningCallback(score='taylor') supports a single device, DDP and ModelParallelStrategy "
-            f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
-            "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
-        )
-    if options.distill and kind not in ("single", "ddp", "model_parallel"):
-        raise ValueError(
-            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
-            f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
-            "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
-            "distill_alpha=0."
-        )
-    if options.shrink_on_freeze and weight_averaging is not None:
-        raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
-            "averaged copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. "
-            "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
-            "callback."
-        )
-    if options.shrink_on_freeze and kind != "single":
-        raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
-            f"{strategy}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
-            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
-            "(lightning_pat.shrink(model, callback)), or train on one device."
         )

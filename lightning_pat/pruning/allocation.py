@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_pat import presets
+from lightning_pat.core.checks import check_choice
 from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
-from lightning_pat.engine import ALLOCATIONS, Allocation, make_plan, one_shot_calibration, plan_importance
-from lightning_pat.options import check_choice
-from lightning_pat.sizing.flops import check_flops
+from lightning_pat.pruning.api import one_shot_calibration, plan_importance
+from lightning_pat.pruning.options import ALLOCATIONS, Allocation, check_size_target
+from lightning_pat.pruning.plan import make_plan
 from lightning_pat.sizing.problem import Side, SizeSolution
-from lightning_pat.sizing.targets import check_target
 
 if TYPE_CHECKING:
     from lightning_pat.scoring.activation import ActivationStats
@@ -91,8 +91,7 @@ def size_clusters(
             "size_clusters needs `target_params` or `target_flops`, exactly one of them; got "
             f"target_params={target_params!r}, target_flops={target_flops!r}."
         )
-    check_flops(target_flops, seq_len)
-    check_target(target_params if target_flops is None else target_flops, target_side, target_layers)
+    check_size_target(target_params, target_flops, seq_len=seq_len, side=target_side, layers=target_layers)
     check_choice("target_allocation", target_allocation, ALLOCATIONS)
     entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
     decls = [c for e in entries for c in (presets.resolve_preset(e, model) if isinstance(e, str) else [as_cluster(e)])]

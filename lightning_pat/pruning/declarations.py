@@ -1,0 +1,182 @@
+"""``clusters=`` into cluster declarations: preset names expanded, ``"auto"`` resolved, discovery by tracing.
+
+The callback's ``clusters`` (checked when :class:`~lightning_pat.pruning.options.PruningOptions` is built, by
+:func:`normalize_clusters`) become declarations for a module at fit start (:func:`declarations_for`), or, for
+``clusters="auto"`` on a model no preset covers, by tracing before the model is sharded (:func:`early_declarations`).
+:func:`~lightning_pat.prune_clusters` takes the same spellings without a Trainer (:func:`one_shot_declarations`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lightning_pat import presets
+from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
+from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.presets.registry import expand as expand_presets
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
+
+
+def _preset_name(name: str) -> str:
+    try:
+        presets.get(name)
+    except ValueError as err:
+        raise ValueError(f"`clusters`: {err}") from err
+    return name
+
+
+def _declaration(entry: object, index: int) -> Cluster:
+    if isinstance(entry, Mapping):
+        label = entry.get("name", f"#{index}")
+        unknown = sorted(str(k) for k in entry if k not in _FIELDS)
+        if unknown:
+            raise ValueError(
+                f"Cluster {label!r}: unknown key(s) {unknown}; a cluster declaration has the fields {list(_FIELDS)}."
+            )
+        if "name" not in entry:
+            raise ValueError(
+                f"Cluster #{index}: the mapping {dict(entry)!r} has no `name`; every declaration needs one."
+            )
+    elif not isinstance(entry, Cluster):
+        raise ValueError(
+            f"`clusters` entry #{index} must be a Cluster, a mapping of its fields or a preset name, got "
+            f"{type(entry).__name__} ({entry!r})."
+        )
+    try:
+        return check_declaration(entry if isinstance(entry, Cluster) else Cluster(**entry))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"`clusters`: {err}") from err
+
+
+def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
+    """A preset name (checked), or declarations and preset names (checked; mappings become Clusters).
+
+    Raises:
+        ValueError: If ``clusters`` is empty or of the wrong type, a preset name is unknown, or a declaration is
+            invalid (a mapping with an unknown key or no name included).
+    """
+    clusters = found_clusters(clusters)  # a Discovery: its declarations
+    if isinstance(clusters, str):
+        return _preset_name(clusters)
+    if isinstance(clusters, (Cluster, Mapping)):
+        clusters = [clusters]
+    if not isinstance(clusters, Sequence) or not clusters:
+        raise ValueError(
+            f"`clusters` must be a preset name or a non-empty list of Cluster declarations, got {clusters!r}."
+        )
+    return tuple(_preset_name(c) if isinstance(c, str) else _declaration(c, i) for i, c in enumerate(clusters))
+
+
+def discovers(module: Any, clusters: object) -> bool:
+    """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it)."""
+    return isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)
+
+
+def declarations_for(
+    module: Any, clusters: str | Sequence[Cluster | str], preset_options: Mapping[str, bool]
+) -> list[Cluster]:
+    """The cluster declarations for ``module``: the given ones, or the presets' (expanded from preset names).
+
+    With ``clusters="auto"`` and a module no preset covers, they are discovered by tracing its
+    ``example_input_array`` (:func:`~lightning_pat.discover`).
+
+    Args:
+        module: The model the declarations are for.
+        clusters: ``PruningOptions.clusters`` (checked by :func:`normalize_clusters`).
+        preset_options: ``PruningOptions.preset_options`` (checked when the options were built).
+
+    Raises:
+        ValueError: If ``preset_options`` are given with declarations only, or a preset does not fit the module;
+            if discovery has no example input or fails.
+    """
+    if discovers(module, clusters):
+        return _discovered(module, getattr(module, "example_input_array", None), preset_options)
+    return expand_presets(clusters if isinstance(clusters, str) else list(clusters), module, preset_options)
+
+
+def early_declarations(
+    module: Any,
+    clusters: str | Sequence[Cluster | str],
+    preset_options: Mapping[str, bool],
+    batch_input: Callable[[], Any],
+) -> list[Cluster] | ValueError | None:
+    """``clusters="auto"`` by tracing, before the model is sharded (FSDP2 modules cannot be copied for tracing).
+
+    Args:
+        module: The model, before ``configure_model``.
+        clusters: ``PruningOptions.clusters``.
+        preset_options: ``PruningOptions.preset_options``.
+        batch_input: Returns the first training batch's inputs (``None`` if there is none); called only if the
+            module has no ``example_input_array``.
+
+    Returns:
+        The discovered declarations; the ``ValueError`` that discovery raised (the caller raises it where every
+        rank raises together); or ``None`` when discovery does not apply (declarations, a preset).
+    """
+    if not discovers(module, clusters):
+        return None
+    example = getattr(module, "example_input_array", None)
+    try:
+        return _discovered(module, example if example is not None else batch_input(), preset_options)
+    except ValueError as err:
+        return err
+
+
+def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -> list[Cluster]:
+    """``clusters="auto"`` for a model no preset covers: trace ``example`` (see :mod:`lightning_pat.discovery`)."""
+    if example is None:
+        raise ValueError(
+            f"clusters='auto': no preset fits {type(module).__name__}, and discovering the clusters by tracing "
+            "needs an example input; set `self.example_input_array` in the LightningModule (what `forward` takes) "
+            "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
+            "them)."
+        )
+    if preset_options:
+        raise ValueError(
+            f"`preset_options` {dict(preset_options)} apply to presets, but no preset fits {type(module).__name__} "
+            "and its clusters are discovered by tracing; remove `preset_options`."
+        )
+    return discovered_clusters(module, example)
+
+
+def auto_declarations(module: Any, clusters: object) -> object:
+    """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
+
+    A preset that fits the module: its name stays (expanded by the caller). No preset fits: the clusters are
+    discovered by tracing the module's ``example_input_array``, as the callback does; without one, an error points
+    at :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
+
+    Raises:
+        ValueError: If no preset fits and the module has no ``example_input_array``, or discovery fails.
+    """
+    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)):
+        return clusters
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise ValueError(
+            f"clusters='auto': no preset fits {type(module).__name__}, so its clusters are found by tracing, which "
+            "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
+            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, as the callback reads it)."
+        )
+    return discovered_clusters(module, example)
+
+
+def one_shot_declarations(module: Any, clusters: object) -> object:
+    """``prune_clusters``' ``clusters`` as the callback reads them: a discovery, ``"auto"`` and preset names expanded.
+
+    Declarations pass through as they are (the plan resolves them).
+
+    Raises:
+        ValueError: As :func:`auto_declarations`, or if a preset name is unknown or rejects the module.
+    """
+    clusters = auto_declarations(module, found_clusters(clusters))  # a Discovery; "auto" as the callback means it
+    if isinstance(clusters, str) or (
+        isinstance(clusters, Sequence)
+        and not isinstance(clusters, Mapping)
+        and any(isinstance(c, str) for c in clusters)
+    ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
+        return expand_presets(clusters, module, {})
+    return clusters
