@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.layers import is_layer_cluster
+from lightning_pat.core.saved_state import DISTILL, is_shrunk, saved_score, split_distill
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
@@ -49,6 +50,7 @@ from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.layers import LayerStats, layer_clusters
 from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.shrink import check_shrinkable, restore_shrunk, shrink_for_training
+from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
 from lightning_pat.training.collectors import Collectors
@@ -462,8 +464,7 @@ class PruningController:
 
     def _restore(self, saved: Mapping[str, Any], *, ckpt_path: Any, global_step: int | None) -> None:
         opts = self.options
-        saved_options = saved.get("options")
-        kept = saved_options.get("score") if isinstance(saved_options, Mapping) else None
+        kept = saved_score(saved)
         runs = not (kept == "activation" and self._fsdp1_root is not None)
         if opts.score == "auto" and kept in ("rms", "activation") and kept != self.score and runs:
             with self._weights() as params:  # "auto" continues the score the checkpoint was written with
@@ -852,7 +853,7 @@ class PruningController:
             latents = state.latent_entry(self.latents.state_dict(), self._params, fmt=self._latent_format())
         saved = self._state(latents=latents, scorers=self.scorers.state_dicts())  # every rank's statistics: collective
         if self.distiller is not None:
-            saved["distill"] = self.distiller.state_dict()
+            saved[DISTILL] = self.distiller.state_dict()
         return saved
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
@@ -866,10 +867,9 @@ class PruningController:
                 f"{state.WHAT} must be a mapping, got {type(saved).__name__}; the checkpoint was edited or is not one "
                 "of lightning_pat's."
             )
-        pending = dict(saved)
-        distill = pending.pop("distill", None) or {}
+        pending, distill = split_distill(saved)
         if self.distiller is not None:
-            self.distiller.load_state_dict(distill)
+            self.distiller.load_state_dict(distill or {})
         self._pending = pending
 
     def sharded_latents(self) -> dict[str, Tensor]:
@@ -900,17 +900,18 @@ class PruningController:
             ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
                 shrink of this (shrunk) module.
         """
-        if self.distiller is not None and saved and saved.get("shrunk"):  # a dense copy to rebuild the teacher into
-            self.distiller.keep_skeleton(module, saved.get("distill"), self.options.distill_module)
+        body, distill = split_distill(saved or {})
+        if self.distiller is not None and is_shrunk(body):  # a dense copy to rebuild the teacher into
+            self.distiller.keep_skeleton(module, distill, self.options.distill_module)
         differ = _shape_mismatches(module, weights)
         if not differ:
             return
-        if saved and saved.get("shrunk"):  # a checkpoint written after the shrink: give the module its shapes
+        if is_shrunk(body):  # a checkpoint written after the shrink: give the module its shapes
             with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
-                restore_shrunk(module, saved)
+                small = read_saved(body, "the callback state")  # the schema, once
+                restore_shrunk(module, small)
             if self.shrunk is None:
-                self.resolved = [ResolvedCluster.from_dict(rc) for rc in saved["clusters"]]
-                self.shrunk = {k: list(v) for k, v in saved["dropped"].items()}
+                self.resolved, self.shrunk = list(small.clusters), dict(small.dropped)
             return
         if self.shrunk is not None:  # this module was shrunk; the checkpoint holds the full-size weights
             name, (mine, theirs) = next(iter(differ.items()))

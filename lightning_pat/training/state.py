@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pat.core.saved_state import read_state
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
@@ -303,7 +304,7 @@ def check_restorable(
             options cannot take effect (see :func:`check_resumed_options`), or latent mode must continue a ramp but
             the state has no latents.
     """
-    check_saved(state, context if context is not None else StateContext())
+    read = read_state(state, context=context if context is not None else StateContext(), what=WHAT)
     saved = state.get("fingerprints", {})
     if saved != fingerprints:
         changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
@@ -311,10 +312,8 @@ def check_restorable(
             f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
             "resume with the same cluster declarations and model, or start a new run."
         )
-    step = int(state.get("step", 0))
-    saved_options = state.get("options", {})
-    final = step >= final_step_of(saved_options)
-    check_resumed_options(saved_options, options, step=step, final=final)
+    step, saved_options = read.step, read.options
+    check_resumed_options(saved_options, options, step=step, final=read.is_final)
     needs = latent_mode and schedule.phase(step) != "warmup"
     needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
     if needs and state.get("latents") is None:
