@@ -17,8 +17,9 @@ from torch import nn
 
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.safe_io import confined, load_torch_file
-from lightning_pat.core.schedule import final_step_of
-from lightning_pat.shrink import checkpoint_state, restore_shrunk, state_source
+from lightning_pat.core.saved_state import SavedState, callback_state
+from lightning_pat.shrink import restore_shrunk
+from lightning_pat.shrink.plan import read_saved
 from lightning_pat.training.state import SIDE_PREFIX
 
 
@@ -239,12 +240,9 @@ def shrink_checkpoint(
     check_directory(output, overwrite=overwrite)  # before the (long) load
     check_format(format, gguf_dtype=gguf_dtype)
     checkpoint = load_checkpoint(ckpt_path)
-    state = checkpoint_state(checkpoint)  # exactly one CoupledPruningCallback state, else a ValueError naming them
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            f"shrink: the checkpoint's CoupledPruningCallback state is a {type(state).__name__}, not a mapping."
-        )
-    state_source(state, "the checkpoint's pruning state")  # its schema, before the model is built
+    # the one lookup (exactly one CoupledPruningCallback state, else a ValueError naming them) and the one schema
+    # check, before the model is built; the restore, the warning and the shrink below take this state as read
+    saved = read_saved(callback_state(checkpoint), "the checkpoint's pruning state")
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     if config is None and model_class is None:
         config = find_config(ckpt_path)
@@ -268,7 +266,7 @@ def shrink_checkpoint(
         )
     target = _export_target(module, submodule)
     # a run with `shrink_on_freeze=True` saved the small weights: give the fresh module their shapes first
-    already_small = restore_shrunk(target, checkpoint)
+    already_small = restore_shrunk(target, saved)
     # distributed checkpoints carry the sharded latent copies and teacher next to the weights: not model state
     weights = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(SIDE_PREFIX)}
     try:
@@ -280,8 +278,8 @@ def shrink_checkpoint(
             "pass the run's config (`--config`) or the class and hyperparameters the checkpoint was written with."
         ) from None
     if not already_small:
-        _warn_if_not_final(state)
-        shrink(target, checkpoint)  # the clusters name parameters of `module`; shrink strips the common prefix
+        _warn_if_not_final(saved)
+        shrink(target, saved)  # the clusters name parameters of `module`; shrink strips the common prefix
     if isinstance(tokenizer, str) and tokenizer == "auto":
         tokenizer = module_tokenizer(module) or "auto"
     return save_pretrained(
@@ -295,15 +293,13 @@ def module_tokenizer(module: nn.Module) -> Any:
     return found if callable(getattr(found, "save_pretrained", None)) else None
 
 
-def _warn_if_not_final(state: Mapping[str, Any]) -> None:
+def _warn_if_not_final(saved: SavedState) -> None:
     """Warn when the checkpoint was written before the schedule's final step (the mask may still change)."""
-    options = state.get("options") or {}
-    final = final_step_of(options)
-    if options and int(state.get("step", 0)) < final:
+    if saved.options and not saved.is_final:
         warnings.warn(
-            f"lightning-pat shrink: the checkpoint was written at pruning step {state.get('step')}, before the final "
-            f"ramp step {final}; the shrunk model removes the units dropped so far (the mask was not final). Shrink "
-            "a checkpoint from the end of the ramp or later for the final widths.",
+            f"lightning-pat shrink: the checkpoint was written at pruning step {saved.step}, before the final ramp "
+            f"step {saved.final_step}; the shrunk model removes the units dropped so far (the mask was not final). "
+            "Shrink a checkpoint from the end of the ramp or later for the final widths.",
             PruningWarning,
             stacklevel=3,
         )

@@ -15,20 +15,20 @@ error naming the field, what was expected and what was found, never a wrong mask
   against what the run holds where the caller says so (:class:`StateContext`).
 
 Every check is local and the same on every rank for the same state (the caller makes the ranks agree). Errors are
-:class:`StateError` (a ``ValueError``).
+:class:`~lightning_pat.core.state_fields.StateError` (a ``ValueError``), raised by the field readers of
+:mod:`lightning_pat.core.state_fields`; reading a state out of a checkpoint is :mod:`lightning_pat.core.saved_state`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.state_fields import FieldChecker, StateError, describe
 
 #: The entries of a state (see :mod:`lightning_pat.training.state`).
 KEYS: tuple[str, ...] = (
@@ -46,11 +46,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("latent", "direct"),
     "layer_score": ("cosine", "weight"),
 }
-_FIX = "the checkpoint was edited or not written by lightning_pat; use an unedited checkpoint of this run"
-
-
-class StateError(ValueError):
-    """A saved pruning state that does not fit the schema (or the run it is restored into)."""
 
 
 @dataclass(frozen=True)
@@ -86,89 +81,15 @@ class StateContext:
     rank: int = 0
 
 
-class _Checker:
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def fail(self, where: str, problem: str, fix: str = _FIX) -> StateError:
-        return StateError(f"{self.what}: `{where}` {problem}; {fix}.")
-
-    def mapping(self, value: object, where: str, *, allow_none: bool = False) -> Mapping[str, Any] | None:
-        if value is None and allow_none:
-            return None
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise self.fail(where, f"must be a mapping with str keys, got {_describe(value)}")
-        return value
-
-    def sequence(self, value: object, where: str) -> Sequence[Any]:
-        if not isinstance(value, (list, tuple)):
-            raise self.fail(where, f"must be a list, got {_describe(value)}")
-        return value
-
-    def integer(self, value: object, where: str, *, low: int = 0, high: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(where, f"must be an int, got {_describe(value)}")
-        if value < low or (high is not None and value > high):
-            span = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise self.fail(where, f"must be in {span}, got {value}")
-        return value
-
-    def real(self, value: object, where: str, *, low: float | None = None, high: float | None = None) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(where, f"must be a number, got {_describe(value)}")
-        if not math.isfinite(value):
-            raise self.fail(where, f"must be finite, got {value!r}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise self.fail(where, f"must be in [{low}, {high}], got {value!r}")
-        return float(value)
-
-    def tensor(
-        self,
-        value: object,
-        where: str,
-        *,
-        shape: tuple[int, ...] | None = None,
-        nonnegative: bool = False,
-        scan: bool = True,
-    ) -> Tensor:
-        if not isinstance(value, Tensor):
-            raise self.fail(where, f"must be a tensor, got {_describe(value)}")
-        if not value.is_floating_point():
-            raise self.fail(where, f"must be a floating-point tensor, got dtype {value.dtype}")
-        if shape is not None and tuple(value.shape) != shape:
-            raise self.fail(where, f"must have shape {shape}, got {tuple(value.shape)}")
-        if scan and value.device.type != "meta" and value.numel():
-            finite = bool(torch.isfinite(value).all())
-            if not finite:
-                raise self.fail(where, "holds non-finite values (NaN or inf)")
-            if nonnegative and bool((value < 0).any()):
-                raise self.fail(where, "holds negative values (it is a sum of squares)")
-        return value
-
-    def names(self, found: Collection[str], known: Collection[str] | None, where: str, what: str) -> None:
-        if known is None:
-            return
-        unknown = sorted(set(found) - set(known))
-        if unknown:
-            raise self.fail(
-                where, f"names {what} {unknown[:5]} that this run does not have (it has {sorted(known)[:5]})"
-            )
-
-
-def _describe(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
 # ---------------------------------------------------------------------------------------------------- clusters
-def _cluster(check: _Checker, raw: object, where: str) -> ResolvedCluster:
+def _cluster(check: FieldChecker, raw: object, where: str) -> ResolvedCluster:
     data = check.mapping(raw, where)
     assert data is not None
     for key in ("name", "members", "num_units"):
         if key not in data:
             raise check.fail(where, f"has no {key!r} entry")
     if not isinstance(data["name"], str) or not data["name"]:
-        raise check.fail(f"{where}.name", f"must be a non-empty str, got {_describe(data['name'])}")
+        raise check.fail(f"{where}.name", f"must be a non-empty str, got {describe(data['name'])}")
     name = data["name"]
     num_units = check.integer(data["num_units"], f"clusters[{name!r}].num_units", low=1)
     check.integer(data.get("multiple_of", 1), f"clusters[{name!r}].multiple_of", low=1)
@@ -176,7 +97,7 @@ def _cluster(check: _Checker, raw: object, where: str) -> ResolvedCluster:
     if data.get("target") is not None:
         check.real(data["target"], f"clusters[{name!r}].target", low=0.0, high=1.0)
     if data.get("budget") is not None and not isinstance(data["budget"], str):
-        raise check.fail(f"clusters[{name!r}].budget", f"must be a str or None, got {_describe(data['budget'])}")
+        raise check.fail(f"clusters[{name!r}].budget", f"must be a str or None, got {describe(data['budget'])}")
     members = check.sequence(data["members"], f"clusters[{name!r}].members")
     if not members:
         raise check.fail(f"clusters[{name!r}].members", "is empty")
@@ -185,9 +106,9 @@ def _cluster(check: _Checker, raw: object, where: str) -> ResolvedCluster:
         member = check.mapping(raw_member, at)
         assert member is not None
         if not isinstance(member.get("name"), str) or not member["name"]:
-            raise check.fail(f"{at}.name", f"must be a parameter name, got {_describe(member.get('name'))}")
+            raise check.fail(f"{at}.name", f"must be a parameter name, got {describe(member.get('name'))}")
         if member.get("role") not in ("writer", "reader"):
-            raise check.fail(f"{at}.role", f"must be 'writer' or 'reader', got {_describe(member.get('role'))}")
+            raise check.fail(f"{at}.role", f"must be 'writer' or 'reader', got {describe(member.get('role'))}")
         shape = check.sequence(member.get("shape"), f"{at}.shape")
         if not shape:
             raise check.fail(f"{at}.shape", "is empty")
@@ -202,7 +123,7 @@ def _cluster(check: _Checker, raw: object, where: str) -> ResolvedCluster:
             )
         aliases = member.get("aliases", [])
         if not isinstance(aliases, (list, tuple)) or not all(isinstance(a, str) for a in aliases):
-            raise check.fail(f"{at}.aliases", f"must be a list of names, got {_describe(aliases)}")
+            raise check.fail(f"{at}.aliases", f"must be a list of names, got {describe(aliases)}")
     try:
         return ResolvedCluster.from_dict(data)
     except ValueError as err:
@@ -216,7 +137,7 @@ def saved_clusters(state: Mapping[str, Any], *, what: str) -> list[ResolvedClust
         StateError: If an entry is malformed, two clusters share a name, or a cluster's fingerprint is missing or
             differs from the one recomputed from its definition.
     """
-    check = _Checker(what)
+    check = FieldChecker(what)
     raw = check.sequence(state.get("clusters", []), "clusters")
     clusters = [_cluster(check, item, f"clusters[{i}]") for i, item in enumerate(raw)]
     names = [rc.name for rc in clusters]
@@ -273,7 +194,7 @@ def check_state(
         the checkpoint's pruning state: `step` must be in [0, 5], got 9
     """
     ctx = context or StateContext()
-    check = _Checker(what)
+    check = FieldChecker(what)
     data = check.mapping(state, "state")
     assert data is not None
     unknown = sorted(set(data) - set(KEYS))
@@ -286,7 +207,7 @@ def check_state(
     gamma = check.real(data.get("gamma", 0.0), "gamma", low=0.0)
     check.real(data.get("gamma_prox", 0.0), "gamma_prox", low=0.0, high=gamma)
     if not isinstance(data.get("shrunk", False), bool):
-        raise check.fail("shrunk", f"must be a bool, got {_describe(data.get('shrunk'))}")
+        raise check.fail("shrunk", f"must be a bool, got {describe(data.get('shrunk'))}")
     options = _options(check, data.get("options", {}))
     saved = saved_clusters(data, what=what)
     if ctx.clusters is not None and "fingerprints" in data:
@@ -315,7 +236,7 @@ def check_state(
     return saved
 
 
-def _options(check: _Checker, raw: object) -> Mapping[str, Any]:
+def _options(check: FieldChecker, raw: object) -> Mapping[str, Any]:
     options = check.mapping(raw, "options")
     assert options is not None
     checks: dict[str, Callable[[Any, str], object]] = {
@@ -331,14 +252,14 @@ def _options(check: _Checker, raw: object) -> Mapping[str, Any]:
         if key in checks:
             checks[key](value, where)
         elif key in _CHOICES and value not in _CHOICES[key]:
-            raise check.fail(where, f"must be one of {_CHOICES[key]}, got {_describe(value)}")
+            raise check.fail(where, f"must be one of {_CHOICES[key]}, got {describe(value)}")
         elif key == "heal" and not isinstance(value, bool):
-            raise check.fail(where, f"must be a bool, got {_describe(value)}")
+            raise check.fail(where, f"must be a bool, got {describe(value)}")
     return options
 
 
 def _dropped(
-    check: _Checker, raw: object, units: Mapping[str, int], known: Collection[str] | None
+    check: FieldChecker, raw: object, units: Mapping[str, int], known: Collection[str] | None
 ) -> dict[str, list[int]]:
     dropped = check.mapping(raw, "dropped")
     assert dropped is not None
@@ -350,7 +271,7 @@ def _dropped(
         size = units.get(name)
         bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int)]
         if bad:
-            raise check.fail(where, f"must hold int unit indices, got {_describe(bad[0])}")
+            raise check.fail(where, f"must hold int unit indices, got {describe(bad[0])}")
         if len(set(items)) != len(items):
             twice = sorted({i for i in items if items.count(i) > 1})
             raise check.fail(where, f"holds the indices {twice[:5]} more than once")
@@ -365,7 +286,7 @@ def _dropped(
 
 
 def _not_emptied(
-    check: _Checker,
+    check: FieldChecker,
     dropped: Mapping[str, list[int]],
     clusters: Sequence[ResolvedCluster],
     options: Mapping[str, Any],
@@ -393,13 +314,13 @@ def _not_emptied(
             )
 
 
-def _latents(check: _Checker, raw: object, ctx: StateContext) -> None:
+def _latents(check: FieldChecker, raw: object, ctx: StateContext) -> None:
     entry = check.mapping(raw, "latents", allow_none=True)
     if entry is None:
         return
     fmt = entry.get("format")
     if fmt not in LATENT_FORMATS:
-        raise check.fail("latents.format", f"must be one of {LATENT_FORMATS}, got {_describe(fmt)}")
+        raise check.fail("latents.format", f"must be one of {LATENT_FORMATS}, got {describe(fmt)}")
     expected = ctx.latents
     if fmt == "dcp":
         names = check.sequence(entry.get("names"), "latents.names")
@@ -422,7 +343,7 @@ def _latents(check: _Checker, raw: object, ctx: StateContext) -> None:
 
 
 def _latent_tensors(
-    check: _Checker, raw: object, expected: Mapping[str, TensorFacts] | None, where: str, *, local: bool
+    check: FieldChecker, raw: object, expected: Mapping[str, TensorFacts] | None, where: str, *, local: bool
 ) -> None:
     tensors = check.mapping(raw, where)
     assert tensors is not None
@@ -439,7 +360,7 @@ def _latent_tensors(
     _same_names(check, list(tensors), expected, where)
 
 
-def _same_names(check: _Checker, names: Sequence[str], expected: Mapping[str, Any] | None, where: str) -> None:
+def _same_names(check: FieldChecker, names: Sequence[str], expected: Mapping[str, Any] | None, where: str) -> None:
     if expected is None:
         return
     missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
@@ -451,7 +372,7 @@ def _same_names(check: _Checker, names: Sequence[str], expected: Mapping[str, An
         )
 
 
-def _activation(check: _Checker, raw: object, readers: Mapping[str, int] | None) -> None:
+def _activation(check: FieldChecker, raw: object, readers: Mapping[str, int] | None) -> None:
     if raw is None:
         return
     for r, item in enumerate(check.sequence(raw, "activation")):
@@ -489,7 +410,7 @@ def _activation(check: _Checker, raw: object, readers: Mapping[str, int] | None)
             check.integer(value, f"{where}.count[{name!r}]")
 
 
-def _taylor(check: _Checker, raw: object, units: Mapping[str, int] | None) -> None:
+def _taylor(check: FieldChecker, raw: object, units: Mapping[str, int] | None) -> None:
     if raw is None:
         return
     for r, item in enumerate(check.sequence(raw, "taylor")):
@@ -504,7 +425,7 @@ def _taylor(check: _Checker, raw: object, units: Mapping[str, int] | None) -> No
             check.tensor(value, f"{where}.sums[{name!r}]", shape=shape, nonnegative=True)
 
 
-def _layer_scores(check: _Checker, raw: object, layers: Collection[str] | None) -> None:
+def _layer_scores(check: FieldChecker, raw: object, layers: Collection[str] | None) -> None:
     if raw is None:
         return
     for r, item in enumerate(check.sequence(raw, "layer_scores")):

@@ -40,17 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pat.core.saved_state import SavedState, callback_state, is_checkpoint
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink import depth, verify
-from lightning_pat.shrink.plan import (
-    ShrinkPlan,
-    align_names,
-    build_plan,
-    check_source_fits,
-    checkpoint_state,
-    read_source,
-    state_source,
-)
+from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan, check_source_fits, read_saved, read_source
 from lightning_pat.shrink.surgery import apply_plan
 
 log = logging.getLogger(__name__)
@@ -70,7 +63,8 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input
         model: The pruned model: the module the clusters were resolved against (a LightningModule), or the model it
             holds (a common name prefix of the clusters is then stripped).
         source: A ``PruneResult`` (from ``prune_clusters`` or ``Pruner.result()``), a ``CoupledPruningCallback``
-            after ``fit``, the callback's ``state_dict()``, or a whole Lightning checkpoint dict.
+            after ``fit``, the callback's ``state_dict()``, a whole Lightning checkpoint dict, or a state already
+            read from one (:func:`~lightning_pat.shrink.plan.read_saved`).
         inplace: Shrink ``model`` itself (default: a large model is never held twice); if false, shrink a deep copy.
         example_input: What the shrink checks its result on: ``forward``'s input (a tensor, a tuple of positional
             arguments or a dict of keyword arguments), or the :class:`~lightning_pat.Discovery` that found the
@@ -113,9 +107,9 @@ def shrink(model: nn.Module, source: Any, *, inplace: bool = True, example_input
             "shrink: the model already has the shrunk shapes (shrink_on_freeze cut it during fit); returned as it is"
         )
         return model if inplace else copy.deepcopy(model)
-    if isinstance(source, Mapping):  # read from a file: the state must belong to this model and its weights
-        what = "the checkpoint's pruning state" if "callbacks" in source else "the pruning state"
-        check_source_fits(model, clusters, dropped, what=what)
+    if isinstance(source, (Mapping, SavedState)):  # read from a file: it must belong to this model and its weights
+        what = "the pruning state" if isinstance(source, Mapping) and "callbacks" not in source else None
+        check_source_fits(model, clusters, dropped, what=what or "the checkpoint's pruning state")
     example = _example_input(model, example_input)
     target = model if inplace else copy.deepcopy(model)
     where = depth.locate(target, cut)  # validated before anything changes
@@ -226,14 +220,15 @@ def shrink_for_training(
     apply_plan(module, build_plan(clusters, dropped), optimizers=optimizers)
 
 
-def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
+def restore_shrunk(module: nn.Module, state: Mapping[str, Any] | SavedState) -> bool:
     """Give a freshly built module the shapes a checkpoint written after ``shrink_on_freeze`` holds.
 
     Call it before loading the checkpoint's weights (the values are about to be overwritten, so no zero check).
 
     Args:
         module: The full-size module the clusters were resolved against.
-        state: The callback's state, or a whole Lightning checkpoint dict.
+        state: The callback's state, a whole Lightning checkpoint dict, or a state already read
+            (:func:`~lightning_pat.shrink.plan.read_saved`).
 
     Returns:
         Whether the state records a shrink (and ``module`` was shrunk).
@@ -241,10 +236,13 @@ def restore_shrunk(module: nn.Module, state: Mapping[str, Any]) -> bool:
     Raises:
         ValueError: As for :func:`read_source` and :func:`apply_plan`.
     """
-    if "callbacks" in state and "clusters" not in state:
-        state = checkpoint_state(state)
-    if not state.get("shrunk"):
+    if not isinstance(state, SavedState):
+        if is_checkpoint(state):
+            state = callback_state(state)
+        if not state.get("shrunk"):
+            return False
+        state = read_saved(state, "the callback state")
+    if not state.shrunk:
         return False
-    clusters, dropped = state_source(state, "the callback state")
-    apply_plan(module, align_names(build_plan(clusters, dropped), module), check_zeros=False)
+    apply_plan(module, align_names(build_plan(state.clusters, state.dropped), module), check_zeros=False)
     return True

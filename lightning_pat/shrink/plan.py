@@ -3,7 +3,7 @@
 Pure data, no module surgery (:mod:`lightning_pat.shrink.surgery`): :class:`ShrinkPlan` and :func:`build_plan` turn
 resolved clusters and dropped unit indices into per-parameter kept indices; :func:`read_source` and :func:`plan_for`
 read clusters and dropped units from a ``PruneResult``, a ``CoupledPruningCallback``, its state or a Lightning
-checkpoint dict.
+checkpoint dict (a state through :mod:`lightning_pat.core.saved_state`: :func:`read_saved`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.saved_state import SavedState, callback_state, is_checkpoint, is_shrunk, read_state
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.core.state_schema import check_state
 from lightning_pat.core.units import unit_channels
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,12 @@ def build_plan(clusters: Sequence[ResolvedCluster], dropped: Mapping[str, Sequen
 
 
 # ---------------------------------------------------------------------------------------------------- sources
-def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
-    """The clusters and dropped units of a callback state (``what`` names it in the error).
+def read_saved(state: Mapping[str, Any], what: str) -> SavedState:
+    """A callback state read for a shrink (``what`` names it in the error): checked against its schema once.
 
-    The state is checked against its schema first (:func:`~lightning_pat.core.state_schema.check_state`): the
-    clusters rebuild and match their fingerprints, the dropped indices are distinct ints of known clusters in
-    ``[0, C)``, and no cluster is emptied unless its target is 1.
+    The schema (:func:`~lightning_pat.core.state_schema.check_state`): the clusters rebuild and match their
+    fingerprints, the dropped indices are distinct ints of known clusters in ``[0, C)``, and no cluster is emptied
+    unless its target is 1. A state built in memory (its clusters already resolved) is taken as it is.
 
     Raises:
         ValueError: If the state has no ``clusters`` or no ``dropped`` entry, or does not fit the schema.
@@ -120,15 +120,25 @@ def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedClus
             "checkpoint written by a version of lightning_pat that stores the clusters."
         )
     if all(isinstance(rc, ResolvedCluster) for rc in state["clusters"]):  # built in memory (not read from a file)
-        clusters = list(state["clusters"])
-    else:
-        state = {k: v for k, v in state.items() if k != "distill"}
-        clusters = check_state(state, what=f"shrink: {what}", required=("dropped",))
-    return clusters, {str(k): [int(i) for i in v] for k, v in state["dropped"].items()}
+        dropped = {str(k): [int(i) for i in v] for k, v in state["dropped"].items()}
+        return SavedState(clusters=list(state["clusters"]), dropped=dropped, shrunk=is_shrunk(state))
+    return read_state(state, what=f"shrink: {what}", required=("dropped",))
+
+
+def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
+    """The clusters and dropped units of a callback state (``what`` names it in the error), see :func:`read_saved`.
+
+    Raises:
+        ValueError: If the state has no ``clusters`` or no ``dropped`` entry, or does not fit the schema.
+    """
+    saved = read_saved(state, what)
+    return saved.clusters, saved.dropped
 
 
 def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
     """The one ``CoupledPruningCallback`` state in a Lightning checkpoint dict.
+
+    The lookup is :func:`~lightning_pat.core.saved_state.callback_state`'s.
 
     Args:
         ckpt: The checkpoint (``torch.load`` of a ``.ckpt`` file).
@@ -137,30 +147,19 @@ def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
         The callback's state (what its ``state_dict()`` returned).
 
     Raises:
-        ValueError: If the checkpoint holds no such state, or several.
+        ValueError: If the checkpoint holds no such state, several, or one that is not a mapping.
     """
-    callbacks = ckpt.get("callbacks") or {}
-    if not isinstance(callbacks, Mapping):
-        raise ValueError(
-            f"shrink: the checkpoint's 'callbacks' entry must be a mapping, got {type(callbacks).__name__}; it was "
-            "edited or is not a Lightning checkpoint."
-        )
-    keys = [k for k in callbacks if str(k).startswith("CoupledPruningCallback")]
-    if len(keys) != 1:
-        found = "no CoupledPruningCallback state" if not keys else f"{len(keys)} CoupledPruningCallback states {keys}"
-        raise ValueError(
-            f"shrink: the checkpoint holds {found} under 'callbacks' (keys: {list(callbacks)[:5]}); pass the "
-            "callback's state itself (ckpt['callbacks'][key]) or a checkpoint of a run with exactly one such callback."
-        )
-    return callbacks[keys[0]]
+    state: Mapping[str, Any] = callback_state(ckpt)
+    return state
 
 
 def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
     """The resolved clusters and dropped units held by ``source``.
 
     Args:
-        source: A ``PruneResult``, a ``CoupledPruningCallback`` after ``fit``, the callback's ``state_dict()``, or a
-            Lightning checkpoint dict (the callback state is found under ``ckpt["callbacks"]``).
+        source: A ``PruneResult``, a ``CoupledPruningCallback`` after ``fit``, the callback's ``state_dict()``, a
+            Lightning checkpoint dict (the callback state is found under ``ckpt["callbacks"]``), or a state already
+            read (:func:`read_saved`).
 
     Returns:
         ``(clusters, dropped)``.
@@ -169,9 +168,11 @@ def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]
         ValueError: If the source holds no clusters, or a checkpoint holds no or several callback states.
         TypeError: If ``source`` is none of the above.
     """
+    if isinstance(source, SavedState):  # read (and checked) once by the caller
+        return list(source.clusters), {k: list(v) for k, v in source.dropped.items()}
     if isinstance(source, Mapping):
-        if "callbacks" in source and "clusters" not in source:
-            return state_source(checkpoint_state(source), "the checkpoint's callback state")
+        if is_checkpoint(source):
+            return state_source(callback_state(source), "the checkpoint's callback state")
         return state_source(source, "the mapping")
     if hasattr(source, "resolved") and hasattr(source, "dropped"):  # the callback, without importing Lightning
         if not source.resolved:

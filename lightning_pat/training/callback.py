@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_pat.core.saved_state import callback_state
 from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.pruning.options import Method, Mode, PruningOptions, TrainingScore, options_doc
@@ -176,7 +177,7 @@ class CoupledPruningCallback(PruningViews, Callback):
         self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None, weights: Mapping[str, Any]
     ) -> None:
         with _user_errors():
-            saved = (checkpoint or {}).get("callbacks", {}).get(self.state_key)
+            saved = callback_state(checkpoint or {}, key=self.state_key)
             self.controller.before_restore(module, saved, weights=weights)
 
     def _unwatch_restore(self) -> None:

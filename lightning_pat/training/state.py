@@ -42,13 +42,14 @@ error), which would mean reading the checkpoint's metadata before Lightning does
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_pat.core.saved_state import read_state
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
@@ -301,7 +302,7 @@ def check_restorable(
             options cannot take effect (see :func:`check_resumed_options`), or latent mode must continue a ramp but
             the state has no latents.
     """
-    check_saved(state, context if context is not None else StateContext())
+    read = read_state(state, context=context if context is not None else StateContext(), what=WHAT)
     saved = state.get("fingerprints", {})
     if saved != fingerprints:
         changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
@@ -309,10 +310,8 @@ def check_restorable(
             f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
             "resume with the same cluster declarations and model, or start a new run."
         )
-    step = int(state.get("step", 0))
-    saved_options = state.get("options", {})
-    final = step >= final_step_of(saved_options)
-    check_resumed_options(saved_options, options, step=step, final=final)
+    step, saved_options = read.step, read.options
+    check_resumed_options(saved_options, options, step=step, final=read.is_final)
     needs = latent_mode and schedule.phase(step) != "warmup"
     needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
     if needs and state.get("latents") is None:
@@ -322,3 +321,105 @@ def check_restorable(
             "Resume with mode='direct', or resume from a checkpoint written in latent mode."
         )
     return needs
+
+
+# ---------------------------------------------------------------------- a resume reads the state once
+@dataclass(frozen=True)
+class Restored:
+    """A saved state as a resume applies it: checked (schema, run, continuation) and read, latents included.
+
+    Attributes:
+        progress: The saved step and sums of learning rates.
+        dropped: Cluster name -> dropped unit indices of the saved mask.
+        factors: Cluster name -> group-lasso factors of the saved mask.
+        latents: This rank's latent copies, if the schedule needs them (else ``None``: they are dropped).
+        state: The state itself (the scorers read their ``activation``, ``taylor`` and ``layer_scores`` entries).
+    """
+
+    progress: Progress
+    dropped: Mapping[str, Sequence[int]]
+    factors: Mapping[str, Tensor]
+    latents: Mapping[str, Tensor] | None
+    state: Mapping[str, Any]
+
+    @classmethod
+    def carried(cls, carry: Mapping[str, Any]) -> Restored:
+        """The in-memory state a previous fit of the same Trainer kept (this process's own: nothing to check)."""
+        entry = carry.get("latents")
+        return cls(
+            Progress.from_state(carry), carry.get("dropped", {}), carry.get("factors", {}),
+            entry["tensors"] if entry else None, carry,
+        )  # fmt: skip
+
+
+def read(
+    saved: Mapping[str, Any],
+    *,
+    global_step: int | None,
+    clusters: Sequence[ResolvedCluster],
+    params: Mapping[str, Tensor],
+    latent_names: Sequence[str],
+    options: Mapping[str, Any],
+    schedule: Schedule,
+    latent_mode: bool,
+    heal: bool,
+    ckpt_path: Any,
+    readers: Mapping[str, int] | None = None,
+    layers: Sequence[str] | None = None,
+    before_latents: Callable[[Mapping[str, Sequence[int]]], None] | None = None,
+) -> Restored:
+    """Check a restored state against the schema, the run and its continuation, then read it (on every rank).
+
+    The local checks run under :func:`~lightning_pat.parallel.ranks.together`: a rank-local failure (a latent's
+    local shape) stops every rank. ``before_latents`` (the dropped units' zero check, a reduction) runs after them and
+    before the latents are read (a distributed checkpoint's are a collective read).
+
+    Args:
+        saved: The state (without ``"distill"``).
+        global_step: The trainer's optimizer steps so far.
+        clusters: The run's resolved clusters.
+        params: Parameter name -> live parameter.
+        latent_names: The parameters that get a latent copy.
+        options: The run's resumable options (the score in use included).
+        schedule: The run's schedule.
+        latent_mode: Whether the run is in latent mode.
+        heal: Whether the mask freezes after the final ramp step.
+        ckpt_path: The checkpoint (a ``dcp`` latent entry is read there).
+        readers: ``score="activation"``: reader module name -> ``in_features``.
+        layers: Layer units: the module paths of the layers.
+        before_latents: Called with the saved dropped units once the checks passed.
+
+    Raises:
+        ValueError: As for :func:`check_restorable`, and whatever ``before_latents`` raises.
+    """
+    context = restore_context(
+        global_step=global_step, clusters=clusters, params=params, latent_names=latent_names, readers=readers,
+        layers=layers,
+    )  # fmt: skip
+    needs_latents = False
+    with ranks.together():
+        needs_latents = check_restorable(
+            saved,
+            fingerprints={rc.name: rc.fingerprint() for rc in clusters},
+            options=options,
+            schedule=schedule,
+            latent_mode=latent_mode,
+            heal=heal,
+            context=context,
+        )
+    dropped = saved["dropped"]
+    if before_latents is not None:
+        before_latents(dropped)
+    entry = saved.get("latents")
+    latents = read_latents(entry, params, ckpt_path=ckpt_path) if needs_latents and entry else None
+    return Restored(Progress.from_state(saved), dropped, saved.get("factors", {}), latents, saved)
+
+
+def read_progress(saved: Mapping[str, Any], *, global_step: int | None) -> Progress:
+    """The progress of a restored state for a model that is already shrunk (the state is checked first).
+
+    Raises:
+        ValueError: If the state does not fit the schema (see :func:`check_saved`).
+    """
+    check_saved(saved, restore_context(global_step=global_step))
+    return Progress.from_state(saved)

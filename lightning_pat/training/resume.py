@@ -1,0 +1,375 @@
+"""The resume side of a run: the saved state out and in, and the start and end of a fit (no Lightning here).
+
+Everything here works on a :class:`~lightning_pat.training.bound.BoundRun` (what
+:meth:`~lightning_pat.training.controller.PruningController.bind` built) and plain values, and returns what changed;
+the controller keeps the results. In the order of a resume:
+
+1. :func:`load`: the callback's ``load_state_dict`` keeps the state (the teacher's entry goes to the distiller);
+2. :func:`before_restore`: before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``;
+3. :func:`check_fit_resumes` and :func:`restore_teacher` when the fit starts (``begin_fit``);
+4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule;
+   :func:`restore` settles the score a checkpoint was written with (``score="auto"``), then the state is checked and
+   read once (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`),
+   its dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied
+   (:func:`apply`);
+5. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
+   fit continues from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat.core.saved_state import DISTILL, is_shrunk, saved_score, split_distill
+from lightning_pat.core.schedule import Schedule
+from lightning_pat.core.selection import num_to_drop
+from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.parallel.comm import ranks
+from lightning_pat.pruning.options import PruningOptions
+from lightning_pat.shrink import restore_shrunk
+from lightning_pat.shrink.plan import read_saved
+from lightning_pat.training import state, teacher_file
+from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score
+from lightning_pat.training.distill import Distiller
+
+
+# ---------------------------------------------------------------------------------------------------- state in
+def load(saved: object, distiller: Distiller | None) -> dict[str, Any]:
+    """The state to keep until the fit starts; the teacher's entry goes to ``distiller`` now.
+
+    Raises:
+        ConfigurationError: If ``saved`` is not a mapping.
+    """
+    if not isinstance(saved, Mapping):
+        raise ConfigurationError(
+            f"{state.WHAT} must be a mapping, got {type(saved).__name__}; the checkpoint was edited or is not one "
+            "of lightning_pat's."
+        )
+    pending, distill = split_distill(saved)
+    if distiller is not None:
+        distiller.load_state_dict(distill or {})
+    return pending
+
+
+def before_restore(
+    module: nn.Module,
+    saved: Mapping[str, Any] | None,
+    *,
+    weights: Mapping[str, Any],
+    distiller: Distiller | None,
+    options: PruningOptions,
+    shrunk: bool,
+) -> tuple[list[ResolvedCluster], dict[str, list[int]]] | None:
+    """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
+
+    Returns:
+        The saved clusters and dropped units when ``module`` was given the shrunk shapes of ``saved``, else ``None``.
+
+    Raises:
+        ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
+            shrink of this (``shrunk``) module.
+    """
+    body, distill = split_distill(saved or {})
+    if distiller is not None and is_shrunk(body):  # a dense copy to rebuild the teacher into
+        distiller.keep_skeleton(module, distill, options.distill_module)
+    differ = _shape_mismatches(module, weights)
+    if not differ:
+        return None
+    if is_shrunk(body):  # a checkpoint written after the shrink: give the module its shapes
+        with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+            small = read_saved(body, "the callback state")  # the schema, once
+            restore_shrunk(module, small)
+        return list(small.clusters), dict(small.dropped)
+    if shrunk:  # this module was shrunk; the checkpoint holds the full-size weights
+        name, (mine, theirs) = next(iter(differ.items()))
+        raise ConfigurationError(
+            f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+            f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
+            f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
+            "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
+            "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
+        )
+    return None
+
+
+def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        other = weights.get(name)
+        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
+            out[name] = (tuple(tensor.shape), tuple(other.shape))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- fit start
+def check_fit_resumes(
+    *, restoring: bool, carry: bool, shrunk: bool, global_step: int, ckpt_path: Any, key: str
+) -> None:
+    """A fit that resumes (``global_step > 0``) needs a loaded state or the same Trainer's previous fit.
+
+    Raises:
+        ConfigurationError: If neither is there (and the model was not shrunk).
+    """
+    if not restoring and not carry and global_step > 0 and not shrunk:
+        raise ConfigurationError(
+            f"CoupledPruningCallback: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
+            f"holds no state under this callback's key {key!r} (the cluster declaration names identify it). "
+            "Resume with the same cluster names, or, to start pruning from trained weights, load them into the "
+            "module and fit with a fresh Trainer without `ckpt_path`."
+        )
+
+
+def restore_teacher(
+    distiller: Distiller, options: PruningOptions, *, fresh: bool, restoring: bool, ckpt_path: Any, dirs: Sequence[str]
+) -> None:
+    """At fit start, on every rank: a new teacher for a new schedule, the teacher file's directories, a saved teacher.
+
+    A restored teacher file is read and checked after the directory of ``ckpt_path``, then ``dirs``. One agreement
+    collective each: if one rank fails, every rank raises.
+
+    Raises:
+        ValueError: If the teacher file's directories cannot hold it, a restored teacher does not fit the model, or
+            a restored teacher file cannot be read or checked.
+    """
+    if fresh:
+        distiller.reset()  # a new schedule: a new teacher when pruning starts
+    with ranks.together("CoupledPruningCallback"):
+        if options.distill_teacher_store == "file" and options.distill_teacher is None:
+            teacher_file.check_directories(dirs)
+        distiller.check_saved()
+    if not restoring or not teacher_file.is_file_entry(distiller.saved):
+        return
+    where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
+    with ranks.together("CoupledPruningCallback"):
+        distiller.restore_file(directories=[*where, *dirs])
+
+
+def start(
+    run: BoundRun,
+    *,
+    restored: Mapping[str, Any] | None,
+    carried: Mapping[str, Any] | None,
+    dropped_carry: bool,
+    options: PruningOptions,
+    ckpt_path: Any,
+    global_step: int | None,
+    info: Callable[[str], None],
+) -> tuple[BoundRun, state.Progress]:
+    """Where a fit starts: a loaded state (:func:`restore`), the previous fit's, or a new schedule at step 0.
+
+    Args:
+        run: The bound run.
+        restored: A state loaded from a checkpoint, if any.
+        carried: The in-memory state of the same Trainer's previous fit (see :func:`save` with ``gather=False``), if
+            this fit continues it.
+        dropped_carry: Whether a previous fit's state exists but is not continued (a fresh Trainer: it is said so).
+        options: The run's options.
+        ckpt_path: The checkpoint ``restored`` came from.
+        global_step: The trainer's optimizer steps so far.
+        info: Where the informational messages go.
+
+    Returns:
+        The run (another one if ``score="auto"`` continues a checkpoint's score) and its progress. The scorers'
+        hooks are attached unless the mask is frozen.
+
+    Raises:
+        ValueError: As for :func:`restore`; if the mask is empty after the final ramp step although the target
+            requires dropped units (:func:`check_mask_not_empty`).
+    """
+    schedule = options.schedule
+    if restored is not None:
+        run, progress = restore(
+            run, restored, options=options, schedule=schedule, ckpt_path=ckpt_path, global_step=global_step, info=info
+        )
+    elif carried is not None:  # this process's own state: nothing to check
+        progress = apply(run, state.Restored.carried(carried))
+    else:
+        if dropped_carry:
+            info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
+        run.collectors.reset()
+        progress = state.Progress()
+    if schedule.frozen(progress.step, heal=options.heal):
+        check_mask_not_empty(run, options, step=progress.step)
+    else:
+        run.collectors.attach()  # removed at the freeze and at the end of the fit
+    return run, progress
+
+
+def restore(
+    run: BoundRun,
+    saved: Mapping[str, Any],
+    *,
+    options: PruningOptions,
+    schedule: Schedule,
+    ckpt_path: Any,
+    global_step: int | None,
+    info: Callable[[str], None],
+) -> tuple[BoundRun, state.Progress]:
+    """Continue a loaded state: its score (``"auto"``), its checks, its mask, latents and statistics.
+
+    Returns:
+        The run (another one if ``score="auto"`` continues the checkpoint's score) and the restored progress.
+
+    Raises:
+        ValueError: On every rank, before anything of it is applied, if the state does not fit its schema or this
+            run, its dropped units are not zero in the restored weights, or it cannot be continued exactly.
+    """
+    kept = saved_score(saved)
+    if options.score == "auto" and kept is not None and kept != run.score.score:
+        choice = resolve_score(
+            options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=kept
+        )
+        if choice.score != run.score.score:  # "auto" continues the score the checkpoint was written with
+            run = run.rescored(choice)
+            info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {choice.score!r}.")
+    assert run.latents is not None
+    restored = state.read(
+        saved, global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
+        options=resumable(options, run), schedule=schedule, latent_mode=options.mode == "latent", heal=options.heal,
+        ckpt_path=ckpt_path, before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
+        **run.collectors.saved_shapes(),
+    )  # fmt: skip
+    return run, apply(run, restored)
+
+
+def check_dropped_are_zero(run: BoundRun, dropped: Mapping[str, Sequence[int]]) -> None:
+    """A restored mask must be the one the restored weights carry: its dropped units exactly zero.
+
+    One reduction of the unit norms (the executors' own, identical on every rank), so every rank raises together.
+
+    Raises:
+        ValueError: Naming the clusters whose dropped units are not zero in the weights.
+    """
+    assert run.pruner is not None
+    with torch.no_grad(), run.weights():
+        norms = run.pruner.unit_sq_norms()
+    bad = {}
+    for name, units in dropped.items():
+        if name in norms and units:
+            live = [u for u, v in zip(units, norms[name][list(units)].tolist(), strict=True) if v != 0.0]
+            if live:
+                bad[name] = live
+    if bad:
+        shown = "; ".join(f"cluster {n!r} (units {u[:8]})" for n, u in list(bad.items())[:5])
+        raise ValueError(
+            f"{state.WHAT}: the dropped units of {shown} are not zero in the weights restored from the checkpoint, "
+            "so the mask does not belong to these weights (the checkpoint was edited, or its weights come from "
+            "another run). Resume from an unedited checkpoint of this run, or start a new run."
+        )
+
+
+def apply(run: BoundRun, restored: state.Restored) -> state.Progress:
+    """Set the mask, latents and statistics of ``restored`` and project the weights; return its progress."""
+    assert run.pruner is not None
+    assert run.latents is not None
+    run.pruner.load_dropped(restored.dropped, restored.factors)
+    if restored.latents is None:
+        run.latents.clear()
+    else:
+        run.latents.load_state_dict(restored.latents)
+    run.collectors.load(restored.state, errors=prefixed)  # none saved (e.g. the score changed on resume): from here
+    with torch.no_grad(), run.weights():
+        run.pruner.hold()
+    return restored.progress
+
+
+def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -> None:
+    """Never heal with an empty mask where the final target requires dropped units (call it once frozen).
+
+    Raises:
+        ValueError: Naming the clusters without dropped units.
+    """
+    assert run.plan is not None
+    assert run.pruner is not None
+    targets = run.plan.targets(options.target_sparsity)
+    dropped = run.pruner.result().dropped
+    empty = [
+        rc.name for rc in run.plan.clusters if not dropped[rc.name] and num_to_drop(targets[rc.name], rc.num_units)
+    ]
+    if empty:
+        raise ValueError(
+            f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters "
+            f"{empty[:5]} have no dropped units although the target requires some; refusing to heal with an empty "
+            "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
+        )
+
+
+def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
+    """Warn when a fit of ``steps_left`` more steps ends before the final ramp step (the target is never met)."""
+    if steps_left == float("inf"):
+        return
+    end = step + int(steps_left)
+    if end < schedule.final_step:
+        ranks.rank_zero_warn(
+            f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
+            f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will "
+            f"only reach {schedule.fraction(end):.0%} of the target and is not frozen. Raise max_steps/max_epochs "
+            "or shorten the schedule."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- state out
+def resumable(options: PruningOptions, run: BoundRun | None) -> dict[str, Any]:
+    """The options saved with the state, with the score in use (``"auto"`` resolved)."""
+    return {**options.resumable(), "score": options.score if run is None else run.score.score}
+
+
+def save(
+    run: BoundRun | None,
+    *,
+    progress: state.Progress,
+    options: PruningOptions,
+    clusters: Sequence[ResolvedCluster],
+    dropped: Mapping[str, list[int]],
+    shrunk: bool,
+    distiller: Distiller | None = None,
+    gather: bool = True,
+) -> dict[str, Any]:
+    """The state (see :mod:`lightning_pat.training.state`); with ``gather`` a collective, else this rank's own.
+
+    Args:
+        run: The bound run (``None`` before :meth:`bind`).
+        progress: The run's progress.
+        options: The run's options.
+        clusters: The resolved clusters.
+        dropped: The current mask.
+        shrunk: Whether the model was shrunk.
+        distiller: The distiller, whose state goes under ``"distill"``.
+        gather: A checkpoint's state: FSDP1 latents, full DTensor latents and every rank's statistics are
+            gathered (every rank must call it). Else what the same process's next fit continues from: the latents
+            as they are, this rank's own statistics at every rank's index, no collective.
+    """
+    latents, scorers = None, {"activation": None, "taylor": None, "layer_scores": None}
+    if run is not None:
+        if run.latents is not None and run.latents.active:
+            fmt = run.latent_format() if gather else "local"
+            latents = state.latent_entry(run.latents.state_dict(), run.params, fmt=fmt)
+        scorers = run.collectors.state_dicts(gather=gather)
+    pruner = None if run is None else run.pruner
+    saved = state.build(
+        progress,
+        dropped=dropped,
+        factors={} if pruner is None else pruner.factors(),
+        clusters=clusters,
+        options=resumable(options, run),
+        latents=latents,
+        shrunk=shrunk,
+        **scorers,
+    )
+    if distiller is not None:
+        saved[DISTILL] = distiller.state_dict()
+    return saved
+
+
+def sharded_entries(run: BoundRun | None, distiller: Distiller | None) -> dict[str, Tensor]:
+    """For a distributed checkpoint: the latents and a sharded teacher as model-state entries, else ``{}``."""
+    entries = {} if distiller is None else distiller.sharded_state()
+    if run is None or run.latents is None or not run.latents.active or run.latent_format() != "dcp":
+        return entries
+    return {**state.sharded_latents(run.latents.state_dict(), run.params), **entries}
