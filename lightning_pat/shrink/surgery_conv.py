@@ -1,8 +1,8 @@
 """Shrink rules for convolutional modules: ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d`` and ``GroupNorm``.
 
-Used by :mod:`lightning_pat.shrink.surgery` (which finds the modules, validates every cut before the first change and
-gives the parameters their new data); this module only knows what each module kind allows and which metadata and
-buffers follow the parameters:
+Used by :mod:`lightning_pat.shrink.edits` (which finds the modules and validates every cut before the first change)
+and :mod:`lightning_pat.shrink.surgery` (which gives the parameters their new data); this module only knows what each
+module kind allows and which metadata and buffers follow the parameters:
 
 * a convolution loses output channels (weight dim 0 with its bias) and, if ``groups == 1``, input channels (weight
   dim 1); a grouped convolution (depthwise included) loses whole groups only: the rows of a group (``out_channels /

@@ -14,9 +14,9 @@ floors listed for its own:
 * ``pruning`` (the ``pruning`` package: options, declarations, plan, pruner, the one-shot API, allocation; presets/;
   repair; discovery: clusters found by tracing): adds parallel, sizing, scoring, and shrink (discovery returns only
   clusters the shrink can rewrite, checked by the shrink's own validation and a trial shrink);
-* ``shrink`` (entry, plan, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and itself;
-  export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class a
-  DeciLM export carries) transformers;
+* ``shrink`` (entry, plan, edits, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and
+  itself; export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class
+  a DeciLM export carries) transformers;
 * ``training`` (the options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
   environment, callback, recipes, trainer_facts):
   adds scoring, pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in

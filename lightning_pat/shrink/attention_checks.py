@@ -1,0 +1,171 @@
+"""Attention checks of the shrink: an attention module must lose whole heads (or whole query groups), consistently.
+
+Attention modules (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads /
+whole query groups; ``nn.MultiheadAttention`` and torchvision's Swin window attention are checked the same way (the
+surgery then replaces them by modules of :mod:`lightning_pat.shrink.attention_modules`). Called by
+:func:`lightning_pat.shrink.edits.validate` before anything changes; nothing here changes a module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pat.shrink.model_meta import is_gpt2_attention, is_llama_attention, module_kind
+
+if TYPE_CHECKING:  # edits.py imports this module: the type only, no import cycle at run time
+    from lightning_pat.shrink.edits import Edit
+
+
+def _kept(edits: Mapping[int, Edit], module: nn.Module, attr: str, dim: int, length: int) -> Tensor:
+    edit = edits.get(id(module))
+    idx = None if edit is None else edit.cuts.get(attr, {}).get(dim)
+    return torch.arange(length) if idx is None else idx.cpu()
+
+
+def _whole_heads(kept: Tensor, head_dim: int, where: str) -> Tensor:
+    """Kept head indices, if ``kept`` channels form whole heads; else a ``ValueError``."""
+    if kept.numel() % head_dim:
+        raise ValueError(f"{where}: {kept.numel()} kept channels are not whole heads of head_dim {head_dim}.")
+    blocks = kept.view(-1, head_dim)
+    heads = blocks[:, 0] // head_dim
+    if not torch.equal(blocks, heads[:, None] * head_dim + torch.arange(head_dim)):
+        raise ValueError(f"{where}: the kept channels split heads of head_dim {head_dim}.")
+    return heads
+
+
+def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    hd = attn.head_dim
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    fix = (
+        "prune attention with a heads cluster (whole heads / whole GQA query groups: q, k, v rows and o columns; or "
+        "GQA query heads: q rows and o columns, the same number in every KV group)"
+    )
+    try:
+        q_heads = _whole_heads(_kept(edits, q, "weight", 0, q.out_features), hd, f"{where}, q_proj rows")
+        k_heads = _whole_heads(_kept(edits, k, "weight", 0, k.out_features), hd, f"{where}, k_proj rows")
+        v_heads = _whole_heads(_kept(edits, v, "weight", 0, v.out_features), hd, f"{where}, v_proj rows")
+        o_heads = _whole_heads(_kept(edits, o, "weight", 1, o.in_features), hd, f"{where}, o_proj columns")
+    except ValueError as err:
+        raise ValueError(f"{err} {fix[0].upper()}{fix[1:]}.") from err
+    if q_heads.numel() == 0:
+        raise ValueError(
+            f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
+            "layer's heads with a target below 1.0 (a per-cluster `target`), or fewer units in a shared budget."
+        )
+    num_kv = k.out_features // hd
+    n_rep = (q.out_features // hd) // num_kv
+    if torch.equal(q_heads, o_heads) and k_heads.numel() == v_heads.numel() == num_kv:
+        per_group = torch.bincount(q_heads // n_rep, minlength=num_kv)  # query heads inside the KV groups
+        if bool((per_group == per_group[0]).all()):
+            return
+        raise ValueError(
+            f"{where}: kept query heads {q_heads.tolist()} keep {per_group.tolist()} heads of the {num_kv} KV groups "
+            f"(n_rep={n_rep}); a Llama attention needs the same number in every group. Select query heads with "
+            "`unit_groups` set to the KV head count (the presets' query-head units do)."
+        )
+    groups = (q_heads // n_rep).unique_consecutive()
+    expected_q = (groups[:, None] * n_rep + torch.arange(n_rep)).flatten()
+    if not (torch.equal(q_heads, o_heads) and torch.equal(k_heads, v_heads)) or not (
+        torch.equal(q_heads, expected_q) and torch.equal(groups, k_heads)
+    ):
+        raise ValueError(
+            f"{where}: kept query heads {q_heads.tolist()}, o heads {o_heads.tolist()}, kv heads k "
+            f"{k_heads.tolist()} / v {v_heads.tolist()} do not keep whole query groups (n_rep={n_rep}); {fix}."
+        )
+
+
+def _check_gpt2_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    if hasattr(attn, "q_attn"):
+        if id(attn.c_attn) in edits or id(attn.q_attn) in edits or id(attn.c_proj) in edits:
+            raise ValueError(f"{where}: cross-attention cannot be shrunk; exclude its parameters from the clusters.")
+        return
+    hd, width = attn.head_dim, attn.c_attn.nf // 3
+    kept = _kept(edits, attn.c_attn, "weight", 1, attn.c_attn.nf)
+    chunks = [kept[(kept >= i * width) & (kept < (i + 1) * width)] - i * width for i in range(3)]
+    heads = [_whole_heads(c, hd, f"{where}, c_attn chunk {i}") for i, c in enumerate(chunks)]
+    o_heads = _whole_heads(_kept(edits, attn.c_proj, "weight", 0, attn.c_proj.nx), hd, f"{where}, c_proj rows")
+    if o_heads.numel() == 0:
+        raise ValueError(
+            f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
+            "layer's heads with a target below 1.0."
+        )
+    if not all(torch.equal(h, o_heads) for h in heads):
+        raise ValueError(
+            f"{where}: the q, k, v chunks of c_attn and the c_proj rows keep different heads "
+            f"({[h.tolist() for h in heads]} vs {o_heads.tolist()}); prune them with one heads cluster."
+        )
+
+
+def _same_heads(where: str, heads: Mapping[str, Tensor]) -> None:
+    """Every part must keep the same heads, and at least one."""
+    first = next(iter(heads.values()))
+    if first.numel() == 0:
+        raise ValueError(
+            f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
+            "layer's heads with a target below 1.0."
+        )
+    if not all(torch.equal(h, first) for h in heads.values()):
+        shown = ", ".join(f"{k} {v.tolist()}" for k, v in heads.items())
+        raise ValueError(f"{where}: the parts keep different heads ({shown}); prune them with one heads cluster.")
+
+
+def _qkv_heads(kept: Tensor, inner: int, head_dim: int, where: str) -> dict[str, Tensor]:
+    chunks = {p: kept[(kept >= i * inner) & (kept < (i + 1) * inner)] - i * inner for i, p in enumerate("qkv")}
+    return {f"{p} rows": _whole_heads(c, head_dim, f"{where}, {p} rows") for p, c in chunks.items()}
+
+
+def _check_mha(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """An ``nn.MultiheadAttention`` (or ours) must lose whole heads, the same in q, k, v rows and out_proj columns."""
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    hd, rows = int(attn.head_dim), attn.in_proj_weight.shape[0]
+    heads = _qkv_heads(_kept(edits, attn, "in_proj_weight", 0, rows), rows // 3, hd, where)
+    cols = _kept(edits, attn.out_proj, "weight", 1, attn.out_proj.in_features)
+    heads["out_proj columns"] = _whole_heads(cols, hd, f"{where}, out_proj columns")
+    _same_heads(where, heads)
+
+
+def _check_window_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """Swin's window attention: whole heads of qkv rows, proj columns and the bias table's columns, the same."""
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    table = attn.relative_position_bias_table
+    inner, num_heads = attn.proj.in_features, int(table.shape[1])
+    hd = inner // num_heads
+    heads = _qkv_heads(_kept(edits, attn.qkv, "weight", 0, attn.qkv.out_features), inner, hd, where)
+    heads["proj columns"] = _whole_heads(_kept(edits, attn.proj, "weight", 1, inner), hd, f"{where}, proj columns")
+    heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
+    _same_heads(where, heads)
+
+
+def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """Check every attention module the edits touch: whole heads / whole query groups, the same in every part.
+
+    Args:
+        model: The model being shrunk.
+        edits: Module id -> its edit (see :func:`lightning_pat.shrink.edits.validate`).
+
+    Raises:
+        ValueError: Naming the attention module, what its parts keep and the fix.
+    """
+    for name, module in model.named_modules():
+        kind = module_kind(module)
+        if not name and kind in ("mha", "window_attention") and id(module) in edits:
+            raise ValueError(
+                f"Shrink: the model itself is a {type(module).__name__}, whose heads are cut by putting another "
+                "module in its place; wrap it in a container module to shrink it."
+            )
+        if kind == "mha" and (id(module) in edits or id(module.out_proj) in edits):
+            _check_mha(name, module, edits)
+        elif kind == "window_attention" and any(id(m) in edits for m in (module, module.qkv, module.proj)):
+            _check_window_attention(name, module, edits)
+        if is_llama_attention(module):
+            parts = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
+            if any(id(p) in edits for p in parts):
+                _check_llama_attention(name, module, edits)
+        elif is_gpt2_attention(module) and (id(module.c_attn) in edits or id(module.c_proj) in edits):
+            _check_gpt2_attention(name, module, edits)
