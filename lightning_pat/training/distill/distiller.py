@@ -1,46 +1,13 @@
-"""Distillation from the dense model while pruning heals: a forward hook that adds the teacher's gradient.
+"""The :class:`Distiller`: the hook on the student's logits module, the teacher's lifecycle, and its saved state.
 
-Decision (DESIGN.md, "Distillation from a callback"): a callback cannot change the loss Lightning backpropagates,
-so the distillation term enters through the student's logits. A forward hook on the module that produces them
-(the LightningModule itself by default, or a named submodule) runs the teacher on the same inputs under
-``no_grad`` and returns the student's logits through :class:`DistillGrad`, an autograd function that is the
-identity forward and adds ``d(alpha * T^2 * KL(teacher || student)) / d logits`` to the incoming gradient
-backward. So the student's gradient is the gradient of the blended loss
-
-``user_loss + alpha * T^2 * mean_tokens KL(softmax(t / T) || softmax(s / T))``
-
-with no change to the user's ``training_step`` and nothing wrapped (it works inside ``optimizer.step(closure)``,
-under DDP, with gradient accumulation: the added gradient is divided by the accumulation factor as Lightning
-divides the loss). The logged loss is the user's; the KL is logged separately (``pruning/distill_kl``, per token,
-without ``alpha`` and ``T^2``). Rejected: an explicit ``loss + distill_loss(...)`` helper (asks for a code change)
-and wrapping ``training_step`` (fragile).
-
-The hook acts only inside a training batch with gradients enabled (validation and prediction forwards are
-untouched). The teacher is a frozen copy of the student's logits module taken when pruning starts (after the last
-warmup step, before the first selection; hooks are not copied), or a module the user passes; it is held outside the
-student (not a child: not in the model's ``state_dict`` nor in any optimizer), in eval mode, with
-``requires_grad=False``. Under ``ModelParallelStrategy`` the copy is sharded like the student
-(:func:`~lightning_pat.parallel.teacher.sharded_frozen_copy`: each rank clones its own shards). A user's teacher is
-not saved (under ``ModelParallelStrategy`` it is called as it is: sharded by the user, or a replica).
-
-Where a copied teacher is saved (``distill_teacher_store``): ``"checkpoint"`` (default) keeps its weights in the
-callback state, so every checkpoint written during pruning holds the model twice (a sharded copy as shards next to
-the model's in a distributed checkpoint, gathered in a full one). ``"file"`` writes them once per directory as
-safetensors at the first checkpoint save after pruning started (:mod:`lightning_pat.training.teacher_file`: per rank
-for a sharded copy) and every checkpoint holds only the file's name and sha256; on resume the file is read and checked
-at fit start (:meth:`Distiller.restore_file`, before the first batch), in the checkpoint's directory first. Either
-store's checkpoint resumes under either setting.
-
-Caveats: the added gradient is computed over every token (padding included); if the logits module's forward is
-recomputed under activation checkpointing the teacher runs again (the gradient is still added once).
+See :mod:`lightning_pat.training.distill` for the design (why a hook, what the added gradient is, where a copied
+teacher is saved).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,99 +15,18 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.parallel.comm import dtensor, ranks
-from lightning_pat.parallel.teacher import HOOK_DICTS, has_dtensors, local_nbytes, sharded_frozen_copy
+from lightning_pat.parallel.teacher import has_dtensors, local_nbytes
 from lightning_pat.training import state, teacher_file
+from lightning_pat.training.distill.loss import DistillGrad, kl_value
+from lightning_pat.training.distill.teacher import (
+    find_logits,
+    frozen_copy,
+    is_sharded_entry,
+    replace_logits,
+    teacher_copy,
+)
 
 log = logging.getLogger(__name__)
-
-
-def kl_grad(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
-    """``d(T^2 * mean_tokens KL(softmax(t/T) || softmax(s/T))) / ds`` = ``T * (softmax(s/T) - softmax(t/T)) / N``.
-
-    ``N`` is the number of tokens (every dim but the last); computed in at least float32.
-    """
-    dtype = torch.promote_types(student.dtype, torch.float32)
-    s = torch.softmax(student.to(dtype) / temperature, dim=-1)
-    t = torch.softmax(teacher.to(dtype) / temperature, dim=-1)
-    tokens = max(student.numel() // max(student.shape[-1], 1), 1)
-    return (s - t) * (temperature / tokens)
-
-
-def kl_value(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
-    """``mean_tokens KL(softmax(t/T) || softmax(s/T))`` (no ``T^2``), detached, in at least float32."""
-    dtype = torch.promote_types(student.dtype, torch.float32)
-    with torch.no_grad():
-        log_s = torch.log_softmax(student.detach().to(dtype) / temperature, dim=-1)
-        log_t = torch.log_softmax(teacher.to(dtype) / temperature, dim=-1)
-        kl = (log_t.exp() * (log_t - log_s)).sum(dim=-1)
-    return kl.mean()
-
-
-class DistillGrad(torch.autograd.Function):
-    """Identity on the student's logits forward; backward adds ``scale * kl_grad(logits, teacher, T)``."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, teacher: Tensor, scale: float, temperature: float) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(logits, teacher)
-        ctx.scale, ctx.temperature = scale, temperature
-        return logits.view_as(logits)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # noqa: D102
-        logits, teacher = ctx.saved_tensors
-        extra = kl_grad(logits, teacher, ctx.temperature) * ctx.scale
-        return grad + extra.to(grad.dtype), None, None, None
-
-
-def find_logits(output: Any) -> Tensor | None:
-    """The logits in a forward output: the tensor itself, a ``logits`` attribute (HF ``ModelOutput``) or key."""
-    if isinstance(output, Tensor):
-        return output
-    value = getattr(output, "logits", None)
-    if value is None and isinstance(output, Mapping):
-        value = output.get("logits")
-    return value if isinstance(value, Tensor) else None
-
-
-def replace_logits(output: Any, logits: Tensor) -> Any:
-    """``output`` with its logits replaced (a ``ModelOutput`` in place, a plain mapping copied)."""
-    if isinstance(output, Tensor):
-        return logits
-    if hasattr(output, "logits"):
-        output.logits = logits  # a ModelOutput updates its mapping too
-        return output
-    return {**output, "logits": logits}
-
-
-def frozen_copy(module: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
-    """A deep copy of ``module`` without hooks, in eval mode, with ``requires_grad=False``.
-
-    Args:
-        module: The module to copy.
-        share: Objects referenced by the module that must not be copied (e.g. the Trainer).
-    """
-    memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
-    for sub in module.modules():
-        for attr in HOOK_DICTS:
-            hooks = getattr(sub, attr, None)
-            if hooks is not None:
-                memo[id(hooks)] = OrderedDict()
-    teacher = copy.deepcopy(module, memo)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
-
-
-def teacher_copy(student: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Module:
-    """The default teacher: a frozen copy of ``student``, sharded like it if its parameters are DTensors."""
-    if has_dtensors(student):
-        return sharded_frozen_copy(student, share=share)
-    return frozen_copy(student, share=share)
-
-
-def is_sharded_entry(saved: Any) -> bool:
-    """Whether a saved teacher is a sharded entry (``{"format": ...}``, see :func:`sharded_teacher_entry`)."""
-    return isinstance(saved, Mapping) and isinstance(saved.get("format"), str)
 
 
 class Distiller:
