@@ -3,7 +3,7 @@
 Every module belongs to exactly one floor (a module that none claims fails the test), and imports only from the
 floors listed for its own:
 
-* ``core`` (spec, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
+* ``core`` (spec/, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
   and torch (not torch.distributed);
 * ``parallel`` (comm, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   the modules of parallel/comm/ and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
@@ -305,7 +305,7 @@ KNOWN = {
 @pytest.mark.parametrize(
     ("rel", "source", "needle"),
     [
-        ("core/spec.py", "import numpy\n", "imports only the stdlib and torch"),
+        ("core/spec/patterns.py", "import numpy\n", "imports only the stdlib and torch"),
         ("core/scoring.py", "from lightning_pat.parallel.comm import reduce\n", "the core floor imports only"),
         ("core/scoring.py", "from .. import pruning\n", "the core floor imports only"),
         ("core/checks.py", "from lightning_pat.pruning.options import METHODS\n", "the core floor imports only"),
@@ -366,7 +366,10 @@ def test_checkers_detect_violations(rel, source, needle):
 @pytest.mark.parametrize(
     ("rel", "source"),
     [
-        ("core/spec.py", "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.scoring import x\n"),
+        (
+            "core/spec/resolve.py",
+            "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.scoring import x\n",
+        ),
         ("core/masking.py", "from .scoring import unit_of_channels\nfrom .spec import Member\n"),
         ("parallel/comm/reduce.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
         ("parallel/comm/__init__.py", "import torch.distributed as dist\n"),
