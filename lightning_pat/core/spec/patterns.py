@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from lightning_pat.core.spec.resolved import Role
 
-#: A member pattern's trailing slice: ``[a:b]`` as ``(a, b)``, ``[i/n]`` as ``(i, n, "/")``.
+#: A member pattern's trailing slice: ``[a:b]`` as ``(a, b)``, ``[i/n]`` (chunk i of n) as ``(i, n, "chunk")``.
 SliceSpec = tuple[int, int] | tuple[int, int, str]
 #: One pattern match: (role, parameter name, its slice, the pattern's named groups).
 Entry = tuple[Role, str, SliceSpec | None, dict[str, str]]
