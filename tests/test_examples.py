@@ -100,9 +100,40 @@ def tiny_fit_args(tmp_path: Path, config: str) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def demo_chain(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, list[str]]:
+    """ONE tiny `demo.yaml` fit, run as `lightning-pat fit ... && lightning-pat shrink ... && echo CHAIN-OK` in a shell.
+
+    Shared by the chain test (which asserts on the chain), ``test_cli_config[demo.yaml]`` (on the fit's output) and
+    ``test_cli_shrink_checkpoint`` (on its checkpoint): one fit process instead of three. Returns the run's folder,
+    the shell's result and the shrink command.
+    """
+    tmp = tmp_path_factory.mktemp("demo_chain")
+    exe = console_script()
+    ckpt = tmp / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
+    fit = shlex.join([exe, *tiny_fit_args(tmp, "demo.yaml")])
+    shrink = [exe, "shrink", f"--ckpt_path={ckpt}", f"--output={tmp / 'small'}"]
+    return tmp, shell(f"{fit} && {shlex.join(shrink)} && echo CHAIN-OK", tmp), shrink
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> tuple[Path, str]:
+    """ONE tiny `fsdp2.yaml` fit (2 gloo ranks) through `python -m lightning_pat.cli`, shared by
+    ``test_cli_config[fsdp2.yaml]`` and ``test_cli_shrink_model_parallel_distributed_checkpoint``."""
+    tmp = tmp_path_factory.mktemp("fsdp2_run")
+    return tmp, cli(tmp, *tiny_fit_args(tmp, "fsdp2.yaml"))
+
+
 @pytest.mark.parametrize("config", ["demo.yaml", "demo_explicit.yaml", "llama.yaml", "fsdp2.yaml"])
-def test_cli_config(tmp_path, config):
-    out = cli(tmp_path, *tiny_fit_args(tmp_path, config))
+def test_cli_config(tmp_path, config, request):
+    if config == "demo.yaml":  # the shared run (through the console script, in a shell chain)
+        tmp_path, proc, _ = request.getfixturevalue("demo_chain")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = proc.stdout + proc.stderr
+    elif config == "fsdp2.yaml":  # the shared run
+        tmp_path, out = request.getfixturevalue("fsdp2_run")
+    else:
+        out = cli(tmp_path, *tiny_fit_args(tmp_path, config))
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
     assert "pruning/unit_sparsity=0.500" in out  # the step progress bar shows the sparsity
     assert "Epoch" not in out  # ... and no epoch counter
@@ -173,17 +204,15 @@ def shell(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_console_script_fit_and_shrink_chain_in_a_shell(tmp_path):
+def test_console_script_fit_and_shrink_chain_in_a_shell(demo_chain, tmp_path):
     """`lightning-pat fit ... && lightning-pat shrink ...`: exit 0 on success, one-line errors with exit 1."""
+    run_root, proc, shrink = demo_chain  # the chain itself ran once, in the module's shared fixture
     exe = console_script()
-    ckpt = tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
-    fit = shlex.join([exe, *tiny_fit_args(tmp_path, "demo.yaml")])
-    shrink = [exe, "shrink", f"--ckpt_path={ckpt}", f"--output={tmp_path / 'small'}"]
-    proc = shell(f"{fit} && {shlex.join(shrink)} && echo CHAIN-OK", tmp_path)
+    ckpt = run_root / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "CHAIN-OK"
     assert "PatCLI object" not in proc.stdout + proc.stderr
-    assert (tmp_path / "small" / "model.safetensors").is_file()
+    assert (run_root / "small" / "model.safetensors").is_file()
     # the same shrink again: the output is not empty -> one line, exit 1; --overwrite replaces it
     again = shell(shlex.join(shrink), tmp_path)
     assert again.returncode == 1
@@ -356,13 +385,15 @@ def _assert_same_outputs(masked, small):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), float((a - b).abs().max())
 
 
-def test_cli_shrink_checkpoint(tmp_path):
+def test_cli_shrink_checkpoint(demo_chain, tmp_path, monkeypatch):
     import torch
 
     from lightning_pat import load_pretrained
+    from lightning_pat.cli import main
 
-    cli(tmp_path, *tiny_fit_args(tmp_path, "demo.yaml"))
-    run_dir = tmp_path / "runs" / "demo" / "version_0"
+    run_root, fit, _ = demo_chain  # the module's one demo.yaml fit (its checkpoint is only read here)
+    assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
+    run_dir = run_root / "runs" / "demo" / "version_0"
     ckpt_path = run_dir / "checkpoints" / "last.ckpt"
     val = cli(tmp_path, "validate", f"--config={run_dir / 'config.yaml'}", f"--ckpt_path={ckpt_path}")
     assert "val_loss" in val
@@ -374,11 +405,13 @@ def test_cli_shrink_checkpoint(tmp_path):
     assert sum(p.numel() for p in small.parameters()) < 0.6 * sum(p.numel() for p in masked.parameters())
     _assert_same_outputs(masked, small)
     # without config.yaml: the class path LightningCLI records in the hyperparameters, or an explicit class
+    # (`lightning_pat.cli:main`, what the console script runs, in this process; relative --output from the cwd)
     alone = tmp_path / "alone" / "last.ckpt"
     alone.parent.mkdir()
     alone.write_bytes(ckpt_path.read_bytes())
+    monkeypatch.chdir(tmp_path)
     for name, extra in (("auto", []), ("explicit", ["--model_class=lightning_pat.demo.TinyGPTModule"])):
-        cli(tmp_path, "shrink", f"--ckpt_path={alone}", f"--output={name}", *extra)
+        assert main(["shrink", f"--ckpt_path={alone}", f"--output={name}", *extra]) == 0
         _assert_same_outputs(masked, load_pretrained(tmp_path / name))
     # a checkpoint from before the final ramp step, carrying a distributed checkpoint's latent keys: the latent keys
     # are not model weights (dropped), and the shrink says that the mask was not final yet
@@ -401,7 +434,7 @@ def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
     import torch
 
     from lightning_pat import load_pretrained
-    from lightning_pat.cli import model_from_config
+    from lightning_pat.cli import main, model_from_config
     from lightning_pat.shrink import restore_shrunk
 
     args = tiny_fit_args(tmp_path, "demo.yaml")
@@ -411,7 +444,8 @@ def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
     ckpt_path = run_dir / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=False)
     assert ckpt["state_dict"]["model.layers.0.mlp.gate_proj.weight"].shape[0] == 256  # saved small
-    cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    # the shrink through `lightning_pat.cli:main` (what the console script runs) in this process: one launch fewer
+    assert main(["shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}"]) == 0
     reference = model_from_config(run_dir / "config.yaml")  # independent: restore shapes, load, no shrink call
     assert restore_shrunk(reference, ckpt)
     reference.load_state_dict(ckpt["state_dict"])
@@ -421,18 +455,20 @@ def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
 
 
 @pytest.mark.distributed
-def test_cli_shrink_model_parallel_distributed_checkpoint(tmp_path):
+def test_cli_shrink_model_parallel_distributed_checkpoint(fsdp2_run, tmp_path):
     """A ModelParallelStrategy (FSDP2, 2 gloo processes) run writes a sharded checkpoint directory; shrink reads it."""
     import torch
 
-    from lightning_pat.cli import load_checkpoint
+    from lightning_pat.cli import load_checkpoint, main
 
-    cli(tmp_path, *tiny_fit_args(tmp_path, "fsdp2.yaml"))
-    (ckpt_path,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    run_root, _ = fsdp2_run  # the module's one fsdp2.yaml fit (test_cli_config[fsdp2.yaml] asserts on its output)
+    (ckpt_path,) = run_root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     assert ckpt_path.is_dir()  # a distributed checkpoint: one shard file per rank plus meta.pt
-    cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    # the shrink through `lightning_pat.cli:main` (what the console script runs) in this process: one launch fewer
+    assert main(["shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}"]) == 0
     masked, small = _masked_and_shrunk(ckpt_path.parents[1], load_checkpoint(ckpt_path), tmp_path / "small")
-    assert not list(tmp_path.rglob("*.consolidated.pt"))  # read in memory: nothing written next to the checkpoint
+    assert not list(run_root.rglob("*.consolidated.pt"))  # read in memory: nothing written next to the checkpoint
+    assert not list(tmp_path.rglob("*.consolidated.pt"))
     assert sorted(p.name for p in ckpt_path.parent.iterdir()) == [ckpt_path.name]
     assert small.layers[0].mlp.gate_proj.out_features == 256
     _assert_same_outputs(masked, small)

@@ -2,7 +2,8 @@
 
 python blocks are executed, yaml blocks are run as LightningCLI configs, bash blocks line by line in one scratch
 directory (so `lightning-pat shrink` finds the checkpoint the `fit` line wrote); ``lightning-pat`` is run as
-``python -m lightning_pat.cli`` (the same entry point). text blocks are sample output and are not run.
+``python -m lightning_pat.cli`` (the same entry point), a ``--help`` line through ``lightning_pat.cli:main`` in the
+test's own process. text blocks are sample output and are not run.
 """
 
 from __future__ import annotations
@@ -170,9 +171,21 @@ def test_yaml_block_runs(tmp_path):
     assert "pruning/unit_sparsity=0.500" in out
 
 
+def help_in_this_process(args: list[str], capsys) -> str:
+    """A ``lightning-pat ... --help`` line through ``lightning_pat.cli:main`` in this process (one launch fewer)."""
+    from lightning_pat.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 0, args
+    return capsys.readouterr().out
+
+
 @pytest.mark.timeout(600)
-def test_bash_blocks_run(tmp_path):
+def test_bash_blocks_run(tmp_path, monkeypatch, capsys):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)  # for the --help lines run in this process; the others run with cwd=tmp_path
     ran = []
     for block in blocks("bash"):
         for line in block.splitlines():
@@ -180,6 +193,10 @@ def test_bash_blocks_run(tmp_path):
             if not command or command in NOT_RUN:
                 continue
             args = shlex.split(command)
+            if args[0] == "lightning-pat" and "--help" in args:
+                assert "usage:" in help_in_this_process(args[1:], capsys), command
+                ran.append(command)
+                continue
             if args[0] == "lightning-pat":
                 args = [sys.executable, "-m", "lightning_pat.cli", *args[1:]]
                 if args[3] == "fit" and "--help" not in args:

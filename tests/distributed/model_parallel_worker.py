@@ -6,7 +6,7 @@ norms sequence-parallel), then ``fully_shard`` over the data-parallel mesh axis;
 2-D (data_parallel, tensor_parallel) mesh, e.g. ``(_StridedShard(0), Shard(0))`` for colwise weights and
 ``(Shard(0), Shard(1))`` for rowwise ones. With a tensor-parallel size of 1 it is plain FSDP2 ``Shard(0)``.
 
-Prints one ``RESULT {json}`` line.
+Prints one ``RESULT {json}`` line per fit (each case, each executor), with the case as ``"mode:score"``.
 """
 
 from __future__ import annotations
@@ -198,14 +198,18 @@ def fit_once(dp: int, tp: int, mode: str, executor: str, score: str = "rms") -> 
     }
 
 
-def main(dp: int, tp: int, mode: str, executors: list[str], score: str) -> None:
-    for executor in executors:
-        print("RESULT " + json.dumps(fit_once(dp, tp, mode, executor, score)), flush=True)
+def main(dp: int, tp: int, cases: list[tuple[str, str]], executors: list[str]) -> None:
+    """Every ``(mode, score)`` case on this one world, each fitted once per executor (one process launch per rank)."""
+    for mode, score in cases:
+        for executor in executors:
+            result = fit_once(dp, tp, mode, executor, score)
+            print("RESULT " + json.dumps({"case": f"{mode}:{score}", **result}), flush=True)
 
 
 if __name__ == "__main__":
+    # argv: dp tp cases executors, e.g. ``2 2 latent:rms,direct:activation auto,materializing``
     main(
-        int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"],
-        sys.argv[5] if len(sys.argv) > 5 else "rms",
+        int(sys.argv[1]), int(sys.argv[2]), [tuple(c.split(":")) for c in sys.argv[3].split(",")],
+        sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"],
     )  # fmt: skip
     finish_worker()

@@ -16,27 +16,62 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
 
 
-@pytest.mark.timeout(300)
+CASES = [
+    (2, 1, "latent", "rms"),
+    (2, 2, "latent", "rms"),
+    (2, 2, "direct", "rms"),
+    (2, 1, "latent", "activation"),
+    (2, 2, "direct", "activation"),
+    (2, 2, "latent", "taylor"),
+]
+CASE_TIMEOUT = 240  # seconds per case (two fits: auto and materializing) of one world
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """``runs(dp, tp)``: every case of that mesh fitted in ONE world of ``dp * tp`` rank processes, run on first use.
+
+    Each rank script takes the mesh's cases as a list and fits them in sequence, so a mesh costs one launch per rank
+    instead of one per rank per case; the timeout is the per-case one times the cases. A failed world fails every
+    case of its mesh with the same report.
+    """
+    done: dict[tuple[int, int], list[dict] | BaseException] = {}
+
+    def runs(dp: int, tp: int) -> list[dict]:
+        if (dp, tp) not in done:
+            cases = [f"{mode}:{score}" for d, t, mode, score in CASES if (d, t) == (dp, tp)]
+            try:
+                outputs = run_rank_scripts(
+                    WORKER, dp * tp, args=[str(dp), str(tp), ",".join(cases), "auto,materializing"],
+                    timeout=CASE_TIMEOUT * len(cases),
+                )  # fmt: skip
+                done[dp, tp] = [
+                    json.loads(line[len("RESULT ") :])
+                    for out in outputs
+                    for line in out.splitlines()
+                    if line.startswith("RESULT ")
+                ]
+            except Exception as err:  # noqa: BLE001 - re-raised for every case of the mesh
+                done[dp, tp] = err
+        got = done[dp, tp]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    return runs
+
+
+@pytest.mark.timeout(300 * 4)  # the first case of a mesh runs the mesh's world (up to 4 cases)
 @pytest.mark.parametrize(
     ("dp", "tp", "mode", "score"),
-    [
-        (2, 1, "latent", "rms"),
-        (2, 2, "latent", "rms"),
-        (2, 2, "direct", "rms"),
-        (2, 1, "latent", "activation"),
-        (2, 2, "direct", "activation"),
-        (2, 2, "latent", "taylor"),
-    ],
+    CASES,
     ids=[
         "fsdp2-2ranks-latent", "fsdp2xtp-2x2-latent", "fsdp2xtp-2x2-direct", "fsdp2-2ranks-latent-activation",
         "fsdp2xtp-2x2-direct-activation", "fsdp2xtp-2x2-latent-taylor",
     ],
 )  # fmt: skip
-def test_model_parallel_trainer_takes_sharded_path(dp, tp, mode, score):
-    outputs = run_rank_scripts(WORKER, dp * tp, args=[str(dp), str(tp), mode, "auto,materializing", score], timeout=240)
-    runs = [
-        json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
-    ]
+def test_model_parallel_trainer_takes_sharded_path(worlds, dp, tp, mode, score):
+    runs = [r for r in worlds(dp, tp) if r["case"] == f"{mode}:{score}"]
     results = [r for r in runs if r["executor"] == "auto"]
     reference = [r for r in runs if r["executor"] == "materializing"]
     assert [r["rank"] for r in results] == list(range(dp * tp))

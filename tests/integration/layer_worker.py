@@ -1,6 +1,6 @@
 """One rank of the layer-unit tests under DDP, FSDP2 and tensor parallelism (launched per rank by test_layer_units).
 
-    python layer_worker.py {ddp|fsdp2|tp}
+    python layer_worker.py {ddp|fsdp2|tp} [VARIANT,VARIANT,...]    (variants of :func:`callback`; default layers)
 
 A TinyGPT with 4 layers is pruned with the ``tiny_gpt`` preset, layer units and ``target_params`` (layer scores
 ``1 - cos(input, output)`` from the training forwards). ``ddp`` and ``fsdp2`` (``ModelParallelStrategy`` with a
@@ -9,7 +9,7 @@ data-parallel size of 2) give each rank half of every global batch of 16 sequenc
 step and the rank, not by a sampler). Every layout therefore
 computes the same global batch as one process with ``batch_size=16`` (:func:`fit_single`). After the fit every rank
 copies the full weights into a plain model, shrinks it with the callback's state and reports the parameter count and
-the outputs. Prints one ``RESULT {json}`` line.
+the outputs. Fits the variants in sequence in this one process; prints one ``RESULT {json}`` line per variant.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def fit_single(variant: str = "layers") -> dict:
     return report(lit, cb, cb.state_dict())
 
 
-def main(kind: str, variant: str = "layers") -> None:
+def fit_distributed(kind: str, variant: str = "layers") -> None:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     if kind == "ddp":
@@ -138,7 +138,14 @@ def main(kind: str, variant: str = "layers") -> None:
     dist.all_gather_object(records, (result["dropped"], result["layer_scores"], result["achieved"]))
     result["all_ranks_equal"] = all(r == records[0] for r in records)
     result["rank"] = dist.get_rank()
+    result["variant"] = variant
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def main(kind: str, variants: str = "layers") -> None:
+    """Every variant of the comma-separated list in sequence, in this one process (one launch per rank for all)."""
+    for variant in variants.split(","):
+        fit_distributed(kind, variant)
 
 
 if __name__ == "__main__":

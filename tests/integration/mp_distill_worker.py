@@ -1,11 +1,12 @@
 """One rank of the ModelParallelStrategy distillation test (launched per rank by test_distill_model_parallel.py).
 
-    python mp_distill_worker.py DP TP {dcp|full} STOP [user|file]
+    python mp_distill_worker.py DP TP CASE[,CASE...]    with CASE = {dcp|full}:STOP[:user|:file]
 
 A TinyGPT sharded in ``configure_model`` (``model_parallel_worker.LitTiny``: FSDP2 over the data-parallel axis, a
 sequence-parallel TP plan when TP > 1) distils from the default teacher (a frozen copy sharded like it). The fit
-runs uninterrupted with a checkpoint after every step, then again resumed from the step-STOP checkpoint. Prints one
-``RESULT {json}`` line:
+runs uninterrupted with a checkpoint after every step, then again resumed from the step-STOP checkpoint. The cases
+run in sequence in one process per rank, each with a checkpoint folder of its own. Prints one ``RESULT {json}`` line
+per case (its index as ``case``):
 
 * ``max_rel_diff``: at every distilled step, the largest difference between the sharded gradient (gathered) and
   the float64 gradient of ``CE + alpha * T^2 * KL(teacher || student)`` computed by hand from every data-parallel
@@ -142,7 +143,7 @@ class Check(pl.Callback):
 
 def fit(
     dp: int, tp: int, ckpt: str, *, user: bool, ckpt_path: str | None = None, save: bool = False,
-    store: str = "checkpoint",
+    store: str = "checkpoint", ckpts: str = "ckpts",
 ):  # fmt: skip
     module = UserTeacherTiny() if user else StepTiny()
     teacher = module.teacher[0] if user else None
@@ -154,7 +155,7 @@ def fit(
     callbacks: list = [check, cb, Late(check)]
     if save:
         callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath="ckpts", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+            pl.callbacks.ModelCheckpoint(dirpath=ckpts, filename="{step}", every_n_train_steps=1, save_top_k=-1)
         )
     trainer = pl.Trainer(
         max_steps=TOTAL, accelerator="cpu", devices=dp * tp, callbacks=callbacks, logger=False,
@@ -197,12 +198,14 @@ def teacher_keys(path: str) -> list[str]:
     return found
 
 
-def main(dp: int, tp: int, ckpt: str, stop: int, user: bool, store: str = "checkpoint") -> None:
-    module, cb, check, trainer = fit(dp, tp, ckpt, user=user, save=not user, store=store)
+def run_case(dp: int, tp: int, ckpt: str, stop: int, user: bool, store: str = "checkpoint", *, case: int = 0) -> None:
+    ckpts = f"ckpts-{case}"  # each case of the launch checkpoints into a folder of its own
+    module, cb, check, trainer = fit(dp, tp, ckpt, user=user, save=not user, store=store, ckpts=ckpts)
     teacher = cb.teacher
     s_params = dict(module.model.named_parameters())
     t_params = dict(teacher.named_parameters())
     out = {
+        "case": case,
         "rank": dist.get_rank(),
         "checked": check.checked,
         "max_rel_diff": check.max_rel_diff,
@@ -231,10 +234,12 @@ def main(dp: int, tp: int, ckpt: str, stop: int, user: bool, store: str = "check
         if store == "file":
             from pathlib import Path
 
-            out["teacher_files"] = sorted(p.name for p in Path("ckpts").glob("pat-teacher-*"))
+            out["teacher_files"] = sorted(p.name for p in Path(ckpts).glob("pat-teacher-*"))
         if dist.get_rank() == 0:
-            out["teacher_keys_in_ckpt"] = teacher_keys(f"ckpts/step={stop}.ckpt")
-        resumed, cb2, _, _ = fit(dp, tp, ckpt, user=False, ckpt_path=f"ckpts/step={stop}.ckpt", store=store)
+            out["teacher_keys_in_ckpt"] = teacher_keys(f"{ckpts}/step={stop}.ckpt")
+        resumed, cb2, _, _ = fit(
+            dp, tp, ckpt, user=False, ckpt_path=f"{ckpts}/step={stop}.ckpt", store=store, ckpts=ckpts
+        )
         got = full(resumed.named_parameters())
         got_teacher = full(cb2.teacher.state_dict().items())
         out["resume_mismatches"] = [n for n in want if not torch.equal(got[n], want[n])] + [
@@ -243,10 +248,15 @@ def main(dp: int, tp: int, ckpt: str, stop: int, user: bool, store: str = "check
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def main(dp: int, tp: int, cases: list[str]) -> None:
+    """Each case ``CKPT:STOP[:user|:file]`` in sequence in this one process (one launch per rank for all of them)."""
+    for index, case in enumerate(cases):
+        ckpt, stop, extra = (case.split(":") + [""])[:3]
+        run_case(
+            dp, tp, ckpt, int(stop), extra == "user", store="file" if extra == "file" else "checkpoint", case=index
+        )
+
+
 if __name__ == "__main__":
-    extra = sys.argv[5] if len(sys.argv) > 5 else ""
-    main(
-        int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), extra == "user",
-        store="file" if extra == "file" else "checkpoint",
-    )  # fmt: skip
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","))
     finish_worker()

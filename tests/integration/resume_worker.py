@@ -1,14 +1,16 @@
 """One rank of the multi-process resume matrix (launched per rank by test_resume_distributed.py).
 
-    python resume_worker.py {ddp|mp|mp-full|fsdp1} {latent|direct} K1,K2,... [score]
+    python resume_worker.py '[["ddp", "latent", [2, 4, 8], "rms"], ["ddp", "direct", [4], "taylor"], ...]'
 
-Runs the fit uninterrupted with a checkpoint after every step, then, for each K, a fresh module, callback and Trainer
-resumed from the step-K checkpoint; prints one ``RESULT {json}`` line with every mismatch (weights of the whole
-model, masks and logged sparsity per step) between the resumed runs and the uninterrupted one. ``mp`` shards the
-MLP with FSDP2 under ModelParallelStrategy (sharded path, latents as DTensors in a distributed checkpoint);
-``mp-full`` writes a full (gathered) checkpoint instead; ``fsdp1`` uses FSDPStrategy (flat parameters, latents of
-every rank's flat shard gathered into the callback state; not in the test matrix: FSDP1 checkpointing on CPU
-crashes, see test_resume_distributed.py).
+For each case ``[kind, mode, stops, score]`` in the JSON list, in sequence in this one process (one launch per rank
+for all the cases; each case writes its checkpoints to a folder of its own): runs the fit uninterrupted with a
+checkpoint after every step, then, for each K in stops, a fresh module, callback and Trainer resumed from the step-K
+checkpoint; prints one ``RESULT {json}`` line per case (with its index as ``case``) with every mismatch (weights of
+the whole model, masks and logged sparsity per step) between the resumed runs and the uninterrupted one. ``mp``
+shards the MLP with FSDP2 under ModelParallelStrategy (sharded path, latents as DTensors in a distributed
+checkpoint); ``mp-full`` writes a full (gathered) checkpoint instead; ``fsdp1`` uses FSDPStrategy (flat parameters,
+latents of every rank's flat shard gathered into the callback state; not in the test matrix: FSDP1 checkpointing on
+CPU crashes, see test_resume_distributed.py).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Recorder(pl.Callback):
 
 
 def fit(
-    kind: str, mode: str, *, score: str = "rms", ckpt_path: str | None = None, save: bool = False
+    kind: str, mode: str, *, score: str = "rms", ckpt_path: str | None = None, save: str | None = None
 ) -> tuple[dict, dict, dict]:
     if kind.startswith("mp"):
         cls = ShardedStepModule if score == "rms" else ShardedRankStepModule
@@ -83,7 +85,7 @@ def fit(
     callbacks = [cb, rec]
     if save:
         callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath="ckpts", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+            pl.callbacks.ModelCheckpoint(dirpath=save, filename="{step}", every_n_train_steps=1, save_top_k=-1)
         )
     strategy = {
         "mp": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
@@ -100,7 +102,7 @@ def fit(
         strategy=strategy,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=save,
+        enable_checkpointing=save is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
@@ -118,11 +120,12 @@ def fit(
     return weights, rec.rows, routes
 
 
-def main(kind: str, mode: str, stops: list[int], score: str = "rms") -> None:
-    want_w, want_rows, routes = fit(kind, mode, score=score, save=True)
+def run_case(index: int, kind: str, mode: str, stops: list[int], score: str = "rms") -> None:
+    ckpts = f"ckpts-{index}"
+    want_w, want_rows, routes = fit(kind, mode, score=score, save=ckpts)
     mismatches = []
     for k in stops:
-        path = f"ckpts/step={k}.ckpt"
+        path = f"{ckpts}/step={k}.ckpt"
         got_w, rows, _ = fit(kind, mode, score=score, ckpt_path=path)
         if sorted(rows) != list(range(k + 1, TOTAL + 1)):
             mismatches.append(f"k={k}: resumed steps {sorted(rows)}")
@@ -130,10 +133,15 @@ def main(kind: str, mode: str, stops: list[int], score: str = "rms") -> None:
         mismatches += [f"k={k}: weights of {n} differ" for n in want_w if got_w[n] != want_w[n]]
     masks = [set(want_rows[s][0]["hidden"]) for s in range(SCHEDULE["warmup_steps"] + 1, TOTAL + 1)]
     revived = any(a - b for a, b in zip(masks, masks[1:], strict=False))
-    out = {"rank": dist.get_rank(), "mismatches": mismatches, "routes": routes, "revived": revived}
+    out = {"case": index, "rank": dist.get_rank(), "mismatches": mismatches, "routes": routes, "revived": revived}
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def main(cases: list[list]) -> None:
+    for index, case in enumerate(cases):
+        run_case(index, *case)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], [int(k) for k in sys.argv[3].split(",")], *sys.argv[4:])
+    main(json.loads(sys.argv[1]))
     finish_worker()

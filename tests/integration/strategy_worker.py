@@ -1,9 +1,11 @@
 """One rank of a multi-process Trainer test (DDP or FSDP1 on CPU); launched per rank by the tests.
 
-    python strategy_worker.py {ddp|fsdp1} {latent|direct} [score]
+    python strategy_worker.py {ddp|fsdp1} MODE:SCORE[,MODE:SCORE...]    e.g. ``fsdp1 latent:rms,latent:auto``
 
-Prints one ``RESULT {json}`` line with what the test asserts: the mask, the zero rows/columns of the full weights,
-routes, logged sparsity, and whether every rank agreed after every step.
+Fits each case in sequence in this one process (one launch per rank for all of a strategy's cases; the module seeds
+its own weights and data, so a case does not depend on the fits before it). Prints one ``RESULT {json}`` line per
+case with what the test asserts: the case, the mask, the zero rows/columns of the full weights, routes, logged
+sparsity, and whether every rank agreed after every step.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class AgreementCheck(pl.Callback):
         self.disagreements += any(r != records[0] for r in records)
 
 
-def main(strategy_name: str, mode: str, score: str = "rms") -> None:
+def fit_once(strategy_name: str, mode: str, score: str) -> None:
     module = MLPModule(optimizer="adamw" if strategy_name == "ddp" else "sgd", n_batches=16)
     cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=3, mode=mode, score=score)
     check = AgreementCheck(cb, check_weights=strategy_name == "ddp")
@@ -76,6 +78,7 @@ def main(strategy_name: str, mode: str, score: str = "rms") -> None:
         "RESULT "
         + json.dumps(
             {
+                "case": f"{mode}:{score}",
                 "rank": dist.get_rank(),
                 "step": cb.step,
                 "score": cb.score,
@@ -93,6 +96,12 @@ def main(strategy_name: str, mode: str, score: str = "rms") -> None:
         ),
         flush=True,
     )
+
+
+def main(strategy_name: str, cases: str) -> None:
+    for case in cases.split(","):
+        mode, score = case.split(":")
+        fit_once(strategy_name, mode, score)
 
 
 if __name__ == "__main__":

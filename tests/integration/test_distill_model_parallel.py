@@ -16,21 +16,47 @@ WORKER = Path(__file__).with_name("mp_distill_worker.py")
 WARMUP, TOTAL = 2, 7
 
 
-def _run(*args: str) -> list[dict]:
-    outputs = run_rank_scripts(WORKER, 2, args=list(args), timeout=400)
-    results = [json.loads(ln[7:]) for out in outputs for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert [r["rank"] for r in results] == [0, 1]
-    return results
+#: the cases of each (dp, tp) layout, run in sequence in ONE launch of its 2 ranks: "CKPT:STOP[:user|:file]"
+CASES = {(2, 1): ["dcp:3", "dcp:0:user", "dcp:4:file"], (1, 2): ["full:5"]}
+CASE_TIMEOUT = 400  # seconds per case of a launch
 
 
-@pytest.mark.timeout(450)
+@pytest.fixture(scope="module")
+def worlds():
+    """``runs(dp, tp, case)``: the 2 ranks' results for that case, from ONE launch per layout running all its cases
+    (on first use; a failed launch fails each of its cases with the same report)."""
+    done: dict[tuple[int, int], list[dict] | BaseException] = {}
+
+    def runs(dp: int, tp: int, case: str) -> list[dict]:
+        cases = CASES[dp, tp]
+        if (dp, tp) not in done:
+            try:
+                outputs = run_rank_scripts(
+                    WORKER, 2, args=[str(dp), str(tp), ",".join(cases)], timeout=CASE_TIMEOUT * len(cases)
+                )
+                done[dp, tp] = [
+                    json.loads(ln[7:]) for out in outputs for ln in out.splitlines() if ln.startswith("RESULT ")
+                ]
+            except Exception as err:  # noqa: BLE001 - re-raised for every case of the layout
+                done[dp, tp] = err
+        got = done[dp, tp]
+        if isinstance(got, BaseException):
+            raise got
+        results = [r for r in got if r["case"] == cases.index(case)]
+        assert [r["rank"] for r in results] == [0, 1]
+        return results
+
+    return runs
+
+
+@pytest.mark.timeout(450 * 3)  # the first case of a layout runs its launch (up to 3 cases)
 @pytest.mark.parametrize(
     ("dp", "tp", "ckpt", "stop"),
     [(2, 1, "dcp", 3), (1, 2, "full", 5)],
     ids=["fsdp2-dcp-resume-mid-ramp", "tp-full-ckpt-resume-final"],
 )
-def test_sharded_teacher_gradient_frozen_and_resumed_bitwise(dp, tp, ckpt, stop):
-    results = _run(str(dp), str(tp), ckpt, str(stop))
+def test_sharded_teacher_gradient_frozen_and_resumed_bitwise(worlds, dp, tp, ckpt, stop):
+    results = worlds(dp, tp, f"{ckpt}:{stop}")
     for r in results:
         assert r["checked"] == TOTAL - WARMUP  # every step from the pruning start is distilled and checked
         assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
@@ -50,9 +76,9 @@ def test_sharded_teacher_gradient_frozen_and_resumed_bitwise(dp, tp, ckpt, stop)
     assert results[0]["teacher_keys_in_ckpt"]  # the checkpoint store: the teacher is in every checkpoint
 
 
-@pytest.mark.timeout(450)
-def test_a_teacher_sharded_by_the_user_is_used_as_is():
-    for r in _run("2", "1", "dcp", "0", "user"):
+@pytest.mark.timeout(450 * 3)  # the first case of a layout runs its launch (up to 3 cases)
+def test_a_teacher_sharded_by_the_user_is_used_as_is(worlds):
+    for r in worlds(2, 1, "dcp:0:user"):
         assert r["teacher_is_user"]
         assert r["checked"] == TOTAL - WARMUP
         assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
@@ -61,11 +87,11 @@ def test_a_teacher_sharded_by_the_user_is_used_as_is():
         assert not r["teacher_in_optimizer"]
 
 
-@pytest.mark.timeout(450)
-def test_file_store_writes_each_ranks_shards_once_and_resumes_bitwise():
+@pytest.mark.timeout(450 * 3)  # the first case of a layout runs its launch (up to 3 cases)
+def test_file_store_writes_each_ranks_shards_once_and_resumes_bitwise(worlds):
     """``distill_teacher_store="file"`` under FSDP2 with distributed checkpoints: one file per rank, none in the
     checkpoints, and the resumed teacher is bitwise the model at the warmup end (via the uninterrupted run's)."""
-    results = _run("2", "1", "dcp", "4", "file")
+    results = worlds(2, 1, "dcp:4:file")
     for r in results:
         assert r["checked"] == TOTAL - WARMUP
         assert r["max_rel_diff"] < 1e-4, r["max_rel_diff"]
