@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -141,7 +142,9 @@ def check_options(options: Mapping[str, object]) -> None:
 
 
 def resolve_preset(
-    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, **options: bool
+    clusters: str | Cluster | Mapping[str, Any] | Sequence[str | Cluster | Mapping[str, Any]],
+    model: nn.Module,
+    **options: bool,
 ) -> list[Cluster]:
     """Turn a callback's ``clusters`` argument into declarations.
 
@@ -164,7 +167,9 @@ def resolve_preset(
 
 
 def expand(
-    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping], model: nn.Module, options: Mapping[str, bool]
+    clusters: str | Cluster | Mapping[str, Any] | Sequence[str | Cluster | Mapping[str, Any]],
+    model: nn.Module,
+    options: Mapping[str, bool],
 ) -> list[Cluster]:
     """:func:`resolve_preset` with ``options`` taken as checked (by :func:`check_options`, once, by the caller).
 

@@ -54,7 +54,7 @@ class SizedClusters:
 
 def size_clusters(
     model: nn.Module,
-    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
+    clusters: str | Cluster | Mapping[str, Any] | Sequence[str | Cluster | Mapping[str, Any]],
     target_params: int | float | str | None = None,
     *,
     target_flops: int | float | str | None = None,
@@ -111,6 +111,6 @@ def size_clusters(
     for decl in decls:
         found = {targets[rc.name] for rc in resolve_clusters(params, [decl])}
         if len(found) != 1:  # uniform widths give one target per declaration
-            raise ValueError(f"size_clusters: declaration {decl.name!r} got several targets {sorted(found)}.")
+            raise ValueError(f"size_clusters: declaration {decl.name!r} got several targets {sorted(found, key=str)}.")
         out.append(dataclasses.replace(decl, target=found.pop()))
     return SizedClusters(clusters=out, size=size)

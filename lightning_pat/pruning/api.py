@@ -102,7 +102,7 @@ def one_shot_calibration(
 def plan_importance(
     model: nn.Module,
     plan: Plan,
-    declarations: Sequence[Cluster | Mapping],
+    declarations: Sequence[Cluster | Mapping[str, Any]],
     *,
     activations: ActivationStats | None = None,
 ) -> dict[str, list[float]]:
@@ -128,7 +128,7 @@ def plan_importance(
             q, scores = pruner._reduce(None, activations)  # noqa: SLF001
     if activations is None:
         weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
-        scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}  # type: ignore[arg-type]
+        scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}
     assert scores is not None
     declared = declaration_labels(named_tensors(model), declarations)
     return unit_costs(scores, plan.clusters, declared=declared, comparable=activations is not None)
@@ -136,7 +136,7 @@ def plan_importance(
 
 def prune_clusters(
     model: nn.Module,
-    clusters: str | Cluster | Mapping | Sequence[str | Cluster | Mapping],
+    clusters: str | Cluster | Mapping[str, Any] | Sequence[str | Cluster | Mapping[str, Any]],
     sparsity: float | None = None,
     *,
     target_params: int | float | str | None = None,
@@ -243,17 +243,17 @@ def prune_clusters(
             "`activations=lightning_pat.scoring.activation.calibrate(model, clusters, batches)` with "
             f"score='activation', or neither; got score={score!r} and activations={type(activations).__name__}."
         )
-    clusters = one_shot_declarations(model, clusters)
+    declared = one_shot_declarations(model, clusters)
     plan_score, activations, layer_stats = one_shot_calibration(
-        model, clusters, resolved_score, activations, calibration, layer_stats=layer_stats
+        model, declared, resolved_score, activations, calibration, layer_stats=layer_stats
     )
     plan = make_plan(
-        model, clusters, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
+        model, declared, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
         sparsity=opts.sparsity,
     )  # fmt: skip
     size = None
     if opts.size_target is not None:
-        decls = [clusters] if isinstance(clusters, (Cluster, Mapping)) else list(clusters)
+        decls = [declared] if isinstance(declared, (Cluster, Mapping)) else list(declared)
         importance = None
         if opts.target_allocation == "importance":
             importance = plan_importance(model, plan, decls, activations=activations)

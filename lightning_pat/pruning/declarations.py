@@ -164,7 +164,9 @@ def auto_declarations(module: Any, clusters: object) -> object:
     return discovered_clusters(module, example)
 
 
-def one_shot_declarations(module: Any, clusters: object) -> object:
+def one_shot_declarations(
+    module: Any, clusters: object
+) -> Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]]:
     """``prune_clusters``' ``clusters`` as the callback reads them: a discovery, ``"auto"`` and preset names expanded.
 
     Declarations pass through as they are (the plan resolves them).
@@ -179,4 +181,4 @@ def one_shot_declarations(module: Any, clusters: object) -> object:
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
         return expand_presets(clusters, module, {})
-    return clusters
+    return clusters  # type: ignore[return-value]  # declarations as given; the plan checks each entry

@@ -329,6 +329,7 @@ class PruningOptions:
         object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
         if self.distill_teacher_dir is not None:
             object.__setattr__(self, "distill_teacher_dir", os.fspath(self.distill_teacher_dir))
+        assert self.target_sparsity is not None  # filled in with 0.5 above when not given
         object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))

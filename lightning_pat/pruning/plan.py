@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -50,7 +51,7 @@ class Plan:
         target_params: object,
         *,
         side: Side = "below",
-        declarations: Sequence[Cluster | Mapping] = (),
+        declarations: Sequence[Cluster | Mapping[str, Any]] = (),
         keep_layers: int | None = None,
         widths: str = "uniform",
         min_kept: float | None = None,
@@ -91,7 +92,7 @@ def named_tensors(params: nn.Module | Mapping[str, Tensor]) -> Mapping[str, Tens
 
 def make_plan(
     params: nn.Module | Mapping[str, Tensor],
-    clusters: Sequence[ResolvedCluster] | Cluster | Mapping | Sequence[Cluster | Mapping],
+    clusters: Sequence[ResolvedCluster] | Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]],
     *,
     score: ScoreType = "rms",
     executor: ExecutorKind = "auto",

@@ -140,7 +140,7 @@ class Pruner:
             return {
                 rc.name: given[rc.name]
                 if rc.name in given
-                else normalise(q[rc.name], unit_numel=rc.unit_numel, score=fallback)  # type: ignore[arg-type]
+                else normalise(q[rc.name], unit_numel=rc.unit_numel, score=fallback)
                 for rc in self.clusters
             }
         if self.score not in WEIGHT_SCORES:
