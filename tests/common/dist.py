@@ -12,6 +12,7 @@ is how Lightning expects to find already-launched ranks (so it never re-runs pyt
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -22,10 +23,10 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -291,3 +292,33 @@ def finish_worker() -> None:
         dist.barrier()
         dist.destroy_process_group()
     os._exit(0)
+
+
+def result_records(outputs: Sequence[str], prefix: str = "RESULT ") -> list[dict[str, Any]]:
+    """The JSON records the rank scripts printed on lines starting with ``prefix``, rank by rank, in print order."""
+    return [json.loads(line[len(prefix) :]) for out in outputs for line in out.splitlines() if line.startswith(prefix)]
+
+
+_T = TypeVar("_T")
+
+
+def once_per_world(launch: Callable[[Any], _T]) -> Callable[[Any], _T]:
+    """``launch(world)`` run at most once per ``world`` key (a world of rank processes that runs several cases).
+
+    Every case that asks for the same world gets its result; if the launch failed, each of them re-raises the same
+    error (so a failed world fails every case it holds, each with the rank report).
+    """
+    done: dict[Hashable, Any] = {}
+
+    def runs(world: Any) -> _T:
+        if world not in done:
+            try:
+                done[world] = launch(world)
+            except Exception as err:  # noqa: BLE001 - re-raised for every case of the world
+                done[world] = err
+        got = done[world]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    return runs

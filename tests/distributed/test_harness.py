@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.common.dist import DistributedRunError, is_transport_error, only_transport_errors, run_distributed
+from tests.common.dist import (
+    DistributedRunError,
+    is_transport_error,
+    once_per_world,
+    only_transport_errors,
+    result_records,
+    run_distributed,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -74,3 +81,21 @@ def test_rank_script_output_classifier():
     assert only_transport_errors(f"----- rank 0 -----\nTraceback\n{gloo}\n----- rank 1 -----\n{gloo}\n")
     assert not only_transport_errors(f"----- rank 0 -----\n{gloo}\n----- rank 1 -----\nValueError: cluster 'mlp'\n")
     assert not only_transport_errors("----- rank 0 -----\nKilled\n")
+
+
+def test_a_world_launches_once_and_its_failure_fails_every_case_that_asks():
+    calls: list[str] = []
+
+    def launch(world: str) -> list[dict]:
+        calls.append(world)
+        if world == "bad":
+            raise DistributedRunError("rank 1 died", transport_only=False)
+        return result_records(['noise\nRESULT {"case": 0, "rank": 0}\n', 'RESULT {"case": 0, "rank": 1}\nRESULTS x\n'])
+
+    runs = once_per_world(launch)
+    assert runs("good") == [{"case": 0, "rank": 0}, {"case": 0, "rank": 1}]
+    assert runs("good") is runs("good")
+    for _ in range(2):
+        with pytest.raises(DistributedRunError, match="rank 1 died"):
+            runs("bad")
+    assert calls == ["good", "bad"]

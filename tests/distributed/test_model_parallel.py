@@ -4,13 +4,12 @@ re-launch anything); see ``model_parallel_worker.py`` for the model and its para
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.common.dist import run_rank_scripts
+from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
@@ -35,30 +34,19 @@ def worlds():
     instead of one per rank per case; the timeout is the per-case one times the cases. A failed world fails every
     case of its mesh with the same report.
     """
-    done: dict[tuple[int, int], list[dict] | BaseException] = {}
 
-    def runs(dp: int, tp: int) -> list[dict]:
-        if (dp, tp) not in done:
-            cases = [f"{mode}:{score}" for d, t, mode, score in CASES if (d, t) == (dp, tp)]
-            try:
-                outputs = run_rank_scripts(
-                    WORKER, dp * tp, args=[str(dp), str(tp), ",".join(cases), "auto,materializing"],
-                    timeout=CASE_TIMEOUT * len(cases),
-                )  # fmt: skip
-                done[dp, tp] = [
-                    json.loads(line[len("RESULT ") :])
-                    for out in outputs
-                    for line in out.splitlines()
-                    if line.startswith("RESULT ")
-                ]
-            except Exception as err:  # noqa: BLE001 - re-raised for every case of the mesh
-                done[dp, tp] = err
-        got = done[dp, tp]
-        if isinstance(got, BaseException):
-            raise got
-        return got
+    def launch(mesh: tuple[int, int]) -> list[dict]:
+        dp, tp = mesh
+        cases = [f"{mode}:{score}" for d, t, mode, score in CASES if (d, t) == (dp, tp)]
+        return result_records(
+            run_rank_scripts(
+                WORKER, dp * tp, args=[str(dp), str(tp), ",".join(cases), "auto,materializing"],
+                timeout=CASE_TIMEOUT * len(cases),
+            )
+        )  # fmt: skip
 
-    return runs
+    runs = once_per_world(launch)
+    return lambda dp, tp: runs((dp, tp))
 
 
 @pytest.mark.timeout(300 * 4)  # the first case of a mesh runs the mesh's world (up to 4 cases)

@@ -4,12 +4,11 @@ autograd on the blended loss written out by hand in float64 (``tests/common/dist
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.common.dist import run_rank_scripts
+from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).with_name("mp_distill_worker.py")
@@ -25,24 +24,18 @@ CASE_TIMEOUT = 400  # seconds per case of a launch
 def worlds():
     """``runs(dp, tp, case)``: the 2 ranks' results for that case, from ONE launch per layout running all its cases
     (on first use; a failed launch fails each of its cases with the same report)."""
-    done: dict[tuple[int, int], list[dict] | BaseException] = {}
+
+    def launch(layout: tuple[int, int]) -> list[dict]:
+        dp, tp = layout
+        cases = CASES[layout]
+        return result_records(
+            run_rank_scripts(WORKER, 2, args=[str(dp), str(tp), ",".join(cases)], timeout=CASE_TIMEOUT * len(cases))
+        )
+
+    launched = once_per_world(launch)
 
     def runs(dp: int, tp: int, case: str) -> list[dict]:
-        cases = CASES[dp, tp]
-        if (dp, tp) not in done:
-            try:
-                outputs = run_rank_scripts(
-                    WORKER, 2, args=[str(dp), str(tp), ",".join(cases)], timeout=CASE_TIMEOUT * len(cases)
-                )
-                done[dp, tp] = [
-                    json.loads(ln[7:]) for out in outputs for ln in out.splitlines() if ln.startswith("RESULT ")
-                ]
-            except Exception as err:  # noqa: BLE001 - re-raised for every case of the layout
-                done[dp, tp] = err
-        got = done[dp, tp]
-        if isinstance(got, BaseException):
-            raise got
-        results = [r for r in got if r["case"] == cases.index(case)]
+        results = [r for r in launched((dp, tp)) if r["case"] == CASES[dp, tp].index(case)]
         assert [r["rank"] for r in results] == [0, 1]
         return results
 

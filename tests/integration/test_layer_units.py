@@ -7,14 +7,13 @@ cosine of tests/unit/test_layer_score.py, and the shrunk model's ``numel`` and o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_pat import CoupledPruningCallback
-from tests.common.dist import run_rank_scripts
+from tests.common.dist import once_per_world, result_records, run_rank_scripts
 from tests.common.lit_models import ends_mid_ramp, quiet_trainer
 from tests.integration import layer_worker
 from tests.integration.layer_worker import LitLayers
@@ -37,26 +36,17 @@ VARIANT_TIMEOUT = 360  # seconds per variant (one fit and its shrink) of a launc
 def worlds():
     """``runs(kind, variant)``: the 2 ranks' results for that variant, from ONE launch per kind that fits all of the
     kind's variants in sequence (run on first use; a failed launch fails each of its variants with the same report)."""
-    done: dict[str, list[dict] | BaseException] = {}
+
+    def launch(kind: str) -> list[dict]:
+        variants = VARIANTS[kind]
+        return result_records(
+            run_rank_scripts(WORKER, 2, args=[kind, ",".join(variants)], timeout=VARIANT_TIMEOUT * len(variants))
+        )
+
+    launched = once_per_world(launch)
 
     def runs(kind: str, variant: str) -> list[dict]:
-        if kind not in done:
-            try:
-                outputs = run_rank_scripts(
-                    WORKER, 2, args=[kind, ",".join(VARIANTS[kind])], timeout=VARIANT_TIMEOUT * len(VARIANTS[kind])
-                )
-                done[kind] = [
-                    json.loads(ln[len("RESULT ") :])
-                    for out in outputs
-                    for ln in out.splitlines()
-                    if ln.startswith("RESULT ")
-                ]
-            except Exception as err:  # noqa: BLE001 - re-raised for every variant of the kind
-                done[kind] = err
-        got = done[kind]
-        if isinstance(got, BaseException):
-            raise got
-        return [r for r in got if r["variant"] == variant]
+        return [r for r in launched(kind) if r["variant"] == variant]
 
     return runs
 

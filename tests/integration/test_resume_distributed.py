@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.common.dist import run_rank_scripts
+from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).with_name("resume_worker.py")
@@ -48,29 +48,16 @@ def worlds():
     Run on first use (each rank fits the world's cases in sequence); a failed world fails each of its cases with the
     same report.
     """
-    done: dict[str, dict[tuple, list[dict]] | BaseException] = {}
 
-    def runs(world: str) -> dict[tuple, list[dict]]:
-        if world not in done:
-            cases = [c for c in CASES if world_of(c[0]) == world]
-            args = [[kind, mode, [int(k) for k in stops.split(",")], score] for kind, mode, stops, _, score in cases]
-            try:
-                outputs = run_rank_scripts(WORKER, 2, args=[json.dumps(args)], timeout=CASE_TIMEOUT * len(cases))
-                results = [
-                    json.loads(ln[len("RESULT ") :])
-                    for out in outputs
-                    for ln in out.splitlines()
-                    if ln.startswith("RESULT ")
-                ]
-                done[world] = {case: [r for r in results if r["case"] == i] for i, case in enumerate(cases)}
-            except Exception as err:  # noqa: BLE001 - re-raised for every case of the world
-                done[world] = err
-        got = done[world]
-        if isinstance(got, BaseException):
-            raise got
-        return got
+    def launch(world: str) -> dict[tuple, list[dict]]:
+        cases = [c for c in CASES if world_of(c[0]) == world]
+        args = [[kind, mode, [int(k) for k in stops.split(",")], score] for kind, mode, stops, _, score in cases]
+        results = result_records(
+            run_rank_scripts(WORKER, 2, args=[json.dumps(args)], timeout=CASE_TIMEOUT * len(cases))
+        )
+        return {case: [r for r in results if r["case"] == i] for i, case in enumerate(cases)}
 
-    return runs
+    return once_per_world(launch)
 
 
 @pytest.mark.timeout(300 * 5)  # the first case of a world runs the world (up to 5 cases)

@@ -7,12 +7,11 @@ fits all of that strategy's cases in sequence (``CASES``); each test asserts on 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.common.dist import run_rank_scripts
+from tests.common.dist import once_per_world, result_records, run_rank_scripts
 from tests.common.lit_models import HIDDEN
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
@@ -30,28 +29,14 @@ def worlds():
 
     Run on first use; a failed world fails every case of its strategy with the same report.
     """
-    done: dict[str, list[dict] | BaseException] = {}
 
-    def runs(strategy: str) -> list[dict]:
-        if strategy not in done:
-            try:
-                outputs = run_rank_scripts(
-                    WORKER, 2, args=[strategy, ",".join(CASES[strategy])], timeout=CASE_TIMEOUT * len(CASES[strategy])
-                )
-                done[strategy] = [
-                    json.loads(line[len("RESULT ") :])
-                    for out in outputs
-                    for line in out.splitlines()
-                    if line.startswith("RESULT ")
-                ]
-            except Exception as err:  # noqa: BLE001 - re-raised for every case of the strategy
-                done[strategy] = err
-        got = done[strategy]
-        if isinstance(got, BaseException):
-            raise got
-        return got
+    def launch(strategy: str) -> list[dict]:
+        cases = CASES[strategy]
+        return result_records(
+            run_rank_scripts(WORKER, 2, args=[strategy, ",".join(cases)], timeout=CASE_TIMEOUT * len(cases))
+        )
 
-    return runs
+    return once_per_world(launch)
 
 
 @pytest.fixture
