@@ -36,7 +36,7 @@ optimizer: a saved extra key is dropped without an error. Adding template entrie
 skip its own state initialization (``_init_optim_state`` returns for a non-empty state), so Adam's moments vanish
 from the template and the load fails; it works only by calling that private torch function first, and only if the
 checkpoint holds latents (a warmup or healing checkpoint has none, and a template key the checkpoint lacks is an
-error), which would mean reading the checkpoint's metadata before Lightning does. ``tests/unit/test_state.py``
+error), which would mean reading the checkpoint's metadata before Lightning does. ``tests/unit/training/test_state.py``
 (``test_optimizer_state_cannot_carry_latents_through_lightnings_sharded_load``) pins this behaviour down.
 """
 

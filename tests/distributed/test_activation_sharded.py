@@ -156,7 +156,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat.pruning.plan import make_plan
     from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.activation import ActivationStats
-    from tests.distributed._recorder import Recorder
+    from tests.distributed.workers.recorder import Recorder
 
     model = _Net(d, f)
     dp_rank, dp_size = sharded(model, kind, rank, world)

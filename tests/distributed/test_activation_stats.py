@@ -32,7 +32,7 @@ def _worker(rank: int, world_size: int) -> dict:
     from lightning_pat.pruning.plan import make_plan
     from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.activation import ActivationStats
-    from tests.distributed._recorder import Recorder
+    from tests.distributed.workers.recorder import Recorder
 
     model = _model()
     cluster = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])

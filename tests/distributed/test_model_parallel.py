@@ -1,6 +1,6 @@
 """CoupledPruningCallback under Lightning's ModelParallelStrategy on CPU (gloo): FSDP2 on 2 ranks, and FSDP2 x
 tensor parallel on a 2x2 mesh. Each rank is a plain subprocess with its rank environment set (Lightning does not
-re-launch anything); see ``model_parallel_worker.py`` for the model and its parallel plan."""
+re-launch anything); see ``workers/model_parallel.py`` for the model and its parallel plan."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("model_parallel_worker.py")
+WORKER = Path(__file__).parent / "workers" / "model_parallel.py"
 
 
 CASES = [

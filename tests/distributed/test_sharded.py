@@ -1,7 +1,7 @@
 """The sharded executor on CPU gloo: parity with the materializing path and a dense reference, collective
 accounting, cross-rank agreement at ties, replica-aware counts, sub-meshes.
 
-One spawned run per mesh config (``run_distributed``) executes every check (see ``_workers.suite``); the tests
+One spawned run per mesh config (``run_distributed``) executes every check (``workers/sharded.py: suite``); the tests
 below each assert one aspect of its result, so a failure names what broke.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.common.dist import run_distributed
-from tests.distributed import _model as M
-from tests.distributed._workers import suite
+from tests.distributed.workers import model as M
+from tests.distributed.workers.sharded import suite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

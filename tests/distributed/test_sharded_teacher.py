@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.common.dist import run_distributed
-from tests.distributed._teacher_workers import copy_and_compare
+from tests.distributed.workers.teacher import copy_and_compare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -33,7 +33,7 @@ def test_sharded_frozen_copy_is_laid_out_like_the_student_and_computes_its_forwa
 
 
 def test_dtensor_logits_are_refused_with_the_fix():
-    from tests.distributed._teacher_workers import dtensor_logits_error
+    from tests.distributed.workers.teacher import dtensor_logits_error
 
     for message in run_distributed(dtensor_logits_error, 2, timeout=120):
         assert "returned DTensor logits (placements (Shard(dim=1),)); distillation needs plain logits" in message
@@ -46,7 +46,7 @@ def test_dtensor_logits_are_refused_with_the_fix():
     ids=["fsdp2", "fsdp2-uneven", "tp", "2x2", "fsdp2-bf16"],
 )
 def test_teacher_forward_gathers_each_fsdp_group_once_and_computes_the_students_logits(layout, world, param_dtype):
-    from tests.distributed._teacher_workers import teacher_forward_gathers
+    from tests.distributed.workers.teacher import teacher_forward_gathers
 
     for rank, out in enumerate(run_distributed(teacher_forward_gathers, world, layout, param_dtype, timeout=200)):
         gather = [c for c in out["calls"] if c[0] in ("all_gather_single", "all_gather_into_tensor")]
@@ -63,7 +63,7 @@ def test_teacher_forward_gathers_each_fsdp_group_once_and_computes_the_students_
 
 
 def test_packed_gather_matches_full_tensor_for_mixed_dtypes_uneven_shards_and_2d_layouts():
-    from tests.distributed._teacher_workers import packed_gather_matches_full_tensor
+    from tests.distributed.workers.teacher import packed_gather_matches_full_tensor
 
     for rank, out in enumerate(run_distributed(packed_gather_matches_full_tensor, 4, timeout=200)):
         assert out["mismatched"] == [], (rank, out["mismatched"])

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
     from lightning_pat.pruning.plan import make_plan
     from lightning_pat.pruning.pruner import Pruner
     from lightning_pat.scoring.taylor import TaylorScores
-    from tests.distributed._recorder import Recorder
+    from tests.distributed.workers.recorder import Recorder
 
     model = _Net(d, f)
     if kind == "ddp":

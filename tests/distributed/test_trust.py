@@ -1,6 +1,6 @@
 """No silent divergence: near-tie selections independent of layout and world size, permuted meshes, process-group
 re-initialisation, gradients present on some ranks only, stateless executors. CPU gloo at world sizes 2 and 4
-(one spawn each, see ``_trust_workers.suite``), plus world size 1 in process."""
+(one spawn each, see ``workers/trust.py: suite``), plus world size 1 in process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lightning_pat import prune_clusters
 from lightning_pat.core.scoring import channel_sq_sums
 from tests.common.cases import make_module
 from tests.common.dist import run_distributed
-from tests.distributed import _trust_workers as T
+from tests.distributed.workers import trust as T
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 _RESULTS: dict[int, list[dict]] = {}

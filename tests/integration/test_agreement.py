@@ -12,7 +12,7 @@ import pytest
 from tests.common.dist import run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("agreement_worker.py")
+WORKER = Path(__file__).parent / "workers" / "agreement_worker.py"
 
 
 @pytest.fixture(scope="module")

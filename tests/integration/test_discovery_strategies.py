@@ -16,7 +16,7 @@ from tests.common.cnn_models import INPUTS, MLP, ConvChain
 from tests.common.dist import run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("discovery_worker.py")
+WORKER = Path(__file__).parent / "workers" / "discovery_worker.py"
 
 
 def _local_fingerprints(cls) -> list[str]:

@@ -306,7 +306,7 @@ def test_ddp_two_ranks_gradient_is_the_average_blended_gradient():
 
     from tests.common.dist import run_rank_scripts
 
-    outputs = run_rank_scripts(Path(__file__).with_name("distill_worker.py"), 2, args=[], timeout=200)
+    outputs = run_rank_scripts(Path(__file__).parent / "workers" / "distill_worker.py", 2, args=[], timeout=200)
     results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:

@@ -11,7 +11,7 @@ import pytest
 from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("mp_distill_worker.py")
+WORKER = Path(__file__).parent / "workers" / "mp_distill_worker.py"
 WARMUP, TOTAL = 2, 7
 
 

@@ -2,7 +2,7 @@
 
 References: a one-process run on the same global batches (the distributed layouts compute the same math: DDP and
 FSDP2 average the gradients of two halves of each batch, sequence-parallel TP splits the tokens), the hand-written
-cosine of tests/unit/test_layer_score.py, and the shrunk model's ``numel`` and outputs.
+cosine of tests/unit/scoring/test_layers.py, and the shrunk model's ``numel`` and outputs.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from lightning_pat import CoupledPruningCallback
 from tests.common.dist import once_per_world, result_records, run_rank_scripts
 from tests.common.lit_models import ends_mid_ramp, quiet_trainer
-from tests.integration import layer_worker
-from tests.integration.layer_worker import LitLayers
+from tests.integration.workers import layer_worker
+from tests.integration.workers.layer_worker import LitLayers
 
 pytestmark = pytest.mark.integration
-WORKER = Path(__file__).with_name("layer_worker.py")
+WORKER = Path(__file__).parent / "workers" / "layer_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from tests.common.dist import once_per_world, result_records, run_rank_scripts
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("resume_worker.py")
+WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
 
 
 CASES = [

@@ -1,6 +1,6 @@
 """CoupledPruningCallback under DDP and FSDP1 (`FSDPStrategy`, flat parameters) on CPU, 2 ranks with gloo.
 
-Each rank runs tests/integration/strategy_worker.py with the rank environment set, so Lightning never re-runs
+Each rank runs tests/integration/workers/strategy_worker.py with the rank environment set, so Lightning never re-runs
 pytest; the harness kills every rank at the deadline, so a hang fails instead of stalling. One world per strategy
 fits all of that strategy's cases in sequence (``CASES``); each test asserts on its case's results.
 """
@@ -15,7 +15,7 @@ from tests.common.dist import once_per_world, result_records, run_rank_scripts
 from tests.common.lit_models import HIDDEN
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKER = Path(__file__).with_name("strategy_worker.py")
+WORKER = Path(__file__).parent / "workers" / "strategy_worker.py"
 
 
 #: every case of each strategy, fitted in sequence in ONE world of 2 rank processes per strategy

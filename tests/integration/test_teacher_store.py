@@ -245,7 +245,7 @@ def test_ddp_rank_zero_writes_one_file_every_rank_resumes_bitwise_and_a_rank_wit
 
     from tests.common.dist import run_rank_scripts
 
-    outputs = run_rank_scripts(Path(__file__).with_name("ddp_teacher_file_worker.py"), 2, timeout=280)
+    outputs = run_rank_scripts(Path(__file__).parent / "workers" / "ddp_teacher_file_worker.py", 2, timeout=280)
     results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:

@@ -20,8 +20,8 @@ from torch.distributed.tensor.placement_types import _StridedShard, _StridedShar
 
 from lightning_pat.parallel.executors.sharded import ShardedExecutor
 from tests.common.cases import make_module
-from tests.distributed import _model as M
-from tests.distributed._recorder import Recorder
+from tests.distributed.workers import model as M
+from tests.distributed.workers.recorder import Recorder
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 

@@ -21,7 +21,7 @@ from torch import nn
 from lightning_pat import load_pretrained, save_pretrained
 from lightning_pat.core import safe_io
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent(
     """

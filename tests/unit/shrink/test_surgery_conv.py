@@ -1,5 +1,5 @@
 """Shrink of convolutional models with hand-declared clusters: Conv (dense, depthwise), BatchNorm, GroupNorm,
-flatten -> Linear (grouped and transposed convolutions: test_discovery_conv.py). The reference is the masked
+flatten -> Linear (grouped and transposed convolutions: tests/unit/discovery/test_conv.py). The reference is the masked
 full-size model (eval mode, fp32): the shrunk model must compute the same outputs (rel < 1e-5) with fewer
 parameters."""
 

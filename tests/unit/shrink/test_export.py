@@ -200,7 +200,7 @@ def test_readme_shrink_block_runs(tmp_path):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     code = re.search(r"## Shrink and export\n\n.*?```python\n(.*?)```", readme, re.S)
     assert code is not None, "README lost its shrink example"
     case = tiny_gpt(n_head=4, n_kv=2)
@@ -300,7 +300,8 @@ def test_own_module_class_is_rebuilt_only_when_passed(tmp_path):
     net = _OwnNet()
     net.body[0].weight.requires_grad_(False)
     save_pretrained(net, tmp_path)
-    with pytest.raises(ValueError, match=r"names the class 'tests.unit.test_export._OwnNet'.*classes=\[_OwnNet\]"):
+    own = r"names the class 'tests.unit.shrink.test_export._OwnNet'.*classes=\[_OwnNet\]"
+    with pytest.raises(ValueError, match=own):
         load_pretrained(tmp_path)
     again = load_pretrained(tmp_path, classes=[_OwnNet])
     x = torch.randn(3, 4)

@@ -2,11 +2,11 @@
 
     python mp_distill_worker.py DP TP CASE[,CASE...]    with CASE = {dcp|full}:STOP[:user|:file]
 
-A TinyGPT sharded in ``configure_model`` (``model_parallel_worker.LitTiny``: FSDP2 over the data-parallel axis, a
-sequence-parallel TP plan when TP > 1) distils from the default teacher (a frozen copy sharded like it). The fit
-runs uninterrupted with a checkpoint after every step, then again resumed from the step-STOP checkpoint. The cases
-run in sequence in one process per rank, each with a checkpoint folder of its own. Prints one ``RESULT {json}`` line
-per case (its index as ``case``):
+A TinyGPT sharded in ``configure_model`` (``LitTiny`` of ``distributed/workers/model_parallel.py``: FSDP2 over the
+data-parallel axis, a sequence-parallel TP plan when TP > 1) distils from the default teacher (a frozen copy sharded
+like it). The fit runs uninterrupted with a checkpoint after every step, then again resumed from the step-STOP
+checkpoint. The cases run in sequence in one process per rank, each with a checkpoint folder of its own. Prints one
+``RESULT {json}`` line per case (its index as ``case``):
 
 * ``max_rel_diff``: at every distilled step, the largest difference between the sharded gradient (gathered) and
   the float64 gradient of ``CE + alpha * T^2 * KL(teacher || student)`` computed by hand from every data-parallel
@@ -37,7 +37,7 @@ from lightning_pat.demo.model import TinyGPT
 from lightning_pat.parallel.teacher import local_nbytes
 from tests.common.dist import finish_worker
 from tests.common.distill_reference import distill_term
-from tests.distributed.model_parallel_worker import CFG, CLUSTERS, LitTiny, _tp_plan
+from tests.distributed.workers.model_parallel import CFG, CLUSTERS, LitTiny, _tp_plan
 
 ALPHA, TEMPERATURE, WARMUP, RAMP, TOTAL = 0.6, 1.5, 2, 3, 7
 

@@ -45,7 +45,7 @@ class LitLayers(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.parallel != "none":  # the sequence-parallel TP plan (tp > 1), then fully_shard per block and root
-            from tests.distributed.model_parallel_worker import LitTiny
+            from tests.distributed.workers.model_parallel import LitTiny
 
             LitTiny.configure_model(self)
 

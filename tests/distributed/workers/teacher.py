@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_pat.demo.model import TinyGPT
 from lightning_pat.parallel.teacher import local_nbytes, sharded_frozen_copy
-from tests.distributed.model_parallel_worker import CFG, _tp_plan
+from tests.distributed.workers.model_parallel import CFG, _tp_plan
 
 
 def _sharded(layout: str, world: int) -> TinyGPT:
@@ -101,7 +101,7 @@ def teacher_forward_gathers(rank: int, world: int, layout: str, param_dtype: str
     """The teacher's forward under the collective recorder, and its logits against the student's (no step taken)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from tests.distributed._recorder import Recorder
+    from tests.distributed.workers.recorder import Recorder
 
     dp, tp = {"fsdp2": (world, 1), "tp": (1, world), "2x2": (2, 2)}[layout]
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -139,7 +139,7 @@ def packed_gather_matches_full_tensor(rank: int, world: int) -> dict:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from lightning_pat.parallel.comm.fsdp2 import gather_packed
-    from tests.distributed._recorder import Recorder
+    from tests.distributed.workers.recorder import Recorder
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(0)
