@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import re
 import socket
 import subprocess
@@ -35,8 +36,32 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: The ports pytest-xdist workers draw rendezvous ports from, below Linux's ephemeral range (32768-60999): worker
+#: ``gwN`` of ``n`` owns the N-th of ``n`` equal slices, so two workers' worlds never pick the same port (a rank of one
+#: world would join the other's rendezvous) and no outgoing connection's local port takes one.
+PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago."""
+    """A TCP port that was free a moment ago: from this xdist worker's own range, else one the OS picks.
+
+    Example::
+
+        >>> 0 < free_port() < 65536
+        True
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < count:
+        span = (PORT_RANGE[1] - PORT_RANGE[0]) // count
+        low = PORT_RANGE[0] + int(worker[2:]) * span
+        for port in random.Random().sample(range(low, low + span), min(64, span)):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
