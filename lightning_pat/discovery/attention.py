@@ -1,4 +1,4 @@
-"""Attention heads in the discovery walk (handlers of :class:`~lightning_pat.discovery.walk.Walk`).
+"""Attention heads in the discovery walk (handlers on its :class:`~lightning_pat.discovery.labels.Labelling`).
 
 Reshapes into heads, products of activations, ``split`` of a packed projection, ``repeat_interleave`` and
 ``scaled_dot_product_attention``.
@@ -31,17 +31,15 @@ nothing else reads the packed output.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.fx import Node
 
+from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
 from lightning_pat.discovery.nodes import node_shape, op_name
 
-if TYPE_CHECKING:
-    from lightning_pat.discovery.walk import Label, Segment, Walk
 
-
-def split_axis(w: Walk, label: Label, first: int) -> Label:
+def split_axis(w: Labelling, label: Label, first: int) -> Label:
     """The label of the first axis when a channel axis of ``label`` is reshaped into ``(first, ...)``, or ``None``.
 
     Every segment must hold whole entries of the first axis; each segment's space is coarsened so that a unit is a
@@ -65,7 +63,7 @@ def split_axis(w: Walk, label: Label, first: int) -> Label:
     return tuple(segments)
 
 
-def packed_heads(w: Walk, label: Label, sizes: list[int], consumer: Node) -> Label:
+def packed_heads(w: Labelling, label: Label, sizes: list[int], consumer: Node) -> Label:
     """The head axis when a packed projection's channels are reshaped into ``(parts, heads, head_dim, ...)``.
 
     A fused QKV ``Linear`` reshaped as ``(B, N, 3, H, D)`` (timm's and torchvision Swin's attention; then ``permute``
@@ -91,7 +89,7 @@ def packed_heads(w: Walk, label: Label, sizes: list[int], consumer: Node) -> Lab
 
 # ---------------------------------------------------------------------------------------------------- batch axes
 def _join_batch(
-    w: Walk, operands: list[tuple[tuple[int, ...], tuple[Label, ...]]], out: tuple[int, ...], op: str
+    w: Labelling, operands: list[tuple[tuple[int, ...], tuple[Label, ...]]], out: tuple[int, ...], op: str
 ) -> list[Label]:
     """Right-aligned broadcast join of leading (batch) axes; labels of ``out``'s axes."""
     result: list[Label] = [None] * len(out)
@@ -108,12 +106,12 @@ def _join_batch(
     return result
 
 
-def _contract(w: Walk, labels: list[Label], op: str) -> None:
+def _contract(w: Labelling, labels: list[Label], op: str) -> None:
     for label in labels:
         w.poison(label, f"`{op}` sums over a channel axis of two activations")
 
 
-def _matmul(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+def _matmul(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``matmul``/``bmm`` of two activations with at least 2 dims: batch axes joined, the contracted axis poisoned."""
     a, b = node.args[0], node.args[1]
     sa, sb = node_shape(a), node_shape(b)
@@ -130,7 +128,7 @@ def _repeat_each(label: Label, times: int) -> Label:
     return None if label is None else tuple((s, u, b * times) for s, u, b in label)
 
 
-def _sdpa(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+def _sdpa(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``scaled_dot_product_attention(q, k, v, attn_mask, ...)``: heads and batch joined over q, k and v."""
     q, k, v = node.args[0], node.args[1], node.args[2]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -156,7 +154,7 @@ def _sdpa(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     return (*batch, lq[-2], lv[-1])
 
 
-def _repeat_interleave(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+def _repeat_interleave(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``repeat_interleave(x, n, dim)``: entry ``i`` becomes entries ``[i*n, (i+1)*n)`` (KV heads for GQA)."""
     x, repeats = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
@@ -169,7 +167,7 @@ def _repeat_interleave(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- split
-def _referencing(w: Walk, space: int) -> list[Node]:
+def _referencing(w: Labelling, space: int) -> list[Node]:
     """The nodes visited so far whose labels hold ``space``."""
 
     def holds(value: Any) -> bool:
@@ -180,7 +178,7 @@ def _referencing(w: Walk, space: int) -> list[Node]:
     return [n for n, value in w.labels.items() if holds(value)]
 
 
-def _refine(w: Walk, space: int, length: int, cuts: list[int], consumer: Node) -> list[int] | None:
+def _refine(w: Labelling, space: int, length: int, cuts: list[int], consumer: Node) -> list[int] | None:
     """Split ``space`` (a segment of ``length`` channels) at ``cuts`` into new spaces, one per part, or ``None``.
 
     Only a space that was never joined with another, whose channels nothing but ``consumer`` reads from here on, and
@@ -212,7 +210,7 @@ def _refine(w: Walk, space: int, length: int, cuts: list[int], consumer: Node) -
     return parts
 
 
-def _cut(w: Walk, label: Label, sizes: list[int], consumer: Node) -> list[Label] | None:
+def _cut(w: Labelling, label: Label, sizes: list[int], consumer: Node) -> list[Label] | None:
     """The labels of consecutive parts of sizes ``sizes`` of an axis labelled ``label``, or ``None``."""
     segments: list[Segment] = []
     bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
@@ -242,7 +240,7 @@ def _cut(w: Walk, label: Label, sizes: list[int], consumer: Node) -> list[Label]
     return out
 
 
-def _split(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+def _split(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``split`` / ``split_with_sizes`` / ``chunk``: the parts of a channel axis (a packed QKV) get their own spaces."""
     x = node.args[0]
     shape = node_shape(x)
@@ -261,7 +259,8 @@ def _split(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
     return [(*lab[:dim], part, *lab[dim + 1 :]) for part in parts]
 
 
-HANDLERS = {
+#: op -> handler.
+HANDLERS: dict[str, Handler] = {
     "matmul": _matmul,
     "bmm": _matmul,
     "scaled_dot_product_attention": _sdpa,

@@ -1,6 +1,7 @@
 """Channel labels through convolutions: dense, depthwise, grouped and transposed (``ConvTranspose1d/2d/3d``).
 
-A handler of :class:`~lightning_pat.discovery.walk.Walk`.
+A handler of the discovery walk (:mod:`~lightning_pat.discovery.walk`), on its
+:class:`~lightning_pat.discovery.labels.Labelling`.
 
 * ``groups == 1``: the input channels are read (weight dim 1, transposed: dim 0) and a new space of output channels
   is written (weight dim 0 and the bias, transposed: weight dim 1 and the bias).
@@ -16,14 +17,12 @@ A handler of :class:`~lightning_pat.discovery.walk.Walk`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.fx import Node
 
+from lightning_pat.discovery.labels import Handler, Label, Labelling
 from lightning_pat.discovery.nodes import node_shape, op_name
-
-if TYPE_CHECKING:
-    from lightning_pat.discovery.walk import Label, Walk
 
 #: op -> index of the ``groups`` argument (``aten.convolution``: also ``transposed`` at 6).
 _GROUPS_AT = {"convolution": 8, "conv_transpose1d": 6, "conv_transpose2d": 6, "conv_transpose3d": 6}
@@ -38,7 +37,7 @@ def _layout(node: Node) -> tuple[bool, int]:
     return transposed, int(groups)
 
 
-def conv(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
+def conv(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """Labels of a convolution's output (see the module docstring); registers the weight and bias as members."""
     args = list(node.args)
     x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else None
@@ -65,7 +64,7 @@ def conv(w: Walk, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _grouped(
-    w: Walk, label: Label, in_c: int, out_c: int, groups: int, transposed: bool, wname: str, bname: str | None
+    w: Labelling, label: Label, in_c: int, out_c: int, groups: int, transposed: bool, wname: str, bname: str | None
 ) -> Label:
     """Whole groups are the units: the input's segments join the rows of their groups (see the module docstring)."""
     kind = "transposed convolution" if transposed else "convolution"
@@ -93,3 +92,12 @@ def _grouped(
         segments.append((space, count, out_per))
         start += length
     return tuple(segments)
+
+
+_CONVS = (
+    "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+)  # fmt: skip
+#: op -> handler.
+HANDLERS: dict[str, Handler] = dict.fromkeys(_CONVS, conv)
+#: Argument positions that are weight slots (a parameter there is not "used directly"): the weight and the bias.
+SLOTS: dict[str, tuple[int, ...]] = dict.fromkeys(_CONVS, (1, 2))

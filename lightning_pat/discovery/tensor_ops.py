@@ -1,0 +1,342 @@
+"""Handlers of the ops that read no parameter: they carry a label on, join two, or poison what they mix.
+
+Elementwise ops carry their operand's labels (an op of two labelled tensors joins their spaces, a broadcast of a
+one-channel axis poisons it); pooling, reductions and softmax poison the axes they mix; the layout ops (``view``,
+``permute``, ``expand``, ``slice``, ``cat``, ``pad``, ``roll``) move labels with their axes. A ``view`` that splits a
+channel axis into heads is read by :func:`~lightning_pat.discovery.attention.split_axis` and
+:func:`~lightning_pat.discovery.attention.packed_heads`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch.fx import Node
+
+from lightning_pat.discovery.attention import packed_heads, split_axis
+from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
+from lightning_pat.discovery.nodes import flat as _flat
+from lightning_pat.discovery.nodes import op_name as _op_name
+from lightning_pat.discovery.nodes import shape_of as _shape
+
+_UNARY = {
+    "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardswish",
+    "hardsigmoid", "leaky_relu", "elu", "selu", "celu", "mish", "softplus", "neg", "abs", "exp", "log",
+    "sqrt", "rsqrt", "square", "erf", "reciprocal", "sign", "dropout", "feature_dropout", "alpha_dropout", "clone",
+    "contiguous", "detach", "alias", "_to_copy", "to", "clamp", "clamp_min", "clamp_max", "lift_fresh_copy",
+    "identity",
+}  # fmt: skip
+_BINARY = {
+    "add",
+    "add_",
+    "sub",
+    "sub_",
+    "mul",
+    "mul_",
+    "div",
+    "div_",
+    "true_divide",
+    "rsub",
+    "maximum",
+    "minimum",
+    "pow",
+    "where",
+}
+_POOL = {
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "upsample_nearest1d", "upsample_nearest2d",
+    "upsample_nearest3d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d", "upsample_trilinear3d",
+    "_upsample_nearest_exact2d", "_upsample_bilinear2d_aa",
+}  # fmt: skip
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
+_REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "max", "min", "prod", "logsumexp", "norm", "linalg_vector_norm"}
+
+
+def _unary(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
+        return NotImplemented  # another tensor takes part (a PReLU weight, a tensor bound): not a unary op
+    lab = w.label_of(node.args[0])
+    if out is None:  # e.g. native_dropout returns (out, mask)
+        val = node.meta.get("val")
+        return [lab, lab] if isinstance(val, (list, tuple)) else NotImplemented
+    return lab if lab is not None and len(lab) == len(out) else NotImplemented
+
+
+def _elementwise(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    if out is None:
+        return NotImplemented
+    op = _op_name(node)
+    result: list[Label] = [None] * len(out)
+    operands = [a for a in node.args if isinstance(a, Node)]
+    labelled = []
+    for arg in operands:
+        shape = _shape(arg.meta.get("val"))
+        if shape is None:
+            return NotImplemented
+        lab = w.ndim_label(arg, len(shape))
+        labelled.append((shape, lab))
+    for i in range(1, len(out) + 1):
+        for s, lab in labelled:
+            if len(s) >= i and s[-i] == 1 and out[-i] > 1 and lab[-i] is not None:
+                w.poison(lab[-i], f"`{op}` broadcasts a one-channel axis")
+        present = [(s[-i], lab[-i]) for s, lab in labelled if len(s) >= i and s[-i] > 1]
+        label: Label = None
+        for _, lab in present:
+            label = w.join(label, lab, f"`{op}`") if lab is not None else label
+        if label is not None and any(lab is None for _, lab in present):
+            w.poison(label, f"`{op}` with a tensor whose channels are not traced")
+        result[-i] = label
+    return tuple(result)
+
+
+def _pool(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    op = _op_name(node)
+    spatial = next((int(ch) for ch in op if ch.isdigit()), 2)
+    shape = _shape(node.args[0].meta.get("val")) if isinstance(node.args[0], Node) else None
+    if shape is None:
+        return NotImplemented
+    lab = list(w.ndim_label(node.args[0], len(shape)))
+    for d in range(len(shape) - spatial, len(shape)):
+        w.poison(lab[d], f"`{op}` over a channel axis")
+        lab[d] = None
+    result = tuple(lab)
+    return [result, None] if op.endswith("with_indices") else result
+
+
+def _reduce(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    op = _op_name(node)
+    shape = _shape(node.args[0].meta.get("val")) if isinstance(node.args[0], Node) else None
+    if shape is None or out is None:
+        return NotImplemented
+    at = 2 if op in ("norm", "linalg_vector_norm") else 1  # norm(x, p, dim), linalg_vector_norm(x, ord, dim)
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims) or not dims:
+        dims = list(range(len(shape)))
+    dims = sorted({d % len(shape) for d in dims}) if shape else []
+    lab = w.ndim_label(node.args[0], len(shape))
+    for d in dims:
+        w.poison(lab[d], f"`{op}` reduces over a channel axis")
+    keep = [lab[d] for d in range(len(shape)) if d not in dims]
+    if len(out) == len(shape):  # keepdim
+        keep = [None if d in dims else lab[d] for d in range(len(shape))]
+    if len(keep) != len(out):
+        return NotImplemented
+    return tuple(keep)
+
+
+def _view(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or math.prod(shape) != math.prod(out):
+        return NotImplemented
+    lab = w.ndim_label(src, len(shape))
+    result: list[Label] = [None] * len(out)
+    for d, size in enumerate(shape):
+        if size == 1 and lab[d] is not None:
+            w.poison(lab[d], "a one-channel axis is reshaped")
+    i_dims = [d for d, s in enumerate(shape) if s > 1]
+    o_dims = [d for d, s in enumerate(out) if s > 1]
+    i = j = 0
+    while i < len(i_dims) or j < len(o_dims):
+        gi, gj = [i_dims[i]], [o_dims[j]]
+        pi, pj = shape[i_dims[i]], out[o_dims[j]]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i_dims[i])
+                pi *= shape[i_dims[i]]
+                i += 1
+            else:
+                gj.append(o_dims[j])
+                pj *= out[o_dims[j]]
+                j += 1
+        labelled = [d for d in gi if lab[d] is not None]
+        if not labelled:
+            continue
+        if len(gj) == 1 and len(labelled) == 1 and labelled[0] == gi[0]:
+            trailing = math.prod(shape[d] for d in gi[1:])
+            result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in lab[gi[0]])
+            continue
+        if len(gi) == 1 and len(gj) >= 3 and (heads := packed_heads(w, lab[gi[0]], [out[d] for d in gj], node)):
+            result[gj[1]] = heads  # (parts, heads, head_dim, ...): a packed QKV; the parts axis lies inside a unit
+            continue
+        if len(gi) == 1 and (split := split_axis(w, lab[gi[0]], out[gj[0]])) is not None:
+            result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
+            continue
+        reason = (
+            "a channel axis is split into several axes (e.g. attention heads)"
+            if len(gi) == 1
+            else "a reshape merges a channel axis behind another axis (channels-last flatten)"
+        )
+        for d in labelled:
+            w.poison(lab[d], reason)
+        for d in gj:
+            result[d] = w.fresh(out[d], reason)
+    return tuple(result)
+
+
+def _permute(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None:
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    op = _op_name(node)
+    n = len(shape)
+    if op == "permute":
+        order = [d % n for d in node.args[1]]
+    elif op == "t":
+        order = list(range(n))[::-1]
+    else:  # transpose
+        a, b = node.args[1] % n, node.args[2] % n
+        order = list(range(n))
+        order[a], order[b] = order[b], order[a]
+    return tuple(lab[d] for d in order)
+
+
+def _expand(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None:
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    lead = len(out) - len(shape)
+    for d, size in enumerate(shape):
+        if size == 1 and out[lead + d] > 1 and lab[d] is not None:  # one channel broadcast to many
+            w.poison(lab[d], "`expand` broadcasts a one-channel axis")
+            lab[d] = w.fresh(out[lead + d], "`expand` broadcasts a one-channel axis")
+    return (None,) * lead + tuple(lab)
+
+
+def _slice(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or (out is None and _op_name(node) != "unbind"):
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+    op = _op_name(node)
+    if op == "unbind":
+        w.poison(lab[dim], "`unbind` picks channels one by one")
+        rest = tuple(lab[:dim] + lab[dim + 1 :])
+        return [rest] * shape[dim]
+    if op == "select":
+        w.poison(lab[dim], "`select` picks one channel")
+        del lab[dim]
+        return tuple(lab)
+    if out[dim] != shape[dim]:
+        w.poison(lab[dim], "`slice` keeps part of a channel axis")
+        lab[dim] = w.fresh(out[dim], "`slice` keeps part of a channel axis")
+    return tuple(lab)
+
+
+def _roll(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``roll``/``flip`` move entries along their dims: a channel axis among them is poisoned, the others carried."""
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or len(out) != len(shape):
+        return NotImplemented
+    op = _op_name(node)
+    dims = node.args[2] if op == "roll" and len(node.args) > 2 else node.args[1] if op == "flip" else None
+    dims = node.kwargs.get("dims", dims)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not dims:
+        return NotImplemented  # roll without dims flattens the tensor
+    lab = list(w.ndim_label(src, len(shape)))
+    for d in dims:
+        w.poison(lab[d % len(shape)], f"`{op}` moves channels")
+        lab[d % len(shape)] = None
+    return tuple(lab)
+
+
+def _new_constant(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``new_zeros``/``zeros_like``...: a constant of the input's shape (the input's channels are not read)."""
+    if any(isinstance(a, Node) for a in _flat((node.args[1:], tuple(node.kwargs.values())))):
+        return NotImplemented
+    return None if out is None else (None,) * len(out)
+
+
+def _cat(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    tensors = [t for t in node.args[0] if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
+    shapes = [_shape(t.meta.get("val")) for t in tensors]
+    if out is None or any(s is None or len(s) != len(out) for s in shapes):
+        return NotImplemented
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+    labs = [w.ndim_label(t, len(out)) for t in tensors]
+    result: list[Label] = [None] * len(out)
+    for d in range(len(out)):
+        if d == dim:
+            if all(lab[d] is None for lab in labs):
+                continue
+            segs: list[Segment] = []
+            for s, lab in zip(shapes, labs, strict=True):
+                part = lab[d] if lab[d] is not None else w.fresh(s[d], "concatenated with untraced channels")
+                segs.extend(part or ())
+            result[d] = tuple(segs)
+        else:
+            label: Label = None
+            for lab in labs:
+                label = w.join(label, lab[d], "`cat`")
+            result[d] = label
+    return tuple(result)
+
+
+def _pad(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or len(out) != len(shape):
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    padded = len(node.args[1]) // 2
+    for d in range(len(shape) - padded, len(shape)):
+        if out[d] != shape[d] and lab[d] is not None:
+            w.poison(lab[d], "`pad` pads a channel axis")
+            lab[d] = w.fresh(out[d], "`pad` pads a channel axis")
+    return tuple(lab)
+
+
+def _softmax(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    src = node.args[0]
+    if out is None:
+        return NotImplemented
+    lab = w.ndim_label(src, len(out))
+    dim = node.args[1] % len(out)
+    w.poison(lab[dim], f"`{_op_name(node)}` mixes channels")
+    return tuple(lab)
+
+
+#: op -> handler.
+HANDLERS: dict[str, Handler] = {
+    "permute": _permute,
+    "transpose": _permute,
+    "t": _permute,
+    "expand": _expand,
+    "slice": _slice,
+    "select": _slice,
+    "unbind": _slice,
+    "cat": _cat,
+    "roll": _roll,
+    "flip": _roll,
+    **dict.fromkeys(
+        ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant
+    ),
+    "constant_pad_nd": _pad,
+    "pad": _pad,
+    "softmax": _softmax,
+    "_softmax": _softmax,
+    "log_softmax": _softmax,
+    "_log_softmax": _softmax,
+}
+#: Op families sharing one handler (looked up after the handlers by name).
+FAMILIES: tuple[tuple[set[str], Handler], ...] = (
+    (_UNARY, _unary),
+    (_BINARY, _elementwise),
+    (_POOL, _pool),
+    (_VIEWS, _view),
+    (_REDUCE, _reduce),
+)
