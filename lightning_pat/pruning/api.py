@@ -121,11 +121,10 @@ def plan_importance(
     """
     pruner = Pruner(model, plan)
     sharded = any(dtensor.is_dtensor(t) for t in named_tensors(model).values())
-    with torch.no_grad(), pruner._session():  # noqa: SLF001 - the pruner's own reduction, as for a selection
-        if activations is not None and not sharded:
-            q, scores = pruner._reduce(activations.unit_scores(named_tensors(model)), None)  # noqa: SLF001
-        else:
-            q, scores = pruner._reduce(None, activations)  # noqa: SLF001
+    if activations is not None and not sharded:
+        q, scores = pruner.reduced(activations.unit_scores(named_tensors(model)))
+    else:
+        q, scores = pruner.reduced(None, activations)
     if activations is None:
         weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
         scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}

@@ -225,6 +225,23 @@ class Pruner:
         found = evidence.finish(total)
         return total.q, found if scores is None else {**found, **scores}  # given scores (layer units) take precedence
 
+    def reduced(
+        self, scores: Mapping[str, Tensor] | None = None, evidence: Evidence | None = None
+    ) -> tuple[dict[str, Tensor], Mapping[str, Tensor] | None]:
+        """Every unit's squared norm ``Q`` and the unit scores, reduced as for a selection (no weight changes).
+
+        Every rank gets the same values (under DTensors the partials are summed in the selection's collectives).
+
+        Args:
+            scores: Unit scores already computed (returned as they are, the evidence's added).
+            evidence: Statistics whose per-rank partials are reduced with ``Q`` (e.g. the activation statistics).
+
+        Returns:
+            ``(Q, scores)``: cluster name -> squared unit norms, and the scores (``None`` when neither was given).
+        """
+        with torch.no_grad(), self._session():
+            return self._reduce(scores, evidence)
+
     def _decide(
         self,
         q: Mapping[str, Tensor],
