@@ -131,6 +131,8 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
     pruner, plan, scorers, schedule = run.pruner, run.plan, run.collectors, options.schedule
     assert pruner is not None
     assert plan is not None
+    sparsity = options.target_sparsity
+    assert sparsity is not None  # PruningOptions fills in its default
     method = "hard" if schedule.phase(step) in ("final", "healing") else options.method
     scores = None
     if scorers.layers is not None:
@@ -147,7 +149,7 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
     threshold = options.reg_lambda * progress.prox_step(latent=options.mode == "latent")
     used = repr(score) if options.score != "auto" else f"'auto' -> {score!r}"
     with prefixed(f"CoupledPruningCallback(score={used})"):
-        targets = plan.targets(options.target_sparsity, fraction=schedule.fraction(step))
+        targets = plan.targets(sparsity, fraction=schedule.fraction(step))
         result = pruner.step(
             targets, method=method, threshold=threshold, count=count, scores=scores, evidence=scorers.evidence
         )
