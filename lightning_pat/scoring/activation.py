@@ -134,9 +134,9 @@ class ActivationStats(TrainingForwardHooks):
             if isinstance(module, nn.Linear):
                 self.modules.setdefault(path, module)
                 return path
-        path, module, attr = _owner(modules, m.name)
-        where = f"{type(module).__name__} {path!r}" if path else f"the root module ({type(module).__name__})"
-        found = f"the `{attr}` of {where}" if module is not None else "not a parameter of a module"
+        path, owner, attr = _owner(modules, m.name)
+        where = f"{type(owner).__name__} {path!r}" if path else f"the root module ({type(owner).__name__})"
+        found = f"the `{attr}` of {where}" if owner is not None else "not a parameter of a module"
         raise ValueError(
             f"Cluster {rc.name!r}: score='activation' needs a reader that is the `weight` of an nn.Linear (its "
             f"input channels are the cluster's units), but reader {m.name!r} is {found}. Use a weight score "
@@ -158,7 +158,7 @@ class ActivationStats(TrainingForwardHooks):
         self._window = {}
 
     def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.training_forward(name, module):
                 return
             x = args[0] if args else kwargs.get("input")
@@ -223,20 +223,21 @@ class ActivationStats(TrainingForwardHooks):
         module = self.modules[name]
         width = module.in_features
         if dtensor.is_dtensor(x):
-            mesh = x.device_mesh
+            mesh, coordinate = x.device_mesh, x.device_mesh.get_coordinate()
+            assert coordinate is not None  # this rank ran a forward on it, so it is in the mesh
             box = placement.local_box(
-                tuple(x.shape), tuple(x.placements), mesh_shape=tuple(mesh.shape), coordinate=mesh.get_coordinate()
+                tuple(x.shape), tuple(x.placements), mesh_shape=tuple(mesh.shape), coordinate=coordinate
             )
             return dtensor.local_tensor(x), box[-1][0]
         if x.shape[-1] == width:
             return x, 0
         weight = module.weight
         if dtensor.is_dtensor(weight) and x.shape[-1] == dtensor.local_tensor(weight).shape[1]:
-            mesh = weight.device_mesh
+            mesh, coordinate = weight.device_mesh, weight.device_mesh.get_coordinate()
+            assert coordinate is not None  # this rank ran a forward with it, so it is in the mesh
             box = placement.local_box(
-                tuple(weight.shape), tuple(weight.placements), mesh_shape=tuple(mesh.shape),
-                coordinate=mesh.get_coordinate(),
-            )  # fmt: skip
+                tuple(weight.shape), tuple(weight.placements), mesh_shape=tuple(mesh.shape), coordinate=coordinate
+            )
             return x, box[1][0]
         raise ValueError(
             f"score='activation': the input of reader module {name!r} has {x.shape[-1]} channels, but the module reads "
@@ -466,7 +467,7 @@ class ActivationStats(TrainingForwardHooks):
 
 def calibrate(
     model: nn.Module,
-    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    clusters: Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]] | Sequence[ResolvedCluster],
     batches: Iterable[Any],
     *,
     forward: Callable[[nn.Module, Any], Any] | None = None,

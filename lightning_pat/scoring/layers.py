@@ -76,7 +76,7 @@ def token_cosines(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(finite, cos, 0.0), finite
 
 
-def _hidden_pair(args: tuple, kwargs: Mapping[str, Any], output: Any) -> tuple[Tensor, Tensor] | str:
+def _hidden_pair(args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) -> tuple[Tensor, Tensor] | str:
     """The (input, output) hidden states of a layer call, or why they cannot be read."""
     x = next((a for a in args if isinstance(a, Tensor)), None)
     if x is None:
@@ -91,12 +91,13 @@ def _hidden_pair(args: tuple, kwargs: Mapping[str, Any], output: Any) -> tuple[T
         return f"its input has shape {tuple(x.shape)} and its output {tuple(y.shape)}; they must be equal"
     if dtensor.is_dtensor(x) or dtensor.is_dtensor(y):
         places = getattr(x, "placements", None), getattr(y, "placements", None)
-        if places[0] != places[1]:
+        kept = places[0]
+        if kept is None or kept != places[1]:  # one of them is a DTensor, so not both are None
             return f"its input and output hidden states are placed differently ({places[0]} vs {places[1]})"
         last = x.ndim - 1
-        if any(p.is_partial() or (p.is_shard() and p.dim in (last, -1)) for p in places[0]):
+        if any(p.is_partial() or (p.is_shard() and p.dim in (last, -1)) for p in kept):
             return (
-                f"its hidden states are placed as {places[0]}: a token's hidden vector is not whole on one rank "
+                f"its hidden states are placed as {kept}: a token's hidden vector is not whole on one rank "
                 "(the hidden dim is sharded, or a sum is pending)"
             )
         return dtensor.local_tensor(x), dtensor.local_tensor(y)
@@ -165,7 +166,7 @@ class LayerStats(TrainingForwardHooks):
         self._sum, self._count, self._problem, self._unrecomputed = {}, {}, {}, {}
 
     def _hook(self, path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self.training_forward(path, module):
                 pair = _hidden_pair(args, kwargs, output)
                 if isinstance(pair, str):
@@ -275,7 +276,7 @@ def layer_clusters(clusters: Sequence[ResolvedCluster]) -> list[ResolvedCluster]
 
 def calibrate_layers(
     model: nn.Module,
-    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    clusters: Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]] | Sequence[ResolvedCluster],
     batches: Iterable[Any],
     *,
     forward: Callable[[nn.Module, Any], Any] | None = None,

@@ -2,10 +2,10 @@
 
 :class:`BoundRun` is frozen: the module, its parameters, the plan, the pruner, the latent copies, the data-aware
 scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the score in use. The controller
-(:mod:`lightning_pat.training.controller`, the per-step verbs) and the resume (:mod:`lightning_pat.training.resume`,
-the fit lifecycle and the saved state) both work on it, and neither imports the other through it. A resume that
-continues another score gets a new :class:`BoundRun` (:meth:`BoundRun.rescored`); a ``shrink_on_freeze`` keeps only
-the module (:meth:`BoundRun.after_shrink`).
+(:mod:`lightning_pat.training.controller`) holds it; the per-step work (:mod:`lightning_pat.training.per_step`) and
+the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and the saved state) are functions on it, and
+neither imports the controller. A resume that continues another score gets a new :class:`BoundRun`
+(:meth:`BoundRun.rescored`); a ``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
 
 :func:`resolve_score` is the one place where ``score="auto"`` is settled: ``"activation"`` wherever its statistics
 can score the clusters, ``"rms"`` under FSDP1 and for clusters without an ``nn.Linear`` reader, and on a resume the
@@ -238,6 +238,16 @@ class RunViews:
     def layer_stats(self) -> LayerStats | None:
         """The layer units' ``1 - cos(input, output)`` sums (``layer_score="cosine"``), else ``None``."""
         return self.scorers.layers
+
+    def targets(self, step: int) -> dict[str, float]:
+        """Per-cluster target fraction in force after optimizer step ``step`` (``{}`` without a plan)."""
+        if self.plan is None:
+            return {}
+        return self.plan.targets(self.options.target_sparsity, fraction=self.options.schedule.fraction(step))
+
+    def counts_at(self, step: int, *, every: int) -> bool:
+        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
+        return self.options.log_metrics and (self.options.schedule.phase(step) == "final" or step % max(every, 1) == 0)
 
 
 def _scored(

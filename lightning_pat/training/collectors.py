@@ -71,6 +71,16 @@ class Collectors:
         for scorer in self._hooked():
             scorer.in_batch = value
 
+    def end_batch(self, *, stepped: bool) -> None:
+        """The training batch is over: the hooked scorers stop counting, and a Taylor score keeps the batch's sums.
+
+        A Taylor score keeps the batch's gradient products only if a real optimizer step applied them (not
+        accumulation, not an AMP-skipped step).
+        """
+        self.batch_open(False)
+        if self.taylor is not None:
+            self.taylor.commit() if stepped else self.taylor.discard()
+
     def saved_shapes(self) -> dict[str, Any]:
         """What a saved state's statistics are checked against (``state.restore_context``'s ``readers``, ``layers``).
 

@@ -2,40 +2,28 @@
 
 :class:`PruningController` owns the progress counters, the real-step tracker
 (:class:`~lightning_pat.training.tracker.StepTracker`), the bound run (:class:`~lightning_pat.training.bound.BoundRun`:
-the latent copies, the pruner, the data-aware scorers) and the freeze transition. A training loop (the callback, or
-any loop of your own) calls:
+the latent copies, the pruner, the data-aware scorers), the mask's freeze and shrink, and with ``distill_alpha > 0``
+the :class:`~lightning_pat.training.distill.Distiller`. A training loop (the callback, or any loop of your own) calls
+:meth:`~PruningController.bind` once the model and optimizers are final (resolve, agree across ranks, route; nothing
+is mutated), :meth:`~PruningController.start` before the first step, :meth:`~PruningController.after_backward`
+between the backward and the update, :meth:`~PruningController.after_step` after the batch (it returns the result to
+log), and :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict`. Around them, for a
+trainer with fit-level events (the callback): :meth:`~PruningController.begin_fit`,
+:meth:`~PruningController.before_batch` (re-project after weight averaging; open the distillation window),
+:meth:`~PruningController.end_fit`, :meth:`~PruningController.reproject_after_averaging` and
+:meth:`~PruningController.before_restore` (a checkpoint of a shrunk model).
 
-* :meth:`~PruningController.bind` once the model and optimizers are final: resolve the clusters, agree across
-  ranks, route them to executors (nothing is mutated): a frozen :class:`~lightning_pat.training.bound.BoundRun`;
-* :meth:`~PruningController.start` before the first step: continue a saved or carried state, or begin at step 0;
-* :meth:`~PruningController.after_backward` between the backward and the update: swap the latents in (latent mode)
-  or zero the dropped units' gradients (healing);
-* :meth:`~PruningController.after_step` after the batch: if a real optimizer step happened, advance the schedule
-  and act (select, hold or freeze; shrink at the freeze with ``shrink_on_freeze``); returns the result to log;
-* :meth:`~PruningController.state_dict` / :meth:`~PruningController.load_state_dict` (the ``state`` schema).
-
-Around them, for a trainer with fit-level events (the callback): :meth:`~PruningController.begin_fit` (decide
-between a restored state, the same trainer's previous fit and a new schedule), :meth:`~PruningController.before_batch`
-(re-project after weight averaging; open the distillation window), :meth:`~PruningController.end_fit`,
-:meth:`~PruningController.reproject_after_averaging` and :meth:`~PruningController.before_restore` (a checkpoint of a
-shrunk model). With ``distill_alpha > 0`` the controller owns the :class:`~lightning_pat.training.distill.Distiller`.
-
-The controller holds what changes from step to step (the progress, the tracker, the mask's freeze and shrink); the
-fit lifecycle and the saved state are :mod:`lightning_pat.training.resume`'s functions on the bound run, which the
-methods of that group call.
-
-Timing (``pat-algorithm.md`` §10): under automatic optimization the forward and backward run inside
-``optimizer.step(closure)``, so nothing here restores dense weights before that forward: the model always trains the
-projected weights, and the latent is swapped in only after the backward. Errors are ``ValueError`` naming the option
-or cluster; the callback turns them into ``MisconfigurationException``.
+The controller holds what changes from fit to fit and step to step and decides when to act; the work is done by
+functions on the bound run: :mod:`lightning_pat.training.per_step` (after the backward, after a step: select, hold,
+freeze, ``shrink_on_freeze``) and :mod:`lightning_pat.training.resume` (the fit lifecycle and the saved state).
+Errors are ``ValueError`` naming the option or cluster; the callback turns them into ``MisconfigurationException``.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,8 +35,7 @@ from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.declarations import declarations_for
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
-from lightning_pat.shrink import shrink_for_training
-from lightning_pat.training import resume, state
+from lightning_pat.training import per_step, resume, state
 from lightning_pat.training.bound import (
     BoundRun,
     ConfigurationError,
@@ -56,7 +43,6 @@ from lightning_pat.training.bound import (
     ScoreChoice,
     bind_run,
     early_declarations,
-    prefixed,
 )
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.tracker import StepTracker
@@ -110,17 +96,12 @@ class PruningController(RunViews):
         self._carry: dict[str, Any] | None = None  # in-memory state kept for the next fit (see finish_fit)
         self._pending: dict[str, Any] | None = None  # a loaded state, applied by the next start()
         self._early: list[Cluster] | ValueError | None = None  # clusters="auto" traced before sharding (see prepare)
-        self.distiller = (
-            Distiller(
-                alpha=options.distill_alpha,
-                temperature=options.distill_temperature,
-                teacher=options.distill_teacher,
-                error=forward_error,
-                store=options.distill_teacher_store,
+        self.distiller: Distiller | None = None
+        if options.distill:
+            self.distiller = Distiller(
+                alpha=options.distill_alpha, temperature=options.distill_temperature, teacher=options.distill_teacher,
+                error=forward_error, store=options.distill_teacher_store,
             )  # fmt: skip
-            if options.distill
-            else None
-        )
         self.kl: Tensor | None = None  # the last batch's distillation KL (see after_step)
         self._averaged = False  # a weight-averaging callback may write averaged weights into dropped units
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the trainer, its step) at the last end_fit
@@ -142,16 +123,6 @@ class PruningController(RunViews):
     def teacher(self) -> nn.Module | None:
         """The distillation teacher (``None`` without distillation, or before pruning starts with a copied one)."""
         return None if self.distiller is None else self.distiller.teacher
-
-    def counts_at(self, step: int, *, every: int) -> bool:
-        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
-        return self.options.log_metrics and (self.schedule.phase(step) == "final" or step % max(every, 1) == 0)
-
-    def targets(self, step: int) -> dict[str, float]:
-        """Per-cluster target fraction in force after optimizer step ``step``."""
-        if self.plan is None:
-            return {}
-        return self.plan.targets(self.options.target_sparsity, fraction=self.schedule.fraction(step))
 
     # ------------------------------------------------------------------ build
     def prepare(
@@ -228,12 +199,6 @@ class PruningController(RunViews):
         assert self.run is not None, "bind() first"
         return self.run
 
-    @contextmanager
-    def _weights(self) -> Iterator[dict[str, Tensor]]:
-        """The parameters the engine works on (see :meth:`BoundRun.weights`)."""
-        with self._bound().weights() as params:
-            yield params
-
     # ------------------------------------------------------------------ start and end of a fit (resume.py)
     @property
     def restoring(self) -> bool:
@@ -305,10 +270,7 @@ class PruningController(RunViews):
         restored, self._pending = self._pending, None
         carried, self._carry = self._carry, None
         if self.shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps
-            if restored is not None:
-                self.progress = state.read_progress(restored, global_step=global_step)
-            elif carried is not None:
-                self.progress = state.Progress.from_state(carried)
+            self.progress = resume.shrunk_progress(restored, carried, global_step=global_step) or self.progress
             return
         self.run, self.progress = resume.start(
             self._bound(), restored=restored, carried=carried if carry else None, dropped_carry=carried is not None,
@@ -368,7 +330,7 @@ class PruningController(RunViews):
         if self._averaged:
             self.reproject()
 
-    # ------------------------------------------------------------------ per step
+    # ------------------------------------------------------------------ per step (per_step.py)
     def after_backward(self, optimizer: torch.optim.Optimizer) -> None:
         """After the backward, before ``optimizer`` updates: swap latents in (ramp) or zero dropped grads (healing).
 
@@ -380,14 +342,7 @@ class PruningController(RunViews):
         if self.pruner is None or self.latents is None:
             return
         action = self.schedule.action(self.progress.step + 1, heal=self.options.heal)
-        with torch.no_grad():
-            if action == "freeze":
-                if self._bound().fsdp1_root is None:  # FSDP1: grads in flat shards; weights re-zeroed after
-                    self.pruner.zero_grads()
-            elif action != "none" and self.latents.active:
-                self.latents.swap_in({id(p) for g in optimizer.param_groups for p in g["params"]})
-            if self.scorers.taylor is not None and action != "freeze":  # the weights this update applies to
-                self.scorers.taylor.observe()
+        per_step.after_backward(self._bound(), optimizer, action=action)
 
     def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
         """After a batch: if a real optimizer step happened, advance the schedule and act.
@@ -406,11 +361,8 @@ class PruningController(RunViews):
             ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
         """
         self.kl = None if self.distiller is None else self.distiller.close()
-        self.scorers.batch_open(False)
         stepped = self.tracker.consume()
-        taylor = self.scorers.taylor
-        if taylor is not None:  # only a real step's gradient counts (not an AMP-skipped one)
-            taylor.commit() if stepped else taylor.discard()
+        self.scorers.end_batch(stepped=stepped)  # only a real step's gradient counts (not an AMP-skipped one)
         if self.shrunk is not None:  # healing on the shrunk model: the dropped units no longer exist
             if stepped:
                 self.progress.tick()
@@ -418,89 +370,24 @@ class PruningController(RunViews):
             return None
         if self.pruner is None or self.latents is None:
             return None
-        latent = self.options.mode == "latent"
-        with torch.no_grad():
-            if not stepped:
-                if self.latents.swapped:  # the scaler skipped the step: show the projection again
-                    self.latents.commit()
-                    with self._weights():
-                        self.pruner.hold(rescale=latent)
-                return None
-            step = self.progress.tick()
-            action = self.schedule.action(step, heal=self.options.heal)
-            if action == "none":
-                return None
-            self.progress.add_lr(self.tracker.last_lr)
-            if latent and action != "freeze":
-                self.latents.commit()
-            counted = count(step) if callable(count) else count
-            with self._weights():
-                if action == "select":
-                    result = self._select(step, count=counted)
-                else:
-                    self.pruner.hold(rescale=latent and action == "hold")
-                    result = self.pruner.result(count=True) if counted else None
-            if self.schedule.freezes(step, heal=self.options.heal):
-                self._freeze()
+        run = self._bound()
+        result = per_step.after_step(
+            run, self.progress, stepped=stepped, lr=self.tracker.last_lr, options=self.options, count=count
+        )
+        if stepped and self.schedule.freezes(self.progress.step, heal=self.options.heal):  # a selection's step
+            shrunk = per_step.freeze(
+                run, options=self.options, clusters=self.resolved, step=self.progress.step, info=self._info
+            )
+            if shrunk is not None:
+                self.shrunk, self.run = shrunk
         return result
 
     def reproject(self) -> None:
         """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
         if self.pruner is None or self.shrunk is not None:
             return
-        with torch.no_grad(), self._weights():
+        with torch.no_grad(), self._bound().weights():
             self.pruner.hold()
-
-    def _select(self, step: int, *, count: bool) -> PruneResult:
-        """A fresh selection at this step's targets (the final step always applies the exact hard target)."""
-        assert self.pruner is not None
-        opts = self.options
-        method = "hard" if self.schedule.phase(step) in ("final", "healing") else opts.method
-        scores = None
-        if self.scorers.layers is not None:
-            with prefixed("CoupledPruningCallback(layer_score='cosine')"):
-                scores = self.scorers.layers.summed_scores()  # one collective when distributed
-            if scores is None:
-                ranks.rank_zero_warn(
-                    f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
-                    "the layer units are ranked by the weight score (layer_score='weight') this time."
-                )
-        if scores is None and self.score == "activation" and self.scorers.act is None:  # only layer units: weights
-            scores = {}
-        threshold = opts.reg_lambda * self.progress.prox_step(latent=opts.mode == "latent")
-        # a data-aware score's partials travel in the executors' one reduction (DDP: one sum of the statistics)
-        used = repr(self.score) if opts.score != "auto" else f"'auto' -> {self.score!r}"
-        with prefixed(f"CoupledPruningCallback(score={used})"):
-            result = self.pruner.step(
-                self.targets(step),
-                method=method,
-                threshold=threshold,
-                count=count,
-                scores=scores,
-                evidence=self.scorers.evidence,
-            )
-        if self.scorers.taylor is not None:
-            self.scorers.taylor.reset()  # the next selection sums the steps from here
-        self.progress.mark_selection()
-        if opts.debug_check_selection:  # the mask the pruner holds now, whatever produced it
-            ranks.check_selection_agreement(self.dropped, step=step)
-        return result
-
-    def _freeze(self) -> None:
-        """The mask is final: free the latents, stop collecting statistics, and shrink if asked to."""
-        assert self.latents is not None
-        self.latents.clear()
-        self.scorers.detach()  # no per-forward cost during healing
-        if not self.options.shrink_on_freeze:
-            return
-        run, dropped = self._bound(), self.dropped
-        with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
-            shrink_for_training(run.module, self.resolved, dropped, optimizers=run.optimizers)
-        self.shrunk, self.run = dropped, run.after_shrink()
-        self._info(
-            f"CoupledPruningCallback: shrunk the model at step {self.progress.step} to "
-            f"{sum(p.numel() for p in run.module.parameters()):,} parameters; healing runs on the small model."
-        )
 
     # ------------------------------------------------------------------ the saved state (resume.py)
     def _save(self, *, gather: bool) -> dict[str, Any]:

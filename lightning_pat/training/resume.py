@@ -7,7 +7,8 @@ the controller keeps the results. In the order of a resume:
 1. :func:`load`: the callback's ``load_state_dict`` keeps the state (the teacher's entry goes to the distiller);
 2. :func:`before_restore`: before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``;
 3. :func:`check_fit_resumes` and :func:`restore_teacher` when the fit starts (``begin_fit``);
-4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule;
+4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule (a model
+   already shrunk only continues its step count, :func:`shrunk_progress`);
    :func:`restore` settles the score a checkpoint was written with (``score="auto"``), then the state is checked and
    read once (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`),
    its dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied
@@ -199,6 +200,22 @@ def start(
     else:
         run.collectors.attach()  # removed at the freeze and at the end of the fit
     return run, progress
+
+
+def shrunk_progress(
+    restored: Mapping[str, Any] | None, carried: Mapping[str, Any] | None, *, global_step: int | None
+) -> state.Progress | None:
+    """A shrunk model's progress at fit start (only the step count goes on): a loaded state's, else the previous fit's.
+
+    Returns:
+        The progress to continue, or ``None`` when there is neither state (the progress stands).
+
+    Raises:
+        ValueError: If the loaded state does not fit the schema (see :func:`lightning_pat.training.state.check_saved`).
+    """
+    if restored is not None:
+        return state.read_progress(restored, global_step=global_step)
+    return None if carried is None else state.Progress.from_state(carried)
 
 
 def restore(

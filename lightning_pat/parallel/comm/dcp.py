@@ -19,7 +19,7 @@ def load_sharded_(state: dict[str, Any], path: Any) -> None:
     Every rank of the checkpoint's process group must call this (it communicates); entries absent from ``state``
     are not read.
     """
-    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     load(state, checkpoint_id=path)
 
@@ -58,8 +58,8 @@ def read_distributed_checkpoint(directory: str | Path) -> dict[str, Any]:
         ValueError: If ``.metadata`` names an object outside the allow-list, a shard name leads outside
             ``directory``, or a file is truncated.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from lightning_pat.core.safe_io import confined, restricted_unpickle
@@ -97,7 +97,8 @@ def read_distributed_checkpoint(directory: str | Path) -> dict[str, Any]:
     reader = SafeReader(root)
     reader.read_metadata()  # the refusals above, raised as they are (torch would wrap them)
     try:
-        _load_state_dict(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+        planner = SafePlanner()  # type: ignore[no-untyped-call]  # torch leaves the planner's __init__ unannotated
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except ValueError:
         raise
     except Exception as err:  # noqa: BLE001 - torch wraps reader errors in CheckpointException

@@ -7,14 +7,16 @@ rank takes its own piece without a broadcast.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 
-def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (parameters included)."""
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (parameters included); narrows its type."""
     return isinstance(tensor, DTensor)
 
 
@@ -50,7 +52,7 @@ def write_back_(tensor: Tensor, dense: Tensor) -> None:
         data.copy_(dense)
 
 
-def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
+def as_dtensor(local: Tensor, like: DTensor) -> Tensor:
     """Wrap a rank-local tensor laid out like DTensor ``like`` (same mesh, placements, global shape) as a DTensor."""
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()

@@ -32,7 +32,9 @@ def fsdp2_mesh_dims(module: torch.nn.Module) -> tuple[str, ...] | None:
 
     if not isinstance(module, FSDPModule):
         return None
-    group = fully_shard.state(module)._fsdp_param_group  # noqa: SLF001 - FSDP2 keeps its mesh here
+    # fully_shard is wrapped by contract(), which adds .state; torch annotates it by its overloads, which hide it
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    group = state._fsdp_param_group  # noqa: SLF001 - FSDP2 keeps its mesh here
     if group is None:  # fully_shard on a module without parameters of its own
         return ()
     names = group.mesh_info.mesh.mesh_dim_names
@@ -55,7 +57,8 @@ def fsdp2_policy(module: torch.nn.Module) -> Any | None:
 
     if not isinstance(module, FSDPModule):
         return None
-    return fully_shard.state(module)._mp_policy  # noqa: SLF001 - FSDP2 keeps the policy here
+    state = fully_shard.state(module)  # type: ignore[attr-defined]  # contract()'s .state, hidden by the overloads
+    return state._mp_policy  # noqa: SLF001 - FSDP2 keeps the policy here
 
 
 def unsharded_class(module: torch.nn.Module) -> type:
@@ -102,7 +105,7 @@ def gather_axes(tensor: Tensor, dims: Sequence[str]) -> Tensor:
 _ALIGN = 16  # bytes: every packed segment starts here, so that its bytes view as any dtype
 
 
-def _packable_axis(tensor: Tensor, dims: Sequence[str]) -> int | None:
+def _packable_axis(tensor: DTensor, dims: Sequence[str]) -> int | None:
     """The mesh axis named in ``dims`` along which ``tensor`` (a DTensor) is packed, ``-1`` if none shards it.
 
     ``None`` for a layout FSDP2 does not make, which :func:`gather_packed` leaves to :func:`gather_axes`: several
@@ -118,16 +121,16 @@ def _packable_axis(tensor: Tensor, dims: Sequence[str]) -> int | None:
     if not axes:
         return -1
     axis = axes[0]
-    if len(axes) > 1 or not isinstance(placements[axis], (Shard, _StridedShard)):
+    placement = placements[axis]
+    if len(axes) > 1 or not isinstance(placement, (Shard, _StridedShard)):
         return None
-    dim = placements[axis].dim
-    later = [p for p in placements[axis + 1 :] if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
-    if later and not isinstance(placements[axis], _StridedShard):
+    later = [p for p in placements[axis + 1 :] if isinstance(p, (Shard, _StridedShard)) and p.dim == placement.dim]
+    if later and not isinstance(placement, _StridedShard):
         return None
     return axis
 
 
-def _after_gather(full: Tensor, like: Tensor, dims: Sequence[str]) -> Tensor:
+def _after_gather(full: Tensor, like: DTensor, dims: Sequence[str]) -> Tensor:
     """``full`` (DTensor ``like`` gathered along the axes in ``dims``): plain, or a DTensor on the other axes."""
     names = like.device_mesh.mesh_dim_names or ()
     kept = [i for i, name in enumerate(names) if name not in dims]
@@ -144,7 +147,7 @@ class _Segment:
     """One DTensor's place in a packed gather: its (cast) local shard and every coordinate's shard shape."""
 
     index: int
-    like: Tensor
+    like: DTensor
     local: Tensor
     axis: int
     dim: int
@@ -153,15 +156,18 @@ class _Segment:
     offset: int = 0
 
     @classmethod
-    def plan(cls, index: int, data: Tensor, axis: int, local: Tensor) -> _Segment:
+    def plan(cls, index: int, data: DTensor, axis: int, local: Tensor) -> _Segment:
         """Shard shapes by ``torch.chunk`` along the shard dim of what gathering ``axis`` gives this rank.
 
         Raises:
             ValueError: If this rank's shard does not have the shape that chunking gives.
         """
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-        mesh, dim = data.device_mesh, data.placements[axis].dim  # type: ignore[attr-defined]
+        placement = data.placements[axis]
+        assert isinstance(placement, (Shard, _StridedShard)), placement  # _packable_axis chose a sharded axis
+        mesh, dim = data.device_mesh, placement.dim
         rest = [Replicate() if j == axis else p for j, p in enumerate(data.placements)]
         whole, _ = compute_local_shape_and_global_offset(data.shape, mesh, rest)
         k, n = mesh.size(axis), whole[dim]

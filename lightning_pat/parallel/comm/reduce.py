@@ -87,7 +87,9 @@ def axes_group(mesh: DeviceMesh, axes: Sequence[int], *, cache: dict[tuple[int, 
         return mesh.get_group(axes[0])
     key = tuple(sorted(mesh_ranks_along(mesh, axes)))
     if key == tuple(range(dist.get_world_size())):
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None  # a process group is initialised: get_world_size() above read it
+        return world
     if key not in cache:
         cache[key] = dist.new_group(ranks=list(key), use_local_synchronization=True)
     return cache[key]
