@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.common.torchvision_zoo import TORCHVISION_DIR, import_torchvision
 
 
@@ -22,6 +24,7 @@ def test_import_torchvision_leaves_sys_path_as_it_was_and_models_still_build():
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+@pytest.mark.slow
 def test_a_process_started_with_our_sys_path_imports_torchmetrics():
     import_torchvision()
     code = f"import sys; sys.path[:] = {json.dumps(sys.path)}; import torchmetrics; print('ok')"

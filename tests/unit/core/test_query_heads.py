@@ -216,6 +216,7 @@ def test_target_params_counts_query_heads_exactly(widths):
 
 
 # ---------------------------------------------------------------------------------------------------- discovery
+@pytest.mark.slow
 def test_discovery_cuts_transformers_gqa_by_query_heads_and_custom_attention_by_groups():
     case = GQA[0]
     model = case.fresh()

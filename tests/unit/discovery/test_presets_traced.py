@@ -23,6 +23,7 @@ def _units(rc) -> frozenset:
     return frozenset((m.name, m.dim, m.start, m.stop, m.block) for m in rc.members)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_discovery_agrees_with_the_preset_on_mlps_and_heads(case: FamilyCase):
     model = case.build()
@@ -44,6 +45,7 @@ def test_discovery_agrees_with_the_preset_on_mlps_and_heads(case: FamilyCase):
     assert any("normalises over this channel axis" in r or "`mean` reduces" in r for r in stream)  # RMS/LayerNorm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_shrinking_what_discovery_found_is_exact(case: FamilyCase):
     model = case.fresh()

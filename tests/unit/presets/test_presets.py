@@ -231,6 +231,7 @@ def test_wrapped_model_is_detected_and_pruned_under_its_prefix():
         check(case, wrapper, result.dropped, root="model.")
 
 
+@pytest.mark.slow
 def test_wrapped_layers_activation_checkpointing_and_per_block_compile():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -325,6 +326,7 @@ def test_get_and_registry():
         presets.get("bert")
 
 
+@pytest.mark.slow
 def test_tiny_gpt_is_the_demos_preset_registered_on_import():
     """The library knows no tiny_gpt until lightning_pat.demo is imported (a fresh interpreter shows it)."""
     code = (

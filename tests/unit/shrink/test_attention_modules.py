@@ -123,6 +123,7 @@ def test_vit_heads_are_found_pruned_and_shrunk_exactly():
 
 
 @needs_torchvision
+@pytest.mark.slow
 def test_swin_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
     model, x = _small_swin()
     found = discover(model, x)
@@ -202,6 +203,7 @@ def test_unsupported_mha_is_left_out_with_its_reason(kwargs, call, reason):
 
 
 @needs_torchvision
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_small_vit, _small_swin])
 def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
     model, x = build()

@@ -76,6 +76,7 @@ def test_uniform_hf_export_loads_with_stock_from_pretrained(tmp_path, case, kind
     assert max_err(logits(eager(load_pretrained(tmp_path)), ids), ref) < 1e-6
 
 
+@pytest.mark.slow
 def test_stock_export_loads_in_a_process_without_lightning_pat(tmp_path):
     case = llama_like("llama", n_head=4, n_kv=2, bias=True, tied=True)
     model = shrunk(case, ("mlp", "heads", "residual"))
