@@ -128,3 +128,43 @@ def describe(value: object) -> str:
 
 
 __all__ = ["FIX", "FieldChecker", "StateError", "describe"]
+
+
+def rank_entry(
+    saved: Sequence[Mapping[str, Any]] | None, *, rank: int, world: int, split: str | None, what: str, fix: str
+) -> Mapping[str, Any]:
+    """This rank's entry of a per-rank list in a saved state (rank order); ``{}`` if there is none.
+
+    Entries that every rank holds whole (data parallelism: the same sums, or sums any rank may continue) move to
+    another number of ranks: a rank beyond the saved ones takes rank 0's. Entries that are pieces of a split (tensor
+    parallelism) do not: they need the same number of ranks.
+
+    Args:
+        saved: The list, one entry per rank of the run that saved it (``None`` or empty: nothing saved).
+        rank: This rank.
+        world: This run's number of ranks.
+        split: How the entries are pieces of one whole (e.g. ``"as partials of their sharded pieces"``), or ``None``
+            when each entry is whole.
+        what: The message's first words and the entries' name (e.g. ``"score='taylor': the gradient sums"``).
+        fix: The alternative a message offers besides resuming on the saved number of ranks.
+
+    Raises:
+        ValueError: If the entries are pieces (``split``) and ``world`` differs from the number saved.
+
+    Example::
+
+        >>> rank_entry([{"r": 0}, {"r": 1}], rank=1, world=2, split=None, what="x", fix="y")
+        {'r': 1}
+        >>> rank_entry([{"r": 0}], rank=1, world=2, split=None, what="x", fix="y")
+        {'r': 0}
+    """
+    if not saved:
+        return {}
+    if split is not None and len(saved) != world:
+        subject, _, noun = what.partition(": ")
+        raise ValueError(
+            f"{subject}: the checkpoint holds {noun or 'the entries'} of {len(saved)} rank(s) {split}, and this run "
+            f"has {world} rank(s); they cannot be redistributed. Resume on {len(saved)} ranks with the same mesh, or "
+            f"{fix}."
+        )
+    return saved[rank] if rank < len(saved) else saved[0]

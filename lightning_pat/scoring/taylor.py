@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pat.core.state_fields import rank_entry
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import Executor, Reduced, ShardedExecutor
 
@@ -149,15 +150,11 @@ class TaylorScores:
         Raises:
             ValueError: If the sums are partials of sharded pieces and the checkpoint has another number of ranks.
         """
-        if not saved:
-            return {}
-        if self.sharded and len(saved) != world:
-            raise ValueError(
-                f"score='taylor': the checkpoint holds the gradient sums of {len(saved)} rank(s) as partials of their "
-                f"sharded pieces, and this run has {world} rank(s); they cannot be redistributed. Resume on "
-                f"{len(saved)} ranks with the same mesh, or resume with another score."
-            )
-        return saved[rank] if rank < len(saved) else saved[0]  # plain parameters: every rank's sums are the same
+        split = "as partials of their sharded pieces" if self.sharded else None  # plain: every rank's sums the same
+        return rank_entry(
+            saved, rank=rank, world=world, split=split, what="score='taylor': the gradient sums",
+            fix="resume with another score",
+        )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly.

@@ -133,10 +133,10 @@ class Collectors:
                 or a saved statistic does not fit this model; the Taylor sums' errors as ``errors`` raises them.
         """
         if self.act is not None:
-            self.act.load_state_dict(state.rank_activation(saved.get("activation")) or {})
+            self.act.load_state_dict(state.rank_activation(saved.get("activation")))
         if self.taylor is not None:
             rank, world = ranks.world_rank(), ranks.world_size()
             with errors("CoupledPruningCallback"):
                 self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
         if self.layers is not None:  # this rank's sums since the last selection
-            self.layers.load_state_dict(state.rank_activation(saved.get("layer_scores")) or {})
+            self.layers.load_state_dict(state.rank_activation(saved.get("layer_scores")))

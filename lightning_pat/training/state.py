@@ -52,6 +52,7 @@ from torch import Tensor
 from lightning_pat.core.saved_state import read_state
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.state_fields import rank_entry
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
@@ -190,22 +191,16 @@ def read_latents(
     return {n: dtensor.local_tensor(holders[prefix + n]) for n in like}
 
 
-def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:
-    """This rank's activation statistics from a state's ``activation`` list; ``None`` if there are none."""
-    if not saved:
-        return None
-    rank = ranks.world_rank()
-    world = ranks.world_size()
+def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any]:
+    """This rank's activation statistics from a state's ``activation`` list; ``{}`` if there are none."""
     # a window that starts after channel 0 exists exactly when some reader's input channels were split over ranks
-    partial = [name for entry in saved for name, (offset, _) in entry.get("window", {}).items() if offset]
-    if partial and len(saved) != world:  # every rank reads the same state: every rank raises
-        raise ValueError(
-            f"CoupledPruningCallback(score='activation'): the checkpoint holds the statistics of {len(saved)} rank(s) "
-            f"sharded by tensor parallelism (reader modules {sorted(set(partial))[:3]} cover only some input channels "
-            f"per rank), and this run has {world} rank(s); they cannot be redistributed. Resume on {len(saved)} ranks "
-            "with the same mesh, or resume with score='rms' (or a fresh run) to collect new statistics."
-        )
-    return saved[rank] if rank < len(saved) else saved[0]
+    partial = sorted({name for entry in saved or () for name, (offset, _) in entry.get("window", {}).items() if offset})
+    split = f"sharded by tensor parallelism (reader modules {partial[:3]} cover only some input channels per rank)"
+    return rank_entry(
+        saved, rank=ranks.world_rank(), world=ranks.world_size(), split=split if partial else None,
+        what="CoupledPruningCallback(score='activation'): the statistics",
+        fix="resume with score='rms' (or a fresh run) to collect new statistics",
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- resume checks

@@ -77,7 +77,7 @@ def test_progress_prox_step_per_mode_and_round_trip():
 
 
 def test_rank_activation_picks_this_rank_or_the_first():
-    assert state.rank_activation(None) is None
+    assert state.rank_activation(None) == {}
     assert state.rank_activation([{"r": 0}, {"r": 1}]) == {"r": 0}  # one process: rank 0
     assert state.rank_activation([{"r": 7}]) == {"r": 7}
 
