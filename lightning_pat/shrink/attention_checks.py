@@ -9,15 +9,12 @@ surgery then replaces them by modules of :mod:`lightning_pat.shrink.attention_mo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.model_meta import is_gpt2_attention, is_llama_attention, module_kind
-
-if TYPE_CHECKING:  # edits.py imports this module: the type only, no import cycle at run time
-    from lightning_pat.shrink.edits import Edit
 
 
 def _kept(edits: Mapping[int, Edit], module: nn.Module, attr: str, dim: int, length: int) -> Tensor:

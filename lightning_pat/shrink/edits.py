@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +24,7 @@ from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink.attention_checks import check_attention
 from lightning_pat.shrink.attention_modules import mha_refusal
+from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.model_meta import module_kind
 from lightning_pat.shrink.optimizer_state import optimizer_cuts
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
@@ -66,16 +66,6 @@ _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "mha": (("in_proj_weight", 0), ("in_proj_bias", 0)),
     **CONV_TIED_AXES,
 }
-
-
-@dataclass
-class Edit:
-    """The cuts of one module: attribute -> dim -> kept indices."""
-
-    name: str
-    module: nn.Module
-    kind: str
-    cuts: dict[str, dict[int, Tensor]]
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:

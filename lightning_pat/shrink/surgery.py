@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.attention_modules import replace_attention
-from lightning_pat.shrink.edits import Edit, check_dropped_zeros, validate
+from lightning_pat.shrink.cuts import Edit
+from lightning_pat.shrink.edits import check_dropped_zeros, validate
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
