@@ -127,11 +127,15 @@ def describe(value: object) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-__all__ = ["FIX", "FieldChecker", "StateError", "describe"]
-
-
 def rank_entry(
-    saved: Sequence[Mapping[str, Any]] | None, *, rank: int, world: int, split: str | None, what: str, fix: str
+    saved: Sequence[Mapping[str, Any]] | None,
+    *,
+    rank: int,
+    world: int,
+    split: str | None,
+    who: str,
+    entries: str,
+    fix: str,
 ) -> Mapping[str, Any]:
     """This rank's entry of a per-rank list in a saved state (rank order); ``{}`` if there is none.
 
@@ -145,7 +149,8 @@ def rank_entry(
         world: This run's number of ranks.
         split: How the entries are pieces of one whole (e.g. ``"as partials of their sharded pieces"``), or ``None``
             when each entry is whole.
-        what: The message's first words and the entries' name (e.g. ``"score='taylor': the gradient sums"``).
+        who: The message's first words (e.g. ``"score='taylor'"``).
+        entries: What the entries are, for the message (e.g. ``"the gradient sums"``).
         fix: The alternative a message offers besides resuming on the saved number of ranks.
 
     Raises:
@@ -153,18 +158,20 @@ def rank_entry(
 
     Example::
 
-        >>> rank_entry([{"r": 0}, {"r": 1}], rank=1, world=2, split=None, what="x", fix="y")
+        >>> rank_entry([{"r": 0}, {"r": 1}], rank=1, world=2, split=None, who="x", entries="y", fix="z")
         {'r': 1}
-        >>> rank_entry([{"r": 0}], rank=1, world=2, split=None, what="x", fix="y")
+        >>> rank_entry([{"r": 0}], rank=1, world=2, split=None, who="x", entries="y", fix="z")
         {'r': 0}
     """
     if not saved:
         return {}
     if split is not None and len(saved) != world:
-        subject, _, noun = what.partition(": ")
         raise ValueError(
-            f"{subject}: the checkpoint holds {noun or 'the entries'} of {len(saved)} rank(s) {split}, and this run "
+            f"{who}: the checkpoint holds {entries} of {len(saved)} rank(s) {split}, and this run "
             f"has {world} rank(s); they cannot be redistributed. Resume on {len(saved)} ranks with the same mesh, or "
             f"{fix}."
         )
     return saved[rank] if rank < len(saved) else saved[0]
+
+
+__all__ = ["FIX", "FieldChecker", "StateError", "describe", "rank_entry"]

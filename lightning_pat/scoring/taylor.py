@@ -152,7 +152,7 @@ class TaylorScores:
         """
         split = "as partials of their sharded pieces" if self.sharded else None  # plain: every rank's sums the same
         return rank_entry(
-            saved, rank=rank, world=world, split=split, what="score='taylor': the gradient sums",
+            saved, rank=rank, world=world, split=split, who="score='taylor'", entries="the gradient sums",
             fix="resume with another score",
         )  # fmt: skip
 

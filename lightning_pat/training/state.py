@@ -198,7 +198,7 @@ def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, A
     split = f"sharded by tensor parallelism (reader modules {partial[:3]} cover only some input channels per rank)"
     return rank_entry(
         saved, rank=ranks.world_rank(), world=ranks.world_size(), split=split if partial else None,
-        what="CoupledPruningCallback(score='activation'): the statistics",
+        who="CoupledPruningCallback(score='activation')", entries="the statistics",
         fix="resume with score='rms' (or a fresh run) to collect new statistics",
     )  # fmt: skip
 
