@@ -341,7 +341,7 @@ def bind_run(
             "routes": None if plan is None else plan.routes,
             "options": opts.resumable(),
         }
-        ranks.check_rank_agreement(digest, error)
+        ranks.check_rank_agreement(digest, error, who="CoupledPruningCallback")
         assert plan is not None
         clusters = tuple(plan.clusters)
         choice = resolve_score(opts, module=module, clusters=clusters, fsdp1=fsdp1_root is not None, saved=saved_score)

@@ -157,7 +157,9 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         scorers.taylor.reset()  # the next selection sums the steps from here
     progress.mark_selection()
     if options.debug_check_selection:  # the mask the pruner holds now, whatever produced it
-        ranks.check_selection_agreement(pruner.result().dropped, step=step)
+        ranks.check_selection_agreement(
+            pruner.result().dropped, step=step, who="CoupledPruningCallback (debug_check_selection)"
+        )
     return result
 
 

@@ -82,8 +82,13 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_rank_agreement(digest: Mapping[str, Any], error: str | None) -> None:
+def check_rank_agreement(digest: Mapping[str, Any], error: str | None, *, who: str = "lightning_pat") -> None:
     """Compare ``digest`` (e.g. clusters, routes, options), or this rank's error, across all ranks (one collective).
+
+    Args:
+        digest: This rank's facts that every rank must share (JSON-able values).
+        error: This rank's error message, or ``None``.
+        who: The caller the disagreement message names (e.g. ``"CoupledPruningCallback"``).
 
     Raises:
         ValueError: The same error on every rank if any rank failed (its message, naming the rank) or the digests
@@ -101,7 +106,7 @@ def check_rank_agreement(digest: Mapping[str, Any], error: str | None) -> None:
         diff = sorted({k for _, _, d in everyone for k in d if d[k] != ref[k]})
         ranks = [r for r, (_, m, _) in enumerate(everyone) if m != everyone[0][1]]
         raise ValueError(
-            f"CoupledPruningCallback: ranks disagree on {diff} (ranks {ranks} differ from rank 0). Every rank "
+            f"{who}: ranks disagree on {diff} (ranks {ranks} differ from rank 0). Every rank "
             "must build the same model and pass the same cluster declarations and options; check code that "
             "depends on the rank (e.g. `if trainer.global_rank == 0`)."
         )
@@ -140,8 +145,13 @@ def together(prefix: str | None = None) -> Iterator[None]:
     check_rank_agreement({}, error)
 
 
-def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) -> None:
+def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int, who: str = "lightning_pat") -> None:
     """Debug check: compare a hash of the selection across all ranks (one small collective).
+
+    Args:
+        dropped: This rank's dropped units per cluster.
+        step: The step the selection was made at (for the message).
+        who: The caller and option the message names (e.g. ``"CoupledPruningCallback (debug_check_selection)"``).
 
     Raises:
         RuntimeError: On every rank, if some rank selected different units than rank 0.
@@ -150,7 +160,7 @@ def check_selection_agreement(dropped: Mapping[str, list[int]], *, step: int) ->
     if len(set(everyone)) > 1:
         ranks = [r for r, d in enumerate(everyone) if d != everyone[0]]
         raise RuntimeError(
-            f"CoupledPruningCallback (debug_check_selection): at step {step} ranks {ranks} selected different units "
+            f"{who}: at step {step} ranks {ranks} selected different units "
             "than rank 0; the selection is not identical across the mesh."
         )
 

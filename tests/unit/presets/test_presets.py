@@ -178,8 +178,12 @@ def test_pruned_units_are_dead(case, kind):
 def _refused_mqa(case: FamilyCase, model: nn.Module, kinds: tuple[str, ...]) -> None:
     """One KV head is one unit: any target below 1 would remove every layer's attention, so it is refused."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"every unit of {case.n_layer} cluster\(s\): 'heads\.0' \(target 0.5"):
+    with pytest.raises(ValueError, match=rf"every unit of {case.n_layer} cluster\(s\): 'heads\.0' \(target 0.5") as err:
         prune_clusters(model, clusters_of(case, model, kinds), 0.5)
+    msg = str(err.value)  # the arithmetic, that nothing changed, and the fix (the MLP alone prunes: see below)
+    assert "ceil(0.5 * 1) = 1 of its 1 unit(s)" in msg
+    assert "Nothing was pruned" in msg
+    assert "preset_options={'heads': False}" in msg
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 

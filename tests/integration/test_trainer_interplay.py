@@ -4,6 +4,7 @@
   end of fit and before its BatchNorm-update epoch: the callback re-applies the mask after both, so the dropped units
   are exactly zero after fit, BatchNorm statistics are those of the masked model, and ``shrink`` equals the model.
 * ``trainer.validate(ckpt_path=...)`` with a checkpoint written before a ``shrink_on_freeze`` shrink says so.
+* a non-finite distillation KL stops the run before the optimizer update and before any checkpoint is written.
 """
 
 from __future__ import annotations
