@@ -36,10 +36,35 @@ def zero_units_(
     )
 
 
+#: Integer dtype of each floating element size: a float's bits, for the bitwise zeroing below.
+_BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: ``index_fill_`` along an axis that is not the outermost in memory (columns) costs about 30x a bitwise pass over
+#: the tensor per element it writes (a strided scatter; measured on CPU, float32): from this fraction of the
+#: channels on, one pass over every element is cheaper. Rows (outermost) are contiguous: filled by index.
+_BITWISE_MIN_FRACTION = 1 / 32
+
+
 def zero_channels_(tensor: Tensor, member: Member, channels: Tensor) -> None:
-    """Zero the given local channels (indices along ``member.dim``) of ``tensor`` in place."""
-    if channels.numel():
-        tensor.index_fill_(member.dim, channels, 0.0)
+    """Zero the given local channels (indices along ``member.dim``) of ``tensor`` in place.
+
+    Rows (the channel axis outermost in memory) are filled by index. Columns of a floating tensor, from
+    ``_BITWISE_MIN_FRACTION`` of them on, are zeroed in one pass by a bitwise AND of the elements' bits with an
+    all-ones / all-zeros word per channel: the same bits as ``index_fill_(dim, channels, 0.0)`` (``+0.0`` in the
+    dropped channels whatever they held, NaN included; the others untouched, ``-0.0`` included), several times faster.
+    """
+    if not channels.numel():
+        return
+    dim = member.dim
+    length = tensor.shape[dim]
+    bits = _BITS_DTYPES.get(tensor.element_size()) if tensor.is_floating_point() else None
+    outermost = tensor.stride(dim) >= max(tensor.stride())
+    if bits is None or outermost or channels.numel() < _BITWISE_MIN_FRACTION * length:
+        tensor.index_fill_(dim, channels, 0.0)
+        return
+    keep = torch.full((length,), -1, dtype=bits, device=tensor.device).index_fill_(0, channels, 0)
+    shape = [1] * tensor.dim()
+    shape[dim] = length
+    tensor.view(bits).bitwise_and_(keep.view(shape))
 
 
 def scale_units_(

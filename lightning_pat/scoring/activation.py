@@ -47,7 +47,7 @@ from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
-from lightning_pat.core.units import fold_to_units, unit_of_channels
+from lightning_pat.core.units import unit_of_channels
 from lightning_pat.parallel import placement
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import Reduced
@@ -119,6 +119,8 @@ class ActivationStats(TrainingForwardHooks):
         self._count: dict[str, Tensor] = {}
         self._bad: dict[str, Tensor] = {}
         self._warned: dict[str, int] = {}
+        #: (start, block, channels, units, device) -> each channel's unit (channels inside units) and which are inside
+        self._unit_index: dict[tuple[int, int, int, int, torch.device], tuple[Tensor, Tensor | None]] = {}
 
     def _reader_module(
         self, rc: ResolvedCluster, m: Member, modules: Mapping[str, nn.Module], params: Mapping[str, Tensor]
@@ -364,6 +366,25 @@ class ActivationStats(TrainingForwardHooks):
                     columns[m.name] = channel_sq_sums(weight, dim=1, acc_dtype=torch.float64)  # ||W[:, j]||^2
         return self._scores(averages, columns)
 
+    def _fold(self, m: Member, contrib_I: Tensor, *, num_units: int) -> Tensor:
+        """``[C]``: reader ``m``'s per-channel ``contrib_I`` summed into its units.
+
+        As :func:`~lightning_pat.core.units.fold_to_units`, with the same index additions in the same order (the
+        same bits); the channels' unit indices depend on the reader's layout only, so they are computed once per
+        layout.
+        """
+        key = (m.start, m.block, contrib_I.numel(), num_units, contrib_I.device)
+        hit = self._unit_index.get(key)
+        if hit is None:
+            units_I = unit_of_channels(
+                start=m.start, block=m.block, offset=0, length=contrib_I.numel(), device=contrib_I.device
+            )
+            inside_I = (units_I >= 0) & (units_I < num_units)
+            hit = self._unit_index[key] = (units_I[inside_I], None if bool(inside_I.all()) else inside_I)
+        units, inside = hit
+        out_C = torch.zeros(num_units, dtype=contrib_I.dtype, device=contrib_I.device)
+        return out_C.index_add_(0, units, contrib_I if inside is None else contrib_I[inside])
+
     def _scores(self, averages: Mapping[str, Tensor], columns: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Cluster name -> ``[C]`` scores from per-module averages and per-reader squared column norms."""
         out = {}
@@ -371,11 +392,7 @@ class ActivationStats(TrainingForwardHooks):
             total_C: Tensor | None = None
             for m, name in self.readers[rc.name]:
                 col_I = columns[m.name]
-                contrib_I = col_I * averages[name].to(col_I.device)
-                units_I = unit_of_channels(
-                    start=m.start, block=m.block, offset=0, length=contrib_I.numel(), device=contrib_I.device
-                )
-                part_C = fold_to_units(contrib_I, units_I, num_units=rc.num_units)
+                part_C = self._fold(m, col_I * averages[name].to(col_I.device), num_units=rc.num_units)
                 total_C = part_C if total_C is None else total_C + part_C
             assert total_C is not None  # every cluster has a reader (checked at construction)
             if not bool(torch.isfinite(total_C).all()):

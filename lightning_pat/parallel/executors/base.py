@@ -116,10 +116,11 @@ class Executor(ABC):
         """Zero ``dropped`` units of member ``m`` on a (local) tensor; the channel indices are cached per mask.
 
         A held mask (``Pruner.hold``, healing) passes the same ``dropped`` tensor every step, so after the first
-        step this is a single ``index_fill_`` per member.
+        step this is a single zeroing per member; members of a cluster laid out alike (an MLP's rows and columns)
+        share their indices within a step too.
         """
         length = tensor.shape[m.dim] if length < 0 else length
-        key = (rc.name, m.name, m.dim, m.start, offset, length, tensor.device)
+        key = (rc.name, m.start, m.stop, m.block, offset, length, tensor.device)  # what unit_channels reads of m
         hit = self._channels.get(key)
         if hit is None or hit[0] is not dropped:
             channels = unit_channels(

@@ -220,6 +220,38 @@ def test_zero_units_on_a_slice_and_on_a_local_shard():
     assert torch.equal(untouched, w)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((5, 64), 1), ((64, 5), 0), ((3, 64, 4), 1), ((4, 64, 3, 3), 1), ((64,), 0)]
+)
+@pytest.mark.parametrize("fraction", [1 / 64, 0.25, 1.0])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_zero_channels_sets_exactly_the_bits_of_a_per_channel_fill(dtype, shape, dim, fraction, layout):
+    """Rows by index, columns (from 1/32 of them on) by a bitwise AND: either way the dropped channels hold +0.0
+    whatever they held (NaN, -inf), and every other element keeps its bits (-0.0 included)."""
+    from lightning_pat.core.masking import zero_channels_
+
+    torch.manual_seed(0)
+    t = torch.randn(shape).to(dtype)
+    flat = t.view(-1)
+    flat[::7], flat[::11], flat[::13] = -0.0, float("nan"), float("-inf")
+    if layout == "transposed":  # the same values, the channel axis elsewhere in memory
+        t = t.transpose(0, -1).contiguous().transpose(0, -1)
+    channels = torch.randperm(shape[dim])[: max(1, int(fraction * shape[dim]))].sort().values
+    want = t.clone()
+    for c in channels.tolist():  # the plain computation, one channel at a time
+        want.select(dim, c).fill_(0.0)
+    member = Member("w", "reader" if dim else "writer", dim, 0, shape[dim], 1, shape)
+    got = t.clone()
+    zero_channels_(got, member, channels)
+    assert torch.equal(_bits(got), _bits(want))
+    assert got.stride() == t.stride()
+
+
 def test_scale_units_columns_with_zero_factor():
     w = torch.ones(2, 6, dtype=torch.float64)
     m = _member(1, 0, 6, 2, (2, 6))

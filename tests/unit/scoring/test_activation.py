@@ -101,6 +101,33 @@ def test_unit_scores_with_blocks_and_two_readers_match_the_formula():
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+def test_unit_scores_keep_the_unit_indices_per_layout_but_read_the_current_weights():
+    """The channel -> unit indices of a reader are computed once per layout; the scores still follow the weights
+    (bitwise those of fresh statistics, which compute the indices anew, and the formula's)."""
+    torch.manual_seed(2)
+    model = nn.ModuleDict({"a": nn.Linear(12, 5), "b": nn.Linear(6, 2), "w": nn.Linear(4, 12, bias=False)})
+    cluster = Cluster("u", writers=["w.weight"], readers=["a.weight", "b.weight[2:6]"], num_units=4)
+    resolved = resolve_clusters(model, cluster)
+    stats = ActivationStats(model, resolved, beta=None)
+    xa, xb = torch.randn(7, 12), torch.randn(3, 6)
+    stats.observe("a", xa)
+    stats.observe("b", xb)
+    params = dict(model.named_parameters())
+    first = stats.unit_scores(params)["u"]
+    with torch.no_grad():
+        model["a"].weight.mul_(3.0)
+        model["b"].weight[:, 3] = 0.0
+    again = stats.unit_scores(params)["u"]
+    fresh = ActivationStats(model, resolved, beta=None)
+    fresh.load_state_dict(stats.state_dict())
+    assert torch.equal(again, fresh.unit_scores(params)["u"])
+    assert not torch.equal(again, first)
+    sa = ref_scores(model["a"].weight, ref_mean_sq(xa), 4)
+    sb = ref_scores(model["b"].weight, ref_mean_sq(xb), 4, start=2)
+    want = [(x**2 + y**2) ** 0.5 for x, y in zip(sa, sb, strict=True)]
+    torch.testing.assert_close(again, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
 def test_summed_statistics_over_ranks_are_averaged_by_the_ranks_that_saw_each_module():
     model = mlp()
     stats = ActivationStats(model, resolve_clusters(model, MLP))
