@@ -58,6 +58,8 @@ def test_fit_with_target_params_then_shrink_counts_exactly(target, options, side
     assert size is not None
     asked = parse_size(target, total=total)
     assert (size.total, size.target) == (total, asked)
+    assert size.rule == "importance"  # target_allocation="auto" with the activation score (score="auto")
+    assert cb.controller.run.solved_at == 2  # the first selection, after the warmup step
     if side == "below":
         assert size.achieved <= asked
         assert size.above is None or size.above > asked
