@@ -160,7 +160,8 @@ def quality(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, str],
         cb = CoupledPruningCallback("tiny_gpt", target_params=target, preset_options=opts, warmup_steps=0,
                                     ramp_steps=max(args.heal_steps // 3, 1),
                                     target_layers=keep_layers(name, cfg.n_layer),
-                                    layer_score="weight" if name == "depth-weight" else "cosine")  # fmt: skip
+                                    layer_score="weight" if name == "depth-weight" else "cosine",
+                                    target_allocation="fractions")  # as recorded in BENCHMARKS.md  # fmt: skip
         Q.fit(lm, Q.batches(train, args.heal_steps, seed=10_000), callbacks=[cb])
         small = shrink(lm, cb).model
         assert cb.size is not None

@@ -37,8 +37,11 @@ def test_console_script_fits_to_a_size_with_layer_units_and_shrinks(tmp_path):
         "--trainer.callbacks.init_args.warmup_steps=0", "--trainer.callbacks.init_args.ramp_steps=2",
         "--trainer.callbacks.init_args.target_params=60%",
         "--trainer.callbacks.init_args.preset_options={layers: true}",
+        # fractions balance depth and widths, so layers go (by importance a layer costs its whole update: widths go)
+        "--trainer.callbacks.init_args.target_allocation=fractions",
         "--data.max_bytes=50000", "--data.batch_size=4",
     )  # fmt: skip
+    assert "allocated by fractions" in out, out[-2000:]
     match = re.search(r"target_params: ([\d,]+) parameters \(target ([\d,]+), full ([\d,]+)", out)
     assert match, out[-2000:]
     achieved, target, full = (int(g.replace(",", "")) for g in match.groups())

@@ -12,7 +12,9 @@ error naming the field, what was expected and what was found, never a wrong mask
 * ``dropped``: known cluster names, distinct int indices in ``[0, C)``, no cluster emptied unless its target is 1
   (a shared budget is checked on its total); ``factors``: ``[C]`` float tensors in ``[0, 1]``;
 * ``latents``, ``activation``, ``taylor`` and ``layer_scores``: their layout, names, shapes, dtypes and finiteness,
-  against what the run holds where the caller says so (:class:`StateContext`).
+  against what the run holds where the caller says so (:class:`StateContext`);
+* ``allocation`` (:func:`allocation_entry`): a size solved by importance during training, its step, the size options
+  it was solved for and the solution, or ``None``.
 
 Every check is local and the same on every rank for the same state (the caller makes the ranks agree). Errors are
 :class:`~lightning_pat.core.state_fields.StateError` (a ``ValueError``), raised by the field readers of
@@ -33,7 +35,7 @@ from lightning_pat.core.state_fields import FieldChecker, StateError, describe
 #: The entries of a state (see :mod:`lightning_pat.training.state`).
 KEYS: tuple[str, ...] = (
     "step", "gamma", "gamma_prox", "dropped", "factors", "fingerprints", "clusters", "options", "latents", "shrunk",
-    "activation", "taylor", "layer_scores",
+    "activation", "taylor", "layer_scores", "allocation",
 )  # fmt: skip
 #: The entries a restored state must hold (the others default to empty; a shrink needs only ``dropped``).
 REQUIRED: tuple[str, ...] = ("step", "dropped")
@@ -229,11 +231,59 @@ def check_state(
         tensor = check.tensor(value, f"factors[{name!r}]", shape=(units[name],) if name in units else None)
         if tensor.numel() and (bool((tensor < 0).any()) or bool((tensor > 1).any())):
             raise check.fail(f"factors[{name!r}]", "holds values outside [0, 1] (group-lasso factors)")
+    allocation_entry(data, what=what)
     _latents(check, data.get("latents"), ctx)
     _activation(check, data.get("activation"), ctx.readers)
     _taylor(check, data.get("taylor"), units if known is not None else None)
     _layer_scores(check, data.get("layer_scores"), ctx.layers)
     return saved
+
+
+_SIZE_COUNTS: tuple[str, ...] = ("achieved", "target", "total", "minimum", "dropped_layers")
+
+
+def allocation_entry(state: Mapping[str, Any], *, what: str) -> Mapping[str, Any] | None:
+    """The state's ``allocation`` entry, checked: ``None``, or a size solved by importance during training.
+
+    The entry holds ``rule`` (``"importance"``), ``step`` (the selection it was solved at, at most the state's
+    ``step``), ``options`` (the size options it was solved for, by name) and ``size`` (the solution's fields:
+    :meth:`~lightning_pat.sizing.problem.SizeSolution.to_dict`). The clusters' targets are the state's ``clusters``.
+
+    Raises:
+        StateError: If the entry or one of its fields is malformed.
+    """
+    check = FieldChecker(what)
+    entry = check.mapping(state.get("allocation"), "allocation", allow_none=True)
+    if entry is None:
+        return None
+    unknown = sorted(set(entry) - {"rule", "step", "options", "size"})
+    if unknown:
+        raise check.fail("allocation", f"has unknown entries {unknown}")
+    if entry.get("rule") != "importance":
+        raise check.fail("allocation.rule", f"must be 'importance', got {describe(entry.get('rule'))}")
+    step = state.get("step", 0)
+    check.integer(entry.get("step"), "allocation.step", low=1, high=step if isinstance(step, int) else None)
+    check.mapping(entry.get("options"), "allocation.options")
+    size = check.mapping(entry.get("size"), "allocation.size")
+    assert size is not None
+    for key in _SIZE_COUNTS:
+        check.integer(size.get(key, 0), f"allocation.size.{key}")
+    for key in ("below", "above"):
+        if size.get(key) is not None:
+            check.integer(size[key], f"allocation.size.{key}")
+    for key in ("kept", "cluster_kept"):
+        counts = check.mapping(size.get(key, {}), f"allocation.size.{key}") or {}
+        for name, value in counts.items():
+            check.integer(value, f"allocation.size.{key}[{name!r}]")
+    fractions = check.mapping(size.get("fractions", {}), "allocation.size.fractions") or {}
+    for name, value in fractions.items():
+        check.real(value, f"allocation.size.fractions[{name!r}]", low=0.0, high=1.0)
+    for key in ("unit", "rule"):
+        if not isinstance(size.get(key, ""), str):
+            raise check.fail(f"allocation.size.{key}", f"must be a str, got {describe(size.get(key))}")
+    if size.get("cost") is not None:
+        check.real(size["cost"], "allocation.size.cost", low=0.0)
+    return entry
 
 
 def _options(check: FieldChecker, raw: object) -> Mapping[str, Any]:
@@ -439,4 +489,7 @@ def _layer_scores(check: FieldChecker, raw: object, layers: Collection[str] | No
                 check.real(value, f"{where}.{part}[{name!r}]", low=0.0)
 
 
-__all__ = ["KEYS", "LATENT_FORMATS", "REQUIRED", "StateContext", "StateError", "TensorFacts", "check_state"]
+__all__ = [
+    "KEYS", "LATENT_FORMATS", "REQUIRED", "StateContext", "StateError", "TensorFacts", "allocation_entry",
+    "check_state",
+]  # fmt: skip

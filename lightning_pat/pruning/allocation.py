@@ -1,11 +1,12 @@
 """Size first, then train: declarations whose per-cluster ``target`` reaches a size, allocated by measured importance.
 
-The callback's ``target_params`` is solved when fit starts, before any training statistics exist, so it spreads the
-size over the kinds by kept fractions. :func:`size_clusters` solves the same target one-shot with calibration data
-(the activation score's unit costs, see :mod:`lightning_pat.sizing`) and returns ordinary declarations with their
-``target`` set: pass them to :class:`~lightning_pat.CoupledPruningCallback` (or
-:class:`~lightning_pat.OneShotPruningCallback`) as ``clusters``, and the training forwards then choose *which* units
-go, while the sizes are those the calibration chose. Nothing is mutated.
+The callback's ``target_params`` is allocated by importance too (``target_allocation="auto"`` with a data-aware
+score), but at the end of warmup, from the run's own statistics (see :func:`lightning_pat.training.per_step.allocate`).
+:func:`size_clusters` solves the target one-shot, before training, from calibration data (the activation score's unit
+costs, see :mod:`lightning_pat.sizing`) and returns ordinary declarations with their ``target`` set: pass them to
+:class:`~lightning_pat.CoupledPruningCallback` (or :class:`~lightning_pat.OneShotPruningCallback`) as ``clusters``
+when the widths must be fixed from the first step (or for the one-shot recipe); the training forwards then choose
+*which* units go, while the sizes are those the calibration chose. Nothing is mutated.
 
 Example::
 

@@ -125,12 +125,43 @@ def plan_importance(
         q, scores = pruner.reduced(activations.unit_scores(named_tensors(model)))
     else:
         q, scores = pruner.reduced(None, activations)
-    if activations is None:
-        weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
-        scores = {rc.name: normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight) for rc in plan.clusters}
-    assert scores is not None
     declared = declaration_labels(named_tensors(model), declarations)
-    return unit_costs(scores, plan.clusters, declared=declared, comparable=activations is not None)
+    return importance_costs(plan, q, scores if activations is not None else None, declared=declared,
+                            comparable=activations is not None)  # fmt: skip
+
+
+def importance_costs(
+    plan: Plan,
+    q: Mapping[str, torch.Tensor],
+    scores: Mapping[str, torch.Tensor] | None,
+    *,
+    declared: Mapping[str, str],
+    comparable: bool,
+) -> dict[str, list[float]]:
+    """Each unit's removal cost for the size solver, from reduced unit norms and scores (identical on every rank).
+
+    The one rule of :func:`plan_importance` (one-shot) and of the callback's ``target_allocation="importance"``
+    (solved at the first selection from the run's statistics).
+
+    Args:
+        plan: The plan whose clusters are costed.
+        q: Cluster name -> squared unit norms (:meth:`~lightning_pat.pruning.pruner.Pruner.reduced`).
+        scores: Cluster name -> data-aware unit scores; a cluster without one is costed by the plan's weight score
+            (``"rms"`` when the plan's score is data-aware).
+        declared: Cluster name -> declaration label (a family; see
+            :func:`~lightning_pat.sizing.targets.declaration_labels`).
+        comparable: Whether the scores are activation scores (see :func:`~lightning_pat.sizing.targets.unit_costs`).
+
+    Returns:
+        Cluster name -> unit costs (layer clusters left out: the solver derives theirs).
+    """
+    weight = plan.score if plan.score in WEIGHT_SCORES else "rms"
+    given = scores or {}
+    full = {
+        rc.name: given[rc.name] if rc.name in given else normalise(q[rc.name], unit_numel=rc.unit_numel, score=weight)
+        for rc in plan.clusters
+    }
+    return unit_costs(full, plan.clusters, declared=declared, comparable=comparable)
 
 
 def prune_clusters(

@@ -55,6 +55,14 @@ TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
 #: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
 ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
 Allocation = Literal["importance", "fractions"]
+#: The callback's ``target_allocation``: ``"auto"`` (by importance with a data-aware score), or one of the rules.
+TRAINING_ALLOCATIONS: tuple[str, ...] = ("auto", *ALLOCATIONS)
+TrainingAllocation = Literal["auto", "importance", "fractions"]
+#: The options that define a solved size: a resume after the widths were solved by importance may not change them.
+SIZE_OPTIONS: tuple[str, ...] = (
+    "target_params", "target_flops", "seq_len", "target_side", "target_layers", "target_widths", "min_kept",
+    "target_allocation",
+)  # fmt: skip
 
 
 def check_method(method: object, reg_lambda: object) -> None:
@@ -224,6 +232,16 @@ class PruningOptions:
             (``"2M"``, or a fraction of the model's), solved like a parameter count (see
             :mod:`lightning_pat.sizing.flops`).
         seq_len: The sequence length of ``target_flops`` (attention costs grow with it).
+        target_allocation: How ``target_params`` / ``target_flops`` is spread over the kinds (MLP channels, heads,
+            layers, the residual stream). ``"importance"``: solved at the first selection (the end of warmup) from
+            the run's own statistics, reduced over the ranks as for a selection (the activation statistics or the
+            Taylor sums; with a weight score, the weights' scores scaled per kind): granules leave in increasing
+            cost per parameter removed, as :func:`~lightning_pat.prune_clusters` does (see docs/size.md); a size the
+            clusters cannot reach is still refused at fit start, and a resume after the solve keeps its widths.
+            ``"fractions"``: solved at fit start, the kind with the highest kept fraction loses a granule first.
+            ``"auto"`` (default): ``"importance"`` when the score in use is data-aware (``"activation"``, which
+            ``score="auto"`` resolves to wherever it runs, or ``"taylor"``), else ``"fractions"``. The callback's
+            ``size`` and the log say which rule was used.
         layer_score: How layer units are ranked: ``"cosine"`` (default): ``1 - cos(input, output)`` of each decoder
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
             see :mod:`lightning_pat.scoring.layers`), the weight score if no layer saw a forward; ``"weight"``: the
@@ -265,6 +283,7 @@ class PruningOptions:
     min_kept: float | None = None
     target_flops: int | float | str | None = None
     seq_len: int | None = None
+    target_allocation: TrainingAllocation = "auto"
     layer_score: LayerScore = "cosine"
     distill_alpha: float = 0.0
     distill_temperature: float = 1.0
@@ -284,6 +303,7 @@ class PruningOptions:
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("mode", self.mode, MODES)
         check_choice("layer_score", self.layer_score, LAYER_SCORES)
+        check_choice("target_allocation", self.target_allocation, TRAINING_ALLOCATIONS)
         check_choice("executor", self.executor, EXECUTOR_KINDS)
         check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:
@@ -344,6 +364,16 @@ class PruningOptions:
     def distill(self) -> bool:
         """Whether the ramp and healing distill from a teacher (``distill_alpha > 0``)."""
         return self.distill_alpha > 0
+
+    def allocation(self, score: str) -> Allocation:
+        """The rule that spreads a size target, with ``score`` the score in use (``"auto"`` settled here)."""
+        if self.target_allocation in ("importance", "fractions"):
+            return "importance" if self.target_allocation == "importance" else "fractions"
+        return "importance" if score in ("activation", "taylor") else "fractions"
+
+    def size_options(self) -> dict[str, Any]:
+        """The options that define a solved size (:data:`SIZE_OPTIONS`), by name."""
+        return {k: getattr(self, k) for k in SIZE_OPTIONS}
 
     def resumable(self) -> dict[str, Any]:
         """The options that may change on resume (:data:`RESUMABLE`), by name; they are saved in the state."""

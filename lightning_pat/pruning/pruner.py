@@ -8,6 +8,7 @@ healing. :class:`PruneResult` is what a step did.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -421,6 +422,25 @@ class Pruner:
                 self.last[name] = UnitAction(
                     torch.tensor(sorted(idx), dtype=torch.long), None if f is None else torch.as_tensor(f).clone()
                 )
+
+    def retarget(self, plan: Plan) -> None:
+        """Take ``plan``'s per-cluster targets: the same clusters, routes and options up to their ``target``.
+
+        A size solved after the pruner was built (the callback's ``target_allocation="importance"``, solved at the
+        first selection) changes only the targets; the executors (which never read a target) are kept, so the
+        scorers bound to them (the Taylor sums) keep their state.
+
+        Raises:
+            ValueError: If ``plan`` differs from this pruner's plan in anything but the clusters' targets.
+        """
+        mine = [dataclasses.replace(rc, target=None) for rc in self.clusters]
+        theirs = [dataclasses.replace(rc, target=None) for rc in plan.clusters]
+        if mine != theirs or plan.routes != self.routes or (plan.score, plan.group_count_ref) != (
+            self.score, self.group_count_ref
+        ):  # fmt: skip
+            raise ValueError("Pruner.retarget: the plan differs in more than the clusters' targets.")
+        self.plan = plan
+        self.clusters = list(plan.clusters)
 
     def rebind(self, params: Mapping[str, Tensor]) -> None:
         """Point the executors at new tensor objects with the same names, shapes and layouts (routes are kept).

@@ -14,6 +14,7 @@ The search over configurations is :mod:`lightning_pat.sizing.solver`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -128,6 +129,24 @@ class SizeSolution:
     unit: str = "parameters"
     rule: str = "fractions"
     cost: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (a checkpoint's state holds it); :meth:`from_dict` inverts it exactly."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SizeSolution:
+        """The solution :meth:`to_dict` wrote (unknown keys are ignored; the caller checked the types).
+
+        Example::
+
+            >>> sol = SizeSolution({"mlp": 3}, {"mlp.0": 3}, 90, 100, 120, 90, 110, 40, fractions={"mlp.0": 0.25})
+            >>> SizeSolution.from_dict(sol.to_dict()) == sol
+            True
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items() if k in names}
+        return cls(**fields)
 
     def describe(self) -> str:
         """One line for logs: achieved, target, neighbours and kept widths."""

@@ -123,6 +123,52 @@ def resolve_score(
 
 
 @dataclass(frozen=True)
+class SizeBasis:
+    """What a size target is solved from: the plan before sizing and the declarations (their families).
+
+    Attributes:
+        plan: The resolved, routed plan without the size's targets.
+        declarations: The cluster declarations (the clusters of one keep one width).
+    """
+
+    plan: Plan
+    declarations: tuple[Cluster, ...]
+
+
+def solve_size(
+    plan: Plan,
+    params: Mapping[str, Tensor],
+    options: PruningOptions,
+    *,
+    module: nn.Module,
+    declarations: Sequence[Cluster],
+    importance: Mapping[str, Sequence[float]] | None = None,
+) -> tuple[Plan, SizeSolution]:
+    """``plan`` sized to the run's ``target_params`` / ``target_flops`` (by importance if ``importance`` is given).
+
+    Raises:
+        ValueError: As for :meth:`~lightning_pat.pruning.plan.Plan.sized`.
+    """
+    return plan.sized(
+        params, options.size_target, side=options.target_side, declarations=declarations,
+        keep_layers=options.target_layers, widths=options.target_widths, min_kept=options.min_kept,
+        flops=None if options.target_flops is None else (module, int(options.seq_len or 0)), importance=importance,
+    )  # fmt: skip
+
+
+def first_selection(options: PruningOptions) -> int:
+    """The step of the schedule's first fresh selection (where ``target_allocation="importance"`` is solved)."""
+    schedule = options.schedule
+    last = schedule.final_step + max(schedule.every_n_steps, 1)
+    return next((t for t in range(1, last + 1) if schedule.action(t, heal=options.heal) == "select"), last)
+
+
+def size_option(options: PruningOptions) -> str:
+    """The size option in use: ``"target_params"`` or ``"target_flops"``."""
+    return "target_params" if options.target_flops is None else "target_flops"
+
+
+@dataclass(frozen=True)
 class BoundRun:
     """A run bound to its model (see the module docstring); built by :func:`bind_run`.
 
@@ -139,6 +185,8 @@ class BoundRun:
         collectors: The data-aware scorers in use.
         score: The score in use (see :func:`resolve_score`).
         size: ``target_params`` / ``target_flops``: the solved widths and the achieved count.
+        basis: With a size target: what it is solved from (the solve by importance happens at the first selection).
+        solved_at: The step at which the size was solved by importance (``None``: not yet, or by fractions at bind).
     """
 
     module: nn.Module
@@ -153,6 +201,35 @@ class BoundRun:
     collectors: Collectors = dataclasses.field(default_factory=Collectors)
     score: ScoreChoice = ScoreChoice("rms")
     size: SizeSolution | None = None
+    basis: SizeBasis | None = None
+    solved_at: int | None = None
+
+    def allocation_due(self, options: PruningOptions) -> bool:
+        """Whether the size target waits to be solved by importance (at the next fresh selection)."""
+        return (
+            self.basis is not None
+            and self.solved_at is None
+            and self.plan is not None
+            and options.allocation(self.score.score) == "importance"
+        )
+
+    def retargeted(self, targets: Mapping[str, float | None], size: SizeSolution, *, solved_at: int) -> BoundRun:
+        """This run with the clusters' ``targets`` of a size solved by importance at step ``solved_at``.
+
+        The pruner is retargeted in place (its executors and the scorers bound to them are kept).
+
+        Raises:
+            ValueError: If ``targets`` does not name every cluster of the plan.
+        """
+        assert self.plan is not None
+        assert self.pruner is not None
+        missing = [rc.name for rc in self.plan.clusters if rc.name not in targets]
+        if missing:
+            raise ValueError(f"the solved size names no target for clusters {missing[:5]}.")
+        clusters = tuple(dataclasses.replace(rc, target=targets[rc.name]) for rc in self.plan.clusters)
+        plan = dataclasses.replace(self.plan, clusters=clusters)
+        self.pruner.retarget(plan)
+        return dataclasses.replace(self, clusters=clusters, plan=plan, size=size, solved_at=solved_at)
 
     @contextmanager
     def weights(self) -> Iterator[dict[str, Tensor]]:
@@ -318,7 +395,7 @@ def bind_run(
         module, list(optimizers), dict(module.named_parameters(remove_duplicate=False)), fsdp1_root, sharded_ckpt
     )
     opts = options
-    size = None
+    size, basis = None, None
     with run.weights() as params:
         plan, error = None, None
         try:
@@ -328,12 +405,9 @@ def bind_run(
                 group_count_ref=opts.group_count_ref,
                 sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
             )  # fmt: skip
-            if opts.size_target is not None:
-                plan, size = plan.sized(
-                    params, opts.size_target, side=opts.target_side, declarations=found,
-                    keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
-                    flops=None if opts.target_flops is None else (module, int(opts.seq_len or 0)),
-                )  # fmt: skip
+            if opts.size_target is not None:  # by fractions: the solve by importance waits for statistics
+                basis = SizeBasis(plan, tuple(found))
+                plan, size = solve_size(plan, params, opts, module=module, declarations=found)
         except ValueError as err:
             error = f"CoupledPruningCallback: {err}"
         digest = {
@@ -363,15 +437,22 @@ def bind_run(
     latents = LatentStore(run.params, list(run.params) if fsdp1_root is not None else clustered)
     _warn_unoptimized(run.params, clustered, optimizers)
     if size is not None:
-        which = "target_params" if opts.target_flops is None else "target_flops"
-        info(f"CoupledPruningCallback {which}: {size.describe()}")
+        which = size_option(opts)
+        if opts.allocation(choice.score) == "importance":
+            info(
+                f"CoupledPruningCallback {which}: allocated by importance at the first selection (step "
+                f"{first_selection(opts)}) from the run's {choice.score!r} scores; at fit start by fractions, which "
+                f"checks that the size is reachable: {size.describe()}"
+            )
+        else:
+            info(f"CoupledPruningCallback {which}: {size.describe()}")
     if opts.score == "auto":
         info(f"CoupledPruningCallback: score='auto' scores units by {choice.score!r} ({choice.reason}).")
     lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
     info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
     return dataclasses.replace(
         run, clusters=clusters, plan=pruner.plan, pruner=pruner, latents=latents, collectors=collectors,
-        score=choice, size=size,
+        score=choice, size=size, basis=basis,
     )  # fmt: skip
 
 

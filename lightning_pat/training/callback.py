@@ -104,6 +104,7 @@ class CoupledPruningCallback(PruningViews, Callback):
         min_kept: float | None = None,
         target_flops: int | float | str | None = None,
         seq_len: int | None = None,
+        target_allocation: Literal["auto", "importance", "fractions"] = "auto",
         layer_score: Literal["cosine", "weight"] = "cosine",
         distill_alpha: float = 0.0,
         distill_temperature: float = 1.0,
@@ -120,7 +121,7 @@ class CoupledPruningCallback(PruningViews, Callback):
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
                 target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
-                layer_score=layer_score, distill_alpha=distill_alpha,
+                target_allocation=target_allocation, layer_score=layer_score, distill_alpha=distill_alpha,
                 distill_temperature=distill_temperature, distill_teacher=distill_teacher, distill_module=distill_module,
                 distill_teacher_store=distill_teacher_store, distill_teacher_dir=distill_teacher_dir,
             )  # fmt: skip

@@ -276,6 +276,7 @@ class PruningController(RunViews):
             self._bound(), restored=restored, carried=carried if carry else None, dropped_carry=carried is not None,
             options=self.options, ckpt_path=ckpt_path, global_step=global_step, info=self._info,
         )  # fmt: skip
+        self.resolved = list(self.run.clusters)  # a size solved by importance before: the saved targets
 
     def warn_short_fit(self, steps_left: float) -> None:
         """Warn when a fit of ``steps_left`` more steps ends before the final ramp step (the target is never met)."""
@@ -370,10 +371,12 @@ class PruningController(RunViews):
             return None
         if self.pruner is None or self.latents is None:
             return None
-        run = self._bound()
-        result = per_step.after_step(
-            run, self.progress, stepped=stepped, lr=self.tracker.last_lr, options=self.options, count=count
-        )
+        result, run = per_step.after_step(
+            self._bound(), self.progress, stepped=stepped, lr=self.tracker.last_lr, options=self.options, count=count,
+            info=self._info,
+        )  # fmt: skip
+        if run is not self.run:  # the size was solved by importance at this selection: the clusters' targets changed
+            self.run, self.resolved = run, list(run.clusters)
         if stepped and self.schedule.freezes(self.progress.step, heal=self.options.heal):  # a selection's step
             shrunk = per_step.freeze(
                 run, options=self.options, clusters=self.resolved, step=self.progress.step, info=self._info

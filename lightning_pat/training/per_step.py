@@ -8,8 +8,8 @@ verbs call it and keep the results. In the order of a step:
 1. :func:`after_backward`: between the backward and the update, the latents are swapped in (latent mode, ramp) or
    the dropped units' gradients zeroed (healing); a Taylor score observes the gradient;
 2. :func:`after_step`: after a real optimizer step, the schedule's action: a fresh selection (:func:`select`, with
-   the data-aware scores of the run's collectors), or the current mask held; after a skipped step (AMP), the
-   projection shown again;
+   the data-aware scores of the run's collectors; at the first one, a size target allocated by importance is solved
+   from them, :func:`allocate`), or the current mask held; after a skipped step (AMP), the projection shown again;
 3. :func:`freeze` at the final ramp step with healing: the latents freed, the statistics detached, and with
    ``shrink_on_freeze`` the model cut (a new bound run that only counts steps).
 
@@ -19,17 +19,21 @@ only after the backward and committed after the update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch import Tensor
 
 from lightning_pat.core.schedule import Action
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.comm import ranks
+from lightning_pat.pruning.api import importance_costs
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
+from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.shrink import shrink_for_training
-from lightning_pat.training.bound import BoundRun, prefixed
+from lightning_pat.sizing.targets import declaration_labels
+from lightning_pat.training.bound import BoundRun, prefixed, size_option, solve_size
 from lightning_pat.training.state import Progress
 
 
@@ -63,8 +67,12 @@ def after_step(
     lr: float | None,
     options: PruningOptions,
     count: bool | Callable[[int], bool],
-) -> PruneResult | None:
+    info: Callable[[str], None] = lambda _: None,
+) -> tuple[PruneResult | None, BoundRun]:
     """After a batch of a run that still prunes: if ``stepped``, count the step in ``progress`` and act.
+
+    A size target allocated by importance is solved at the first fresh selection (:func:`allocate`), which gives
+    another run (its clusters' targets).
 
     Args:
         run: The bound run (its pruner and latents are bound).
@@ -73,12 +81,15 @@ def after_step(
         lr: The step's learning rate (``None`` if unknown).
         options: The run's options.
         count: Whether to return a result with literal-zero counts: a bool, or a function of the new step.
+        info: Where the size solved by importance is reported (rank zero).
 
     Returns:
-        The current mask with its literal-zero counts, when counted and the schedule acted; else ``None``.
+        The current mask with its literal-zero counts, when counted and the schedule acted (else ``None``), and the
+        run (``run`` itself unless the size was solved now).
 
     Raises:
-        ConfigurationError: If ``score="activation"`` statistics cannot score the clusters.
+        ConfigurationError: If ``score="activation"`` statistics cannot score the clusters, or the size cannot be
+            solved by importance.
         ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
     """
     pruner, latents = run.pruner, run.latents
@@ -91,20 +102,74 @@ def after_step(
                 latents.commit()
                 with run.weights():
                     pruner.hold(rescale=latent)
-            return None
+            return None, run
         step = progress.tick()
         action = options.schedule.action(step, heal=options.heal)
         if action == "none":
-            return None
+            return None, run
         progress.add_lr(lr)
         if latent and action != "freeze":
             latents.commit()
         counted = count(step) if callable(count) else count
-        with run.weights():
+        with run.weights() as params:
             if action == "select":
-                return select(run, progress, step=step, options=options, count=counted)
+                if run.allocation_due(options):
+                    run = allocate(run, params, step=step, options=options, info=info)
+                return select(run, progress, step=step, options=options, count=counted), run
             pruner.hold(rescale=latent and action == "hold")
-            return pruner.result(count=True) if counted else None
+            return (pruner.result(count=True) if counted else None), run
+
+
+def allocate(
+    run: BoundRun,
+    params: Mapping[str, Tensor],
+    *,
+    step: int,
+    options: PruningOptions,
+    info: Callable[[str], None],
+) -> BoundRun:
+    """Solve the size target by importance from the run's own statistics (``target_allocation="importance"``).
+
+    The unit scores are reduced as for a selection (the data-aware score's partials in the executors' one reduction,
+    or the weights' unit norms), so every rank solves from bitwise-identical costs and gets the same widths. The costs
+    and the solver are :func:`~lightning_pat.prune_clusters`' (:func:`~lightning_pat.pruning.api.importance_costs`,
+    :meth:`~lightning_pat.pruning.plan.Plan.sized`), from the plan before sizing.
+
+    Args:
+        run: The bound run, its weights in hand (``params``).
+        params: The parameters the engine works on (:meth:`~lightning_pat.training.bound.BoundRun.weights`).
+        step: The completed optimizer step (the first selection).
+        options: The run's options.
+        info: Where the solution is reported (rank zero).
+
+    Returns:
+        The run with the solved targets and size (its pruner retargeted in place).
+
+    Raises:
+        ConfigurationError: If a score is not finite or the size cannot be reached by importance.
+    """
+    assert run.pruner is not None
+    assert run.plan is not None
+    assert run.basis is not None
+    evidence = run.collectors.evidence
+    score = run.score.score
+    which = size_option(options)
+    with prefixed(f"CoupledPruningCallback({which}, target_allocation={options.target_allocation!r})"):
+        q, scores = run.pruner.reduced(None, evidence)
+        declared = declaration_labels(params, run.basis.declarations)
+        costs = importance_costs(
+            run.plan, q, scores, declared=declared, comparable=isinstance(evidence, ActivationStats)
+        )
+        sized, size = solve_size(
+            run.basis.plan, params, options, module=run.module, declarations=run.basis.declarations, importance=costs
+        )
+    run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
+    source = "statistics" if evidence is not None else "weights"
+    info(
+        f"CoupledPruningCallback {which}: {size.describe()}; solved at step {step} (the first selection) from the "
+        f"run's {score!r} {source}."
+    )
+    return run
 
 
 def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOptions, count: bool) -> PruneResult:

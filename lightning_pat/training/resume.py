@@ -12,7 +12,7 @@ the controller keeps the results. In the order of a resume:
    :func:`restore` settles the score a checkpoint was written with (``score="auto"``), then the state is checked and
    read once (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`),
    its dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied
-   (:func:`apply`);
+   (:func:`apply`); a size solved by importance before the checkpoint keeps its widths (:func:`reallocated`);
 5. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
    fit continues from).
 """
@@ -30,12 +30,14 @@ from lightning_pat.core.saved_state import DISTILL, is_shrunk, saved_score, spli
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.core.state_schema import allocation_entry, saved_clusters
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
+from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score
+from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score, size_option
 from lightning_pat.training.distill import Distiller
 
 
@@ -189,6 +191,7 @@ def start(
             run, restored, options=options, schedule=schedule, ckpt_path=ckpt_path, global_step=global_step, info=info
         )
     elif carried is not None:  # this process's own state: nothing to check
+        run = reallocated(run, carried, options=options, info=info)
         progress = apply(run, state.Restored.carried(carried))
     else:
         if dropped_carry:
@@ -245,6 +248,7 @@ def restore(
         if choice.score != run.score.score:  # "auto" continues the score the checkpoint was written with
             run = run.rescored(choice)
             info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {choice.score!r}.")
+    run = reallocated(run, saved, options=options, info=info)
     assert run.latents is not None
     restored = state.read(
         saved, global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
@@ -253,6 +257,46 @@ def restore(
         **run.collectors.saved_shapes(),
     )  # fmt: skip
     return run, apply(run, restored)
+
+
+def reallocated(
+    run: BoundRun, saved: Mapping[str, Any], *, options: PruningOptions, info: Callable[[str], None]
+) -> BoundRun:
+    """A state whose size was solved by importance: the run takes its widths (a resume never solves them again).
+
+    Solving again would change the widths in the middle of a run; a state saved before the solve has no
+    ``allocation`` entry, and its run solves at its first selection. The clusters' fingerprints are then checked
+    against the state as usual (:func:`restore`), so that any other change of the clusters is still refused.
+
+    Returns:
+        ``run``, or the run with the saved clusters' targets and solution.
+
+    Raises:
+        ValueError: If the entry or the saved clusters do not fit the schema, or an option that defines the size
+            (:data:`~lightning_pat.pruning.options.SIZE_OPTIONS`) changed since the solve.
+    """
+    entry = allocation_entry(saved, what=state.WHAT)
+    if entry is None:
+        return run
+    step, then, now = entry["step"], dict(entry["options"]), options.size_options()
+    changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
+    if changed or run.basis is None or run.plan is None:
+        desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) or "no size target now"
+        raise ConfigurationError(
+            f"CoupledPruningCallback: the checkpoint's widths were solved by importance at step {step} for "
+            f"{ {k: then.get(k) for k in changed} or then }; the changed options ({desc}) would solve them again and "
+            "change the widths in the middle of the run. Resume with the saved options, or start a new run (a fresh "
+            "Trainer) to prune to another size."
+        )
+    targets = {rc.name: rc.target for rc in saved_clusters(saved, what=state.WHAT)}
+    current = {rc.name: targets.get(rc.name, rc.target) for rc in run.plan.clusters}  # another cluster: refused later
+    run = run.retargeted(current, SizeSolution.from_dict(entry["size"]), solved_at=step)
+    assert run.size is not None
+    info(
+        f"CoupledPruningCallback {size_option(options)}: {run.size.describe()}; solved at step {step} (the first "
+        "selection), kept on resume."
+    )
+    return run
 
 
 def check_dropped_are_zero(run: BoundRun, dropped: Mapping[str, Sequence[int]]) -> None:
@@ -369,6 +413,11 @@ def save(
             latents = state.latent_entry(run.latents.state_dict(), run.params, fmt=fmt)
         scorers = run.collectors.state_dicts(gather=gather)
     pruner = None if run is None else run.pruner
+    allocation = None
+    if run is not None and run.solved_at is not None and run.size is not None:
+        allocation = {
+            "rule": "importance", "step": run.solved_at, "options": options.size_options(), "size": run.size.to_dict()
+        }  # fmt: skip
     saved = state.build(
         progress,
         dropped=dropped,
@@ -377,6 +426,7 @@ def save(
         options=resumable(options, run),
         latents=latents,
         shrunk=shrunk,
+        allocation=allocation,
         **scorers,
     )
     if distiller is not None:

@@ -15,6 +15,9 @@ A state is a dict of plain types and CPU tensors::
                               partials) or one entry (plain parameters), else ``None``
     layer_scores              the ranks' layer-score sums since the last selection, in rank order (layer units with
                               ``layer_score="cosine"``), else ``None``; read like ``activation``
+    allocation                a size target solved by importance at the first selection: ``{"rule": "importance",
+                              "step", "options", "size"}`` (the clusters' targets are in ``clusters``); else ``None``
+                              (not solved yet, or solved by fractions at fit start, which a resume solves again)
 
 Latent formats, by layout: ``local`` (this rank's live tensors, only kept in memory for the next fit), ``tensors``
 (plain parameters, identical on every rank: DDP, one device), ``per_rank`` (FSDP1 flat shards: every rank's pieces,
@@ -122,6 +125,7 @@ def build(
     activation: list[Any] | None,
     taylor: list[Any] | None = None,
     layer_scores: list[Any] | None = None,
+    allocation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
     return {
@@ -136,6 +140,7 @@ def build(
         "activation": activation,
         "taylor": taylor,
         "layer_scores": layer_scores,
+        "allocation": allocation,
     }
 
 

@@ -38,7 +38,11 @@ class PruningViews:
 
     @property
     def size(self) -> SizeSolution | None:
-        """With ``target_params`` or ``target_flops``, after fit start: the solved widths and the achieved count."""
+        """With ``target_params`` or ``target_flops``, after fit start: the solved widths and the achieved count.
+
+        By importance (``target_allocation``), the solution of the first selection from then on; before it, the
+        fit-start solution by fractions that checked the size (its ``rule`` says which).
+        """
         return self.controller.size
 
     @property

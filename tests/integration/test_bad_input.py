@@ -29,6 +29,12 @@ CASES = [
     ("target-bool", {"target_sparsity": True}, r"`target_sparsity` must be a number .* got True", "init"),
     ("warmup-negative", {"warmup_steps": -1}, r"`warmup_steps` must be an int >= 0, got -1", "init"),
     ("ramp-zero", {"ramp_steps": 0}, r"`ramp_steps` must be an int >= 1, got 0", "init"),
+    (
+        "size-allocation-unknown",
+        {"target_params": 0.5, "target_allocation": "greedy"},
+        r"`target_allocation` must be one of \('auto', 'importance', 'fractions'\), got 'greedy'",
+        "init",
+    ),
     ("cadence-zero", {"every_n_steps": 0}, r"`every_n_steps` must be an int >= 1, got 0", "init"),
     ("ramp-shape", {"ramp": "exp"}, r"`ramp` \(the ramp shape\) must be 'cubic' or 'linear', got 'exp'", "init"),
     ("method", {"method": "l0"}, r"`method` must be one of \('hard', 'group_lasso'\), got 'l0'", "init"),

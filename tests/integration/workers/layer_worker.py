@@ -69,7 +69,7 @@ def callback(variant: str = "layers") -> CoupledPruningCallback:
     """``layers``: layer units in a parameter target; ``ranked``: non-uniform widths (no layer units);
     ``flops``: layer units in a FLOP target."""
     size = {
-        "layers": {"target_params": 0.6, "preset_options": {"layers": True}},
+        "layers": {"target_params": 0.6, "target_layers": 3, "preset_options": {"layers": True}},
         "ranked": {"target_params": 0.6, "target_widths": "ranked"},
         "flops": {"target_flops": 0.6, "seq_len": CFG.max_seq_len, "preset_options": {"layers": True}},
     }[variant]

@@ -141,7 +141,7 @@ def test_state_dict_round_trip_continues_exactly(mode):
     saved = ctl.state_dict()
     assert set(saved) == {
         "step", "gamma", "gamma_prox", "dropped", "factors", "fingerprints", "clusters", "options", "latents",
-        "shrunk", "activation", "taylor", "layer_scores",
+        "shrunk", "activation", "taylor", "layer_scores", "allocation",
     }  # fmt: skip
     assert (saved["latents"] is not None) == (mode == "latent")
     weights, opt_state = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
