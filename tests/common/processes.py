@@ -1,0 +1,73 @@
+"""Run the examples and the ``lightning-pat`` console script as a user would: in a fresh process, from a temp folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_DATA = "--max_bytes=100000"
+
+
+def run(args: list[str], tmp_path: Path, **env: str) -> str:
+    """Run ``python *args`` in ``tmp_path`` (the repository on PYTHONPATH); assert exit 0; stdout + stderr."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,  # examples must not depend on the working directory
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,  # generous: the examples take seconds alone, minutes on a busy shared CPU
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def example(name: str) -> str:
+    """The path of ``examples/<name>``."""
+    return str(ROOT / "examples" / name)
+
+
+def cli(tmp_path: Path, *args: str) -> str:
+    """``python -m lightning_pat.cli *args`` (see :func:`run`)."""
+    return run(["-m", "lightning_pat.cli", *args], tmp_path)
+
+
+def tiny_fit_args(tmp_path: Path, config: str) -> list[str]:
+    """``fit`` with ``examples/configs/<config>``, 2 steps, a 2-step ramp, little data, logs under ``tmp_path``."""
+    return [
+        "fit",
+        f"--config={ROOT / 'examples' / 'configs' / config}",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks.init_args.warmup_steps=0",
+        "--trainer.callbacks.init_args.ramp_steps=2",
+        "--trainer.callbacks.init_args.every_n_steps=1",
+        "--data.max_bytes=50000",
+        "--data.batch_size=4",
+    ]
+
+
+def console_script() -> str:
+    """The installed `lightning-pat` console script (next to this interpreter, else on PATH)."""
+    found = Path(sys.executable).parent / "lightning-pat"
+    path = str(found) if found.is_file() else shutil.which("lightning-pat")
+    assert path, "the lightning-pat console script is not installed (pip install -e .)"
+    return path
+
+
+def shell(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``command`` in bash in ``tmp_path`` (the repository on PYTHONPATH); the result, whatever its exit."""
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
