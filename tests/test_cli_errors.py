@@ -95,11 +95,15 @@ def _chain(err):
 
 
 @pytest.mark.slow
-def test_help_and_an_invalid_subcommand_list_shrink(tmp_path):
-    proc = run(tmp_path, "--help")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "{fit,validate,test,predict,shrink}" in proc.stdout
-    assert "shrink " in proc.stdout.split("Available subcommands:")[1]
-    proc = run(tmp_path, "frobnicate")
+def test_help_and_an_invalid_subcommand_list_shrink(tmp_path, capsys):
+    from lightning_pat.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # in this process: what the console script runs
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,shrink}" in out
+    assert "shrink " in out.split("Available subcommands:")[1]
+    proc = run(tmp_path, "frobnicate")  # through the installed console script: its exit status
     assert proc.returncode == 2
     assert "(choose from 'fit', 'validate', 'test', 'predict', 'shrink')" in proc.stderr
