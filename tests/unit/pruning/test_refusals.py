@@ -15,21 +15,7 @@ from torch import nn
 
 from lightning_pat import Cluster, prune_clusters
 from lightning_pat.core.spec import resolve_clusters
-
-H = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
-
-
-def _mlp(width: int = 8) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+from tests.common.tiny_mlp import H, snapshot, tiny_mlp, unchanged
 
 
 # ---------------------------------------------------------------------------------------------------- empty clusters
@@ -56,8 +42,8 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
     ],
 )
 def test_prune_clusters_refuses_a_target_below_1_that_empties_a_cluster(cluster, sparsity, match):
-    net = _mlp()
-    before = _snapshot(net)
+    net = tiny_mlp()
+    before = snapshot(net)
     if match is None:
         res = prune_clusters(net, cluster, sparsity)
         assert 0 < len(res.dropped["h"]) < 8
@@ -66,11 +52,11 @@ def test_prune_clusters_refuses_a_target_below_1_that_empties_a_cluster(cluster,
         prune_clusters(net, cluster, sparsity)
     assert "'h'" in str(err.value)
     assert "Nothing was pruned" in str(err.value)
-    assert _unchanged(net, before)
+    assert unchanged(net, before)
 
 
 def test_target_1_and_0_are_not_refused():
-    net = _mlp()
+    net = tiny_mlp()
     one = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"], num_units=1)
     assert prune_clusters(net, one, 0.0).dropped["h"] == []
     assert prune_clusters(net, one, 1.0).dropped["h"] == [0]  # explicit: everything
@@ -79,7 +65,7 @@ def test_target_1_and_0_are_not_refused():
         Cluster("one", writers=["0.weight", "0.bias"], readers=["2.weight"], num_units=1, target=0.0),
         Cluster("out", writers=["2.weight", "2.bias"]),
     ]
-    res = prune_clusters(_mlp(), two, 0.5)
+    res = prune_clusters(tiny_mlp(), two, 0.5)
     assert res.dropped["one"] == []
     assert len(res.dropped["out"]) == 2
 
@@ -87,7 +73,7 @@ def test_target_1_and_0_are_not_refused():
 def test_shared_budget_is_checked_on_its_total_and_each_multiple_of():
     from lightning_pat.pruning.plan import check_not_emptied
 
-    params = dict(_mlp().named_parameters())
+    params = dict(tiny_mlp().named_parameters())
     a = Cluster("a", writers=["0.weight", "0.bias"], readers=["2.weight"], budget="b")
     c = Cluster("c", writers=["2.weight", "2.bias"], budget="b", multiple_of=4)  # 3 units, multiple_of 4
     check_not_emptied(resolve_clusters(params, [a]), 0.5)  # a budget of one 8-unit cluster keeps 4
@@ -100,16 +86,16 @@ def test_shared_budget_is_checked_on_its_total_and_each_multiple_of():
 
 # ---------------------------------------------------------------------------------------------------- preset names
 def test_prune_clusters_accepts_a_preset_name_like_the_callback():
-    net = _mlp()
-    ref = _mlp()
+    net = tiny_mlp()
+    ref = tiny_mlp()
     res = prune_clusters(net, "linear_chain", 0.5)
     by_hand = prune_clusters(ref, H, 0.5)
     assert list(res.dropped.values()) == list(by_hand.dropped.values())
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), ref.state_dict().values(), strict=True))
-    mixed = prune_clusters(_mlp(), ["linear_chain"], 0.5)
+    mixed = prune_clusters(tiny_mlp(), ["linear_chain"], 0.5)
     assert list(mixed.dropped.values()) == list(by_hand.dropped.values())
     with pytest.raises(ValueError, match=r"Unknown preset 'lama'"):
-        prune_clusters(_mlp(), "lama", 0.5)
+        prune_clusters(tiny_mlp(), "lama", 0.5)
 
 
 # ---------------------------------------------------------------------------------------------------- issue 23
@@ -119,14 +105,14 @@ def test_target_layers_with_a_size_depth_cannot_reach_is_refused_with_the_larges
     from lightning_pat.demo import preset as demo_preset
 
     net = TinyGPT(TinyGPTConfig(n_layer=4))
-    before = _snapshot(net)
+    before = snapshot(net)
     for side in ("below", "above"):
         match = r"`target_layers=2` keeps at most 139,584 parameters .*target 236,448"
         with pytest.raises(ValueError, match=match) as e:
             prune_clusters(net, demo_preset.tiny_gpt(net, layers=True), target_params=0.9, target_layers=2,
                            target_side=side)  # fmt: skip
         assert "Ask for at most 139,584 or keep more layers" in str(e.value)
-    assert _unchanged(net, before)
+    assert unchanged(net, before)
     reachable = prune_clusters(net, demo_preset.tiny_gpt(net, layers=True), target_params=139_584, target_layers=2)
     assert reachable.size.achieved == 139_584
 
@@ -138,7 +124,7 @@ def test_target_sparsity_with_a_size_target_warns_the_same_way_in_the_callback_a
     with pytest.warns(UserWarning, match=r"`target_sparsity=0.3` is unused: `target_params` sets the widths"):
         PruningOptions([H], target_sparsity=0.3, target_params=0.5)
     with pytest.warns(UserWarning, match=r"`sparsity=0.3` is unused: `target_params` sets the widths"):
-        res = prune_clusters(_mlp(), H, 0.3, target_params=0.8)
+        res = prune_clusters(tiny_mlp(), H, 0.3, target_params=0.8)
     assert res.size is not None
     import warnings
 
@@ -153,8 +139,8 @@ def test_prune_clusters_auto_means_what_the_callbacks_auto_means():
     """Audit C11: "auto" detects a preset, else traces (the module's example_input_array), else points at discover."""
     from lightning_pat import discover
 
-    net = _mlp()  # a preset fits (linear_chain): the same clusters as the preset
-    assert prune_clusters(_mlp(), "auto", 0.5).dropped == prune_clusters(net, "linear_chain", 0.5).dropped
+    net = tiny_mlp()  # a preset fits (linear_chain): the same clusters as the preset
+    assert prune_clusters(tiny_mlp(), "auto", 0.5).dropped == prune_clusters(net, "linear_chain", 0.5).dropped
 
     class Branchy(nn.Module):  # no preset fits: the callback would trace it
         def __init__(self) -> None:
@@ -165,10 +151,10 @@ def test_prune_clusters_auto_means_what_the_callbacks_auto_means():
             return self.out(torch.relu(self.a(x)) * torch.relu(self.b(x)))
 
     model = Branchy()
-    before = _snapshot(model)
+    before = snapshot(model)
     with pytest.raises(ValueError, match=r"clusters='auto'.*no preset fits Branchy.*discover\(model, example_input\)"):
         prune_clusters(model, "auto", 0.5)
-    assert _unchanged(model, before)
+    assert unchanged(model, before)
     model.example_input_array = torch.randn(3, 4)  # what the callback traces
     traced = prune_clusters(model, "auto", 0.5)
     found = discover(Branchy(), torch.randn(3, 4))
@@ -181,11 +167,11 @@ def test_a_discovery_is_accepted_where_clusters_are_expected():
     from lightning_pat.scoring.activation import calibrate
 
     x = torch.randn(3, 4)
-    net, ref = _mlp(), _mlp()
+    net, ref = tiny_mlp(), tiny_mlp()
     found = discover(net, x)
     res = prune_clusters(net, found, 0.5)
     assert res.dropped == prune_clusters(ref, found.clusters, 0.5).dropped
-    stats = calibrate(_mlp(), found, [x])
-    assert set(stats.unit_scores(dict(_mlp().named_parameters()))) == set(res.dropped)
+    stats = calibrate(tiny_mlp(), found, [x])
+    assert set(stats.unit_scores(dict(tiny_mlp().named_parameters()))) == set(res.dropped)
     cb = CoupledPruningCallback(found, 0.5)
     assert [c.name for c in cb.options.clusters] == [c.name for c in found.clusters]

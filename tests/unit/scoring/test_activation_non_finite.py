@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from lightning_pat import Cluster, prune_clusters
+from lightning_pat import prune_clusters
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import resolve_clusters
-
-H = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
-
-
-def _mlp(width: int = 8) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+from tests.common.tiny_mlp import H, snapshot, tiny_mlp, unchanged
 
 
 @pytest.mark.parametrize("poison", ["nan", "overflow"], ids=["nan-batch", "1e20-batch"])
@@ -33,39 +18,39 @@ def test_a_non_finite_batch_is_skipped_counted_and_warned_not_folded_into_the_st
     torch.manual_seed(0)
     good = [torch.randn(16, 4) for _ in range(3)]
     bad = torch.full((16, 4), float("nan")) if poison == "nan" else torch.full((16, 4), 1e20)
-    clean = calibrate(_mlp(), H, good)
+    clean = calibrate(tiny_mlp(), H, good)
     with pytest.warns(PruningWarning, match=r"skipped non-finite input batches of reader modules \{'2': 1\}"):
-        dirty = calibrate(_mlp(), H, [good[0], bad, good[1], good[2]])
+        dirty = calibrate(tiny_mlp(), H, [good[0], bad, good[1], good[2]])
     assert dirty.skipped == {"2": 1}
-    params = dict(_mlp().named_parameters())
+    params = dict(tiny_mlp().named_parameters())
     # the statistics are exactly those of the finite batches (plain mean over the 3 good ones)
     assert torch.equal(dirty.averages()["2"], clean.averages()["2"])
     scores = dirty.unit_scores(params)["h"]
     assert bool(torch.isfinite(scores).all())
-    net = _mlp()
+    net = tiny_mlp()
     res = prune_clusters(net, H, 0.5, score="activation", activations=dirty)
-    ref = prune_clusters(_mlp(), H, 0.5, score="activation", activations=clean)
+    ref = prune_clusters(tiny_mlp(), H, 0.5, score="activation", activations=clean)
     assert res.dropped == ref.dropped
 
 
 def test_non_finite_statistics_are_named_as_statistics_not_weights():
     from lightning_pat.scoring.activation import calibrate
 
-    stats = calibrate(_mlp(), H, [torch.randn(8, 4)])
+    stats = calibrate(tiny_mlp(), H, [torch.randn(8, 4)])
     state = stats.state_dict()
     state["ema"]["2"][3] = float("inf")  # e.g. a checkpoint written before this fix
     stats.load_state_dict(state)
-    net = _mlp()
-    before = _snapshot(net)
+    net = tiny_mlp()
+    before = snapshot(net)
     with pytest.raises(ValueError, match=r"Cluster 'h': the score='activation' statistics of reader '2.weight'"):
         prune_clusters(net, H, 0.5, score="activation", activations=stats)
-    assert _unchanged(net, before)
+    assert unchanged(net, before)
 
 
 def test_training_average_skips_a_non_finite_batch_and_a_module_seeing_only_those_counts_as_unseen():
     from lightning_pat.scoring.activation import ActivationStats
 
-    net = _mlp()
+    net = tiny_mlp()
     resolved = resolve_clusters(net, [H])
     a, b = torch.randn(16, 8), torch.randn(16, 8)
     clean, dirty, only_bad = (ActivationStats(net, resolved, beta=0.9) for _ in range(3))

@@ -7,21 +7,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters
-
-H = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
-
-
-def _mlp(width: int = 8) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+from tests.common.tiny_mlp import snapshot, unchanged
 
 
 # ---------------------------------------------------------------------------------------------------- shrink: BatchNorm
@@ -50,12 +36,12 @@ def test_shrink_refuses_a_batchnorm_between_shrunk_layers_that_no_member_covers(
     net = _BNNet()
     cluster = Cluster("hidden", writers=["fc1.weight", "fc1.bias"], readers=["fc2.weight"])
     res = prune_clusters(net, cluster, 0.5)
-    before = _snapshot(net)
+    before = snapshot(net)
     with pytest.raises(ValueError, match=r"module 'bn' \(BatchNorm1d\) sits between 'fc1'.*8 output channels") as err:
         shrink(net, res)
     assert "`bn.weight`, `bn.bias`" in str(err.value)
     assert "running_mean" in str(err.value)
-    assert _unchanged(net, before)
+    assert unchanged(net, before)
     assert net.fc1.out_features == 8
     with pytest.raises(ValueError, match=r"module 'bn' \(BatchNorm1d\) sits between"):  # shrink_on_freeze's check
         check_shrinkable(net, res.clusters)
@@ -72,10 +58,10 @@ def test_shrink_refuses_a_batchnorm2d_between_shrunk_convolutions_that_no_member
     )
     cluster = Cluster("hidden", writers=["0.weight", "0.bias"], readers=["3.weight"])
     res = prune_clusters(net, cluster, 0.5)
-    before = _snapshot(net)
+    before = snapshot(net)
     with pytest.raises(ValueError, match=r"module '1' \(BatchNorm2d\) sits between '0'.*8 output channels"):
         shrink(net, res)
-    assert _unchanged(net, before)
+    assert unchanged(net, before)
     assert net[0].out_channels == 8
     # declared, the same chain shrinks exactly
     net[1].eval()
