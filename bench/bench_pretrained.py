@@ -264,7 +264,7 @@ def kd_term(logits: torch.Tensor, t_logits: torch.Tensor, temperature: float) ->
 
 
 def heal(model: nn.Module, teacher: nn.Module | None, setup: Setup, args: argparse.Namespace, *,
-         lr: float | None = None, callbacks: Iterable = (), kd: bool = True) -> dict[str, float]:  # fmt: skip
+         lr: float | None = None, callbacks: Iterable = (), kd: bool = True) -> dict:  # fmt: skip
     """Train ``model`` for ``args.steps`` steps on the fixed stream (Lightning, one device); the step times."""
     import lightning.pytorch as pl
 
@@ -281,6 +281,7 @@ def heal(model: nn.Module, teacher: nn.Module | None, setup: Setup, args: argpar
             self.model = model
             self.teacher = [teacher]  # not a submodule: frozen, not optimized, not saved
             self.times: list[float] = []
+            self.curve: list[list[float]] = []
 
         def training_step(self, batch, batch_idx):
             x = batch[0]
@@ -299,6 +300,11 @@ def heal(model: nn.Module, teacher: nn.Module | None, setup: Setup, args: argpar
             if setup.device.type == "cuda":
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._t0)
+            done = batch_idx + 1
+            if args.curve and done % args.curve == 0 and done < steps:  # the held-out code loss along the way
+                code = evaluate(self.model, setup.val_code, setup.device)
+                self.curve.append([done * args.batch * SEQ, code])
+                print(f"# curve: {done} steps, {done * args.batch * SEQ} tokens: code {code:.3f}", flush=True)
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -315,7 +321,10 @@ def heal(model: nn.Module, teacher: nn.Module | None, setup: Setup, args: argpar
     t0 = time.perf_counter()
     trainer.fit(module, loader)
     model.eval()
-    return {"heal_s": time.perf_counter() - t0, "step_s": statistics.median(module.times)}
+    out: dict = {"heal_s": time.perf_counter() - t0, "step_s": statistics.median(module.times)}
+    if module.curve:
+        out["curve"] = module.curve
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- our arms
@@ -912,6 +921,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=64, help="healing steps (0: one-shot only)")
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--curve", type=int, default=0,
+                   help="also evaluate the held-out code loss every N healing steps (the record's 'curve')")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--scratch-lr", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5, help="distillation weight (0: CE only)")
@@ -970,7 +981,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     common = ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
               "--scratch-lr", str(args.scratch_lr), "--alpha", str(args.alpha), "--temperature",
               str(args.temperature), "--data-seed", str(args.data_seed), "--device", args.device,
-              "--precision", args.precision, "--threads", str(args.threads), "--jsonl", str(jsonl)]  # fmt: skip
+              "--precision", args.precision, "--threads", str(args.threads), "--jsonl", str(jsonl),
+              "--curve", str(args.curve)]  # fmt: skip
     common += ["--quick"] if args.quick else []
     common += ["--no-samples"] if args.no_samples else []
     common += ["--skip-eng"] if args.skip_eng else []
