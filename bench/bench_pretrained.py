@@ -921,8 +921,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=64, help="healing steps (0: one-shot only)")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--curve", type=int, default=0,
-                   help="also evaluate the held-out code loss every N healing steps (the record's 'curve')")
+    p.add_argument(
+        "--curve",
+        type=int,
+        default=0,
+        help="also evaluate the held-out code loss every N healing steps (the record's 'curve')",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--scratch-lr", type=float, default=1e-3)
     p.add_argument("--alpha", type=float, default=0.5, help="distillation weight (0: CE only)")

@@ -1,14 +1,16 @@
 """Every script in bench/ runs in its quickest mode and prints its table (a refactor that breaks one fails here).
 
-Each script runs as a subprocess (``python bench/<script> ...``, as BENCHMARKS.md runs it) with tiny sizes and one
+Each script runs as ``python bench/<script> ...`` runs it (as BENCHMARKS.md does) with tiny sizes and one
 round, and must exit 0 and print its table header. No number is checked: timings belong in BENCHMARKS.md, not in
-tests. The selected scripts start together on a pool of two workers when the first test asks for its result, so the
-file's wall time is about half the scripts' summed time on a 2-core machine (most of it is importing torch).
+tests. The scripts that start rank processes run in their own processes; all the others run one after another in
+ONE process (``tests/common/run_scripts.py``, each under ``__name__ == "__main__"`` with its own ``sys.argv``), so
+torch and Lightning are imported once, not once per script (most of a tiny run's time).
 ``bench/gpu.py`` only parses ``--help`` here; tests/test_bench_gpu.py runs its ``--tiny`` mode in-process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,30 +67,66 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| units | size | score | allocation | params | held-out loss | vs dense | widths |",
     ),
     "gpu-help": (["gpu.py", "--help"], "usage: gpu.py"),
+    "teacher-store": (
+        ["bench_teacher_store.py", *TINY, "--steps", "4", "--skip-fsdp2"],
+        "| setting | store | last checkpoint (MiB) | all checkpoints + teacher files (MiB) | teacher files (MiB) |",
+    ),
 }
 TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds on an idle one)
+#: Scripts that start rank processes by pickling functions of their ``__main__`` (spawn), or that start processes
+#: of themselves: each in its own process. Every other script runs in ONE process, one after another
+#: (tests/common/run_scripts.py): torch and Lightning imported once, not once per script.
+OWN_PROCESS = {"distill-fsdp2", "sharded", "gpu-pretrained"}
+#: Run last in the shared process: they put torchvision on the path (tests/common/torchvision_zoo.py).
+LAST = ("discover", "zoo")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def _run(name: str) -> subprocess.CompletedProcess[str]:
     script, *args = SCRIPTS[name][0]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
     )  # fmt: skip
+
+
+def _run_together(names: list[str]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The scripts ``names`` in one process, in order: name -> its result (the process's output if it has none)."""
+    from tests.common.run_scripts import PREFIX
+
+    jobs = [[str(ROOT / "bench" / SCRIPTS[n][0][0]), *SCRIPTS[n][0][1:]] for n in names]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "common" / "run_scripts.py"), json.dumps(jobs)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S * len(names), check=False,
+    )  # fmt: skip
+    records = [json.loads(line[len(PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    out = {}
+    for i, (name, job) in enumerate(zip(names, jobs, strict=True)):  # one record per script, in order
+        if i >= len(records):  # the shared process died before (or while) running it
+            out[name] = subprocess.CompletedProcess(job, proc.returncode or -1, proc.stdout, proc.stderr)
+        else:
+            assert records[i]["script"] == job[0], (records[i]["script"], job)
+            out[name] = subprocess.CompletedProcess(job, records[i]["returncode"], records[i]["stdout"],
+                                                    records[i]["stderr"])  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
-    """The selected scripts, started together on two workers (in collection order) at the first request."""
+    """The selected scripts, started at the first request: the shared process and the own-process scripts side by
+    side on two threads (so the file's wall time is about the longer of the two)."""
     here = request.node.path
     selected = [
         item.callspec.params["name"]
         for item in request.session.items
         if item.path == here and hasattr(item, "callspec") and "name" in item.callspec.params
     ]
+    together = sorted((n for n in selected if n not in OWN_PROCESS), key=lambda n: n in LAST)
     pool = ThreadPoolExecutor(max_workers=2)
-    futures = {name: pool.submit(_run, name) for name in selected}
+    batch = pool.submit(_run_together, together) if together else None
+    futures = {name: pool.submit(_run, name) for name in selected if name in OWN_PROCESS}
+    for name in together:
+        futures[name] = pool.submit(lambda n=name: batch.result()[n])
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 

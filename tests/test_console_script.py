@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.common.processes import ROOT, cli, console_script, shell, tiny_fit_args
+from tests.common.processes import ROOT, cli, console_script, in_process, shell, tiny_fit_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # subprocesses; slow only on a busy CPU
 
@@ -39,15 +39,16 @@ def fsdp2_run(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("config", ["demo.yaml", "demo_explicit.yaml", "llama.yaml", "fsdp2.yaml"])
-def test_cli_config(tmp_path, config, request):
+def test_cli_config(tmp_path, config, request, capfd, monkeypatch):
     if config == "demo.yaml":  # the shared run (through the console script, in a shell chain)
         tmp_path, proc, _ = request.getfixturevalue("demo_chain")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out = proc.stdout + proc.stderr
     elif config == "fsdp2.yaml":  # the shared run
         tmp_path, out = request.getfixturevalue("fsdp2_run")
-    else:
-        out = cli(tmp_path, *tiny_fit_args(tmp_path, config))
+    else:  # `lightning_pat.cli:main` in this process: the two launches above cover the script and `python -m`
+        code, out = in_process(capfd, monkeypatch, tmp_path, *tiny_fit_args(tmp_path, config))
+        assert code == 0, out[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
     assert "pruning/unit_sparsity=0.500" in out  # the step progress bar shows the sparsity
     assert "Epoch" not in out  # ... and no epoch counter
@@ -99,37 +100,37 @@ def test_console_script_is_declared():
     assert callable(getattr(cli_module, func))
 
 
-def test_console_script_fit_and_shrink_chain_in_a_shell(demo_chain, tmp_path):
+def test_console_script_fit_and_shrink_chain_in_a_shell(demo_chain, tmp_path, capfd, monkeypatch):
     """`lightning-pat fit ... && lightning-pat shrink ...`: exit 0 on success, one-line errors with exit 1."""
     run_root, proc, shrink = demo_chain  # the chain itself ran once, in the module's shared fixture
-    exe = console_script()
     ckpt = run_root / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "CHAIN-OK"
     assert "PatCLI object" not in proc.stdout + proc.stderr
     assert (run_root / "small" / "model.safetensors").is_file()
-    # the same shrink again: the output is not empty -> one line, exit 1; --overwrite replaces it
-    again = shell(shlex.join(shrink), tmp_path)
-    assert again.returncode == 1
-    assert "Traceback" not in again.stderr
-    assert again.stderr.strip().splitlines()[-1].startswith("lightning-pat shrink: error: save_pretrained: ")
-    assert "is not empty" in again.stderr
-    assert "--overwrite" in again.stderr
-    assert shell(shlex.join([*shrink, "--overwrite"]), tmp_path).returncode == 0
+    # the same shrink again (`lightning_pat.cli:main`, what the script runs, in this process; the chain above
+    # proved the script's exit statuses): the output is not empty -> one line, exit 1; --overwrite replaces it
+    code, err = in_process(capfd, monkeypatch, tmp_path, *shrink[1:])
+    assert code == 1
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("lightning-pat shrink: error: save_pretrained: ")
+    assert "is not empty" in err
+    assert "--overwrite" in err
+    assert in_process(capfd, monkeypatch, tmp_path, *shrink[1:], "--overwrite")[0] == 0
     # a truncated checkpoint: one line naming it, exit 1, no traceback
     bad = tmp_path / "truncated.ckpt"
     bad.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    proc = shell(shlex.join([exe, "shrink", f"--ckpt_path={bad}", f"--output={tmp_path / 'bad'}"]), tmp_path)
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    code, err = in_process(capfd, monkeypatch, tmp_path, "shrink", f"--ckpt_path={bad}", f"--output={tmp_path / 'bad'}")
+    assert code == 1
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
     assert last.startswith(
         f"lightning-pat shrink: error: cannot read checkpoint {bad}: not a torch checkpoint or trunc"
     )
     assert not (tmp_path / "bad").exists()
 
 
-def test_console_script_resumes_a_file_stored_teacher_and_refuses_a_modified_file(tmp_path):
+def test_console_script_resumes_a_file_stored_teacher_and_refuses_a_modified_file(tmp_path, capfd, monkeypatch):
     """`lightning-pat fit` with `distill_teacher_store=file`, then `--ckpt_path` resumes; a modified file stops it."""
     exe = console_script()
     ckpts = tmp_path / "runs" / "demo" / "version_0" / "checkpoints"
@@ -153,15 +154,16 @@ def test_console_script_resumes_a_file_stored_teacher_and_refuses_a_modified_fil
     data = bytearray(teacher.read_bytes())
     data[-1] ^= 0xFF
     teacher.write_bytes(bytes(data))
-    refused = shell(shlex.join(resume), tmp_path)
-    assert refused.returncode != 0
-    assert "distill_teacher_store='file'" in refused.stderr
-    assert "does not hold the teacher this checkpoint was written with" in refused.stderr
-    assert "`Trainer.fit` stopped" not in refused.stdout + refused.stderr
+    # the refusal through `lightning_pat.cli:main` (what the script runs) in this process: one launch fewer
+    code, out = in_process(capfd, monkeypatch, tmp_path, *resume[1:])
+    assert code == 1
+    assert "distill_teacher_store='file'" in out
+    assert "does not hold the teacher this checkpoint was written with" in out
+    assert "`Trainer.fit` stopped" not in out
 
 
 @pytest.mark.parametrize("where", ["command-line", "config-file"])
-def test_callback_option_typo_names_the_fix_first(tmp_path, where):
+def test_callback_option_typo_names_the_fix_first(tmp_path, where, capfd, monkeypatch):
     config = ROOT / "examples" / "configs" / "demo.yaml"
     args = [console_script(), "fit"]
     if where == "config-file":
@@ -170,15 +172,19 @@ def test_callback_option_typo_names_the_fix_first(tmp_path, where):
         args += [f"--config={typo}"]
     else:
         args += [f"--config={config}", "--trainer.callbacks.init_args.target_sparsty=0.5"]
-    proc = shell(shlex.join(args), tmp_path)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if where == "command-line":  # the installed script's exit status, once
+        proc = shell(shlex.join(args), tmp_path)
+        code, err = proc.returncode, proc.stderr
+    else:  # `lightning_pat.cli:main` (what the script runs) in this process: one launch fewer
+        code, err = in_process(capfd, monkeypatch, tmp_path, *args[1:])
+    assert code == 2
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors[0] == (
         "error: trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback; "
         "did you mean `target_sparsity`?"
     )
-    assert "usage:" not in proc.stderr  # not buried under 60 lines of usage
+    assert "usage:" not in err  # not buried under 60 lines of usage
 
 
 def _masked_and_shrunk(run_dir: Path, ckpt: dict, export: Path):
@@ -201,7 +207,7 @@ def _assert_same_outputs(masked, small):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), float((a - b).abs().max())
 
 
-def test_cli_shrink_checkpoint(demo_chain, tmp_path, monkeypatch):
+def test_cli_shrink_checkpoint(demo_chain, tmp_path, monkeypatch, capfd):
     import torch
 
     from lightning_pat import load_pretrained
@@ -211,9 +217,14 @@ def test_cli_shrink_checkpoint(demo_chain, tmp_path, monkeypatch):
     assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
     run_dir = run_root / "runs" / "demo" / "version_0"
     ckpt_path = run_dir / "checkpoints" / "last.ckpt"
-    val = cli(tmp_path, "validate", f"--config={run_dir / 'config.yaml'}", f"--ckpt_path={ckpt_path}")
+    # `lightning_pat.cli:main` (what the console script runs) in this process: the chain launched the script
+    code, val = in_process(capfd, monkeypatch, tmp_path, "validate", f"--config={run_dir / 'config.yaml'}",
+                           f"--ckpt_path={ckpt_path}")  # fmt: skip
+    assert code == 0, val[-3000:]
     assert "val_loss" in val
-    out = cli(tmp_path, "shrink", f"--ckpt_path={ckpt_path}", f"--output={tmp_path / 'small'}")
+    code, out = in_process(capfd, monkeypatch, tmp_path, "shrink", f"--ckpt_path={ckpt_path}",
+                           f"--output={tmp_path / 'small'}")  # fmt: skip
+    assert code == 0, out[-3000:]
     assert f"shrunk model written to {tmp_path / 'small'}" in out
     masked, small = _masked_and_shrunk(run_dir, torch.load(ckpt_path, weights_only=False), tmp_path / "small")
     assert small.layers[0].mlp.gate_proj.out_features == 256  # half of 512
@@ -245,7 +256,7 @@ def test_cli_shrink_checkpoint(demo_chain, tmp_path, monkeypatch):
     _assert_same_outputs(masked, load_pretrained(tmp_path / "early"))
 
 
-def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
+def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path, capfd, monkeypatch):
     """After `shrink_on_freeze=True` the checkpoint holds the small weights: shrink restores shapes, then exports."""
     import torch
 
@@ -255,7 +266,8 @@ def test_cli_shrink_checkpoint_written_after_shrink_on_freeze(tmp_path):
 
     args = tiny_fit_args(tmp_path, "demo.yaml")
     args = [a.replace("--trainer.max_steps=2", "--trainer.max_steps=3") for a in args]
-    cli(tmp_path, *args, "--trainer.callbacks.init_args.shrink_on_freeze=true")
+    code, out = in_process(capfd, monkeypatch, tmp_path, *args, "--trainer.callbacks.init_args.shrink_on_freeze=true")
+    assert code == 0, out[-3000:]
     run_dir = tmp_path / "runs" / "demo" / "version_0"
     ckpt_path = run_dir / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=False)

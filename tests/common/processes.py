@@ -6,7 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_DATA = "--max_bytes=100000"
@@ -71,3 +74,33 @@ def shell(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
+
+
+def in_process(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cwd: Path, *args: str
+) -> tuple[int, str]:
+    """``lightning_pat.cli:main(args)`` (what the console script runs) in this process, from ``cwd``.
+
+    One process start fewer than :func:`cli` (several seconds of imports each). The environment is restored after
+    the call (LightningCLI's ``seed_everything`` sets ``PL_GLOBAL_SEED``). Returns the exit status (``main``'s return
+    value, or the code of a ``SystemExit``, e.g. 2 for an argument error) and everything written to stdout and
+    stderr, at the file descriptor level (Lightning's log handler holds the original stream). Warnings are shown,
+    not raised, as in a fresh interpreter (the test session's filters turn them into errors).
+    """
+    from lightning_pat.cli import main
+
+    monkeypatch.chdir(cwd)
+    saved = dict(os.environ)
+    capfd.readouterr()
+    try:
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.simplefilter("default")
+            code: int | str | None = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capfd.readouterr()
+    return (code if isinstance(code, int) else (0 if code is None else 1)), out + err
