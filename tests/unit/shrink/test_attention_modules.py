@@ -1,16 +1,18 @@
-"""Heads of ``nn.MultiheadAttention`` and of torchvision's Swin window attention: found by discovery, cut by the shrink
-(the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding the same parameters), and the
-shrunk model equal to the masked one; the MHA configurations and calls that are not supported are left out with the
-reason. Small models built from torchvision's own classes (random init, randomised norms), eval, fp32."""
+"""Heads of ``nn.MultiheadAttention`` and of torchvision's Swin V1/V2 window attention: found by discovery, cut by the
+shrink (the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding the same parameters), and
+the shrunk model equal to the masked one; the MHA configurations and calls that are not supported are left out with
+the reason. Small models built from torchvision's own classes (random init, randomised norms), eval, fp32."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_pat import discover, prune_clusters, shrink
-from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttention
+from lightning_pat import Cluster, discover, prune_clusters, shrink
+from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttention, WindowAttentionV2
 from tests.common import torchvision_zoo as zoo
 from tests.common.cnn_models import exact_shrink
 
@@ -62,6 +64,44 @@ def test_window_attention_computes_what_swin_computes(shift, side):
     assert set(ours.state_dict()) == set(swin.state_dict())
 
 
+def _stock_v2(shift: list[int], heads: int = 4):
+    from torchvision.models.swin_transformer import ShiftedWindowAttentionV2
+
+    torch.manual_seed(0)
+    swin = ShiftedWindowAttentionV2(16, [4, 4], shift, heads).eval()
+    with torch.no_grad():  # per-head scales apart, and a k bias (torchvision ignores it) that is not zero
+        swin.logit_scale.copy_(torch.randn(heads, 1, 1) * 0.5 + 2.3)
+        swin.logit_scale[0] = 5.0  # above log(100): clamped
+        swin.qkv.bias.normal_()
+    return swin
+
+
+@needs_torchvision
+@pytest.mark.parametrize(("shift", "side"), [([0, 0], 8), ([2, 2], 8), ([2, 2], 10), ([2, 2], 4)])
+def test_window_attention_v2_computes_what_swin_v2_computes(shift, side):
+    swin = _stock_v2(shift)
+    ours = WindowAttentionV2.adopt(swin)
+    assert ours.logit_scale is swin.logit_scale
+    assert (ours.qkv, ours.proj, ours.cpb_mlp) == (swin.qkv, swin.proj, swin.cpb_mlp)  # the modules themselves
+    assert (ours.num_heads, ours.head_dim) == (4, 4)
+    x = torch.randn(2, side, side + 2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), swin(x), rtol=1e-5, atol=1e-6)
+    assert list(ours.state_dict()) == list(swin.state_dict())
+
+
+@needs_torchvision
+def test_a_new_window_attention_v2_has_torchvision_s_tables_and_init():
+    swin = _stock_v2([2, 2])
+    ours = WindowAttentionV2(16, [4, 4], [2, 2], 4, 4)
+    for name in ("relative_coords_table", "relative_position_index"):
+        assert torch.equal(getattr(ours, name), getattr(swin, name)), name
+    assert list(ours.state_dict()) == list(swin.state_dict())
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in swin.state_dict().items()}
+    assert not ours.qkv.bias[16:32].any()
+    torch.testing.assert_close(ours.logit_scale, torch.log(10 * torch.ones(4, 1, 1)))
+
+
 def _small_vit() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = tv.models.VisionTransformer(
@@ -75,6 +115,17 @@ def _small_swin() -> tuple[nn.Module, torch.Tensor]:
     model = tv.models.SwinTransformer(
         patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4], num_classes=10
     )
+    return zoo.randomize(model).eval(), torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _small_swin_v2() -> tuple[nn.Module, torch.Tensor]:
+    from torchvision.models import swin_transformer as st
+
+    torch.manual_seed(0)  # as _small_swin, with V2 blocks (post-norm, cosine attention) and V2 patch merging
+    model = tv.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4], num_classes=10,
+        block=st.SwinTransformerBlockV2, downsample_layer=st.PatchMergingV2,
+    )  # fmt: skip
     return zoo.randomize(model).eval(), torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
 
@@ -150,6 +201,66 @@ def test_swin_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
     assert before - _count(small) == cut
 
 
+@needs_torchvision
+@pytest.mark.slow
+def test_swin_v2_heads_are_found_with_logit_scale_and_cpb_rows_pruned_and_shrunk_exactly():
+    model, x = _small_swin_v2()
+    with torch.no_grad():  # torchvision ignores the k part of qkv's bias: a non-zero one must not matter
+        for name, p in model.named_parameters():
+            if name.endswith("qkv.bias"):
+                p.normal_()
+    found = discover(model, x)
+    heads = {c.name: c for c in found.clusters if c.name.endswith(".attn")}
+    assert {n: c.num_units for n, c in heads.items()} == {
+        "features.1.0.attn": 2, "features.1.1.attn": 2, "features.3.0.attn": 4, "features.3.1.attn": 4,
+    }  # fmt: skip
+    p = "features.3.1.attn."
+    assert heads["features.3.1.attn"].writers == [
+        f"{p}logit_scale",
+        *(f"{p}qkv.{w}[{i}:{i + 32}]" for w in ("weight", "bias") for i in (0, 32, 64)),
+        f"{p}cpb_mlp.2.weight",
+    ]
+    assert heads["features.3.1.attn"].readers == [f"{p}proj.weight"]
+    before = _count(model)
+    small, rel = _prune_and_shrink(model, x, found.clusters)
+    assert rel < 1e-5
+    cut = 0
+    for stage, (heads_before, dim) in ((1, (2, 16)), (3, (4, 32))):
+        for block in small.features[stage]:
+            attn = block.attn
+            assert isinstance(attn, WindowAttentionV2)
+            h = heads_before // 2  # heads kept (and dropped)
+            assert (attn.num_heads, attn.head_dim) == (h, 8)
+            assert attn.logit_scale.shape == (h, 1, 1)
+            assert attn.cpb_mlp[2].weight.shape == (h, 256)  # the continuous bias MLP's hidden 512 -> 256 too
+            d = dim // 2  # inner width kept (and dropped)
+            # qkv: 3*d rows of dim + 3*d biases; proj: d columns of dim; logit_scale: h; cpb_mlp: 2 -> 256 -> h
+            # from 2 -> 512 -> 2h (256 rows of 2 + 256 biases, 2h*512 - h*256 of the last); MLP 4*dim -> 2*dim
+            cut += 3 * d * dim + 3 * d + d * dim + h + 3 * 256 + (2 * h * 512 - h * 256)
+            cut += 2 * dim * dim + 2 * dim + 2 * dim * dim
+    assert before - _count(small) == cut
+
+
+@needs_torchvision
+@pytest.mark.parametrize("left", ["logit_scale", "cpb_mlp.2.weight"])
+def test_a_swin_v2_cut_that_leaves_out_a_per_head_part_is_refused_naming_the_module(left):
+    model, x = _small_swin_v2()
+    found = discover(model, x)
+    [heads] = [c for c in found.clusters if c.name == "features.3.1.attn"]
+    writers = [w for w in heads.writers if w != f"features.3.1.attn.{left}"]
+    assert len(writers) == len(heads.writers) - 1
+    cut = Cluster("heads", writers=writers, readers=heads.readers, num_units=4)
+    result = prune_clusters(model, [cut], 0.5, score="rms")
+    shown = "logit_scale entries [0, 1, 2, 3]" if left == "logit_scale" else "cpb_mlp.2 rows [0, 1, 2, 3]"
+    with pytest.raises(
+        ValueError,
+        match=rf"attention 'features.3.1.attn' \(ShiftedWindowAttentionV2\): the parts keep different heads"
+        rf" \(.*{re.escape(shown)}.*\); prune them with one heads cluster",
+    ):
+        shrink(model, result)
+    assert model.features[3][1].attn.logit_scale.shape == (4, 1, 1)  # nothing changed
+
+
 class _Block(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention, call: str = "self") -> None:
         super().__init__()
@@ -204,17 +315,20 @@ def test_unsupported_mha_is_left_out_with_its_reason(kwargs, call, reason):
 
 @needs_torchvision
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [_small_vit, _small_swin])
+@pytest.mark.parametrize("build", [_small_vit, _small_swin, _small_swin_v2])
 def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
     model, x = build()
     found = discover(model, x)
     small, _ = _prune_and_shrink(model, x, found.clusters)
     again = discover(small, x)  # our modules traced as they are: heads of 2 (ViT, Swin's second stage) found again
-    heads = [c for c in again.clusters if c.name.endswith(("self_attention", "attn.qkv")) and c.num_units == 2]
+    names = ("self_attention", "attn.qkv", ".attn")
+    heads = [c for c in again.clusters if c.name.endswith(names) and c.num_units == 2]
     assert len(heads) == 2
     smaller, rel = _prune_and_shrink(small, x, again.clusters)
     assert rel < 1e-5
-    attns = [m for m in smaller.modules() if isinstance(m, (HeadsMultiheadAttention, WindowAttention))]
+    attns = [
+        m for m in smaller.modules() if isinstance(m, (HeadsMultiheadAttention, WindowAttention, WindowAttentionV2))
+    ]
     assert sorted(m.num_heads for m in attns) == [1] * len(attns)
 
 
