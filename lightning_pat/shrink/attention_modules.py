@@ -21,8 +21,10 @@ it sees where the heads are; a per-head parameter used directly in a forward (V2
 ``per_head_parameters``, which discovery reads.
 
 Supported: ``nn.MultiheadAttention`` (exactly that class) with ``kdim == vdim == embed_dim``, no ``add_bias_kv``, no
-``add_zero_attn``, called as self-attention (``query is key is value``) without ``attn_mask``,
-``key_padding_mask`` or ``is_causal`` (torchvision's ViT calls ``attn(x, x, x, need_weights=False)``); with
+``add_zero_attn``, called as batched self-attention (``query is key is value``; torchvision's ViT calls
+``attn(x, x, x, need_weights=False)``), with or without a 2-D ``attn_mask`` ``(L, L)``, a ``key_padding_mask``
+``(B, L)`` (bool or float) and ``is_causal``, computed as torch computes them; a 3-D ``attn_mask`` (one per batch
+entry and head) is not, since the module does not know which of the original heads it kept. With
 ``need_weights=True`` the weights returned are those of the kept heads. torchvision's ``ShiftedWindowAttention`` and
 ``ShiftedWindowAttentionV2`` (exactly those classes).
 """
@@ -192,14 +194,34 @@ class HeadsMultiheadAttention(nn.Module):
         )
 
     @staticmethod
-    def call_refusal(query: Tensor, key: Tensor, value: Tensor, masks: Sequence[Any], is_causal: bool) -> str | None:
-        """Why a call cannot be computed with fewer heads, or ``None``."""
+    def call_refusal(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> str | None:
+        """Why a call cannot be computed with fewer heads, or ``None``.
+
+        Supported: batched self-attention, with a 2-D ``attn_mask`` ``(L, L)`` (shared by every head), a
+        ``key_padding_mask`` ``(B, L)``, bool or float, and ``is_causal`` (with the mask torch requires with it).
+        """
         if query is not key or key is not value:
             return "called as cross-attention (query, key and value are not one tensor)"
-        if any(m is not None for m in masks):
-            return "called with an attn_mask or a key_padding_mask"
-        if is_causal:
-            return "called with is_causal=True"
+        if query.dim() != 3:
+            return f"called with unbatched input (a {query.dim()}-D query)"
+        for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if mask is not None and mask.dtype != torch.bool and not torch.is_floating_point(mask):
+                return f"called with a {mask.dtype} {name} (torch takes bool or floating masks)"
+        if attn_mask is not None and attn_mask.dim() != 2:
+            return (
+                f"called with a {attn_mask.dim()}-D attn_mask (one mask per batch entry and head; which of the "
+                "original heads were kept is not known to the module: pass a 2-D mask shared by every head)"
+            )
+        if is_causal and attn_mask is None:
+            return "called with is_causal=True without an attn_mask (torch requires the causal mask with it)"
         return None
 
     def forward(
@@ -215,29 +237,58 @@ class HeadsMultiheadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """``nn.MultiheadAttention``'s call for self-attention: ``(output, weights or None)``.
 
+        Masks as torch applies them: a bool mask is ``-inf`` where ``True``, a float mask is added to the logits; the
+        key padding mask is added to the attention mask; ``is_causal`` makes ``scaled_dot_product_attention`` causal
+        (its ``attn_mask`` then ignored) when there is no key padding mask and no weights are asked for, else the
+        ``attn_mask`` passed with it is used.
+
         Raises:
-            ValueError: If the call is not supported (see :meth:`call_refusal`) and the heads were cut.
+            ValueError: If the call is not supported (see :meth:`call_refusal`), or its masks do not fit the input,
+                and the heads were cut.
         """
-        refusal = self.call_refusal(query, key, value, (key_padding_mask, attn_mask), is_causal)
+        refusal = self.call_refusal(
+            query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal
+        )
+        x = query if self.batch_first or refusal is not None else query.transpose(0, 1)
+        if refusal is None:
+            refusal = self._mask_misfit(x.shape[0], x.shape[1], attn_mask, key_padding_mask)
         if refusal is not None:
             return self._stock(refusal, query, key, value, key_padding_mask, need_weights, attn_mask,
                                average_attn_weights, is_causal)  # fmt: skip
-        x = query if self.batch_first else query.transpose(0, 1)
         batch, length = x.shape[0], x.shape[1]
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
+        causal = is_causal and key_padding_mask is None and not need_weights
+        mask = None if causal else _additive(attn_mask, q.dtype)  # [L, S]
+        if mask is not None:
+            mask = mask[None, None]  # [1, 1, L, S]: every batch entry and head
+        padding = _additive(key_padding_mask, q.dtype)  # [B, S]
+        if padding is not None:
+            padding = padding[:, None, None, :]  # [B, 1, 1, S]
+            mask = padding if mask is None else mask + padding
         p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            scores = torch.matmul(q * math.sqrt(1.0 / self.head_dim), k.transpose(-2, -1))
+            if mask is not None:
+                scores = scores + mask
             attn = F.dropout(F.softmax(scores, dim=-1), p, self.training)  # returned after dropout, as torch does
             weights = attn.mean(dim=1) if average_attn_weights else attn
             out = torch.matmul(attn, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    @staticmethod
+    def _mask_misfit(batch: int, length: int, attn_mask: Tensor | None, padding: Tensor | None) -> str | None:
+        """Why the masks do not fit a ``[batch, length]`` input (torch's own function then says so), or ``None``."""
+        if attn_mask is not None and tuple(attn_mask.shape) != (length, length):
+            return f"called with an attn_mask of shape {tuple(attn_mask.shape)} for a sequence of {length}"
+        if padding is not None and tuple(padding.shape) != (batch, length):
+            return f"called with a key_padding_mask of shape {tuple(padding.shape)} for input {batch} x {length}"
+        return None
 
     def _stock(self, refusal: str, *args: Any) -> tuple[Tensor, Tensor | None]:
         """A call :meth:`forward` does not support, computed by torch's own function while no head was cut."""
@@ -245,7 +296,9 @@ class HeadsMultiheadAttention(nn.Module):
         if self.num_heads * self.head_dim != self.embed_dim:
             raise ValueError(
                 f"HeadsMultiheadAttention: {refusal}, which is not supported with cut heads ({self.num_heads} heads "
-                f"of {self.head_dim}, embed_dim {self.embed_dim})."
+                f"of {self.head_dim}, embed_dim {self.embed_dim}); call it as batched self-attention with at most a "
+                "2-D attn_mask of (L, L), a key_padding_mask of (B, L) and is_causal (with its mask), as discovery "
+                "saw it called."
             )
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = args
         if self.batch_first:
@@ -257,6 +310,13 @@ class HeadsMultiheadAttention(nn.Module):
             average_attn_weights=average, is_causal=is_causal,
         )  # fmt: skip
         return (out.transpose(0, 1) if self.batch_first else out), weights
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A mask as torch adds it to the logits: a bool mask is ``-inf`` where ``True``, a float mask as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
 # ---------------------------------------------------------------------------------------------------- Swin

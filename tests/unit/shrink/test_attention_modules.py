@@ -268,8 +268,8 @@ class _Block(nn.Module):
 
     def forward(self, x):
         a = self.inp(x)
-        if self.call == "mask":
-            mask = torch.zeros(a.shape[1], a.shape[1], dtype=torch.bool, device=a.device)
+        if self.call == "mask3d":  # one mask per (batch entry, head): which heads are kept is not known to the module
+            mask = torch.zeros(a.shape[0] * 4, a.shape[1], a.shape[1], dtype=torch.bool, device=a.device)
             return self.out(self.mha(a, a, a, need_weights=False, attn_mask=mask)[0])
         if self.call == "cross":
             return self.out(self.mha(a, a.flip(1), a.flip(1), need_weights=False)[0])
@@ -294,7 +294,7 @@ def test_mha_heads_are_cut_and_the_model_shrunk_exactly():
         ({"add_bias_kv": True}, "self", "add_bias_kv=True"),
         ({"add_zero_attn": True}, "self", "add_zero_attn=True"),
         ({"kdim": 12, "vdim": 12}, "kdim", "kdim or vdim differs from embed_dim"),
-        ({}, "mask", "called with an attn_mask or a key_padding_mask"),
+        ({}, "mask3d", "called with a 3-D attn_mask"),
         ({}, "cross", "called as cross-attention"),
     ],
 )
@@ -332,20 +332,110 @@ def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
     assert sorted(m.num_heads for m in attns) == [1] * len(attns)
 
 
+def _masks(kinds: tuple[str | None, str | None], batch: int, length: int) -> dict[str, torch.Tensor | None]:
+    """A causal bool or a distance-decay float ``attn_mask`` ``(L, L)``; a bool or float ``key_padding_mask``
+    ``(B, L)`` padding the last ``2 * b`` positions of batch entry ``b``."""
+    attn, pad = kinds
+    pos = torch.arange(length)
+    causal = pos[None, :] > pos[:, None]
+    padded = pos[None, :] + 2 * torch.arange(batch)[:, None] >= length
+    return {
+        "attn_mask": {None: None, "bool": causal, "float": -0.3 * (pos[:, None] - pos[None, :]).abs().float()}[attn],
+        "key_padding_mask": {None: None, "bool": padded, "float": -1.5 * padded.float()}[pad],
+    }
+
+
+#: (attn_mask, key_padding_mask), is_causal, need_weights
+_MASK_CALLS = [
+    (("bool", None), False, False),
+    (("float", None), False, True),
+    ((None, "bool"), False, False),
+    ((None, "float"), False, True),
+    (("bool", "bool"), False, True),
+    (("float", "float"), False, False),
+    (("bool", None), True, False),  # scaled_dot_product_attention(is_causal=True), the mask ignored
+    (("bool", None), True, True),  # the mask used
+    (("bool", "bool"), True, False),  # the masks merged, is_causal dropped
+]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize(("kinds", "is_causal", "need_weights"), _MASK_CALLS)
+def test_heads_mha_applies_masks_as_mha_does(kinds, is_causal, need_weights, batch_first):
+    mha = _mha(batch_first=batch_first)
+    ours = HeadsMultiheadAttention.adopt(mha)
+    x = torch.randn(3, 7, 16) if batch_first else torch.randn(7, 3, 16)
+    masks = _masks(kinds, 3, 7)
+    kwargs = {"need_weights": need_weights, "is_causal": is_causal, "average_attn_weights": False, **masks}
+    with torch.no_grad():
+        (a, wa), (b, wb) = mha(x, x, x, **kwargs), ours(x, x, x, **kwargs)
+    assert "refused_call" not in ours.__dict__  # computed by our forward, not by torch's function
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if need_weights:
+        torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self, kinds: tuple[str | None, str | None], is_causal: bool, need_weights: bool) -> None:
+        super().__init__()
+        self.inp, self.mha, self.out = nn.Linear(8, 16), _mha(batch_first=True), nn.Linear(16, 4)
+        self.kinds, self.is_causal, self.need_weights = kinds, is_causal, need_weights
+
+    def forward(self, x):
+        a = self.inp(x)
+        masks = _masks(self.kinds, a.shape[0], a.shape[1])
+        masks = {k: None if m is None else m.to(a.device) for k, m in masks.items()}
+        kwargs = {"need_weights": self.need_weights, "is_causal": self.is_causal, **masks}
+        out, _ = self.mha(a, a, a, average_attn_weights=False, **kwargs)  # a mean over heads would leave them out
+        return self.out(out)
+
+
+@pytest.mark.parametrize(("kinds", "is_causal", "need_weights"), _MASK_CALLS)
+def test_mha_called_with_masks_is_cut_and_shrunk_exactly(kinds, is_causal, need_weights):
+    """The masked model is torch's own ``nn.MultiheadAttention`` with half its heads zeroed; the shrunk one is ours."""
+    torch.manual_seed(0)
+    model = _MaskedBlock(kinds, is_causal, need_weights).eval()
+    found = discover(model, torch.randn(2, 5, 8))
+    [heads] = [c for c in found.clusters if c.name == "mha"]
+    assert heads.num_units == 4
+    small = exact_shrink(model, found.clusters, torch.randn(3, 7, 8))
+    assert isinstance(small.mha, HeadsMultiheadAttention)
+    assert small.mha.num_heads == 2
+
+
+def test_a_shrunk_mha_refuses_a_3d_mask_naming_the_fix():
+    mha = _mha(batch_first=True)
+    model = _Block(mha).eval()
+    found = discover(model, torch.randn(2, 5, 8))
+    small = exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
+    a = torch.randn(2, 5, 16)
+    mask = torch.zeros(2 * small.mha.num_heads, 5, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"HeadsMultiheadAttention: called with a 3-D attn_mask .* pass a 2-D mask"):
+        small.mha(a, a, a, attn_mask=mask)
+
+
 class _Encoder(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, causal: bool = False) -> None:
         super().__init__()
         layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
         self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 3)
+        self.causal = causal
 
     def forward(self, x):
-        return self.head(self.enc(x))
+        if not self.causal:
+            return self.head(self.enc(x))
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)  # float, -inf above
+        pos, rows = torch.arange(x.shape[1], device=x.device), torch.arange(x.shape[0], device=x.device)
+        padding = pos[None, :] >= x.shape[1] - rows[:, None]  # batch entry b: its last b positions padded
+        return self.head(self.enc(x, mask=mask, src_key_padding_mask=padding.float() * -1e4, is_causal=True))
 
 
-def test_heads_of_a_torch_transformer_encoder_are_cut_exactly():
-    """``nn.TransformerEncoderLayer`` calls its ``self_attn`` without masks; ours keeps it off the fused path."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_heads_of_a_torch_transformer_encoder_are_cut_exactly(causal):
+    """``nn.TransformerEncoderLayer`` calls its ``self_attn`` with or without masks; ours keeps it off the fused
+    path (causal: a float causal mask, a float key padding mask and ``is_causal=True``)."""
     torch.manual_seed(0)
-    model = _Encoder().eval()
+    model = _Encoder(causal).eval()
     found = discover(model, torch.randn(2, 5, 16))
     assert sorted(c.name for c in found.clusters if c.num_units == 4) == [
         "enc.layers.0.self_attn",
