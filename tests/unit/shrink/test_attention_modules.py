@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_pat import Cluster, discover, prune_clusters, shrink
 from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttention, WindowAttentionV2
+from lightning_pat.shrink.module_tree import describe, rebuild
 from tests.common import torchvision_zoo as zoo
 from tests.common.cnn_models import exact_shrink
 
@@ -100,6 +101,19 @@ def test_a_new_window_attention_v2_has_torchvision_s_tables_and_init():
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in swin.state_dict().items()}
     assert not ours.qkv.bias[16:32].any()
     torch.testing.assert_close(ours.logit_scale, torch.log(10 * torch.ones(4, 1, 1)))
+
+
+def test_our_attention_modules_rebuild_from_the_pickle_free_format():
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"v1": WindowAttention(16, [4, 4], [2, 2], 3, 4), "v2": WindowAttentionV2(16, [4, 4], [2, 2], 3, 4)}
+    ).eval()
+    again = rebuild(*describe(model))
+    x = torch.randn(2, 8, 8, 16)
+    with torch.no_grad():
+        for name in ("v1", "v2"):
+            assert type(again[name]) is type(model[name])
+            assert torch.equal(again[name](x), model[name](x)), name
 
 
 def _small_vit() -> tuple[nn.Module, torch.Tensor]:
