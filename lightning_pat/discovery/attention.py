@@ -16,9 +16,12 @@ are zero, so whatever the head computes (any finite value: attention over zero k
 multiplied by zero columns; every kept head computes on exactly its own channels, because nothing on the way mixes
 the head axis. Shrinking removes the head from every member; the shrink updates the head counts of Llama-style
 (``q/k/v/o_proj`` with ``head_dim``, transformers' ViT too) and GPT-2 attention modules, and replaces
-``nn.MultiheadAttention`` and torchvision's Swin window attention by modules of its own
-(:mod:`lightning_pat.shrink.attention_modules`, which discovery traces in their place). A custom forward that
-hard-codes the head count (``view(b, t, 4, d)`` instead of ``view(b, t, -1, d)``) cannot run shrunk.
+``nn.MultiheadAttention`` and torchvision's Swin V1/V2 window attention by modules of its own
+(:mod:`lightning_pat.shrink.attention_modules`, which discovery traces in their place). A per-head parameter such a
+module uses directly (Swin V2's logit scale ``[heads, 1, 1]``, multiplied into the logits) is declared by the module
+and enters the walk as a member of a space of its own (:attr:`~lightning_pat.discovery.trace.Trace.per_head`), which
+the product with the logits joins with their head axis. A custom forward that hard-codes the head count
+(``view(b, t, 4, d)`` instead of ``view(b, t, -1, d)``) cannot run shrunk.
 
 GQA: ``repeat_kv`` (``expand`` + ``reshape``), ``repeat_interleave`` and ``scaled_dot_product_attention(...,
 enable_gqa=True)`` map query head ``h`` to KV head ``h // n_rep``; joining the query's head axis with the repeated

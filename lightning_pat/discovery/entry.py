@@ -207,8 +207,9 @@ def _mha_refusals(model: nn.Module, refused_calls: Mapping[str, str]) -> dict[st
         why = mha_refusal(module) or refused_calls.get(name)
         if why is not None:
             out[name] = (
-                f"nn.MultiheadAttention {name!r}: {why}; only self-attention without masks (torchvision's ViT) is "
-                "computed with fewer heads, so its heads and its packed in_proj are not cut"
+                f"nn.MultiheadAttention {name!r}: {why}; only batched self-attention (with at most a 2-D attn_mask, "
+                "a key_padding_mask and is_causal) is computed with fewer heads, so its heads and its packed in_proj "
+                "are not cut"
             )
     return out
 

@@ -2,8 +2,8 @@
 
 Elementwise ops carry their operand's labels (an op of two labelled tensors joins their spaces, a broadcast of a
 one-channel axis poisons it); pooling, reductions and softmax poison the axes they mix; the layout ops (``view``,
-``permute``, ``expand``, ``slice``, ``cat``, ``pad``, ``roll``) move labels with their axes. A ``view`` that splits a
-channel axis into heads is read by :func:`~lightning_pat.discovery.attention.split_axis` and
+``permute``, ``expand``, ``slice``, ``cat``, ``pad``, ``roll``, ``index_select``) move labels with their axes. A
+``view`` that splits a channel axis into heads is read by :func:`~lightning_pat.discovery.attention.split_axis` and
 :func:`~lightning_pat.discovery.attention.packed_heads`.
 """
 
@@ -234,6 +234,24 @@ def _slice(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(lab)
 
 
+def _index_select(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``index_select(x, dim, index)``: entries picked along ``dim`` (a position table), the other axes carried.
+
+    A channel axis picked from is poisoned; the picked axis is untracked (its entries are positions, not channels).
+    """
+    src, dim, index = node.args[0], node.args[1], node.args[2]
+    shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
+    if shape is None or out is None or len(out) != len(shape) or not isinstance(dim, int):
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    d = dim % len(shape)
+    w.poison(lab[d], f"`{_op_name(node)}` picks channels")
+    for label in w.label_of(index) or ():
+        w.poison(label, f"`{_op_name(node)}` picks entries by channels")
+    lab[d] = None
+    return tuple(lab)
+
+
 def _roll(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``roll``/``flip`` move entries along their dims: a channel axis among them is poisoned, the others carried."""
     src = node.args[0]
@@ -316,11 +334,13 @@ HANDLERS: dict[str, Handler] = {
     "transpose": _permute,
     "t": _permute,
     "expand": _expand,
+    "expand_as": _expand,  # F.normalize: the norm expanded to its input's shape
     "slice": _slice,
     "select": _slice,
     "unbind": _slice,
     "cat": _cat,
     "roll": _roll,
+    "index_select": _index_select,
     "flip": _roll,
     **dict.fromkeys(
         ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant

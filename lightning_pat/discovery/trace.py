@@ -1,8 +1,9 @@
 """Trace a model into an ATen graph for :mod:`lightning_pat.discovery.entry` (``torch.export``, on the meta device).
 
-Supported ``nn.MultiheadAttention`` and torchvision Swin window attention modules are traced as the modules the
+Supported ``nn.MultiheadAttention`` and torchvision Swin V1/V2 window attention modules are traced as the modules the
 shrink puts in their place (:mod:`lightning_pat.shrink.attention_modules`: the same parameters, the head count and
-head dim explicit), so the walk sees their heads.
+head dim explicit), so the walk sees their heads; the per-head parameters such a module uses directly in its forward
+(Swin V2's ``logit_scale``) are listed in :attr:`Trace.per_head`, so the walk makes them members of the heads.
 
 The model is never run on real data: a *meta twin* (a deep copy whose parameters and buffers are meta tensors of
 the same global shapes, DTensors included) is exported non-strictly with meta example inputs, so tracing costs no
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_pat.core.forwards import map_tensors, tensors_of
-from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, replace_attention
+from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttentionV2, replace_attention
 
 #: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
 _FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
@@ -39,6 +40,8 @@ class Trace:
         constants: Placeholder names of lifted tensor constants.
         refused: Module name -> why, for each ``nn.MultiheadAttention`` called in a way whose heads cannot be cut
             (cross-attention, masks: :meth:`~lightning_pat.shrink.attention_modules.HeadsMultiheadAttention.forward`).
+        per_head: Parameter name -> its head axis, for each per-head parameter an attention module of ours uses
+            directly in its forward (``WindowAttentionV2.per_head_parameters``).
     """
 
     graph: torch.fx.Graph
@@ -46,6 +49,7 @@ class Trace:
     buffers: dict[str, str]
     constants: frozenset[str]
     refused: dict[str, str] = field(default_factory=dict)
+    per_head: dict[str, int] = field(default_factory=dict)
 
 
 def _global_shape(tensor: torch.Tensor) -> torch.Size:
@@ -168,6 +172,11 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     """
     inner = meta_twin(model)
     replace_attention(inner)  # traced as the shrink will rewrite them (same parameter names)
+    per_head: dict[str, int] = {}
+    for name, m in inner.named_modules():
+        if isinstance(m, WindowAttentionV2):
+            m.traced = True  # the whole qkv bias in linear's bias slot (see WindowAttentionV2)
+            per_head.update({f"{name}.{p}" if name else p: d for p, d in m.per_head_parameters.items()})
     twin = _TensorOutputs(inner).eval()
     example = to_meta(example_input)
     args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})
@@ -202,4 +211,5 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
         buffers=_strip(sig.inputs_to_buffers),
         constants=frozenset(sig.inputs_to_lifted_tensor_constants),
         refused=refused,
+        per_head=per_head,
     )

@@ -52,6 +52,9 @@ class Walk(Labelling):
         if shape is None:
             return None
         name = node.name
+        head_dim = self.trace.per_head.get(self.trace.params.get(name, ""))
+        if head_dim is not None and shape[head_dim] > 1:
+            return self.per_head(self.trace.params[name], shape, head_dim)
         if name in self.trace.params:
             why = f"parameter {self.trace.params[name]} is used directly in forward"
         elif name in self.trace.buffers:
@@ -61,6 +64,17 @@ class Walk(Labelling):
         else:
             return (None,) * len(shape)  # a model input: not a channel axis of any parameter
         return tuple(self.fresh(s, why) for s in shape)
+
+    def per_head(self, param: str, shape: tuple[int, ...], head_dim: int) -> tuple[Label, ...]:
+        """Labels of a per-head parameter used directly (:attr:`Trace.per_head`): its head axis a member of a new space.
+
+        The axis is then carried like any channel axis: an elementwise op with the attention logits joins it with
+        their head axis; anything that mixes it poisons it.
+        """
+        space = self.new_space(shape[head_dim])
+        self.add_member(param, "out", head_dim, 0, shape[head_dim], space)
+        why = f"parameter {param} is used directly in forward"
+        return tuple(((space, s, 1),) if d == head_dim else self.fresh(s, why) for d, s in enumerate(shape))
 
     # -- dispatch
     def call(self, node: Node) -> Any:
@@ -88,7 +102,7 @@ class Walk(Labelling):
         slots = _SLOTS.get(op, ())
         for i, arg in enumerate(node.args):
             name = self.param_of(arg)
-            if name is not None and i not in slots:
+            if name is not None and i not in slots and name not in self.trace.per_head:
                 self.direct.setdefault(name, f"parameter {name} is used directly in forward ({op})")
         for arg in node.kwargs.values():
             name = self.param_of(arg)

@@ -1,8 +1,9 @@
 """Attention checks of the shrink: an attention module must lose whole heads (or whole query groups), consistently.
 
 Attention modules (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads /
-whole query groups; ``nn.MultiheadAttention`` and torchvision's Swin window attention are checked the same way (the
-surgery then replaces them by modules of :mod:`lightning_pat.shrink.attention_modules`). Called by
+whole query groups; ``nn.MultiheadAttention`` and torchvision's Swin V1 and V2 window attention are checked the same
+way, every per-head part included (the surgery then replaces them by modules of
+:mod:`lightning_pat.shrink.attention_modules`). Called by
 :func:`lightning_pat.shrink.edits.validate` before anything changes; nothing here changes a module.
 """
 
@@ -139,6 +140,23 @@ def _check_window_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit
     _same_heads(where, heads)
 
 
+def _check_window_attention_v2(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """Swin V2's window attention: whole heads of qkv rows and proj columns, ``logit_scale``, ``cpb_mlp``'s last rows.
+
+    The kept heads must be the same in every part: q, k and v rows of ``qkv``, ``proj`` columns, the entries of
+    ``logit_scale`` and the rows of ``cpb_mlp``'s last ``Linear`` (its columns, the hidden units, are free).
+    """
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    num_heads, inner = int(attn.logit_scale.shape[0]), attn.proj.in_features
+    hd = inner // num_heads
+    heads = _qkv_heads(_kept(edits, attn.qkv, "weight", 0, attn.qkv.out_features), inner, hd, where)
+    heads["proj columns"] = _whole_heads(_kept(edits, attn.proj, "weight", 1, inner), hd, f"{where}, proj columns")
+    heads["logit_scale entries"] = _kept(edits, attn, "logit_scale", 0, num_heads)
+    last = attn.cpb_mlp[-1]
+    heads[f"cpb_mlp.{len(attn.cpb_mlp) - 1} rows"] = _kept(edits, last, "weight", 0, last.out_features)
+    _same_heads(where, heads)
+
+
 def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Check every attention module the edits touch: whole heads / whole query groups, the same in every part.
 
@@ -151,7 +169,7 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """
     for name, module in model.named_modules():
         kind = module_kind(module)
-        if not name and kind in ("mha", "window_attention") and id(module) in edits:
+        if not name and kind in ("mha", "window_attention", "window_attention_v2") and id(module) in edits:
             raise ValueError(
                 f"Shrink: the model itself is a {type(module).__name__}, whose heads are cut by putting another "
                 "module in its place; wrap it in a container module to shrink it."
@@ -160,6 +178,10 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             _check_mha(name, module, edits)
         elif kind == "window_attention" and any(id(m) in edits for m in (module, module.qkv, module.proj)):
             _check_window_attention(name, module, edits)
+        elif kind == "window_attention_v2" and any(
+            id(m) in edits for m in (module, module.qkv, module.proj, module.cpb_mlp[-1])
+        ):
+            _check_window_attention_v2(name, module, edits)
         if is_llama_attention(module):
             parts = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
             if any(id(p) in edits for p in parts):

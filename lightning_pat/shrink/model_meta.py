@@ -14,7 +14,12 @@ from typing import Any
 
 from torch import nn
 
-from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, is_swin_attention, mha_refusal
+from lightning_pat.shrink.attention_modules import (
+    HeadsMultiheadAttention,
+    is_swin_attention,
+    is_swin_v2_attention,
+    mha_refusal,
+)
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -40,6 +45,8 @@ def module_kind(module: nn.Module) -> str | None:
         return "mha" if mha_refusal(module) is None else None
     if is_swin_attention(module):
         return "window_attention"
+    if is_swin_v2_attention(module):
+        return "window_attention_v2"
     return conv_kind(module)
 
 
@@ -190,7 +197,7 @@ def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tupl
     """
     found = []
     for module in model.modules():
-        if is_llama_attention(module) or is_gpt2_attention(module) or is_swin_attention(module):
+        if any(f(module) for f in (is_llama_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention)):
             continue  # Swin's window attention is replaced by the shrink (lightning_pat.shrink.attention_modules)
         if not any(_int_attr(module, a) for a in HEAD_COUNTS):
             continue

@@ -6,7 +6,7 @@ planned parameter and what may be cut there, :mod:`lightning_pat.shrink.edits`; 
 then rewrites: every owner gets its parameters' new data and its metadata (``nn.Linear`` features, ``Conv1D``
 ``nx/nf``, embedding width, norm shapes, a BatchNorm's running statistics, the convolutions of
 :mod:`lightning_pat.shrink.surgery_conv`); attention modules get their head counts updated, and
-``nn.MultiheadAttention`` and torchvision's Swin window attention are replaced by modules of
+``nn.MultiheadAttention`` and torchvision's Swin V1 and V2 window attention are replaced by modules of
 :mod:`lightning_pat.shrink.attention_modules` holding the same parameters (their stock forwards cannot run with fewer
 heads); MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where uniform. The optimizer state
 is sliced in the same pass (:func:`~lightning_pat.shrink.optimizer_state.slice_optimizer_state`). See
@@ -44,6 +44,9 @@ from lightning_pat.shrink.surgery_conv import CONV_KINDS, rewrite_conv
 
 log = logging.getLogger(__name__)
 
+#: Module kinds whose heads are cut by putting a module of :mod:`lightning_pat.shrink.attention_modules` in place.
+REPLACED_KINDS = ("mha", "window_attention", "window_attention_v2")
+
 
 class LayerNormShrinkWarning(PruningWarning):
     """A LayerNorm lost channels: the shrunk model is not output-preserving (fine-tune after the shrink)."""
@@ -65,7 +68,7 @@ def _rescale_norm(edit: Edit, old: int, new: int) -> None:
 def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
     module = edit.module
-    if edit.kind in ("mha", "window_attention"):  # replaced by a module of ours afterwards (replace_attention)
+    if edit.kind in REPLACED_KINDS:  # replaced by a module of ours afterwards (replace_attention)
         for attr in edit.cuts:
             param = module._parameters[attr]
             if param is not None and param.shape != new_params[id(param)].shape:
@@ -164,7 +167,7 @@ def apply_plan(
                 rescaled_eps[id(edit.module)] = edit.module.eps
     for name, grad in grads.items():
         params[name].grad = grad
-    replace_attention(model, [e.module for e in edits.values() if e.kind in ("mha", "window_attention")])
+    replace_attention(model, [e.module for e in edits.values() if e.kind in REPLACED_KINDS])
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)

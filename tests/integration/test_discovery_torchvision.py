@@ -1,8 +1,8 @@
 """torchvision's classification models (the CI subset of bench/bench_zoo.py, which runs the whole zoo): a residual
-CNN, a depthwise/squeeze-excite net, a ViT, a Swin and a ShuffleNet, random init with randomised norms, layer scales
-and class tokens. Discovery, 50% pruning of every cluster, ``shrink(..., example_input=found)`` (which runs and
-compares the shrunk model itself), and an independent comparison here (eval, fp32, rel < 1e-5); what each model
-leaves out, and why."""
+CNN, a depthwise/squeeze-excite net, a ViT, a Swin V1, a Swin V2 and a ShuffleNet, random init with randomised norms,
+layer scales, class tokens and Swin V2's logit scales. Discovery, 50% pruning of every cluster,
+``shrink(..., example_input=found)`` (which runs and compares the shrunk model itself), and an independent comparison
+here (eval, fp32, rel < 1e-5); what each model leaves out, and why."""
 
 from __future__ import annotations
 
@@ -65,6 +65,13 @@ def test_zoo_model_prunes_half_and_shrinks_exactly(name):
         assert sorted(c.num_units for c in heads) == [3, 3, 6, 6, 12, 12, 12, 12, 12, 12, 24, 24]
         assert len(found.clusters) == 24
         assert [b.attn.num_heads for s in (1, 3, 5, 7) for b in small.features[s]] == [1, 1, 3, 3, *[6] * 6, 12, 12]
+    if name == "swin_v2_t":  # heads with their logit scale and cpb_mlp rows (replaced on shrink); MLPs; cpb MLPs
+        heads = [c for c in found.clusters if c.name.endswith(".attn")]
+        assert sorted(c.num_units for c in heads) == [3, 3, 6, 6, 12, 12, 12, 12, 12, 12, 24, 24]
+        assert all(f"{c.name}.logit_scale" in c.writers and f"{c.name}.cpb_mlp.2.weight" in c.writers for c in heads)
+        assert len(found.clusters) == 36  # 12 blocks: heads, MLP, the continuous position bias MLP's hidden units
+        assert [b.attn.num_heads for s in (1, 3, 5, 7) for b in small.features[s]] == [1, 1, 3, 3, *[6] * 6, 12, 12]
+        assert not [r for rs in reasons.values() for r in rs if "logit_scale" in r or "expand_as" in r]
 
 
 def test_discover_with_an_input_that_does_not_fit_says_so():

@@ -118,6 +118,27 @@ def test_parameter_used_directly_is_left_out_with_its_name():
     assert "gamma" in found.table() or "b.weight" in found.table()
 
 
+class _Picked(nn.Module):
+    """``index_select`` of positions (dim 1: the channels of ``a`` stay a cluster) or of channels (left out)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim, self.a, self.b = dim, nn.Linear(4, 8), nn.Linear(8, 2)
+        self.register_buffer("index", torch.tensor([2, 0, 1, 3, 5, 4, 7, 6]))
+
+    def forward(self, x):  # [B, T=8, 4]
+        return self.b(torch.relu(self.a(x)).index_select(self.dim, self.index))
+
+
+def test_index_select_carries_the_other_axes_and_picking_channels_leaves_them_out():
+    found = discover(_Picked(1), torch.zeros(2, 8, 4))
+    assert [(c.name, c.num_units) for c in found.clusters] == [("a", 8)]
+    found = discover(_Picked(2), torch.zeros(2, 8, 4))
+    assert found.clusters == []
+    [a] = [lo for lo in found.left_out if lo.name == "a"]
+    assert any("`index_select` picks channels" in r for r in a.reasons)
+
+
 class _LayerNormed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
