@@ -55,6 +55,11 @@ def import_torchvision() -> ModuleType:
     try:
         import torchvision
         import torchvision.models  # noqa: F401  (eagerly, while the folder is on the path)
+    except ImportError as err:
+        raise ImportError(
+            f"torchvision is not importable from {TORCHVISION_DIR} ({err}); `make setup` installs it there, or set "
+            "LPAT_TORCHVISION_DIR to a folder holding it (e.g. a worktree: /path/to/main/.venv/torchvision)"
+        ) from err
     finally:
         if added:
             sys.path.remove(str(TORCHVISION_DIR))

@@ -13,10 +13,7 @@ from torch import nn
 from lightning_pat import discover, prune_clusters, shrink
 from tests.common import torchvision_zoo as zoo
 
-try:
-    zoo.import_torchvision()
-except ImportError:  # a guard only: `make setup` installs torchvision into .venv/torchvision, so these run in CI
-    pytest.skip("torchvision is not installed (make setup)", allow_module_level=True)
+zoo.import_torchvision()  # `make setup` installs it; missing, this file fails to collect (never a silent skip)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -17,12 +17,7 @@ from lightning_pat.shrink.module_tree import describe, rebuild
 from tests.common import torchvision_zoo as zoo
 from tests.common.cnn_models import exact_shrink
 
-try:
-    tv = zoo.import_torchvision()
-except ImportError:  # a guard only: `make setup` installs torchvision into .venv/torchvision
-    tv = None
-
-needs_torchvision = pytest.mark.skipif(tv is None, reason="torchvision is not installed (make setup)")
+tv = zoo.import_torchvision()  # `make setup` installs it; missing, this file fails to collect (never a silent skip)
 
 
 def _mha(**kwargs) -> nn.MultiheadAttention:
@@ -51,7 +46,6 @@ def test_heads_mha_computes_what_mha_computes(batch_first, need_weights):
     assert set(ours.state_dict()) == set(mha.state_dict())
 
 
-@needs_torchvision
 @pytest.mark.parametrize(("shift", "side"), [([0, 0], 8), ([2, 2], 8), ([2, 2], 10), ([2, 2], 4)])
 def test_window_attention_computes_what_swin_computes(shift, side):
     from torchvision.models.swin_transformer import ShiftedWindowAttention
@@ -77,7 +71,6 @@ def _stock_v2(shift: list[int], heads: int = 4):
     return swin
 
 
-@needs_torchvision
 @pytest.mark.parametrize(("shift", "side"), [([0, 0], 8), ([2, 2], 8), ([2, 2], 10), ([2, 2], 4)])
 def test_window_attention_v2_computes_what_swin_v2_computes(shift, side):
     swin = _stock_v2(shift)
@@ -91,7 +84,6 @@ def test_window_attention_v2_computes_what_swin_v2_computes(shift, side):
     assert list(ours.state_dict()) == list(swin.state_dict())
 
 
-@needs_torchvision
 def test_a_new_window_attention_v2_has_torchvision_s_tables_and_init():
     swin = _stock_v2([2, 2])
     ours = WindowAttentionV2(16, [4, 4], [2, 2], 4, 4)
@@ -158,7 +150,6 @@ def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@needs_torchvision
 def test_vit_heads_are_found_pruned_and_shrunk_exactly():
     model, x = _small_vit()
     found = discover(model, x)
@@ -187,7 +178,6 @@ def test_vit_heads_are_found_pruned_and_shrunk_exactly():
     assert before - _count(small) == 2 * per_layer
 
 
-@needs_torchvision
 @pytest.mark.slow
 def test_swin_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
     model, x = _small_swin()
@@ -215,7 +205,6 @@ def test_swin_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
     assert before - _count(small) == cut
 
 
-@needs_torchvision
 @pytest.mark.slow
 def test_swin_v2_heads_are_found_with_logit_scale_and_cpb_rows_pruned_and_shrunk_exactly():
     model, x = _small_swin_v2()
@@ -255,7 +244,6 @@ def test_swin_v2_heads_are_found_with_logit_scale_and_cpb_rows_pruned_and_shrunk
     assert before - _count(small) == cut
 
 
-@needs_torchvision
 @pytest.mark.parametrize("left", ["logit_scale", "cpb_mlp.2.weight"])
 def test_a_swin_v2_cut_that_leaves_out_a_per_head_part_is_refused_naming_the_module(left):
     model, x = _small_swin_v2()
@@ -327,7 +315,6 @@ def test_unsupported_mha_is_left_out_with_its_reason(kwargs, call, reason):
     exact_shrink(model, found.clusters, x)
 
 
-@needs_torchvision
 @pytest.mark.slow
 @pytest.mark.parametrize("build", [_small_vit, _small_swin, _small_swin_v2])
 def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
