@@ -89,14 +89,17 @@ def _kill(procs: Sequence[Any]) -> None:
         p.join(5)
 
 
-_PRELOAD = ["torch", "torch.distributed.tensor", "lightning_pat", "tests.common.dist"]
+_PRELOAD = ["torch", "torch.distributed.tensor", "lightning_pat", "lightning.pytorch", "tests.common.dist"]
 
 
 def _context() -> Any:
-    """A ``forkserver`` context whose server imports torch and lightning_pat once per test session.
+    """A ``forkserver`` context whose server imports torch, Lightning and lightning_pat once per test session.
 
     Each worker is then forked from that clean, single-threaded server: no per-worker import cost (several
-    seconds each on a small CI machine), and no fork of the pytest process itself.
+    seconds each on a small CI machine: ``lightning.pytorch`` alone took ~6 s per rank of every run before it was
+    preloaded), and no fork of the pytest process itself. Single-threaded because tests/conftest.py sets
+    ``OMP_NUM_THREADS=1`` before any process starts (with more, scipy's BLAS, imported by Lightning via
+    torchmetrics, starts a thread pool in the server).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
