@@ -2,8 +2,8 @@
 
 python blocks are executed, yaml blocks are run as LightningCLI configs, bash blocks line by line in one scratch
 directory (so `lightning-pat shrink` finds the checkpoint the `fit` line wrote); ``lightning-pat`` is run as
-``python -m lightning_pat.cli`` (the same entry point), a ``--help`` line through ``lightning_pat.cli:main`` in the
-test's own process. text blocks are sample output and are not run.
+``lightning_pat.cli:main`` (what the console script runs) in the test's own process: tests/test_console_script.py
+launches the installed script itself. text blocks are sample output and are not run.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.common.processes import in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -37,6 +39,8 @@ NOT_RUN = {
     "lightning-pat fit --config examples/configs/smollm2.yaml": "48 steps of the real model; the config runs on a tiny "
     "LM through the console script in tests/integration/test_lm_front_door.py",
     "python examples/prune_smollm2.py --size 100M --max_steps 48": "tests/test_examples.py runs it on a tiny LM",
+    "python examples/fsdp2_prune.py": "tests/test_examples.py::test_fsdp2_example_takes_sharded_path runs it (tiny "
+    "steps and data)",
 }
 TINY_FIT = [
     "--trainer.max_steps=2",
@@ -48,9 +52,8 @@ TINY_FIT = [
     "--data.max_bytes=50000",
     "--data.batch_size=4",
 ]
-TINY_SCRIPT = {
-    "examples/fsdp2_prune.py": ["--max_steps=4", "--warmup_steps=1", "--ramp_steps=2", "--max_bytes=50000"],
-}
+#: script -> the options that make a README ``python`` line tiny (none now: every such line is in NOT_RUN)
+TINY_SCRIPT: dict[str, list[str]] = {}
 
 
 def blocks(lang: str) -> list[str]:
@@ -163,29 +166,18 @@ def test_python_blocks_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(240)
-def test_yaml_block_runs(tmp_path):
+def test_yaml_block_runs(tmp_path, capfd, monkeypatch):
     (config,) = blocks("yaml")
     path = tmp_path / "readme.yaml"
     path.write_text(config)
-    out = run([sys.executable, "-m", "lightning_pat.cli", "fit", f"--config={path}", *TINY_FIT], tmp_path)
+    code, out = in_process(capfd, monkeypatch, tmp_path, "fit", f"--config={path}", *TINY_FIT)
+    assert code == 0, out[-3000:]
     assert "pruning/unit_sparsity=0.500" in out
 
 
-def help_in_this_process(args: list[str], capsys) -> str:
-    """A ``lightning-pat ... --help`` line through ``lightning_pat.cli:main`` in this process (one launch fewer)."""
-    from lightning_pat.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 0, args
-    return capsys.readouterr().out
-
-
 @pytest.mark.timeout(600)
-def test_bash_blocks_run(tmp_path, monkeypatch, capsys):
+def test_bash_blocks_run(tmp_path, monkeypatch, capfd):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    monkeypatch.chdir(tmp_path)  # for the --help lines run in this process; the others run with cwd=tmp_path
     ran = []
     for block in blocks("bash"):
         for line in block.splitlines():
@@ -193,15 +185,14 @@ def test_bash_blocks_run(tmp_path, monkeypatch, capsys):
             if not command or command in NOT_RUN:
                 continue
             args = shlex.split(command)
-            if args[0] == "lightning-pat" and "--help" in args:
-                assert "usage:" in help_in_this_process(args[1:], capsys), command
+            if args[0] == "lightning-pat":  # `lightning_pat.cli:main` in this process, from tmp_path
+                extra = TINY_FIT if args[1] == "fit" and "--help" not in args else []
+                code, out = in_process(capfd, monkeypatch, tmp_path, *args[1:], *extra)
+                assert code == 0, (command, out[-3000:])
+                assert "--help" not in args or "usage:" in out, command
                 ran.append(command)
                 continue
-            if args[0] == "lightning-pat":
-                args = [sys.executable, "-m", "lightning_pat.cli", *args[1:]]
-                if args[3] == "fit" and "--help" not in args:
-                    args += TINY_FIT
-            elif args[0] == "python":
+            if args[0] == "python":
                 args = [sys.executable, *args[1:], *TINY_SCRIPT[args[1]]]
             else:
                 raise AssertionError(f"README bash line neither run nor listed in NOT_RUN: {command!r}")
