@@ -5,9 +5,12 @@ process group through a ``FileStore``, runs ``fn(rank, world_size, *args)`` and 
 rank order. The first failure (an exception on any rank, a dead worker, or the deadline) kills every worker and
 fails the test with the rank's traceback.
 
-``run_rank_scripts(script, world_size)`` runs a Python script once per rank as plain subprocesses with the rank
-environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``) set, which
-is how Lightning expects to find already-launched ranks (so it never re-runs pytest).
+``run_rank_scripts(script, world_size)`` runs a Python script once per rank, as ``python script`` would run it
+(``__name__ == "__main__"``, its own ``sys.argv``, a scratch working directory, stdout and stderr into a log), with
+the rank environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``) set,
+which is how Lightning expects to find already-launched ranks (so it never re-runs pytest). Each rank is forked
+from the same preloaded server as :func:`run_distributed`'s, not started as a new interpreter: torch and Lightning
+are imported once per test session, not once per rank of every run.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import queue
 import random
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -252,13 +254,42 @@ def only_transport_errors(output: str) -> bool:
     return bool(errors) and all(is_transport_error(e) for e in errors)
 
 
+def _rank_script(script: str, args: Sequence[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """A forked rank: the environment, working directory, ``sys.argv`` and output of ``python script *args``."""
+    os.environ.clear()  # exactly the environment the test gave (the server's is from the session's start)
+    os.environ.update(env)
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter puts the script's folder first
+    code = 0
+    try:
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed into the rank's log, as the interpreter would
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown in a forked child (gloo's threads; see finish_worker)
+
+
 def _run_rank_scripts_once(
     script: str | Path, world_size: int, *, args: Sequence[str], timeout: float, env: dict[str, str] | None
 ) -> list[str]:
     port = free_port()
+    ctx = _context()
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world_size)]  # noqa: SIM115
+        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
         try:
             for rank in range(world_size):
                 rank_env = {
@@ -273,33 +304,25 @@ def _run_rank_scripts_once(
                     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                     "OMP_NUM_THREADS": "1",
                 }
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(script), *args],
-                        cwd=tmp,
-                        env=rank_env,
-                        stdout=logs[rank],
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+                p = ctx.Process(target=_rank_script, args=(str(script), list(args), rank_env, tmp, logs[rank]))
+                p.start()
+                procs.append(p)
             deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            while any(p.exitcode is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait(10)
+            _kill(procs)
             texts = []
-            for f in logs:
-                f.seek(0)
-                texts.append(f.read())
-                f.close()
-        codes = [p.returncode for p in procs]
+            for log in logs:
+                try:
+                    with open(log) as f:
+                        texts.append(f.read())
+                except FileNotFoundError:  # the rank died before it opened its log
+                    texts.append("")
+        codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes):
             timed_out = time.monotonic() > deadline
             what = f"timed out after {timeout}s" if timed_out else f"exit codes {codes}"
