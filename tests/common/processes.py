@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -76,6 +77,11 @@ def shell(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
+#: The loggers a fresh ``lightning-pat`` process prints, from this level: Lightning's own handlers at INFO; ours
+#: has none there, so Python's last-resort handler prints its warnings.
+LOGGERS = {"lightning.pytorch": logging.INFO, "lightning.fabric": logging.INFO, "lightning_pat": logging.WARNING}
+
+
 def in_process(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cwd: Path, *args: str
 ) -> tuple[int, str]:
@@ -91,6 +97,15 @@ def in_process(
 
     monkeypatch.chdir(cwd)
     saved = dict(os.environ)
+    # the log lines a fresh process prints (Lightning's and ours at INFO, on stderr), whatever earlier tests in this
+    # process did to these loggers and whatever pytest's log capture holds
+    handler = logging.StreamHandler(sys.stderr)
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    state = [(lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    for lg, level in zip(loggers, LOGGERS.values(), strict=True):
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = False, False
+        lg.addHandler(handler)
     capfd.readouterr()
     try:
         with warnings.catch_warnings():
@@ -102,5 +117,9 @@ def in_process(
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        for lg, (level, propagate, disabled) in zip(loggers, state, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
     out, err = capfd.readouterr()
     return (code if isinstance(code, int) else (0 if code is None else 1)), out + err
