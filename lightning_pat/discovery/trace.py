@@ -1,9 +1,10 @@
 """Trace a model into an ATen graph for :mod:`lightning_pat.discovery.entry` (``torch.export``, on the meta device).
 
-Supported ``nn.MultiheadAttention`` and torchvision Swin V1/V2 window attention modules are traced as the modules the
-shrink puts in their place (:mod:`lightning_pat.shrink.attention_modules`: the same parameters, the head count and
-head dim explicit), so the walk sees their heads; the per-head parameters such a module uses directly in its forward
-(Swin V2's ``logit_scale``) are listed in :attr:`Trace.per_head`, so the walk makes them members of the heads.
+Supported ``nn.MultiheadAttention``, torchvision Swin V1/V2 window attention and MaxViT attention modules are traced as
+the modules the shrink puts in their place (:mod:`lightning_pat.shrink.attention_modules`: the same parameters, the
+head count and head dim explicit), so the walk sees their heads; the per-head parameters such a module uses directly
+in its forward (Swin V2's ``logit_scale``) are listed in :attr:`Trace.per_head`, so the walk makes them members of the
+heads.
 
 The model is never run on real data: a *meta twin* (a deep copy whose parameters and buffers are meta tensors of
 the same global shapes, DTensors included) is exported non-strictly with meta example inputs, so tracing costs no

@@ -1,10 +1,10 @@
 """Attention checks of the shrink: an attention module must lose whole heads (or whole query groups), consistently.
 
 Attention modules (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads /
-whole query groups; ``nn.MultiheadAttention`` and torchvision's Swin V1 and V2 window attention are checked the same
-way, every per-head part included (the surgery then replaces them by modules of
-:mod:`lightning_pat.shrink.attention_modules`). Called by
-:func:`lightning_pat.shrink.edits.validate` before anything changes; nothing here changes a module.
+whole query groups; ``nn.MultiheadAttention``, torchvision's Swin V1 and V2 window attention and MaxViT's attention
+are checked the same way, every per-head part included (the surgery then replaces them by modules of
+:mod:`lightning_pat.shrink.attention_modules`). Called by :func:`lightning_pat.shrink.edits.validate` before anything
+changes; nothing here changes a module.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from torch import Tensor, nn
 
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.model_meta import is_gpt2_attention, is_llama_attention, module_kind
+
+#: Module kinds the surgery replaces by a module of ours (the model itself cannot be one).
+_REPLACED = ("mha", "window_attention", "window_attention_v2", "maxvit_attention")
 
 
 def _kept(edits: Mapping[int, Edit], module: nn.Module, attr: str, dim: int, length: int) -> Tensor:
@@ -157,6 +160,18 @@ def _check_window_attention_v2(name: str, attn: nn.Module, edits: Mapping[int, E
     _same_heads(where, heads)
 
 
+def _check_maxvit_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """MaxViT's attention: whole heads of to_qkv rows, merge columns and the bias table's columns, the same."""
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    table = attn.relative_position_bias_table
+    inner, num_heads = attn.merge.in_features, int(table.shape[1])
+    hd = inner // num_heads
+    heads = _qkv_heads(_kept(edits, attn.to_qkv, "weight", 0, attn.to_qkv.out_features), inner, hd, where)
+    heads["merge columns"] = _whole_heads(_kept(edits, attn.merge, "weight", 1, inner), hd, f"{where}, merge columns")
+    heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
+    _same_heads(where, heads)
+
+
 def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Check every attention module the edits touch: whole heads / whole query groups, the same in every part.
 
@@ -169,7 +184,7 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """
     for name, module in model.named_modules():
         kind = module_kind(module)
-        if not name and kind in ("mha", "window_attention", "window_attention_v2") and id(module) in edits:
+        if not name and kind in _REPLACED and id(module) in edits:
             raise ValueError(
                 f"Shrink: the model itself is a {type(module).__name__}, whose heads are cut by putting another "
                 "module in its place; wrap it in a container module to shrink it."
@@ -182,6 +197,8 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             id(m) in edits for m in (module, module.qkv, module.proj, module.cpb_mlp[-1])
         ):
             _check_window_attention_v2(name, module, edits)
+        elif kind == "maxvit_attention" and any(id(m) in edits for m in (module, module.to_qkv, module.merge)):
+            _check_maxvit_attention(name, module, edits)
         if is_llama_attention(module):
             parts = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
             if any(id(p) in edits for p in parts):

@@ -57,6 +57,7 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("mha", "in_proj_bias"): (0,),
     ("window_attention", "relative_position_bias_table"): (1,),
     ("window_attention_v2", "logit_scale"): (0,),
+    ("maxvit_attention", "relative_position_bias_table"): (1,),
     **CONV_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {

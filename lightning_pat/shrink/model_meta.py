@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_pat.shrink.attention_modules import (
     HeadsMultiheadAttention,
+    is_maxvit_attention,
     is_swin_attention,
     is_swin_v2_attention,
     mha_refusal,
@@ -47,6 +48,8 @@ def module_kind(module: nn.Module) -> str | None:
         return "window_attention"
     if is_swin_v2_attention(module):
         return "window_attention_v2"
+    if is_maxvit_attention(module):
+        return "maxvit_attention"
     return conv_kind(module)
 
 
@@ -189,6 +192,10 @@ def _int_attr(module: nn.Module, attr: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+#: Attention modules with a rule of their own (their head counts are never scaled from a query projection).
+_OWN_RULES = (is_llama_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention)
+
+
 def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tuple[nn.Module, nn.Linear, int]]:
     """``(attention, query projection, its out_features)`` for each hand-written attention whose projection is cut.
 
@@ -197,8 +204,8 @@ def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tupl
     """
     found = []
     for module in model.modules():
-        if any(f(module) for f in (is_llama_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention)):
-            continue  # Swin's window attention is replaced by the shrink (lightning_pat.shrink.attention_modules)
+        if any(f(module) for f in _OWN_RULES):
+            continue  # Swin and MaxViT attention: replaced by the shrink (lightning_pat.shrink.attention_modules)
         if not any(_int_attr(module, a) for a in HEAD_COUNTS):
             continue
         proj = next(

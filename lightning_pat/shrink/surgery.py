@@ -6,8 +6,8 @@ planned parameter and what may be cut there, :mod:`lightning_pat.shrink.edits`; 
 then rewrites: every owner gets its parameters' new data and its metadata (``nn.Linear`` features, ``Conv1D``
 ``nx/nf``, embedding width, norm shapes, a BatchNorm's running statistics, the convolutions of
 :mod:`lightning_pat.shrink.surgery_conv`); attention modules get their head counts updated, and
-``nn.MultiheadAttention`` and torchvision's Swin V1 and V2 window attention are replaced by modules of
-:mod:`lightning_pat.shrink.attention_modules` holding the same parameters (their stock forwards cannot run with fewer
+``nn.MultiheadAttention``, torchvision's Swin V1 and V2 window attention and MaxViT's attention are replaced by modules
+of :mod:`lightning_pat.shrink.attention_modules` holding the same parameters (their stock forwards cannot run with fewer
 heads); MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where uniform. The optimizer state
 is sliced in the same pass (:func:`~lightning_pat.shrink.optimizer_state.slice_optimizer_state`). See
 :mod:`lightning_pat.shrink` for the norms over a shrunk residual.
@@ -45,7 +45,7 @@ from lightning_pat.shrink.surgery_conv import CONV_KINDS, rewrite_conv
 log = logging.getLogger(__name__)
 
 #: Module kinds whose heads are cut by putting a module of :mod:`lightning_pat.shrink.attention_modules` in place.
-REPLACED_KINDS = ("mha", "window_attention", "window_attention_v2")
+REPLACED_KINDS = ("mha", "window_attention", "window_attention_v2", "maxvit_attention")
 
 
 class LayerNormShrinkWarning(PruningWarning):

@@ -29,8 +29,9 @@ from torch import nn
 #: Input side per model family (the first matching prefix wins); the rest take ``DEFAULT_SIZE``.
 SIZES: dict[str, int] = {"maxvit": 224, "inception": 80, "vit_h": 28, "vit": 32, "swin": 64}
 DEFAULT_SIZE = 64
-#: The CI subset: a residual CNN, a depthwise/SE net, a ViT, a Swin V1 and V2, a ShuffleNet (their cheapest members).
-CI_SUBSET = ("resnet18", "mobilenet_v3_small", "vit_b_32", "swin_t", "swin_v2_t", "shufflenet_v2_x0_5")
+#: The CI subset: a residual CNN, a depthwise/SE net, a ViT, a Swin V1 and V2, a ShuffleNet, a MaxViT (their cheapest
+#: members; maxvit_t is the slowest, about 17 s on one thread).
+CI_SUBSET = ("resnet18", "mobilenet_v3_small", "vit_b_32", "swin_t", "swin_v2_t", "shufflenet_v2_x0_5", "maxvit_t")
 #: Where ``make setup`` puts torchvision (``pip install --no-deps --target``).
 TORCHVISION_DIR = Path(
     os.environ.get("LPAT_TORCHVISION_DIR", Path(__file__).resolve().parents[2] / ".venv" / "torchvision")

@@ -1,6 +1,6 @@
 """torchvision's classification models (the CI subset of bench/bench_zoo.py, which runs the whole zoo): a residual
-CNN, a depthwise/squeeze-excite net, a ViT, a Swin V1, a Swin V2 and a ShuffleNet, random init with randomised norms,
-layer scales, class tokens and Swin V2's logit scales. Discovery, 50% pruning of every cluster,
+CNN, a depthwise/squeeze-excite net, a ViT, a Swin V1, a Swin V2, a ShuffleNet and a MaxViT, random init with
+randomised norms, layer scales, class tokens and Swin V2's logit scales. Discovery, 50% pruning of every cluster,
 ``shrink(..., example_input=found)`` (which runs and compares the shrunk model itself), and an independent comparison
 here (eval, fp32, rel < 1e-5); what each model leaves out, and why."""
 
@@ -69,6 +69,17 @@ def test_zoo_model_prunes_half_and_shrinks_exactly(name):
         assert len(found.clusters) == 36  # 12 blocks: heads, MLP, the continuous position bias MLP's hidden units
         assert [b.attn.num_heads for s in (1, 3, 5, 7) for b in small.features[s]] == [1, 1, 3, 3, *[6] * 6, 12, 12]
         assert not [r for rs in reasons.values() for r in rs if "logit_scale" in r or "expand_as" in r]
+    if name == "maxvit_t":  # window and grid attention heads with the bias table's columns (replaced on shrink)
+        heads = {c.name.removesuffix(".attn_layer.1.to_qkv"): c for c in found.clusters if c.name.endswith("to_qkv")}
+        per_stage = (2, 4, 8, 16)  # 64, 128, 256, 512 channels in heads of 32; 2, 2, 5, 2 layers of two attentions
+        assert sorted(c.num_units for c in heads.values()) == sorted(
+            h for h, n in zip(per_stage, (2, 2, 5, 2), strict=True) for _ in range(2 * n)
+        )
+        assert all(any(r.endswith(".relative_position_bias_table") for r in c.readers) for c in heads.values())
+        assert len(found.clusters) == 69  # 22 heads clusters; MBConv, squeeze-excite and MLP channels
+        kept = [small.get_submodule(f"{n}.attn_layer.1").n_heads for n in heads]
+        assert sorted(kept) == sorted(c.num_units // 2 for c in heads.values())
+        assert not [r for rs in reasons.values() for r in rs if "permute/reshape" in r or "einsum" in r]
 
 
 def test_discover_with_an_input_that_does_not_fit_says_so():

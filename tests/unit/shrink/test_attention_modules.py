@@ -1,7 +1,8 @@
-"""Heads of ``nn.MultiheadAttention`` and of torchvision's Swin V1/V2 window attention: found by discovery, cut by the
-shrink (the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding the same parameters), and
-the shrunk model equal to the masked one; the MHA configurations and calls that are not supported are left out with
-the reason. Small models built from torchvision's own classes (random init, randomised norms), eval, fp32."""
+"""Heads of ``nn.MultiheadAttention``, torchvision's Swin V1/V2 window attention and MaxViT's attention: found by
+discovery, cut by the shrink (the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding
+the same parameters), and the shrunk model equal to the masked one; the MHA configurations and calls that are not
+supported are left out with the reason. Small models built from torchvision's own classes (random init, randomised
+norms), eval, fp32."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, discover, prune_clusters, shrink
-from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttention, WindowAttentionV2
+from lightning_pat.shrink.attention_modules import (
+    HeadsMultiheadAttention,
+    MaxVitAttention,
+    WindowAttention,
+    WindowAttentionV2,
+)
 from lightning_pat.shrink.module_tree import describe, rebuild
 from tests.common import torchvision_zoo as zoo
 from tests.common.cnn_models import exact_shrink
@@ -106,6 +112,55 @@ def test_our_attention_modules_rebuild_from_the_pickle_free_format():
         for name in ("v1", "v2"):
             assert type(again[name]) is type(model[name])
             assert torch.equal(again[name](x), model[name](x)), name
+    maxvit = nn.ModuleDict({"attn": MaxVitAttention(16, 3, 4, 16)}).eval()
+    again = rebuild(*describe(maxvit))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert type(again["attn"]) is MaxVitAttention
+        assert torch.equal(again["attn"](x), maxvit["attn"](x))
+
+
+def _stock_maxvit(feat_dim: int = 32, head_dim: int = 8, seq: int = 16):
+    from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
+
+    torch.manual_seed(0)
+    stock = RelativePositionalMultiHeadAttention(feat_dim, head_dim, seq).eval()
+    with torch.no_grad():  # a bias table far from zero, so a wrong column would show
+        stock.relative_position_bias_table.normal_()
+    return stock
+
+
+@pytest.mark.parametrize(("feat_dim", "head_dim", "seq"), [(32, 8, 16), (24, 8, 9), (16, 16, 49)])
+def test_maxvit_attention_computes_what_maxvit_computes(feat_dim, head_dim, seq):
+    stock = _stock_maxvit(feat_dim, head_dim, seq)
+    ours = MaxVitAttention.adopt(stock)
+    assert (ours.to_qkv, ours.merge) == (stock.to_qkv, stock.merge)  # the modules themselves
+    assert ours.relative_position_bias_table is stock.relative_position_bias_table
+    assert (ours.n_heads, ours.head_dim, ours.scale_factor) == (feat_dim // head_dim, head_dim, feat_dim**-0.5)
+    x = torch.randn(2, 3, seq, feat_dim)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), stock(x), rtol=1e-6, atol=1e-6)
+    assert list(ours.state_dict()) == list(stock.state_dict())
+
+
+def test_a_new_maxvit_attention_has_torchvision_s_index_and_shapes():
+    stock = _stock_maxvit(32, 8, 16)
+    ours = MaxVitAttention(32, 4, 8, 16)
+    assert torch.equal(ours.relative_position_index, stock.relative_position_index)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in stock.state_dict().items()}
+    assert ours.scale_factor == stock.scale_factor
+    ours_cut = MaxVitAttention(32, 2, 8, 16)  # fewer heads: the scale stays the input width's
+    assert ours_cut.scale_factor == stock.scale_factor
+    assert ours_cut(torch.randn(1, 2, 16, 32)).shape == (1, 2, 16, 32)
+
+
+def test_maxvit_attention_adopts_only_whole_heads_of_torchvision_s_module():
+    with pytest.raises(ValueError, match="MaxVitAttention: cannot adopt Linear"):
+        MaxVitAttention.adopt(nn.Linear(4, 4))
+    stock = _stock_maxvit(32, 8, 16)
+    stock.merge = nn.Linear(20, 32)  # 20 columns: not 4 heads of one head dim, nor a third of to_qkv's rows
+    with pytest.raises(ValueError, match=r"to_qkv rows 96, merge columns 20 and 4 heads .* not whole heads"):
+        MaxVitAttention.adopt(stock)
 
 
 def _small_vit() -> tuple[nn.Module, torch.Tensor]:
@@ -133,6 +188,20 @@ def _small_swin_v2() -> tuple[nn.Module, torch.Tensor]:
         block=st.SwinTransformerBlockV2, downsample_layer=st.PatchMergingV2,
     )  # fmt: skip
     return zoo.randomize(model).eval(), torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _small_maxvit() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)  # 64x64: stem 32x32, then 16x16 and 8x8, partitions of 4x4 (window and grid attention)
+    model = tv.models.maxvit.MaxVit(
+        input_size=(64, 64), stem_channels=16, partition_size=4, block_channels=[16, 32], block_layers=[1, 1],
+        head_dim=8, stochastic_depth_prob=0.0, num_classes=10,
+    )  # fmt: skip
+    model = zoo.randomize(model)
+    with torch.no_grad():  # bias tables far from zero, so a wrong column would show
+        for name, p in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_()
+    return model.eval(), torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
 
 def _prune_and_shrink(model: nn.Module, x: torch.Tensor, clusters) -> tuple[nn.Module, float]:
@@ -263,6 +332,65 @@ def test_a_swin_v2_cut_that_leaves_out_a_per_head_part_is_refused_naming_the_mod
     assert model.features[3][1].attn.logit_scale.shape == (4, 1, 1)  # nothing changed
 
 
+_MAXVIT_ATTNS = [f"blocks.{b}.layers.0.layers.{p}_attention.attn_layer.1" for b in (0, 1) for p in ("window", "grid")]
+
+
+def test_maxvit_heads_are_found_with_the_bias_table_pruned_and_shrunk_exactly():
+    model, x = _small_maxvit()
+    found = discover(model, x)
+    heads = {c.name.removesuffix(".to_qkv"): c for c in found.clusters if c.name.endswith("to_qkv")}
+    assert {n: c.num_units for n, c in heads.items()} == dict(zip(_MAXVIT_ATTNS, (2, 2, 4, 4), strict=True))
+    p = "blocks.1.layers.0.layers.grid_attention.attn_layer.1."
+    assert heads[p[:-1]].writers == [f"{p}to_qkv.{w}[{i}:{i + 32}]" for w in ("weight", "bias") for i in (0, 32, 64)]
+    assert set(heads[p[:-1]].readers) == {f"{p}merge.weight", f"{p}relative_position_bias_table"}
+    small, rel = _prune_and_shrink(model, x, found.clusters)  # every cluster: heads, MLPs, MBConv, SE
+    assert rel < 1e-5
+    for name, heads_before in zip(_MAXVIT_ATTNS, (2, 2, 4, 4), strict=True):
+        attn = small.get_submodule(name)
+        assert isinstance(attn, MaxVitAttention)
+        assert (attn.n_heads, attn.head_dim) == (heads_before // 2, 8)
+        assert attn.relative_position_bias_table.shape == (49, heads_before // 2)
+        assert attn.scale_factor == attn.merge.out_features**-0.5  # the input width's, as before the cut
+    # the heads alone, on a fresh model: per attention of width C and H heads of 8, H/2 heads (d = C/2 channels) go:
+    # to_qkv 3*d rows of C and 3*d biases, merge d columns of C, the bias table H/2 columns of 49
+    model, x = _small_maxvit()
+    before = _count(model)
+    small, rel = _prune_and_shrink(model, x, list(heads.values()))
+    assert rel < 1e-5
+    cut = sum(2 * (3 * d * c + 3 * d + d * c + 49 * h) for c, d, h in ((16, 8, 1), (32, 16, 2)))
+    assert before - _count(small) == cut
+
+
+def test_a_maxvit_cut_that_leaves_out_the_bias_table_is_refused_naming_the_module():
+    model, x = _small_maxvit()
+    found = discover(model, x)
+    name = "blocks.1.layers.0.layers.grid_attention.attn_layer.1"
+    [heads] = [c for c in found.clusters if c.name == f"{name}.to_qkv"]
+    readers = [r for r in heads.readers if not r.endswith("relative_position_bias_table")]
+    cut = Cluster("heads", writers=heads.writers, readers=readers, num_units=4)
+    result = prune_clusters(model, [cut], 0.5, score="rms")
+    with pytest.raises(
+        ValueError,
+        match=rf"attention '{re.escape(name)}' \(RelativePositionalMultiHeadAttention\): the parts keep different heads"
+        r" \(.*relative_position_bias_table columns \[0, 1, 2, 3\].*\); prune them with one heads cluster",
+    ):
+        shrink(model, result)
+    assert model.get_submodule(name).relative_position_bias_table.shape == (49, 4)  # nothing changed
+
+
+def test_a_maxvit_cut_that_splits_a_head_is_refused_naming_the_module():
+    model, _ = _small_maxvit()
+    name = "blocks.0.layers.0.layers.window_attention.attn_layer.1"
+    writers = [f"{name}.to_qkv.weight[0:16]", f"{name}.to_qkv.bias[0:16]"]  # q channels, one by one
+    cut = Cluster("channels", writers=writers, readers=[f"{name}.merge.weight"], num_units=16)
+    result = prune_clusters(model, [cut], 0.25, score="rms")
+    with pytest.raises(
+        ValueError, match=rf"attention '{re.escape(name)}' .*q rows: 12 kept channels are not whole heads of head_dim 8"
+    ):
+        shrink(model, result)
+    assert model.get_submodule(name).to_qkv.out_features == 48  # nothing changed
+
+
 class _Block(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention, call: str = "self") -> None:
         super().__init__()
@@ -316,21 +444,23 @@ def test_unsupported_mha_is_left_out_with_its_reason(kwargs, call, reason):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [_small_vit, _small_swin, _small_swin_v2])
+@pytest.mark.parametrize("build", [_small_vit, _small_swin, _small_swin_v2, _small_maxvit])
 def test_a_shrunk_model_is_discovered_and_shrunk_again(build):
     model, x = build()
     found = discover(model, x)
     small, _ = _prune_and_shrink(model, x, found.clusters)
     again = discover(small, x)  # our modules traced as they are: heads of 2 (ViT, Swin's second stage) found again
-    names = ("self_attention", "attn.qkv", ".attn")
+    names = ("self_attention", "attn.qkv", ".attn", "to_qkv")
     heads = [c for c in again.clusters if c.name.endswith(names) and c.num_units == 2]
     assert len(heads) == 2
     smaller, rel = _prune_and_shrink(small, x, again.clusters)
     assert rel < 1e-5
     attns = [
-        m for m in smaller.modules() if isinstance(m, (HeadsMultiheadAttention, WindowAttention, WindowAttentionV2))
+        m
+        for m in smaller.modules()
+        if isinstance(m, (HeadsMultiheadAttention, WindowAttention, WindowAttentionV2, MaxVitAttention))
     ]
-    assert sorted(m.num_heads for m in attns) == [1] * len(attns)
+    assert sorted(getattr(m, "num_heads", getattr(m, "n_heads", 0)) for m in attns) == [1] * len(attns)
 
 
 def _masks(kinds: tuple[str | None, str | None], batch: int, length: int) -> dict[str, torch.Tensor | None]:
