@@ -131,14 +131,28 @@ def _check_mha(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     _same_heads(where, heads)
 
 
+def _packed_heads(
+    name: str, attn: nn.Module, qkv: nn.Linear, out: nn.Linear, out_name: str, num_heads: int,
+    edits: Mapping[int, Edit],
+) -> tuple[str, dict[str, Tensor]]:  # fmt: skip
+    """The error prefix and the kept heads of a packed ``qkv`` Linear's q, k, v rows and its output Linear's columns.
+
+    Shared by the window (Swin V1/V2) and MaxViT checks, which add their per-head parts before :func:`_same_heads`.
+    """
+    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
+    inner = out.in_features
+    hd = inner // num_heads
+    heads = _qkv_heads(_kept(edits, qkv, "weight", 0, qkv.out_features), inner, hd, where)
+    heads[f"{out_name} columns"] = _whole_heads(
+        _kept(edits, out, "weight", 1, inner), hd, f"{where}, {out_name} columns"
+    )
+    return where, heads
+
+
 def _check_window_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Swin's window attention: whole heads of qkv rows, proj columns and the bias table's columns, the same."""
-    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
-    table = attn.relative_position_bias_table
-    inner, num_heads = attn.proj.in_features, int(table.shape[1])
-    hd = inner // num_heads
-    heads = _qkv_heads(_kept(edits, attn.qkv, "weight", 0, attn.qkv.out_features), inner, hd, where)
-    heads["proj columns"] = _whole_heads(_kept(edits, attn.proj, "weight", 1, inner), hd, f"{where}, proj columns")
+    num_heads = int(attn.relative_position_bias_table.shape[1])
+    where, heads = _packed_heads(name, attn, attn.qkv, attn.proj, "proj", num_heads, edits)
     heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
     _same_heads(where, heads)
 
@@ -149,11 +163,8 @@ def _check_window_attention_v2(name: str, attn: nn.Module, edits: Mapping[int, E
     The kept heads must be the same in every part: q, k and v rows of ``qkv``, ``proj`` columns, the entries of
     ``logit_scale`` and the rows of ``cpb_mlp``'s last ``Linear`` (its columns, the hidden units, are free).
     """
-    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
-    num_heads, inner = int(attn.logit_scale.shape[0]), attn.proj.in_features
-    hd = inner // num_heads
-    heads = _qkv_heads(_kept(edits, attn.qkv, "weight", 0, attn.qkv.out_features), inner, hd, where)
-    heads["proj columns"] = _whole_heads(_kept(edits, attn.proj, "weight", 1, inner), hd, f"{where}, proj columns")
+    num_heads = int(attn.logit_scale.shape[0])
+    where, heads = _packed_heads(name, attn, attn.qkv, attn.proj, "proj", num_heads, edits)
     heads["logit_scale entries"] = _kept(edits, attn, "logit_scale", 0, num_heads)
     last = attn.cpb_mlp[-1]
     heads[f"cpb_mlp.{len(attn.cpb_mlp) - 1} rows"] = _kept(edits, last, "weight", 0, last.out_features)
@@ -162,12 +173,8 @@ def _check_window_attention_v2(name: str, attn: nn.Module, edits: Mapping[int, E
 
 def _check_maxvit_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     """MaxViT's attention: whole heads of to_qkv rows, merge columns and the bias table's columns, the same."""
-    where = f"Shrink: attention {name!r} ({type(attn).__name__})"
-    table = attn.relative_position_bias_table
-    inner, num_heads = attn.merge.in_features, int(table.shape[1])
-    hd = inner // num_heads
-    heads = _qkv_heads(_kept(edits, attn.to_qkv, "weight", 0, attn.to_qkv.out_features), inner, hd, where)
-    heads["merge columns"] = _whole_heads(_kept(edits, attn.merge, "weight", 1, inner), hd, f"{where}, merge columns")
+    num_heads = int(attn.relative_position_bias_table.shape[1])
+    where, heads = _packed_heads(name, attn, attn.to_qkv, attn.merge, "merge", num_heads, edits)
     heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
     _same_heads(where, heads)
 
