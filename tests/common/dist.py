@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.common.run_scripts import run_as_main
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -265,18 +267,7 @@ def _rank_script(script: str, args: Sequence[str], env: dict[str, str], cwd: str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter puts the script's folder first
-    code = 0
-    try:
-        import runpy
-
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed into the rank's log, as the interpreter would
-        traceback.print_exc()
-        code = 1
+    code = run_as_main(script, args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no interpreter teardown in a forked child (gloo's threads; see finish_worker)

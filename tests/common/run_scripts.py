@@ -14,30 +14,39 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import runpy
 import sys
 import traceback
+from collections.abc import Sequence
 
 #: Starts each result line.
 PREFIX = "RUN_SCRIPTS "
 
 
+def run_as_main(script: str, args: Sequence[str]) -> int:
+    """Run ``script`` as ``python script *args`` would in this process: its exit status (1 for an exception, whose
+    traceback goes to stderr). ``sys.argv`` and ``sys.path`` (the script's folder first) are restored afterwards."""
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the script's failure, the caller goes on
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = argv, path
+
+
 def run_one(script: str, args: list[str]) -> dict[str, object]:
     """``script`` run with ``args`` in this process; its exit status and output."""
     out, err = io.StringIO(), io.StringIO()
-    argv, path = sys.argv, list(sys.path)
-    sys.argv = [script, *args]
-    code: int
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # noqa: BLE001 - reported as the script's failure, the next script still runs
-            traceback.print_exc()
-            code = 1
-    sys.argv, sys.path[:] = argv, path
+        code = run_as_main(script, args)
     return {"script": script, "returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
