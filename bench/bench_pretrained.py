@@ -320,7 +320,7 @@ def heal(model: nn.Module, teacher: nn.Module | None, setup: Setup, args: argpar
     )  # fmt: skip
     t0 = time.perf_counter()
     trainer.fit(module, loader)
-    model.eval()
+    model.to(setup.device).eval()  # Lightning's teardown moves the module back to the CPU
     out: dict = {"heal_s": time.perf_counter() - t0, "step_s": statistics.median(module.times)}
     if module.curve:
         out["curve"] = module.curve
@@ -477,7 +477,7 @@ def shortgpt(model: nn.Module, setup: Setup, size: float) -> dict:
             x = args[0] if args else kwargs["hidden_states"]
             y = out[0] if isinstance(out, tuple) else out
             cos = F.cosine_similarity(x.flatten(0, -2).double(), y.flatten(0, -2).double(), dim=-1)
-            sums[i] += (1 - cos).sum()
+            sums[i] += float((1 - cos).sum())
             counts[i] += cos.numel()
 
         return fn
@@ -575,8 +575,8 @@ def _slice_layer(layer: nn.Module, keep_c: torch.Tensor, keep_g: torch.Tensor, n
     _slice_linear(m.gate_proj, keep_c, 0)
     _slice_linear(m.up_proj, keep_c, 0)
     _slice_linear(m.down_proj, keep_c, 1)
-    kv_rows = (keep_g[:, None] * hd + torch.arange(hd)).flatten()
-    q_rows = (keep_g[:, None] * (n_rep * hd) + torch.arange(n_rep * hd)).flatten()
+    kv_rows = (keep_g[:, None] * hd + torch.arange(hd, device=keep_g.device)).flatten()
+    q_rows = (keep_g[:, None] * (n_rep * hd) + torch.arange(n_rep * hd, device=keep_g.device)).flatten()
     _slice_linear(a.q_proj, q_rows, 0)
     _slice_linear(a.k_proj, kv_rows, 0)
     _slice_linear(a.v_proj, kv_rows, 0)

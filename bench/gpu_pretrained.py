@@ -46,6 +46,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seeds", default="0")
     p.add_argument("--parallel", type=int, default=4, help="runs sharing the GPU at once")
+    p.add_argument("--threads", type=int, default=4, help="CPU threads of each run (parallel x threads <= cores)")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which nothing new starts")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     return p.parse_args(argv)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     jsonl = out / "pretrained_gpu.jsonl"
     device = "cpu" if args.tiny else "cuda"
     steps, batch = (2, 2) if args.tiny else (args.steps, args.batch)
-    precision, threads = ("32-true", "1") if args.tiny else ("bf16-mixed", "4")
+    precision, threads = ("32-true", "1") if args.tiny else ("bf16-mixed", str(args.threads))
     common = ["--steps", str(steps), "--batch", str(batch), "--device", device, "--jsonl", str(jsonl),
               "--precision", precision, "--threads", threads]  # fmt: skip
     common += ["--quick", "--no-samples"] if args.tiny else []

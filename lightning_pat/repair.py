@@ -281,20 +281,22 @@ def refit_readers(
             report.skipped.setdefault(rc.name, "nothing dropped")
     for name, drop in channels.items():
         mod = grams.modules[name]
-        w = grams.weight[name].double()
         gram = grams.gram[name]
-        keep_mask = torch.ones(w.shape[1], dtype=torch.bool)
+        dev = gram.device  # the calibration activations' device: every matrix of the solve stays on it
+        w = grams.weight[name].double().to(dev)
+        drop = drop.to(dev)
+        keep_mask = torch.ones(w.shape[1], dtype=torch.bool, device=dev)
         keep_mask[drop] = False
         keep = torch.nonzero(keep_mask).flatten()
         g_ss = gram[keep][:, keep]
         lam = float(ridge) * float(g_ss.diagonal().mean()) if keep.numel() else 0.0
-        g_ss = g_ss + lam * torch.eye(keep.numel(), dtype=gram.dtype)
+        g_ss = g_ss + lam * torch.eye(keep.numel(), dtype=gram.dtype, device=dev)
         rhs = gram[keep] @ w.T  # [S, out] = G[S, :] W^T
         v_s = torch.linalg.solve(g_ss, rhs).T if keep.numel() else rhs.T  # [out, S]
         new = torch.zeros_like(w)
         new[:, keep] = v_s
         # rows another cut zeroed (a dropped layer's down_proj/o_proj, a dropped residual channel) stay zero
-        cut_rows = (mod.weight.detach() == 0).all(dim=1).cpu()
+        cut_rows = (mod.weight.detach() == 0).all(dim=1).to(dev)
         new[cut_rows] = 0.0
         masked = w.clone()
         masked[:, drop] = 0.0

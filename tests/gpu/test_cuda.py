@@ -36,3 +36,51 @@ def test_cuda_selection_matches_cpu(dtype):
     assert got.zeros == want.zeros
     for (name, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values(), strict=True):
         assert torch.equal(a, b.cpu()), name
+
+
+def test_cuda_refit_matches_cpu():
+    """refit_readers keeps its solve on the calibration device (it once built the ridge term on the CPU)."""
+    from torch import nn
+
+    from lightning_pat import Cluster
+    from lightning_pat.repair import calibrate_readers, refit_readers
+
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
+    gpu = copy.deepcopy(cpu).cuda()
+    hidden = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
+    batches = [torch.randn(64, 8) for _ in range(3)]
+    reports = []
+    for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        grams = calibrate_readers(net, hidden, [b.to(dev) for b in batches])
+        result = prune_clusters(net, hidden, 0.5)
+        reports.append(refit_readers(net, result, grams))
+    assert reports[1].modules == reports[0].modules == {"2": (16, 16)}
+    assert reports[1].error["2"][1] < reports[1].error["2"][0]
+    torch.testing.assert_close(gpu[2].weight.cpu(), cpu[2].weight, rtol=1e-4, atol=1e-6)
+
+
+def _bench_pretrained():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_pretrained.py"
+    spec = importlib.util.spec_from_file_location("bench_pretrained_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arm", ["act_mlp_refit", "act_refit", "mix_refit", "act_mlp_bias", "depth", "llmpruner",
+                                 "shortgpt", "tp_taylor", "ramp", "scratch"])  # fmt: skip
+def test_bench_pretrained_arms_on_cuda(arm):
+    """Every arm of bench/gpu_pretrained.py cuts, heals (bf16) and evaluates on CUDA (the quick model, 3 steps)."""
+    if arm.startswith("tp_"):
+        pytest.importorskip("torch_pruning")
+    bench = _bench_pretrained()
+    (rec,) = bench.main(["--one", arm, "--size", "0.75", "--quick", "--device", "cuda", "--precision", "bf16-mixed",
+                         "--steps", "3", "--batch", "4", "--no-samples", "--threads", "2"])  # fmt: skip
+    assert rec["device"] == "cuda"
+    assert rec["params"] < rec["dense_params"] * 0.8
+    assert 0 < rec["code"] < 10
+    assert 0 < rec["eng"] < 10
