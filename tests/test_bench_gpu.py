@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.common.bench_modules import load_bench
 from tests.common.lit_models import ends_mid_ramp
 
 pytest.importorskip("transformers")
@@ -16,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("gpu")
 
 
 def test_gpu_bench_tiny_on_cpu(tmp_path, capsys):
@@ -35,3 +32,27 @@ def test_gpu_bench_tiny_on_cpu(tmp_path, capsys):
     saved = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert saved["variants"].keys() == out["variants"].keys()
     assert "| variant | ms/step |" in capsys.readouterr().out
+
+
+def _load_pretrained():
+    return load_bench("gpu_pretrained")
+
+
+def test_gpu_pretrained_runs_option():
+    bench = _load_pretrained()
+    assert bench._runs("dense_heal:1,ramp:0.75") == [("dense_heal", 1.0), ("ramp", 0.75)]
+    assert bench._runs(None) == list(bench.RUNS)
+    with pytest.raises(SystemExit, match=r"--runs: 'rampp:0.5' is not ARM:SIZE"):
+        bench._runs("rampp:0.5")
+    with pytest.raises(SystemExit, match=r"--runs: 'ramp' is not ARM:SIZE"):
+        bench._runs("ramp")
+
+
+def test_gpu_pretrained_deadline_stops_runs_and_says_so(tmp_path, capsys):
+    """A run still going at --deadline is killed and reported as stopped, not as a failure (and not as a result)."""
+    bench = _load_pretrained()
+    records = bench.main(["--tiny", "--parallel", "2", "--deadline", "1.5", "--out", str(tmp_path)])
+    assert records == []
+    log = (tmp_path / "pretrained_gpu_table.md").read_text()
+    assert log.count("stopped at the deadline (not finished; no record)") == 2, log
+    assert "FAILED" not in log

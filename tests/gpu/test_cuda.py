@@ -10,6 +10,7 @@ import torch
 from lightning_pat import prune_clusters
 from lightning_pat.demo import preset as demo_preset
 from lightning_pat.demo.model import TinyGPT, TinyGPTConfig
+from tests.common.bench_modules import load_bench
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,24 +61,13 @@ def test_cuda_refit_matches_cpu():
     torch.testing.assert_close(gpu[2].weight.cpu(), cpu[2].weight, rtol=1e-4, atol=1e-6)
 
 
-def _bench_pretrained():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_pretrained.py"
-    spec = importlib.util.spec_from_file_location("bench_pretrained_cuda", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("arm", ["act_mlp_refit", "act_refit", "mix_refit", "act_mlp_bias", "depth", "llmpruner",
                                  "shortgpt", "tp_taylor", "ramp", "scratch"])  # fmt: skip
 def test_bench_pretrained_arms_on_cuda(arm):
     """Every arm of bench/gpu_pretrained.py cuts, heals (bf16) and evaluates on CUDA (the quick model, 3 steps)."""
     if arm.startswith("tp_"):
         pytest.importorskip("torch_pruning")
-    bench = _bench_pretrained()
+    bench = load_bench("bench_pretrained")
     (rec,) = bench.main(["--one", arm, "--size", "0.75", "--quick", "--device", "cuda", "--precision", "bf16-mixed",
                          "--steps", "3", "--batch", "4", "--no-samples", "--threads", "2"])  # fmt: skip
     assert rec["device"] == "cuda"

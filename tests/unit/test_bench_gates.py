@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.common.bench_modules import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_hard_concrete", ROOT / "bench" / "hard_concrete.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hc = _load()
+hc = load_bench("hard_concrete")
 
 
 @pytest.mark.parametrize("log_alpha", [-3.0, -0.5, 0.0, 1.0, 3.0])
