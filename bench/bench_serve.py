@@ -62,6 +62,7 @@ from lightning_pat import load_pretrained, presets, prune_clusters, save_pretrai
 from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 COMPARED = 16  # greedy tokens that must equal Hugging Face's
+VARIANTS = ("uniform", "per-layer", "per-layer-heads")
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -122,6 +123,20 @@ def calibration_batches(tokenizer, *, batches: int, seq: int) -> list[torch.Tens
     return [torch.tensor(ids[i : i + 2 * seq]).view(2, seq) for i in range(0, need, 2 * seq)]
 
 
+def cut_kv_groups(model, batches: list[torch.Tensor], *, keep: int):
+    """``model`` shrunk to ``keep`` KV groups in every layer (activation-scored): the ``per-layer-heads`` variant's
+    first step, since DeciLM has one query-head count for all layers (its KV groups may differ; ours do not)."""
+    kv = model.config.num_key_value_heads
+    if keep >= kv:
+        return model
+    policy = presets.llama(model, mlp=False, heads=True)
+    stats = calibrate(model, policy, batches)
+    small = shrink(model, prune_clusters(model, policy, 1 - keep / kv, score="activation", activations=stats))
+    if small.config.num_key_value_heads != keep:
+        raise RuntimeError(f"cut_kv_groups: kept {small.config.num_key_value_heads} KV groups, wanted {keep}")
+    return small
+
+
 def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list[dict]:
     """Dense, uniform and per-layer exports (one-shot, activation-scored) of the model in ``source``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,21 +148,25 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
     exports = [{"variant": "dense", "fraction": 1.0, "params": full, "dir": workdir / "dense", "decilm": False}]
     save_pretrained(dense, exports[0]["dir"], format=["hf", "gguf"], overwrite=True)
     del dense
+    kv_kept: dict[float, int] = {}  # the uniform cut's KV groups per size: what per-layer-heads keeps
     for fraction in args.sizes:
-        for variant in ("uniform", "per-layer"):
+        for variant in args.variants:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+            start = time.perf_counter()
+            target: float | int = fraction
             if variant == "uniform":
                 policy, extra, formats = presets.llama(model), {}, ["hf", "gguf"]
             else:
+                if variant == "per-layer-heads":  # first the uniform cut's KV groups, in every layer alike
+                    model, target = cut_kv_groups(model, batches, keep=kv_kept[fraction]), round(fraction * full)
                 policy, formats = presets.llama(model, heads=False, residual=True), ["decilm", "gguf"]
                 extra = {"target_widths": "ranked"}
             policy = aligned(policy, args.multiple_of)
-            start = time.perf_counter()
             stats = calibrate(model, policy, batches)
-            result = prune_clusters(
-                model, policy, target_params=fraction, score="activation", activations=stats, **extra
-            )
+            result = prune_clusters(model, policy, target_params=target, score="activation", activations=stats, **extra)
             small = shrink(model, result)
+            if variant == "uniform":
+                kv_kept[fraction] = small.config.num_key_value_heads
             directory = workdir / f"{variant}-{round(fraction * 100)}"
             save_pretrained(small, directory, format=formats, overwrite=True)
             params = sum(p.numel() for p in small.parameters())
@@ -155,6 +174,7 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
             print(
                 f"# {variant} {fraction:.0%}: {params:,} parameters ({params / full:.1%}), hidden "
                 f"{small.model.embed_tokens.embedding_dim}, MLP widths {widths[0]}..{widths[-1]}, "
+                f"{small.config.num_attention_heads}/{small.config.num_key_value_heads} heads, "
                 f"{time.perf_counter() - start:.0f} s",
                 flush=True,
             )
@@ -276,6 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=None, choices=["hf", "vllm", "llama_cpp"])
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.75, 0.5])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="uniform first")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
@@ -290,6 +311,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama, Hugging Face only")
     args = parser.parse_args()
+    if "per-layer-heads" in args.variants and args.variants[0] != "uniform":
+        parser.error("--variants: per-layer-heads keeps the uniform cut's KV groups, so list uniform first")
     torch.set_num_threads(args.threads)
     if args.quick:
         args.engines = args.engines or ["hf"]

@@ -1,0 +1,46 @@
+"""bench/bench_serve.py's ``per-layer-heads`` variant: KV groups cut alike in every layer, then ranked MLP widths,
+exported as DeciLM and read back exactly (the per-layer shape vLLM's DeciLM can hold with fewer heads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_pat import load_pretrained, presets, prune_clusters, save_pretrained, shrink
+from tests.common.bench_modules import load_bench
+
+pytest.importorskip("transformers")
+
+
+def test_per_layer_heads_variant_cuts_kv_groups_uniformly_and_exports_decilm(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    serve = load_bench("bench_serve")
+    source = serve.tiny_model_and_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(source)
+    batches = serve.calibration_batches(tok, batches=1, seq=32)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    full = sum(p.numel() for p in model.parameters())
+    assert serve.cut_kv_groups(model, batches, keep=2) is model  # nothing to cut: the model as it was
+    small = serve.cut_kv_groups(model, batches, keep=1)
+    assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (2, 1)
+    hd = small.config.head_dim
+    assert {layer.self_attn.k_proj.out_features for layer in small.model.layers} == {hd}
+    assert {layer.self_attn.q_proj.out_features for layer in small.model.layers} == {2 * hd}
+    policy = serve.aligned(presets.llama(small, heads=False, residual=True), 8)
+    stats = serve.calibrate(small, policy, batches)
+    result = prune_clusters(
+        small, policy, target_params=round(0.5 * full), score="activation", activations=stats, target_widths="ranked"
+    )
+    small = shrink(small, result)
+    assert sum(p.numel() for p in small.parameters()) <= round(0.5 * full)
+    save_pretrained(small, tmp_path / "d", format="decilm", tokenizer=tok)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["num_attention_heads"] == 2
+    assert {b["attention"]["n_heads_in_group"] for b in config["block_configs"]} == {2}
+    back = load_pretrained(tmp_path / "d")
+    ids = torch.tensor([tok("The return statement leaves the function.")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, small(ids).logits, rtol=1e-5, atol=1e-5)
