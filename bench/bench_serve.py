@@ -62,7 +62,7 @@ from lightning_pat import load_pretrained, presets, prune_clusters, save_pretrai
 from lightning_pat.scoring.activation import calibrate  # noqa: E402
 
 COMPARED = 16  # greedy tokens that must equal Hugging Face's
-VARIANTS = ("uniform", "per-layer", "per-layer-heads")
+VARIANTS = ("uniform", "per-layer", "per-layer-heads", "uniform-decilm")
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -154,8 +154,9 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
             start = time.perf_counter()
             target: float | int = fraction
-            if variant == "uniform":
-                policy, extra, formats = presets.llama(model), {}, ["hf", "gguf"]
+            if variant.startswith("uniform"):  # uniform-decilm: the same cut written as DeciLM (the engine's path)
+                policy, extra = presets.llama(model), {}
+                formats = ["hf", "gguf"] if variant == "uniform" else ["decilm", "gguf"]
             else:
                 if variant == "per-layer-heads":  # first the uniform cut's KV groups, in every layer alike
                     model, target = cut_kv_groups(model, batches, keep=kv_kept[fraction]), round(fraction * full)
@@ -184,7 +185,7 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
                     "fraction": fraction,
                     "params": params,
                     "dir": directory,
-                    "decilm": variant != "uniform",
+                    "decilm": "decilm" in formats,
                 }
             )
             del model, small, stats
