@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,15 +11,9 @@ from tests.common.lit_models import ends_mid_ramp
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    return load_bench("gpu")
-
 
 def test_gpu_bench_tiny_on_cpu(tmp_path, capsys):
-    bench = _load()
+    bench = load_bench("gpu")
     with ends_mid_ramp():  # the tiny run stops inside the ramp, and says so
         out = bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
     assert set(out["variants"]) == set(bench.VARIANTS)
@@ -34,12 +27,8 @@ def test_gpu_bench_tiny_on_cpu(tmp_path, capsys):
     assert "| variant | ms/step |" in capsys.readouterr().out
 
 
-def _load_pretrained():
-    return load_bench("gpu_pretrained")
-
-
 def test_gpu_pretrained_runs_option():
-    bench = _load_pretrained()
+    bench = load_bench("gpu_pretrained")
     assert bench._runs("dense_heal:1,ramp:0.75") == [("dense_heal", 1.0), ("ramp", 0.75)]
     assert bench._runs(None) == list(bench.RUNS)
     with pytest.raises(SystemExit, match=r"--runs: 'rampp:0.5' is not ARM:SIZE"):
@@ -50,7 +39,7 @@ def test_gpu_pretrained_runs_option():
 
 def test_gpu_pretrained_deadline_stops_runs_and_says_so(tmp_path, capsys):
     """A run still going at --deadline is killed and reported as stopped, not as a failure (and not as a result)."""
-    bench = _load_pretrained()
+    bench = load_bench("gpu_pretrained")
     records = bench.main(["--tiny", "--parallel", "2", "--deadline", "1.5", "--out", str(tmp_path)])
     assert records == []
     log = (tmp_path / "pretrained_gpu_table.md").read_text()

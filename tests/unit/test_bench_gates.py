@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.common.bench_modules import load_bench
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 hc = load_bench("hard_concrete")
 
