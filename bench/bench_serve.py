@@ -137,6 +137,28 @@ def cut_kv_groups(model, batches: list[torch.Tensor], *, keep: int):
     return small
 
 
+def cut_variant(model, variant: str, batches: list[torch.Tensor], *, fraction: float, kv_keep: int | None,
+                multiple_of: int):  # fmt: skip
+    """One variant's one-shot cut of ``model`` to ``fraction`` of its parameters (activation-scored): the shrunk model
+    and the export formats. ``kv_keep`` (``per-layer-heads`` only) is the uniform cut's KV-group count at that size."""
+    target: float | int = fraction
+    if variant.startswith("uniform"):  # uniform-decilm: the same cut written as DeciLM (the engine's path)
+        policy, extra = presets.llama(model), {}
+        formats = ["hf", "gguf"] if variant == "uniform" else ["decilm", "gguf"]
+    else:
+        if variant == "per-layer-heads":  # first the uniform cut's KV groups, in every layer alike
+            if kv_keep is None:
+                raise ValueError("cut_variant: per-layer-heads needs kv_keep, the uniform cut's KV groups")
+            full = sum(p.numel() for p in model.parameters())
+            model, target = cut_kv_groups(model, batches, keep=kv_keep), round(fraction * full)
+        policy, formats = presets.llama(model, heads=False, residual=True), ["decilm", "gguf"]
+        extra = {"target_widths": "ranked"}
+    policy = aligned(policy, multiple_of)
+    stats = calibrate(model, policy, batches)
+    result = prune_clusters(model, policy, target_params=target, score="activation", activations=stats, **extra)
+    return shrink(model, result), formats
+
+
 def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list[dict]:
     """Dense, uniform and per-layer exports (one-shot, activation-scored) of the model in ``source``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,19 +175,10 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
         for variant in args.variants:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
             start = time.perf_counter()
-            target: float | int = fraction
-            if variant.startswith("uniform"):  # uniform-decilm: the same cut written as DeciLM (the engine's path)
-                policy, extra = presets.llama(model), {}
-                formats = ["hf", "gguf"] if variant == "uniform" else ["decilm", "gguf"]
-            else:
-                if variant == "per-layer-heads":  # first the uniform cut's KV groups, in every layer alike
-                    model, target = cut_kv_groups(model, batches, keep=kv_kept[fraction]), round(fraction * full)
-                policy, formats = presets.llama(model, heads=False, residual=True), ["decilm", "gguf"]
-                extra = {"target_widths": "ranked"}
-            policy = aligned(policy, args.multiple_of)
-            stats = calibrate(model, policy, batches)
-            result = prune_clusters(model, policy, target_params=target, score="activation", activations=stats, **extra)
-            small = shrink(model, result)
+            small, formats = cut_variant(
+                model, variant, batches, fraction=fraction, kv_keep=kv_kept.get(fraction),
+                multiple_of=args.multiple_of,
+            )  # fmt: skip
             if variant == "uniform":
                 kv_kept[fraction] = small.config.num_key_value_heads
             directory = workdir / f"{variant}-{round(fraction * 100)}"
@@ -188,7 +201,7 @@ def build_exports(source: Path, workdir: Path, args: argparse.Namespace) -> list
                     "decilm": "decilm" in formats,
                 }
             )
-            del model, small, stats
+            del model, small
             gc.collect()
     return exports
 

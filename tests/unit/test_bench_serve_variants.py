@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lightning_pat import load_pretrained, presets, prune_clusters, save_pretrained, shrink
+from lightning_pat import load_pretrained, save_pretrained
 from tests.common.bench_modules import load_bench
 
 pytest.importorskip("transformers")
@@ -29,12 +29,13 @@ def test_per_layer_heads_variant_cuts_kv_groups_uniformly_and_exports_decilm(tmp
     hd = small.config.head_dim
     assert {layer.self_attn.k_proj.out_features for layer in small.model.layers} == {hd}
     assert {layer.self_attn.q_proj.out_features for layer in small.model.layers} == {2 * hd}
-    policy = serve.aligned(presets.llama(small, heads=False, residual=True), 8)
-    stats = serve.calibrate(small, policy, batches)
-    result = prune_clusters(
-        small, policy, target_params=round(0.5 * full), score="activation", activations=stats, target_widths="ranked"
-    )
-    small = shrink(small, result)
+    with pytest.raises(ValueError, match="per-layer-heads needs kv_keep"):
+        serve.cut_variant(model, "per-layer-heads", batches, fraction=0.5, kv_keep=None, multiple_of=8)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()  # the dense one again
+    small, formats = serve.cut_variant(model, "per-layer-heads", batches, fraction=0.5, kv_keep=1, multiple_of=8)
+    assert formats == ["decilm", "gguf"]
+    assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (2, 1)
+    assert len({layer.mlp.down_proj.in_features for layer in small.model.layers}) > 1  # ranked: widths per layer
     assert sum(p.numel() for p in small.parameters()) <= round(0.5 * full)
     save_pretrained(small, tmp_path / "d", format="decilm", tokenizer=tok)
     config = json.loads((tmp_path / "d" / "config.json").read_text())
