@@ -32,7 +32,9 @@ printed (a near-tie flips on rounding). The machine is shared with other jobs, s
 timings drift by up to 2x within minutes: vLLM and llama.cpp run in ``--rounds`` processes per export (default 2,
 the variants in reverse order in the second round), each timing ``--reps`` repetitions (default 3); llama.cpp
 holds every variant in one process and runs each prompt on each variant in turn. The table shows the best
-repetition (tokens/s: the highest; TTFT: the lowest), the least disturbed by other load; the JSON (``--results``)
+repetition (tokens/s: the highest; TTFT: the lowest), the least disturbed by other load, and ``paired vs dense``:
+per round, the export's best tokens/s over dense's in the same round, the median over rounds (the range in brackets):
+the drift between rounds cancels in it, so it is the ratio to read when rounds disagree. The JSON (``--results``)
 keeps every repetition and the medians. Hugging Face runs once (it gives the reference tokens).
 """
 
@@ -288,20 +290,30 @@ def tie_gaps(model, prompts: list[list[int]], tokens: list[list[int]], reference
     return gaps
 
 
+def paired_ratios(row: dict, base: dict) -> list[float]:
+    """Per round, a row's tokens/s over the dense row's of the same engine and round (the rounds run the exports back
+    to back, so each ratio compares runs minutes apart: the machine's drift over the whole run cancels)."""
+    return [a / b for a, b in zip(row["tokens_per_s_rounds"], base["tokens_per_s_rounds"], strict=True)]
+
+
 def table(rows: list[dict], prompts: int) -> str:
     dense = {r["engine"]: r for r in rows if r["variant"] == "dense"}
     lines = [
-        "| variant | params | engine | tokens/s | vs dense | TTFT ms | vs dense | = HF (16 tokens) | load s |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | params | engine | tokens/s | vs dense | paired vs dense | TTFT ms | vs dense | = HF (16 tokens) "
+        "| load s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = dense.get(r["engine"])
         speed = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         ttft = base["ttft_s"] / r["ttft_s"] if base else float("nan")
+        ratios = paired_ratios(r, base) if base else []
+        paired = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        paired += f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
         name = r["variant"] if r["variant"] == "dense" else f"{r['variant']} {r['fraction']:.0%}"
         lines.append(
             f"| {name} | {r['params'] / 1e6:.1f}M | {r['engine']} | {r['tokens_per_s']:.1f} | {speed:.2f}x | "
-            f"{r['ttft_s'] * 1e3:.1f} | {ttft:.2f}x | {r['agree']}/{prompts} | {r['load_s']:.1f} |"
+            f"{paired} | {r['ttft_s'] * 1e3:.1f} | {ttft:.2f}x | {r['agree']}/{prompts} | {r['load_s']:.1f} |"
         )
     return "\n".join(lines)
 

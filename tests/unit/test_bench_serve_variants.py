@@ -45,3 +45,23 @@ def test_per_layer_heads_variant_cuts_kv_groups_uniformly_and_exports_decilm(tmp
     ids = torch.tensor([tok("The return statement leaves the function.")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, small(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_table_pairs_each_round_with_dense_of_the_same_round():
+    serve = load_bench("bench_serve")
+    common = {"engine": "vllm", "agree": 16, "load_s": 1.0, "ttft_s": 0.1}
+    dense = {"variant": "dense", "fraction": 1.0, "params": 100e6, "tokens_per_s": 110.0,
+             "tokens_per_s_rounds": [110.0, 90.0, 100.0], **common}  # fmt: skip
+    small = {"variant": "uniform", "fraction": 0.5, "params": 50e6, "tokens_per_s": 190.0,
+             "tokens_per_s_rounds": [190.0, 180.0, 170.0], **common}  # fmt: skip
+    # by hand: 190/110 = 1.727, 180/90 = 2.0, 170/100 = 1.7; median 1.727; the best-of ratio is 190/110 = 1.727 too
+    assert serve.paired_ratios(small, dense) == pytest.approx([190 / 110, 2.0, 1.7])
+    row = serve.table([dense, small], 16).splitlines()[-1]
+    assert "| 1.73x | 1.73x (1.70-2.00) |" in row
+    small["tokens_per_s_rounds"] = [150.0, 200.0, 190.0]  # the best round of each falls in different rounds
+    small["tokens_per_s"] = 200.0
+    row = serve.table([dense, small], 16).splitlines()[-1]
+    assert "| 1.82x | 1.90x (1.36-2.22) |" in row  # best-of 200/110; paired median of 1.364, 2.222, 1.9
+    hf = {**small, "engine": "hf", "tokens_per_s_rounds": [200.0]}
+    hf_dense = {**dense, "engine": "hf", "tokens_per_s_rounds": [110.0]}
+    assert "| 1.82x | 1.82x |" in serve.table([hf_dense, hf], 16).splitlines()[-1]  # one round: no range
