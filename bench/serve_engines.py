@@ -15,6 +15,10 @@ one batch, llama.cpp one prompt after the other, as each is used; the best of ``
 step: per prompt the best repetition, the median over prompts), ``engine`` and its version. Several ``.gguf`` files
 are timed in one llama.cpp process, prompt by prompt in turn. EOS does not stop generation (every prompt yields
 ``max_tokens`` tokens); an untimed warm-up precedes the timed runs; llama.cpp keeps its KV cache in fp32.
+
+``--profile`` (vLLM): the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and, after the timed
+runs, one more generation of all prompts runs under ``torch.profiler``; the result's ``profile`` lists every op with
+its call count and self CPU time (ms), most time first: what two exports compute, op for op.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 
 
 def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
+    if args.profile:  # before vLLM is imported: its engine core then runs in this process, under the profiler
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -58,7 +64,20 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
             start = time.perf_counter()
             llm.generate([one], first, use_tqdm=False)
             ttft[i].append(time.perf_counter() - start)
-    return [_result("vllm", vllm.__version__, load_s, tokens, speeds, ttft)]
+    result = _result("vllm", vllm.__version__, load_s, tokens, speeds, ttft)
+    if args.profile:
+        result["profile"] = _profile(lambda: llm.generate(inputs, greedy, use_tqdm=False))
+    return [result]
+
+
+def _profile(run: Any) -> list[dict]:
+    """Every op ``run()`` calls: name, calls, self CPU ms, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    ops = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in prof.key_averages()]
+    return sorted(ops, key=lambda o: -o["self_cpu_ms"])
 
 
 def _result(engine: str, version: str, load_s: float, tokens: list, speeds: list, ttft: list[list[float]]) -> dict:
@@ -143,6 +162,7 @@ def main() -> None:
     parser.add_argument("--max_model_len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--trust_remote_code", action="store_true", help="vLLM: a DeciLM export's config class")
+    parser.add_argument("--profile", action="store_true", help="vLLM: in-process, and an op profile (see above)")
     parser.add_argument("--texts", help="llama_cpp: a JSON list of strings to tokenize with the GGUF's tokenizer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -54,3 +54,15 @@ def test_vllm_serves_a_decilm_export_with_per_layer_widths_as_hf_generates(tmp_p
     [result] = json.loads((tmp_path / "vllm.json").read_text())
     assert result["engine"] == "vllm"
     assert result["tokens"] == expected
+    assert "profile" not in result
+
+    # --profile: the same engine in this process, and one generation of every prompt under torch.profiler
+    proc = subprocess.run([*cmd, "--profile"], env=env, capture_output=True, text=True, timeout=800, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [profiled] = json.loads((tmp_path / "vllm.json").read_text())
+    assert profiled["tokens"] == expected
+    calls = {op["op"]: op["calls"] for op in profiled["profile"]}
+    steps, layers = 8, len(widths)  # one batch: a prefill step and 7 decode steps, each through every layer
+    assert calls["vllm::unified_attention_with_output"] == steps * layers
+    # per layer 4 matmuls (q/k/v fused, o, gate/up fused, down), and the LM head once per step
+    assert calls["_C::onednn_mm"] == steps * (4 * layers + 1)
