@@ -61,7 +61,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         "| variant | widths | params (M) | tokens/s (batch 32) |",
     ),
     "accumulation": (["bench_accumulation.py", "--repeats", "1"], "| weight dtype | shape | channel dim |"),
-    "serve": (["bench_serve.py", "--quick"], "| variant | params | engine | tokens/s | vs dense | paired vs dense | TTFT ms |"),
+    "serve": (["bench_serve.py", "--quick"], "| variant | params | engine | tokens/s | vs dense | paired vs dense |"),
     "oneshot-units": (
         ["bench_oneshot_units.py", "--quick", "--sizes", "0.75", "--scores", "activation"],
         "| units | size | score | allocation | params | held-out loss | vs dense | widths |",
