@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="llama-shrunk-"))
     save_pretrained(model, out, overwrite=True)  # model.save_pretrained(out), plus what a stock config cannot express
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no lightning_pat code
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # stock transformers
     with torch.no_grad():
         diff = float((reloaded(x).logits - masked).abs().max())
     print(f"saved to {out}; reloaded with AutoModelForCausalLM: max |logits - masked logits| = {diff:.1e}")

@@ -46,7 +46,7 @@ def token_ids(model_dir: Path, max_bytes: int | None) -> torch.Tensor:
     """The fine-tuning text as token ids: the checkpoint's tokenizer if it has one, else bytes."""
     train, _ = stdlib_bytes(max_bytes=max_bytes)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError):  # no tokenizer files: a byte-level model such as the stand-in
         return train
     return torch.tensor(tokenizer(bytes(train.tolist()).decode(errors="replace"))["input_ids"])
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model_dir = args.model_dir or write_stand_in(Path(tempfile.mkdtemp(prefix="stand-in-")) / "checkpoint")
     output_dir = args.output_dir or model_dir.with_name(model_dir.name + "-pruned")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)  # 1. load
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False)  # 1. load
     dense_params = sum(p.numel() for p in model.parameters())
     loader = DataLoader(
         ByteWindows(token_ids(model_dir, args.max_bytes), args.seq_len),

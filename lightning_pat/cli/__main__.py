@@ -4,4 +4,5 @@ import sys
 
 from lightning_pat.cli.app import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing this module (e.g. a class path read from a file) runs nothing
+    sys.exit(main())

@@ -157,11 +157,21 @@ def model_from_config(config: str | Path) -> LightningModule:
         parsed = parser.parse_object({"model": section})
         return parser.instantiate_classes(parsed).model
     except Exception as err:  # noqa: BLE001 - jsonargparse's errors and the model's own: one line naming the file
-        text = str(err).strip().splitlines()
+        cause = root_cause(err)  # jsonargparse wraps the model's own error in "Does not validate against ..."
+        text = str(cause).strip().splitlines()
         raise ValueError(
             f"{config}: cannot build the model {section['class_path']!r} from its init_args "
-            f"({type(err).__name__}: {text[0] if text else err})."
+            f"({type(cause).__name__}: {text[0] if text else cause})."
         ) from None
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The first error of a chain (``__cause__``, else ``__context__``): the model's own, under jsonargparse's."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
 
 
 def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:

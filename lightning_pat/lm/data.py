@@ -251,11 +251,10 @@ class TextFiles(pl.LightningDataModule):
                     "LightningModule with a `tokenizer` attribute (lightning_pat.lm.CausalLM)."
                 )
         if isinstance(tok, (str, Path)):
-            from transformers import AutoTokenizer
-
             from lightning_pat.lm.module import resolve_pretrained
+            from lightning_pat.shrink.hf_loader import load_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(resolve_pretrained(str(tok)))
+            tok = load_tokenizer(resolve_pretrained(str(tok)), what="TextFiles(tokenizer=...)")
         return tok
 
     def setup(self, stage: str | None = None) -> None:

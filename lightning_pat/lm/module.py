@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.lm.smollm2 import smollm2_dir
+from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,11 @@ class CausalLM(pl.LightningModule):
             )
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"CausalLM: `dtype` must name a torch dtype such as 'float32', got {dtype!r}.")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.save_hyperparameters()
         source = resolve_pretrained(pretrained)
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
-        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        what = "CausalLM(pretrained=...)"
+        self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype))
+        self.tokenizer = load_tokenizer(source, what=what)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.min_lr_ratio = warmup_steps, schedule, min_lr_ratio
         self.export, self.export_overwrite = export, export_overwrite

@@ -100,11 +100,13 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
                 f"smollm2_dir: reading {SMOLLM2_GGUF} needs the {needed!r} package; `{_INSTALL}`."
             )
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer
 
     log.info("smollm2_dir: converting %s to an fp32 Hugging Face directory at %s", gguf, directory)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = load_causal_lm(gguf.parent, what="smollm2_dir", gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = load_tokenizer(gguf.parent, what="smollm2_dir", gguf_file=gguf.name)
     config = quantized.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)

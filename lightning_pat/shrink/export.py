@@ -27,7 +27,7 @@ directory. ``transformers`` is imported only when a Hugging Face export is read 
 Example::
 
     small = lightning_pat.shrink(model, trainer_callback)
-    lightning_pat.shrink.export.save_pretrained(small, "out/small")
+    lightning_pat.save_pretrained(small, "out/small")
     again = lightning_pat.load_pretrained("out/small")
 """
 
@@ -48,6 +48,7 @@ from torch import nn
 from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
 from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
+from lightning_pat.shrink.hf_loader import load_hf_class
 from lightning_pat.shrink.llama_layout import read_layout
 from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
 
@@ -297,7 +298,7 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"load_pretrained: {directory} holds neither config.json nor {SIZES_FILE}; pass a directory written by "
-            "lightning_pat.shrink.export.save_pretrained or by a transformers model's save_pretrained."
+            "lightning_pat.save_pretrained or by a transformers model's save_pretrained."
         )
     import transformers
 
@@ -312,7 +313,7 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     if entry is None:
         arch = (config.get("architectures") or [None])[0]
         cls = _hf_class(transformers, arch) if arch else transformers.AutoModelForCausalLM
-        return cls.from_pretrained(directory, use_safetensors=True)
+        return load_hf_class(cls, directory, what="load_pretrained", use_safetensors=True)
     if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
         version = entry.get("version") if isinstance(entry, Mapping) else entry
         raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")

@@ -8,24 +8,40 @@ what unpickling a module does (``cls.__new__`` and the module's attribute dict),
 no constructor runs, no function named in the file is called.
 
 Classes are allow-listed (:func:`resolve_class`): a class the caller passes in ``classes``, or an ``nn.Module``
-subclass (a dataclass for configs, a dict subclass for mappings) defined in a module under ``torch.nn``,
-``lightning_pat``, ``transformers`` or ``lightning``,
-found by importing exactly that module and checked before anything is built. A user's own class (defined in a
-script, a notebook or a package of theirs) is passed by the caller: ``load_pretrained(dir, classes=[MyNet])``.
+subclass (a dataclass for configs, a dict subclass for mappings) defined in one of the model modules of
+:data:`MODEL_MODULES` (``torch.nn.modules.*``, transformers' ``models.<family>.modeling_*``/``configuration_*`` and
+``activations``, lightning_pat's own model modules, Lightning's ``AttributeDict``). The path is checked against that
+list before anything is imported: a module outside it (a ``__main__``, a script, any other module of an allowed
+package) is never imported. A user's own class (defined in a script, a notebook or a package of theirs) is passed by
+the caller: ``load_pretrained(dir, classes=[MyNet])``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-ALLOWED_MODULE_PREFIXES = ("torch.nn", "lightning_pat", "transformers", "lightning", "pytorch_lightning")
-"""Modules whose ``nn.Module`` subclasses (and dataclasses) an export may name without being passed ``classes``."""
+MODEL_MODULES: tuple[str, ...] = (
+    r"torch\.nn\.modules\.[a-z_]+",
+    r"transformers\.models\.[a-z0-9_]+\.(modeling|configuration)_[a-z0-9_]+",
+    r"transformers\.(activations|modeling_utils|configuration_utils)",
+    r"lightning_pat\.demo\.(model|task)",
+    r"lightning_pat\.lm\.module",
+    r"lightning_pat\.shrink\.(mha|window|maxvit)_attention",
+    r"lightning_pat\.shrink\.depth",
+    r"lightning_pat\.core\.(schedule|spec\.declaration)",
+    r"lightning\.fabric\.utilities\.data",
+    r"(lightning\.pytorch|pytorch_lightning)\.utilities\.parsing",
+)
+"""The modules (full-match patterns) whose ``nn.Module`` subclasses, dataclasses and dict subclasses an export may
+name without being passed ``classes``; no other module named in a file is ever imported."""
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
@@ -37,6 +53,11 @@ class UnsupportedStateError(ValueError):
 def class_path(cls: type) -> str:
     """``module.QualName`` of a class."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_module(name: str) -> bool:
+    """Whether ``name`` is one of :data:`MODEL_MODULES` (the only modules a file's class path may import)."""
+    return any(re.fullmatch(pattern, name) for pattern in MODEL_MODULES)
 
 
 def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | None = nn.Module) -> type:
@@ -51,7 +72,7 @@ def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | No
         The class.
 
     Raises:
-        ValueError: If the path names a module outside :data:`ALLOWED_MODULE_PREFIXES` (and no passed class), is not
+        ValueError: If the path names a module outside :data:`MODEL_MODULES` (and no passed class), is not
             importable, or the object is not a subclass of ``base`` (a dataclass) defined under that path.
     """
     if not isinstance(path, str) or not path:
@@ -62,22 +83,22 @@ def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | No
     kind = f"an {base.__module__}.{base.__qualname__} subclass" if base is not None else "a dataclass"
     parts = path.split(".")
     modules = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]  # longest module name first
-    allowed = [m for m in modules if any(m == p or m.startswith(p + ".") for p in ALLOWED_MODULE_PREFIXES)]
+    allowed = [m for m in modules if model_module(m)]
     if not allowed:
         raise ValueError(
-            f"load_pretrained: the export names the class {path!r}, which is not in a module lightning_pat imports "
-            f"by itself ({', '.join(ALLOWED_MODULE_PREFIXES)}). If you trust it, pass the class: "
-            f"load_pretrained(directory, classes=[{parts[-1]}])."
+            f"load_pretrained: the export names the class {path!r}, which is not in a model module lightning_pat "
+            f"imports by itself (torch.nn.modules, transformers' model files, lightning_pat's models). If you trust "
+            f"it, pass the class: load_pretrained(directory, classes=[{parts[-1]}])."
         )
-    obj: Any = None
-    for module_name in allowed:  # the longest importable module name, then attributes (nested classes)
+    module_name = allowed[0]  # the longest allowed module name, then attributes (nested classes)
+    obj: Any = sys.modules.get(module_name)
+    if obj is None:
         try:
             obj = importlib.import_module(module_name)
         except ImportError:
-            continue
-        for attr in parts[module_name.count(".") + 1 :]:
-            obj = getattr(obj, attr, None)
-        break
+            obj = None
+    for attr in parts[module_name.count(".") + 1 :]:
+        obj = getattr(obj, attr, None)
     ok = isinstance(obj, type) and class_path(obj) == path
     ok = ok and (issubclass(obj, base) if base is not None else dataclasses.is_dataclass(obj))
     if not ok:
@@ -216,7 +237,7 @@ def rebuild(
     Args:
         description: What :func:`describe` returned (read from JSON).
         tensors: The stored tensors (read from safetensors).
-        classes: Classes allowed besides those of :data:`ALLOWED_MODULE_PREFIXES`.
+        classes: Classes allowed besides those of :data:`MODEL_MODULES`.
 
     Returns:
         The module (same classes, attributes, parameter ties and ``requires_grad`` flags).

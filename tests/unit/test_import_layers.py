@@ -90,6 +90,7 @@ SHRINK_THIRD_PARTY = {
     EXPORT: ("transformers", "safetensors"),
     f"{PKG}.shrink.gguf": ("gguf",),
     f"{PKG}.shrink.decilm_config": ("transformers",),
+    f"{PKG}.shrink.hf_loader": ("transformers",),
 }
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")

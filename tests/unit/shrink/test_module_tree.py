@@ -56,7 +56,8 @@ def test_refusals():
     ):
         describe(Holder())
     with pytest.raises(ValueError, match="is not an torch.nn.modules.module.Module subclass"):
-        resolve_class("torch.nn.functional.relu")
-    with pytest.raises(ValueError, match="not in a module lightning_pat imports by itself"):
-        resolve_class("subprocess.Popen")
+        resolve_class("torch.nn.modules.activation.ReLU.forward")
+    for path in ("torch.nn.functional.relu", "subprocess.Popen"):
+        with pytest.raises(ValueError, match="not in a model module lightning_pat imports by itself"):
+            resolve_class(path)
     assert resolve_class("torch.nn.modules.linear.Linear") is nn.Linear
