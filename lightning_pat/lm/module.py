@@ -18,6 +18,7 @@ Example (YAML, ``lightning-pat fit --config examples/configs/smollm2.yaml``)::
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from pathlib import Path
@@ -27,7 +28,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_pat.lm.sharding import shard_causal_lm
 from lightning_pat.lm.smollm2 import smollm2_dir
+from lightning_pat.parallel.comm.dcp import full_state_dict
+from lightning_pat.parallel.comm.dtensor import is_dtensor
 from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,6 +85,12 @@ class CausalLM(pl.LightningModule):
         export_overwrite: Replace an earlier export in ``export`` (otherwise a non-empty directory is refused at fit
             start, before any step).
         dtype: The dtype the weights are loaded in (``"float32"``, ``"bfloat16"``).
+        activation_checkpointing: Recompute every decoder layer's activations in the backward (less memory, about
+            a third more compute), on one device and under ``ModelParallelStrategy``.
+
+    Under ``ModelParallelStrategy`` (``--trainer.strategy=ModelParallelStrategy``), :meth:`configure_model` shards
+    the model itself (:func:`lightning_pat.lm.sharding.shard_causal_lm`: FSDP2 per decoder layer, tensor parallel for
+    the Llama family), and the export at the end of fit gathers the weights once onto global rank 0, which writes it.
 
     Raises:
         ValueError: If an option is out of range, or ``export`` is a non-empty directory without
@@ -99,6 +109,7 @@ class CausalLM(pl.LightningModule):
         export: str | None = None,
         export_overwrite: bool = False,
         dtype: str = "float32",
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -118,10 +129,19 @@ class CausalLM(pl.LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.min_lr_ratio = warmup_steps, schedule, min_lr_ratio
         self.export, self.export_overwrite = export, export_overwrite
+        self.activation_checkpointing = activation_checkpointing
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Token ids ``[B, T]`` -> logits ``[B, T, V]``."""
         return self.model(input_ids=input_ids).logits
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: shard the model (once; see :mod:`lightning_pat.lm.sharding`)."""
+        mesh = self._device_mesh
+        if mesh is not None and not any(is_dtensor(p) for p in self.model.parameters()):
+            shard_causal_lm(self.model, mesh, activation_checkpointing=self.activation_checkpointing)
+        elif mesh is None and self.activation_checkpointing and not self.model.is_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Next-token loss of ``self(x)`` (the pruning callback's distillation hooks it); logs ``train_loss``."""
@@ -141,7 +161,7 @@ class CausalLM(pl.LightningModule):
             if dataloader_idx == 1
             else f"val_loss_{dataloader_idx}"
         )
-        self.log(name, loss, prog_bar=dataloader_idx == 0, add_dataloader_idx=False)
+        self.log(name, loss, prog_bar=dataloader_idx == 0, add_dataloader_idx=False, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -176,10 +196,25 @@ class CausalLM(pl.LightningModule):
         from lightning_pat import save_pretrained, shrink
 
         callback = pruning_callback(self.trainer)
+        model = self.model
+        if any(is_dtensor(p) for p in model.parameters()):
+            model = self._gathered()  # every rank gathers; only global rank 0 gets the weights (None elsewhere)
+            if model is None:
+                return
         if callback is not None:
-            shrink(self.model, callback)  # returns at once if shrink_on_freeze already cut the model
+            shrink(model, callback)  # returns at once if shrink_on_freeze already cut the model
         if self.trainer.is_global_zero:
             # the tokenizer goes into the same atomic directory as the weights
-            save_pretrained(self.model, self.export, overwrite=self.export_overwrite, tokenizer=self.tokenizer)
+            save_pretrained(model, self.export, overwrite=self.export_overwrite, tokenizer=self.tokenizer)
             log.info("CausalLM: exported %s parameters and the tokenizer to %s",
-                     f"{sum(p.numel() for p in self.model.parameters()):,}", Path(self.export))  # fmt: skip
+                     f"{sum(p.numel() for p in model.parameters()):,}", Path(self.export))  # fmt: skip
+
+    def _gathered(self) -> Any:
+        """A plain copy of the sharded model with its full weights on global rank 0 (``None`` on the other ranks)."""
+        state = full_state_dict(self.model)  # collective: every rank calls it
+        if not self.trainer.is_global_zero:
+            return None
+        plain = type(self.model)(copy.deepcopy(self.model.config)).to(next(iter(state.values())).dtype)
+        plain.load_state_dict(state)
+        plain.config._name_or_path = self.model.config._name_or_path
+        return plain.eval()

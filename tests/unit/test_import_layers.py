@@ -77,7 +77,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 #: the package whose modules may import torch.distributed and call collectives (one job per module)
 COMM = f"{PKG}.parallel.comm"
-TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task"}
+TORCH_DISTRIBUTED_OK = {f"{PKG}.parallel.fsdp1", f"{PKG}.demo.task", f"{PKG}.lm.sharding"}
 DTENSOR_TYPES_OK = {f"{PKG}.parallel.executors.sharded", f"{PKG}.parallel.placement"}
 DTENSOR_TYPE_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh")
 LIGHTNING_OK_FLOORS = {"cli", "demo", "lm"}

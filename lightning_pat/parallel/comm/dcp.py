@@ -1,7 +1,7 @@
-"""Distributed checkpoint I/O (``torch.distributed.checkpoint``): a sharded load, and a safe read in one process.
+"""Distributed checkpoint I/O (``torch.distributed.checkpoint``): a sharded load, a full gather, a safe read.
 
-:func:`load_sharded_` is collective (every rank of the checkpoint's group calls it); :func:`read_distributed_checkpoint`
-needs no process group and runs no code from the files.
+:func:`load_sharded_` and :func:`full_state_dict` are collective (every rank of the group calls them);
+:func:`read_distributed_checkpoint` needs no process group and runs no code from the files.
 """
 
 from __future__ import annotations
@@ -22,6 +22,19 @@ def load_sharded_(state: dict[str, Any], path: Any) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     load(state, checkpoint_id=path)
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of an FSDP2/TP-sharded ``module``, on the CPU of global rank 0 only.
+
+    Every rank must call this (it gathers one parameter at a time); ranks other than 0 get an empty dict, so no rank
+    but the writer ever holds the whole model, and none holds the optimizer state.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(module, options=options)
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def _dcp_metadata_global(module: str, name: str) -> bool:

@@ -1,0 +1,58 @@
+"""lightning_pat.lm.sharding: what FSDP2/TP sharding of a Hugging Face causal LM refuses before anything is sharded.
+
+The sharding itself runs under ModelParallelStrategy in ``tests/integration/test_lm_sharded.py`` (gloo, 2 ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from lightning_pat.lm.sharding import check_tensor_parallel, decoder_layers
+
+
+def llama(heads: int = 4, kv: int = 2, ff: int = 32) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=ff, num_hidden_layers=3, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=4, vocab_size=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_the_decoder_layers_are_the_models_no_split_modules():
+    model = llama()
+    assert decoder_layers(model) == list(model.model.layers)
+
+
+def test_tensor_parallel_splits_whole_heads_and_kv_groups_or_refuses_with_the_counts():
+    check_tensor_parallel(llama(), 2)  # 4 heads, 2 KV heads, 32 channels: whole units on each of 2 ranks
+    with pytest.raises(ValueError, match=r"'num_key_value_heads': 2\}.*do not divide by 4"):
+        check_tensor_parallel(llama(heads=4, kv=2), 4)
+    with pytest.raises(ValueError, match=r"\{'intermediate_size': 30\} do not divide by 4"):
+        check_tensor_parallel(llama(heads=4, kv=4, ff=30), 4)
+
+
+def test_tensor_parallel_is_for_the_llama_family():
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="needs a Llama-family layer"):
+        check_tensor_parallel(model, 2)
+
+
+def test_activation_checkpointing_on_one_device_recomputes_the_same_gradients(tmp_path):
+    import torch
+
+    from lightning_pat.lm import CausalLM
+    from tests.common.tiny_lm import tiny_lm_dir
+
+    source = tiny_lm_dir(tmp_path)
+    plain, checkpointed = CausalLM(str(source)), CausalLM(str(source), activation_checkpointing=True)
+    for module in (plain, checkpointed):
+        module.configure_model()  # no device mesh: one device
+        module.model.train()
+    assert checkpointed.model.is_gradient_checkpointing
+    assert not plain.model.is_gradient_checkpointing
+    x = torch.randint(0, plain.model.config.vocab_size, (2, 12))
+    for module in (plain, checkpointed):
+        module(x).float().pow(2).mean().backward()
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), checkpointed.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
