@@ -30,9 +30,10 @@ from torch import Tensor
 
 from lightning_pat.lm.sharding import shard_causal_lm
 from lightning_pat.lm.smollm2 import smollm2_dir
+from lightning_pat.lm.weights import empty_model, load_weights
 from lightning_pat.parallel.comm.dcp import full_state_dict
 from lightning_pat.parallel.comm.dtensor import is_dtensor
-from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer
+from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class CausalLM(pl.LightningModule):
         dtype: The dtype the weights are loaded in (``"float32"``, ``"bfloat16"``).
         activation_checkpointing: Recompute every decoder layer's activations in the backward (less memory, about
             a third more compute), on one device and under ``ModelParallelStrategy``.
+        empty_init: Build the model with its parameters on the meta device (nothing allocated) and read the
+            weights in :meth:`configure_model`, after sharding, each rank only its own shards
+            (:mod:`lightning_pat.lm.weights`): for a model larger than one rank's memory. Needs a local directory
+            with safetensors weights.
 
     Under ``ModelParallelStrategy`` (``--trainer.strategy=ModelParallelStrategy``), :meth:`configure_model` shards
     the model itself (:func:`lightning_pat.lm.sharding.shard_causal_lm`: FSDP2 per decoder layer, tensor parallel for
@@ -110,6 +115,7 @@ class CausalLM(pl.LightningModule):
         export_overwrite: bool = False,
         dtype: str = "float32",
         activation_checkpointing: bool = False,
+        empty_init: bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -124,7 +130,11 @@ class CausalLM(pl.LightningModule):
         self.save_hyperparameters()
         source = resolve_pretrained(pretrained)
         what = "CausalLM(pretrained=...)"
-        self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype))
+        if empty_init:
+            refuse_remote_code(source, what=what)
+            self.model = empty_model(source, dtype=getattr(torch, dtype), what=what)
+        else:
+            self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype))
         self.tokenizer = load_tokenizer(source, what=what)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.min_lr_ratio = warmup_steps, schedule, min_lr_ratio
@@ -142,6 +152,9 @@ class CausalLM(pl.LightningModule):
             shard_causal_lm(self.model, mesh, activation_checkpointing=self.activation_checkpointing)
         elif mesh is None and self.activation_checkpointing and not self.model.is_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if any(p.is_meta for p in self.model.parameters()):  # empty_init: each rank reads its own shards now
+            device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+            load_weights(self.model, self.model.config._name_or_path, device=device, what="CausalLM(empty_init=True)")
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Next-token loss of ``self(x)`` (the pruning callback's distillation hooks it); logs ``train_loss``."""

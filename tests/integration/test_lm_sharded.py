@@ -5,7 +5,8 @@ The reference is the single-process run of the same config: with a learning rate
 a few 1e-6 in the few steps, so the ``rms`` scores and thus the selection of every run are the single process's,
 and the exports (cut to the kept units) must have the same shapes and, within 1e-4, the same weights. A selection
 that differed between ranks or from the single process would cut other rows and columns: weights apart by O(1).
-Each export loads with stock ``AutoModelForCausalLM.from_pretrained`` and generates.
+Each export loads with stock ``AutoModelForCausalLM.from_pretrained`` and generates. ``empty_init``: the model built
+with its parameters on meta, each rank reading only its shards after ``fully_shard``, trains to the same export.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ LAYOUTS = {
                  "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1"],
     "tp-x2": ["--trainer.devices=2", "--trainer.strategy=ModelParallelStrategy",
               "--trainer.strategy.data_parallel_size=1", "--trainer.strategy.tensor_parallel_size=2"],
+    "fsdp2-x2-empty-init": ["--trainer.devices=2", "--trainer.strategy=ModelParallelStrategy",
+                            "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1",
+                            "--model.init_args.empty_init=true"],
 }  # fmt: skip
 
 
@@ -77,7 +81,7 @@ def test_the_sharded_fits_select_what_one_process_selects_and_export_the_same_mo
     reference = load_file(exports["one-process"] / "model.safetensors")
     full = load_file(tiny_lm_dir(exports["one-process"].parent) / "model.safetensors")
     assert sum(t.numel() for t in reference.values()) < 0.8 * sum(t.numel() for t in full.values())  # really cut
-    for name in ("fsdp2-x2", "tp-x2"):
+    for name in ("fsdp2-x2", "tp-x2", "fsdp2-x2-empty-init"):
         weights = load_file(exports[name] / "model.safetensors")
         assert sorted(weights) == sorted(reference), name
         for key, tensor in reference.items():
