@@ -8,7 +8,8 @@ batches and ``W`` the dense weight, the kept columns that minimise ``E || W x - 
 
     W'_S = W G[:, S] (G[S, S] + lambda I)^-1        (lambda = ridge * mean(diag G[S, S]))
 
-(the normal equations of the least-squares problem; ``ridge`` keeps a singular ``G[S, S]`` solvable). The dropped
+(the normal equations of the least-squares problem; ``ridge`` keeps a singular ``G[S, S]`` solvable, and a system
+that stays singular, such as kept inputs that are all zero, is refused naming the reader). The dropped
 columns stay exactly zero, so :func:`~lightning_pat.shrink` cuts the model as before and the shape is unchanged:
 a stock Hugging Face config still describes it. This is the layer-wise reconstruction of structured post-training
 pruning (a kept-columns update as in FLAP's and SlimGPT's compensation, without a bias term, which the stock Llama
