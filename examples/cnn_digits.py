@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pat import CoupledPruningCallback, discover, shrink
+from lightning_pat.demo.threads import use_cpu_threads
 
 
 def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--target_sparsity", type=float, default=0.5)
     parser.add_argument("--speed_reps", type=int, default=30)
     args = parser.parse_args(argv)
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
     _, test = digits()
 
     print(discover(Classifier(), torch.zeros(2, 1, 8, 8)).table())

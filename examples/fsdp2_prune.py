@@ -13,6 +13,7 @@ moves one packed vector of per-unit partial scores between ranks and never gathe
 from __future__ import annotations
 
 import argparse
+import os
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.demo import StdlibText, TinyGPTModule
+from lightning_pat.demo.threads import use_cpu_threads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args(argv)
+    line = use_cpu_threads(processes=args.devices if args.accelerator == "cpu" else 1)  # the ranks share the CPUs
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line)
 
     pruning = CoupledPruningCallback(
         "tiny_gpt", 0.5, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps, executor="sharded"

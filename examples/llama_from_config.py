@@ -21,6 +21,7 @@ import torch
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.cli import StepProgressBar
 from lightning_pat.demo import CausalLMModule, StdlibText
+from lightning_pat.demo.threads import use_cpu_threads
 
 CONFIG = {
     "model_type": "llama",
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--max_bytes", type=int, default=None, help="cap the data (tests)")
     parser.add_argument("--output_dir", default=None, help="where to save the shrunk model (default: a temp dir)")
     args = parser.parse_args(argv)
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
 
     pl.seed_everything(0)
     module = CausalLMModule(CONFIG)

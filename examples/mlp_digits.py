@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pat import CoupledPruningCallback
+from lightning_pat.demo.threads import use_cpu_threads
 
 
 def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--ramp_steps", type=int, default=250)
     parser.add_argument("--target_sparsity", type=float, default=0.75)
     args = parser.parse_args(argv)
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
     _, test = digits()
 
     dense = fit(args, [])

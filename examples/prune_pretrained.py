@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from lightning_pat import CoupledPruningCallback, load_pretrained, save_pretrained, shrink
 from lightning_pat.cli import StepProgressBar
 from lightning_pat.demo import ByteWindows, stdlib_bytes
+from lightning_pat.demo.threads import use_cpu_threads
 
 
 def write_stand_in(directory: Path) -> Path:
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--max_bytes", type=int, default=300_000)
     args = parser.parse_args(argv)
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
     pl.seed_everything(0)
 
     model_dir = args.model_dir or write_stand_in(Path(tempfile.mkdtemp(prefix="stand-in-")) / "checkpoint")

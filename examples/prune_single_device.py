@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.cli import StepProgressBar
 from lightning_pat.demo import StdlibText, TinyGPTModule
+from lightning_pat.demo.threads import use_cpu_threads
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--preset_options", type=json.loads, default={"mlp": True, "heads": True})
     parser.add_argument("--max_bytes", type=int, default=None, help="cap the data (tests)")
     args = parser.parse_args(argv)
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
 
     pl.seed_everything(0)
     pruning = CoupledPruningCallback(

@@ -25,6 +25,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_pat import OneShotPruningCallback, presets, prune_clusters, save_pretrained, shrink, size_clusters
+from lightning_pat.cli import StepProgressBar
+from lightning_pat.demo.threads import use_cpu_threads
 from lightning_pat.lm import CausalLM, TextFiles
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
@@ -87,18 +89,28 @@ def report(name: str, model: torch.nn.Module, data: TextFiles, tokenizer, new_to
     }  # fmt: skip
 
 
+def say(text: str) -> None:
+    """A progress line, shown at once (the steps between them take minutes on a CPU)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
 def main() -> None:
     args = parse()
+    print(use_cpu_threads())  # never more threads than free CPUs (OMP_NUM_THREADS wins)
+    say(f"loading {args.pretrained!r} and its tokenizer")
     module = CausalLM(args.pretrained, lr=args.lr, warmup_steps=min(4, args.max_steps))
     data = TextFiles(
         tokenizer=module.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size, val_windows=args.val_windows,
         train_chars=args.train_chars,
     )  # fmt: skip
+    say("tokenizing the text files (cached after the first run)")
     data.setup()
+    say(f"the dense model: held-out loss on 2 x {args.val_windows} windows and {len(PROMPTS)} greedy generations")
     dense = report("dense", module.model, data, module.tokenizer, args.new_tokens)
     train = iter(data.train_dataloader())
     calibration = [next(train)[0] for _ in range(args.calibration_batches)]
     decls = presets.llama(module, query_heads=args.query_heads)
+    say(f"sizing to {args.size}: the activation score on {len(calibration)} calibration batches")
     sized = size_clusters(module, decls, target_params=args.size, calibration=calibration)
     print(f"size: {sized.size.describe()}")
     if args.max_steps == 0:  # the one-shot cut on the calibration data, no healing
@@ -106,17 +118,19 @@ def main() -> None:
         shrink(module, result)
         losses = []
     else:
-        pruning = OneShotPruningCallback(sized.clusters, warmup_steps=min(args.warmup_steps, args.max_steps - 1),
-                                         shrink_on_freeze=True)  # fmt: skip
+        warmup = min(args.warmup_steps, args.max_steps - 1)
+        pruning = OneShotPruningCallback(sized.clusters, warmup_steps=warmup, shrink_on_freeze=True)
         losses_cb = _Losses()
         trainer = pl.Trainer(
             max_steps=args.max_steps, accelerator=args.accelerator, logger=False, enable_checkpointing=False,
-            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[pruning, losses_cb],
+            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[pruning, losses_cb, StepProgressBar()],
         )  # fmt: skip
         module.train()  # the reports above left it in eval mode
+        say(f"training {args.max_steps} steps: {warmup} scoring the units, the cut, then healing the small model")
         trainer.fit(module, datamodule=data)
         shrink(module, pruning)  # already small (shrink_on_freeze): returned as it is
         losses = losses_cb.losses
+    say("the pruned model: the same held-out loss and generations")
     pruned = report("pruned", module.model, data, module.tokenizer, args.new_tokens)
     print()
     print(

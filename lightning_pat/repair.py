@@ -8,7 +8,8 @@ batches and ``W`` the dense weight, the kept columns that minimise ``E || W x - 
 
     W'_S = W G[:, S] (G[S, S] + lambda I)^-1        (lambda = ridge * mean(diag G[S, S]))
 
-(the normal equations of the least-squares problem; ``ridge`` keeps a singular ``G[S, S]`` solvable). The dropped
+(the normal equations of the least-squares problem; ``ridge`` keeps a singular ``G[S, S]`` solvable, and a system
+that stays singular, such as kept inputs that are all zero, is refused naming the reader). The dropped
 columns stay exactly zero, so :func:`~lightning_pat.shrink` cuts the model as before and the shape is unchanged:
 a stock Hugging Face config still describes it. This is the layer-wise reconstruction of structured post-training
 pruning (a kept-columns update as in FLAP's and SlimGPT's compensation, without a bias term, which the stock Llama
@@ -30,7 +31,8 @@ module, ``I`` its input features), ``I^2`` float64 values and a copy of its weig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,8 @@ from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import unit_channels
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
+
+_FLOAT32_SAFE = 1e37  # max|x|^2 * rows below this: a batch's float32 Gram cannot overflow (float32 max ~3.4e38)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class ReaderGrams(TrainingForwardHooks):
         self.gram: dict[str, Tensor] = {}
         self.rows: dict[str, int] = {}
         self.weight: dict[str, Tensor] = {}
+        self.batch: int | None = None  # the index of the calibration batch running now (named by the errors)
 
     def hooked_modules(self) -> Mapping[str, nn.Module]:
         """The reader modules."""
@@ -128,12 +133,26 @@ class ReaderGrams(TrainingForwardHooks):
                     "process. Calibrate and refit before sharding the model (fully_shard / parallelize_module)."
                 )
             x = x.reshape(-1, x.shape[-1])
-            xf = x.float()
+            where = f"reader {name!r}" + (f" (calibration batch {self.batch})" if self.batch is not None else "")
+            amax = float(x.abs().amax()) if x.numel() else 0.0
+            if not math.isfinite(amax):
+                raise ValueError(
+                    f"calibrate_readers: {where}: its input holds values that are not finite (NaN or Inf); no "
+                    "statistics are returned. Calibrate on batches whose forward stays finite (check the inputs and "
+                    "the model)."
+                )
+            # float32 products are exact enough and fast; where their sum could overflow float32, float64
+            xf = x.float() if amax * amax * x.shape[0] < _FLOAT32_SAFE else x.double()
             gram = (xf.T @ xf).double()
-            if name in self.gram:
-                self.gram[name] += gram
-            else:
-                self.gram[name] = gram
+            total = self.gram[name] + gram if name in self.gram else gram
+            if not bool(torch.isfinite(total.diagonal()).all()):  # |G_ij| <= sqrt(G_ii G_jj): the diagonal bounds it
+                raise ValueError(
+                    f"calibrate_readers: {where}: the Gram matrix of its inputs is not finite (inputs up to "
+                    f"{amax:.3g} overflow float64 when squared and summed); no statistics are returned. Calibrate on "
+                    "batches whose activations are in a usable range."
+                )
+            self.gram[name] = total
+            if name not in self.weight:
                 self.weight[name] = mod.weight.detach().clone()
             self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
@@ -171,7 +190,8 @@ def calibrate_readers(
         The statistics.
 
     Raises:
-        ValueError: If a declaration is invalid, no batch reached a reader, or a reader is a DTensor.
+        ValueError: If a declaration is invalid, no batch reached a reader, a reader is a DTensor, or a reader's
+            input (or its Gram matrix, summed in float64) is not finite; the error names the reader and the batch.
 
     Example::
 
@@ -182,8 +202,15 @@ def calibrate_readers(
         (torch.Size([8, 8]), 32)
     """
     grams = ReaderGrams(model, ensure_resolved(model, clusters))
+
+    def numbered() -> Iterator[Any]:
+        for i, batch in enumerate(batches):
+            grams.batch = i
+            yield batch
+
     with grams.collecting():
-        run_batches(model, batches, forward=forward)
+        run_batches(model, numbered(), forward=forward)
+    grams.batch = None
     grams.check_seen()
     return grams
 
@@ -239,7 +266,10 @@ def refit_readers(
 
     Raises:
         ValueError: If ``ridge`` is negative or not a number, ``result`` names a cluster the statistics do not
-            know, or a reader's weight changed shape since calibration; nothing is mutated then.
+            know, a reader's weight changed shape since calibration, or a reader's system is singular (its kept
+            inputs all zero; ``ridge=0`` with fewer calibration rows than kept columns or a never-nonzero kept
+            column; numerically singular), naming the reader, its rows and kept columns and the fix. Every reader
+            is solved before any is written, so nothing is mutated then.
 
     Example::
 
@@ -279,30 +309,65 @@ def refit_readers(
     for rc in grams.clusters:
         if not dropped.get(rc.name):
             report.skipped.setdefault(rc.name, "nothing dropped")
-    for name, drop in channels.items():
+    solved = {name: _solve(name, drop, grams, ridge=ridge) for name, drop in channels.items()}  # all, then write
+    for name, (new, error, kept) in solved.items():
         mod = grams.modules[name]
-        gram = grams.gram[name]
-        dev = gram.device  # the calibration activations' device: every matrix of the solve stays on it
-        w = grams.weight[name].double().to(dev)
-        drop = drop.to(dev)
-        keep_mask = torch.ones(w.shape[1], dtype=torch.bool, device=dev)
-        keep_mask[drop] = False
-        keep = torch.nonzero(keep_mask).flatten()
-        g_ss = gram[keep][:, keep]
-        lam = float(ridge) * float(g_ss.diagonal().mean()) if keep.numel() else 0.0
-        g_ss = g_ss + lam * torch.eye(keep.numel(), dtype=gram.dtype, device=dev)
-        rhs = gram[keep] @ w.T  # [S, out] = G[S, :] W^T
-        v_s = torch.linalg.solve(g_ss, rhs).T if keep.numel() else rhs.T  # [out, S]
-        new = torch.zeros_like(w)
-        new[:, keep] = v_s
-        # rows another cut zeroed (a dropped layer's down_proj/o_proj, a dropped residual channel) stay zero
-        cut_rows = (mod.weight.detach() == 0).all(dim=1).to(dev)
-        new[cut_rows] = 0.0
-        masked = w.clone()
-        masked[:, drop] = 0.0
-        masked[cut_rows] = 0.0
-        report.error[name] = (_relative_error(w, masked, gram), _relative_error(w, new, gram))
         with torch.no_grad():
             mod.weight.copy_(new.to(dtype=mod.weight.dtype, device=mod.weight.device))
-        report.modules[name] = (int(keep.numel()), int(drop.numel()))
+        report.error[name] = error
+        report.modules[name] = (kept, int(channels[name].numel()))
     return report
+
+
+def _solve(name: str, drop: Tensor, grams: ReaderGrams, *, ridge: float) -> tuple[Tensor, tuple[float, float], int]:
+    """Reader ``name``'s refit weight (float64), its errors before and after, and its kept column count.
+
+    Raises a ``ValueError`` naming the reader if its system is singular (the caller has written nothing yet).
+    """
+    mod = grams.modules[name]
+    gram = grams.gram[name]
+    dev = gram.device  # the calibration activations' device: every matrix of the solve stays on it
+    w = grams.weight[name].double().to(dev)
+    drop = drop.to(dev)
+    keep_mask = torch.ones(w.shape[1], dtype=torch.bool, device=dev)
+    keep_mask[drop] = False
+    keep = torch.nonzero(keep_mask).flatten()
+    g_ss = gram[keep][:, keep]
+    diag = g_ss.diagonal()
+    lam = float(ridge) * float(diag.mean()) if keep.numel() else 0.0
+    rows, k = grams.rows[name], int(keep.numel())
+    why = fix = None
+    dead = torch.nonzero(diag == 0).flatten().tolist()
+    if k and len(dead) == k:
+        why = "those inputs are all zero on the calibration data (dead inputs, or all-zero batches)"
+        fix = "Calibrate on batches that reach them (more or other calibration tokens); a ridge cannot help here"
+    elif lam == 0 and (rows < k or dead):
+        why = (
+            f"ridge=0 leaves the system singular (kept input columns {dead[:4]} are never nonzero)"
+            if dead
+            else "ridge=0 leaves the system singular with fewer rows than columns"
+        )
+        fix = f"Calibrate on more tokens (at least {k} rows reaching every kept column) or pass ridge > 0 (e.g. 1e-4)"
+    g_ss = g_ss + lam * torch.eye(k, dtype=gram.dtype, device=dev)
+    rhs = gram[keep] @ w.T  # [S, out] = G[S, :] W^T
+    v_s = rhs.T
+    if why is None and k:
+        sol, info = torch.linalg.solve_ex(g_ss, rhs)
+        if int(info) != 0 or not bool(torch.isfinite(sol).all()):
+            why = "the system is numerically singular"
+            fix = "Calibrate on more tokens, or pass a larger ridge (e.g. 1e-2)"
+        v_s = sol.T  # [out, S]
+    if why is not None:
+        raise ValueError(
+            f"refit_readers: reader {name!r}: {rows} calibration rows for {k} kept input columns, and {why}; no "
+            f"reader was changed. {fix}."
+        )
+    new = torch.zeros_like(w)
+    new[:, keep] = v_s
+    # rows another cut zeroed (a dropped layer's down_proj/o_proj, a dropped residual channel) stay zero
+    cut_rows = (mod.weight.detach() == 0).all(dim=1).to(dev)
+    new[cut_rows] = 0.0
+    masked = w.clone()
+    masked[:, drop] = 0.0
+    masked[cut_rows] = 0.0
+    return new, (_relative_error(w, masked, gram), _relative_error(w, new, gram)), k

@@ -1,8 +1,10 @@
 """Issue 23 (D3): every Python block of docs/*.md runs as written, or says why it does not.
 
 The blocks of one page run in order in one namespace (a page reads top to bottom, like a notebook), in a scratch
-directory. A block that cannot run here is preceded by ``<!-- not run: <reason> -->`` on the line before its fence
-(the reason must be given); indented blocks (inside a list item) are dedented first.
+directory, with the demo not imported (``tests/common/isolation.py``): a page that names the ``tiny_gpt`` preset
+imports ``lightning_pat.demo`` itself, as a reader's fresh interpreter needs it to. A block that cannot run here is
+preceded by ``<!-- not run: <reason> -->`` on the line before its fence (the reason must be given); indented blocks
+(inside a list item) are dedented first.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.common.isolation import without_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -49,7 +53,8 @@ def test_python_blocks_of_a_page_run(page, tmp_path, monkeypatch):
         if reason is not None:
             assert reason.strip(), f"{page.name} block {i}: `not run` needs a reason"
             continue
-        exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)  # noqa: S102 - our own docs
+        with without_demo():
+            exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)  # noqa: S102 - our own docs
         ran += 1
     assert ran, f"{page.name}: every block is marked not run"
 

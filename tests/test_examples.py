@@ -29,6 +29,7 @@ def test_demo_script(tmp_path):
         tmp_path,
     )
     assert "dense, 8 steps without pruning" in out
+    assert "torch CPU threads: " in out  # chosen so that they cannot oversubscribe the CPUs, and said
     assert "pruned, same steps" in out
     for layer in range(4):  # 50% of 512 MLP channels and of 2 KV groups, in every layer
         assert f"layer {layer}: MLP channels  256/512  KV groups 1/2  (query heads 2/4)" in out
@@ -125,6 +126,10 @@ def test_prune_smollm2_example_on_a_tiny_lm(tmp_path, steps):
         tmp_path, LIGHTNING_PAT_CACHE=str(tmp_path / "cache"),
     )  # fmt: skip
     assert "allocated by importance" in out
+    assert "torch CPU threads: " in out
+    for step in ("the dense model: held-out loss", "sizing to 0.8", "the pruned model"):  # no silent minutes
+        assert step in out
+    assert "Epoch 0/-2" not in out  # the bar counts steps (StepProgressBar)
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert {"dense", "pruned", "ratio"} <= set(rows)
     ratio = float(rows["ratio"].split("|")[2])

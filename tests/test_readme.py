@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.common.isolation import without_demo
 from tests.common.processes import in_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,21 @@ def test_readme_has_the_front_door_sections():
     assert len(blocks("bash")) >= 3
 
 
+def test_a_block_runs_as_if_alone_so_it_must_import_what_it_names():
+    """The README's blocks run without the demo imported: a block naming "tiny_gpt" imports it (audit 2026-12b D4)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    import lightning_pat.demo  # noqa: F401 - registered in this process, as after any earlier test
+    from lightning_pat import CoupledPruningCallback
+
+    with without_demo(), pytest.raises(MisconfigurationException, match="Unknown preset 'tiny_gpt'"):
+        CoupledPruningCallback("tiny_gpt", 0.5)
+    with without_demo():
+        exec("import lightning_pat.demo\nfrom lightning_pat import CoupledPruningCallback\n"  # noqa: S102
+             "CoupledPruningCallback('tiny_gpt', 0.5)", {})  # fmt: skip
+    CoupledPruningCallback("tiny_gpt", 0.5)  # the process's registration is back
+
+
 def fitted_tiny_gpt():
     """A TinyGPT LightningModule after a few steps of pruning-aware training, and its callback."""
     import lightning.pytorch as pl
@@ -124,7 +140,8 @@ def test_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first, *rest = blocks("python")
     namespace: dict = {}
-    exec(compile(tiny(first), "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    with without_demo():  # each block as a user runs it alone: what it names, it imports (audit 2026-12b D4)
+        exec(compile(tiny(first), "README.md", "exec"), namespace)  # noqa: S102 - our own README
     dropped = namespace["pruning"].dropped
     assert {len(dropped[f"mlp.{i}"]) for i in range(2)} == {128}  # 50% of 256 channels in both layers
     small = namespace["model"].model
@@ -135,7 +152,8 @@ def test_python_blocks_run(tmp_path, monkeypatch):
         namespace = {}
         if 'CausalLM("smollm2")' in code:  # the real model runs in tests/integration/test_smollm2.py; a tiny one here
             code = smollm2_block_on_a_tiny_lm(code, tmp_path, monkeypatch)
-            exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+            with without_demo():
+                exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2-100m")
@@ -149,7 +167,8 @@ def test_python_blocks_run(tmp_path, monkeypatch):
             x = torch.randint(0, 256, (2, 16))
             with torch.no_grad():
                 masked = namespace["model"](x)
-        exec(compile(tiny(code), "README.md", "exec"), namespace)  # noqa: S102
+        with without_demo():
+            exec(compile(tiny(code), "README.md", "exec"), namespace)  # noqa: S102
         if uses_a_fitted_model:
             with torch.no_grad():
                 assert torch.allclose(namespace["small"](x), masked, atol=1e-5)

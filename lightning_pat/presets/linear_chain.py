@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pat.core.spec import Cluster
-from lightning_pat.presets.transformers import HOW_TO
+from lightning_pat.presets.transformers import HOW_TO, check_flags
 
 _ELEMENTWISE = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.CELU,
@@ -64,8 +64,8 @@ def linear_chain(
         One ``Cluster`` per hidden axis, named ``hidden.<writer module name>``.
 
     Raises:
-        ValueError: If ``mlp`` is false, ``heads``, ``residual`` or ``layers`` is true, or no pair of consecutive
-            Linears exists.
+        ValueError: If an option is not a bool, ``mlp`` is false, ``heads``, ``residual`` or ``layers`` is true, or
+            no pair of consecutive Linears exists.
 
     Example::
 
@@ -73,6 +73,7 @@ def linear_chain(
         >>> [(c.name, c.writers, c.readers) for c in linear_chain(net)]
         [('hidden.0', ['0.weight', '0.bias'], ['2.weight'])]
     """
+    check_flags("linear_chain", mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
     if not mlp or heads or residual or layers:
         raise ValueError(
             "presets.linear_chain: only the hidden axes (mlp=True) exist in a chain of nn.Linear; got "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_pat.core.checks import check_bool
 from lightning_pat.core.layers import LAYER_BUDGET
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
 
@@ -204,6 +205,19 @@ def _kv_heads(layout: Layout, model: nn.Module, prefix: str, head_dim: int, pres
     return num_q[0], num_kv[0]
 
 
+def check_flags(preset: str, **flags: object) -> None:
+    """Raise unless every option of preset ``preset`` is a bool (``query_heads="no"`` would be truthy).
+
+    Raises:
+        ValueError: If an option is not ``True`` or ``False``, naming the preset and the option.
+    """
+    for name, value in flags.items():
+        try:
+            check_bool(name, value)
+        except ValueError as err:
+            raise ValueError(f"presets.{preset}: {err}") from None
+
+
 def build(
     layout: Layout,
     model: nn.Module,
@@ -224,6 +238,7 @@ def build(
         ValueError: As for :func:`llama`.
     """
     preset = layout.family
+    check_flags(preset, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
     if not (mlp or heads or residual or layers):
         raise ValueError(
             f"presets.{preset}: select at least one of `mlp`, `heads`, `residual`, `layers` (all are False)."
@@ -324,9 +339,9 @@ def llama(
         The declarations, in the order mlp, heads, residual, layers.
 
     Raises:
-        ValueError: If nothing is selected, the model has no or several Llama-style backbones, ``head_dim`` cannot
-            be read, ``residual`` is asked for a model holding parameters outside the layout, ``layers`` with
-            ``residual``, or ``query_heads`` for layers with different KV head counts.
+        ValueError: If an option is not a bool, nothing is selected, the model has no or several Llama-style
+            backbones, ``head_dim`` cannot be read, ``residual`` is asked for a model holding parameters outside the
+            layout, ``layers`` with ``residual``, or ``query_heads`` for layers with different KV head counts.
     """
     return build(
         LAYOUTS["llama"], model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads
@@ -360,5 +375,6 @@ def gpt2(
     Raises:
         ValueError: As for :func:`llama`.
     """
+    check_flags("gpt2", query_heads=query_heads)
     del query_heads  # multi-head attention only
     return build(LAYOUTS["gpt2"], model, mlp=mlp, heads=heads, residual=residual, layers=layers)

@@ -64,6 +64,21 @@ class TaylorScores:
     columns = False
 
     def __init__(self, executors: Sequence[Executor]) -> None:
+        """Build empty sums.
+
+        Raises:
+            ValueError: If every member of a cluster is frozen (``requires_grad=False``): its sums would stay 0 and
+                the selection would drop units by index.
+        """
+        for ex in executors:
+            for rc in ex.clusters:
+                if not any(ex.params[n].requires_grad for n in rc.param_names):
+                    raise ValueError(
+                        f"cluster {rc.name!r} has no member with a gradient: {list(rc.param_names)[:4]} are frozen "
+                        "(requires_grad=False), so their |w * g| sums stay 0 and every selection would drop units "
+                        "by index. Use score='activation' or score='rms', unfreeze them (requires_grad_(True)), or "
+                        "remove the cluster."
+                    )
         self.executors = list(executors)
         self.sums: dict[str, Tensor] = {}
         self.steps = 0

@@ -440,20 +440,46 @@ def bind_run(
         which = size_option(opts)
         if opts.allocation(choice.score) == "importance":
             info(
-                f"CoupledPruningCallback {which}: allocated by importance at the first selection (step "
-                f"{first_selection(opts)}) from the run's {choice.score!r} scores; at fit start by fractions, which "
-                f"checks that the size is reachable: {size.describe()}"
+                f"CoupledPruningCallback {which}: provisional (by fractions, only to check that the size is "
+                f"reachable; the widths are allocated by importance at the first selection, step "
+                f"{first_selection(opts)}, from the run's {choice.score!r} scores, and logged then): "
+                f"{size.describe()}"
             )
         else:
             info(f"CoupledPruningCallback {which}: {size.describe()}")
     if opts.score == "auto":
         info(f"CoupledPruningCallback: score='auto' scores units by {choice.score!r} ({choice.reason}).")
-    lines = [f"  {name}: {kind} ({reason})" for name, (kind, reason) in plan.routes.items()]
-    info(f"CoupledPruningCallback routes {len(lines)} cluster(s):\n" + "\n".join(lines))
+    info(routes_message(plan.routes))
     return dataclasses.replace(
         run, clusters=clusters, plan=pruner.plan, pruner=pruner, latents=latents, collectors=collectors,
         score=choice, size=size, basis=basis,
     )  # fmt: skip
+
+
+def routes_message(routes: Mapping[str, tuple[str, str]]) -> str:
+    """The routes as the log says them: one line when every cluster takes the same path for the same reason.
+
+    That is the usual case (one device: SmolLM2's 60 clusters all materializing on plain tensors); otherwise one line
+    per path and reason, naming its clusters, so that what differs stands out.
+
+    Example::
+
+        >>> print(routes_message({"mlp.0": ("materializing", "plain"), "mlp.1": ("materializing", "plain")}))
+        CoupledPruningCallback routes 2 cluster(s): all materializing (plain)
+        >>> print(routes_message({"mlp.0": ("sharded", "Shard(0)"), "mlp.1": ("materializing", "a norm")}))
+        CoupledPruningCallback routes 2 cluster(s):
+          sharded (Shard(0)): mlp.0
+          materializing (a norm): mlp.1
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, route in routes.items():
+        groups.setdefault(route, []).append(name)
+    head = f"CoupledPruningCallback routes {len(routes)} cluster(s)"
+    if len(groups) == 1:
+        (kind, reason), _ = next(iter(groups.items()))
+        return f"{head}: all {kind} ({reason})"
+    lines = [f"  {kind} ({reason}): {', '.join(names)}" for (kind, reason), names in groups.items()]
+    return f"{head}:\n" + "\n".join(lines)
 
 
 def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimizers: Sequence[Any]) -> None:

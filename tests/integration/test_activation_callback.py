@@ -157,3 +157,19 @@ def test_tiny_gpt_preset_heads_and_mlp_then_shrink_on_freeze():
     assert [layer.mlp.gate_proj.out_features for layer in layers] == [32, 32]
     assert all(len(v) > 0 for v in cb.dropped.values())
     assert not any(m._forward_pre_hooks for m in module.modules())
+
+
+def test_taylor_on_frozen_clustered_weights_is_refused_at_fit_start():
+    """Audit 2026-12b A4: with every clustered weight frozen, score='taylor' has no evidence and would drop by index."""
+    module = MLPModule()
+    for p in (module.fc1.weight, module.fc1.bias, module.fc2.weight):  # the cluster's members; fc2.bias trains
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    cb = CoupledPruningCallback(mlp_cluster(), 0.5, warmup_steps=1, ramp_steps=2, score="taylor")
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"score='taylor'.*cluster 'hidden' has no member with a gradient.*requires_grad=False.*score='rms'",
+    ):
+        trainer_for([cb], 4).fit(module)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert cb.step == 0

@@ -179,3 +179,75 @@ def test_nothing_dropped_leaves_the_weights_and_says_so():
     torch.testing.assert_close(model[2].weight, before)
     assert report.modules == {}
     assert report.skipped == {"h": "nothing dropped"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_calibration_value_is_refused_naming_the_reader_and_the_batch(bad):
+    model, xs = net(), batches()
+    xs[2][0, 0] = bad
+    with pytest.raises(ValueError, match=r"reader '2'.*batch 2.*not finite"):
+        calibrate_readers(model, HIDDEN, xs)
+
+
+def test_large_finite_inputs_do_not_overflow_the_gram():
+    # inputs of 1e30 square to 1e60, past float32; the Gram is summed in float64, so the refit equals the one at
+    # scale 1 (the least-squares solution does not depend on the inputs' scale)
+    model, xs = net(), batches()
+    scaled = net()
+    scaled[0].weight.data *= 1e30
+    scaled[0].bias.data *= 1e30
+    grams = calibrate_readers(model, HIDDEN, xs)
+    big = calibrate_readers(scaled, HIDDEN, xs)
+    assert torch.isfinite(big.gram["2"]).all()
+    result = prune_clusters(model, HIDDEN, 0.5)
+    refit_readers(model, result, grams)
+    report = refit_readers(scaled, result.dropped, big)
+    assert torch.isfinite(scaled[2].weight).all()
+    torch.testing.assert_close(scaled[2].weight, model[2].weight, rtol=1e-4, atol=1e-6)
+    before, after = report.error["2"]
+    assert 0.0 < after <= before
+
+
+def test_gram_overflowing_float64_is_refused():
+    model, xs = net(), batches()
+    model[0].weight.data *= 1e200
+    model[0].bias.data *= 1e200
+    with pytest.raises(ValueError, match=r"reader '2'.*not finite"):
+        calibrate_readers(model, HIDDEN, xs)
+
+
+def two_readers() -> tuple[nn.Sequential, list[Cluster]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    clusters = [
+        Cluster("a", writers=["0.weight", "0.bias"], readers=["2.weight"]),
+        Cluster("b", writers=["2.weight", "2.bias"], readers=["4.weight"]),
+    ]
+    return model, clusters
+
+
+def test_a_singular_system_is_refused_before_any_reader_changes():
+    # ridge=0 with fewer calibration rows (5) than kept columns (8) of the second reader: the first one (2 kept
+    # columns) solves, but nothing is written before every reader has solved
+    model, clusters = two_readers()
+    grams = calibrate_readers(model, clusters, [torch.randn(5, 6, generator=torch.Generator().manual_seed(0))])
+    result = prune_clusters(model, clusters, 0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"reader '4'.*5 calibration rows.*8 kept input columns.*ridge > 0"):
+        refit_readers(model, result, grams, ridge=0.0)
+    for p, q in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    report = refit_readers(model, result, grams)  # the default ridge solves it
+    assert set(report.modules) == {"2", "4"}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_all_zero_calibration_is_refused_naming_the_reader_and_the_fix():
+    model = nn.Sequential(nn.Linear(16, 64, bias=False), nn.ReLU(), nn.Linear(64, 16))
+    hidden = Cluster(name="hidden", writers=["0.weight"], readers=["2.weight"])
+    grams = calibrate_readers(model, hidden, [torch.zeros(8, 16)])
+    result = prune_clusters(model, hidden, 0.5, score="rms")
+    before = model[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"reader '2'.*8 calibration rows.*32 kept input columns.*all zero"):
+        refit_readers(model, result, grams)
+    torch.testing.assert_close(model[2].weight, before, rtol=0, atol=0)

@@ -452,6 +452,21 @@ def test_linear_chain_rejects_heads_and_residual():
         presets.resolve_preset("auto", net, residual=True)
 
 
+@pytest.mark.parametrize("option", ["query_heads", "mlp", "residual"])
+def test_preset_functions_refuse_options_that_are_not_bools(option):
+    """Audit 2026-12b C7: ``query_heads="no"`` is truthy, so it turned query heads on; refused as preset_options is."""
+    pytest.importorskip("transformers")
+    models = {
+        "llama": llama_like("llama", n_head=4, n_kv=2).build(),
+        "gpt2": gpt2(n_head=2).build(),
+        "tiny_gpt": TinyGPT(TinyGPTConfig(d_model=16, d_ff=32)),
+        "linear_chain": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+    }
+    for name, model in models.items():
+        with pytest.raises(ValueError, match=rf"presets.{name}: `{option}` must be a bool \(True or False\), got 'no'"):
+            presets.get(name)(model, **{option: "no"})
+
+
 # ---------------------------------------------------------------------------------------------------- limitations
 def test_rmsnorm_residual_shrink_is_exact_with_rescaled_weight_and_eps():
     """The documented shrink rule for RMSNorm: weight * sqrt(d / d'), eps * d / d'."""

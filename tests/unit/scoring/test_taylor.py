@@ -164,3 +164,25 @@ def test_plain_sums_resume_on_another_world_size():
     assert torch.equal(taylor.sums["h"], torch.arange(12, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"sums of cluster 'h' have shape \(3,\), the cluster 12 units"):
         taylor.load_state_dict({"steps": 1, "sums": {"h": torch.zeros(3)}})
+
+
+def test_a_cluster_whose_members_have_no_gradient_is_refused_at_bind():
+    """Frozen clustered weights (LoRA-style): |w * g| would stay 0 and the selection would drop units by index."""
+    from lightning_pat.pruning.plan import make_plan
+    from lightning_pat.pruning.pruner import Pruner
+    from lightning_pat.scoring.taylor import TaylorScores
+
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    before = [p.clone() for p in model.parameters()]
+    ctl = PruningController(PruningOptions([CLUSTER], target_sparsity=0.5, warmup_steps=1, score="taylor"))
+    match = r"cluster 'h' has no member with a gradient.*'0.weight', '0.bias', '2.weight'.*score='activation'"
+    with pytest.raises(ValueError, match=match):
+        ctl.bind(model, optimizers=[opt])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(ValueError, match=r"cluster 'h' has no member with a gradient"):
+        TaylorScores(Pruner(model, make_plan(model, CLUSTER, score="taylor")).executors)
+    model[2].weight.requires_grad_(True)  # one member with a gradient: its |w * g| scores the units
+    TaylorScores(Pruner(model, make_plan(model, CLUSTER, score="taylor")).executors)

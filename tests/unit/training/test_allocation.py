@@ -164,7 +164,10 @@ def test_the_log_names_the_rule_and_the_step_it_was_solved_at():
     lines: list[str] = []
     ctl, net, opt = bound(options(), info=lines.append)
     ctl.start()
-    assert any("allocated by importance at the first selection (step 3)" in line for line in lines)
+    first = [line for line in lines if line.startswith("CoupledPruningCallback target_params: ")]
+    assert len(first) == 1  # at fit start, and it says that it is not the allocation that counts
+    assert "provisional (by fractions, only to check that the size is reachable" in first[0]
+    assert "allocated by importance at the first selection, step 3," in first[0]
     for t in range(1, WARMUP + 2):
         step(ctl, net, opt, t)
     solved = [line for line in lines if "solved at step 3" in line]

@@ -204,3 +204,17 @@ def test_counts_at_follows_the_logging_cadence_and_the_final_step():
     assert [s for s in range(1, 9) if ctl.counts_at(s, every=3)] == [3, 4, 6]
     quiet = PruningController(options(log_metrics=False))
     assert not any(quiet.counts_at(s, every=1) for s in range(1, 9))
+
+
+def test_the_routes_are_one_line_when_every_cluster_takes_the_same_path():
+    """One device: every cluster materializes on plain tensors, said once (SmolLM2 printed 60 such lines)."""
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    clusters = [
+        Cluster("a", writers=["0.weight", "0.bias"], readers=["2.weight"]),
+        Cluster("b", writers=["2.weight", "2.bias"], readers=["4.weight"]),
+    ]
+    lines: list[str] = []
+    ctl = PruningController(PruningOptions(clusters, target_sparsity=0.5, warmup_steps=1), info=lines.append)
+    ctl.bind(net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    routes = [line for line in lines if "routes" in line]
+    assert routes == ["CoupledPruningCallback routes 2 cluster(s): all materializing (plain tensors (not DTensors))"]
