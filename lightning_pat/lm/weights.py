@@ -97,7 +97,7 @@ def load_weights(model: nn.Module, directory: str | Path, *, device: torch.devic
     """
     from safetensors import safe_open
 
-    from lightning_pat.parallel.comm.dtensor import is_dtensor
+    from lightning_pat.parallel.comm.dtensor import is_dtensor, write_back_
 
     files = weight_files(directory, what=what)
     params = dict(model.named_parameters())  # tied parameters once, under their first name (the checkpoint's)
@@ -130,13 +130,6 @@ def load_weights(model: nn.Module, directory: str | Path, *, device: torch.devic
                 if files[name] not in handles:
                     handles[files[name]] = safe_open(str(files[name]), framework="pt", device="cpu")
                 full = handles[files[name]].get_tensor(name)
-                if is_dtensor(param):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    part = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                             src_data_rank=None)  # fmt: skip
-                    param.to_local().copy_(part.to_local())
-                else:
-                    param.copy_(full)
+                write_back_(param, full.to(param.dtype))  # a DTensor keeps this rank's slice only, no collective
         finally:
             handles.clear()
