@@ -15,9 +15,10 @@ r"""Save and load shrunk models, without pickle.
   :mod:`~lightning_pat.shrink.module_tree`) from which :func:`load_pretrained` rebuilds it without running any
   constructor or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat``, ``transformers``
   and ``lightning`` classes, and the classes the caller passes (``load_pretrained(dir, classes=[MyNet])``).
-* only with ``unsafe_pickle=True``: a module the safe format cannot describe (an attribute holding a function or an
-  object of another class) as a pickled ``model.pt``, which loads only with ``load_pretrained(dir,
-  unsafe_pickle=True)`` because unpickling runs any code the file contains.
+
+Nothing is ever pickled or unpickled: a module the safe format cannot describe (an attribute holding a function or
+an object of another class) is refused, and an export pickled by lightning_pat before 0.2 (``"format":
+"torch.save"`` in ``lightning_pat.json``, a ``model.pt``) is refused with the way to convert it in your own code.
 
 The export is built in a temporary sibling directory and moved into place at the end: a failed save leaves the
 previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces an earlier
@@ -40,7 +41,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SIZES_FILE = "lightning_pat.json"
 _VERSION = hf_entry.VERSION
-_MODULE_VERSION = 2  # 1: a pickled model.pt (now only with unsafe_pickle); 2: safetensors + module description
+_MODULE_VERSION = 2  # 1: a pickled model.pt (refused: never unpickled); 2: safetensors + module description
 _EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
     r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|model\.gguf|"
@@ -115,7 +116,6 @@ def save_pretrained(
     directory: str | Path,
     *,
     overwrite: bool = False,
-    unsafe_pickle: bool = False,
     tokenizer: object = "auto",
     format: str | Iterable[str] = "hf",  # noqa: A002 - the name users know from serving tools
     gguf_dtype: str = "f32",
@@ -126,8 +126,6 @@ def save_pretrained(
         model: A Hugging Face ``PreTrainedModel`` or any ``nn.Module``.
         directory: Output directory (created if needed; must be empty or absent unless ``overwrite``).
         overwrite: Replace an earlier export in ``directory`` (a directory holding other files is still refused).
-        unsafe_pickle: For a module the safe format cannot describe, write a pickled ``model.pt`` instead of refusing.
-            Loading it needs ``load_pretrained(..., unsafe_pickle=True)`` and runs whatever code the file contains.
         tokenizer: The tokenizer written next to the model: a tokenizer object (``save_pretrained(dir)``), a
             directory to copy its tokenizer files from, ``None`` for none, or ``"auto"``: the tokenizer files of the
             directory the model was loaded from (``config.name_or_path``), if it is a local one holding them.
@@ -145,8 +143,8 @@ def save_pretrained(
 
     Raises:
         ValueError: If a Hugging Face model's shapes are not expressible by its config and the config it was built
-            from cannot be rebuilt, or a module holds state the safe format cannot describe and ``unsafe_pickle`` is
-            false (the messages name the class or attribute and the fix); if ``format`` or ``gguf_dtype`` is not
+            from cannot be rebuilt, or a module holds state the safe format cannot describe (nothing is
+            ever pickled; the messages name the class or attribute and the fix); if ``format`` or ``gguf_dtype`` is not
             one of the values above, "decilm"/"gguf" is asked of a model that is not a ``LlamaForCausalLM`` (or
             has biases, RMSNorm eps that differ, a RoPE scaling for GGUF), DeciLM is asked of a model whose
             query-head count differs between layers, GGUF without a byte-level BPE tokenizer whose pre-tokenizer
@@ -183,7 +181,7 @@ def save_pretrained(
         elif is_hf:
             _save_hf(model, tmp, destination=directory)
         else:
-            _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
+            _save_module(model, tmp)
         if source is not None:
             tokenizer_files.write(source, tmp, what=what)
         if with_gguf:
@@ -235,7 +233,7 @@ def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
     )
 
 
-def _save_module(model: nn.Module, directory: Path, *, unsafe_pickle: bool) -> None:
+def _save_module(model: nn.Module, directory: Path) -> None:
     config = getattr(model, "config", None)
     info: dict[str, Any] = {
         "loader": LOADER,
@@ -249,33 +247,26 @@ def _save_module(model: nn.Module, directory: Path, *, unsafe_pickle: bool) -> N
     try:
         description, tensors = describe(model)
     except UnsupportedStateError as err:
-        if not unsafe_pickle:
-            raise ValueError(
-                f"save_pretrained: the safe export format cannot store {err}: it stores plain values (numbers, "
-                "strings, tuples, lists, dicts, dtypes, dataclasses), tensors and submodules. Keep such state out of "
-                "the module (e.g. a function as a method), or pass unsafe_pickle=True to write a pickled model.pt, "
-                "which loads only with load_pretrained(..., unsafe_pickle=True) and runs any code the file contains."
-            ) from None
-        torch.save(model, directory / MODULE_FILE)
-        info.update(format="torch.save", file=MODULE_FILE, version=1)
-    else:
-        from safetensors.torch import save_file
+        raise ValueError(
+            f"save_pretrained: the safe export format cannot store {err}: it stores plain values (numbers, strings, "
+            "tuples, lists, dicts, dtypes, dataclasses), tensors and submodules, and lightning_pat never pickles a "
+            "module. Keep such state out of the module (e.g. a function as a method or an nn.Module such as nn.Tanh)."
+        ) from None
+    from safetensors.torch import save_file
 
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        info.update(format="safetensors", file=WEIGHTS_FILE, modules=description["modules"])
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    info.update(format="safetensors", file=WEIGHTS_FILE, modules=description["modules"])
     (directory / SIZES_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsafe_pickle: bool = False) -> nn.Module:
+def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> nn.Module:
     """Load anything :func:`save_pretrained` wrote (and plain Hugging Face model directories), without running code.
 
     Args:
         directory: The export directory.
         classes: Module (and dataclass config) classes the export may name besides ``torch.nn``, ``lightning_pat``
             ``transformers`` and ``lightning`` classes: your own ``nn.Module`` / LightningModule subclasses.
-        unsafe_pickle: Allow loading a pickled ``model.pt`` (written with ``save_pretrained(..., unsafe_pickle=True)``
-            or by lightning_pat before 0.2). Unpickling runs any code the file contains: only for files you trust.
 
     Returns:
         The model, in eval mode for Hugging Face exports (as ``from_pretrained`` returns it).
@@ -285,12 +276,12 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
             leftover folders of an overwrite killed half-way, if any: see
             :func:`~lightning_pat.core.safe_io.interrupted_overwrite`).
         ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
-            not allowed, a file name leads outside the directory, or the export is pickled and ``unsafe_pickle`` is
-            false.
+            not allowed, a file name leads outside the directory, or the export is a pickled ``model.pt``
+            (lightning_pat never unpickles; the message says how to convert it).
     """
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():
-        return _load_module(directory, classes=list(classes), unsafe_pickle=unsafe_pickle)
+        return _load_module(directory, classes=list(classes))
     interrupted = interrupted_overwrite(directory)
     if interrupted is not None:
         raise FileNotFoundError(f"load_pretrained: {directory} does not exist: {interrupted}")
@@ -451,11 +442,11 @@ def _materialize(model: nn.Module, shapes: Mapping[str, list[int]], state: Mappi
             module._parameters[attr] = new
 
 
-def _load_module(directory: Path, *, classes: list[type], unsafe_pickle: bool) -> nn.Module:
+def _load_module(directory: Path, *, classes: list[type]) -> nn.Module:
     info = json.loads(confined(directory, SIZES_FILE, what="load_pretrained").read_text())
     fmt = info.get("format")
     if fmt == "torch.save":
-        model = _load_pickled(directory, info, unsafe_pickle=unsafe_pickle)
+        _refuse_pickled(directory, info)
     elif fmt == "safetensors" and info.get("version") == _MODULE_VERSION:
         from safetensors.torch import load_file
 
@@ -474,13 +465,15 @@ def _load_module(directory: Path, *, classes: list[type], unsafe_pickle: bool) -
     return model
 
 
-def _load_pickled(directory: Path, info: Mapping[str, Any], *, unsafe_pickle: bool) -> Any:
-    path = confined(directory, info.get("file", MODULE_FILE), what=f"load_pretrained: {SIZES_FILE} 'file'")
-    if not unsafe_pickle:
-        raise ValueError(
-            f"load_pretrained: {path} is a pickled module (format 'torch.save'); unpickling runs any code the file "
-            "contains, so it is refused by default. If you wrote this file yourself or trust its source, pass "
-            "unsafe_pickle=True; better, load it once that way and save it again with save_pretrained (safetensors)."
-        )
-    log.warning("load_pretrained: unpickling %s (unsafe_pickle=True): this runs any code the file contains", path)
-    return torch.load(path, weights_only=False)  # opt-in, see the docstring
+def _refuse_pickled(directory: Path, info: Mapping[str, Any]) -> NoReturn:
+    """Refuse a version-1 export (a pickled ``model.pt``): lightning_pat never unpickles (DESIGN rule 10)."""
+    name = info.get("file", MODULE_FILE)
+    path = confined(directory, name, what=f"load_pretrained: {SIZES_FILE} 'file'")
+    raise ValueError(
+        f"load_pretrained: {path} is a pickled module ({directory / SIZES_FILE} says format 'torch.save', version "
+        f"{info.get('version')!r}: written by lightning_pat before 0.2 or with the removed unsafe_pickle=True). "
+        "lightning_pat never unpickles a file, since unpickling runs any code it contains. If you wrote this file "
+        "yourself or trust its source, convert it once in your own code: load the module with torch.load (telling "
+        "torch to unpickle full objects, at your own risk), then `lightning_pat.save_pretrained(model, new_dir)`, "
+        "which writes safetensors and JSON."
+    )

@@ -326,21 +326,35 @@ class _WithFunction(nn.Module):
         return self.act(self.fc(x))
 
 
-def test_pickle_only_behind_the_explicit_opt_in(tmp_path):
+def test_nothing_is_pickled_and_a_v1_pickled_export_is_refused_with_the_conversion(tmp_path, monkeypatch):
+    import inspect
+    import pickle
+
     net = _WithFunction()
-    with pytest.raises(
-        ValueError, match=r"cannot store module \(root\) \(_WithFunction\): attribute 'act'.*unsafe_pickle"
-    ):
+    with pytest.raises(ValueError, match=r"cannot store module \(root\) \(_WithFunction\): attribute .act.*never"):
         save_pretrained(net, tmp_path / "safe")
     assert not (tmp_path / "safe").exists()
-    save_pretrained(net, tmp_path / "pickled", unsafe_pickle=True)
-    assert json.loads((tmp_path / "pickled" / SIZES_FILE).read_text())["format"] == "torch.save"
-    with pytest.raises(ValueError, match="is a pickled module .*runs any code the file contains"):
-        load_pretrained(tmp_path / "pickled")
-    again = load_pretrained(tmp_path / "pickled", unsafe_pickle=True)
-    x = torch.randn(3, 2)
-    with torch.no_grad():
-        assert torch.equal(again(x), net(x))
+    assert "unsafe_pickle" not in inspect.signature(save_pretrained).parameters  # DESIGN rule 10: no opt-in either
+    assert "unsafe_pickle" not in inspect.signature(load_pretrained).parameters
+    # a version-1 export as lightning_pat before 0.2 wrote it: a pickled model.pt, never unpickled
+    out = save_pretrained(nn.Linear(2, 2), tmp_path / "v1")
+    torch.save(nn.Linear(2, 2), out / "model.pt")
+    info = json.loads((out / SIZES_FILE).read_text())
+    info.update(format="torch.save", file="model.pt", version=1)
+    (out / SIZES_FILE).write_text(json.dumps(info))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_pretrained unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    with pytest.raises(
+        ValueError,
+        match=r"model.pt is a pickled module .*version 1.*never unpickles.*torch.load.*"
+        r"save_pretrained\(model, new_dir\)",
+    ):
+        load_pretrained(out)
 
 
 def test_failed_save_leaves_the_previous_export_intact(tmp_path, monkeypatch):
