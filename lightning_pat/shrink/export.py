@@ -21,9 +21,12 @@ an object of another class) is refused, and an export pickled by lightning_pat b
 "torch.save"`` in ``lightning_pat.json``, a ``model.pt``) is refused with the way to convert it in your own code.
 
 The export is built in a temporary sibling directory and moved into place at the end: a failed save leaves the
-previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces an earlier
-export (and refuses a directory holding other files). Every file name read from an export is confined to its
-directory. ``transformers`` is imported only when a Hugging Face export is read or written.
+previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces only an earlier
+export of lightning_pat (it carries ``lightning_pat_export.json``, or ``lightning_pat.json`` for a module export) and
+refuses a directory holding other files. The directory a model or its tokenizer was read from (or one holding it)
+is never written, whatever ``overwrite`` says, and a tokenizer with more token ids than the model's embedding rows
+is refused. Every file name read from an export is confined to its directory. ``transformers`` is imported only
+when a Hugging Face export is read or written.
 
 Example::
 
@@ -58,12 +61,16 @@ MODULE_FILE = "model.pt"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SIZES_FILE = "lightning_pat.json"
+#: Written into every Hugging Face / DeciLM export: what marks a directory as lightning_pat's (``overwrite`` may
+#: replace it). A module export is marked by its ``lightning_pat.json``.
+EXPORT_MARKER = "lightning_pat_export.json"
+_OWNER_MARKS = (EXPORT_MARKER, SIZES_FILE)
 _VERSION = hf_entry.VERSION
 _MODULE_VERSION = 2  # 1: a pickled model.pt (refused: never unpickled); 2: safetensors + module description
 _EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
     r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|model\.gguf|"
-    r"configuration_decilm\.py"
+    r"configuration_decilm\.py|lightning_pat_export\.json"
 )
 #: The values of ``format``: the directory's main format ("hf" or "decilm"), and "gguf" next to it.
 FORMATS = ("hf", "decilm", "gguf")
@@ -100,14 +107,43 @@ def check_format(format: str | Iterable[str], *, gguf_dtype: str = "f32") -> tup
     return ("decilm" if "decilm" in values else "hf"), "gguf" in values
 
 
-def check_directory(directory: str | Path, *, overwrite: bool) -> None:
+def read_from(model: nn.Module | None, tokenizer: object = None) -> list[tuple[str, object]]:
+    """``(what, path)`` of what an export of ``model`` was read from: the model's and the tokenizer's directories."""
+    config = getattr(model, "config", None)
+    found: list[tuple[str, object]] = [("the model", getattr(config, "_name_or_path", None))]
+    if isinstance(tokenizer, (str, Path)) and tokenizer != "auto":
+        found.append(("the tokenizer", tokenizer))
+    elif tokenizer is not None and not isinstance(tokenizer, str):
+        found.append(("the tokenizer", getattr(tokenizer, "name_or_path", None)))
+    return found
+
+
+def check_directory(
+    directory: str | Path,
+    *,
+    overwrite: bool,
+    model: nn.Module | None = None,
+    tokenizer: object = None,
+    option: str = "overwrite=True",
+) -> None:
     """Raise now what :func:`save_pretrained` would raise about ``directory`` (before a long computation).
 
+    Args:
+        directory: The export directory.
+        overwrite: Whether an earlier export there may be replaced.
+        model: The model to be exported (the directory it was loaded from is refused as an output).
+        tokenizer: The tokenizer to be exported (likewise).
+        option: How the caller spells ``overwrite=True`` (``--overwrite``, ``export_overwrite``), for the message.
+
     Raises:
-        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
-            of an export.
+        ValueError: If ``directory`` is, or holds, the directory ``model`` or ``tokenizer`` was read from.
+        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, holds files that are not part
+            of an export, or was not written by lightning_pat.
     """
-    check_output(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained")
+    check_output(
+        directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained", owner_marks=_OWNER_MARKS,
+        protected=read_from(model, tokenizer), option=option,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- save
@@ -125,7 +161,8 @@ def save_pretrained(
     Args:
         model: A Hugging Face ``PreTrainedModel`` or any ``nn.Module``.
         directory: Output directory (created if needed; must be empty or absent unless ``overwrite``).
-        overwrite: Replace an earlier export in ``directory`` (a directory holding other files is still refused).
+        overwrite: Replace an earlier export of lightning_pat in ``directory`` (a directory holding other files, or
+            not written by lightning_pat, is still refused; so is the directory the model or tokenizer came from).
         tokenizer: The tokenizer written next to the model: a tokenizer object (``save_pretrained(dir)``), a
             directory to copy its tokenizer files from, ``None`` for none, or ``"auto"``: the tokenizer files of the
             directory the model was loaded from (``config.name_or_path``), if it is a local one holding them.
@@ -148,9 +185,11 @@ def save_pretrained(
             one of the values above, "decilm"/"gguf" is asked of a model that is not a ``LlamaForCausalLM`` (or
             has biases, RMSNorm eps that differ, a RoPE scaling for GGUF), DeciLM is asked of a model whose
             query-head count differs between layers, GGUF without a byte-level BPE tokenizer whose pre-tokenizer
-            llama.cpp names, or ``tokenizer`` is neither a tokenizer object nor a directory holding one.
+            llama.cpp names, or ``tokenizer`` is neither a tokenizer object nor a directory holding one, or has
+            more token ids than the model's embedding rows; if ``directory`` is (or holds) the directory the
+            model or its tokenizer was read from.
         FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
-            of an export.
+            of an export, or was not written by lightning_pat.
         ModuleNotFoundError: If "gguf" is asked and the ``gguf`` package is not installed.
     """
     directory = Path(directory)
@@ -175,13 +214,21 @@ def save_pretrained(
             "save_pretrained(format='gguf'): a GGUF file embeds the tokenizer, and none was found; pass tokenizer= "
             "(a tokenizer object, or the directory holding tokenizer.json)."
         )
-    with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what=what) as tmp:
+    if source is not None:
+        tokenizer_files.check_fits(source, model, what=what)
+    marks, protected = _OWNER_MARKS, read_from(model, tokenizer if source is None else source.directory or tokenizer)
+    with atomic_directory(
+        directory, overwrite=overwrite, replaceable=is_export_file, what=what, owner_marks=marks, protected=protected
+    ) as tmp:
         if deci_config is not None:
             _save_decilm(model, tmp, deci_config)
         elif is_hf:
             _save_hf(model, tmp, destination=directory)
         else:
             _save_module(model, tmp)
+        if is_hf:
+            marker = {"written_by": "lightning_pat.save_pretrained", "format": main, "gguf": with_gguf}
+            (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if source is not None:
             tokenizer_files.write(source, tmp, what=what)
         if with_gguf:

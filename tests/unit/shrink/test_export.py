@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
 from lightning_pat.demo import preset as demo_preset
-from lightning_pat.shrink.export import ENTRY, SIZES_FILE
+from lightning_pat.shrink.export import ENTRY, EXPORT_MARKER, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -390,8 +390,11 @@ def test_overwrite_replaces_the_whole_export_and_loads_what_transformers_loads(t
     assert isinstance(load_pretrained(out), nn.Sequential)  # refused: the old export is untouched
     ids = token_ids()
     ref = logits(model, ids)
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # an earlier sharded export
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # a sharded model directory, not ours
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    with pytest.raises(FileExistsError, match=r"sharded was not written by lightning_pat .*lightning_pat_export.json"):
+        save_pretrained(model, tmp_path / "sharded", overwrite=True)  # it may be the model a run was loaded from
+    (tmp_path / "sharded" / EXPORT_MARKER).write_text("{}")  # as if an earlier export of ours was sharded
     save_pretrained(model, tmp_path / "sharded", overwrite=True)
     assert not (tmp_path / "sharded" / "model.safetensors.index.json").exists()  # old files removed
     save_pretrained(model, out, overwrite=True)
