@@ -51,6 +51,13 @@ from torch import nn
 
 from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
 from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
+from lightning_pat.shrink.export_checks import (
+    check_description,
+    check_entry,
+    check_shapes,
+    entry_attributes,
+    read_json,
+)
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
 from lightning_pat.shrink.llama_layout import read_layout
 from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
@@ -339,11 +346,11 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> n
         )
     import transformers
 
-    config = json.loads(confined(directory, "config.json", what="load_pretrained").read_text())
+    config = read_json(directory, "config.json")
     weights = _weight_files(directory)  # every name confined, before transformers opens anything
     if decilm.is_decilm(config):  # read as data: the export's configuration_decilm.py is never imported
         deci = decilm.entry_from_config(config)
-        model = _build(transformers, deci, _read_safetensors(weights), directory)
+        model = _build(transformers, deci, weights, directory, where=f"{directory / 'config.json'} (DeciLM)")
         hf_entry.record(model)  # per-layer widths: the entry that lets save_pretrained(model) write it again
         return model.eval()
     entry = config.get(ENTRY)
@@ -354,18 +361,31 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> n
     if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
         version = entry.get("version") if isinstance(entry, Mapping) else entry
         raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")
-    model = _build(transformers, entry, _read_safetensors(weights), directory)
+    where = f"{directory / 'config.json'}'s {ENTRY} entry"
+    check_entry(entry, where)
+    model = _build(transformers, entry, weights, directory, where=where)
     model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
     setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     return model.eval()
 
 
-def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torch.Tensor], directory: Path) -> Any:
-    """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights."""
+def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], directory: Path, *, where: str) -> Any:
+    """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights.
+
+    The entry's shapes are checked against the safetensors headers before anything of those shapes is built.
+    """
     cls = _hf_class(transformers, entry["class"])
-    base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
-    model = hf_entry.build_empty(cls, base_config)
-    attributes = _entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
+    check_shapes(entry["shapes"], files, where)
+    state = _read_safetensors(files)
+    try:
+        base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
+        model = hf_entry.build_empty(cls, base_config)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as err:  # what a crafted config raises
+        raise ValueError(
+            f"load_pretrained: {where}: no {cls.__name__} can be built from `base_config` ({type(err).__name__}: "
+            f"{str(err)[:200]}); write the export again."
+        ) from None
+    attributes = entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
     _materialize(model, entry["shapes"], state)
     for module, key, value in attributes:
         old = getattr(module, key, None)
@@ -373,57 +393,6 @@ def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torc
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
     model.config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
     return model
-
-
-def _plain(value: object) -> bool:
-    if isinstance(value, (bool, int, float, str)):
-        return True
-    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-
-
-def _entry_attributes(model: nn.Module, attributes: object) -> list[tuple[nn.Module, str, Any]]:
-    """(module, name, value) of every attribute the entry sets, each checked (the entry is read from a file).
-
-    Only public plain attributes (sizes, head counts, eps: numbers, strings, bools, lists of ints) of modules the model
-    has: never a method, a property, a class attribute, a parameter, a buffer, a submodule or an internal.
-
-    Raises:
-        ValueError: Naming the module and attribute.
-    """
-    where = "load_pretrained: config.json's lightning_pat entry"
-    if not isinstance(attributes, Mapping):
-        raise ValueError(f"{where}: `attributes` must be a mapping, got {type(attributes).__name__}.")
-    out = []
-    for name, values in attributes.items():
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{where}: the attributes of module {name!r} must be a mapping, got {values!r}.")
-        try:
-            module = model.get_submodule(name) if isinstance(name, str) else None
-        except AttributeError:
-            module = None
-        if module is None:
-            raise ValueError(
-                f"{where} names the module {name!r}, which the model ({type(model).__name__}) does not have."
-            )
-        for key, value in values.items():
-            internal = not isinstance(key, str) or key.startswith("_") or not key.isidentifier()
-            taken = not internal and (
-                hasattr(type(module), key) or key in module._parameters or key in module._buffers  # noqa: SLF001
-                or key in module._modules  # noqa: SLF001
-            )  # fmt: skip
-            current = vars(module).get(key) if not internal else None
-            if internal or taken or (current is not None and not _plain(current)):
-                raise ValueError(
-                    f"{where}: attribute {key!r} of module {name!r} is refused: the entry sets only public plain "
-                    "attributes (sizes, head counts, eps), never a method, a tensor, a submodule or an internal."
-                )
-            if not _plain(value):
-                raise ValueError(
-                    f"{where}: attribute {key!r} of module {name!r} must be a plain value (a number, a string, a bool "
-                    f"or a list of ints), got {value!r}."
-                )
-            out.append((module, key, value))
-    return out
 
 
 def _hf_class(transformers: Any, name: object) -> type:
@@ -440,7 +409,7 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     if not index.exists():
         return []
-    weight_map = json.loads(confined(directory, INDEX_FILE, what="load_pretrained").read_text()).get("weight_map")
+    weight_map = read_json(directory, INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, Mapping):
         raise ValueError(f"load_pretrained: {index} has no `weight_map`.")
     names = sorted(set(weight_map.values()), key=str)
@@ -454,7 +423,10 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         raise ValueError(f"load_pretrained: the export holds no {WEIGHTS_FILE} and no {INDEX_FILE}.")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(path))
+        try:
+            state.update(load_file(path))
+        except Exception as err:  # noqa: BLE001 - SafetensorError and others on bytes that passed the header check
+            raise ValueError(f"load_pretrained: cannot read {path} ({type(err).__name__}: {err}).") from None
     return state
 
 
@@ -490,15 +462,19 @@ def _materialize(model: nn.Module, shapes: Mapping[str, list[int]], state: Mappi
 
 
 def _load_module(directory: Path, *, classes: list[type]) -> nn.Module:
-    info = json.loads(confined(directory, SIZES_FILE, what="load_pretrained").read_text())
+    info = read_json(directory, SIZES_FILE)
     fmt = info.get("format")
     if fmt == "torch.save":
         _refuse_pickled(directory, info)
     elif fmt == "safetensors" and info.get("version") == _MODULE_VERSION:
-        from safetensors.torch import load_file
-
+        where = str(directory / SIZES_FILE)
+        check_description(info, where)
         path = confined(directory, info.get("file"), what=f"load_pretrained: {SIZES_FILE} 'file'")
-        model = rebuild(info, load_file(path), classes=classes)
+        check_shapes(info["shapes"], [path], where)
+        try:
+            model = rebuild(info, _read_safetensors([path]), classes=classes)
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as err:  # a net under the checks
+            raise ValueError(f"load_pretrained: {where} is malformed ({type(err).__name__}: {err}).") from None
     else:
         raise ValueError(
             f"load_pretrained: {directory / SIZES_FILE} has format {fmt!r} version {info.get('version')!r}; this "

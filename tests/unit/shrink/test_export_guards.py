@@ -12,10 +12,14 @@ after the refused call.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
+import struct
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_pat import save_pretrained
 from lightning_pat.shrink.export import EXPORT_MARKER, check_directory
@@ -105,3 +109,165 @@ def test_the_overwrite_option_is_named_as_the_caller_spells_it(tmp_path):
             tmp_path, overwrite=False,
             option="export_overwrite=True (under `lightning-pat fit`: model.init_args.export_overwrite: true)",
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- B2
+SIZES = "lightning_pat.json"
+
+
+def _edit_json(file: str, edit):
+    def apply(directory: Path) -> None:
+        data = json.loads((directory / file).read_text())
+        edit(data)
+        (directory / file).write_text(json.dumps(data))
+
+    return apply
+
+
+def _write(file: str, text: str):
+    return lambda directory: (directory / file).write_text(text)
+
+
+def _header(edit):
+    """Rewrite model.safetensors' header through ``edit(header_dict) -> bytes | dict``, keeping the data."""
+
+    def apply(directory: Path) -> None:
+        raw = (directory / "model.safetensors").read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        new = edit(json.loads(raw[8 : 8 + n]))
+        body = json.dumps(new).encode() if isinstance(new, dict) else None
+        head = struct.pack("<Q", len(body)) + body if body is not None else new
+        (directory / "model.safetensors").write_bytes(head + raw[8 + n :])
+
+    return apply
+
+
+def _first_tensor(h):
+    return next(v for k, v in h.items() if k != "__metadata__")
+
+
+def _lie_shape(h):
+    _first_tensor(h)["shape"] = [4, 5]
+    return h
+
+
+def _block(key, value):
+    return _edit_json("config.json", lambda c: c["block_configs"][0]["ffn"].__setitem__(key, value))
+
+
+def _entry(edit):
+    return _edit_json("config.json", lambda c: edit(c["lightning_pat"]))
+
+
+# (id, source export, edit, message regex): each one ValueError naming the file and the field
+B2_CASES = [
+    (
+        "module-without-class",
+        "mod",
+        _edit_json(SIZES, lambda i: i["modules"][0].pop("class")),
+        r"lightning_pat.json modules\[0\] \(root\) has no `class`",
+    ),
+    (
+        "attributes-a-list",
+        "mod",
+        _edit_json(SIZES, lambda i: i["modules"][0].__setitem__("attributes", [1])),
+        r"lightning_pat.json modules\[0\] \(root\): `attributes` must be a mapping",
+    ),
+    (
+        "parameter-spec-a-string",
+        "mod",
+        _edit_json(SIZES, lambda i: i["modules"][0].__setitem__("parameters", {"weight": "x"})),
+        r"lightning_pat.json modules\[0\] \(root\): `parameters` must be a mapping of names to null or \{'tensor'",
+    ),
+    (
+        "shapes-of-module-a-list",
+        "mod",
+        _edit_json(SIZES, lambda i: i.__setitem__("shapes", [1])),
+        r"lightning_pat.json: `shapes` must be a mapping of parameter names to lists",
+    ),
+    (
+        "module-shape-not-in-the-weights",
+        "mod",
+        _edit_json(SIZES, lambda i: i["shapes"].__setitem__("weight", [9, 9])),
+        r"lightning_pat.json gives weight the shape \[9, 9\], but .*model.safetensors holds \[4, 4\]",
+    ),
+    ("json-a-list", "mod", _write(SIZES, "[1, 2]"), r"lightning_pat.json must hold a JSON object .*got a list"),
+    ("json-not-json", "mod", _write(SIZES, "{not json"), r"lightning_pat.json is not a JSON file"),
+    ("config-not-json", "hf", _write("config.json", "{"), r"config.json is not a JSON file"),
+    (
+        "entry-without-base-config",
+        "hf",
+        _entry(lambda e: e.pop("base_config")),
+        r"config.json's lightning_pat entry: `base_config` must be the config mapping",
+    ),
+    (
+        "entry-shapes-a-list",
+        "hf",
+        _entry(lambda e: e.__setitem__("shapes", [1])),
+        r"config.json's lightning_pat entry: `shapes` must be a mapping of parameter names",
+    ),
+    (
+        "entry-shape-huge",
+        "hf",
+        _entry(lambda e: e["shapes"].__setitem__("model.norm.weight", [10**12])),
+        r"lightning_pat entry gives model.norm.weight the shape \[1000000000000\], but .*model.safetensors holds",
+    ),
+    (
+        "decilm-ffn-1e12",
+        "deci",
+        _block("intermediate_size", 10**12),
+        r"config.json \(DeciLM\) gives model.layers.0.mlp.gate_proj.weight the shape \[1000000000000, 64\], but ",
+    ),
+    (
+        "header-lies-about-a-shape",
+        "mod",
+        _header(_lie_shape),
+        r"model.safetensors: tensor '.*': its header says shape \[4, 5\] \(F32, 80 bytes\) at bytes \[.*\]",
+    ),
+    (
+        "header-length-2-62",
+        "mod",
+        _header(lambda h: struct.pack("<Q", 2**62) + b"{}"),
+        r"model.safetensors is not a safetensors file or is truncated \(its header length 4611686018427387904",
+    ),
+    (
+        "header-not-json",
+        "hf",
+        _header(lambda h: struct.pack("<Q", 4) + b"nope"),
+        r"model.safetensors's safetensors header is not a JSON mapping",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_pat import presets, prune_clusters, shrink
+
+    root = tmp_path_factory.mktemp("exports")
+    save_pretrained(nn.Linear(4, 4), root / "mod")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=320)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small = shrink(model, prune_clusters(model, presets.llama(model, heads=False), target_params=0.8,
+                                             target_widths="ranked"))  # fmt: skip
+        save_pretrained(small, root / "hf")
+        save_pretrained(small, root / "deci", format="decilm")
+    return root
+
+
+@pytest.mark.parametrize(("source", "edit", "match"), [c[1:] for c in B2_CASES], ids=[c[0] for c in B2_CASES])
+def test_a_malformed_export_is_one_value_error_naming_the_file_and_field(tmp_path, exports, source, edit, match):
+    from lightning_pat import load_pretrained
+
+    directory = tmp_path / source
+    shutil.copytree(exports / source, directory)
+    edit(directory)
+    with pytest.raises(ValueError, match=match) as caught:
+        load_pretrained(directory)
+    assert type(caught.value) is ValueError  # not a KeyError, a SafetensorError or an allocator's RuntimeError
