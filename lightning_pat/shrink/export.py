@@ -114,7 +114,7 @@ def check_format(format: str | Iterable[str], *, gguf_dtype: str = "f32") -> tup
     return ("decilm" if "decilm" in values else "hf"), "gguf" in values
 
 
-def read_from(model: nn.Module | None, tokenizer: object = None) -> list[tuple[str, object]]:
+def _read_from(model: nn.Module | None, tokenizer: object = None) -> list[tuple[str, object]]:
     """``(what, path)`` of what an export of ``model`` was read from: the model's and the tokenizer's directories."""
     config = getattr(model, "config", None)
     found: list[tuple[str, object]] = [("the model", getattr(config, "_name_or_path", None))]
@@ -149,7 +149,7 @@ def check_directory(
     """
     check_output(
         directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained", owner_marks=_OWNER_MARKS,
-        protected=read_from(model, tokenizer), option=option,
+        protected=_read_from(model, tokenizer), option=option,
     )  # fmt: skip
 
 
@@ -223,7 +223,7 @@ def save_pretrained(
         )
     if source is not None:
         tokenizer_files.check_fits(source, model, what=what)
-    marks, protected = _OWNER_MARKS, read_from(model, tokenizer if source is None else source.directory or tokenizer)
+    marks, protected = _OWNER_MARKS, _read_from(model, tokenizer if source is None else source.directory or tokenizer)
     with atomic_directory(
         directory, overwrite=overwrite, replaceable=is_export_file, what=what, owner_marks=marks, protected=protected
     ) as tmp:
