@@ -338,7 +338,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # PermissionError: a process of another user has that id
+    except (OSError, OverflowError):  # PermissionError: another user's process; a number no pid can be: keep it
         return True
     return True
 

@@ -330,8 +330,10 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> n
             leftover folders of an overwrite killed half-way, if any: see
             :func:`~lightning_pat.core.safe_io.interrupted_overwrite`).
         ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
-            not allowed, a file name leads outside the directory, or the export is a pickled ``model.pt``
-            (lightning_pat never unpickles; the message says how to convert it).
+            not allowed, a file name leads outside the directory, a file or field is malformed (one message naming
+            the file and the field; shapes are checked against the safetensors headers before anything is built),
+            or the export is a pickled ``model.pt`` (lightning_pat never unpickles; the message says how to convert
+            it).
     """
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():

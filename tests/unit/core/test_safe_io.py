@@ -123,7 +123,8 @@ def test_a_later_save_removes_the_folders_of_killed_saves_and_names_what_it_keep
     alive = tmp_path / f"{safe_io.partial_prefix(out)}live"  # a save still running in this process: not stale
     legacy = tmp_path / ".exp.partial-k2j4x9"  # an older name, no host or process: cannot be proved stale
     other = tmp_path / ".other.partial-00000000-1-x"  # another export's folder: not looked at
-    for folder in (alive, legacy, other):
+    huge = tmp_path / f".exp.partial-{safe_io._host_key()}-{10**30}-x"  # no process has that id: kept, no crash
+    for folder in (alive, legacy, other, huge):
         folder.mkdir()
     with caplog.at_level("WARNING", logger="lightning_pat.core.safe_io"):
         save_pretrained(nn.Linear(2, 4), out, overwrite=True)
@@ -132,6 +133,7 @@ def test_a_later_save_removes_the_folders_of_killed_saves_and_names_what_it_keep
     assert alive.exists()
     assert legacy.exists()
     assert other.exists()
+    assert huge.exists()
     text = caplog.text
     assert "removed 1 folder(s) left by an earlier save" in text
     assert all(str(p) in text for p in killed)
