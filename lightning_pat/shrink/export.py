@@ -60,7 +60,7 @@ from lightning_pat.shrink.export_checks import (
 )
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
 from lightning_pat.shrink.llama_layout import read_layout
-from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
+from lightning_pat.shrink.module_tree import SOURCE_ATTR, UnsupportedStateError, describe, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ def _read_from(model: nn.Module | None, tokenizer: object = None) -> list[tuple[
     """``(what, path)`` of what an export of ``model`` was read from: the model's and the tokenizer's directories."""
     config = getattr(model, "config", None)
     found: list[tuple[str, object]] = [("the model", getattr(config, "_name_or_path", None))]
+    found.append(("the model", getattr(model, SOURCE_ATTR, None)))  # a module export load_pretrained read
     if isinstance(tokenizer, (str, Path)) and tokenizer != "auto":
         found.append(("the tokenizer", tokenizer))
     elif tokenizer is not None and not isinstance(tokenizer, str):
@@ -487,6 +488,7 @@ def _load_module(directory: Path, *, classes: list[type]) -> nn.Module:
             f"load_pretrained: {directory} does not hold the module {SIZES_FILE} describes "
             f"({info.get('class')}); write the export again with save_pretrained."
         )
+    setattr(model, SOURCE_ATTR, str(directory))  # save_pretrained never writes over it
     return model
 
 

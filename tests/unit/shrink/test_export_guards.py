@@ -271,3 +271,19 @@ def test_a_malformed_export_is_one_value_error_naming_the_file_and_field(tmp_pat
     with pytest.raises(ValueError, match=match) as caught:
         load_pretrained(directory)
     assert type(caught.value) is ValueError  # not a KeyError, a SafetensorError or an allocator's RuntimeError
+
+
+def test_a_module_export_is_never_replaced_by_the_model_loaded_from_it(tmp_path):
+    from torch import nn
+
+    from lightning_pat import load_pretrained
+
+    out = save_pretrained(nn.Sequential(nn.Linear(3, 4)), tmp_path / "mod")
+    before = digest(out)
+    again = load_pretrained(out)
+    with pytest.raises(ValueError, match=r"mod is the model this export was read from"):
+        save_pretrained(again, out, overwrite=True)
+    assert digest(out) == before
+    elsewhere = save_pretrained(again, tmp_path / "elsewhere")
+    assert str(out) not in (elsewhere / SIZES).read_text()  # the loading machine's path is not exported
+    assert isinstance(load_pretrained(elsewhere), nn.Sequential)
