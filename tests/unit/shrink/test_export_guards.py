@@ -213,6 +213,12 @@ B2_CASES = [
         r"lightning_pat entry gives model.norm.weight the shape \[1000000000000\], but .*model.safetensors holds",
     ),
     (
+        "entry-base-config-huge",
+        "hf",
+        _entry(lambda e: e["base_config"].__setitem__("intermediate_size", 10**12)),
+        r"lightning_pat entry: no LlamaForCausalLM can be built from `base_config` \(RuntimeError",
+    ),
+    (
         "decilm-ffn-1e12",
         "deci",
         _block("intermediate_size", 10**12),
