@@ -242,12 +242,14 @@ def shrink_checkpoint(
         ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
             anything but a LightningModule / ``nn.Module`` class), the checkpoint holds no pruning state, or
             ``format`` / ``gguf_dtype`` / ``tokenizer`` is refused (as by ``save_pretrained``).
-        FileExistsError: If ``output`` is not empty and ``overwrite`` is false.
+        FileExistsError: If ``output`` is not empty and ``overwrite`` is false, or was not written by lightning_pat
+            (checked before the load; the directory the model was loaded from is refused before anything is
+            written, as by ``save_pretrained``).
     """
     from lightning_pat import shrink
     from lightning_pat.shrink.export import check_directory, check_format, save_pretrained
 
-    check_directory(output, overwrite=overwrite)  # before the (long) load
+    check_directory(output, overwrite=overwrite, option="overwrite=True (lightning-pat shrink: --overwrite)")
     check_format(format, gguf_dtype=gguf_dtype)
     checkpoint = load_checkpoint(ckpt_path)
     # the one lookup (exactly one CoupledPruningCallback state, else a ValueError naming them) and the one schema

@@ -11,6 +11,13 @@
   the destination. An existing destination is swapped in one step where Linux's ``renameat2(RENAME_EXCHANGE)`` works
   (:func:`exchange`), else by two renames; :func:`interrupted_overwrite` names what a process killed between those
   two renames left behind.
+* :func:`check_output` refuses, before any work, an output that is (or holds) a file or directory the run read from
+  (``protected``: the model, its tokenizer), and with ``overwrite`` replaces only a directory that carries one of
+  the writer's own marker files (``owner_marks``): never a model directory that merely has an export's file names.
+* A process killed while it builds an export leaves its hidden ``.<name>.partial-<host>-<pid>-*`` folder:
+  :func:`clean_stale_partials` (run by :func:`atomic_directory` before each write) removes those whose process is
+  dead on this host, and warns about any other leftover it cannot prove stale (another host, an older name, a
+  process still alive, or an interrupted overwrite whose folders :func:`interrupted_overwrite` names).
 """
 
 from __future__ import annotations
@@ -18,10 +25,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
+import hashlib
+import logging
 import os
 import pickle
 import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +40,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global|Unsupported global: (?!GLOBAL)([\w.]+)")
 
@@ -231,61 +244,194 @@ def interrupted_overwrite(destination: str | Path) -> str | None:
     )
 
 
-def check_output(destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str) -> Path:
+def check_not_source(destination: Path, protected: Sequence[tuple[str, object]], *, what: str) -> None:
+    """Refuse an output that is, or holds, one of the files or directories a run read from.
+
+    Args:
+        destination: The absolute output directory.
+        protected: ``(what it is, path)`` pairs, e.g. ``("the model", config.name_or_path)``; entries that are not
+            existing local paths (``None``, a Hub model id) are skipped.
+        what: The caller, for the message.
+
+    Raises:
+        ValueError: If ``destination`` resolves to one of them or to a directory above one (naming both).
+    """
+    target = destination.resolve()
+    for label, source in protected:
+        if not isinstance(source, (str, Path)) or not str(source):
+            continue
+        path = Path(source).expanduser()
+        if not path.exists():
+            continue
+        path = path.resolve()
+        if target == path or target in path.parents:
+            how = "is" if target == path else f"holds {path}, which is"
+            raise ValueError(
+                f"{what}: the output directory {destination} {how} {label} this export was read from; an export never "
+                "replaces what it was made from, whatever overwrite says. Write the export to another directory."
+            )
+
+
+def check_output(
+    destination: str | Path,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    what: str,
+    owner_marks: Sequence[str] = (),
+    protected: Sequence[tuple[str, object]] = (),
+    option: str = "overwrite=True",
+) -> Path:
     """Check that :func:`atomic_directory` may write ``destination`` (see there), before any work is done.
+
+    Args:
+        destination: The directory to create or replace.
+        overwrite: Whether a non-empty ``destination`` may be replaced.
+        replaceable: Whether a name found in ``destination`` belongs to what is being written.
+        what: The caller's name, for error messages.
+        owner_marks: File names one of which a replaced ``destination`` must hold (the writer's own marker: only a
+            directory this writer made is replaced); empty: no such check.
+        protected: ``(what it is, path)`` of what the output was read from (see :func:`check_not_source`).
+        option: How the caller spells ``overwrite=True`` (e.g. ``--overwrite``), for the message.
 
     Returns:
         The absolute destination (a symlink to a directory resolved).
 
     Raises:
+        ValueError: If ``destination`` is or holds a ``protected`` path.
         FileExistsError: As for :func:`atomic_directory`.
     """
     destination = Path(destination).absolute()
     if destination.is_symlink():
         destination = destination.resolve()
+    check_not_source(destination, protected, what=what)
     if destination.exists() and not destination.is_dir():
         raise FileExistsError(f"{what}: {destination} exists and is not a directory.")
     present = sorted(os.listdir(destination)) if destination.is_dir() else []
     if present and not overwrite:
         raise FileExistsError(
-            f"{what}: {destination} is not empty ({present[:5]}); pass overwrite=True (CLI: --overwrite) to replace "
-            "the export there, or choose an empty or new directory."
+            f"{what}: {destination} is not empty ({present[:5]}); pass {option} to replace the export there, or "
+            "choose an empty or new directory."
         )
     foreign = [n for n in present if not replaceable(n)]
     if foreign:
         raise FileExistsError(
-            f"{what}: {destination} holds files that are not part of an export ({foreign[:5]}); overwrite=True only "
+            f"{what}: {destination} holds files that are not part of an export ({foreign[:5]}); {option} only "
             "replaces an earlier export. Move those files away or choose another directory."
+        )
+    if present and owner_marks and not any((destination / m).is_file() for m in owner_marks):
+        raise FileExistsError(
+            f"{what}: {destination} was not written by lightning_pat (it holds none of {list(owner_marks)}, which "
+            f"every export of lightning_pat carries): it may be the model directory a run was loaded from, and "
+            f"{option} only replaces lightning_pat's own exports. Choose another directory (or remove this one "
+            "yourself if it is a copy you no longer need)."
         )
     return destination
 
 
+def _host_key() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process; a number no pid can be: keep it
+        return True
+    return True
+
+
+def partial_prefix(destination: Path) -> str:
+    """The name prefix of the folder an export of ``destination`` is built in: ``.<name>.partial-<host>-<pid>-``."""
+    return f".{destination.name}.partial-{_host_key()}-{os.getpid()}-"
+
+
+def clean_stale_partials(destination: str | Path, *, what: str) -> list[Path]:
+    """Remove the ``.<name>.partial-*`` folders of ``destination`` left by a killed save; warn about other leftovers.
+
+    A folder is removed only when it is provably ours and stale: its name carries this host's key and the id of a
+    process that no longer exists, and no overwrite of ``destination`` was interrupted between its two renames
+    (then the folders are what :func:`interrupted_overwrite` tells the user to restore). Any other ``.partial-``
+    folder (another host, a live process, an older name without host and process) is kept and named in a warning.
+
+    Returns:
+        The folders removed.
+    """
+    destination = Path(destination).absolute()
+    if not destination.parent.is_dir():
+        return []
+    name = destination.name
+    found = sorted(p for p in destination.parent.glob(f".{glob.escape(name)}.partial-*") if p.is_dir())
+    if not found:
+        return []
+    interrupted = interrupted_overwrite(destination) is not None
+    pattern = re.compile(rf"\.{re.escape(name)}\.partial-([0-9a-f]{{8}})-(\d+)-\w+")
+    stale: list[Path] = []
+    kept: list[Path] = []
+    for path in found:
+        match = pattern.fullmatch(path.name)
+        ours = match is not None and match.group(1) == _host_key() and not path.is_symlink() and not interrupted
+        (stale if ours and match is not None and not _alive(int(match.group(2))) else kept).append(path)
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        log.warning(
+            "%s: removed %d folder(s) left by an earlier save of %s that was killed: %s",
+            what, len(stale), destination, ", ".join(str(p) for p in stale),
+        )  # fmt: skip
+    if kept:
+        log.warning(
+            "%s: %s has leftover folder(s) that lightning_pat cannot prove stale (another host, a process still "
+            "running, an older lightning_pat, or an interrupted overwrite): %s. Remove them once no save is running.",
+            what, destination, ", ".join(str(p) for p in kept),
+        )  # fmt: skip
+    return stale
+
+
 @contextlib.contextmanager
 def atomic_directory(
-    destination: str | Path, *, overwrite: bool, replaceable: Callable[[str], bool], what: str
+    destination: str | Path,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    what: str,
+    owner_marks: Sequence[str] = (),
+    protected: Sequence[tuple[str, object]] = (),
+    option: str = "overwrite=True",
 ) -> Iterator[Path]:
     """Build a directory in a temporary sibling and move it to ``destination`` when the block succeeds.
 
     An existing non-empty ``destination`` is refused unless ``overwrite``; with ``overwrite`` it may hold only names
-    for which ``replaceable`` is true (the files of an earlier export), and is replaced as a whole. If the block
-    raises, the temporary directory is removed and ``destination`` is untouched.
+    for which ``replaceable`` is true (the files of an earlier export) and must carry one of ``owner_marks``, and is
+    replaced as a whole. If the block raises, the temporary directory is removed and ``destination`` is untouched.
+    Stale folders of a killed earlier save are removed first (:func:`clean_stale_partials`).
 
     Args:
         destination: The directory to create or replace.
         overwrite: Whether a non-empty ``destination`` may be replaced.
         replaceable: Whether a name found in ``destination`` belongs to what is being written (so may be replaced).
         what: The caller's name, for error messages.
+        owner_marks: As for :func:`check_output`.
+        protected: As for :func:`check_output`.
+        option: As for :func:`check_output`.
 
     Yields:
         The temporary directory to write into.
 
     Raises:
+        ValueError: If ``destination`` is or holds a ``protected`` path.
         FileExistsError: If ``destination`` is a file, or is non-empty and ``overwrite`` is false, or holds names
-            that ``replaceable`` rejects (the message names them).
+            that ``replaceable`` rejects (the message names them), or none of ``owner_marks``.
     """
-    destination = check_output(destination, overwrite=overwrite, replaceable=replaceable, what=what)
+    destination = check_output(
+        destination, overwrite=overwrite, replaceable=replaceable, what=what, owner_marks=owner_marks,
+        protected=protected, option=option,
+    )  # fmt: skip
     destination.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
+    clean_stale_partials(destination, what=what)
+    partial = Path(tempfile.mkdtemp(prefix=partial_prefix(destination), dir=destination.parent))
     try:
         os.chmod(partial, 0o777 & ~_umask())
         yield partial

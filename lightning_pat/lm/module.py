@@ -84,7 +84,7 @@ class CausalLM(pl.LightningModule):
             (:func:`lightning_pat.shrink`; already cut with ``shrink_on_freeze``), with ``save_pretrained`` and the
             tokenizer. ``None``: no export (``lightning-pat shrink`` can still export a checkpoint).
         export_overwrite: Replace an earlier export in ``export`` (otherwise a non-empty directory is refused at fit
-            start, before any step).
+            start, before any step). The directory ``pretrained`` names (or one holding it) is never replaced.
         dtype: The dtype the weights are loaded in (``"float32"``, ``"bfloat16"``).
         activation_checkpointing: Recompute every decoder layer's activations in the backward (less memory, about
             a third more compute), on one device and under ``ModelParallelStrategy``.
@@ -99,7 +99,7 @@ class CausalLM(pl.LightningModule):
 
     Raises:
         ValueError: If an option is out of range, or ``export`` is a non-empty directory without
-            ``export_overwrite`` (at fit start).
+            ``export_overwrite``, or is (or holds) the directory the model was loaded from (both at fit start).
     """
 
     def __init__(
@@ -200,7 +200,10 @@ class CausalLM(pl.LightningModule):
         if self.export is not None and self.trainer.is_global_zero:
             from lightning_pat.shrink.export import check_directory
 
-            check_directory(self.export, overwrite=self.export_overwrite)
+            check_directory(
+                self.export, overwrite=self.export_overwrite, model=self.model, tokenizer=self.tokenizer,
+                option="export_overwrite=True (under `lightning-pat fit`: model.init_args.export_overwrite: true)",
+            )  # fmt: skip
 
     def on_fit_end(self) -> None:
         """With ``export``: cut the pruned units out (after the pruning callback's own end of fit) and save."""

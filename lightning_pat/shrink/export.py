@@ -15,14 +15,18 @@ r"""Save and load shrunk models, without pickle.
   :mod:`~lightning_pat.shrink.module_tree`) from which :func:`load_pretrained` rebuilds it without running any
   constructor or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat``, ``transformers``
   and ``lightning`` classes, and the classes the caller passes (``load_pretrained(dir, classes=[MyNet])``).
-* only with ``unsafe_pickle=True``: a module the safe format cannot describe (an attribute holding a function or an
-  object of another class) as a pickled ``model.pt``, which loads only with ``load_pretrained(dir,
-  unsafe_pickle=True)`` because unpickling runs any code the file contains.
+
+Nothing is ever pickled or unpickled: a module the safe format cannot describe (an attribute holding a function or
+an object of another class) is refused, and an export pickled by lightning_pat before 0.2 (``"format":
+"torch.save"`` in ``lightning_pat.json``, a ``model.pt``) is refused with the way to convert it in your own code.
 
 The export is built in a temporary sibling directory and moved into place at the end: a failed save leaves the
-previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces an earlier
-export (and refuses a directory holding other files). Every file name read from an export is confined to its
-directory. ``transformers`` is imported only when a Hugging Face export is read or written.
+previous export as it was. A non-empty directory is refused unless ``overwrite=True``, which replaces only an earlier
+export of lightning_pat (it carries ``lightning_pat_export.json``, or ``lightning_pat.json`` for a module export) and
+refuses a directory holding other files. The directory a model or its tokenizer was read from (or one holding it)
+is never written, whatever ``overwrite`` says, and a tokenizer with more token ids than the model's embedding rows
+is refused. Every file name read from an export is confined to its directory. ``transformers`` is imported only
+when a Hugging Face export is read or written.
 
 Example::
 
@@ -40,17 +44,24 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
 from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
+from lightning_pat.shrink.export_checks import (
+    check_description,
+    check_entry,
+    check_shapes,
+    entry_attributes,
+    read_json,
+)
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
 from lightning_pat.shrink.hf_loader import load_hf_class
 from lightning_pat.shrink.llama_layout import read_layout
-from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild
+from lightning_pat.shrink.module_tree import SOURCE_ATTR, UnsupportedStateError, describe, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +69,16 @@ MODULE_FILE = "model.pt"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SIZES_FILE = "lightning_pat.json"
+#: Written into every Hugging Face / DeciLM export: what marks a directory as lightning_pat's (``overwrite`` may
+#: replace it). A module export is marked by its ``lightning_pat.json``.
+EXPORT_MARKER = "lightning_pat_export.json"
+_OWNER_MARKS = (EXPORT_MARKER, SIZES_FILE)
 _VERSION = hf_entry.VERSION
-_MODULE_VERSION = 2  # 1: a pickled model.pt (now only with unsafe_pickle); 2: safetensors + module description
+_MODULE_VERSION = 2  # 1: a pickled model.pt (refused: never unpickled); 2: safetensors + module description
 _EXPORT_FILES = re.compile(
     r"config\.json|generation_config\.json|lightning_pat\.json|model\.pt|model\.safetensors(\.index\.json)?|"
     r"model-\d+-of-\d+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|model\.gguf|"
-    r"configuration_decilm\.py"
+    r"configuration_decilm\.py|lightning_pat_export\.json"
 )
 #: The values of ``format``: the directory's main format ("hf" or "decilm"), and "gguf" next to it.
 FORMATS = ("hf", "decilm", "gguf")
@@ -100,14 +115,44 @@ def check_format(format: str | Iterable[str], *, gguf_dtype: str = "f32") -> tup
     return ("decilm" if "decilm" in values else "hf"), "gguf" in values
 
 
-def check_directory(directory: str | Path, *, overwrite: bool) -> None:
+def _read_from(model: nn.Module | None, tokenizer: object = None) -> list[tuple[str, object]]:
+    """``(what, path)`` of what an export of ``model`` was read from: the model's and the tokenizer's directories."""
+    config = getattr(model, "config", None)
+    found: list[tuple[str, object]] = [("the model", getattr(config, "_name_or_path", None))]
+    found.append(("the model", getattr(model, SOURCE_ATTR, None)))  # a module export load_pretrained read
+    if isinstance(tokenizer, (str, Path)) and tokenizer != "auto":
+        found.append(("the tokenizer", tokenizer))
+    elif tokenizer is not None and not isinstance(tokenizer, str):
+        found.append(("the tokenizer", getattr(tokenizer, "name_or_path", None)))
+    return found
+
+
+def check_directory(
+    directory: str | Path,
+    *,
+    overwrite: bool,
+    model: nn.Module | None = None,
+    tokenizer: object = None,
+    option: str = "overwrite=True",
+) -> None:
     """Raise now what :func:`save_pretrained` would raise about ``directory`` (before a long computation).
 
+    Args:
+        directory: The export directory.
+        overwrite: Whether an earlier export there may be replaced.
+        model: The model to be exported (the directory it was loaded from is refused as an output).
+        tokenizer: The tokenizer to be exported (likewise).
+        option: How the caller spells ``overwrite=True`` (``--overwrite``, ``export_overwrite``), for the message.
+
     Raises:
-        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
-            of an export.
+        ValueError: If ``directory`` is, or holds, the directory ``model`` or ``tokenizer`` was read from.
+        FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, holds files that are not part
+            of an export, or was not written by lightning_pat.
     """
-    check_output(directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained")
+    check_output(
+        directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained", owner_marks=_OWNER_MARKS,
+        protected=_read_from(model, tokenizer), option=option,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- save
@@ -116,7 +161,6 @@ def save_pretrained(
     directory: str | Path,
     *,
     overwrite: bool = False,
-    unsafe_pickle: bool = False,
     tokenizer: object = "auto",
     format: str | Iterable[str] = "hf",  # noqa: A002 - the name users know from serving tools
     gguf_dtype: str = "f32",
@@ -126,9 +170,8 @@ def save_pretrained(
     Args:
         model: A Hugging Face ``PreTrainedModel`` or any ``nn.Module``.
         directory: Output directory (created if needed; must be empty or absent unless ``overwrite``).
-        overwrite: Replace an earlier export in ``directory`` (a directory holding other files is still refused).
-        unsafe_pickle: For a module the safe format cannot describe, write a pickled ``model.pt`` instead of refusing.
-            Loading it needs ``load_pretrained(..., unsafe_pickle=True)`` and runs whatever code the file contains.
+        overwrite: Replace an earlier export of lightning_pat in ``directory`` (a directory holding other files, or
+            not written by lightning_pat, is still refused; so is the directory the model or tokenizer came from).
         tokenizer: The tokenizer written next to the model: a tokenizer object (``save_pretrained(dir)``), a
             directory to copy its tokenizer files from, ``None`` for none, or ``"auto"``: the tokenizer files of the
             directory the model was loaded from (``config.name_or_path``), if it is a local one holding them.
@@ -146,14 +189,16 @@ def save_pretrained(
 
     Raises:
         ValueError: If a Hugging Face model's shapes are not expressible by its config and the config it was built
-            from cannot be rebuilt, or a module holds state the safe format cannot describe and ``unsafe_pickle`` is
-            false (the messages name the class or attribute and the fix); if ``format`` or ``gguf_dtype`` is not
+            from cannot be rebuilt, or a module holds state the safe format cannot describe (nothing is
+            ever pickled; the messages name the class or attribute and the fix); if ``format`` or ``gguf_dtype`` is not
             one of the values above, "decilm"/"gguf" is asked of a model that is not a ``LlamaForCausalLM`` (or
             has biases, RMSNorm eps that differ, a RoPE scaling for GGUF), DeciLM is asked of a model whose
             query-head count differs between layers, GGUF without a byte-level BPE tokenizer whose pre-tokenizer
-            llama.cpp names, or ``tokenizer`` is neither a tokenizer object nor a directory holding one.
+            llama.cpp names, or ``tokenizer`` is neither a tokenizer object nor a directory holding one, or has
+            more token ids than the model's embedding rows; if ``directory`` is (or holds) the directory the
+            model or its tokenizer was read from.
         FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, or holds files that are not part
-            of an export.
+            of an export, or was not written by lightning_pat.
         ModuleNotFoundError: If "gguf" is asked and the ``gguf`` package is not installed.
     """
     directory = Path(directory)
@@ -178,13 +223,21 @@ def save_pretrained(
             "save_pretrained(format='gguf'): a GGUF file embeds the tokenizer, and none was found; pass tokenizer= "
             "(a tokenizer object, or the directory holding tokenizer.json)."
         )
-    with atomic_directory(directory, overwrite=overwrite, replaceable=is_export_file, what=what) as tmp:
+    if source is not None:
+        tokenizer_files.check_fits(source, model, what=what)
+    marks, protected = _OWNER_MARKS, _read_from(model, tokenizer if source is None else source.directory or tokenizer)
+    with atomic_directory(
+        directory, overwrite=overwrite, replaceable=is_export_file, what=what, owner_marks=marks, protected=protected
+    ) as tmp:
         if deci_config is not None:
             _save_decilm(model, tmp, deci_config)
         elif is_hf:
             _save_hf(model, tmp, destination=directory)
         else:
-            _save_module(model, tmp, unsafe_pickle=unsafe_pickle)
+            _save_module(model, tmp)
+        if is_hf:
+            marker = {"written_by": "lightning_pat.save_pretrained", "format": main, "gguf": with_gguf}
+            (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if source is not None:
             tokenizer_files.write(source, tmp, what=what)
         if with_gguf:
@@ -236,7 +289,7 @@ def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
     )
 
 
-def _save_module(model: nn.Module, directory: Path, *, unsafe_pickle: bool) -> None:
+def _save_module(model: nn.Module, directory: Path) -> None:
     config = getattr(model, "config", None)
     info: dict[str, Any] = {
         "loader": LOADER,
@@ -250,33 +303,26 @@ def _save_module(model: nn.Module, directory: Path, *, unsafe_pickle: bool) -> N
     try:
         description, tensors = describe(model)
     except UnsupportedStateError as err:
-        if not unsafe_pickle:
-            raise ValueError(
-                f"save_pretrained: the safe export format cannot store {err}: it stores plain values (numbers, "
-                "strings, tuples, lists, dicts, dtypes, dataclasses), tensors and submodules. Keep such state out of "
-                "the module (e.g. a function as a method), or pass unsafe_pickle=True to write a pickled model.pt, "
-                "which loads only with load_pretrained(..., unsafe_pickle=True) and runs any code the file contains."
-            ) from None
-        torch.save(model, directory / MODULE_FILE)
-        info.update(format="torch.save", file=MODULE_FILE, version=1)
-    else:
-        from safetensors.torch import save_file
+        raise ValueError(
+            f"save_pretrained: the safe export format cannot store {err}: it stores plain values (numbers, strings, "
+            "tuples, lists, dicts, dtypes, dataclasses), tensors and submodules, and lightning_pat never pickles a "
+            "module. Keep such state out of the module (e.g. a function as a method or an nn.Module such as nn.Tanh)."
+        ) from None
+    from safetensors.torch import save_file
 
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        info.update(format="safetensors", file=WEIGHTS_FILE, modules=description["modules"])
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    info.update(format="safetensors", file=WEIGHTS_FILE, modules=description["modules"])
     (directory / SIZES_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsafe_pickle: bool = False) -> nn.Module:
+def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> nn.Module:
     """Load anything :func:`save_pretrained` wrote (and plain Hugging Face model directories), without running code.
 
     Args:
         directory: The export directory.
         classes: Module (and dataclass config) classes the export may name besides ``torch.nn``, ``lightning_pat``
             ``transformers`` and ``lightning`` classes: your own ``nn.Module`` / LightningModule subclasses.
-        unsafe_pickle: Allow loading a pickled ``model.pt`` (written with ``save_pretrained(..., unsafe_pickle=True)``
-            or by lightning_pat before 0.2). Unpickling runs any code the file contains: only for files you trust.
 
     Returns:
         The model, in eval mode for Hugging Face exports (as ``from_pretrained`` returns it).
@@ -286,12 +332,14 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
             leftover folders of an overwrite killed half-way, if any: see
             :func:`~lightning_pat.core.safe_io.interrupted_overwrite`).
         ValueError: If the saved shapes and the loaded weights disagree, the export's version is unknown, a class is
-            not allowed, a file name leads outside the directory, or the export is pickled and ``unsafe_pickle`` is
-            false.
+            not allowed, a file name leads outside the directory, a file or field is malformed (one message naming
+            the file and the field; shapes are checked against the safetensors headers before anything is built),
+            or the export is a pickled ``model.pt`` (lightning_pat never unpickles; the message says how to convert
+            it).
     """
     directory = Path(directory)
     if (directory / SIZES_FILE).is_file():
-        return _load_module(directory, classes=list(classes), unsafe_pickle=unsafe_pickle)
+        return _load_module(directory, classes=list(classes))
     interrupted = interrupted_overwrite(directory)
     if interrupted is not None:
         raise FileNotFoundError(f"load_pretrained: {directory} does not exist: {interrupted}")
@@ -302,11 +350,11 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
         )
     import transformers
 
-    config = json.loads(confined(directory, "config.json", what="load_pretrained").read_text())
+    config = read_json(directory, "config.json")
     weights = _weight_files(directory)  # every name confined, before transformers opens anything
     if decilm.is_decilm(config):  # read as data: the export's configuration_decilm.py is never imported
         deci = decilm.entry_from_config(config)
-        model = _build(transformers, deci, _read_safetensors(weights), directory)
+        model = _build(transformers, deci, weights, directory, where=f"{directory / 'config.json'} (DeciLM)")
         hf_entry.record(model)  # per-layer widths: the entry that lets save_pretrained(model) write it again
         return model.eval()
     entry = config.get(ENTRY)
@@ -317,18 +365,31 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = (), unsa
     if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
         version = entry.get("version") if isinstance(entry, Mapping) else entry
         raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")
-    model = _build(transformers, entry, _read_safetensors(weights), directory)
+    where = f"{directory / 'config.json'}'s {ENTRY} entry"
+    check_entry(entry, where)
+    model = _build(transformers, entry, weights, directory, where=where)
     model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
     setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     return model.eval()
 
 
-def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torch.Tensor], directory: Path) -> Any:
-    """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights."""
+def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], directory: Path, *, where: str) -> Any:
+    """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights.
+
+    The entry's shapes are checked against the safetensors headers before anything of those shapes is built.
+    """
     cls = _hf_class(transformers, entry["class"])
-    base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
-    model = hf_entry.build_empty(cls, base_config)
-    attributes = _entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
+    check_shapes(entry["shapes"], files, where)
+    state = _read_safetensors(files)
+    try:
+        base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
+        model = hf_entry.build_empty(cls, base_config)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as err:  # what a crafted config raises
+        raise ValueError(
+            f"load_pretrained: {where}: no {cls.__name__} can be built from `base_config` ({type(err).__name__}: "
+            f"{str(err)[:200]}); write the export again."
+        ) from None
+    attributes = entry_attributes(model, entry.get("attributes", {}))  # checked before anything is set
     _materialize(model, entry["shapes"], state)
     for module, key, value in attributes:
         old = getattr(module, key, None)
@@ -336,57 +397,6 @@ def _build(transformers: Any, entry: Mapping[str, Any], state: Mapping[str, torc
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
     model.config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
     return model
-
-
-def _plain(value: object) -> bool:
-    if isinstance(value, (bool, int, float, str)):
-        return True
-    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-
-
-def _entry_attributes(model: nn.Module, attributes: object) -> list[tuple[nn.Module, str, Any]]:
-    """(module, name, value) of every attribute the entry sets, each checked (the entry is read from a file).
-
-    Only public plain attributes (sizes, head counts, eps: numbers, strings, bools, lists of ints) of modules the model
-    has: never a method, a property, a class attribute, a parameter, a buffer, a submodule or an internal.
-
-    Raises:
-        ValueError: Naming the module and attribute.
-    """
-    where = "load_pretrained: config.json's lightning_pat entry"
-    if not isinstance(attributes, Mapping):
-        raise ValueError(f"{where}: `attributes` must be a mapping, got {type(attributes).__name__}.")
-    out = []
-    for name, values in attributes.items():
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{where}: the attributes of module {name!r} must be a mapping, got {values!r}.")
-        try:
-            module = model.get_submodule(name) if isinstance(name, str) else None
-        except AttributeError:
-            module = None
-        if module is None:
-            raise ValueError(
-                f"{where} names the module {name!r}, which the model ({type(model).__name__}) does not have."
-            )
-        for key, value in values.items():
-            internal = not isinstance(key, str) or key.startswith("_") or not key.isidentifier()
-            taken = not internal and (
-                hasattr(type(module), key) or key in module._parameters or key in module._buffers  # noqa: SLF001
-                or key in module._modules  # noqa: SLF001
-            )  # fmt: skip
-            current = vars(module).get(key) if not internal else None
-            if internal or taken or (current is not None and not _plain(current)):
-                raise ValueError(
-                    f"{where}: attribute {key!r} of module {name!r} is refused: the entry sets only public plain "
-                    "attributes (sizes, head counts, eps), never a method, a tensor, a submodule or an internal."
-                )
-            if not _plain(value):
-                raise ValueError(
-                    f"{where}: attribute {key!r} of module {name!r} must be a plain value (a number, a string, a bool "
-                    f"or a list of ints), got {value!r}."
-                )
-            out.append((module, key, value))
-    return out
 
 
 def _hf_class(transformers: Any, name: object) -> type:
@@ -403,7 +413,7 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     if not index.exists():
         return []
-    weight_map = json.loads(confined(directory, INDEX_FILE, what="load_pretrained").read_text()).get("weight_map")
+    weight_map = read_json(directory, INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, Mapping):
         raise ValueError(f"load_pretrained: {index} has no `weight_map`.")
     names = sorted(set(weight_map.values()), key=str)
@@ -417,7 +427,10 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         raise ValueError(f"load_pretrained: the export holds no {WEIGHTS_FILE} and no {INDEX_FILE}.")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(path))
+        try:
+            state.update(load_file(path))
+        except Exception as err:  # noqa: BLE001 - SafetensorError and others on bytes that passed the header check
+            raise ValueError(f"load_pretrained: cannot read {path} ({type(err).__name__}: {err}).") from None
     return state
 
 
@@ -452,16 +465,20 @@ def _materialize(model: nn.Module, shapes: Mapping[str, list[int]], state: Mappi
             module._parameters[attr] = new
 
 
-def _load_module(directory: Path, *, classes: list[type], unsafe_pickle: bool) -> nn.Module:
-    info = json.loads(confined(directory, SIZES_FILE, what="load_pretrained").read_text())
+def _load_module(directory: Path, *, classes: list[type]) -> nn.Module:
+    info = read_json(directory, SIZES_FILE)
     fmt = info.get("format")
     if fmt == "torch.save":
-        model = _load_pickled(directory, info, unsafe_pickle=unsafe_pickle)
+        _refuse_pickled(directory, info)
     elif fmt == "safetensors" and info.get("version") == _MODULE_VERSION:
-        from safetensors.torch import load_file
-
+        where = str(directory / SIZES_FILE)
+        check_description(info, where)
         path = confined(directory, info.get("file"), what=f"load_pretrained: {SIZES_FILE} 'file'")
-        model = rebuild(info, load_file(path), classes=classes)
+        check_shapes(info["shapes"], [path], where)
+        try:
+            model = rebuild(info, _read_safetensors([path]), classes=classes)
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as err:  # a net under the checks
+            raise ValueError(f"load_pretrained: {where} is malformed ({type(err).__name__}: {err}).") from None
     else:
         raise ValueError(
             f"load_pretrained: {directory / SIZES_FILE} has format {fmt!r} version {info.get('version')!r}; this "
@@ -472,16 +489,19 @@ def _load_module(directory: Path, *, classes: list[type], unsafe_pickle: bool) -
             f"load_pretrained: {directory} does not hold the module {SIZES_FILE} describes "
             f"({info.get('class')}); write the export again with save_pretrained."
         )
+    setattr(model, SOURCE_ATTR, str(directory))  # save_pretrained never writes over it
     return model
 
 
-def _load_pickled(directory: Path, info: Mapping[str, Any], *, unsafe_pickle: bool) -> Any:
-    path = confined(directory, info.get("file", MODULE_FILE), what=f"load_pretrained: {SIZES_FILE} 'file'")
-    if not unsafe_pickle:
-        raise ValueError(
-            f"load_pretrained: {path} is a pickled module (format 'torch.save'); unpickling runs any code the file "
-            "contains, so it is refused by default. If you wrote this file yourself or trust its source, pass "
-            "unsafe_pickle=True; better, load it once that way and save it again with save_pretrained (safetensors)."
-        )
-    log.warning("load_pretrained: unpickling %s (unsafe_pickle=True): this runs any code the file contains", path)
-    return torch.load(path, weights_only=False)  # opt-in, see the docstring
+def _refuse_pickled(directory: Path, info: Mapping[str, Any]) -> NoReturn:
+    """Refuse a version-1 export (a pickled ``model.pt``): lightning_pat never unpickles (DESIGN rule 10)."""
+    name = info.get("file", MODULE_FILE)
+    path = confined(directory, name, what=f"load_pretrained: {SIZES_FILE} 'file'")
+    raise ValueError(
+        f"load_pretrained: {path} is a pickled module ({directory / SIZES_FILE} says format 'torch.save', version "
+        f"{info.get('version')!r}: written by lightning_pat before 0.2 or with the removed unsafe_pickle=True). "
+        "lightning_pat never unpickles a file, since unpickling runs any code it contains. If you wrote this file "
+        "yourself or trust its source, convert it once in your own code: load the module with torch.load (telling "
+        "torch to unpickle full objects, at your own risk), then `lightning_pat.save_pretrained(model, new_dir)`, "
+        "which writes safetensors and JSON."
+    )

@@ -44,6 +44,9 @@ MODEL_MODULES: tuple[str, ...] = (
 name without being passed ``classes``; no other module named in a file is ever imported."""
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+#: Set by ``load_pretrained`` on the module it rebuilt: the directory it was read from (an export never replaces it).
+#: Never described: it is not state of the model, and a path of the loading machine does not go into an export.
+SOURCE_ATTR = "_lightning_pat_source"
 
 
 class UnsupportedStateError(ValueError):
@@ -207,7 +210,7 @@ def describe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         attributes = {}
         state = module.__getstate__()  # what pickle would store (LightningModule leaves out its trainer)
         for key, value in (state if isinstance(state, dict) else vars(module)).items():
-            if key in _MODULE_INTERNALS:
+            if key in _MODULE_INTERNALS or key == SOURCE_ATTR:
                 continue
             attributes[key] = _encode(value, f"{where}: attribute {key!r}")
         modules.append(

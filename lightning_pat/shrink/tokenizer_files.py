@@ -11,10 +11,14 @@ before anything is written; :func:`write` puts its files into the export's tempo
 * ``"auto"``: the tokenizer files of the directory the model was loaded from (``config.name_or_path``), when it is a
   local directory holding a ``tokenizer.json`` or ``tokenizer_config.json``; otherwise no tokenizer.
 * ``None``: no tokenizer.
+
+:func:`check_fits` refuses, before anything is written, a tokenizer with more token ids than the model's embedding
+rows (it does not belong to the model: ordinary text would index past the embedding), on every format.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -116,6 +120,63 @@ def resolve(tokenizer: object, model: nn.Module, *, what: str) -> TokenizerSourc
         f"{what}: `tokenizer` must be 'auto', None, a directory or an object with save_pretrained(directory); got "
         f"a {type(tokenizer).__name__}."
     )
+
+
+def _ids_of_file(directory: Path, name: str, *, what: str) -> list[int]:
+    """The token ids a tokenizer file names (``tokenizer.json``: vocabulary and added tokens; others: their values)."""
+    path = confined(directory, name, what=f"{what}: tokenizer")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{what}: cannot read the tokenizer file {path} ({type(err).__name__}: {err}).") from None
+    if name != "tokenizer.json":
+        values = list(data.values()) if isinstance(data, dict) else []
+    else:
+        vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
+        values = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))  # Unigram: a list
+        added = data.get("added_tokens") if isinstance(data, dict) else None
+        values += [t.get("id") for t in added or [] if isinstance(t, dict)]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def token_count(source: TokenizerSource, *, what: str) -> int | None:
+    """1 + the largest token id of the tokenizer (``None``: it cannot be told from its files)."""
+    ids: list[int] = []
+    if source.obj is not None:
+        vocab = source.obj.get_vocab() if callable(getattr(source.obj, "get_vocab", None)) else None
+        if isinstance(vocab, dict):
+            ids = [v for v in vocab.values() if isinstance(v, int)]
+        elif callable(getattr(source.obj, "__len__", None)):
+            return len(source.obj)
+    elif source.directory is not None:
+        names = ["tokenizer.json"] if (source.directory / "tokenizer.json").is_file() else ["vocab.json"]
+        names += ["added_tokens.json"] if names == ["vocab.json"] else []
+        for name in names:
+            if (source.directory / name).is_file():
+                ids += _ids_of_file(source.directory, name, what=what)
+    return max(ids) + 1 if ids else None
+
+
+def check_fits(source: TokenizerSource, model: nn.Module, *, what: str) -> None:
+    """Refuse a tokenizer whose token ids do not all fit the model's input embedding (the GGUF writer's check).
+
+    Raises:
+        ValueError: If the tokenizer has more token ids than the embedding has rows (naming both numbers).
+    """
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    weight = getattr(embedding, "weight", None)
+    count = token_count(source, what=what)
+    if weight is None or weight.dim() != 2 or count is None:
+        return
+    rows = int(weight.shape[0])
+    if count > rows:
+        raise ValueError(
+            f"{what}: the tokenizer ({source.describe()}) has {count:,} token ids (up to id {count - 1}), but the "
+            f"model's embedding has only {rows:,} rows: the tokenizer does not belong to this model (ordinary text "
+            "would index past the embedding). Pass the model's own tokenizer (tokenizer='auto' for the directory the "
+            "model was loaded from), or tokenizer=None; nothing was written."
+        )
 
 
 def write(source: TokenizerSource, directory: Path, *, what: str) -> list[str]:

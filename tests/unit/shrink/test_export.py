@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
 from lightning_pat.demo import preset as demo_preset
-from lightning_pat.shrink.export import ENTRY, SIZES_FILE
+from lightning_pat.shrink.export import ENTRY, EXPORT_MARKER, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -175,8 +175,8 @@ def test_plain_sequential_round_trip_and_errors(tmp_path):
     info = json.loads((tmp_path / SIZES_FILE).read_text())
     info["shapes"]["0.weight"] = [16, 5]
     (tmp_path / SIZES_FILE).write_text(json.dumps(info))
-    with pytest.raises(ValueError, match="does not hold the module"):
-        load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"gives 0.weight the shape \[16, 5\], but .*model.safetensors holds \[8, 5\]"):
+        load_pretrained(tmp_path)  # checked against the safetensors header, before anything is built
     with pytest.raises(FileNotFoundError, match="neither config.json"):
         load_pretrained(tmp_path / "missing")
 
@@ -326,21 +326,35 @@ class _WithFunction(nn.Module):
         return self.act(self.fc(x))
 
 
-def test_pickle_only_behind_the_explicit_opt_in(tmp_path):
+def test_nothing_is_pickled_and_a_v1_pickled_export_is_refused_with_the_conversion(tmp_path, monkeypatch):
+    import inspect
+    import pickle
+
     net = _WithFunction()
-    with pytest.raises(
-        ValueError, match=r"cannot store module \(root\) \(_WithFunction\): attribute 'act'.*unsafe_pickle"
-    ):
+    with pytest.raises(ValueError, match=r"cannot store module \(root\) \(_WithFunction\): attribute .act.*never"):
         save_pretrained(net, tmp_path / "safe")
     assert not (tmp_path / "safe").exists()
-    save_pretrained(net, tmp_path / "pickled", unsafe_pickle=True)
-    assert json.loads((tmp_path / "pickled" / SIZES_FILE).read_text())["format"] == "torch.save"
-    with pytest.raises(ValueError, match="is a pickled module .*runs any code the file contains"):
-        load_pretrained(tmp_path / "pickled")
-    again = load_pretrained(tmp_path / "pickled", unsafe_pickle=True)
-    x = torch.randn(3, 2)
-    with torch.no_grad():
-        assert torch.equal(again(x), net(x))
+    assert "unsafe_pickle" not in inspect.signature(save_pretrained).parameters  # DESIGN rule 10: no opt-in either
+    assert "unsafe_pickle" not in inspect.signature(load_pretrained).parameters
+    # a version-1 export as lightning_pat before 0.2 wrote it: a pickled model.pt, never unpickled
+    out = save_pretrained(nn.Linear(2, 2), tmp_path / "v1")
+    torch.save(nn.Linear(2, 2), out / "model.pt")
+    info = json.loads((out / SIZES_FILE).read_text())
+    info.update(format="torch.save", file="model.pt", version=1)
+    (out / SIZES_FILE).write_text(json.dumps(info))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_pretrained unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    with pytest.raises(
+        ValueError,
+        match=r"model.pt is a pickled module .*version 1.*never unpickles.*torch.load.*"
+        r"save_pretrained\(model, new_dir\)",
+    ):
+        load_pretrained(out)
 
 
 def test_failed_save_leaves_the_previous_export_intact(tmp_path, monkeypatch):
@@ -376,8 +390,11 @@ def test_overwrite_replaces_the_whole_export_and_loads_what_transformers_loads(t
     assert isinstance(load_pretrained(out), nn.Sequential)  # refused: the old export is untouched
     ids = token_ids()
     ref = logits(model, ids)
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # an earlier sharded export
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # a sharded model directory, not ours
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    with pytest.raises(FileExistsError, match=r"sharded was not written by lightning_pat .*lightning_pat_export.json"):
+        save_pretrained(model, tmp_path / "sharded", overwrite=True)  # it may be the model a run was loaded from
+    (tmp_path / "sharded" / EXPORT_MARKER).write_text("{}")  # as if an earlier export of ours was sharded
     save_pretrained(model, tmp_path / "sharded", overwrite=True)
     assert not (tmp_path / "sharded" / "model.safetensors.index.json").exists()  # old files removed
     save_pretrained(model, out, overwrite=True)
