@@ -212,3 +212,15 @@ def test_causal_lm_trains_the_model_in_train_mode_and_shows_both_validation_loss
     fit.fit(module, datamodule=datamodule)
     assert seen == [True, True]  # also after the validation in between
     assert {"val_loss", "val_loss_english"} <= set(fit.progress_bar_metrics)
+
+
+def test_shrink_of_a_run_whose_model_directory_moved_says_the_directory_does_not_exist(tmp_path):
+    """C3 through ``lightning-pat shrink``'s reading of the run's config (not jsonargparse's union message)."""
+    from lightning_pat.cli.checkpoint import model_from_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model:\n  class_path: lightning_pat.lm.CausalLM\n  init_args: {pretrained: /moved/tiny-lm}\n")
+    with pytest.raises(ValueError, match=r"cannot build the model 'lightning_pat.lm.CausalLM' from its init_args "
+                                         r"\(ValueError: CausalLM: `pretrained`: the directory '/moved/tiny-lm' does "
+                                         r"not exist"):  # fmt: skip
+        model_from_config(config)

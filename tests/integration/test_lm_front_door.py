@@ -149,6 +149,7 @@ def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"and its tokenizer to {export}" in proc.stderr + proc.stdout  # the end of the fit says where it went
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(export)
