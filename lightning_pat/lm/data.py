@@ -293,6 +293,8 @@ class TextFiles(pl.LightningDataModule):
         self.train: Windows | None = None
         self.val: list[Windows] = []
         self._max_id: int | None = None
+        self._used_tokenizer: Any = None
+        self._checked: int | None = None  # id() of the module the tokens were last checked against
 
     def paths(self) -> list[Path]:
         """The text files, sorted (patterns expanded)."""
@@ -333,7 +335,7 @@ class TextFiles(pl.LightningDataModule):
     def _check_model(self, tokenizer: Any, max_id: int | None = None) -> None:
         """Refuse a tokenizer (or token ids) that is not the attached LightningModule's (A5 of audit 2026-12b)."""
         module = getattr(getattr(self, "trainer", None), "lightning_module", None)
-        if module is None:
+        if module is None or (max_id is not None and self._checked == id(module)):
             return
         own = getattr(module, "tokenizer", None)
 
@@ -354,13 +356,15 @@ class TextFiles(pl.LightningDataModule):
                 f", beyond the model's config.vocab_size={vocab}; tokenize with the model's tokenizer (leave "
                 "`tokenizer` unset)."
             )
+        if max_id is not None:
+            self._checked = id(module)
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenize the files once (cached); check the tokenizer against the attached LightningModule's."""
-        tokenizer = self._tokenizer()
-        if self.train is not None:
-            self._check_model(tokenizer, self._max_id)
+        if self.train is not None:  # read already: check a newly attached module (once), reload nothing
+            self._check_model(self._used_tokenizer, self._max_id)
             return
+        tokenizer = self._used_tokenizer = self._tokenizer()
         self._check_model(tokenizer)
         train_files, held_files = split_by_file(self.paths(), holdout_every=self.holdout_every)
         if not train_files or not held_files:

@@ -70,6 +70,13 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_at_setup_naming_both(tmp_
     trainer(max_steps=1).fit(module, datamodule=data(code_files(tmp_path / "t"), tokenizer=str(model_dir)))
 
 
+def test_a_datamodule_set_up_before_the_fit_is_still_checked_at_the_fit(tmp_path, lm_dirs):
+    datamodule = data(code_files(tmp_path / "t"), tokenizer=str(lm_dirs[0]))
+    datamodule.setup()  # read and tokenized with no module attached (as before size_clusters)
+    with pytest.raises(ValueError, match=r"\(320 tokens\) is not the model's tokenizer .*\(600 tokens\)"):
+        trainer().fit(CausalLM(str(lm_dirs[1])), datamodule=datamodule)
+
+
 def test_token_ids_beyond_the_embedding_are_a_value_error_not_an_index_error(lm_dirs):
     module = CausalLM(str(lm_dirs[0]))
     with pytest.raises(ValueError, match=r"token ids in \[0, 599\], outside the model's embedding of 320 rows"):
