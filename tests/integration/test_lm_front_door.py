@@ -136,7 +136,7 @@ def test_causal_lm_prunes_heals_and_exports_a_stock_model_with_its_tokenizer(tmp
 
 
 def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir):
-    files = text_files(tmp_path / "texts")
+    text_files(tmp_path / "texts")  # C2: passed below as one glob string (not a list), as a YAML user writes it
     export = tmp_path / "export"
     proc = subprocess.run(
         [str(SCRIPT), "fit", "--config", str(ROOT / "examples/configs/smollm2.yaml"),
@@ -144,7 +144,7 @@ def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir
          f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=8", "--trainer.val_check_interval=8",
          "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.target_params=0.8",
          "--trainer.callbacks.init_args.warmup_steps=2", "--trainer.callbacks.init_args.ramp_steps=2",
-         f"--data.init_args.files=[{', '.join(files)}]", "--data.init_args.seq_len=16",
+         f"--data.init_args.files={tmp_path / 'texts'}/*.py", "--data.init_args.seq_len=16",  # one glob string
          "--data.init_args.val_windows=2", "--data.init_args.train_windows=64"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
