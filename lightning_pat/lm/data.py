@@ -326,10 +326,11 @@ class TextFiles(pl.LightningDataModule):
                     "LightningModule with a `tokenizer` attribute (lightning_pat.lm.CausalLM)."
                 )
         if isinstance(tok, (str, Path)):
-            from lightning_pat.lm.module import resolve_pretrained
+            from lightning_pat.lm.module import check_pretrained, resolve_pretrained
             from lightning_pat.shrink.hf_loader import load_tokenizer
 
-            tok = load_tokenizer(resolve_pretrained(str(tok), option="TextFiles: `tokenizer`"), what="TextFiles(tokenizer=...)")
+            check_pretrained(str(tok), option="TextFiles: `tokenizer`")  # before the Hub's "Repo id must be ..."
+            tok = load_tokenizer(resolve_pretrained(str(tok)), what="TextFiles(tokenizer=...)")
         return tok
 
     def _check_model(self, tokenizer: Any, max_id: int | None = None) -> None:

@@ -44,26 +44,33 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def resolve_pretrained(pretrained: str, *, option: str = "CausalLM: `pretrained`") -> str:
-    """``pretrained`` itself, or the directory of :func:`~lightning_pat.lm.smollm2_dir` for ``"smollm2"``.
+def check_pretrained(pretrained: str, *, option: str = "CausalLM: `pretrained`") -> None:
+    """Refuse a ``pretrained`` (or a tokenizer source) that can only be a local path and is not a directory.
 
     Raises:
         ValueError: If ``pretrained`` is not ``"smollm2"``, not a directory and cannot be a model id (a path that
             does not exist, or a file): the message names ``option`` and says the directory does not exist, instead
             of the Hub's "Repo id must be in the form ...".
     """
-    if pretrained == SMOLLM2:
-        return str(smollm2_dir())
     path = Path(pretrained).expanduser()
-    if path.is_dir():
-        return pretrained
+    if pretrained == SMOLLM2 or path.is_dir():
+        return
     if path.exists():
         raise ValueError(f"{option}: {pretrained!r} is a file; give a model directory (config.json, weights, "
                          f"tokenizer files), a model id, or {SMOLLM2!r}.")  # fmt: skip
     if not _MODEL_ID.match(pretrained):
         raise ValueError(f"{option}: the directory {pretrained!r} does not exist; give an existing model directory, "
                          f"a Hugging Face model id ('namespace/name'), or {SMOLLM2!r}.")  # fmt: skip
-    return pretrained
+
+
+def resolve_pretrained(pretrained: str) -> str:
+    """``pretrained`` itself, or the directory of :func:`~lightning_pat.lm.smollm2_dir` for ``"smollm2"``.
+
+    Raises:
+        ValueError: As :func:`check_pretrained`.
+    """
+    check_pretrained(pretrained)
+    return str(smollm2_dir()) if pretrained == SMOLLM2 else pretrained
 
 
 def check_options(*, lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any, schedule: Any, min_lr_ratio: Any,
