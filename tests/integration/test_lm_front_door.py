@@ -85,7 +85,7 @@ def test_text_files_refuse_bad_options_and_a_missing_tokenizer(tmp_path, cache):
         TextFiles(files=[str(tmp_path / "nothing*.txt")]).paths()
     with pytest.raises(ValueError, match=r"no tokenizer: pass `tokenizer=`"):
         TextFiles(files=text_files(tmp_path / "t")).setup()
-    with pytest.raises(ValueError, match=r"give at least 10 files"):
+    with pytest.raises(ValueError, match=r"give at least 6 files \(file 5 of every `holdout_every`=10 is held out\)"):
         TextFiles(files=text_files(tmp_path / "few", n=3), tokenizer=object()).setup()
 
 
@@ -136,7 +136,7 @@ def test_causal_lm_prunes_heals_and_exports_a_stock_model_with_its_tokenizer(tmp
 
 
 def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir):
-    files = text_files(tmp_path / "texts")
+    text_files(tmp_path / "texts")  # C2: passed below as one glob string (not a list), as a YAML user writes it
     export = tmp_path / "export"
     proc = subprocess.run(
         [str(SCRIPT), "fit", "--config", str(ROOT / "examples/configs/smollm2.yaml"),
@@ -144,11 +144,12 @@ def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir
          f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=8", "--trainer.val_check_interval=8",
          "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.target_params=0.8",
          "--trainer.callbacks.init_args.warmup_steps=2", "--trainer.callbacks.init_args.ramp_steps=2",
-         f"--data.init_args.files=[{', '.join(files)}]", "--data.init_args.seq_len=16",
+         f"--data.init_args.files={tmp_path / 'texts'}/*.py", "--data.init_args.seq_len=16",  # one glob string
          "--data.init_args.val_windows=2", "--data.init_args.train_windows=64"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"and its tokenizer to {export}" in proc.stderr + proc.stdout  # the end of the fit says where it went
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(export)
@@ -194,9 +195,9 @@ def test_size_clusters_then_the_callback_reach_the_solved_size(tmp_path, cache, 
 
 @pytest.mark.parametrize(
     ("options", "match"),
-    [({"schedule": "step"}, r"`schedule` must be one of"), ({"lr": 0.0}, r"expected lr > 0"),
-     ({"min_lr_ratio": 2.0}, r"0 <= min_lr_ratio <= 1"), ({"warmup_steps": -1}, r"warmup_steps >= 0"),
-     ({"dtype": "float99"}, r"`dtype` must name a torch dtype")],
+    [({"schedule": "step"}, r"`schedule` must be one of"), ({"lr": 0.0}, r"`lr` must be a finite number > 0"),
+     ({"min_lr_ratio": 2.0}, r"`min_lr_ratio` must be a number in \[0, 1\]"),
+     ({"warmup_steps": -1}, r"`warmup_steps` must be an int >= 0"), ({"dtype": "float99"}, r"`dtype` must be one of")],
 )  # fmt: skip
 def test_causal_lm_refuses_bad_options(lm_dir, options, match):
     with pytest.raises(ValueError, match=match):
