@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.common.processes import in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "lightning-pat"
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -149,9 +151,16 @@ B1_CASES = {
 }  # fmt: skip
 
 
+#: The cases run through the installed console script (a fresh process each, ~15 s); the others through
+#: ``lightning_pat.cli:main`` in this process, the same code the script calls.
+B1_CONSOLE = {"lr", "smollm2-missing"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(B1_CASES))
-def test_lm_front_door_errors_are_one_line_with_exit_status_1_from_the_console_script(tmp_path, lm_setup, case):
+def test_lm_front_door_errors_are_one_line_with_exit_status_1_from_the_console_script(
+    tmp_path, lm_setup, case, monkeypatch, capfd
+):
     """Audit 2026-12b B1: every error of ``CausalLM``/``TextFiles`` under ``lightning-pat fit``, with the tiny LM."""
     extra, match = B1_CASES[case]
     (tmp_path / "busy").mkdir()
@@ -164,12 +173,19 @@ def test_lm_front_door_errors_are_one_line_with_exit_status_1_from_the_console_s
     env = {"LIGHTNING_PAT_CACHE": str(tmp_path / "cache")}
     if case == "smollm2-missing":
         env["PYTHONPATH"] = f"{lm_setup['no_smollm2']}{os.pathsep}{ROOT}"
-    proc = run(tmp_path, "fit", "--config", str(LM_CONFIG), *base, *extra, env=env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    args = ["fit", "--config", str(LM_CONFIG), *base, *extra]
+    if case in B1_CONSOLE:
+        proc = run(tmp_path, *args, env=env)
+        code, err = proc.returncode, proc.stderr
+    else:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        code, err = in_process(capfd, monkeypatch, tmp_path, *args)
+    assert code == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
     assert re.search(rf"^lightning-pat fit: error: .*{match}", last), last
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "Given value" not in proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    assert "Given value" not in err
 
 
 WRONG_TYPE = [

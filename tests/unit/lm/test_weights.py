@@ -56,8 +56,10 @@ def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path):
 
 def test_refusals_name_the_file_and_happen_before_anything_is_allocated(tmp_path):
     source = tiny_lm_dir(tmp_path / "a")
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text((source / "config.json").read_text())
     with pytest.raises(ValueError, match="empty_init=True reads the weights from a local directory"):
-        CausalLM(str(tmp_path / "nowhere"), empty_init=True)
+        CausalLM(str(tmp_path / "no-weights"), empty_init=True)
     model = empty_model(source, dtype=torch.float32, what="test")
     bad = tmp_path / "bad"
     bad.mkdir()
