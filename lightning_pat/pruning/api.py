@@ -81,6 +81,7 @@ def one_shot_calibration(
         ValueError: As for :func:`prune_clusters` (``calibration`` with ``activations`` or a weight score, or not a
             list of batches; an invalid declaration).
     """
+    auto = score == "auto"
     score = _one_shot_score(score, activations, calibration)
     if calibration is None:
         return score, activations, layer_stats
@@ -93,7 +94,13 @@ def one_shot_calibration(
             f"{type(calibration).__name__}; e.g. calibration=[ids[i : i + 4] for i in range(0, 32, 4)]."
         )
     resolved = resolve_clusters(model, clusters)  # type: ignore[arg-type]
-    stats = calibrate(model, resolved, calibration)
+    try:
+        stats = calibrate(model, resolved, calibration)
+    except ValueError as err:  # e.g. fused experts: no nn.Linear reader; "auto" falls back as the callback does
+        if not auto:
+            raise
+        log.warning("prune_clusters: score='auto' scores by the weights ('rms'): %s", err)
+        return "rms", None, layer_stats
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
     return score, stats, layer_stats
@@ -275,7 +282,12 @@ def prune_clusters(
         )
     declared = one_shot_declarations(model, clusters)
     plan_score, activations, layer_stats = one_shot_calibration(
-        model, declared, resolved_score, activations, calibration, layer_stats=layer_stats
+        model,
+        declared,
+        opts.score if calibration is not None else resolved_score,
+        activations,
+        calibration,
+        layer_stats=layer_stats,
     )
     plan = make_plan(
         model, declared, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,

@@ -21,6 +21,7 @@ from lightning_pat.shrink.attention_modules import (
     is_swin_v2_attention,
     mha_refusal,
 )
+from lightning_pat.shrink.experts import expert_config, experts_kind
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -50,7 +51,7 @@ def module_kind(module: nn.Module) -> str | None:
         return "window_attention_v2"
     if is_maxvit_attention(module):
         return "maxvit_attention"
-    return conv_kind(module)
+    return conv_kind(module) or experts_kind(module)
 
 
 def is_llama_attention(m: nn.Module) -> bool:
@@ -177,6 +178,8 @@ def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_ch
         _set_config(config, ("hidden_size", "n_embd", "d_model"), emb.embedding_dim, "the hidden size")
     if norm_eps:
         _set_config(config, ("rms_norm_eps",), _uniform(norm_eps), "the RMSNorm eps")
+    for attr, value in expert_config(model).items():
+        _set_config(config, (attr,), value, attr)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts
