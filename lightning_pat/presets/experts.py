@@ -13,7 +13,8 @@ a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
-number of experts and the stock config can express the result.
+number of experts and the stock config can express the result. The kept expert width and hidden size are multiples
+of :data:`WIDTH_MULTIPLE` (transformers' ``grouped_mm`` experts need 16-byte strides).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from lightning_pat.presets.transformers import QUERY_HEADS_DEFAULT, build, find_
 
 _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 _GATE_UP, _DOWN, _ROUTER = r"mlp\.experts\.gate_up_proj", r"mlp\.experts\.down_proj", r"mlp\.gate\.weight"
+#: Kept widths of the experts' intermediate and hidden axes are multiples of this: transformers' ``grouped_mm``
+#: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
+WIDTH_MULTIPLE = 8
 #: The layout of a decoder whose MLP is a block of fused routed experts (``mlp.experts``, router ``mlp.gate``).
 MOE_LAYOUT = dataclasses.replace(
     llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
@@ -87,6 +91,9 @@ def moe(
         if mlp or heads or residual or layers
         else []
     )
+    out = [  # the expert weights' strides stay what transformers' grouped_mm experts need
+        dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
+    ]
     if experts:
         out.append(Cluster("experts.{layer}", [per_layer + p for p in (_ROUTER, _GATE_UP, _DOWN)]))
     if not out:

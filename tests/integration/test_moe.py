@@ -161,7 +161,7 @@ def test_channels_inside_experts_are_one_width_per_layer_and_cut_the_same_channe
     res = lp.prune_clusters(model, clusters, 0.25)
     experts = model.model.layers[0].mlp.experts
     dropped = res.dropped["mlp.0"]
-    assert len(dropped) == 12
+    assert (mlp0.multiple_of, len(dropped)) == (8, 16)  # 48 - 12 = 36 kept, rounded down to a multiple of 8
     assert bool((experts.gate_up_proj[:, dropped] == 0).all())
     assert bool((experts.gate_up_proj[:, 48:][:, dropped] == 0).all())
     assert bool((experts.down_proj[:, :, dropped] == 0).all())
@@ -196,3 +196,30 @@ def test_callback_prunes_experts_and_channels_then_shrinks_exactly(score, tmp_pa
     model = module.model.eval()
     reloaded = assert_shrinks_exactly_and_reloads(model, cb, tmp_path)
     assert (reloaded.config.num_local_experts, reloaded.config.intermediate_size) == (2, 24)
+
+
+def test_target_params_counts_experts_and_their_channels_exactly(tmp_path):
+    model = tiny("mixtral")
+    total = sum(p.numel() for p in model.parameters())
+    res = lp.prune_clusters(model, "auto", target_params=int(0.6 * total))
+    assert res.size is not None
+    assert res.size.achieved <= int(0.6 * total)
+    assert res.size.cluster_kept["experts.0"] < 4
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert sum(p.numel() for p in reloaded.parameters()) == res.size.achieved  # an expert counted once
+    assert reloaded.config.intermediate_size % 8 == 0  # the preset's multiple_of: grouped_mm's 16-byte strides
+
+
+def test_residual_through_the_experts_and_router_is_exact_with_stock_reload(tmp_path):
+    model = tiny("qwen3_moe")
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, residual=True), 0.25)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.hidden_size == 24
+    assert reloaded.model.layers[1].mlp.gate.weight.shape == (3, 24)  # 4 experts, 1 dropped
+
+
+def test_shrink_checks_itself_against_the_masked_model_on_an_example_input():
+    model = tiny("mixtral")
+    res = lp.prune_clusters(model, "auto", 0.5)
+    shrunk = lp.shrink(model, res, example_input=ids())  # raises if the shrunk model differs from the masked one
+    assert shrunk.config.num_local_experts == 2
