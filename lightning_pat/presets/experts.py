@@ -9,6 +9,8 @@ a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
 * ``experts.{layer}``: whole routed experts (expert ``e``: ``gate_up_proj[e]``, ``down_proj[e]`` and router row
   ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router's softmax and top-k
   run over the kept experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
+* ``shared.{layer}`` (with ``mlp``, where the model has one, as Qwen2-MoE): the shared expert's channels, an
+  ordinary MLP cluster (``shared_expert_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (:func:`lightning_pat.presets.transformers.llama`).
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
@@ -44,6 +46,18 @@ MOE_LAYOUT = dataclasses.replace(
     rf"|{_GATE_UP}|{_DOWN}|{_ROUTER}",
     layer_out=((r"self_attn\.o_proj\.(?:weight|bias)", rf"{_DOWN}@1"), ()),
 )
+_SHARED = r"mlp\.shared_expert\."
+#: With a shared expert next to the routed ones (Qwen2-MoE: an MLP ``mlp.shared_expert`` and its sigmoid gate
+#: ``mlp.shared_expert_gate``, a Linear to one output): its residual rows and columns join the residual cluster.
+SHARED_LAYOUT = dataclasses.replace(
+    MOE_LAYOUT,
+    residual=(
+        (*MOE_LAYOUT.residual[0], rf"{_SHARED}down_proj\.weight"),
+        (*MOE_LAYOUT.residual[1], rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight"),
+    ),
+    layer_params=rf"{MOE_LAYOUT.layer_params}|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight",
+    layer_out=((*MOE_LAYOUT.layer_out[0], rf"{_SHARED}down_proj\.weight"), ()),
+)
 
 
 def moe(
@@ -56,11 +70,12 @@ def moe(
     query_heads: bool = QUERY_HEADS_DEFAULT,
     experts: bool = True,
 ) -> list[Cluster]:
-    """Clusters of a decoder with fused routed experts (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``, ...).
+    """Clusters of a decoder with fused routed experts (``MixtralForCausalLM``, ``Qwen2/3MoeForCausalLM``, ...).
 
     Args:
         model: The model, or a module that holds exactly one such backbone.
-        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts.
+        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts (and ``shared.{layer}``:
+            the shared expert's channels, where the model has one).
         heads: Add ``heads.{layer}`` (as :func:`~lightning_pat.presets.transformers.llama`).
         residual: Add ``residual`` (the hidden size across the model, the experts' and router's hidden axes
             included).
@@ -69,7 +84,7 @@ def moe(
         experts: Add ``experts.{layer}``: whole routed experts with their router rows.
 
     Returns:
-        The declarations, in the order mlp, heads, residual, layers, experts.
+        The declarations, in the order mlp, heads, residual, layers, shared, experts.
 
     Raises:
         ValueError: If nothing is selected, the model has no or several such backbones, or as for
@@ -86,14 +101,26 @@ def moe(
             "`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, so this is not a fused mixture-of-experts model; "
             "use presets.llama, or declare clusters by hand."
         )
+    shared = any(re.fullmatch(per_layer[3:] + _SHARED + r"down_proj\.weight", n) for n in names)
     out = (
-        build(MOE_LAYOUT, model, mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
+        build(
+            SHARED_LAYOUT if shared else MOE_LAYOUT,
+            model,
+            mlp=mlp,
+            heads=heads,
+            residual=residual,
+            layers=layers,
+            query_heads=query_heads,
+        )
         if mlp or heads or residual or layers
         else []
     )
     out = [  # the expert weights' strides stay what transformers' grouped_mm experts need
         dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
     ]
+    if mlp and shared:  # the shared expert's channels: an ordinary MLP cluster
+        gate_up = per_layer + _SHARED + r"(?:gate|up)_proj\.weight"
+        out.append(Cluster("shared.{layer}", [gate_up], [per_layer + _SHARED + r"down_proj\.weight"]))
     if experts:
         out.append(Cluster("experts.{layer}", [per_layer + p for p in (_ROUTER, _GATE_UP, _DOWN)]))
     if not out:

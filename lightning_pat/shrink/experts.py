@@ -12,7 +12,8 @@ Hugging Face keeps a layer's routed experts as one module holding fused 3-D para
 
 A model's config gets the expert count (``num_local_experts`` / ``num_experts``), ``num_experts_per_tok`` and the
 experts' width (``moe_intermediate_size`` where the config has one, else ``intermediate_size``) where they are the
-same in every layer. How a dropped expert is routed around in the masked model: :mod:`lightning_pat.core.routing`.
+same in every layer, and a shared expert's width (``shared_expert_intermediate_size``). How a dropped expert is
+routed around in the masked model: :mod:`lightning_pat.core.routing`.
 """
 
 from __future__ import annotations
@@ -134,6 +135,17 @@ def update_blocks(model: nn.Module) -> None:
                 _set_int(block, "top_k", min(block.top_k, num))
 
 
+def shared_experts(model: nn.Module) -> list[nn.Module]:
+    """The shared experts (``shared_expert``, an MLP next to fused routed experts, as in Qwen2-MoE)."""
+    return [
+        block.shared_expert
+        for block in model.modules()
+        if isinstance(getattr(block, "shared_expert", None), nn.Module)
+        and isinstance(getattr(block, "experts", None), nn.Module)
+        and is_fused_experts(block.experts)
+    ]
+
+
 def expert_config(model: nn.Module) -> dict[str, int | None]:
     """The config values of the experts' new sizes, ``None`` where layers differ (per-layer counts: our format)."""
     fused = [m for m in model.modules() if is_fused_experts(m)]
@@ -152,4 +164,7 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
         out["num_experts_per_tok"] = min(top_k, min(m.gate_up_proj.shape[0] for m in fused))
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
+    shared = {m.down_proj.in_features for m in shared_experts(model) if isinstance(m.down_proj, nn.Linear)}
+    if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
+        out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
     return out

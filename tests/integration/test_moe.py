@@ -223,3 +223,28 @@ def test_shrink_checks_itself_against_the_masked_model_on_an_example_input():
     res = lp.prune_clusters(model, "auto", 0.5)
     shrunk = lp.shrink(model, res, example_input=ids())  # raises if the shrunk model differs from the masked one
     assert shrunk.config.num_local_experts == 2
+
+
+def test_qwen2_moe_shared_expert_is_an_mlp_cluster_exact_with_stock_reload(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    res = lp.prune_clusters(model, "auto", 0.5)
+    assert {"shared.0", "shared.1", "mlp.0", "experts.0", "heads.0"} <= set(res.dropped)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    cfg = reloaded.config
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (2, 24, 20)
+    assert cfg.intermediate_size == 64  # the dense MLP width (mlp_only_layers) is not the shared expert's
+
+
+def test_qwen2_moe_residual_through_the_shared_expert_and_its_gate(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, residual=True), 0.25)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.hidden_size == 24
