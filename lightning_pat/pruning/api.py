@@ -245,7 +245,9 @@ def prune_clusters(
             ``1 - cos(input, output)`` instead of the RMS of their output projections.
         calibration: Batches of inputs (a list: each is passed as ``model(batch)``, e.g. token ids ``[B, T]``) for
             the activation score: :func:`lightning_pat.scoring.activation.calibrate` (and, with layer units,
-            :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned.
+            :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned; whole
+            routed experts are ranked by REAP's router-weighted output norm on them
+            (:func:`~lightning_pat.scoring.experts.expert_scores`).
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -312,6 +314,11 @@ def prune_clusters(
         scores = None if activations is None or sharded else activations.unit_scores(named_tensors(model))
         if layer_stats is not None:
             scores = {**(scores or {}), **(layer_stats.scores() or {})}
+        if calibration is not None and not sharded:  # whole routed experts: REAP's router-weighted output norm
+            from lightning_pat.scoring.experts import expert_scores
+
+            found = expert_scores(model, plan.clusters, calibration)
+            scores = {**(scores or {}), **found} if found else scores
         result = pruner.step(
             plan.targets(opts.sparsity or 0.0), method=opts.method, threshold=opts.reg_lambda * opts.gamma,
             count=True, scores=scores, evidence=activations if sharded else None,
