@@ -6,8 +6,9 @@ logit 0, which top-k may still pick), so the masked model routes with a forward 
 (:func:`route_around_dropped`): an expert whose router row is exactly zero (a dropped expert; a trained router row is
 never all zeros) gets the lowest logit, so that it is never picked while ``top_k`` experts are kept, and gets weight
 exactly 0 otherwise. The hook recomputes the router's scores from those logits as the stock router does (softmax,
-top-k, the top-k weights renormalized where the router does so). Hence the masked model computes what the shrunk one
-computes, and no state beyond the weights is needed (a resumed run or a reloaded masked checkpoint routes the same).
+top-k, the top-k weights renormalized where the router does so; GraniteMoE: top-k of the logits, then their softmax).
+Hence the masked model computes what the shrunk one computes, and no state beyond the weights is needed (a resumed
+run or a reloaded masked checkpoint routes the same).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from lightning_pat.core.spec import ResolvedCluster
 SOFTMAX_TOPK_ROUTERS: tuple[str, ...] = (
     "MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
 )  # fmt: skip
+#: Top-k routers whose scores are the softmax of the top-k logits (GraniteMoE).
+TOPK_SOFTMAX_ROUTERS: tuple[str, ...] = ("GraniteMoeTopKRouter",)
 _HOOK_ATTR = "_lightning_pat_routing_hook"
 
 
@@ -31,7 +34,7 @@ def is_router(module: nn.Module) -> bool:
     """Whether ``module`` is a top-k router this module can route around dropped experts for."""
     weight = module._parameters.get("weight")  # noqa: SLF001 - this module's own parameter
     return (
-        type(module).__name__ in SOFTMAX_TOPK_ROUTERS
+        type(module).__name__ in (*SOFTMAX_TOPK_ROUTERS, *TOPK_SOFTMAX_ROUTERS)
         and weight is not None
         and weight.dim() == 2
         and isinstance(getattr(module, "top_k", None), int)
@@ -50,6 +53,9 @@ def _route_hook(router: nn.Module, _inputs: Any, output: Any) -> Any:
         return output
     logits, scores = output[0], output[1]
     logits = logits.masked_fill(dropped_E, torch.finfo(logits.dtype).min)
+    if type(router).__name__ in TOPK_SOFTMAX_ROUTERS:
+        top_logits, top_index = torch.topk(logits, top_k, dim=-1)
+        return (logits, torch.softmax(top_logits, dim=-1).to(scores.dtype), top_index, *output[3:])
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_value, top_index = torch.topk(probs, top_k, dim=-1)
     if _renormalizes(router):

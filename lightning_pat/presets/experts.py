@@ -1,4 +1,4 @@
-r"""Mixture-of-experts decoders with fused 3-D experts (Mixtral, Qwen2/3-MoE, OLMoE in transformers 5).
+r"""Mixture-of-experts decoders with fused 3-D experts (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE in transformers 5).
 
 A layer's routed experts are one module with ``gate_up_proj`` ``(E, 2 * I, H)`` and ``down_proj`` ``(E, H, I)``, and
 a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
@@ -11,7 +11,8 @@ a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
   run over the kept experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
 * ``shared.{layer}`` (with ``mlp``, where the model has one, as Qwen2-MoE): the shared expert's channels, an
   ordinary MLP cluster (``shared_expert_intermediate_size`` follows);
-* ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (:func:`lightning_pat.presets.transformers.llama`).
+* ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
+  in OLMoE: no head cut is exact there) (:func:`lightning_pat.presets.transformers.llama`).
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
@@ -22,42 +23,70 @@ of :data:`WIDTH_MULTIPLE` (transformers' ``grouped_mm`` experts need 16-byte str
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 from torch import nn
 
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
-from lightning_pat.presets.transformers import QUERY_HEADS_DEFAULT, build, find_backbone, llama_like, param_names
+from lightning_pat.presets.transformers import (
+    QUERY_HEADS_DEFAULT,
+    Layout,
+    build,
+    find_backbone,
+    llama_like,
+    param_names,
+)
+
+log = logging.getLogger(__name__)
 
 _NORMS = "(?:input_layernorm|post_attention_layernorm)"
-_GATE_UP, _DOWN, _ROUTER = r"mlp\.experts\.gate_up_proj", r"mlp\.experts\.down_proj", r"mlp\.gate\.weight"
 #: Kept widths of the experts' intermediate and hidden axes are multiples of this: transformers' ``grouped_mm``
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
-#: The layout of a decoder whose MLP is a block of fused routed experts (``mlp.experts``, router ``mlp.gate``).
-MOE_LAYOUT = dataclasses.replace(
-    llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
-    mlp=((rf"{_GATE_UP}@1[0/2]", rf"{_GATE_UP}@1[1/2]"), (rf"{_DOWN}@2",)),
-    residual=(
-        (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", rf"{_DOWN}@1"),
-        (r"self_attn\.[qkv]_proj\.weight", rf"{_GATE_UP}@2", _ROUTER),
-    ),
-    layer_params=rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.weight|self_attn\.[qk]_norm\.weight"
-    rf"|{_GATE_UP}|{_DOWN}|{_ROUTER}",
-    layer_out=((r"self_attn\.o_proj\.(?:weight|bias)", rf"{_DOWN}@1"), ()),
-)
 _SHARED = r"mlp\.shared_expert\."
-#: With a shared expert next to the routed ones (Qwen2-MoE: an MLP ``mlp.shared_expert`` and its sigmoid gate
-#: ``mlp.shared_expert_gate``, a Linear to one output): its residual rows and columns join the residual cluster.
-SHARED_LAYOUT = dataclasses.replace(
-    MOE_LAYOUT,
-    residual=(
-        (*MOE_LAYOUT.residual[0], rf"{_SHARED}down_proj\.weight"),
-        (*MOE_LAYOUT.residual[1], rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight"),
-    ),
-    layer_params=rf"{MOE_LAYOUT.layer_params}|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight",
-    layer_out=((*MOE_LAYOUT.layer_out[0], rf"{_SHARED}down_proj\.weight"), ()),
-)
+#: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, GraniteMoE.
+BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("block_sparse_moe", "router"))
+
+
+def moe_layout(block: str = "mlp", router: str = "gate", *, shared: bool = False) -> Layout:
+    """The layout of a decoder whose MLP is a block of fused routed experts (``<block>.experts``, ``<block>.<router>``).
+
+    With ``shared`` (Qwen2-MoE: an MLP ``mlp.shared_expert`` and its sigmoid gate ``mlp.shared_expert_gate``, a Linear
+    to one output) the shared expert's residual rows and columns join the residual cluster.
+    """
+    gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
+    router_w = rf"{block}\.{router}\.weight"
+    writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
+    readers: tuple[str, ...] = (r"self_attn\.[qkv]_proj\.weight", rf"{gate_up}@2", router_w)
+    params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.weight|self_attn\.[qk]_norm\.weight"
+    params += rf"|{gate_up}|{down}|{router_w}"
+    out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
+    if shared:
+        writers, out = (*writers, rf"{_SHARED}down_proj\.weight"), (*out, rf"{_SHARED}down_proj\.weight")
+        readers = (*readers, rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight")
+        params += rf"|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight"
+    return dataclasses.replace(
+        llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
+        mlp=((rf"{gate_up}@1[0/2]", rf"{gate_up}@1[1/2]"), (rf"{down}@2",)),
+        residual=(writers, readers),
+        layer_params=params,
+        layer_out=(out, ()),
+    )
+
+
+#: The layout of Mixtral, Qwen3-MoE and OLMoE.
+MOE_LAYOUT = moe_layout()
+
+
+def _whole_width_qk_norm(model: nn.Module) -> bool:
+    """Whether a layer normalises q (or k) over all heads at once (OLMoE): a head cut would not be exact."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith("self_attn.q_norm.weight"):
+            q_proj = params.get(name.replace("q_norm", "q_proj"))
+            return q_proj is not None and p.numel() == q_proj.shape[0]
+    return False
 
 
 def moe(
@@ -95,16 +124,26 @@ def moe(
     prefix = backbone[0] if backbone is not None else ""
     wrappers = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
     per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{wrappers}"
-    if not any(re.fullmatch(per_layer[3:] + _ROUTER, n) for n in names):
+    found = [
+        (block, router)
+        for block, router in BLOCKS
+        if any(re.fullmatch(rf"{per_layer[3:]}{block}\.{router}\.weight", n) for n in names)
+        and any(re.fullmatch(rf"{per_layer[3:]}{block}\.experts\.gate_up_proj", n) for n in names)
+    ]
+    if not found:
         raise ValueError(
-            "presets.moe: no parameter matches `<prefix>layers.N.mlp.gate.weight` next to fused "
-            "`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, so this is not a fused mixture-of-experts model; "
+            "presets.moe: no parameter matches `<prefix>layers.N.mlp.gate.weight` (or `block_sparse_moe.router`) next "
+            "to fused `experts.gate_up_proj` / `experts.down_proj`, so this is not a fused mixture-of-experts model; "
             "use presets.llama, or declare clusters by hand."
         )
+    block, router = found[0]
     shared = any(re.fullmatch(per_layer[3:] + _SHARED + r"down_proj\.weight", n) for n in names)
+    if heads and _whole_width_qk_norm(model):
+        log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
+        heads = False
     out = (
         build(
-            SHARED_LAYOUT if shared else MOE_LAYOUT,
+            moe_layout(block, router, shared=shared),
             model,
             mlp=mlp,
             heads=heads,
@@ -122,7 +161,8 @@ def moe(
         gate_up = per_layer + _SHARED + r"(?:gate|up)_proj\.weight"
         out.append(Cluster("shared.{layer}", [gate_up], [per_layer + _SHARED + r"down_proj\.weight"]))
     if experts:
-        out.append(Cluster("experts.{layer}", [per_layer + p for p in (_ROUTER, _GATE_UP, _DOWN)]))
+        parts = (rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj")
+        out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts]))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")
     return out

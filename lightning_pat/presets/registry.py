@@ -26,7 +26,7 @@ Preset = Callable[..., list[Cluster]]
 OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads", "experts")
 #: ``model.config.model_type`` -> the preset that reads it.
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
-_MODEL_TYPES.update(dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), "moe"))  # fused routed experts
+_MODEL_TYPES.update(dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"), "moe"))  # fused experts
 #: Layouts that :func:`detect` tries: the built-in families, then those registered with one.
 _LAYOUTS: dict[str, Layout] = dict(LAYOUTS)
 

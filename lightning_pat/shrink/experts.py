@@ -67,7 +67,8 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         ValueError: Naming the block and what differs.
     """
     for name, block in model.named_modules():
-        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        experts = getattr(block, "experts", None)
+        router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
         if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
             continue
         e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if isinstance(router, nn.Module) else None
@@ -79,7 +80,7 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             "experts.down_proj": _cut(e_edit, "down_proj", 0, num),
         }
         if isinstance(router, nn.Module) and is_router(router):
-            kept["gate.weight"] = _cut(r_edit, "weight", 0, num)
+            kept["router.weight"] = _cut(r_edit, "weight", 0, num)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
                 f"Shrink: MoE block {name!r} would keep different experts in {sorted(kept)} "

@@ -32,6 +32,7 @@ FAMILIES = {
         {"intermediate_size": 64, "moe_intermediate_size": 48, "num_experts": 4, "head_dim": 8},
     ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": 48, "num_experts": 4}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"intermediate_size": 48, "num_local_experts": 4}),
 }  # fmt: skip
 
 
@@ -115,12 +116,23 @@ def test_auto_one_shot_cuts_experts_channels_and_heads_exactly_with_stock_reload
     assert block.experts.gate_up_proj.shape == (experts_before // 2, width_before, COMMON["hidden_size"])
 
 
-def test_olmoe_experts_and_channels_exact_with_stock_reload(tmp_path):
-    # OLMoE's q_norm/k_norm normalise over all heads: a head cut is not exact there, so heads stay
+def test_olmoe_auto_keeps_heads_whole_and_cuts_experts_and_channels_exactly(tmp_path):
+    # OLMoE's q_norm/k_norm normalise over all heads: a head cut is not exact there, so the preset keeps heads
     model = tiny("olmoe")
-    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, heads=False), 0.5)
+    res = lp.prune_clusters(model, "auto", 0.5)
+    assert sorted(res.dropped) == ["experts.0", "experts.1", "mlp.0", "mlp.1"]
     reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
     assert (reloaded.config.num_experts, reloaded.config.intermediate_size) == (2, 24)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.75])
+def test_granitemoe_router_topk_then_softmax_exact_with_stock_reload(sparsity, tmp_path):
+    model = tiny("granitemoe")
+    clusters = lp.presets.resolve_preset("moe", model, heads=sparsity < 0.75)  # 2 KV heads: 75% would empty them
+    res = lp.prune_clusters(model, clusters, sparsity, calibration=[ids(seed=2)])
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    kept = 4 - len(res.dropped["experts.0"])
+    assert (reloaded.config.num_local_experts, reloaded.config.num_experts_per_tok) == (kept, min(2, kept))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
