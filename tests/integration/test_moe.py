@@ -260,3 +260,32 @@ def test_qwen2_moe_residual_through_the_shared_expert_and_its_gate(tmp_path):
     res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, residual=True), 0.25)
     reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
     assert reloaded.config.hidden_size == 24
+
+
+def test_callback_shrink_on_freeze_trains_on_the_shrunk_moe(tmp_path):
+    module = MoEStep()
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2, shrink_on_freeze=True)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    block = module.model.model.layers[0].mlp
+    assert (block.experts.num_experts, block.experts.intermediate_dim, block.gate.num_experts) == (2, 24, 2)
+    assert (module.model.config.num_local_experts, module.model.config.intermediate_size) == (2, 24)
+    module.model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert rel(reloaded(ids()).logits, module.model.eval()(ids()).logits) < 1e-4
+
+
+def test_callback_resume_from_a_checkpoint_routes_around_the_dropped_experts(tmp_path):
+    def run(max_steps: int, ckpt: str | None = None) -> tuple[MoEStep, CoupledPruningCallback]:
+        module = MoEStep()
+        cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+        every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+        quiet_trainer(max_steps=max_steps, callbacks=[cb, every], checkpointing=True).fit(module, ckpt_path=ckpt)
+        return module, cb
+
+    straight, cb = run(6)
+    resumed, cb2 = run(6, ckpt=str(next(tmp_path.glob("*step=4.ckpt"))))
+    assert cb2.dropped == cb.dropped
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert_shrinks_exactly_and_reloads(resumed.model.eval(), cb2, tmp_path / "export")
