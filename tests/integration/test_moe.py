@@ -289,3 +289,17 @@ def test_callback_resume_from_a_checkpoint_routes_around_the_dropped_experts(tmp
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
     assert_shrinks_exactly_and_reloads(resumed.model.eval(), cb2, tmp_path / "export")
+
+
+def test_target_flops_counts_top_k_experts_per_token_as_torch_counts_them():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny("mixtral")
+    res = lp.prune_clusters(model, "auto", target_flops=0.6, seq_len=16)
+    assert res.size.cluster_kept["experts.0"] == 4  # each token runs top_k experts: dropping experts saves no FLOPs
+    assert res.size.cluster_kept["mlp.0"] < 48
+    shrunk = lp.shrink(model, res)
+    shrunk.set_experts_implementation("eager")  # torch's counter does not see grouped_mm
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        shrunk(ids(batch=1, length=16))
+    assert counter.get_total_flops() == 16 * res.size.achieved
