@@ -303,3 +303,18 @@ def test_target_flops_counts_top_k_experts_per_token_as_torch_counts_them():
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         shrunk(ids(batch=1, length=16))
     assert counter.get_total_flops() == 16 * res.size.achieved
+
+
+def test_layer_units_drop_whole_moe_layers_exactly_with_stock_reload(tmp_path):
+    model = tiny("qwen3_moe")
+    clusters = lp.presets.resolve_preset("moe", model, layers=True)
+    res = lp.prune_clusters(model, clusters, target_layers=1, target_params=0.5)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.num_hidden_layers == 1
+
+
+def test_query_heads_inside_kv_groups_next_to_experts(tmp_path):
+    model = tiny("qwen3_moe")
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, query_heads=True), 0.5)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert (reloaded.config.num_attention_heads, reloaded.config.num_key_value_heads) == (2, 2)
