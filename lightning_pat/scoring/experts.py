@@ -1,7 +1,8 @@
 """Data scores of whole routed experts from calibration batches: REAP's router-weighted output norm, router frequency.
 
-For an expert cluster (a fused experts module's dim 0 with its router rows, :func:`lightning_pat.presets.experts.moe`), the
-score of expert ``e`` is, over the calibration tokens ``X_e`` that the router sends to ``e``,
+For an expert cluster (a fused experts module's dim 0 with its router rows, see
+:func:`lightning_pat.presets.experts.moe`), the score of expert ``e`` is, over the calibration tokens ``X_e`` that the
+router sends to ``e``,
 
 * ``"reap"`` (Lasby et al., 2025, REAP): ``mean over X_e of g_e(x) * ||f_e(x)||``, the router weight ``g_e`` times
   the norm of the expert's output ``f_e``; an expert that no token reaches scores 0;
