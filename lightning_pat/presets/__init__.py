@@ -23,7 +23,9 @@ Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_a
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
 ``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
 (``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``) and ``linear_chain`` (see
-:func:`linear_chain`). Other packages add families with :func:`register` (the demo registers ``tiny_gpt``, its
+:func:`linear_chain`), ``moe`` (fused routed experts of transformers 5: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE;
+expert channels, whole experts, a shared expert, see :mod:`lightning_pat.presets.experts`). Other packages add
+families with :func:`register` (the demo registers ``tiny_gpt``, its
 :class:`~lightning_pat.demo.model.TinyGPT`, when ``lightning_pat.demo`` is imported).
 
 Limitations:
@@ -36,10 +38,12 @@ Limitations:
 * ``linear_chain`` cannot see ``forward``; it assumes an ``nn.Sequential`` runs its children in order.
 
 The package: ``registry`` (the presets by name, :func:`register`, family detection, the ``clusters=`` argument),
-``transformers`` (the layout model: :class:`Layout`, :func:`build`, :func:`llama`, :func:`gpt2`) and ``linear_chain``.
+``transformers`` (the layout model: :class:`Layout`, :func:`build`, :func:`llama`, :func:`gpt2`), ``experts``
+(:func:`moe`) and ``linear_chain``.
 Its names are used as ``presets.<name>`` (``from lightning_pat import presets``).
 """
 
+from lightning_pat.presets.experts import moe
 from lightning_pat.presets.linear_chain import linear_chain
 from lightning_pat.presets.registry import (
     OPTIONS,
@@ -70,6 +74,7 @@ __all__ = [
     "linear_chain",
     "llama",
     "llama_like",
+    "moe",
     "register",
     "resolve_preset",
 ]

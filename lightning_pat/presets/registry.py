@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pat.core.spec import Cluster, as_cluster
+from lightning_pat.presets.experts import moe
 from lightning_pat.presets.linear_chain import linear_chain, linear_pairs
 from lightning_pat.presets.transformers import HOW_TO, LAYOUTS, Layout, find_backbone, gpt2, llama, param_names
 
@@ -22,9 +23,10 @@ log = logging.getLogger(__name__)
 #: A preset: ``(model, *, mlp, heads, residual, layers, query_heads) -> list[Cluster]``.
 Preset = Callable[..., list[Cluster]]
 #: The option names a preset takes (``preset_options``).
-OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads")
+OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads", "experts")
 #: ``model.config.model_type`` -> the preset that reads it.
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+_MODEL_TYPES.update(dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"), "moe"))  # fused experts
 #: Layouts that :func:`detect` tries: the built-in families, then those registered with one.
 _LAYOUTS: dict[str, Layout] = dict(LAYOUTS)
 
@@ -44,6 +46,9 @@ def detect(model: nn.Module) -> str:
             declare clusters by hand.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:  # a wrapper (a LightningModule) holding a Hugging Face model: its config names it
+        types = (getattr(getattr(m, "config", None), "model_type", None) for m in model.modules())
+        model_type = next((t for t in types if isinstance(t, str) and t in _MODEL_TYPES), None)
     if isinstance(model_type, str) and model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
     names = param_names(model)
@@ -82,6 +87,7 @@ PRESETS: dict[str, Preset] = {
     "qwen3": llama,
     "gpt2": gpt2,
     "linear_chain": linear_chain,
+    "moe": moe,
 }
 
 

@@ -81,6 +81,7 @@ def one_shot_calibration(
         ValueError: As for :func:`prune_clusters` (``calibration`` with ``activations`` or a weight score, or not a
             list of batches; an invalid declaration).
     """
+    auto = score == "auto"
     score = _one_shot_score(score, activations, calibration)
     if calibration is None:
         return score, activations, layer_stats
@@ -93,7 +94,13 @@ def one_shot_calibration(
             f"{type(calibration).__name__}; e.g. calibration=[ids[i : i + 4] for i in range(0, 32, 4)]."
         )
     resolved = resolve_clusters(model, clusters)  # type: ignore[arg-type]
-    stats = calibrate(model, resolved, calibration)
+    try:
+        stats = calibrate(model, resolved, calibration)
+    except ValueError as err:  # e.g. fused experts: no nn.Linear reader; "auto" falls back as the callback does
+        if not auto:
+            raise
+        log.warning("prune_clusters: score='auto' scores by the weights ('rms'): %s", err)
+        return "rms", None, layer_stats
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
     return score, stats, layer_stats
@@ -238,7 +245,9 @@ def prune_clusters(
             ``1 - cos(input, output)`` instead of the RMS of their output projections.
         calibration: Batches of inputs (a list: each is passed as ``model(batch)``, e.g. token ids ``[B, T]``) for
             the activation score: :func:`lightning_pat.scoring.activation.calibrate` (and, with layer units,
-            :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned.
+            :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned; whole
+            routed experts are ranked by REAP's router-weighted output norm on them
+            (:func:`~lightning_pat.scoring.experts.expert_scores`).
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -275,7 +284,12 @@ def prune_clusters(
         )
     declared = one_shot_declarations(model, clusters)
     plan_score, activations, layer_stats = one_shot_calibration(
-        model, declared, resolved_score, activations, calibration, layer_stats=layer_stats
+        model,
+        declared,
+        opts.score if calibration is not None else resolved_score,
+        activations,
+        calibration,
+        layer_stats=layer_stats,
     )
     plan = make_plan(
         model, declared, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
@@ -300,6 +314,11 @@ def prune_clusters(
         scores = None if activations is None or sharded else activations.unit_scores(named_tensors(model))
         if layer_stats is not None:
             scores = {**(scores or {}), **(layer_stats.scores() or {})}
+        if calibration is not None and not sharded:  # whole routed experts: REAP's router-weighted output norm
+            from lightning_pat.scoring.experts import expert_scores
+
+            found = expert_scores(model, plan.clusters, calibration)
+            scores = {**(scores or {}), **found} if found else scores
         result = pruner.step(
             plan.targets(opts.sparsity or 0.0), method=opts.method, threshold=opts.reg_lambda * opts.gamma,
             count=True, scores=scores, evidence=activations if sharded else None,

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.checks import check_choice
 from lightning_pat.core.layers import is_layer_cluster
+from lightning_pat.core.routing import route_around_dropped
 from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
@@ -114,6 +115,8 @@ class Pruner:
             self.clusters, named_tensors(params), self.routes, data_aware=self.score == "activation"
         )
         self.last: dict[str, UnitAction] = {}
+        if isinstance(params, nn.Module):  # dropped experts are routed around in the masked model
+            route_around_dropped(params, self.clusters)
 
     @contextmanager
     def _session(self) -> Iterator[None]:

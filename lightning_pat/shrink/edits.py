@@ -25,6 +25,7 @@ from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.shrink.attention_checks import check_attention
 from lightning_pat.shrink.attention_modules import mha_refusal
 from lightning_pat.shrink.cuts import Edit
+from lightning_pat.shrink.experts import EXPERT_DIMS, check_experts
 from lightning_pat.shrink.model_meta import module_kind
 from lightning_pat.shrink.optimizer_state import optimizer_cuts
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
@@ -59,6 +60,7 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("window_attention_v2", "logit_scale"): (0,),
     ("maxvit_attention", "relative_position_bias_table"): (1,),
     **CONV_DIMS,
+    **EXPERT_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "linear": (("weight", 0), ("bias", 0)),  # output channel: row and bias
@@ -258,6 +260,7 @@ def validate(
     for edit in edits.values():
         _check_edit(edit)
     check_attention(model, edits)
+    check_experts(model, edits)
     _check_between(model, edits)
     return params, edits, [optimizer_cuts(opt, plan, params) for opt in optimizers]
 

@@ -21,6 +21,7 @@ from lightning_pat.shrink.attention_modules import (
     is_swin_v2_attention,
     mha_refusal,
 )
+from lightning_pat.shrink.experts import expert_config, experts_kind, shared_experts
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -50,7 +51,7 @@ def module_kind(module: nn.Module) -> str | None:
         return "window_attention_v2"
     if is_maxvit_attention(module):
         return "maxvit_attention"
-    return conv_kind(module)
+    return conv_kind(module) or experts_kind(module)
 
 
 def is_llama_attention(m: nn.Module) -> bool:
@@ -145,10 +146,13 @@ def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_ch
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
     attns = [m for m in model.modules() if is_llama_attention(m)]
     gpt2 = [m for m in model.modules() if is_gpt2_attention(m) and not hasattr(m, "q_attn")]
+    shared = {id(m) for m in shared_experts(model)}  # their width is the config's shared_expert_intermediate_size
     mlp_widths = [
         m.down_proj.in_features
         for m in model.modules()
-        if isinstance(getattr(m, "down_proj", None), nn.Linear) and isinstance(getattr(m, "up_proj", None), nn.Linear)
+        if id(m) not in shared
+        and isinstance(getattr(m, "down_proj", None), nn.Linear)
+        and isinstance(getattr(m, "up_proj", None), nn.Linear)
     ]
     mlp_widths += [m.c_fc.nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"]
     if mlp_widths:
@@ -177,6 +181,8 @@ def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_ch
         _set_config(config, ("hidden_size", "n_embd", "d_model"), emb.embedding_dim, "the hidden size")
     if norm_eps:
         _set_config(config, ("rms_norm_eps",), _uniform(norm_eps), "the RMSNorm eps")
+    for attr, value in expert_config(model).items():
+        _set_config(config, (attr,), value, attr)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts

@@ -29,6 +29,7 @@ from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.attention_modules import replace_attention
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.edits import check_dropped_zeros, validate
+from lightning_pat.shrink.experts import EXPERT_KINDS, rewrite_experts, update_blocks
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
@@ -73,6 +74,9 @@ def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             param = module._parameters[attr]
             if param is not None and param.shape != new_params[id(param)].shape:
                 param.data = new_params[id(param)]
+        return
+    if edit.kind in EXPERT_KINDS:
+        rewrite_experts(edit, new_params)
         return
     old_width = module.weight.shape[0]
     for attr in edit.cuts:
@@ -171,6 +175,7 @@ def apply_plan(
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)
+    update_blocks(model)
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]

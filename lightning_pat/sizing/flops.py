@@ -8,6 +8,9 @@ at its kept width. FLOPs per token of a decoder fit that model exactly:
 * attention scores and the weighted values cost ``2 * S * q`` each per token per layer (``S`` the sequence length,
   ``q`` the query channels, ``n_heads * head_dim``): a pseudo-tensor ``<q weight>#attention`` of shape ``(q, 4 S)``
   whose first dim follows the query channels' clusters (a GQA group carries its query heads);
+* fused routed experts (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``) cost ``2 * top_k`` times one
+  expert's weights per token, whatever the number of experts kept (pseudo-tensors ``<weight>#active`` whose dims
+  follow the experts' channel and hidden clusters); the router costs ``2 * E * H``;
 * embedding lookups, biases, norms, activations and softmax cost nothing (what ``FlopCounterMode`` counts).
 
 Attention is recognised as a module with ``nn.Linear`` ``q_proj`` and an int ``head_dim`` (Llama family, TinyGPT)
@@ -26,6 +29,8 @@ from lightning_pat.core.spec import ResolvedCluster
 
 #: Suffix of the pseudo-tensors that carry the attention FLOPs of one layer.
 ATTENTION = "#attention"
+#: Suffix of the pseudo-tensors that carry the FLOPs of a layer's active routed experts.
+ACTIVE = "#active"
 Axes = dict[tuple[str, int], list[tuple[str, int, int]]]
 
 
@@ -74,6 +79,7 @@ def flop_costs(
         if c_attn is not None and _is_conv1d(c_attn) and isinstance(split, int):
             queries.append((first[id(c_attn.weight)], 1, split))
     axes: Axes = {}
+    _experts(model, clusters, first, shapes, axes)
     for weight, dim, width in queries:
         pseudo = weight + ATTENTION
         shapes[pseudo] = (width, 4 * seq_len)
@@ -84,6 +90,38 @@ def flop_costs(
             if m.name == weight and m.dim == dim and m.start < width
         ]
     return shapes, axes
+
+
+def _experts(
+    model: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    first: dict[int, str],
+    shapes: dict[str, tuple[int, ...]],
+    axes: Axes,
+) -> None:
+    """Fused routed experts: each token runs ``top_k`` experts, so their FLOPs do not depend on the expert count."""
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        params = experts._parameters if isinstance(experts, nn.Module) else {}  # noqa: SLF001 - its own tensors
+        routers = [getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module)]
+        router = routers[0] if routers else None
+        top_k = getattr(router, "top_k", None)
+        weights = [params.get("gate_up_proj"), params.get("down_proj")]
+        if not isinstance(top_k, int) or not all(isinstance(w, Tensor) and w.dim() == 3 for w in weights):
+            continue
+        for weight in weights:
+            name = first[id(weight)]
+            pseudo = name + ACTIVE
+            shapes[pseudo] = (*_shape(weight)[1:], 2 * top_k)
+            for dim in (1, 2):  # the channel and hidden axes follow their clusters; the expert axis is not counted
+                axes[(pseudo, dim - 1)] = [
+                    (rc.name, m.block, m.stop - m.start) for rc in clusters for m in rc.members
+                    if m.name == name and m.dim == dim
+                ]  # fmt: skip
+        assert router is not None  # top_k is an int
+        router_weight = router._parameters.get("weight")  # noqa: SLF001
+        if isinstance(router_weight, Tensor) and not isinstance(router, nn.Linear):
+            shapes[first[id(router_weight)]] = (*_shape(router_weight), 2)
 
 
 def check_flops(target_flops: object, seq_len: object) -> None:
@@ -117,4 +155,4 @@ def count_flops(model: nn.Module, *, seq_len: int) -> int:
     return total
 
 
-__all__ = ["ATTENTION", "check_flops", "count_flops", "flop_costs"]
+__all__ = ["ACTIVE", "ATTENTION", "check_flops", "count_flops", "flop_costs"]

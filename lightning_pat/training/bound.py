@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.layers import is_layer_cluster
+from lightning_pat.core.routing import route_around_dropped
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.parallel import fsdp1
@@ -424,6 +425,7 @@ def bind_run(
             with prefixed("CoupledPruningCallback(layer_score='cosine')"):
                 layers = LayerStats(module, layer_clusters(clusters))
         pruner, collectors = _scored(plan, params, choice, layers=layers)
+        route_around_dropped(module, clusters)  # the masked model routes around dropped experts
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
             with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
                 check_shrinkable(module, clusters)

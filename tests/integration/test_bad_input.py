@@ -94,7 +94,8 @@ CASES = [
     (
         "preset-options-typo",
         {"clusters": "auto", "preset_options": {"residul": True}},
-        r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers', 'query_heads'\) to bools, got "
+        r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers', 'query_heads', 'experts'\) "
+        r"to bools, got "
         r"\{'residul': True\}",
         "init",
     ),

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_pat.core.spec.patterns import split_slice
+from lightning_pat.core.spec.patterns import split_dim, split_slice
 
 
 @dataclass
@@ -23,6 +23,8 @@ class Cluster:
         writers: Patterns of members whose channel axis is dim 0 (rows of a 2-D weight, output channels of a
             convolution) or the only axis of a 1-D tensor (a writer's bias, a norm weight).
         readers: Patterns of members whose channel axis is dim 1 (input channels of a Linear or a convolution).
+            In either list a pattern may set its member's channel axis explicitly with ``@d`` (fused 3-D expert
+            weights: ``"...experts.down_proj@2"``); such members are served by the materializing path only.
         head_dim: If set, a unit is a block of channels: the number of units ``C`` is the shortest member's
             channel-axis length divided by ``head_dim``, and every member's block is its length divided by ``C``.
             This covers heads (all blocks ``head_dim``) and GQA query groups (``q``/``o`` blocks are
@@ -97,7 +99,7 @@ def _check_declaration(decl: Cluster) -> None:
         if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
             raise ValueError(f"{where}: `{key}` must be a list of non-empty pattern strings, got {patterns!r}.")
         for pattern in patterns:
-            base = split_slice(pattern)[0]
+            base = split_dim(split_slice(pattern)[0])[0]
             if base.startswith("re:"):
                 try:
                     re.compile(base[3:])

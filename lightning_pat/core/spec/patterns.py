@@ -8,6 +8,9 @@ Pattern forms (each entry of ``writers`` / ``readers``):
   group value: ``"re:model\\.layers\\.(?P<layer>\\d+)\\.mlp\\.up_proj\\.weight"`` with ``name="mlp.{layer}"``
 * any of the above followed by a slice of the channel axis: ``"...c_attn.weight[0:768]"`` (elements) or
   ``"...c_attn.weight[1/3]"`` (the second of three equal chunks), for packed tensors such as a fused QKV.
+* any of the above with an explicit channel-axis dim ``@d`` before the slice, for a member whose channel axis is not
+  its role's (a writer's dim 0, a reader's dim 1): ``"...experts.down_proj@2"`` (the intermediate channels of fused
+  3-D expert weights ``(E, H, I)``), ``"...experts.gate_up_proj@1[0/2]"``. Only the materializing path serves them.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from lightning_pat.core.spec.resolved import Role
 
 #: A member pattern's trailing slice: ``[a:b]`` as ``(a, b)``, ``[i/n]`` (chunk i of n) as ``(i, n, "chunk")``.
 SliceSpec = tuple[int, int] | tuple[int, int, str]
-#: One pattern match: (role, parameter name, its slice, the pattern's named groups).
-Entry = tuple[Role, str, SliceSpec | None, dict[str, str]]
+#: One pattern match: (role, parameter name, its slice, the pattern's named groups, its explicit dim or ``None``).
+Entry = tuple[Role, str, SliceSpec | None, dict[str, str], int | None]
 #: The named-group values a cluster is expanded by, sorted.
 GroupKey = tuple[tuple[str, str], ...]
 
 #: Module name segments that wrappers insert into parameter names (activation checkpointing, FSDP1, ``torch.compile``).
 WRAPPER_NAMES: tuple[str, ...] = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 
+_DIM_RE = re.compile(r"^(?P<pattern>.*)@(?P<dim>\d+)$")
 _SLICE_RE = re.compile(r"^(?P<pattern>.*)\[(?:(?P<start>\d+):(?P<stop>\d+)|(?P<index>\d+)/(?P<parts>\d+))\]$")
 
 
@@ -52,6 +56,18 @@ def split_slice(pattern: str) -> tuple[str, SliceSpec | None]:
     if match["start"] is not None:
         return match["pattern"], (int(match["start"]), int(match["stop"]))
     return match["pattern"], (int(match["index"]), int(match["parts"]), "chunk")
+
+
+def split_dim(pattern: str) -> tuple[str, int | None]:
+    """Split an explicit channel-axis dim ``@d`` off a pattern whose slice was split off already.
+
+    Example::
+
+        >>> split_dim("layers.0.mlp.experts.down_proj@2")
+        ('layers.0.mlp.experts.down_proj', 2)
+    """
+    match = _DIM_RE.match(pattern)
+    return (pattern, None) if match is None else (match["pattern"], int(match["dim"]))
 
 
 def match_pattern(pattern: str, names: Iterable[str]) -> list[tuple[str, dict[str, str]]]:
@@ -121,11 +137,12 @@ def expand(
     for role, patterns in roles:
         for pattern in patterns:
             base, slice_spec = split_slice(pattern)
+            base, dim = split_dim(base)
             matches = match_pattern(base, names)
             if not matches:
                 raise no_match_error(cluster, role, pattern, names)
             for name, groups in matches:
-                entry = (role, name, slice_spec, groups)
+                entry = (role, name, slice_spec, groups, dim)
                 if groups:
                     grouped.setdefault(tuple(sorted(groups.items())), []).append(entry)
                 else:

@@ -44,8 +44,8 @@ def _channel_range(
     return start, stop
 
 
-def _check_tensor(cluster: str, name: str, tensor: torch.Tensor, role: Role) -> int:
-    """Validate a member tensor and return its channel-axis dim."""
+def _check_tensor(cluster: str, name: str, tensor: torch.Tensor, role: Role, dim: int | None = None) -> int:
+    """Validate a member tensor and return its channel-axis dim (``dim`` if the pattern set it with ``@d``)."""
     where = f"Cluster {cluster!r}, member {name!r}"
     if not tensor.dtype.is_floating_point:
         raise ValueError(f"{where}: expected a floating-point parameter, found dtype {tensor.dtype}; exclude it.")
@@ -56,6 +56,13 @@ def _check_tensor(cluster: str, name: str, tensor: torch.Tensor, role: Role) -> 
         )
     if tensor.dim() == 0:
         raise ValueError(f"{where}: a 0-D (scalar) parameter has no channel axis; exclude it.")
+    if dim is not None:
+        if dim >= tensor.dim():
+            raise ValueError(
+                f"{where}: the pattern sets channel-axis dim {dim} (`@{dim}`), but the tensor is {tensor.dim()}-D "
+                f"(shape {tuple(tensor.shape)}); use a dim in [0, {tensor.dim() - 1}]."
+            )
+        return dim
     if role == "reader":
         if tensor.dim() < 2:
             raise ValueError(
@@ -176,9 +183,9 @@ def _build_members(
 ) -> ResolvedCluster:
     raw: list[tuple[Role, str, int, int, int, tuple[int, ...]]] = []
     aliases: dict[tuple[int, int, int, int], list[str]] = {}
-    for role, name, slice_spec, _ in entries:
+    for role, name, slice_spec, _, explicit_dim in entries:
         tensor = params[name]
-        dim = _check_tensor(cname, name, tensor, role)
+        dim = _check_tensor(cname, name, tensor, role, explicit_dim)
         shape = tuple(tensor.shape)
         start, stop = _channel_range(cname, name, dim, shape, slice_spec)
         key = (id(tensor), dim, start, stop)

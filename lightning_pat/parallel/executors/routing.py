@@ -23,6 +23,12 @@ def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> st
     tensors = [params[m.name] for m in cluster.members]
     if not all(dtensor.is_dtensor(t) for t in tensors):
         return "plain tensors (not DTensors)"
+    for m in cluster.members:
+        if m.dim != (1 if m.role == "reader" else 0):
+            return (
+                f"member {m.name!r} has its channel axis on dim {m.dim} (set with `@{m.dim}`; a {m.role}'s is dim "
+                f"{1 if m.role == 'reader' else 0}), which only the materializing path serves"
+            )
     mesh = tensors[0].device_mesh
     if any(t.device_mesh != mesh for t in tensors):
         return "members live on different device meshes"

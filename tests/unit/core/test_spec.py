@@ -423,3 +423,28 @@ def test_resolution_does_not_mutate():
     before = clone_state(model)
     resolve_clusters(model, [VALID, Cluster(name="res", writers=["norm"], readers=["layers.*.up.weight"])])
     assert_state_unchanged(model, before)
+
+
+# ---------------------------------------------------------------------------------------------------- explicit dims
+def test_explicit_dim_sets_a_members_channel_axis_with_slices():
+    params = {"gate_up": torch.zeros(4, 12, 8), "down": torch.zeros(4, 8, 6)}
+    [rc] = resolve_clusters(params, Cluster("mlp", ["gate_up@1[0/2]", "gate_up@1[1/2]"], ["down@2"]))
+    assert [(m.name, m.role, m.dim, m.start, m.stop, m.block) for m in rc.members] == [
+        ("gate_up", "writer", 1, 0, 6, 1), ("gate_up", "writer", 1, 6, 12, 1), ("down", "reader", 2, 0, 6, 1),
+    ]  # fmt: skip
+    assert rc.num_units == 6
+    assert ResolvedCluster.from_dict(rc.to_dict()) == rc
+
+
+def test_explicit_dim_outside_the_tensor_is_refused_with_the_range():
+    with pytest.raises(ValueError, match=r"Cluster 'mlp', member 'down': the pattern sets channel-axis dim 3 \(`@3`\), "
+                       r"but the tensor is 3-D \(shape \(4, 8, 6\)\); use a dim in \[0, 2\]"):  # fmt: skip
+        resolve_clusters({"down": torch.zeros(4, 8, 6)}, Cluster("mlp", readers=["down@3"]))
+
+
+def test_explicit_dim_axes_are_owned_per_dim():
+    params = {"down": torch.zeros(4, 8, 6)}
+    experts, channels = resolve_clusters(params, [Cluster("e", ["down"]), Cluster("c", readers=["down@2"])])
+    assert (experts.members[0].dim, channels.members[0].dim) == (0, 2)
+    with pytest.raises(ValueError, match=r"Cluster 'd': parameter 'down' \(dim 2, channels \[0:6\]\) already belongs"):
+        resolve_clusters(params, [Cluster("c", readers=["down@2"]), Cluster("d", ["down@2"])])

@@ -368,7 +368,8 @@ def test_resolve_preset_errors():
     model = TinyGPT(TinyGPTConfig(d_model=16, d_ff=32, n_layer=1))
     with pytest.raises(
         ValueError,
-        match=r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers', 'query_heads'\) to bools",
+        match=r"`preset_options` must map some of \('mlp', 'heads', 'residual', 'layers', 'query_heads', 'experts'\) "
+        r"to bools",
     ):
         presets.resolve_preset("tiny_gpt", model, hidden=True)
     with pytest.raises(ValueError, match="to bools"):

@@ -1,0 +1,320 @@
+"""Mixture of experts with fused 3-D experts (transformers 5): expert channels and whole experts, exact and stock.
+
+Each case prunes a tiny random model (one-shot, or the callback over a few Trainer steps), shrinks it, compares the
+shrunk logits with the masked model's (fp32, rel < 1e-4), saves it, reloads it with stock
+``AutoModelForCausalLM.from_pretrained`` (same logits) and runs ``generate()``. The masked model's routing is checked
+against a MoE block written here in plain torch over the kept experts only (router rows removed: softmax and top-k
+over the kept experts), which is what dropping an expert means (:mod:`lightning_pat.core.routing`).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import lightning_pat as lp
+from lightning_pat import CoupledPruningCallback
+from tests.common.lit_models import quiet_trainer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+COMMON = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_experts_per_tok": 2, "vocab_size": VOCAB, "attn_implementation": "eager", "tie_word_embeddings": False,
+}  # fmt: skip
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"intermediate_size": 48, "num_local_experts": 4}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {"intermediate_size": 64, "moe_intermediate_size": 48, "num_experts": 4, "head_dim": 8},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": 48, "num_experts": 4}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"intermediate_size": 48, "num_local_experts": 4}),
+}  # fmt: skip
+
+
+def tiny(family: str, seed: int = 0) -> nn.Module:
+    config_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # random norm weights: a residual or head cut would show a wrong rescale
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def ids(seed: int = 1, batch: int = 2, length: int = 10) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def num_experts(config) -> int:
+    return config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts
+
+
+def width(config) -> int:
+    return config.moe_intermediate_size if hasattr(config, "moe_intermediate_size") else config.intermediate_size
+
+
+def assert_shrinks_exactly_and_reloads(model: nn.Module, source, tmp_path) -> nn.Module:
+    x = ids()
+    with torch.no_grad():
+        masked = model(x).logits
+    shrunk = lp.shrink(model, source)
+    with torch.no_grad():
+        assert rel(shrunk(x).logits, masked) < 1e-4
+    shrunk.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(shrunk)
+    with torch.no_grad():
+        assert rel(reloaded(x).logits, masked) < 1e-4
+    out = reloaded.generate(x[:1, :4], max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 8)
+    return reloaded
+
+
+def moe_reference(block: nn.Module, h: torch.Tensor, kept: list[int], top_k: int) -> torch.Tensor:
+    """The MoE block over the kept experts only, in plain float64 torch (router rows removed)."""
+    router = block.gate.weight.detach().double()[kept]
+    gate_up = block.experts.gate_up_proj.detach().double()[kept]
+    down = block.experts.down_proj.detach().double()[kept]
+    h = h.double().reshape(-1, h.shape[-1])
+    probs = torch.softmax(h @ router.T, dim=-1)
+    k = min(top_k, len(kept))
+    top_v, top_i = torch.topk(probs, k, dim=-1)
+    if getattr(block.gate, "norm_topk_prob", True):
+        top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(k):
+            e = int(top_i[t, j])
+            g, u = (gate_up[e] @ h[t]).chunk(2)
+            out[t] += top_v[t, j] * (down[e] @ (nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_auto_one_shot_cuts_experts_channels_and_heads_exactly_with_stock_reload(family, tmp_path):
+    model = tiny(family)
+    experts_before, width_before = num_experts(model.config), width(model.config)
+    res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
+    assert {"experts.0", "experts.1", "mlp.0", "mlp.1", "heads.0"} <= set(res.dropped)
+    assert all(len(res.dropped[f"experts.{i}"]) == 2 for i in range(2))
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert num_experts(reloaded.config) == experts_before // 2
+    assert width(reloaded.config) == width_before // 2
+    assert reloaded.config.num_experts_per_tok == 2
+    block = reloaded.model.layers[0].mlp
+    assert block.experts.gate_up_proj.shape == (experts_before // 2, width_before, COMMON["hidden_size"])
+
+
+def test_olmoe_auto_keeps_heads_whole_and_cuts_experts_and_channels_exactly(tmp_path):
+    # OLMoE's q_norm/k_norm normalise over all heads: a head cut is not exact there, so the preset keeps heads
+    model = tiny("olmoe")
+    res = lp.prune_clusters(model, "auto", 0.5)
+    assert sorted(res.dropped) == ["experts.0", "experts.1", "mlp.0", "mlp.1"]
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert (reloaded.config.num_experts, reloaded.config.intermediate_size) == (2, 24)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.75])
+def test_granitemoe_router_topk_then_softmax_exact_with_stock_reload(sparsity, tmp_path):
+    model = tiny("granitemoe")
+    clusters = lp.presets.resolve_preset("moe", model, heads=sparsity < 0.75)  # 2 KV heads: 75% would empty them
+    res = lp.prune_clusters(model, clusters, sparsity, calibration=[ids(seed=2)])
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    kept = 4 - len(res.dropped["experts.0"])
+    assert (reloaded.config.num_local_experts, reloaded.config.num_experts_per_tok) == (kept, min(2, kept))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_fewer_experts_than_top_k_keeps_top_k_at_most_the_experts_kept(family, tmp_path):
+    model = tiny(family)
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
+    res = lp.prune_clusters(model, clusters, 0.75)  # 4 experts -> 1, top_k 2 -> 1
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert (num_experts(reloaded.config), reloaded.config.num_experts_per_tok) == (1, 1)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("drop", [[1], [0, 2], [0, 1, 3]])
+def test_masked_experts_route_as_if_removed_from_the_router(family, drop):
+    model = tiny(family)
+    block = model.model.layers[0].mlp
+    h = torch.randn(2, 5, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+    clusters = lp.resolve_clusters(model, lp.presets.resolve_preset("moe", model, mlp=False, heads=False))
+    [rc] = [rc for rc in clusters if rc.name == "experts.0"]
+    pruner = lp.Pruner(model, [rc])  # hooks the router (the masked model routes around dropped experts)
+    with torch.no_grad():
+        for m in rc.members:
+            dict(model.named_parameters())[m.name][drop] = 0.0
+        got = block(h).double().reshape(-1, h.shape[-1])
+    kept = [e for e in range(4) if e not in drop]
+    torch.testing.assert_close(got, moe_reference(block, h, kept, block.gate.top_k), rtol=1e-5, atol=1e-6)
+    assert pruner.clusters == [rc]
+
+
+def test_channels_inside_experts_are_one_width_per_layer_and_cut_the_same_channels_in_every_expert():
+    model = tiny("mixtral")
+    clusters = lp.presets.resolve_preset("moe", model, heads=False, experts=False)
+    [mlp0, _] = lp.resolve_clusters(model, clusters)
+    assert mlp0.num_units == 48
+    assert [(m.name.rsplit(".", 1)[1], m.dim, m.start, m.stop) for m in mlp0.members] == [
+        ("gate_up_proj", 1, 0, 48), ("gate_up_proj", 1, 48, 96), ("down_proj", 2, 0, 48),
+    ]  # fmt: skip
+    res = lp.prune_clusters(model, clusters, 0.25)
+    experts = model.model.layers[0].mlp.experts
+    dropped = res.dropped["mlp.0"]
+    assert (mlp0.multiple_of, len(dropped)) == (8, 16)  # 48 - 12 = 36 kept, rounded down to a multiple of 8
+    assert bool((experts.gate_up_proj[:, dropped] == 0).all())
+    assert bool((experts.gate_up_proj[:, 48:][:, dropped] == 0).all())
+    assert bool((experts.down_proj[:, :, dropped] == 0).all())
+
+
+class MoEStep(pl.LightningModule):
+    """A tiny Mixtral whose batch is a function of the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny("mixtral")
+
+    def training_step(self, batch, batch_idx):
+        x = ids(seed=100 + self.global_step, batch=2, length=9)
+        logits = self.model(input_ids=x[:, :-1]).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
+
+
+@pytest.mark.parametrize("score", ["auto", "rms"])
+def test_callback_prunes_experts_and_channels_then_shrinks_exactly(score, tmp_path):
+    module = MoEStep()
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2, score=score)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    assert all(len(cb.dropped[f"experts.{i}"]) == 2 for i in range(2))
+    assert all(len(cb.dropped[f"mlp.{i}"]) == 24 for i in range(2))
+    model = module.model.eval()
+    reloaded = assert_shrinks_exactly_and_reloads(model, cb, tmp_path)
+    assert (reloaded.config.num_local_experts, reloaded.config.intermediate_size) == (2, 24)
+
+
+def test_target_params_counts_experts_and_their_channels_exactly(tmp_path):
+    model = tiny("mixtral")
+    total = sum(p.numel() for p in model.parameters())
+    res = lp.prune_clusters(model, "auto", target_params=int(0.6 * total))
+    assert res.size is not None
+    assert res.size.achieved <= int(0.6 * total)
+    assert res.size.cluster_kept["experts.0"] < 4
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert sum(p.numel() for p in reloaded.parameters()) == res.size.achieved  # an expert counted once
+    assert reloaded.config.intermediate_size % 8 == 0  # the preset's multiple_of: grouped_mm's 16-byte strides
+
+
+def test_residual_through_the_experts_and_router_is_exact_with_stock_reload(tmp_path):
+    model = tiny("qwen3_moe")
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, residual=True), 0.25)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.hidden_size == 24
+    assert reloaded.model.layers[1].mlp.gate.weight.shape == (3, 24)  # 4 experts, 1 dropped
+
+
+def test_shrink_checks_itself_against_the_masked_model_on_an_example_input():
+    model = tiny("mixtral")
+    res = lp.prune_clusters(model, "auto", 0.5)
+    shrunk = lp.shrink(model, res, example_input=ids())  # raises if the shrunk model differs from the masked one
+    assert shrunk.config.num_local_experts == 2
+
+
+def test_qwen2_moe_shared_expert_is_an_mlp_cluster_exact_with_stock_reload(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    res = lp.prune_clusters(model, "auto", 0.5)
+    assert {"shared.0", "shared.1", "mlp.0", "experts.0", "heads.0"} <= set(res.dropped)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    cfg = reloaded.config
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (2, 24, 20)
+    assert cfg.intermediate_size == 64  # the dense MLP width (mlp_only_layers) is not the shared expert's
+
+
+def test_qwen2_moe_residual_through_the_shared_expert_and_its_gate(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, residual=True), 0.25)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.hidden_size == 24
+
+
+def test_callback_shrink_on_freeze_trains_on_the_shrunk_moe(tmp_path):
+    module = MoEStep()
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2, shrink_on_freeze=True)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    block = module.model.model.layers[0].mlp
+    assert (block.experts.num_experts, block.experts.intermediate_dim, block.gate.num_experts) == (2, 24, 2)
+    assert (module.model.config.num_local_experts, module.model.config.intermediate_size) == (2, 24)
+    module.model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert rel(reloaded(ids()).logits, module.model.eval()(ids()).logits) < 1e-4
+
+
+def test_callback_resume_from_a_checkpoint_routes_around_the_dropped_experts(tmp_path):
+    def run(max_steps: int, ckpt: str | None = None) -> tuple[MoEStep, CoupledPruningCallback]:
+        module = MoEStep()
+        cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+        every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+        quiet_trainer(max_steps=max_steps, callbacks=[cb, every], checkpointing=True).fit(module, ckpt_path=ckpt)
+        return module, cb
+
+    straight, cb = run(6)
+    resumed, cb2 = run(6, ckpt=str(next(tmp_path.glob("*step=4.ckpt"))))
+    assert cb2.dropped == cb.dropped
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert_shrinks_exactly_and_reloads(resumed.model.eval(), cb2, tmp_path / "export")
+
+
+def test_target_flops_counts_top_k_experts_per_token_as_torch_counts_them():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny("mixtral")
+    res = lp.prune_clusters(model, "auto", target_flops=0.6, seq_len=16)
+    assert res.size.cluster_kept["experts.0"] == 4  # each token runs top_k experts: dropping experts saves no FLOPs
+    assert res.size.cluster_kept["mlp.0"] < 48
+    shrunk = lp.shrink(model, res)
+    shrunk.set_experts_implementation("eager")  # torch's counter does not see grouped_mm
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        shrunk(ids(batch=1, length=16))
+    assert counter.get_total_flops() == 16 * res.size.achieved
+
+
+def test_layer_units_drop_whole_moe_layers_exactly_with_stock_reload(tmp_path):
+    model = tiny("qwen3_moe")
+    clusters = lp.presets.resolve_preset("moe", model, layers=True)
+    res = lp.prune_clusters(model, clusters, target_layers=1, target_params=0.5)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert reloaded.config.num_hidden_layers == 1
+
+
+def test_query_heads_inside_kv_groups_next_to_experts(tmp_path):
+    model = tiny("qwen3_moe")
+    res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, query_heads=True), 0.5)
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert (reloaded.config.num_attention_heads, reloaded.config.num_key_value_heads) == (2, 2)
