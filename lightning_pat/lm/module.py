@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_pat.lm.sharding import shard_causal_lm
+from lightning_pat.lm.sharding import activation_checkpointing, enable_activation_checkpointing, shard_causal_lm
 from lightning_pat.lm.smollm2 import smollm2_dir
 from lightning_pat.lm.weights import empty_model, load_weights
 from lightning_pat.parallel.comm.dcp import full_state_dict
@@ -219,8 +219,8 @@ class CausalLM(pl.LightningModule):
         mesh = self._device_mesh
         if mesh is not None and not any(is_dtensor(p) for p in self.model.parameters()):
             shard_causal_lm(self.model, mesh, activation_checkpointing=self.activation_checkpointing)
-        elif mesh is None and self.activation_checkpointing and not self.model.is_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif mesh is None and self.activation_checkpointing and not activation_checkpointing(self.model):
+            enable_activation_checkpointing(self.model)
         if any(p.is_meta for p in self.model.parameters()):  # empty_init: each rank reads its own shards now
             device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
             load_weights(self.model, self.model.config._name_or_path, device=device, what="CausalLM(empty_init=True)")

@@ -73,6 +73,23 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         )
 
 
+def activation_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' activation (gradient) checkpointing is on for ``model``."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    if flag is None:  # transformers before the rename
+        flag = getattr(model, "is_gradient_checkpointing", False)
+    return bool(flag)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in the backward (non-reentrant), with the API this transformers has."""
+    enable: Any = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def shard_causal_lm(model: nn.Module, mesh: Any, *, activation_checkpointing: bool = False) -> None:
     """Shard ``model`` in place on Lightning's 2-D mesh (see the module docstring).
 
@@ -91,8 +108,7 @@ def shard_causal_lm(model: nn.Module, mesh: Any, *, activation_checkpointing: bo
     if tp.size() > 1:
         check_tensor_parallel(model, tp.size())
     if activation_checkpointing:
-        enable: Any = model.gradient_checkpointing_enable  # a transformers PreTrainedModel method
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if tp.size() > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

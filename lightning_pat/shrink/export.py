@@ -247,16 +247,21 @@ def save_pretrained(
     return directory
 
 
-def _save_with_base_config(model: nn.Module, directory: Path) -> None:
+def _save_with_base_config(model: nn.Module, directory: Path, *, module_names: bool = False) -> None:
     """``model.save_pretrained`` under the config it was built from; the caller writes ``config.json`` afterwards.
 
-    transformers validates the config it writes; the weights are written as they are.
+    transformers validates the config it writes; the weights are written as they are. ``module_names``: the tensors
+    under the model's own parameter names (what :func:`load_pretrained` reads back), not the checkpoint names
+    transformers converts some families to (Mixtral's fused experts back to one tensor per expert).
     """
     _, base_config = hf_entry.base_config(model)
     shrunk_config = model.config
     model.config = base_config
     try:
-        model.save_pretrained(directory)
+        if module_names:
+            model.save_pretrained(directory, save_original_format=False)
+        else:
+            model.save_pretrained(directory)
     finally:
         model.config = shrunk_config
 
@@ -276,7 +281,7 @@ def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
         log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", type(model).__name__)
         return
     cls = type(model)
-    _save_with_base_config(model, directory)
+    _save_with_base_config(model, directory, module_names=True)  # read back only by load_pretrained
     config = {**model.config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     log.warning(

@@ -318,3 +318,29 @@ def test_query_heads_inside_kv_groups_next_to_experts(tmp_path):
     res = lp.prune_clusters(model, lp.presets.resolve_preset("moe", model, query_heads=True), 0.5)
     reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
     assert (reloaded.config.num_attention_heads, reloaded.config.num_key_value_heads) == (2, 2)
+
+
+def test_per_layer_expert_counts_export_in_our_format_and_reload_exactly(tmp_path):
+    """Layers keeping different numbers of experts: no stock config holds that, so the export carries our entry and
+    ``load_pretrained`` rebuilds it (transformers' own save would write Mixtral's per-expert legacy key names)."""
+    import dataclasses
+
+    model = tiny("mixtral")
+    (experts,) = [d for d in lp.presets.moe(model) if d.name == "experts.{layer}"]
+
+    def layer(i: int, target: float) -> lp.Cluster:
+        fix = lambda p: p.replace(r"(?P<layer>\d+)", str(i))  # noqa: E731
+        return dataclasses.replace(experts, name=f"experts.{i}", writers=[fix(w) for w in experts.writers],
+                                   readers=[fix(r) for r in experts.readers], target=target)  # fmt: skip
+
+    res = lp.prune_clusters(model, [layer(0, 0.25), layer(1, 0.5)], 0.5)
+    assert [len(res.dropped["experts.0"]), len(res.dropped["experts.1"])] == [1, 2]
+    x = ids()
+    with torch.no_grad():
+        masked = model(x).logits
+    small = lp.shrink(model, res)
+    lp.save_pretrained(small, tmp_path / "out")
+    again = lp.load_pretrained(tmp_path / "out")
+    assert [again.model.layers[i].mlp.experts.gate_up_proj.shape[0] for i in range(2)] == [3, 2]
+    with torch.no_grad():
+        assert rel(again(x).logits, masked) < 1e-4

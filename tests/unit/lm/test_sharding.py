@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lightning_pat.lm.sharding import check_tensor_parallel, decoder_layers
+from lightning_pat.lm.sharding import activation_checkpointing, check_tensor_parallel, decoder_layers
 
 
 def llama(heads: int = 4, kv: int = 2, ff: int = 32) -> LlamaForCausalLM:
@@ -49,8 +49,8 @@ def test_activation_checkpointing_on_one_device_recomputes_the_same_gradients(tm
     for module in (plain, checkpointed):
         module.configure_model()  # no device mesh: one device
         module.model.train()
-    assert checkpointed.model.is_gradient_checkpointing
-    assert not plain.model.is_gradient_checkpointing
+    assert activation_checkpointing(checkpointed.model)
+    assert not activation_checkpointing(plain.model)
     x = torch.randint(0, plain.model.config.vocab_size, (2, 12))
     for module in (plain, checkpointed):
         module(x).float().pow(2).mean().backward()
