@@ -87,7 +87,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        older: Any = model.gradient_checkpointing_enable  # a transformers PreTrainedModel method
+        older(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def shard_causal_lm(model: nn.Module, mesh: Any, *, activation_checkpointing: bool = False) -> None:
