@@ -36,3 +36,14 @@ def tiny_lm_dir(root: Path, *, vocab: int = 320, layers: int = 2) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def code_files(root: Path, n: int = 12) -> list[str]:
+    """``n`` small Python files under ``root`` (40 one-line functions each) for ``TextFiles``; their paths."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = root / f"f{i:02d}.py"
+        path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
+        paths.append(str(path))
+    return paths

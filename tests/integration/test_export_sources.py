@@ -25,7 +25,7 @@ import pytest
 
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.lm import CausalLM, TextFiles
-from tests.common.tiny_lm import tiny_lm_dir
+from tests.common.tiny_lm import code_files, tiny_lm_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,16 +34,6 @@ SCRIPT = Path(sys.executable).parent / "lightning-pat"
 
 def digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
-
-
-def text_files(root: Path, n: int = 12) -> list[str]:
-    root.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        path = root / f"f{i:02d}.py"
-        path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
-        paths.append(str(path))
-    return paths
 
 
 def script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -59,7 +49,7 @@ def test_causal_lm_refuses_to_export_over_the_model_it_was_loaded_from(tmp_path,
     mine = tiny_lm_dir(tmp_path / "src")
     before = digest(mine)
     lm = CausalLM(str(mine), export=str(mine), export_overwrite=True)
-    data = TextFiles(files=text_files(tmp_path / "t"), seq_len=16, val_windows=4, train_windows=16, english=False)
+    data = TextFiles(files=code_files(tmp_path / "t"), seq_len=16, val_windows=4, train_windows=16, english=False)
     cb = CoupledPruningCallback("llama", 0.5, warmup_steps=1, ramp_steps=2)
     trainer = pl.Trainer(
         max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -82,7 +72,7 @@ def test_causal_lm_refuses_to_export_over_the_model_it_was_loaded_from(tmp_path,
 def test_yaml_export_then_shrink_refuses_the_model_directory_and_a_foreign_tokenizer(tmp_path, cache):
     lm_dir, big = tiny_lm_dir(tmp_path / "lm"), tiny_lm_dir(tmp_path / "big", vocab=600)
     before = digest(lm_dir)
-    files = text_files(tmp_path / "texts", n=20)
+    files = code_files(tmp_path / "texts", n=20)
     export = tmp_path / "export"
     fit = [
         "fit", "--config", str(ROOT / "examples/configs/smollm2.yaml"), f"--model.init_args.pretrained={lm_dir}",

@@ -16,7 +16,7 @@ import torch
 
 from lightning_pat.lm import CausalLM, TextFiles
 from lightning_pat.lm.data import read_prefix, read_texts
-from tests.common.tiny_lm import tiny_lm_dir
+from tests.common.tiny_lm import code_files, tiny_lm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -30,16 +30,6 @@ def lm_dirs(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_PAT_CACHE", str(tmp_path / "cache"))
-
-
-def code_files(root: Path, n: int = 12) -> list[str]:
-    root.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        path = root / f"f{i:02d}.py"
-        path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
-        paths.append(str(path))
-    return paths
 
 
 def data(files, **kw) -> TextFiles:

@@ -18,7 +18,7 @@ import torch
 from lightning_pat import CoupledPruningCallback
 from lightning_pat.lm import CausalLM, TextFiles
 from lightning_pat.lm import data as lm_data
-from tests.common.tiny_lm import tiny_lm_dir
+from tests.common.tiny_lm import code_files, tiny_lm_dir
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,16 +36,6 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def text_files(root: Path, n: int = 20) -> list[str]:
-    root.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        path = root / f"f{i:02d}.py"
-        path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
-        paths.append(str(path))
-    return paths
-
-
 def small_data(files: list[str], **kw) -> TextFiles:
     return TextFiles(files=files, seq_len=16, batch_size=2, val_windows=4, train_windows=64, **kw)
 
@@ -54,7 +44,7 @@ def small_data(files: list[str], **kw) -> TextFiles:
 def test_text_files_hold_out_whole_files_and_cache_their_tokens(tmp_path, cache, lm_dir):
     from transformers import AutoTokenizer
 
-    files = text_files(tmp_path / "texts")
+    files = code_files(tmp_path / "texts", n=20)
     data = small_data(files, tokenizer=str(lm_dir))
     train, held = lm_data.split_by_file(data.paths())
     assert [str(p) for p in held] == files[5::10]  # index 5 modulo 10, as bench/ and the demo hold out
@@ -84,9 +74,9 @@ def test_text_files_refuse_bad_options_and_a_missing_tokenizer(tmp_path, cache):
     with pytest.raises(ValueError, match=r"`files` entry .*nothing\*\.txt.* names no file"):
         TextFiles(files=[str(tmp_path / "nothing*.txt")]).paths()
     with pytest.raises(ValueError, match=r"no tokenizer: pass `tokenizer=`"):
-        TextFiles(files=text_files(tmp_path / "t")).setup()
+        TextFiles(files=code_files(tmp_path / "t", n=20)).setup()
     with pytest.raises(ValueError, match=r"give at least 6 files \(file 5 of every `holdout_every`=10 is held out\)"):
-        TextFiles(files=text_files(tmp_path / "few", n=3), tokenizer=object()).setup()
+        TextFiles(files=code_files(tmp_path / "few", n=3), tokenizer=object()).setup()
 
 
 # ---------------------------------------------------------------------------------------------------- CausalLM
@@ -108,7 +98,7 @@ def fit(lm_dir: Path, files: list[str], export: Path, *, max_steps: int = 8, ove
 def test_causal_lm_prunes_heals_and_exports_a_stock_model_with_its_tokenizer(tmp_path, cache, lm_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    files = text_files(tmp_path / "texts")
+    files = code_files(tmp_path / "texts", n=20)
     export = tmp_path / "export"
     module, pruning, trainer = fit(lm_dir, files, export)
     assert module.tokenizer is not None
@@ -136,7 +126,7 @@ def test_causal_lm_prunes_heals_and_exports_a_stock_model_with_its_tokenizer(tmp
 
 
 def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir):
-    text_files(tmp_path / "texts")  # C2: passed below as one glob string (not a list), as a YAML user writes it
+    code_files(tmp_path / "texts", n=20)  # C2: passed below as one glob string (not a list), as a YAML user writes it
     export = tmp_path / "export"
     proc = subprocess.run(
         [str(SCRIPT), "fit", "--config", str(ROOT / "examples/configs/smollm2.yaml"),
@@ -171,7 +161,7 @@ def test_size_clusters_then_the_callback_reach_the_solved_size(tmp_path, cache, 
     """Size first by calibrated importance (one-shot, nothing mutated), then train with those declarations."""
     from lightning_pat import size_clusters
 
-    files = text_files(tmp_path / "texts")
+    files = code_files(tmp_path / "texts", n=20)
     module = CausalLM(str(lm_dir), lr=1e-3)
     data = small_data(files, tokenizer=module.tokenizer)
     data.setup()
