@@ -737,13 +737,13 @@ FILE_CASES = [
         "export-class-outside-allow-list",
         _export_class("os.system"),
         ValueError,
-        r"names the class 'os.system', which is not in a module lightning_pat imports .*classes=\[system\]",
+        r"names the class 'os.system', which is not in a model module lightning_pat imports .*classes=\[system\]",
     ),
     (
         "export-class-not-a-module",
-        _export_class("torch.nn.functional.relu"),
+        _export_class("torch.nn.modules.activation.ReLU.forward"),
         ValueError,
-        r"'torch.nn.functional.relu' is not an torch.nn.modules.module.Module subclass",
+        r"'torch.nn.modules.activation.ReLU.forward' is not an torch.nn.modules.module.Module subclass",
     ),
     ("export-dataclass-outside-allow-list", _export_dataclass, ValueError, r"names the class 'os.system'"),
     (
