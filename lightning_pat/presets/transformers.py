@@ -56,6 +56,8 @@ class Layout:
     projection: str = "linear"
     # per-layer modules that every layer must hold (the attention's query and the MLP's output projections)
     required: tuple[str, ...] = ()
+    # norms inside a layer's submodules (besides the layer's own, over the residual): per-head q/k norms
+    inner_norms: str = "(?!)"
 
 
 def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
@@ -84,6 +86,7 @@ def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
         layer_out=((rf"{attn}\.o_proj\.(?:weight|bias)", r"mlp\.down_proj\.(?:weight|bias)"), ()),
         query_heads=((rf"{attn}\.q_proj\.(?:weight|bias)",), (rf"{attn}\.o_proj\.weight",), rf"{attn}\.k_proj\.weight"),
         required=(*(rf"{attn}\.{p}_proj" for p in "qkvo"), r"mlp\.down_proj", r"mlp\.(?:gate|up)_proj"),
+        inner_norms=rf"{attn}\.[qk]_norm",
     )
 
 
@@ -157,9 +160,10 @@ def uncovered(layout: Layout, model: nn.Module, prefix: str) -> str | None:
 
     The layout covers a layer when the layer holds each of ``layout.required`` as a projection of the layout's kind
     (``nn.Linear``, or transformers' ``Conv1D``), each parameter-holding module of the layer is one of the layout's
-    projections (of that kind) or a normalisation (a module whose class name holds ``Norm``), and nothing else
-    holds a parameter (a fused ``gate_up_proj``, Phi's ``dense``/``fc1``, routed experts, a differential
-    attention's ``lambda_q1``: then the names only look like the family's).
+    projections (of that kind) or a normalisation (a module whose class name holds ``Norm``) of the layer itself
+    (over the residual) or of ``layout.inner_norms`` (per-head q/k norms), and nothing else holds a parameter (a
+    fused ``gate_up_proj``, Phi's ``dense``/``fc1``, routed experts, a differential attention's ``lambda_q1``,
+    BitNet's norm over the heads: then the names only look like the family's).
     """
     layer_list = f"{prefix}{layout.layers}"
     try:
@@ -168,6 +172,7 @@ def uncovered(layout: Layout, model: nn.Module, prefix: str) -> str | None:
         return f"no module {layer_list!r}"
     known = re.compile(rf"{_WRAPPERS}(?:{layout.layer_params})")
     required = [re.compile(rf"{_WRAPPERS}{r}") for r in layout.required]
+    norm = re.compile(rf"{_WRAPPERS}(?:[^.]+|{layout.inner_norms})")  # the layer's own norms, or the inner ones
     for index, layer in layers.named_children():
         found: set[int] = set()
         for name, module in layer.named_modules():
@@ -177,7 +182,7 @@ def uncovered(layout: Layout, model: nn.Module, prefix: str) -> str | None:
             where = f"{layer_list}.{index}.{name}"
             if _is_projection(module, layout.projection) and all(known.fullmatch(f"{name}.{n}") for n in own):
                 found.update(i for i, r in enumerate(required) if r.fullmatch(name))
-            elif "Norm" not in type(module).__name__:
+            elif "Norm" not in type(module).__name__ or not norm.fullmatch(name):
                 return f"{where} ({type(module).__name__}: {', '.join(own)}) is not part of the {layout.family} layout"
         missing = [layout.required[i] for i in range(len(required)) if i not in found]
         if missing:

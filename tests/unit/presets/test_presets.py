@@ -327,6 +327,10 @@ def test_detection_reads_the_structure_not_the_names():
     llama.model.layers[1].mlp.gate_up_proj = nn.Linear(32, 96)  # a fused projection in one layer only
     with pytest.raises(ValueError, match=r"not llama: model\.layers\.1\.mlp\.gate_up_proj"):
         presets.detect(llama)
+    bitnet_like = llama_like("llama", n_head=4, n_kv=2).fresh()
+    bitnet_like.model.layers[0].self_attn.attn_sub_norm = nn.RMSNorm(32)  # a norm over the heads, not the residual
+    with pytest.raises(ValueError, match=r"not llama: model\.layers\.0\.self_attn\.attn_sub_norm \(RMSNorm"):
+        presets.detect(bitnet_like)
     gpt = gpt2(n_head=4).fresh()
     gpt.transformer.h[0].attn.c_attn = nn.Linear(32, 96)  # GPT-BigCode's names, nn.Linear instead of Conv1D
     with pytest.raises(ValueError, match=r"not gpt2: transformer\.h\.0\.attn\.c_attn \(Linear"):
