@@ -64,11 +64,16 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         return dict.fromkeys((c.name for c in clusters), reason)
     refused: dict[str, str] = {}
     for name, p in twin.named_parameters(remove_duplicate=False):
-        if name in owners and want.get(name) != tuple(p.shape) and owners[name] not in refused:
-            refused[owners[name]] = (
-                f"{type(config).__name__} with the new sizes builds {name} as {list(want.get(name, ()))}, not "
-                f"{list(p.shape)}"
-            )
+        if want.get(name) == tuple(p.shape):
+            continue
+        built = list(want.get(name, ()))
+        why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"
+        # a parameter in no cluster that the new config resizes (one MLP width for two stacks of layers, one of
+        # them cut): the clusters holding the same kind of parameter changed the config field
+        suffix = "." + ".".join(name.split(".")[-3:])
+        culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
+        for decl in culprits:
+            refused.setdefault(decl, why)
     return refused
 
 
