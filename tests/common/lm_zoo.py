@@ -49,7 +49,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if getattr(default, k, None) is not None}
+    fields = default.to_dict()  # not properties derived from them (Falcon's head_dim)
+    kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if fields.get(k) is not None}
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
