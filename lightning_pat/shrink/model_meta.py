@@ -93,7 +93,8 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
                     _set_if_int(module, attr, n_q // n_kv)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             module.split_size = module.c_attn.nf // 3
-            _set_if_int(module, "num_heads", module.split_size // module.head_dim)
+            if isinstance(getattr(module, "head_dim", None), int):  # GPT-1's attention has none
+                _set_if_int(module, "num_heads", module.split_size // module.head_dim)
         down = getattr(module, "down_proj", None)
         if isinstance(down, nn.Linear) and isinstance(getattr(module, "up_proj", None), nn.Linear):
             _set_if_int(module, "intermediate_size", down.in_features)
@@ -158,7 +159,7 @@ def in_width(module: nn.Module) -> int | None:
 HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
 #: Config fields holding the MLP width (``n_inner``: ``None`` means 4 * hidden).
-MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "inner_hidden_size")
+MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size")
 
 
 def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int | None) -> None:
@@ -202,7 +203,11 @@ def update_config(
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
     attns = [m for m in model.modules() if is_qkv_attention(m)]
-    gpt2 = [m for m in model.modules() if is_gpt2_attention(m) and not hasattr(m, "q_attn")]
+    gpt2 = [
+        m
+        for m in model.modules()
+        if is_gpt2_attention(m) and not hasattr(m, "q_attn") and isinstance(getattr(m, "head_dim", None), int)
+    ]
     mlp_widths = [
         m.down_proj.in_features
         for m in model.modules()

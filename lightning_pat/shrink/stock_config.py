@@ -60,6 +60,8 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
             stock = type(model)(twin.config)
         want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
+        if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
+            return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}
         reason = f"the probe of its stock config failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
         return dict.fromkeys((c.name for c in clusters), reason)
     refused: dict[str, str] = {}
