@@ -77,7 +77,7 @@ def run_one(model_type: str, class_name: str, timeout: int) -> dict[str, Any]:
                 model(lm_zoo.token_ids())  # the dense model must run on the tiny config before anything is judged
         except _Timeout:
             raise
-        except Exception as err:  # noqa: BLE001 - recorded
+        except Exception as err:  # noqa: BLE001 - recorded (MemoryError included)
             row.update(builds=False, error=f"{type(err).__name__}: {' '.join(str(err).split())[:200]}")
             return row
         row["builds"] = True
@@ -135,11 +135,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="append one JSON row per class to this file")
     parser.add_argument("--table", type=Path, help="print the table of an earlier run's JSON rows and exit")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per class (0: none)")
+    parser.add_argument("--max-gib", type=float, default=8.0, help="address-space limit of the process (0: none)")
     args = parser.parse_args()
     if args.table is not None:
         rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
         print(table(rows))
         return
+    if args.max_gib > 0:  # a class whose tiny config still allocates too much fails alone (MemoryError), never OOM
+        import resource
+
+        limit = int(args.max_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import transformers
 

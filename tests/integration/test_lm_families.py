@@ -30,9 +30,12 @@ BY_CAUSE = {
 }
 #: The other families that pass the whole chain (slow: the full list).
 OTHERS = (
-    "apertus", "arcee", "codegen", "cohere", "cohere2", "exaone4", "gemma", "gemma2", "gemma3_text", "granite",
-    "helium", "mistral", "nemotron", "olmo", "olmo3", "opt", "phi3", "qwen2", "qwen3", "smollm3", "stablelm",
-    "starcoder2", "xglm",
+    "apertus", "apertus1p5_text", "arcee", "beam", "biogpt", "codegen", "cohere", "cohere2", "ctrl", "cwm",
+    "diffllama", "doge", "exaone", "exaone4", "exaone_moe", "flint", "gemma", "gemma2", "gemma3_text", "glm",
+    "glm4_moe", "gpt-sw3", "granite", "granite_swa", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
+    "jais2", "lfm3", "ministral3", "mistral", "nanochat", "olmo", "olmo3", "olmo_hybrid", "opt", "param2moe",
+    "persimmon", "phi3", "qwen2", "qwen3", "rwkv", "sarvam_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
+    "vaultgemma", "xglm",
 )  # fmt: skip
 
 
