@@ -34,7 +34,7 @@ OTHERS = (
     "diffllama", "doge", "exaone", "exaone4", "exaone_moe", "flint", "gemma", "gemma2", "gemma3_text", "glm",
     "glm4_moe", "gpt-sw3", "granite", "granite_swa", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
     "jais2", "lfm3", "ministral3", "mistral", "nanochat", "olmo", "olmo3", "olmo_hybrid", "opt", "param2moe",
-    "persimmon", "phi3", "qwen2", "qwen3", "rwkv", "sarvam_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
+    "persimmon", "phi3", "qwen2", "qwen3", "sarvam_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
     "vaultgemma", "xglm",
 )  # fmt: skip
 
