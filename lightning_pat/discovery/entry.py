@@ -295,7 +295,9 @@ def prefers_discovery(model: nn.Module) -> bool:
     """
     try:
         family = presets.detect(model)
-    except ValueError:
+    except ValueError as err:
+        log.info("clusters='auto': no preset covers %s, its clusters are discovered by tracing: %s",
+                 type(model).__name__, str(err).split(". Supported families")[0])  # fmt: skip
         return True
     if family != "linear_chain":
         return False

@@ -1,7 +1,7 @@
 """The registry of presets by name, family detection (``clusters="auto"``) and the ``clusters=`` argument's reading.
 
 :data:`PRESETS` maps names to presets (the built-in families and those added with :func:`register`); :func:`detect`
-names a model's family from ``model.config.model_type`` or its parameter names; :func:`resolve_preset` turns a
+names a model's family from its structure (the modules its decoder layers hold); :func:`resolve_preset` turns a
 callback's ``clusters`` argument into declarations.
 """
 
@@ -16,7 +16,16 @@ from torch import nn
 from lightning_pat.core.spec import Cluster, as_cluster
 from lightning_pat.presets.experts import moe
 from lightning_pat.presets.linear_chain import linear_chain, linear_pairs
-from lightning_pat.presets.transformers import HOW_TO, LAYOUTS, Layout, find_backbone, gpt2, llama, param_names
+from lightning_pat.presets.transformers import (
+    HOW_TO,
+    LAYOUTS,
+    Layout,
+    find_backbone,
+    gpt2,
+    llama,
+    param_names,
+    uncovered,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,42 +33,71 @@ log = logging.getLogger(__name__)
 Preset = Callable[..., list[Cluster]]
 #: The option names a preset takes (``preset_options``).
 OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads", "experts")
-#: ``model.config.model_type`` -> the preset that reads it.
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
-_MODEL_TYPES.update(dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"), "moe"))  # fused experts
+#: ``config.model_type`` of the families whose routed experts are fused 3-D parameters (``presets.moe`` reads them).
+MOE_MODEL_TYPES = frozenset(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"))
 #: Layouts that :func:`detect` tries: the built-in families, then those registered with one.
 _LAYOUTS: dict[str, Layout] = dict(LAYOUTS)
+#: Structural detectors that :func:`detect` asks next: family -> ``model -> whether the family's preset covers it``
+#: (registered with :func:`register`'s ``detector``, e.g. the mixture-of-experts presets).
+_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {}
+
+
+def model_type(model: nn.Module) -> str | None:
+    """``config.model_type`` of ``model``, or of the first Hugging Face model it holds (a LightningModule wrapper)."""
+    types = (getattr(getattr(m, "config", None), "model_type", None) for m in model.modules())
+    return next((t for t in types if isinstance(t, str)), None)
+
+
+def fused_experts(model: nn.Module) -> bool:
+    """Whether ``model`` is a mixture-of-experts family whose experts :func:`~lightning_pat.presets.moe` reads."""
+    return model_type(model) in MOE_MODEL_TYPES
+
+
+_DETECTORS["moe"] = fused_experts
 
 
 def detect(model: nn.Module) -> str:
-    """The preset name for ``model``: from ``model.config.model_type`` when known, else from parameter names.
+    """The preset name for ``model``, read from its structure (what its modules are, not what they are called).
+
+    A layout fits when its anchor parameter is found (``<prefix>layers.N.self_attn.q_proj.weight``) and it covers
+    every decoder layer (:func:`~lightning_pat.presets.transformers.uncovered`: separate ``nn.Linear`` q/k/v/o and
+    gate/up/down for the Llama family, ``Conv1D`` for GPT-2, only norms besides); then the structural detectors
+    (:func:`register`'s ``detector``) are asked; then ``linear_chain``.
 
     Args:
         model: The model (or a wrapper holding one backbone).
 
     Returns:
-        One of ``"llama"``, ``"gpt2"``, a registered family with a layout (``"tiny_gpt"`` once the demo is
-        imported), ``"linear_chain"``.
+        One of ``"llama"``, ``"gpt2"``, a registered family (``"tiny_gpt"`` once the demo is imported),
+        ``"linear_chain"``.
 
     Raises:
-        ValueError: If no family, or more than one, matches; the message lists the supported families and how to
-            declare clusters by hand.
+        ValueError: If no family, or more than one, matches; the message says why each near family does not fit,
+            lists the supported families and how to declare clusters by hand.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is None:  # a wrapper (a LightningModule) holding a Hugging Face model: its config names it
-        types = (getattr(getattr(m, "config", None), "model_type", None) for m in model.modules())
-        model_type = next((t for t in types if isinstance(t, str) and t in _MODEL_TYPES), None)
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
     names = param_names(model)
-    found = [family for family, layout in _LAYOUTS.items() if find_backbone(layout, names) is not None]
+    found, why = [], []
+    for family, layout in _LAYOUTS.items():
+        backbone = find_backbone(layout, names)
+        if backbone is None:
+            continue
+        reason = uncovered(layout, model, backbone[0])
+        if reason is None:
+            found.append(family)
+        else:
+            why.append(f"not {family}: {reason}")
+    found += [family for family, detector in _DETECTORS.items() if detector(model)]
     if len(found) > 1:
         raise ValueError(f"The model matches several families {found}; pass one backbone, or name a preset.")
     if found:
         return found[0]
-    if linear_pairs(model):
+    if not why and linear_pairs(model):
         return "linear_chain"
-    raise ValueError(f"Cannot detect the model family of {type(model).__name__} (model_type={model_type!r}). {HOW_TO}")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    reasons = f" ({'; '.join(why)})" if why else ""
+    raise ValueError(
+        f"Cannot detect the model family of {type(model).__name__} (model_type={model_type!r}){reasons}. {HOW_TO}"
+    )
 
 
 def for_model(model: nn.Module, **options: bool) -> list[Cluster]:
@@ -91,8 +129,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None:
-    """Add the preset ``name`` (usable as ``clusters=name`` everywhere); with a ``layout``, :func:`detect` finds it.
+def register(
+    name: str, preset: Preset, *, layout: Layout | None = None, detector: Callable[[nn.Module], bool] | None = None
+) -> None:
+    """Add the preset ``name`` (usable as ``clusters=name``); with a layout or a detector, :func:`detect` finds it.
 
     Registering the same preset again is a no-op (a module imported twice, e.g. by a notebook's re-run cell).
 
@@ -100,6 +140,8 @@ def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None
         name: The preset's name (lower case).
         preset: A callable ``(model, *, mlp, heads, residual, layers) -> list[Cluster]``.
         layout: The family's parameter layout, for detection by ``clusters="auto"``.
+        detector: ``model -> bool``: whether the preset covers ``model`` (every decoder layer), for a family that a
+            :class:`Layout` cannot describe.
 
     Raises:
         ValueError: If ``name`` is ``"auto"``, not lower case, or already names another preset.
@@ -112,6 +154,8 @@ def register(name: str, preset: Preset, *, layout: Layout | None = None) -> None
     PRESETS[name] = preset
     if layout is not None:
         _LAYOUTS[name] = layout
+    if detector is not None:
+        _DETECTORS[name] = detector
 
 
 def get(name: str) -> Preset:

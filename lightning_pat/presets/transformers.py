@@ -53,6 +53,12 @@ class Layout:
     layer_out: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (writers, readers): zero => the layer is identity
     # GQA query heads inside their KV groups: (writers, readers, the KV projection's weight); None: no such units
     query_heads: tuple[tuple[str, ...], tuple[str, ...], str] | None = None
+    # what the projections are: "linear" (nn.Linear, [out, in]) or "conv1d" (transformers' Conv1D, [in, out])
+    projection: str = "linear"
+    # per-layer modules that every layer must hold (the attention's query and the MLP's output projections)
+    required: tuple[str, ...] = ()
+    # norms inside a layer's submodules (besides the layer's own, over the residual): per-head q/k norms
+    inner_norms: str = "(?!)"
 
 
 def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
@@ -80,6 +86,8 @@ def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
         rf"|{attn}\.[qk]_norm\.weight",
         layer_out=((rf"{attn}\.o_proj\.(?:weight|bias)", r"mlp\.down_proj\.(?:weight|bias)"), ()),
         query_heads=((rf"{attn}\.q_proj\.(?:weight|bias)",), (rf"{attn}\.o_proj\.weight",), rf"{attn}\.k_proj\.weight"),
+        required=(*(rf"{attn}\.{p}_proj" for p in "qkvo"), r"mlp\.down_proj", r"mlp\.(?:gate|up)_proj"),
+        inner_norms=rf"{attn}\.[qk]_norm",
     )
 
 
@@ -102,6 +110,8 @@ LAYOUTS: dict[str, Layout] = {
         top=((r"ln_f\.(?:weight|bias)",), (r"wte\.weight", r"wpe\.weight")),
         layer_params=r"(?:ln_[12]|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(?:weight|bias)",
         layer_out=((r"(?:attn|mlp)\.c_proj\.bias",), (r"(?:attn|mlp)\.c_proj\.weight",)),  # Conv1D: [in, out]
+        projection="conv1d",
+        required=(r"attn\.c_attn", r"attn\.c_proj", r"mlp\.c_fc", r"mlp\.c_proj"),
     ),
 }
 
@@ -140,6 +150,47 @@ def find_backbone(layout: Layout, names: Sequence[str]) -> tuple[str, str] | Non
     return next(((prefix, attn) for prefix, (_, attn) in found.items()), None)
 
 
+def _is_projection(module: nn.Module, kind: str) -> bool:
+    if kind == "conv1d":
+        return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    return isinstance(module, nn.Linear)
+
+
+def uncovered(layout: Layout, model: nn.Module, prefix: str) -> str | None:
+    """Why ``layout`` does not describe every decoder layer of ``model`` under ``prefix``, or ``None`` if it does.
+
+    The layout covers a layer when the layer holds each of ``layout.required`` as a projection of the layout's kind
+    (``nn.Linear``, or transformers' ``Conv1D``), each parameter-holding module of the layer is one of the layout's
+    projections (of that kind) or a normalisation (a module whose class name holds ``Norm``) of the layer itself
+    (over the residual) or of ``layout.inner_norms`` (per-head q/k norms), and nothing else holds a parameter (a
+    fused ``gate_up_proj``, Phi's ``dense``/``fc1``, routed experts, a differential attention's ``lambda_q1``,
+    BitNet's norm over the heads: then the names only look like the family's).
+    """
+    layer_list = f"{prefix}{layout.layers}"
+    try:
+        layers = model.get_submodule(layer_list) if layer_list else model
+    except AttributeError:
+        return f"no module {layer_list!r}"
+    known = re.compile(rf"{_WRAPPERS}(?:{layout.layer_params})")
+    required = [re.compile(rf"{_WRAPPERS}{r}") for r in layout.required]
+    norm = re.compile(rf"{_WRAPPERS}(?:[^.]+|{layout.inner_norms})")  # the layer's own norms, or the inner ones
+    for index, layer in layers.named_children():
+        found: set[int] = set()
+        for name, module in layer.named_modules():
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            if not own:
+                continue
+            where = f"{layer_list}.{index}.{name}"
+            if _is_projection(module, layout.projection) and all(known.fullmatch(f"{name}.{n}") for n in own):
+                found.update(i for i, r in enumerate(required) if r.fullmatch(name))
+            elif "Norm" not in type(module).__name__ or not norm.fullmatch(name):
+                return f"{where} ({type(module).__name__}: {', '.join(own)}) is not part of the {layout.family} layout"
+        missing = [layout.required[i] for i in range(len(required)) if i not in found]
+        if missing:
+            return f"layer {layer_list}.{index} has no {layout.projection} projection matching {missing}"
+    return None
+
+
 def _head_dim(model: nn.Module, module_name: str, preset: str) -> int:
     """``head_dim`` from the attention module, else from ``model.config``."""
     try:
@@ -159,6 +210,27 @@ def _head_dim(model: nn.Module, module_name: str, preset: str) -> int:
             "heads=False, or declare the heads cluster by hand with `head_dim`."
         )
     return head_dim
+
+
+def _shared_qk_norm(model: nn.Module, module_name: str) -> str | None:
+    """Why a ``q_norm``/``k_norm`` of the attention blocks a head cut (it normalises over all heads), or ``None``.
+
+    A per-head norm (Qwen3, Gemma 3: a ``head_dim`` weight) acts on no unit axis; OLMo 2's normalises the whole
+    projection, so a head cut would change every kept head's values, and Cohere's holds one row per head.
+    """
+    try:
+        attn = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    head_dim = getattr(attn, "head_dim", None)
+    for name in ("q_norm", "k_norm"):
+        weight = getattr(getattr(attn, name, None), "weight", None)
+        if weight is not None and (weight.dim() != 1 or weight.shape[0] != head_dim):
+            return (
+                f"{module_name}.{name} normalises {list(weight.shape)} channels, not one head ({head_dim}), so a head "
+                "cut could not be exact"
+            )
+    return None
 
 
 def _residual(layout: Layout, names: Sequence[str], prefix: str, preset: str) -> Cluster:
@@ -262,6 +334,9 @@ def build(
     if mlp:
         writers, readers = layout.mlp
         out.append(Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers]))
+    if heads and (why := _shared_qk_norm(model, attn_module)) is not None:
+        log.warning("presets.%s: the heads are not cut: %s; heads.{layer} left out", preset, why)
+        heads = False
     if heads:
         head_dim = _head_dim(model, attn_module, preset)
         writers, readers = layout.heads

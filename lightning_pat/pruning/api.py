@@ -75,7 +75,9 @@ def one_shot_calibration(
     """The one-shot score (``"auto"`` resolved) and the statistics, calibrated on ``calibration`` if given.
 
     With ``calibration``: activation statistics for the width clusters and, when the clusters hold layer units and
-    no ``layer_stats`` are given, the layer cosines.
+    no ``layer_stats`` are given, the layer cosines. With ``score="auto"``, clusters the activation score cannot
+    measure (a reader that is not an ``nn.Linear``, e.g. GPT-2's ``Conv1D``) fall back to ``"rms"`` with a warning,
+    as the callback does.
 
     Raises:
         ValueError: As for :func:`prune_clusters` (``calibration`` with ``activations`` or a weight score, or not a
@@ -96,10 +98,11 @@ def one_shot_calibration(
     resolved = resolve_clusters(model, clusters)  # type: ignore[arg-type]
     try:
         stats = calibrate(model, resolved, calibration)
-    except ValueError as err:  # e.g. fused experts: no nn.Linear reader; "auto" falls back as the callback does
+    except ValueError as err:
         if not auto:
             raise
-        log.warning("prune_clusters: score='auto' scores by the weights ('rms'): %s", err)
+        log.warning("prune_clusters: score='auto' falls back to the weights ('rms'): the activation score cannot "
+                    "score these clusters: %s", err)  # fmt: skip
         return "rms", None, layer_stats
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
@@ -202,8 +205,9 @@ def prune_clusters(
         model: The module to prune in place.
         clusters: Cluster declarations (see :class:`~lightning_pat.Cluster`), a :func:`~lightning_pat.discover`
             result, a preset name (``"llama"``, ``"linear_chain"``, ...) or a list mixing both, as for the callback.
-            ``"auto"`` means what it means for the callback: the preset that fits, else discovery by tracing the
-            model's ``example_input_array`` (without one, an error points at ``discover(model, x)``).
+            ``"auto"`` means what it means for the callback: the preset that covers the model, else discovery by
+            tracing the model's ``example_input_array``, the first ``calibration`` batch, or (a Hugging Face model)
+            a few token ids (without any, an error points at ``discover(model, x)``).
         sparsity: Fraction of each cluster's units to drop (``hard``), or the floor for ``group_lasso``. Give it or
             a size target: with ``target_params`` or ``target_flops`` it is unused and warns (as the callback's
             ``target_sparsity`` does).
@@ -282,15 +286,12 @@ def prune_clusters(
             "`activations=lightning_pat.scoring.activation.calibrate(model, clusters, batches)` with "
             f"score='activation', or neither; got score={score!r} and activations={type(activations).__name__}."
         )
-    declared = one_shot_declarations(model, clusters)
+    declared = one_shot_declarations(model, clusters, calibration)
     plan_score, activations, layer_stats = one_shot_calibration(
-        model,
-        declared,
-        opts.score if calibration is not None else resolved_score,
-        activations,
+        model, declared, "auto" if opts.score == "auto" and calibration is not None else resolved_score, activations,
         calibration,
         layer_stats=layer_stats,
-    )
+    )  # fmt: skip
     plan = make_plan(
         model, declared, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
         sparsity=opts.sparsity,

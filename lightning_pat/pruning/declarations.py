@@ -9,15 +9,20 @@ The callback's ``clusters`` (checked when :class:`~lightning_pat.pruning.options
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
 from lightning_pat.discovery import discovered_clusters, prefers_discovery
 from lightning_pat.presets.registry import expand as expand_presets
+from lightning_pat.shrink.stock_config import stock_expressible
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
+log = logging.getLogger(__name__)
 
 
 def _preset_name(name: str) -> str:
@@ -71,8 +76,41 @@ def normalize_clusters(clusters: object) -> str | tuple[Cluster | str, ...]:
 
 
 def discovers(module: Any, clusters: object) -> bool:
-    """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it)."""
-    return isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)
+    """Whether ``clusters="auto"`` means discovery by tracing for ``module`` (no preset covers it).
+
+    A preset covers the module when :func:`~lightning_pat.presets.detect` finds a family whose layout holds every
+    decoder layer and the family's preset builds its declarations; otherwise (a wrong family guess included) the
+    clusters are discovered, and the log says which route was taken.
+    """
+    if not _is_auto(clusters):
+        return False
+    if prefers_discovery(module):
+        return True
+    try:
+        presets.for_model(module)
+    except ValueError as err:
+        log.warning("clusters='auto': the preset does not fit %s (%s); discovering the clusters by tracing instead",
+                    type(module).__name__, err)  # fmt: skip
+        return True
+    return False
+
+
+def example_input(module: Any, batches: Sequence[Any] | None = None) -> Any:
+    """What discovery traces: ``example_input_array``, else the first of ``batches``, else a few token ids.
+
+    The token ids (``(2, 8)``, below ``config.vocab_size``) are made for a module whose own ``config`` has a
+    ``vocab_size`` (a Hugging Face model), so that ``clusters="auto"`` needs no example from the user.
+
+    Returns:
+        The example input, or ``None`` if there is none.
+    """
+    example = getattr(module, "example_input_array", None)
+    if example is None and isinstance(batches, Sequence) and not isinstance(batches, (str, bytes)) and batches:
+        example = batches[0]
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if example is None and isinstance(vocab, int) and vocab > 0:
+        example = (torch.arange(16).reshape(2, 8) * 7 + 3) % vocab
+    return example
 
 
 def declarations_for(
@@ -93,8 +131,9 @@ def declarations_for(
             if discovery has no example input or fails.
     """
     if discovers(module, clusters):
-        return _discovered(module, getattr(module, "example_input_array", None), preset_options)
-    return expand_presets(clusters if isinstance(clusters, str) else list(clusters), module, preset_options)
+        return _discovered(module, example_input(module), preset_options)
+    out = expand_presets(clusters if isinstance(clusters, str) else list(clusters), module, preset_options)
+    return stock_expressible(module, out) if _is_auto(clusters) else out
 
 
 def early_declarations(
@@ -118,7 +157,7 @@ def early_declarations(
     """
     if not discovers(module, clusters):
         return None
-    example = getattr(module, "example_input_array", None)
+    example = example_input(module)
     try:
         return _discovered(module, example if example is not None else batch_input(), preset_options)
     except ValueError as err:
@@ -139,33 +178,38 @@ def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -
             f"`preset_options` {dict(preset_options)} apply to presets, but no preset fits {type(module).__name__} "
             "and its clusters are discovered by tracing; remove `preset_options`."
         )
-    return discovered_clusters(module, example)
+    return stock_expressible(module, discovered_clusters(module, example))
 
 
-def auto_declarations(module: Any, clusters: object) -> object:
+def _is_auto(clusters: object) -> bool:
+    return isinstance(clusters, str) and clusters.lower() == "auto"
+
+
+def auto_declarations(module: Any, clusters: object, calibration: Sequence[Any] | None = None) -> object:
     """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
 
-    A preset that fits the module: its name stays (expanded by the caller). No preset fits: the clusters are
-    discovered by tracing the module's ``example_input_array``, as the callback does; without one, an error points
-    at :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
+    A preset that covers the module (see :func:`discovers`): its name stays (expanded by the caller). Otherwise the
+    clusters are discovered by tracing :func:`example_input` (the module's ``example_input_array``, the first
+    ``calibration`` batch, or token ids for a Hugging Face model); without any, an error points at
+    :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
 
     Raises:
-        ValueError: If no preset fits and the module has no ``example_input_array``, or discovery fails.
+        ValueError: If no preset fits and there is no example input, or discovery fails.
     """
-    if not (isinstance(clusters, str) and clusters.lower() == "auto" and prefers_discovery(module)):
+    if not discovers(module, clusters):
         return clusters
-    example = getattr(module, "example_input_array", None)
+    example = example_input(module, calibration)
     if example is None:
         raise ValueError(
             f"clusters='auto': no preset fits {type(module).__name__}, so its clusters are found by tracing, which "
             "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
-            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, as the callback reads it)."
+            "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, or pass `calibration`)."
         )
-    return discovered_clusters(module, example)
+    return stock_expressible(module, discovered_clusters(module, example))
 
 
 def one_shot_declarations(
-    module: Any, clusters: object
+    module: Any, clusters: object, calibration: Sequence[Any] | None = None
 ) -> Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]]:
     """``prune_clusters``' ``clusters`` as the callback reads them: a discovery, ``"auto"`` and preset names expanded.
 
@@ -174,11 +218,13 @@ def one_shot_declarations(
     Raises:
         ValueError: As :func:`auto_declarations`, or if a preset name is unknown or rejects the module.
     """
-    clusters = auto_declarations(module, found_clusters(clusters))  # a Discovery; "auto" as the callback means it
+    # a Discovery; "auto" as the callback means it (its example: the first calibration batch, if it needs one)
+    clusters = auto_declarations(module, found_clusters(clusters), calibration)
     if isinstance(clusters, str) or (
         isinstance(clusters, Sequence)
         and not isinstance(clusters, Mapping)
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
-        return expand_presets(clusters, module, {})
+        out = expand_presets(clusters, module, {})
+        return stock_expressible(module, out) if _is_auto(clusters) else out
     return clusters  # type: ignore[return-value]  # declarations as given; the plan checks each entry

@@ -61,6 +61,13 @@ def is_llama_attention(m: nn.Module) -> bool:
     )
 
 
+def is_qkv_attention(m: nn.Module) -> bool:
+    """Whether ``m`` has separate ``nn.Linear`` ``q/k/v_proj`` and an int ``head_dim`` (Llama, Phi, OPT, ...)."""
+    return all(isinstance(getattr(m, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")) and (
+        isinstance(getattr(m, "head_dim", None), int)
+    )
+
+
 def is_gpt2_attention(m: nn.Module) -> bool:
     """Whether ``m`` is a GPT-2 attention: a packed ``Conv1D`` ``c_attn`` and an int ``split_size``."""
     packed = module_kind(getattr(m, "c_attn", nn.Identity())) == "conv1d"
@@ -75,7 +82,7 @@ def _set_if_int(module: nn.Module, attr: str, value: int) -> None:
 def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
     """Head counts of attention modules, MLP widths and hidden-size attributes of every container module."""
     for module in model.modules():
-        if is_llama_attention(module):
+        if is_qkv_attention(module):
             hd = module.head_dim
             n_q, n_kv = module.q_proj.out_features // hd, module.k_proj.out_features // hd
             for attr in ("num_heads", "num_attention_heads", "n_head"):
@@ -87,7 +94,8 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
                     _set_if_int(module, attr, n_q // n_kv)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             module.split_size = module.c_attn.nf // 3
-            _set_if_int(module, "num_heads", module.split_size // module.head_dim)
+            if isinstance(getattr(module, "head_dim", None), int):  # GPT-1's attention has none
+                _set_if_int(module, "num_heads", module.split_size // module.head_dim)
         down = getattr(module, "down_proj", None)
         if isinstance(down, nn.Linear) and isinstance(getattr(module, "up_proj", None), nn.Linear):
             _set_if_int(module, "intermediate_size", down.in_features)
@@ -140,12 +148,68 @@ def config_owners(model: nn.Module) -> list[nn.Module]:
     return owners
 
 
-def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_changed: bool) -> None:
-    """Write the new uniform sizes into ``model.config`` (Hugging Face configs and ``TinyGPTConfig``)."""
+def in_width(module: nn.Module) -> int | None:
+    """The input width of an ``nn.Linear`` or a ``Conv1D`` (``nx``), else ``None``."""
+    kind = module_kind(module)
+    if kind == "linear":
+        return int(module.in_features)
+    return int(module.weight.shape[0]) if kind == "conv1d" else None
+
+
+#: Config fields holding the (query) head count and the KV head count.
+HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
+#: Config fields holding the MLP width (``n_inner``: ``None`` means 4 * hidden).
+MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size")
+
+
+def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int | None) -> None:
+    """The MLP width fields of ``config``: the new input width of the readers that read the old width.
+
+    A reader counts when its input width was the field's value before the cut (``n_inner=None``: 4 * hidden) and
+    its name is not an attention's (``attn``/``attention``), whatever the family calls it (``down_proj``, ``fc2``,
+    ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused ``gate_up_proj``).
+    """
+    skip = ("attn", "attention", "shared_expert")  # a shared expert's width is shared_expert_intermediate_size
+    mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
+    for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
+        value = getattr(config, field)
+        if field == "n_inner" and value is None and isinstance(hidden, int):
+            value = 4 * hidden
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        new = _uniform(n for o, n in mlp if o == value and n != o)
+        if new is None:
+            continue
+        try:
+            setattr(config, field, new)
+        except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
+            log.info("shrink: %s cannot hold the new MLP width in %r (%s)", type(config).__name__, field, err)
+
+
+def update_config(
+    model: nn.Module,
+    rescaled_eps: Mapping[int, float],
+    hidden_changed: bool,
+    *,
+    reads: Sequence[tuple[str, int, int]] = (),
+) -> None:
+    """Write the new uniform sizes into ``model.config`` (Hugging Face configs and ``TinyGPTConfig``).
+
+    ``reads``: ``(module name, input width before, after)`` of every cut ``nn.Linear``/``Conv1D`` (the MLP width
+    fields follow the readers that read the old width, whatever the family calls them).
+    """
     config = model.config
+    hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if hasattr(config, n)), None)
+    if reads:
+        _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
-    attns = [m for m in model.modules() if is_llama_attention(m)]
-    gpt2 = [m for m in model.modules() if is_gpt2_attention(m) and not hasattr(m, "q_attn")]
+    attns = [m for m in model.modules() if is_qkv_attention(m)]
+    gpt2 = [
+        m
+        for m in model.modules()
+        if is_gpt2_attention(m) and not hasattr(m, "q_attn") and isinstance(getattr(m, "head_dim", None), int)
+    ]
     shared = {id(m) for m in shared_experts(model)}  # their width is the config's shared_expert_intermediate_size
     mlp_widths = [
         m.down_proj.in_features
@@ -160,13 +224,13 @@ def update_config(model: nn.Module, rescaled_eps: Mapping[int, float], hidden_ch
     if attns:
         _set_config(
             config,
-            ("num_attention_heads", "n_head"),
+            HEAD_FIELDS,
             _uniform(a.q_proj.out_features // a.head_dim for a in attns),
             "the head count",
         )
         _set_config(
             config,
-            ("num_key_value_heads", "n_kv_head"),
+            KV_FIELDS,
             _uniform(a.k_proj.out_features // a.head_dim for a in attns),
             "the KV head count",
         )
@@ -199,7 +263,7 @@ def _int_attr(module: nn.Module, attr: str) -> int | None:
 
 
 #: Attention modules with a rule of their own (their head counts are never scaled from a query projection).
-_OWN_RULES = (is_llama_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention)
+_OWN_RULES = (is_qkv_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention)
 
 
 def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tuple[nn.Module, nn.Linear, int]]:

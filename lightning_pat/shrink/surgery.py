@@ -34,6 +34,7 @@ from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
 from lightning_pat.shrink.model_meta import (
     config_owners,
     head_counts_before,
+    in_width,
     input_embedding,
     update_config,
     update_containers,
@@ -159,6 +160,7 @@ def apply_plan(
             grads[name] = plan.slice(name, param.grad)
             param.grad = None
     heads = head_counts_before(model, edits)
+    reads_before = {key: in_width(e.module) for key, e in edits.items()}
     layernorms, rescaled_eps = [], {}
     with torch.no_grad():
         for edit in edits.values():
@@ -176,10 +178,11 @@ def apply_plan(
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)
     update_blocks(model)
+    reads = [(e.name, old, in_width(e.module)) for key, e in edits.items() if (old := reads_before[key]) is not None]
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
-        update_config(owner, rescaled_eps, changed)
+        update_config(owner, rescaled_eps, changed, reads=reads)
         _record_entry(owner)
     if layernorms:
         warnings.warn(

@@ -300,6 +300,59 @@ def test_detection_by_model_type_and_by_names():
     assert presets.detect(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))) == "linear_chain"
 
 
+class _Dense(nn.Module):
+    """A Phi-like attention: q/k/v_proj named as Llama's, but the output is ``dense``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.dense = (nn.Linear(8, 8) for _ in range(4))
+
+
+class _Layer(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp, self.input_layernorm = _Dense(), mlp, nn.LayerNorm(8)
+
+
+def test_detection_reads_the_structure_not_the_names():
+    """Llama's anchor name alone is not Llama: every projection of every layer must be the layout's kind."""
+    mlp = nn.Module()
+    mlp.fc1, mlp.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    phi_like = nn.Module()
+    phi_like.layers = nn.ModuleList([_Layer(mlp)])
+    with pytest.raises(ValueError, match=r"not llama: layers\.0\.self_attn\.dense \(Linear: weight, bias\) is not"):
+        presets.detect(phi_like)
+    llama = llama_like("llama", n_head=4, n_kv=2).fresh()
+    assert presets.detect(llama) == "llama"
+    llama.model.layers[1].mlp.gate_up_proj = nn.Linear(32, 96)  # a fused projection in one layer only
+    with pytest.raises(ValueError, match=r"not llama: model\.layers\.1\.mlp\.gate_up_proj"):
+        presets.detect(llama)
+    bitnet_like = llama_like("llama", n_head=4, n_kv=2).fresh()
+    bitnet_like.model.layers[0].self_attn.attn_sub_norm = nn.RMSNorm(32)  # a norm over the heads, not the residual
+    with pytest.raises(ValueError, match=r"not llama: model\.layers\.0\.self_attn\.attn_sub_norm \(RMSNorm"):
+        presets.detect(bitnet_like)
+    gpt = gpt2(n_head=4).fresh()
+    gpt.transformer.h[0].attn.c_attn = nn.Linear(32, 96)  # GPT-BigCode's names, nn.Linear instead of Conv1D
+    with pytest.raises(ValueError, match=r"not gpt2: transformer\.h\.0\.attn\.c_attn \(Linear"):
+        presets.detect(gpt)
+
+
+def test_a_structural_detector_registers_a_family():
+    marker = nn.Sequential(nn.Conv2d(3, 8, 3))
+    marker.experts = nn.Parameter(torch.zeros(2, 3, 3))
+
+    def fake(model: nn.Module, **_: bool) -> list[Cluster]:
+        return [Cluster("e", ["experts"], num_units=2)]
+
+    presets.register("fake_moe", fake, detector=lambda m: hasattr(m, "experts"))
+    try:
+        assert presets.detect(marker) == "fake_moe"
+        assert presets.for_model(marker) == fake(marker)
+    finally:
+        presets.PRESETS.pop("fake_moe")
+        presets.registry._DETECTORS.pop("fake_moe")
+
+
 def test_unsupported_model_lists_families_and_how_to_declare():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
     with pytest.raises(ValueError, match=r"Cannot detect the model family of Sequential.*llama.*gpt2.*Cluster\("):

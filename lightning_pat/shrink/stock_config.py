@@ -1,0 +1,105 @@
+"""Whether a Hugging Face model's stock config can express a cut, asked before anything is pruned.
+
+Some families derive a size from others (the head size from ``hidden_size // num_attention_heads`` in GPT-NeoX,
+OPT, GPT-2; the MLP width from ``4 * hidden_size`` in Bloom and MPT), so a config with the new counts builds other
+shapes and stock ``from_pretrained`` cannot load the shrunk model. :func:`stock_refusals` cuts half the units of
+every cluster (the last half of each unit group) of a meta copy, lets the shrink update its config as it always
+does, builds the model's class from that config on the meta device and compares the shapes: a declaration whose
+members come out with other shapes is one the stock config cannot express. ``clusters="auto"`` leaves those out, and
+says so (:func:`stock_expressible`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
+from lightning_pat.shrink import verify
+from lightning_pat.shrink.plan import build_plan
+from lightning_pat.shrink.surgery import apply_plan
+
+log = logging.getLogger(__name__)
+
+
+def _half(rc: ResolvedCluster) -> list[int]:
+    """The last half of each of the cluster's unit groups (none where a group has a single unit)."""
+    groups = max(1, rc.unit_groups)
+    per = rc.num_units // groups
+    return [g * per + u for g in range(groups) for u in range(per - per // 2, per)] if per >= 2 else []
+
+
+def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, str]:
+    """Declaration name -> why the stock config of ``model`` cannot express its cut.
+
+    Empty if it can express every cut, or if ``model`` is not a Hugging Face model (no ``config.to_dict`` or
+    ``save_pretrained``).
+
+    Args:
+        model: The model, before anything is pruned.
+        clusters: The declarations (each resolved against ``model``).
+    """
+    config = getattr(model, "config", None)
+    hf = callable(getattr(config, "to_dict", None)) and callable(getattr(model, "save_pretrained", None))
+    if not clusters or not hf:
+        return {}
+    owners: dict[str, str] = {}
+    resolved: list[ResolvedCluster] = []
+    for decl in clusters:
+        for rc in resolve_clusters(model, [decl]):
+            resolved.append(rc)
+            for m in rc.members:
+                owners.setdefault(m.name, decl.name)
+    try:
+        twin = verify.meta_copy(model)
+        apply_plan(twin, build_plan(resolved, {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+        with torch.device("meta"):
+            stock = type(model)(twin.config)
+        want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
+    except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
+        if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
+            return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}
+        reason = f"the probe of its stock config failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+        return dict.fromkeys((c.name for c in clusters), reason)
+    refused: dict[str, str] = {}
+    for name, p in twin.named_parameters(remove_duplicate=False):
+        if want.get(name) == tuple(p.shape):
+            continue
+        built = list(want.get(name, ()))
+        why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"
+        # a parameter in no cluster that the new config resizes (one MLP width for two stacks of layers, one of
+        # them cut): the clusters holding the same kind of parameter changed the config field
+        suffix = "." + ".".join(name.split(".")[-3:])
+        culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
+        for decl in culprits:
+            refused.setdefault(decl, why)
+    return refused
+
+
+def stock_expressible(model: nn.Module, clusters: list[Cluster]) -> list[Cluster]:
+    """``clusters`` without those :func:`stock_refusals` names; a warning lists what was left out and why.
+
+    Raises:
+        ValueError: If the stock config can express none of them.
+    """
+    refused = stock_refusals(model, clusters)
+    if not refused:
+        return clusters
+    kept = [c for c in clusters if c.name not in refused]
+    reasons = "; ".join(f"{n}: {why}" for n, why in list(refused.items())[:4])
+    if not kept:
+        raise ValueError(
+            f"clusters='auto': the stock config of {type(model).__name__} can express none of the cuts found "
+            f"({len(clusters)} clusters; {reasons}), so stock from_pretrained could not load a pruned model. Declare "
+            "the clusters by hand and export with lightning_pat.save_pretrained / load_pretrained."
+        )
+    log.warning(
+        "clusters='auto': %d of %d clusters of %s are not cut, because its stock config cannot express them (stock "
+        "from_pretrained could not load the result): %s. Declare them by hand and export with "
+        "lightning_pat.save_pretrained / load_pretrained to cut them anyway.",
+        len(refused), len(clusters), type(model).__name__, reasons,
+    )  # fmt: skip
+    return kept

@@ -1,0 +1,153 @@
+"""Transformers' causal-LM classes as tiny random models, for ``bench/bench_lmzoo.py`` and the family tests (offline).
+
+:func:`tiny_config` shrinks a family's default config to hidden 64, 2 layers, 4 heads of 16 (2 KV heads where the
+family has GQA), a small MLP and vocabulary; :func:`build` makes the model (eager attention, every parameter jittered
+so that norms and biases matter); :func:`chain` runs what a new user runs: ``prune_clusters(model, "auto", 0.5,
+calibration=...)``, ``shrink``, the logits against the masked model's, ``save_pretrained``, stock
+``AutoModelForCausalLM.from_pretrained`` and ``generate()``. This is a test and benchmark helper, never library code.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+KV = 2
+HEAD_DIM = 16
+FF = 128
+EXACT = 1e-4
+
+#: config attribute -> its tiny value (set only where the family's config has the attribute and it is not None,
+#: except those in _ALWAYS).
+_SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), HEADS),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), FF),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 64),
+    "head_dim": HEAD_DIM,
+    "rotary_dim": 8,
+    "vocab_size": VOCAB,
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "num_experts_per_tok": 2,
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+}
+#: Token ids the tiny vocabulary must hold.
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The family's default config at the tiny sizes (``overrides`` win); eager attention."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    fields = default.to_dict()  # not properties derived from them (Falcon's head_dim)
+    kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if fields.get(k) is not None}
+    kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
+    if getattr(default, "n_inner", 0) is None:
+        kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists
+    return config
+
+
+def build(model_type: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny random causal LM of ``model_type`` (eval mode, every parameter jittered)."""
+    import transformers as T
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+    return model.eval()
+
+
+def token_ids(batch: int = 2, seq: int = 10, *, seed: int = 1) -> torch.Tensor:
+    """Random token ids ``(batch, seq)`` above the special tokens."""
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def non_embedding_params(model: nn.Module) -> int:
+    """Parameters outside embeddings and the LM head (a tied tensor once)."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
+        skip.add(id(head.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@dataclass
+class Outcome:
+    """What :func:`chain` reached: each stage's result, or the error that stopped it (``stage``: where)."""
+
+    resolves: bool = False
+    exact: float | None = None
+    cut: float | None = None
+    reload: float | None = None
+    generates: bool = False
+    stage: str = ""
+    error: str = ""
+    clusters: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every stage passed: exact shrink, >= 20% cut, stock reload with the same logits, generate()."""
+        good = self.exact is not None and self.exact < EXACT and self.reload is not None and self.reload < EXACT
+        return good and self.cut is not None and self.cut >= 0.2 and self.generates
+
+
+def chain(model: nn.Module, *, sparsity: float = 0.5) -> Outcome:
+    """Prune ``model`` with ``"auto"`` one-shot, shrink, compare, export, reload with stock transformers, generate."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pat import prune_clusters, save_pretrained, shrink
+
+    out = Outcome()
+    ids = token_ids()
+    calibration = [token_ids(seed=s) for s in (2, 3)]
+    dense = non_embedding_params(model)
+    try:
+        out.stage = "prune"
+        result = prune_clusters(model, "auto", sparsity, calibration=calibration)
+        out.resolves = True
+        out.clusters = sorted({name.split(".")[0] for name in result.dropped})
+        masked = _logits(model, ids)
+        out.stage = "shrink"
+        small = shrink(model, result, example_input=None)
+        out.exact = _rel(_logits(small, ids), masked)
+        out.cut = 1 - non_embedding_params(small) / dense
+        out.stage = "reload"
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(small, tmp, overwrite=True, tokenizer=None)
+            stock = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+            out.reload = _rel(_logits(stock, ids), masked)
+            out.stage = "generate"
+            with torch.no_grad():
+                stock.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+            out.generates = True
+        out.stage = ""
+    except Exception as err:  # noqa: BLE001 - the bench records every failure with its reason
+        out.error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+    return out
