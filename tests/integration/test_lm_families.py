@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tests.common import lm_zoo
 
@@ -90,3 +91,29 @@ def test_gpt2_one_shot_calibration_falls_back_to_the_weight_score_loudly(caplog)
     assert auto.dropped == rms.dropped
     with pytest.raises(ValueError, match="nn.Linear"):  # asked for explicitly: still refused
         prune_clusters(lm_zoo.build("gpt2"), "gpt2", 0.5, score="activation", calibration=[lm_zoo.token_ids()])
+
+
+def test_gpt_neox_with_heads_cut_exports_in_our_format_and_load_pretrained_reads_it(tmp_path):
+    """Issue 37 cause 2: GPT-NeoX's head size is hidden // heads, so a head cut needs our own format; its tensors keep
+    the module names (``embed_out``), which ``load_pretrained`` reads back exactly."""
+    import transformers
+
+    import lightning_pat as lp
+
+    config = transformers.GPTNeoXConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    found = lp.discover(model, x)
+    assert any(c.name.endswith("attention.query_key_value") for c in found.clusters)
+    res = lp.prune_clusters(model, found, 0.5, score="rms")
+    with torch.no_grad():
+        masked = model(x).logits
+    small = lp.shrink(model, res)
+    lp.save_pretrained(small, tmp_path / "out")
+    again = lp.load_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, masked, atol=1e-5, rtol=1e-4)
+    assert again.gpt_neox.layers[0].attention.dense.in_features == 32
