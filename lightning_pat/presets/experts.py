@@ -33,6 +33,7 @@ from lightning_pat.presets.transformers import (
     QUERY_HEADS_DEFAULT,
     Layout,
     build,
+    check_flags,
     find_backbone,
     llama_like,
     param_names,
@@ -119,6 +120,9 @@ def moe(
         ValueError: If nothing is selected, the model has no or several such backbones, or as for
             :func:`~lightning_pat.presets.transformers.llama`.
     """
+    check_flags(
+        "moe", mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads, experts=experts
+    )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
     backbone = find_backbone(MOE_LAYOUT, names)
     prefix = backbone[0] if backbone is not None else ""

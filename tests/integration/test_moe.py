@@ -344,3 +344,10 @@ def test_per_layer_expert_counts_export_in_our_format_and_reload_exactly(tmp_pat
     assert [again.model.layers[i].mlp.experts.gate_up_proj.shape[0] for i in range(2)] == [3, 2]
     with torch.no_grad():
         assert rel(again(x).logits, masked) < 1e-4
+
+
+@pytest.mark.parametrize("option", ["experts", "mlp", "query_heads"])
+def test_the_moe_preset_refuses_options_that_are_not_bools(option):
+    """Audit 2026-12b C7 for ``presets.moe``: ``experts="no"`` is truthy and was never checked."""
+    with pytest.raises(ValueError, match=rf"presets.moe: `{option}` must be a bool \(True or False\), got 'no'"):
+        lp.presets.moe(tiny("mixtral"), **{option: "no"})
