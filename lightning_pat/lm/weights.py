@@ -104,9 +104,15 @@ def load_weights(model: nn.Module, directory: str | Path, *, device: torch.devic
     missing = sorted(set(params) - set(files))
     if missing:
         raise ValueError(f"{what}: the checkpoint in {directory} has no tensors {missing[:5]} for this model.")
+    handles: dict[Path, Any] = {}  # each file opened once (memory-mapped), for the headers and then the tensors
+
+    def handle(name: str) -> Any:
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(str(files[name]), framework="pt", device="cpu")
+        return handles[files[name]]
+
     for name, param in params.items():  # every shape, from the headers, before anything is allocated
-        with safe_open(str(files[name]), framework="pt", device="cpu") as file:
-            shape = tuple(file.get_slice(name).get_shape())
+        shape = tuple(handle(name).get_slice(name).get_shape())
         if shape != tuple(param.shape):
             raise ValueError(
                 f"{what}: {name} is {shape} in {files[name].name}, but the model built from config.json expects "
@@ -124,12 +130,7 @@ def load_weights(model: nn.Module, directory: str | Path, *, device: torch.devic
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-        handles: dict[Path, Any] = {}
-        try:
-            for name, param in params.items():
-                if files[name] not in handles:
-                    handles[files[name]] = safe_open(str(files[name]), framework="pt", device="cpu")
-                full = handles[files[name]].get_tensor(name)
-                write_back_(param, full.to(param.dtype))  # a DTensor keeps this rank's slice only, no collective
-        finally:
-            handles.clear()
+        for name, param in params.items():
+            full = handle(name).get_tensor(name)
+            write_back_(param, full.to(param.dtype))  # a DTensor keeps this rank's slice only, no collective
+    handles.clear()
