@@ -5,7 +5,7 @@
 
 Times the per-channel sum of squares of one (local) weight, the only part of scoring whose cost grows with the
 weight: ``float32`` is the former ``torch.linalg.vector_norm(w, dim, dtype=float32).square()``; ``float64`` is
-:func:`lightning_pat.core.scoring.channel_sq_sums` as shipped (each element converted to float64, squared and summed, in
+:func:`lightning_pat.core.norms.channel_sq_sums` as shipped (each element converted to float64, squared and summed, in
 chunks of at most 2^22 elements). Variants interleaved, median of ``--repeats`` calls, best of 3 rounds. Also prints
 the extra temporary memory (the float64 chunk) and the whole-model ratio for the sharded pruning step's scoring.
 """
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pat.core.scoring import _CHUNK_ELEMS, channel_sq_sums  # noqa: E402
+from lightning_pat.core.norms import _CHUNK_ELEMS, channel_sq_sums  # noqa: E402
 
 SHAPES = [((4096, 1024), 0), ((1024, 4096), 1), ((4096, 1024), 1), ((1024, 1024), 0)]  # (shape, channel dim)
 

@@ -32,7 +32,7 @@ ours, through the public API only:
   (``target_widths="ranked"``); ``act_q``: MLP channels and query heads inside the GQA groups
   (``presets.llama(query_heads=True)``: every group keeps the same number, k/v untouched).
 * ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``, ``act_q_refit``, ``act_q_ranked_refit``): the same
-  cut, then ``lightning_pat.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
+  cut, then ``lightning_pat.pruning.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
   calibration data, so that each layer's output matches the dense one (no training).
 * ``act_mlp_bias``: ``act_mlp``'s cut with FLAP-style mean compensation instead of the refit (bench-side: a bias
   ``W[:, D] E[x_D]`` on each ``down_proj``, evaluated in memory; a stock Llama has no such bias).
@@ -342,7 +342,7 @@ def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ran
     stats = calibrate(model, decls, batches, forward=lm_forward)
     grams = None
     if refit:
-        from lightning_pat.repair import calibrate_readers
+        from lightning_pat.pruning.repair import calibrate_readers
 
         grams = calibrate_readers(model, decls, batches, forward=lm_forward)
     result = prune_clusters(
@@ -350,7 +350,7 @@ def ours_oneshot(model: nn.Module, setup: Setup, size: float, *, kinds: str, ran
         target_widths="ranked" if ranked else "uniform",
     )  # fmt: skip
     if refit:
-        from lightning_pat.repair import refit_readers
+        from lightning_pat.pruning.repair import refit_readers
 
         refit_readers(model, result, grams)
     shrink(model, result)
@@ -402,7 +402,7 @@ def flap_bias(model: nn.Module, setup: Setup, size: float) -> dict:
 def ours_mix(model: nn.Module, setup: Setup, size: float) -> dict:
     """MLP channels and whole layers together (``layers=True``), activation + layer cosines, readers refit."""
     from lightning_pat import presets, prune_clusters, shrink
-    from lightning_pat.repair import calibrate_readers, refit_readers
+    from lightning_pat.pruning.repair import calibrate_readers, refit_readers
     from lightning_pat.scoring.activation import calibrate
     from lightning_pat.scoring.layers import calibrate_layers
 

@@ -7,15 +7,18 @@ from lightning_pat.__about__ import __version__
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.discovery import discover
+from lightning_pat.export import load_pretrained, save_pretrained
 from lightning_pat.pruning.allocation import SizedClusters, size_clusters
 from lightning_pat.pruning.api import prune_clusters
 from lightning_pat.pruning.pruner import Pruner, PruneResult
-from lightning_pat.shrink import shrink
-from lightning_pat.shrink.export import load_pretrained, save_pretrained
 
 if TYPE_CHECKING:
+    from lightning_pat.shrink.entry import shrink
     from lightning_pat.training.callback import CoupledPruningCallback
     from lightning_pat.training.recipes import OneShotPruningCallback
+else:
+    # the package itself, callable as shrink(model, source): the public name hides none of its modules
+    from lightning_pat import shrink
 
 __all__ = [
     "Cluster",

@@ -231,7 +231,7 @@ def shrink_checkpoint(
         submodule: Attribute path of the module to export (default: see above).
         overwrite: Replace an earlier export in ``output`` (a non-empty ``output`` is refused otherwise).
         tokenizer: ``"auto"`` (see above), ``None``, a tokenizer object or a directory holding tokenizer files.
-        format: As for :func:`~lightning_pat.shrink.export.save_pretrained`: ``"hf"``, ``"decilm"``, ``"gguf"`` or
+        format: As for :func:`~lightning_pat.export.pretrained.save_pretrained`: ``"hf"``, ``"decilm"``, ``"gguf"`` or
             a list (``["decilm", "gguf"]``).
         gguf_dtype: The GGUF tensor type (``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``, ...).
 
@@ -247,7 +247,7 @@ def shrink_checkpoint(
             written, as by ``save_pretrained``).
     """
     from lightning_pat import shrink
-    from lightning_pat.shrink.export import check_directory, check_format, save_pretrained
+    from lightning_pat.export.pretrained import check_directory, check_format, save_pretrained
 
     check_directory(output, overwrite=overwrite, option="overwrite=True (lightning-pat shrink: --overwrite)")
     check_format(format, gguf_dtype=gguf_dtype)

@@ -17,7 +17,7 @@ multiplied by zero columns; every kept head computes on exactly its own channels
 the head axis. Shrinking removes the head from every member; the shrink updates the head counts of Llama-style
 (``q/k/v/o_proj`` with ``head_dim``, transformers' ViT too) and GPT-2 attention modules, and replaces
 ``nn.MultiheadAttention``, torchvision's Swin V1/V2 window attention and MaxViT's attention by modules of its own
-(:mod:`lightning_pat.shrink.attention_modules`, which discovery traces in their place). A per-head parameter such a
+(:mod:`lightning_pat.heads.replace`, which discovery traces in their place). A per-head parameter such a
 module uses directly (Swin V2's logit scale ``[heads, 1, 1]``, multiplied into the logits) is declared by the module
 and enters the walk as a member of a space of its own (:attr:`~lightning_pat.discovery.trace.Trace.per_head`), which
 the product with the logits joins with their head axis. A custom forward that hard-codes the head count

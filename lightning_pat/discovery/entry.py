@@ -38,7 +38,7 @@ from lightning_pat.discovery import trial as trials
 from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import trace
 from lightning_pat.discovery.walk import Walk
-from lightning_pat.shrink.attention_modules import mha_refusal
+from lightning_pat.heads import mha_refusal
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Trace a model into an ATen graph for :mod:`lightning_pat.discovery.entry` (``torch.export``, on the meta device).
 
 Supported ``nn.MultiheadAttention``, torchvision Swin V1/V2 window attention and MaxViT attention modules are traced as
-the modules the shrink puts in their place (:mod:`lightning_pat.shrink.attention_modules`: the same parameters, the
+the modules the shrink puts in their place (:mod:`lightning_pat.heads.replace`: the same parameters, the
 head count and head dim explicit), so the walk sees their heads; the per-head parameters such a module uses directly
 in its forward (Swin V2's ``logit_scale``) are listed in :attr:`Trace.per_head`, so the walk makes them members of the
 heads.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pat.core.forwards import map_tensors, tensors_of
-from lightning_pat.shrink.attention_modules import HeadsMultiheadAttention, WindowAttentionV2, replace_attention
+from lightning_pat.heads import HeadsMultiheadAttention, WindowAttentionV2, replace_attention
 
 #: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
 _FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
@@ -40,7 +40,7 @@ class Trace:
         buffers: Placeholder name -> buffer name.
         constants: Placeholder names of lifted tensor constants.
         refused: Module name -> why, for each ``nn.MultiheadAttention`` called in a way whose heads cannot be cut
-            (cross-attention, masks: :meth:`~lightning_pat.shrink.attention_modules.HeadsMultiheadAttention.forward`).
+            (cross-attention, masks: :meth:`~lightning_pat.heads.replace.HeadsMultiheadAttention.forward`).
         per_head: Parameter name -> its head axis, for each per-head parameter an attention module of ours uses
             directly in its forward (``WindowAttentionV2.per_head_parameters``).
     """

@@ -326,8 +326,8 @@ class TextFiles(pl.LightningDataModule):
                     "LightningModule with a `tokenizer` attribute (lightning_pat.lm.CausalLM)."
                 )
         if isinstance(tok, (str, Path)):
+            from lightning_pat.export.hf_loader import load_tokenizer
             from lightning_pat.lm.module import check_pretrained, resolve_pretrained
-            from lightning_pat.shrink.hf_loader import load_tokenizer
 
             check_pretrained(str(tok), option="TextFiles: `tokenizer`")  # before the Hub's "Repo id must be ..."
             tok = load_tokenizer(resolve_pretrained(str(tok)), what="TextFiles(tokenizer=...)")

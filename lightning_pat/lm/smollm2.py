@@ -102,7 +102,7 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_pat.shrink.hf_loader import load_causal_lm, load_tokenizer
+    from lightning_pat.export.hf_loader import load_causal_lm, load_tokenizer
 
     log.info("smollm2_dir: converting %s to an fp32 Hugging Face directory at %s", gguf, directory)
     quantized = load_causal_lm(gguf.parent, what="smollm2_dir", gguf_file=gguf.name, dtype=torch.float32)

@@ -43,8 +43,8 @@ The package: ``registry`` (the presets by name, :func:`register`, family detecti
 Its names are used as ``presets.<name>`` (``from lightning_pat import presets``).
 """
 
+from lightning_pat.presets.chains import linear_chain
 from lightning_pat.presets.experts import moe
-from lightning_pat.presets.linear_chain import linear_chain
 from lightning_pat.presets.registry import (
     OPTIONS,
     PRESETS,

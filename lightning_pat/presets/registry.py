@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 
 from lightning_pat.core.spec import Cluster, as_cluster
+from lightning_pat.presets.chains import linear_chain, linear_pairs
 from lightning_pat.presets.experts import moe
-from lightning_pat.presets.linear_chain import linear_chain, linear_pairs
 from lightning_pat.presets.transformers import (
     HOW_TO,
     LAYOUTS,

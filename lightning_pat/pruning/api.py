@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_pat.core.layers import is_layer_cluster
-from lightning_pat.core.scoring import WEIGHT_SCORES, ScoreType, normalise
+from lightning_pat.core.norms import WEIGHT_SCORES, ScoreType, normalise
 from lightning_pat.core.spec import Cluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import ExecutorKind

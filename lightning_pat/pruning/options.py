@@ -22,8 +22,8 @@ import torch
 
 from lightning_pat import presets
 from lightning_pat.core.checks import check_bool, check_choice, check_number
+from lightning_pat.core.norms import SCORE_TYPES
 from lightning_pat.core.schedule import RampShape, Schedule
-from lightning_pat.core.scoring import SCORE_TYPES
 from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.comm.ranks import rank_zero_warn
 from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
@@ -49,7 +49,7 @@ RESUMABLE: tuple[str, ...] = (
 MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
-#: The callback's scores: a score of :data:`~lightning_pat.core.scoring.SCORE_TYPES`, or ``"auto"`` (the default).
+#: The callback's scores: a score of :data:`~lightning_pat.core.norms.SCORE_TYPES`, or ``"auto"`` (the default).
 TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
 TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
 #: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pat.core.scoring import ScoreType
+from lightning_pat.core.norms import ScoreType
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor

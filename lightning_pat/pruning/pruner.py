@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from lightning_pat.core.checks import check_choice
 from lightning_pat.core.layers import is_layer_cluster
+from lightning_pat.core.norms import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.routing import route_around_dropped
-from lightning_pat.core.scoring import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.selection import (
     bottom_k,
     bottom_k_balanced,

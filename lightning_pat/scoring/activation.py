@@ -44,8 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.layers import is_layer_cluster
+from lightning_pat.core.norms import channel_sq_sums
 from lightning_pat.core.pruning_warning import PruningWarning
-from lightning_pat.core.scoring import channel_sq_sums
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
 from lightning_pat.core.units import unit_of_channels
 from lightning_pat.parallel import placement

@@ -6,8 +6,9 @@
 :attr:`~TrainingForwardHooks.in_batch`. Under activation checkpointing each batch still counts once: a forward
 recomputed during the backward is skipped when its first pass was counted (non-reentrant checkpoint) and counted
 when that pass ran under ``no_grad`` (reentrant checkpoint).
-Used by :mod:`lightning_pat.scoring.activation` (reader inputs), :mod:`lightning_pat.scoring.layers` (layer cosines)
-and :mod:`lightning_pat.repair` (the readers' Gram matrices); :func:`run_batches` runs their calibration batches.
+Used by :mod:`lightning_pat.scoring.activation` (reader inputs), :mod:`lightning_pat.scoring.layers` (layer
+cosines) and :mod:`lightning_pat.pruning.repair` (the readers' Gram matrices); :func:`run_batches` runs their
+calibration batches.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Attention modules (``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``) are checked to lose whole heads /
 whole query groups; ``nn.MultiheadAttention``, torchvision's Swin V1 and V2 window attention and MaxViT's attention
 are checked the same way, every per-head part included (the surgery then replaces them by modules of
-:mod:`lightning_pat.shrink.attention_modules`). Called by :func:`lightning_pat.shrink.edits.validate` before anything
+:mod:`lightning_pat.heads.replace`). Called by :func:`lightning_pat.shrink.edits.validate` before anything
 changes; nothing here changes a module.
 """
 

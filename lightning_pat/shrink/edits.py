@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.heads import mha_refusal
 from lightning_pat.shrink.attention_checks import check_attention
-from lightning_pat.shrink.attention_modules import mha_refusal
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.experts import EXPERT_DIMS, check_experts
 from lightning_pat.shrink.model_meta import module_kind

@@ -11,7 +11,7 @@ Two layers, both usable on their own (both re-exported by :mod:`lightning_pat.sh
   (``weight * x / rms(x)`` with ``variance_epsilon``). Attention modules (``q/k/v/o_proj`` with ``head_dim``;
   GPT-2's packed ``c_attn``) are checked to lose whole heads / whole query groups and get their head counts
   updated (``nn.MultiheadAttention`` and torchvision's Swin window attention are replaced by modules of
-  :mod:`lightning_pat.shrink.attention_modules` holding the same parameters); MLP modules get ``intermediate_size``;
+  :mod:`lightning_pat.heads.replace` holding the same parameters); MLP modules get ``intermediate_size``;
   ``model.config`` gets the new sizes where uniform. Everything is validated before the first tensor changes; the
   optimizer state can be sliced in the same pass (:func:`slice_optimizer_state`).
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_pat.shrink.attention_modules import (
+from lightning_pat.heads import (
     HeadsMultiheadAttention,
     is_maxvit_attention,
     is_swin_attention,
@@ -275,7 +275,7 @@ def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tupl
     found = []
     for module in model.modules():
         if any(f(module) for f in _OWN_RULES):
-            continue  # Swin and MaxViT attention: replaced by the shrink (lightning_pat.shrink.attention_modules)
+            continue  # Swin and MaxViT attention: replaced by the shrink (lightning_pat.heads.replace)
         if not any(_int_attr(module, a) for a in HEAD_COUNTS):
             continue
         proj = next(

@@ -7,7 +7,7 @@ then rewrites: every owner gets its parameters' new data and its metadata (``nn.
 ``nx/nf``, embedding width, norm shapes, a BatchNorm's running statistics, the convolutions of
 :mod:`lightning_pat.shrink.surgery_conv`); attention modules get their head counts updated, and
 ``nn.MultiheadAttention``, torchvision's Swin V1 and V2 window attention and MaxViT's attention are replaced by modules
-of :mod:`lightning_pat.shrink.attention_modules` holding the same parameters (their stock forwards cannot run with fewer
+of :mod:`lightning_pat.heads.replace` holding the same parameters (their stock forwards cannot run with fewer
 heads); MLP modules get ``intermediate_size``; ``model.config`` gets the new sizes where uniform. The optimizer state
 is sliced in the same pass (:func:`~lightning_pat.shrink.optimizer_state.slice_optimizer_state`). See
 :mod:`lightning_pat.shrink` for the norms over a shrunk residual.
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.pruning_warning import PruningWarning
+from lightning_pat.heads import replace_attention
 from lightning_pat.shrink import hf_entry
-from lightning_pat.shrink.attention_modules import replace_attention
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.edits import check_dropped_zeros, validate
 from lightning_pat.shrink.experts import EXPERT_KINDS, rewrite_experts, update_blocks
@@ -46,7 +46,7 @@ from lightning_pat.shrink.surgery_conv import CONV_KINDS, rewrite_conv
 
 log = logging.getLogger(__name__)
 
-#: Module kinds whose heads are cut by putting a module of :mod:`lightning_pat.shrink.attention_modules` in place.
+#: Module kinds whose heads are cut by putting a module of :mod:`lightning_pat.heads.replace` in place.
 REPLACED_KINDS = ("mha", "window_attention", "window_attention_v2", "maxvit_attention")
 
 

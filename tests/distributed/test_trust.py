@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_pat import prune_clusters
-from lightning_pat.core.scoring import channel_sq_sums
+from lightning_pat.core.norms import channel_sq_sums
 from tests.common.cases import make_module
 from tests.common.dist import run_distributed
 from tests.distributed.workers import trust as T

@@ -44,7 +44,7 @@ def test_cuda_refit_matches_cpu():
     from torch import nn
 
     from lightning_pat import Cluster
-    from lightning_pat.repair import calibrate_readers, refit_readers
+    from lightning_pat.pruning.repair import calibrate_readers, refit_readers
 
     torch.manual_seed(0)
     cpu = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))

@@ -93,7 +93,7 @@ def test_a_model_folder_whose_auto_map_is_an_extra_loads_with_the_built_in_class
     """Many hub checkpoints of families transformers ships carry an ``auto_map``: those load, without the code."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_pat.shrink.hf_loader import load_causal_lm
+    from lightning_pat.export.hf_loader import load_causal_lm
 
     model = LlamaForCausalLM(
         LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)

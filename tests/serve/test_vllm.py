@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pat import presets, prune_clusters, shrink
-from lightning_pat.shrink.export import load_pretrained, save_pretrained
+from lightning_pat.export.pretrained import load_pretrained, save_pretrained
 from tests.common import serve_models
 
 ROOT = Path(__file__).resolve().parents[2]

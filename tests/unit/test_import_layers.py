@@ -3,8 +3,9 @@
 Every module belongs to exactly one floor (a module that none claims fails the test), and imports only from the
 floors listed for its own:
 
-* ``core`` (spec/, schedule, units, scoring, selection, masking, and the file helpers of safe_io): the standard library
+* ``core`` (spec/, schedule, units, norms, selection, masking, and the file helpers of safe_io): the standard library
   and torch (not torch.distributed);
+* ``heads`` (attention modules with explicit heads, used by discovery and the shrink): torch only;
 * ``parallel`` (comm, placement, fsdp1, teacher, executors): adds core; ``torch.distributed`` is imported only by
   the modules of parallel/comm/ and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
@@ -12,14 +13,15 @@ floors listed for its own:
 * ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
   core and parallel (the executors' evidence protocol, rank-ordered sums);
 * ``pruning`` (the ``pruning`` package: options, declarations, plan, pruner, the one-shot API, allocation; presets/;
-  repair; discovery: clusters found by tracing): adds parallel, sizing, scoring, and shrink (discovery returns only
+  discovery: clusters found by tracing): adds heads, parallel, sizing, scoring, and shrink (discovery returns only
   clusters the shrink can rewrite, checked by the shrink's own validation and a trial shrink);
-* ``shrink`` (entry, plan, edits, surgery, model_meta, hf_entry, module_tree, export, the serving formats): core and
-  itself; export.py adds transformers and safetensors, gguf.py the gguf package, decilm_config.py (the config class
-  a DeciLM export carries) transformers;
+* ``shrink`` (the cut: entry, plan, edits, surgery, model_meta, hf_entry): core, heads and itself;
+* ``export`` (pretrained, checks, module_tree, tokenizer_files, hf_loader, the serving formats): adds the shrink;
+  pretrained.py adds transformers and safetensors, hf_loader.py transformers, gguf.py the gguf package,
+  decilm_config.py (the config class a DeciLM export carries) transformers;
 * ``training`` (the options' users: controller, collectors, state, latent, metrics, distill, teacher_file, views,
   environment, callback, recipes, trainer_facts):
-  adds scoring, pruning and shrink; ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
+  adds scoring, pruning and shrink (not export); ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
   training/callback.py, training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the
   callback reads from a Trainer);
 * ``cli``, ``demo`` and ``lm`` (pretrained LMs: where a real checkpoint comes from, its Lightning modules; the
@@ -45,35 +47,40 @@ PKG = "lightning_pat"
 #: floor -> the modules (dotted, under lightning_pat.) or packages (ending in ".") it holds
 FLOORS: dict[str, tuple[str, ...]] = {
     "core": ("core.",),
+    "heads": ("heads.",),
     "parallel": ("parallel.",),
     "sizing": ("sizing.",),
     "scoring": ("scoring.",),
     "pruning": (
         "pruning.",
         "presets.",
-        "repair",
         "discovery.",
     ),  # fmt: skip
     "shrink": ("shrink.",),
+    "export": ("export.",),
     "training": ("training.",),
     "cli": ("cli.",),
     "demo": ("demo.",),
     "lm": ("lm.",),
     "face": ("", "__about__"),
 }
+_ALL_BELOW_CLI = {"core", "heads", "parallel", "sizing", "scoring", "pruning", "shrink", "export", "training"}
 #: floor -> the floors it may import from
 MAY_IMPORT: dict[str, set[str]] = {
     "core": {"core"},
+    "heads": {"heads"},
     "parallel": {"core", "parallel"},
     "sizing": {"core", "sizing"},
     "scoring": {"core", "parallel", "scoring"},
-    "pruning": {"core", "parallel", "sizing", "scoring", "pruning", "shrink"},  # discovery checks with the shrink
-    "shrink": {"core", "shrink"},
-    "training": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training"},
-    "cli": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "cli", "face"},
-    "demo": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "demo", "face"},
-    "lm": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "lm", "face"},
-    "face": {"core", "parallel", "sizing", "scoring", "pruning", "shrink", "training", "face"},
+    # discovery checks with the shrink and traces with heads
+    "pruning": {"core", "heads", "parallel", "sizing", "scoring", "pruning", "shrink"},
+    "shrink": {"core", "heads", "shrink"},
+    "export": {"core", "heads", "shrink", "export"},
+    "training": {"core", "heads", "parallel", "sizing", "scoring", "pruning", "shrink", "training"},
+    "cli": _ALL_BELOW_CLI | {"cli", "face"},
+    "demo": _ALL_BELOW_CLI | {"demo", "face"},
+    "lm": _ALL_BELOW_CLI | {"lm", "face"},
+    "face": _ALL_BELOW_CLI | {"face"},
 }
 #: the package whose modules may import torch.distributed and call collectives (one job per module)
 COMM = f"{PKG}.parallel.comm"
@@ -84,14 +91,15 @@ LIGHTNING_OK_FLOORS = {"cli", "demo", "lm"}
 LIGHTNING_OK = {f"{PKG}.training.callback", f"{PKG}.training.recipes", f"{PKG}.training.trainer_facts"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
 TORCHMETRICS_OK = {f"{PKG}.training.metrics"}
-EXPORT = f"{PKG}.shrink.export"
-#: shrink modules that may import a third-party package besides torch (the serving formats import theirs lazily)
-SHRINK_THIRD_PARTY = {
-    EXPORT: ("transformers", "safetensors"),
-    f"{PKG}.shrink.gguf": ("gguf",),
-    f"{PKG}.shrink.decilm_config": ("transformers",),
-    f"{PKG}.shrink.hf_loader": ("transformers",),
+#: modules of the torch-only floors that may import a third-party package besides torch (imported lazily)
+THIRD_PARTY_OK = {
+    f"{PKG}.export.pretrained": ("transformers", "safetensors"),
+    f"{PKG}.export.gguf": ("gguf",),
+    f"{PKG}.export.decilm_config": ("transformers",),
+    f"{PKG}.export.hf_loader": ("transformers",),
 }
+#: the floors whose modules import only the standard library and torch (but THIRD_PARTY_OK)
+TORCH_ONLY_FLOORS = ("core", "heads", "shrink", "export")
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 PG_COLLECTIVES = ("allgather", "allreduce", "alltoall", "reduce_scatter_tensor_coalesced")
 
@@ -248,8 +256,8 @@ def violations(rel: str, source: str, known: set[str] | None = None) -> list[str
             if len(alias) == 1:
                 errors.append(f"{where} as {alias}: no one-letter module aliases")
             continue
-        if floor in ("core", "shrink") and not (_is_stdlib(name) or top == "torch"):
-            ok_export = top in SHRINK_THIRD_PARTY.get(mod, ())
+        if floor in TORCH_ONLY_FLOORS and not (_is_stdlib(name) or top == "torch"):
+            ok_export = top in THIRD_PARTY_OK.get(mod, ())
             if not ok_export:
                 errors.append(f"{where}: the {floor} floor imports only the stdlib and torch")
         dtensor_types = mod in DTENSOR_TYPES_OK and name.startswith(DTENSOR_TYPE_MODULES)
@@ -307,8 +315,8 @@ KNOWN = {
     ("rel", "source", "needle"),
     [
         ("core/spec/patterns.py", "import numpy\n", "imports only the stdlib and torch"),
-        ("core/scoring.py", "from lightning_pat.parallel.comm import reduce\n", "the core floor imports only"),
-        ("core/scoring.py", "from .. import pruning\n", "the core floor imports only"),
+        ("core/norms.py", "from lightning_pat.parallel.comm import reduce\n", "the core floor imports only"),
+        ("core/norms.py", "from .. import pruning\n", "the core floor imports only"),
         ("core/checks.py", "from lightning_pat.pruning.options import METHODS\n", "the core floor imports only"),
         ("pruning/options.py", "from lightning_pat.training.environment import X\n", "the pruning floor imports only"),
         ("sizing/targets.py", "from lightning_pat.pruning.plan import Plan\n", "the sizing floor imports only"),
@@ -334,7 +342,7 @@ KNOWN = {
         ("shrink/surgery.py", "from lightning_pat.parallel.comm import dtensor\n", "the shrink floor imports only"),
         ("shrink/entry.py", "import lightning.pytorch as pl\n", "lightning is imported only"),
         ("shrink/entry.py", "import transformers\n", "imports only the stdlib and torch"),
-        ("shrink/export.py", "import lightning\n", "lightning is imported only"),
+        ("export/pretrained.py", "import lightning\n", "lightning is imported only"),
         ("cli/app.py", "from lightning_pat.demo import TinyGPT\n", "the cli floor imports only"),
         ("discovery/entry.py", "from lightning_pat.training import controller\n", "the pruning floor imports only"),
         ("discovery/trace.py", "import lightning\n", "lightning is imported only"),
@@ -369,7 +377,7 @@ def test_checkers_detect_violations(rel, source, needle):
     [
         (
             "core/spec/resolve.py",
-            "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.scoring import x\n",
+            "import re\nimport torch\nfrom torch import nn\nfrom lightning_pat.core.norms import x\n",
         ),
         ("core/masking.py", "from .scoring import unit_of_channels\nfrom .spec import Member\n"),
         ("parallel/comm/reduce.py", "import torch.distributed as dist\ndist.all_gather(a, b)\ndist.barrier()\n"),
@@ -390,7 +398,7 @@ def test_checkers_detect_violations(rel, source, needle):
         ("training/controller.py", "from lightning_pat.scoring.taylor import TaylorScores\n"),
         ("training/metrics.py", "from torchmetrics import Metric\n"),
         ("shrink/entry.py", "import math\nimport torch\nfrom lightning_pat.core.spec import ResolvedCluster\n"),
-        ("shrink/export.py", "from lightning_pat.shrink import entry\ndef f():\n    import transformers\n"),
+        ("export/pretrained.py", "from lightning_pat.shrink import entry\ndef f():\n    import transformers\n"),
         ("discovery/entry.py", "from lightning_pat import presets\nfrom lightning_pat.discovery.trace import trace\n"),
         ("demo/task.py", "import lightning.pytorch as pl\nfrom torch.distributed.fsdp import fully_shard\n"),
         ("cli/app.py", "from lightning.pytorch.cli import LightningCLI\nfrom lightning_pat.training import callback\n"),

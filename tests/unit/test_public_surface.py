@@ -82,3 +82,35 @@ def test_every_callback_parameter_has_its_args_line():
     args = doc.split("Args:", 1)[1] if "Args:" in doc else ""
     missing = [n for n in _init_params(CoupledPruningCallback) if not re.search(rf"^\s+{n}( \(.*?\))?:", args, re.M)]
     assert not missing, f"no `Args:` line for {missing}"
+
+
+@pytest.mark.parametrize("package", packages())
+def test_no_public_name_hides_a_module_of_the_package(package):
+    """``import a.b.c; a.b.c`` works for every module: no name in ``a.__all__`` rebinds ``a.b`` to something else."""
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__, f"{package}."):
+        module = importlib.import_module(info.name)
+        attr = info.name.rpartition(".")[2]
+        assert getattr(pkg, attr) is module, f"{package}.{attr} is not the module {info.name}: a public name hides it"
+
+
+def test_the_shrink_package_is_the_public_shrink_function(tmp_path):
+    import lightning_pat.shrink.entry
+    from lightning_pat import shrink as public
+
+    assert public is lightning_pat.shrink
+    assert lightning_pat.shrink.entry.__name__ == "lightning_pat.shrink.entry"
+    assert inspect.signature(public) == inspect.signature(lightning_pat.shrink.entry.shrink)
+    import torch
+    from torch import nn
+
+    from lightning_pat import Cluster, prune_clusters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    cluster = Cluster(name="hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])
+    result = prune_clusters(model, [cluster], sparsity=0.5, method="hard")
+    small = public(model, result, inplace=False)
+    assert small[0].out_features == 4
+    x = torch.randn(5, 4)
+    assert torch.allclose(small(x), model(x), atol=1e-6)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import unit_channels, zero_channels_
-from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums
+from lightning_pat.core.norms import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums
 from lightning_pat.core.spec import Member, ResolvedCluster
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
-from lightning_pat.core.scoring import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.core.norms import ACCUMULATION_DTYPE, member_unit_sq_sums
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.parallel.executors.base import Executor, UnitAction
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
-from lightning_pat.core.scoring import (
+from lightning_pat.core.norms import (
     ACCUMULATION_DTYPE,
     channel_sq_sums,
     member_unit_abs_prod_sums,

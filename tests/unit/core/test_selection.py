@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_pat.core.masking import count_zeros, scale_units_, zero_units_
-from lightning_pat.core.scoring import channel_sq_sums, group_count_correction, normalise
+from lightning_pat.core.norms import channel_sq_sums, group_count_correction, normalise
 from lightning_pat.core.selection import bottom_k, bottom_k_shared, num_to_drop, round_kept, shrink_factors
 from lightning_pat.core.spec import Member
 from lightning_pat.core.units import fold_to_units, unit_of_channels

@@ -589,7 +589,7 @@ def test_tiny_gpt_is_causal():
         "presets/__init__.py",
         "presets/registry.py",
         "presets/transformers.py",
-        "presets/linear_chain.py",
+        "presets/chains.py",
         "demo/model.py",
     ],
 )

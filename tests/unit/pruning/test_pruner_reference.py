@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, Pruner, prune_clusters, resolve_clusters
-from lightning_pat.core.scoring import ACCUMULATION_DTYPE, channel_sq_sums
+from lightning_pat.core.norms import ACCUMULATION_DTYPE, channel_sq_sums
 from tests.common.cases import Case, make_module, random_case
 from tests.common.reference import RefCluster, RefMember, reference_step
 

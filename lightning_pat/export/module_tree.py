@@ -34,7 +34,7 @@ MODEL_MODULES: tuple[str, ...] = (
     r"transformers\.(activations|modeling_utils|configuration_utils)",
     r"lightning_pat\.demo\.(model|task)",
     r"lightning_pat\.lm\.module",
-    r"lightning_pat\.shrink\.(mha|window|maxvit)_attention",
+    r"lightning_pat\.heads\.(mha|window|maxvit)",
     r"lightning_pat\.shrink\.depth",
     r"lightning_pat\.core\.(schedule|spec\.declaration)",
     r"lightning\.fabric\.utilities\.data",
@@ -42,6 +42,13 @@ MODEL_MODULES: tuple[str, ...] = (
 )
 """The modules (full-match patterns) whose ``nn.Module`` subclasses, dataclasses and dict subclasses an export may
 name without being passed ``classes``; no other module named in a file is ever imported."""
+
+#: Model modules that moved, old name -> new name: an export written before the move names the old module, and loads.
+MOVED_MODULES: dict[str, str] = {
+    "lightning_pat.shrink.mha_attention": "lightning_pat.heads.mha",
+    "lightning_pat.shrink.window_attention": "lightning_pat.heads.window",
+    "lightning_pat.shrink.maxvit_attention": "lightning_pat.heads.maxvit",
+}
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 #: Set by ``load_pretrained`` on the module it rebuilt: the directory it was read from (an export never replaces it).
@@ -80,6 +87,9 @@ def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | No
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"load_pretrained: expected a class path, got {path!r}")
+    old_module, _, name = path.rpartition(".")
+    if old_module in MOVED_MODULES:
+        path = f"{MOVED_MODULES[old_module]}.{name}"
     for cls in classes:
         if class_path(cls) == path:
             return cls

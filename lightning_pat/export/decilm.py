@@ -4,7 +4,7 @@ A stock Llama config has one MLP width and one KV-head count for all layers. Dec
 ``block_configs``, one per decoder layer: ``attention.n_heads_in_group`` (query heads per KV head: the layer has
 ``num_attention_heads // n_heads_in_group`` KV heads) and ``ffn.intermediate_size``. The weights keep the Llama
 names. vLLM's model registry has ``DeciLMForCausalLM``; it builds the config from the class the checkpoint ships
-(``configuration_decilm.py``, :mod:`lightning_pat.shrink.decilm_config`), so vLLM loads an export with
+(``configuration_decilm.py``, :mod:`lightning_pat.export.decilm_config`), so vLLM loads an export with
 ``LLM(model=dir, trust_remote_code=True)``.
 
 What DeciLM cannot express, and is refused (never written as something else):
@@ -13,7 +13,7 @@ What DeciLM cannot express, and is refused (never written as something else):
   whole GQA groups, query heads with their KV head, so the query heads differ): prune the heads uniformly or not at
   all (``preset_options={"heads": False}`` with ``target_widths="ranked"`` ranks the MLP widths only), or write GGUF,
   whose ``deci`` architecture takes per-layer query-head counts;
-* anything :func:`~lightning_pat.shrink.llama_layout.read_layout` refuses (not a ``LlamaForCausalLM``, biases, eps
+* anything :func:`~lightning_pat.export.llama_layout.read_layout` refuses (not a ``LlamaForCausalLM``, biases, eps
   that differ between norms).
 
 A dropped layer (``preset_options={"layers": True}``) is deleted by ``shrink``, so it is simply absent: a block with
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pat.shrink.llama_layout import LayerShape, LlamaLayout, rope_parameters
+from lightning_pat.export.llama_layout import LayerShape, LlamaLayout, rope_parameters
 
 MODEL_TYPE = "nemotron-nas"
 ARCHITECTURE = "DeciLMForCausalLM"
@@ -47,7 +47,7 @@ def is_decilm(config: Mapping[str, Any]) -> bool:
 
 
 def config_module_source() -> str:
-    """The text of ``configuration_decilm.py`` (the module :mod:`lightning_pat.shrink.decilm_config`)."""
+    """The text of ``configuration_decilm.py`` (the module :mod:`lightning_pat.export.decilm_config`)."""
     return (Path(__file__).with_name("decilm_config.py")).read_text()
 
 

@@ -1,6 +1,6 @@
 """torchvision's Swin V1 and V2 window attention with explicit heads: WindowAttention and WindowAttentionV2.
 
-See :mod:`lightning_pat.shrink.attention_modules` for why and when the shrink puts them in place of the stock modules.
+See :mod:`lightning_pat.heads.replace` for why and when the shrink puts them in place of the stock modules.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pat.shrink.attention_parts import move_hooks, relative_index
+from lightning_pat.heads.parts import move_hooks, relative_index
 
 #: The window attention class of torchvision's Swin V1 that :class:`WindowAttention` reproduces.
 SWIN_ATTENTION = ("torchvision.models.swin_transformer", "ShiftedWindowAttention")

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pat.shrink.llama_layout import LlamaLayout, read_layout
+from lightning_pat.export.llama_layout import LlamaLayout, read_layout
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def layout_for_gguf(model: nn.Module, *, what: str) -> LlamaLayout:
     """The layout, checked for what this writer supports (RoPE without scaling).
 
     Raises:
-        ValueError: As for :func:`~lightning_pat.shrink.llama_layout.read_layout`, or for a RoPE scaling type.
+        ValueError: As for :func:`~lightning_pat.export.llama_layout.read_layout`, or for a RoPE scaling type.
     """
     layout = read_layout(model, what=what)
     if layout.rope.get("rope_type", "default") != "default":

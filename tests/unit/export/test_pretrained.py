@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pat import Cluster, load_pretrained, presets, prune_clusters, save_pretrained, shrink
 from lightning_pat.demo import preset as demo_preset
-from lightning_pat.shrink.export import ENTRY, EXPORT_MARKER, SIZES_FILE
+from lightning_pat.export.pretrained import ENTRY, EXPORT_MARKER, SIZES_FILE
 from tests.common.tiny_families import FamilyCase, gpt2, llama_like, logits, tiny_gpt, token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -156,7 +156,7 @@ def test_the_per_layer_width_warning_names_the_destination(tmp_path, caplog):
 
     case = llama_like("llama", n_head=8, n_kv=2, bias=True, d=64, ff=40, n_layer=3)
     model = shrunk(case, ("mlp",), budget=True)
-    with caplog.at_level(logging.WARNING, logger="lightning_pat.shrink.export"):
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.export.pretrained"):
         save_pretrained(model, tmp_path / "ranked")
     (message,) = [r.getMessage() for r in caplog.records if "cannot express" in r.getMessage()]
     assert f"lightning_pat.load_pretrained('{tmp_path / 'ranked'}')" in message
@@ -301,7 +301,7 @@ def test_own_module_class_is_rebuilt_only_when_passed(tmp_path):
     net = _OwnNet()
     net.body[0].weight.requires_grad_(False)
     save_pretrained(net, tmp_path)
-    own = r"names the class 'tests.unit.shrink.test_export._OwnNet'.*classes=\[_OwnNet\]"
+    own = r"names the class 'tests.unit.export.test_pretrained._OwnNet'.*classes=\[_OwnNet\]"
     with pytest.raises(ValueError, match=own):
         load_pretrained(tmp_path)
     again = load_pretrained(tmp_path, classes=[_OwnNet])

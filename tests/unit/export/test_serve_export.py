@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_pat import presets, prune_clusters, shrink
+from lightning_pat.export.pretrained import load_pretrained, save_pretrained
 from lightning_pat.shrink import hf_entry
-from lightning_pat.shrink.export import load_pretrained, save_pretrained
 from tests.common import serve_models
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -278,7 +278,7 @@ def test_decilm_reader_refuses_what_a_llama_cannot_hold_and_reads_ffn_mult(tmp_p
         _edit_config(bad, edit)
         with pytest.raises(ValueError, match=match):
             load_pretrained(bad)
-    from lightning_pat.shrink.decilm import read_blocks
+    from lightning_pat.export.decilm import read_blocks
 
     _, _, shapes = read_blocks(
         {

@@ -7,7 +7,7 @@ Every malformed field ends in one ``ValueError`` naming the file and the field, 
 * :func:`check_entry`: the ``"lightning_pat"`` entry of a ``config.json`` (``class``, ``base_config``, ``shapes``,
   ``attributes``); :func:`entry_attributes` resolves its attributes against the built model.
 * :func:`check_description`: the module description of ``lightning_pat.json`` (what
-  :func:`~lightning_pat.shrink.module_tree.rebuild` reads), every field's type, before any class is resolved.
+  :func:`~lightning_pat.export.module_tree.rebuild` reads), every field's type, before any class is resolved.
 * :func:`header_shapes`: the shapes a safetensors file holds, read from its header alone (the header's length, dtypes,
   shapes and byte ranges checked against the file's size); :func:`check_shapes` compares them with the shapes a
   description promises, before a model of those shapes is built.
@@ -82,7 +82,7 @@ def check_entry(entry: Mapping[str, Any], where: str) -> None:
 
 
 def _check_value(value: object, where: str) -> None:
-    """An encoded attribute value of :mod:`~lightning_pat.shrink.module_tree` (plain JSON or one tagged mapping)."""
+    """An encoded attribute value of :mod:`~lightning_pat.export.module_tree` (plain JSON or one tagged mapping)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return
     if isinstance(value, list):

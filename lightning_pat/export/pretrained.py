@@ -12,7 +12,7 @@ r"""Save and load shrunk models, without pickle.
   :func:`load_pretrained` loads it.
 * any other module as ``model.safetensors`` (its tensors, ties stored once) plus ``lightning_pat.json``: its
   parameter shapes and a description of every submodule (class path, plain attributes, parameters, buffers, children;
-  :mod:`~lightning_pat.shrink.module_tree`) from which :func:`load_pretrained` rebuilds it without running any
+  :mod:`~lightning_pat.export.module_tree`) from which :func:`load_pretrained` rebuilds it without running any
   constructor or unpickling anything. Classes are allow-listed: ``torch.nn``, ``lightning_pat``, ``transformers``
   and ``lightning`` classes, and the classes the caller passes (``load_pretrained(dir, classes=[MyNet])``).
 
@@ -50,18 +50,19 @@ import torch
 from torch import nn
 
 from lightning_pat.core.safe_io import atomic_directory, check_output, confined, interrupted_overwrite
-from lightning_pat.shrink import decilm, hf_entry, tokenizer_files
-from lightning_pat.shrink.export_checks import (
+from lightning_pat.export import decilm, tokenizer_files
+from lightning_pat.export.checks import (
     check_description,
     check_entry,
     check_shapes,
     entry_attributes,
     read_json,
 )
+from lightning_pat.export.hf_loader import load_hf_class
+from lightning_pat.export.llama_layout import read_layout
+from lightning_pat.export.module_tree import SOURCE_ATTR, UnsupportedStateError, describe, rebuild
+from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
-from lightning_pat.shrink.hf_loader import load_hf_class
-from lightning_pat.shrink.llama_layout import read_layout
-from lightning_pat.shrink.module_tree import SOURCE_ATTR, UnsupportedStateError, describe, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def check_format(format: str | Iterable[str], *, gguf_dtype: str = "f32") -> tup
             "one of them ('gguf' may go with either)."
         )
     if "gguf" in values:
-        from lightning_pat.shrink.gguf import check_dtype
+        from lightning_pat.export.gguf import check_dtype
 
         check_dtype(gguf_dtype)
     return ("decilm" if "decilm" in values else "hf"), "gguf" in values
@@ -178,8 +179,8 @@ def save_pretrained(
         format: ``"hf"`` (the stock Hugging Face layout, plus a ``lightning_pat`` config entry for shapes its config
             cannot express), ``"decilm"`` (Llama family: a DeciLM ``nemotron-nas`` config with per-layer KV groups
             and MLP widths, which vLLM serves with ``trust_remote_code=True``; see
-            :mod:`lightning_pat.shrink.decilm`), and/or ``"gguf"`` (Llama family: ``model.gguf`` for llama.cpp next
-            to the main format, with the tokenizer embedded; :mod:`lightning_pat.shrink.gguf`). A list combines
+            :mod:`lightning_pat.export.decilm`), and/or ``"gguf"`` (Llama family: ``model.gguf`` for llama.cpp next
+            to the main format, with the tokenizer embedded; :mod:`lightning_pat.export.gguf`). A list combines
             them: ``["decilm", "gguf"]``.
         gguf_dtype: The GGUF tensor type: ``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
             ``"q5_0"`` or ``"q5_1"``.
@@ -214,7 +215,7 @@ def save_pretrained(
     if main == "decilm":
         deci_config = decilm.config_dict(read_layout(model, what=f"{what}(format='decilm')"), what=what)
     if with_gguf:
-        from lightning_pat.shrink.gguf import layout_for_gguf
+        from lightning_pat.export.gguf import layout_for_gguf
 
         layout_for_gguf(model, what=f"{what}(format='gguf')")
     source = tokenizer_files.resolve(tokenizer, model, what=what) if is_hf or tokenizer != "auto" else None
@@ -241,7 +242,7 @@ def save_pretrained(
         if source is not None:
             tokenizer_files.write(source, tmp, what=what)
         if with_gguf:
-            from lightning_pat.shrink.gguf import GGUF_FILE, write_gguf
+            from lightning_pat.export.gguf import GGUF_FILE, write_gguf
 
             write_gguf(model, tmp / GGUF_FILE, tokenizer_dir=tmp, dtype=gguf_dtype, what=f"{what}(format='gguf')")
     return directory

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_pat import save_pretrained
-from lightning_pat.shrink.export import EXPORT_MARKER, check_directory
+from lightning_pat.export.pretrained import EXPORT_MARKER, check_directory
 from tests.common.tiny_lm import tiny_lm_dir
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The least-squares refit of cut readers (lightning_pat.repair) against an independent least-squares solve.
+"""The least-squares refit of cut readers (lightning_pat.pruning.repair) against an independent least-squares solve.
 
 The reference stacks every calibration input of the reader in float64 and solves the ridge problem
 ``min_V ||X_S V^T - X W^T||^2 + lambda ||V||^2`` with ``torch.linalg.lstsq`` on the augmented system
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from lightning_pat.repair import calibrate_readers, refit_readers
+from lightning_pat.pruning.repair import calibrate_readers, refit_readers
 
 HIDDEN = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
 BLOCKS = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"], num_units=4)  # 2 channels per unit

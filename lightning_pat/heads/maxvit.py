@@ -1,6 +1,6 @@
 """torchvision's MaxViT partition attention with explicit heads: :class:`MaxVitAttention`.
 
-See :mod:`lightning_pat.shrink.attention_modules` for why and when the shrink puts it in place of the stock module.
+See :mod:`lightning_pat.heads.replace` for why and when the shrink puts it in place of the stock module.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pat.shrink.attention_parts import move_hooks, relative_index
+from lightning_pat.heads.parts import move_hooks, relative_index
 
 #: The partition attention class of torchvision's MaxViT that :class:`MaxVitAttention` reproduces.
 MAXVIT_ATTENTION = ("torchvision.models.maxvit", "RelativePositionalMultiHeadAttention")

@@ -1,5 +1,5 @@
 """Heads of ``nn.MultiheadAttention``, torchvision's Swin V1/V2 window attention and MaxViT's attention: found by
-discovery, cut by the shrink (the module is replaced by :mod:`lightning_pat.shrink.attention_modules`' own, holding
+discovery, cut by the shrink (the module is replaced by :mod:`lightning_pat.heads.replace`' own, holding
 the same parameters), and the shrunk model equal to the masked one; the MHA configurations and calls that are not
 supported are left out with the reason. Small models built from torchvision's own classes (random init, randomised
 norms), eval, fp32."""
@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, discover, prune_clusters, shrink
-from lightning_pat.shrink.attention_modules import (
+from lightning_pat.export.module_tree import describe, rebuild
+from lightning_pat.heads import (
     HeadsMultiheadAttention,
     MaxVitAttention,
     WindowAttention,
     WindowAttentionV2,
 )
-from lightning_pat.shrink.module_tree import describe, rebuild
 from tests.common import torchvision_zoo as zoo
 from tests.common.cnn_models import exact_shrink
 
@@ -574,3 +574,27 @@ def test_heads_of_a_torch_transformer_encoder_are_cut_exactly(causal):
     ]
     small = exact_shrink(model, found.clusters, torch.randn(3, 6, 16))
     assert [layer.self_attn.num_heads for layer in small.enc.layers] == [2, 2]
+
+
+def test_an_export_written_before_heads_moved_out_of_shrink_still_loads(tmp_path):
+    """Exports of lightning_pat before the move name ``lightning_pat.shrink.window_attention.WindowAttention``."""
+    import json
+
+    from lightning_pat import load_pretrained, save_pretrained
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"v1": WindowAttention(16, [4, 4], [2, 2], 3, 4)}).eval()
+    save_pretrained(model, tmp_path / "old")
+    meta_file = tmp_path / "old" / "lightning_pat.json"
+    text = meta_file.read_text()
+    assert "lightning_pat.heads.window.WindowAttention" in text
+    meta_file.write_text(text.replace("lightning_pat.heads.window.", "lightning_pat.shrink.window_attention."))
+    assert "lightning_pat.shrink.window_attention.WindowAttention" in json.dumps(json.loads(meta_file.read_text()))
+    again = load_pretrained(tmp_path / "old")
+    x = torch.randn(2, 8, 8, 16)
+    with torch.no_grad():
+        assert type(again["v1"]) is WindowAttention
+        assert torch.equal(again["v1"](x), model["v1"](x))
+    meta_file.write_text(text.replace("lightning_pat.heads.window.", "lightning_pat.shrink.nowhere."))
+    with pytest.raises(ValueError, match=r"lightning_pat\.shrink\.nowhere\.WindowAttention"):
+        load_pretrained(tmp_path / "old")

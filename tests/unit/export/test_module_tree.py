@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pat.shrink.module_tree import UnsupportedStateError, describe, rebuild, resolve_class
+from lightning_pat.export.module_tree import UnsupportedStateError, describe, rebuild, resolve_class
 
 
 def round_trip(model: nn.Module) -> nn.Module:

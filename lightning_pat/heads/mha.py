@@ -1,6 +1,6 @@
 """``nn.MultiheadAttention`` with an inner width of ``num_heads * head_dim``: :class:`HeadsMultiheadAttention`.
 
-See :mod:`lightning_pat.shrink.attention_modules` for why and when the shrink puts it in place of the stock module.
+See :mod:`lightning_pat.heads.replace` for why and when the shrink puts it in place of the stock module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_pat.shrink.attention_parts import move_hooks
+from lightning_pat.heads.parts import move_hooks
 
 
 def mha_refusal(module: nn.Module) -> str | None:

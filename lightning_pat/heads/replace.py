@@ -39,22 +39,16 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_pat.shrink.maxvit_attention import MAXVIT_ATTENTION, MaxVitAttention, is_maxvit_attention
-from lightning_pat.shrink.mha_attention import HeadsMultiheadAttention, mha_refusal
-from lightning_pat.shrink.window_attention import (
-    SWIN_ATTENTION,
-    SWIN_V2_ATTENTION,
+from lightning_pat.heads.maxvit import MaxVitAttention, is_maxvit_attention
+from lightning_pat.heads.mha import HeadsMultiheadAttention, mha_refusal
+from lightning_pat.heads.window import (
     WindowAttention,
     WindowAttentionV2,
     is_swin_attention,
     is_swin_v2_attention,
 )
 
-__all__ = [
-    "MAXVIT_ATTENTION", "SWIN_ATTENTION", "SWIN_V2_ATTENTION", "HeadsMultiheadAttention", "MaxVitAttention",
-    "WindowAttention", "WindowAttentionV2", "is_maxvit_attention", "is_swin_attention", "is_swin_v2_attention",
-    "mha_refusal", "replace_attention",
-]  # fmt: skip
+__all__ = ["replace_attention"]
 
 
 def _replacement(module: nn.Module) -> nn.Module | None:

@@ -110,7 +110,7 @@ class ReaderGrams(TrainingForwardHooks):
             self.clusters.append(rc)
             self.readers[rc.name] = found
             for _, owner in found:
-                self.modules.setdefault(owner, modules[owner])  # type: ignore[arg-type]
+                self.modules.setdefault(owner, modules[owner])
         self.gram: dict[str, Tensor] = {}
         self.rows: dict[str, int] = {}
         self.weight: dict[str, Tensor] = {}
@@ -123,7 +123,7 @@ class ReaderGrams(TrainingForwardHooks):
     def register_hook(self, name: str, module: nn.Module) -> Any:
         """A forward pre-hook that adds ``x^T x`` of the module's input to its Gram sum."""
 
-        def hook(mod: nn.Module, args: tuple) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
             if not self.training_forward(name, mod):
                 return
             x = args[0].detach()
@@ -153,7 +153,9 @@ class ReaderGrams(TrainingForwardHooks):
                 )
             self.gram[name] = total
             if name not in self.weight:
-                self.weight[name] = mod.weight.detach().clone()
+                weight = mod.weight
+                assert isinstance(weight, Tensor)
+                self.weight[name] = weight.detach().clone()
             self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
         return module.register_forward_pre_hook(hook)
@@ -170,7 +172,7 @@ class ReaderGrams(TrainingForwardHooks):
 
 def calibrate_readers(
     model: nn.Module,
-    clusters: Cluster | Mapping | Sequence[Cluster | Mapping] | Sequence[ResolvedCluster],
+    clusters: Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]] | Sequence[ResolvedCluster],
     batches: Iterable[Any],
     *,
     forward: Callable[[nn.Module, Any], Any] | None = None,
