@@ -11,8 +11,8 @@ The processes the tests start (examples, console scripts, notebooks, bench smoke
 thread per core, the intra-op threads spin against each other. Measured: two ``examples/cnn_digits.py`` runs side by
 side took 37.6 s with the default threads and 15.0 s with one each; the same example inside the suite took 168 s.
 
-Every test starts from seed 0 (``seed``, autouse), and a run that leaves a new untracked file in the checkout fails
-at its end (``pytest_sessionfinish``: tests write under ``tmp_path``; ignored paths such as caches do not count).
+Every test starts from seed 0 (``fixed_seed``, autouse), and a run that leaves a new untracked file in the checkout
+fails at its end (``pytest_sessionfinish``: tests write under ``tmp_path``; ignored paths such as caches do not count).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _UNTRACKED = pytest.StashKey[set[str]]()
 
 
 @pytest.fixture(autouse=True)
-def seed() -> None:
+def fixed_seed() -> None:
     """Every test starts from the same random state (torch's default generator and ``random``), whatever ran before
     it on its xdist worker: a test that draws without seeding is reproducible alone and in the suite."""
     random.seed(0)
