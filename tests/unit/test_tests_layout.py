@@ -121,7 +121,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     # heads: tested through replace_attention
     "heads/maxvit.py": (("tests/unit/heads/test_replace.py",), "MaxViT attention against torchvision's"),
     "heads/mha.py": (("tests/unit/heads/test_replace.py",), "HeadsMultiheadAttention against nn.MultiheadAttention"),
-    "heads/parts.py": (("tests/unit/heads/test_replace.py",), "hooks and relative index of the replaced modules"),
     "heads/window.py": (("tests/unit/heads/test_replace.py",), "Swin V1/V2 attention against torchvision's"),
     # lm: needs the tokenizer and a Trainer
     "lm/data.py": (
