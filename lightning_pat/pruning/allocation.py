@@ -30,11 +30,12 @@ from torch import nn
 
 from lightning_pat import presets
 from lightning_pat.core.checks import check_choice
+from lightning_pat.core.choices import ALLOCATIONS, Allocation, Side
 from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
 from lightning_pat.pruning.api import one_shot_calibration, plan_importance
-from lightning_pat.pruning.options import ALLOCATIONS, Allocation, check_size_target
+from lightning_pat.pruning.options import check_size_target
 from lightning_pat.pruning.plan import make_plan
-from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.problem import SizeSolution
 
 if TYPE_CHECKING:
     from lightning_pat.scoring.activation import ActivationStats

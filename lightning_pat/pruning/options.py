@@ -16,30 +16,35 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from lightning_pat import presets
-from lightning_pat.core.checks import check_bool, check_choice, check_number
-from lightning_pat.core.norms import SCORE_TYPES
-from lightning_pat.core.schedule import RampShape, Schedule
+from lightning_pat.core.checks import check_bool, check_choice, check_option
+from lightning_pat.core.choices import (
+    ALLOCATIONS,
+    SWITCHES,
+    TRAINING_SCORES,
+    Allocation,
+    ExecutorKind,
+    LayerScore,
+    Method,
+    Mode,
+    RampShape,
+    Side,
+    TeacherStore,
+    TrainingAllocation,
+    TrainingScore,
+    Widths,
+)
+from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.comm.ranks import rank_zero_warn
-from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.pruning.declarations import normalize_clusters
-from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops
-from lightning_pat.sizing.problem import Side
 from lightning_pat.sizing.targets import check_target
 
-Mode = Literal["latent", "direct"]
-MODES: tuple[str, ...] = ("latent", "direct")
-Method = Literal["hard", "group_lasso"]
-METHODS: tuple[str, ...] = ("hard", "group_lasso")
-#: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
-TeacherStore = Literal["checkpoint", "file"]
-TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
@@ -49,15 +54,6 @@ RESUMABLE: tuple[str, ...] = (
 MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
-#: The callback's scores: a score of :data:`~lightning_pat.core.norms.SCORE_TYPES`, or ``"auto"`` (the default).
-TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
-TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
-#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
-ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
-Allocation = Literal["importance", "fractions"]
-#: The callback's ``target_allocation``: ``"auto"`` (by importance with a data-aware score), or one of the rules.
-TRAINING_ALLOCATIONS: tuple[str, ...] = ("auto", *ALLOCATIONS)
-TrainingAllocation = Literal["auto", "importance", "fractions"]
 #: The options that define a solved size: a resume after the widths were solved by importance may not change them.
 SIZE_OPTIONS: tuple[str, ...] = (
     "target_params", "target_flops", "seq_len", "target_side", "target_layers", "target_widths", "min_kept",
@@ -71,8 +67,8 @@ def check_method(method: object, reg_lambda: object) -> None:
     Raises:
         ValueError: If ``method`` is unknown or ``reg_lambda`` is not a finite number >= 0.
     """
-    check_choice("method", method, METHODS)
-    check_number("reg_lambda", reg_lambda, low=0.0)
+    check_option("method", method)
+    check_option("reg_lambda", reg_lambda)
 
 
 def check_group_count_ref(group_count_ref: object) -> None:
@@ -81,8 +77,7 @@ def check_group_count_ref(group_count_ref: object) -> None:
     Raises:
         ValueError: If it is anything else (a bool included).
     """
-    if group_count_ref is not None:
-        check_number("group_count_ref", group_count_ref, low=1, integer=True)
+    check_option("group_count_ref", group_count_ref)
 
 
 def check_size_target(
@@ -279,7 +274,7 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
-    target_widths: Literal["uniform", "ranked"] = "uniform"
+    target_widths: Widths = "uniform"
     min_kept: float | None = None
     target_flops: int | float | str | None = None
     seq_len: int | None = None
@@ -296,15 +291,12 @@ class PruningOptions:
     def __post_init__(self) -> None:
         given_sparsity = self.target_sparsity
         object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
-        check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
+        check_option("target_sparsity", self.target_sparsity)
         check_method(self.method, self.reg_lambda)
-        for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
+        for switch in SWITCHES:
             check_bool(switch, getattr(self, switch))
-        check_choice("score", self.score, TRAINING_SCORES)
-        check_choice("mode", self.mode, MODES)
-        check_choice("layer_score", self.layer_score, LAYER_SCORES)
-        check_choice("target_allocation", self.target_allocation, TRAINING_ALLOCATIONS)
-        check_choice("executor", self.executor, EXECUTOR_KINDS)
+        for name in ("score", "mode", "layer_score", "target_allocation", "executor"):
+            check_option(name, getattr(self, name))
         check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:
             raise ValueError(
@@ -409,7 +401,7 @@ class StepOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
-    target_widths: str = "uniform"
+    target_widths: Widths = "uniform"
     min_kept: float | None = None
     target_flops: int | float | str | None = None
     seq_len: int | None = None
@@ -440,11 +432,11 @@ class StepOptions:
             widths=self.target_widths, min_kept=self.min_kept,
         )  # fmt: skip
         if sparsity is not None:
-            check_number("sparsity", sparsity, low=0.0, high=1.0)
+            check_option("sparsity", sparsity, rule="target_sparsity")
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("target_allocation", self.target_allocation, ALLOCATIONS)
         check_method(self.method, self.reg_lambda)
-        check_number("gamma", self.gamma, low=0.0)
+        check_option("gamma", self.gamma)
         check_group_count_ref(self.group_count_ref)
         if self.score == "taylor":
             raise ValueError(
@@ -480,7 +472,7 @@ def check_distillation(options: PruningOptions) -> None:
         TypeError: If ``distill_teacher`` is not a ``torch.nn.Module``, ``distill_module`` is not a string or
             ``distill_teacher_dir`` is not a path.
     """
-    check_number("distill_alpha", options.distill_alpha, low=0.0, high=1.0)
+    check_option("distill_alpha", options.distill_alpha)
     temperature = options.distill_temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"`distill_temperature` must be a number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
@@ -496,7 +488,7 @@ def check_distillation(options: PruningOptions) -> None:
         raise ValueError("`distill_teacher` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill.")
     if not isinstance(options.distill_module, str):
         raise TypeError(f"`distill_module` must be a submodule name (str), got {options.distill_module!r}.")
-    check_choice("distill_teacher_store", options.distill_teacher_store, TEACHER_STORES)
+    check_option("distill_teacher_store", options.distill_teacher_store)
     if options.distill_teacher_store == "file" and options.distill_alpha == 0:
         raise ValueError(
             "`distill_teacher_store='file'` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill "

@@ -16,13 +16,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_pat.core.choices import Side
 from lightning_pat.core.norms import ScoreType
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import ExecutorKind, route
 from lightning_pat.sizing.flops import flop_costs
-from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.sizing.targets import declaration_labels, sized_clusters
 
 

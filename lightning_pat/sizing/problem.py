@@ -21,14 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 from lightning_pat.core.layers import LAYER_BUDGET, is_layer_cluster, layer_prefix
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
 
-Side = Literal["below", "above"]
-SIDES: tuple[str, ...] = ("below", "above")
 #: (parameter name, dim) -> [(cluster name, block, slice length)]: the member slices on that axis.
 Axes = Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]
 

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from lightning_pat.core.choices import SIDES, Side
 from lightning_pat.sizing.problem import (
-    SIDES,
     Axes,
     Group,
-    Side,
     SizeSolution,
     cluster_kept,
     count_params,
