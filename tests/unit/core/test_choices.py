@@ -46,7 +46,7 @@ def test_each_literal_and_its_tuple_hold_the_same_words(literal, words):
 
 
 def test_the_scores_are_the_norms_scores_and_auto():
-    assert choices.TRAINING_SCORES == ("auto", *norms.SCORE_TYPES)
+    assert ("auto", *norms.SCORE_TYPES) == choices.TRAINING_SCORES
     assert typing.get_args(norms.ScoreType) == norms.SCORE_TYPES
 
 
