@@ -296,16 +296,14 @@ def prune_clusters(
         sparsity=opts.sparsity,
     )  # fmt: skip
     size = None
-    if opts.size_target is not None:
+    if opts.sizing.value is not None:
         decls = [declared] if isinstance(declared, (Cluster, Mapping)) else list(declared)
         importance = None
-        if opts.target_allocation == "importance":
+        if opts.sizing.target_allocation == "importance":
             importance = plan_importance(model, plan, decls, activations=activations)
-        plan, size = plan.sized(
-            named_tensors(model), opts.size_target, side=opts.target_side, declarations=decls,
-            keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
-            flops=None if opts.target_flops is None else (model, int(opts.seq_len or 0)), importance=importance,
-        )  # fmt: skip
+        plan, size = plan.for_size(
+            named_tensors(model), opts.sizing, declarations=decls, model=model, importance=importance
+        )
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
     # path's one reduction (and are summed over the ranks of the mesh)
