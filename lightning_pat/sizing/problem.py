@@ -27,6 +27,11 @@ from lightning_pat.core.layers import LAYER_BUDGET, is_layer_cluster, layer_pref
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
 
+#: Size option -> (what it counts, what the full model is called), for messages (a table: the solver reads it too).
+TARGET_UNITS: Mapping[str, tuple[str, str]] = {
+    "target_params": ("parameters", "the model's size"),
+    "target_flops": ("FLOPs per token", "the model's FLOPs per token"),
+}
 #: (parameter name, dim) -> [(cluster name, block, slice length)]: the member slices on that axis.
 Axes = Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]
 
@@ -156,13 +161,6 @@ class SizeSolution:
         )
 
 
-def target_units(name: str) -> tuple[str, str]:
-    """(what is counted, what the full model is called) for the option ``name``."""
-    if name == "target_flops":
-        return "FLOPs per token", "the model's FLOPs per token"
-    return "parameters", "the model's size"
-
-
 def size_value(value: object, *, name: str = "target_params") -> tuple[str, Fraction]:
     """Read a size target without the model: ``("count", n)`` or ``("fraction", f)`` (one rule for every form).
 
@@ -236,7 +234,7 @@ def parse_size(value: object, *, total: int, name: str = "target_params") -> int
         (350000000, 250, 500)
     """
     kind, number = size_value(value, name=name)
-    unit, whole = target_units(name)
+    unit, whole = TARGET_UNITS.get(name, TARGET_UNITS["target_params"])
     result = round(number * total) if kind == "fraction" else int(number)
     if result <= 0:
         raise ValueError(f"`{name}` = {value!r} is {result} {unit} of {total:,}; ask for a positive size.")

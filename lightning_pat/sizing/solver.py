@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from lightning_pat.core.choices import SIDES, Side
-from lightning_pat.sizing.problem import Axes, Group, SizeSolution, target_units
+from lightning_pat.sizing.problem import TARGET_UNITS, Axes, Group, SizeSolution
 
 
 def count_params(
@@ -308,7 +308,7 @@ def solve(
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
     _check_equal_units(shapes, axes, groups, owners)
-    unit, whole = target_units(name)
+    unit, whole = TARGET_UNITS.get(name, TARGET_UNITS["target_params"])
     if target > total:
         raise ValueError(f"`{name}` ({target:,}) is above {whole} ({total:,}); ask for at most that.")
     granule_costs, ratios = (None, None) if costs is None else _importance_ratios(shapes, axes, groups, costs, owners)
