@@ -157,6 +157,12 @@ class SizeTarget:
         """The size option in use: ``"target_params"`` or ``"target_flops"``."""
         return "target_params" if self.target_flops is None else "target_flops"
 
+    def allocation(self, score: str) -> Allocation:
+        """The rule that spreads the target, with ``score`` the score in use (``"auto"`` settled here)."""
+        if self.target_allocation in ("importance", "fractions"):
+            return "importance" if self.target_allocation == "importance" else "fractions"
+        return "importance" if score in ("activation", "taylor") else "fractions"
+
     def to_dict(self) -> dict[str, Any]:
         """The options by name (:data:`SIZE_OPTIONS`: the ``options`` of a saved ``allocation`` entry)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -457,10 +463,8 @@ class PruningOptions:
         return self.distillation.on
 
     def allocation(self, score: str) -> Allocation:
-        """The rule that spreads a size target, with ``score`` the score in use (``"auto"`` settled here)."""
-        if self.target_allocation in ("importance", "fractions"):
-            return "importance" if self.target_allocation == "importance" else "fractions"
-        return "importance" if score in ("activation", "taylor") else "fractions"
+        """``sizing.allocation(score)``: the rule that spreads a size target, with ``score`` the score in use."""
+        return self.sizing.allocation(score)
 
     def size_options(self) -> dict[str, Any]:
         """``sizing.to_dict()``: the options that define a solved size (:data:`SIZE_OPTIONS`), by name."""
