@@ -23,12 +23,13 @@ Every check is local and the same on every rank for the same state (the caller m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_pat.core.choices import CHOICES, RANGES, SWITCHES
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_fields import FieldChecker, StateError, describe
 
@@ -41,13 +42,6 @@ KEYS: tuple[str, ...] = (
 REQUIRED: tuple[str, ...] = ("step", "dropped")
 #: Latent formats (see :mod:`lightning_pat.training.state`).
 LATENT_FORMATS: tuple[str, ...] = ("local", "tensors", "per_rank", "full", "dcp")
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "ramp": ("cubic", "linear"),
-    "method": ("hard", "group_lasso"),
-    "score": ("auto", "rms", "l2", "param_cost", "activation", "taylor"),
-    "mode": ("latent", "direct"),
-    "layer_score": ("cosine", "weight"),
-}
 
 
 @dataclass(frozen=True)
@@ -289,21 +283,17 @@ def allocation_entry(state: Mapping[str, Any], *, what: str) -> Mapping[str, Any
 def _options(check: FieldChecker, raw: object) -> Mapping[str, Any]:
     options = check.mapping(raw, "options")
     assert options is not None
-    checks: dict[str, Callable[[Any, str], object]] = {
-        "target_sparsity": lambda v, w: check.real(v, w, low=0.0, high=1.0),
-        "warmup_steps": lambda v, w: check.integer(v, w),
-        "ramp_steps": lambda v, w: check.integer(v, w, low=1),
-        "every_n_steps": lambda v, w: check.integer(v, w, low=1),
-        "reg_lambda": lambda v, w: check.real(v, w, low=0.0),
-        "group_count_ref": lambda v, w: None if v is None else check.integer(v, w, low=1),
-    }
-    for key, value in options.items():
+    for key, value in options.items():  # the vocabularies and ranges of the options themselves (core.choices)
         where = f"options[{key!r}]"
-        if key in checks:
-            checks[key](value, where)
-        elif key in _CHOICES and value not in _CHOICES[key]:
-            raise check.fail(where, f"must be one of {_CHOICES[key]}, got {describe(value)}")
-        elif key == "heal" and not isinstance(value, bool):
+        bounds = RANGES.get(key)
+        if bounds is not None and not (value is None and bounds.none_ok):
+            if bounds.integer:
+                check.integer(value, where, low=int(bounds.low), high=None if bounds.high is None else int(bounds.high))
+            else:
+                check.real(value, where, low=bounds.low, high=bounds.high)
+        elif key in CHOICES and value not in CHOICES[key]:
+            raise check.fail(where, f"must be one of {CHOICES[key]}, got {describe(value)}")
+        elif key in SWITCHES and not isinstance(value, bool):
             raise check.fail(where, f"must be a bool, got {describe(value)}")
     return options
 

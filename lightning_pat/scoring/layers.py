@@ -33,7 +33,7 @@ Legend: ``N`` tokens of the local batch, ``H`` the hidden size, ``L`` the layers
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +42,6 @@ from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
-
-#: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
-LayerScore = Literal["cosine", "weight"]
-LAYER_SCORES: tuple[str, ...] = ("cosine", "weight")
 
 
 def token_cosines(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 from torch import Tensor
 
+from lightning_pat.core.choices import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel import placement
 from lightning_pat.parallel.comm import dtensor, reduce
 from lightning_pat.parallel.executors.base import Executor
 from lightning_pat.parallel.executors.materializing import MaterializingExecutor
 from lightning_pat.parallel.executors.sharded import ShardedExecutor
-
-ExecutorKind = Literal["auto", "materializing", "sharded"]
-EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")
 
 
 def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters, shrink
-from lightning_pat.sizing.problem import Group, count_params, parse_size, size_problem
-from lightning_pat.sizing.solver import solve
+from lightning_pat.sizing.problem import Group, parse_size, size_problem
+from lightning_pat.sizing.solver import count_params, solve
 from lightning_pat.sizing.targets import declaration_labels, distinct_shapes
 from tests.common import tiny_families as fam
 
