@@ -171,7 +171,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/unit/pruning/test_refusals.py", "tests/distributed/test_discovery_broadcast.py"),
         "clusters= to declarations, and early discovery",
     ),
-    "pruning/plan.py": (("tests/unit/pruning/test_options.py", "tests/unit/pruning/test_refusals.py"), "make_plan"),
     "pruning/pruner.py": (("tests/unit/pruning/test_pruner_reference.py",), "to rename: -> test_pruner.py"),
     # scoring (another helper's at the time of issue 40)
     "scoring/hooks.py": (
@@ -208,7 +207,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         "binding",
     ),
     "training/callback.py": (("tests/integration/test_callback.py",), "the Lightning hooks, fitted"),
-    "training/distill/distiller.py": (("tests/integration/test_distill.py",), "distillation, fitted"),
     "training/distill/loss.py": (("tests/integration/test_distill.py",), "KL value and gradient"),
     "training/distill/teacher.py": (("tests/integration/test_distill.py",), "the teacher copy, fitted"),
     "training/environment.py": (("tests/integration/test_strategies.py",), "the strategies the callback accepts"),
