@@ -60,9 +60,10 @@ from torch import Tensor
 from lightning_pat.core.saved_state import read_state
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.core.state_schema import EntryCheck, StateContext, TensorFacts, check_state
+from lightning_pat.core.state_schema import EntryCheck, StateContext, check_state
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
+from lightning_pat.training import latent
 from lightning_pat.training.collectors import Collectors
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
@@ -223,13 +224,15 @@ def restore_context(
     facts = None
     if params is not None:
         facts = {
-            n: TensorFacts(tuple(params[n].shape), tuple(dtensor.local_tensor(params[n]).shape), params[n].dtype)
+            n: latent.TensorFacts(tuple(params[n].shape), tuple(dtensor.local_tensor(params[n]).shape), params[n].dtype)
             for n in latent_names
         }
-    return StateContext(
-        global_step=global_step, clusters=clusters, latents=facts, world=ranks.world_size(), rank=ranks.world_rank(),
-        entries=entries or {},
-    )  # fmt: skip
+    world, rank = ranks.world_size(), ranks.world_rank()
+
+    def latents(raw: object, what: str) -> None:
+        latent.check_entry(raw, what, facts=facts, world=world, rank=rank)
+
+    return StateContext(global_step=global_step, clusters=clusters, entries={"latents": latents, **(entries or {})})
 
 
 def check_saved(saved: Mapping[str, Any], context: StateContext) -> None:
