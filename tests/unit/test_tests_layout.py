@@ -210,7 +210,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     "training/distill/loss.py": (("tests/integration/test_distill.py",), "KL value and gradient"),
     "training/distill/teacher.py": (("tests/integration/test_distill.py",), "the teacher copy, fitted"),
     "training/environment.py": (("tests/integration/test_strategies.py",), "the strategies the callback accepts"),
-    "training/latent.py": (("tests/unit/training/test_state.py",), "the latent store in the saved state"),
     "training/metrics.py": (("tests/integration/test_callback.py",), "logged sparsity, fitted"),
     "training/per_step.py": (("tests/unit/training/test_controller.py",), "the step's function, via the controller"),
     "training/recipes.py": (("tests/integration/test_recipes.py",), "OneShotPruningCallback, fitted"),
