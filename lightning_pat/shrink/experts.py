@@ -19,7 +19,7 @@ routed around in the masked model: :mod:`lightning_pat.core.routing`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -74,7 +74,7 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if isinstance(router, nn.Module) else None
         if e_edit is None and r_edit is None:
             continue
-        num, double, _ = experts.gate_up_proj.shape
+        num, double, _ = cast(Tensor, experts.gate_up_proj).shape
         kept = {
             "experts.gate_up_proj": _cut(e_edit, "gate_up_proj", 0, num),
             "experts.down_proj": _cut(e_edit, "down_proj", 0, num),
@@ -114,15 +114,15 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         if param is not None and param.shape != new_params[id(param)].shape:
             param.data = new_params[id(param)]
     if edit.kind == "experts":
-        num, double, hidden = module.gate_up_proj.shape
+        num, double, hidden = cast(Tensor, module.gate_up_proj).shape
         _set_int(module, "num_experts", num)
         _set_int(module, "intermediate_dim", double // 2)
         _set_int(module, "hidden_dim", hidden)
     else:
-        num, hidden = module.weight.shape
+        num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
-        _set_int(module, "top_k", min(module.top_k, num))
+        _set_int(module, "top_k", min(cast(int, module.top_k), num))
 
 
 def update_blocks(model: nn.Module) -> None:
@@ -130,20 +130,20 @@ def update_blocks(model: nn.Module) -> None:
     for block in model.modules():
         experts = getattr(block, "experts", None)
         if isinstance(experts, nn.Module) and is_fused_experts(experts):
-            num = experts.gate_up_proj.shape[0]
+            num = cast(Tensor, experts.gate_up_proj).shape[0]
             _set_int(block, "num_experts", num)
             if isinstance(getattr(block, "top_k", None), int):
-                _set_int(block, "top_k", min(block.top_k, num))
+                _set_int(block, "top_k", min(cast(int, block.top_k), num))
 
 
 def shared_experts(model: nn.Module) -> list[nn.Module]:
     """The shared experts (``shared_expert``, an MLP next to fused routed experts, as in Qwen2-MoE)."""
     return [
-        block.shared_expert
+        cast(nn.Module, block.shared_expert)
         for block in model.modules()
         if isinstance(getattr(block, "shared_expert", None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
-        and is_fused_experts(block.experts)
+        and is_fused_experts(cast(nn.Module, block.experts))
     ]
 
 
@@ -152,8 +152,8 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     fused = [m for m in model.modules() if is_fused_experts(m)]
     if not fused:
         return {}
-    counts = {m.gate_up_proj.shape[0] for m in fused}
-    widths = {m.down_proj.shape[2] for m in fused}
+    counts = {cast(Tensor, m.gate_up_proj).shape[0] for m in fused}
+    widths = {cast(Tensor, m.down_proj).shape[2] for m in fused}
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
@@ -162,7 +162,7 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
             out[attr] = count
     top_k = getattr(config, "num_experts_per_tok", None)
     if isinstance(top_k, int):
-        out["num_experts_per_tok"] = min(top_k, min(m.gate_up_proj.shape[0] for m in fused))
+        out["num_experts_per_tok"] = min(top_k, min(cast(Tensor, m.gate_up_proj).shape[0] for m in fused))
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {m.down_proj.in_features for m in shared_experts(model) if isinstance(m.down_proj, nn.Linear)}

@@ -17,8 +17,9 @@ from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
 def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
     """Why ``cluster`` cannot take the sharded path (global metadata only), or ``None`` if it can."""
-    tensors = [params[m.name] for m in cluster.members]
-    if not all(dtensor.is_dtensor(t) for t in tensors):
+    members = [params[m.name] for m in cluster.members]
+    tensors = [t for t in members if dtensor.is_dtensor(t)]
+    if len(tensors) != len(members):
         return "plain tensors (not DTensors)"
     for m in cluster.members:
         if m.dim != (1 if m.role == "reader" else 0):
