@@ -47,8 +47,6 @@ FEATURE_FILES: dict[str, str] = {
     "tests/unit/sizing/test_ranked_widths.py": "target_widths='ranked': the floored selection and the solver together",
     "tests/unit/sizing/test_solver_importance.py": "the solver by importance costs, against the engine's selection",
     # owned by the helpers working in these folders at the same time; renames proposed to the lead in issue 40
-    "tests/unit/pruning/test_pruner_reference.py": "the engine against tests/common/reference.py (-> test_pruner.py)",
-    "tests/unit/pruning/test_refusals.py": "what prune_clusters refuses up front, across plan/options/declarations",
     "tests/unit/scoring/test_activation_non_finite.py": "non-finite activations (-> into test_activation.py)",
     "tests/unit/training/test_allocation.py": "size by importance through the controller (pruning/allocation.py)",
 }
@@ -74,7 +72,7 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     # core
     "core/masking.py": (("tests/unit/core/test_selection.py",), "zeroing checked with the selections it applies"),
     "core/norms.py": (
-        ("tests/unit/core/test_selection.py", "tests/unit/pruning/test_pruner_reference.py"),
+        ("tests/unit/core/test_selection.py", "tests/unit/pruning/test_pruner.py"),
         "unit norms against the float64 reference",
     ),
     "core/pruning_warning.py": (("tests/unit/scoring/test_activation_non_finite.py",), "a warning class only"),
@@ -163,15 +161,10 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     "presets/transformers.py": (("tests/unit/presets/test_presets.py",), "the family layouts on every family"),
     # pruning (tests/unit/pruning/ is another helper's at the time of issue 40)
     "pruning/allocation.py": (("tests/unit/training/test_allocation.py",), "to rename: -> tests/unit/pruning/"),
-    "pruning/api.py": (
-        ("tests/unit/pruning/test_refusals.py", "tests/unit/scoring/test_activation.py"),
-        "prune_clusters and the one-shot calibration",
-    ),
     "pruning/declarations.py": (
-        ("tests/unit/pruning/test_refusals.py", "tests/distributed/test_discovery_broadcast.py"),
+        ("tests/unit/pruning/test_api.py", "tests/distributed/test_discovery_broadcast.py"),
         "clusters= to declarations, and early discovery",
     ),
-    "pruning/pruner.py": (("tests/unit/pruning/test_pruner_reference.py",), "to rename: -> test_pruner.py"),
     # scoring (another helper's at the time of issue 40)
     "scoring/hooks.py": (
         ("tests/unit/scoring/test_activation.py", "tests/unit/scoring/test_taylor.py"),
