@@ -42,26 +42,10 @@ from lightning_pat.shrink import check_shrinkable
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state
 from lightning_pat.training.collectors import Collectors
+from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
 
 log = logging.getLogger(__name__)
-
-
-class ConfigurationError(ValueError):
-    """A ``ValueError`` during training that the run's configuration caused (the callback reports it as such)."""
-
-
-@contextmanager
-def prefixed(prefix: str) -> Iterator[None]:
-    """Re-raise a ``ValueError`` of the enclosed code as ``ConfigurationError(f"{prefix}: {error}")``.
-
-    Raises:
-        ConfigurationError: If the enclosed code raises a ``ValueError``.
-    """
-    try:
-        yield
-    except ValueError as err:
-        raise ConfigurationError(f"{prefix}: {err}") from err
 
 
 @dataclass(frozen=True)
@@ -114,7 +98,7 @@ def resolve_score(
     act = None
     if score == "activation" and len(layer_clusters(clusters)) < len(clusters):  # layer units are scored apart
         try:
-            with prefixed("CoupledPruningCallback(score='activation')"):
+            with prefixed(f"{WHO}(score='activation')"):
                 act = ActivationStats(module, clusters)
         except ValueError as err:
             if options.score != "auto":
@@ -338,7 +322,7 @@ def _scored(
     collectors = Collectors()
     collectors.act, collectors.layers = choice.act, layers
     if choice.score == "taylor":
-        with prefixed("CoupledPruningCallback(score='taylor')"):
+        with prefixed(f"{WHO}(score='taylor')"):
             collectors.taylor = TaylorScores(pruner.executors)
     return pruner, collectors
 
@@ -410,24 +394,24 @@ def bind_run(
                 basis = SizeBasis(plan, tuple(found))
                 plan, size = solve_size(plan, params, opts, module=module, declarations=found)
         except ValueError as err:
-            error = f"CoupledPruningCallback: {err}"
+            error = f"{WHO}: {err}"
         digest = {
             "clusters": None if plan is None else [rc.fingerprint() for rc in plan.clusters],
             "routes": None if plan is None else plan.routes,
             "options": opts.resumable(),
         }
-        ranks.check_rank_agreement(digest, error, who="CoupledPruningCallback")
+        ranks.check_rank_agreement(digest, error, who=WHO)
         assert plan is not None
         clusters = tuple(plan.clusters)
         choice = resolve_score(opts, module=module, clusters=clusters, fsdp1=fsdp1_root is not None, saved=saved_score)
         layers = None
         if layer_clusters(clusters) and opts.layer_score == "cosine":
-            with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+            with prefixed(f"{WHO}(layer_score='cosine')"):
                 layers = LayerStats(module, layer_clusters(clusters))
         pruner, collectors = _scored(plan, params, choice, layers=layers)
         route_around_dropped(module, clusters)  # the masked model routes around dropped experts
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
-            with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
+            with prefixed(f"{WHO}(shrink_on_freeze=True)"):
                 check_shrinkable(module, clusters)
                 if any(is_layer_cluster(rc) for rc in clusters):
                     raise ValueError(
@@ -442,15 +426,15 @@ def bind_run(
         which = size_option(opts)
         if opts.allocation(choice.score) == "importance":
             info(
-                f"CoupledPruningCallback {which}: provisional (by fractions, only to check that the size is "
+                f"{WHO} {which}: provisional (by fractions, only to check that the size is "
                 f"reachable; the widths are allocated by importance at the first selection, step "
                 f"{first_selection(opts)}, from the run's {choice.score!r} scores, and logged then): "
                 f"{size.describe()}"
             )
         else:
-            info(f"CoupledPruningCallback {which}: {size.describe()}")
+            info(f"{WHO} {which}: {size.describe()}")
     if opts.score == "auto":
-        info(f"CoupledPruningCallback: score='auto' scores units by {choice.score!r} ({choice.reason}).")
+        info(f"{WHO}: score='auto' scores units by {choice.score!r} ({choice.reason}).")
     info(routes_message(plan.routes))
     return dataclasses.replace(
         run, clusters=clusters, plan=pruner.plan, pruner=pruner, latents=latents, collectors=collectors,
@@ -476,7 +460,7 @@ def routes_message(routes: Mapping[str, tuple[str, str]]) -> str:
     groups: dict[tuple[str, str], list[str]] = {}
     for name, route in routes.items():
         groups.setdefault(route, []).append(name)
-    head = f"CoupledPruningCallback routes {len(routes)} cluster(s)"
+    head = f"{WHO} routes {len(routes)} cluster(s)"
     if len(groups) == 1:
         (kind, reason), _ = next(iter(groups.items()))
         return f"{head}: all {kind} ({reason})"
@@ -491,13 +475,13 @@ def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimi
     orphan = [n for n in names if params[n].requires_grad and id(params[n]) not in in_opt]
     if frozen:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
+            f"{WHO}: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
             "dropped units are set to zero and stay zero, but they are never trained; unfreeze them or remove them "
             "from the clusters if they must not be pruned."
         )
     if orphan:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
+            f"{WHO}: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
             "set to zero but they are never updated; add them to `configure_optimizers` or remove them from the "
             "clusters."
         )

@@ -36,15 +36,9 @@ from lightning_pat.pruning.declarations import declarations_for
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.training import per_step, resume, state
-from lightning_pat.training.bound import (
-    BoundRun,
-    ConfigurationError,
-    RunViews,
-    ScoreChoice,
-    bind_run,
-    early_declarations,
-)
+from lightning_pat.training.bound import BoundRun, RunViews, ScoreChoice, bind_run, early_declarations
 from lightning_pat.training.distill import Distiller
+from lightning_pat.training.errors import ConfigurationError
 from lightning_pat.training.tracker import StepTracker
 
 log = logging.getLogger(__name__)

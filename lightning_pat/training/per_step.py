@@ -33,7 +33,8 @@ from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.shrink import shrink_for_training
 from lightning_pat.sizing.targets import declaration_labels
-from lightning_pat.training.bound import BoundRun, prefixed, size_option, solve_size
+from lightning_pat.training.bound import BoundRun, size_option, solve_size
+from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.state import Progress
 
 
@@ -154,7 +155,7 @@ def allocate(
     evidence = run.collectors.evidence
     score = run.score.score
     which = size_option(options)
-    with prefixed(f"CoupledPruningCallback({which}, target_allocation={options.target_allocation!r})"):
+    with prefixed(f"{WHO}({which}, target_allocation={options.target_allocation!r})"):
         q, scores = run.pruner.reduced(None, evidence)
         declared = declaration_labels(params, run.basis.declarations)
         costs = importance_costs(
@@ -166,7 +167,7 @@ def allocate(
     run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
     source = "statistics" if evidence is not None else "weights"
     info(
-        f"CoupledPruningCallback {which}: {size.describe()}; solved at step {step} (the first selection) from the "
+        f"{WHO} {which}: {size.describe()}; solved at step {step} (the first selection) from the "
         f"run's {score!r} {source}."
     )
     return run
@@ -201,11 +202,11 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
     method = "hard" if schedule.phase(step) in ("final", "healing") else options.method
     scores = None
     if scorers.layers is not None:
-        with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+        with prefixed(f"{WHO}(layer_score='cosine')"):
             scores = scorers.layers.summed_scores()  # one collective when distributed
         if scores is None:
             ranks.rank_zero_warn(
-                f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
+                f"{WHO}: no layer saw a training forward before the selection at step {step}; "
                 "the layer units are ranked by the weight score (layer_score='weight') this time."
             )
     score = run.score.score
@@ -213,7 +214,7 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         scores = {}
     threshold = options.reg_lambda * progress.prox_step(latent=options.mode == "latent")
     used = repr(score) if options.score != "auto" else f"'auto' -> {score!r}"
-    with prefixed(f"CoupledPruningCallback(score={used})"):
+    with prefixed(f"{WHO}(score={used})"):
         targets = plan.targets(sparsity, fraction=schedule.fraction(step))
         result = pruner.step(
             targets, method=method, threshold=threshold, count=count, scores=scores, evidence=scorers.evidence
@@ -222,9 +223,7 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         scorers.taylor.reset()  # the next selection sums the steps from here
     progress.mark_selection()
     if options.debug_check_selection:  # the mask the pruner holds now, whatever produced it
-        ranks.check_selection_agreement(
-            pruner.result().dropped, step=step, who="CoupledPruningCallback (debug_check_selection)"
-        )
+        ranks.check_selection_agreement(pruner.result().dropped, step=step, who=f"{WHO} (debug_check_selection)")
     return result
 
 
@@ -260,10 +259,10 @@ def freeze(
         if not options.shrink_on_freeze:
             return None
         dropped = run.pruner.result().dropped
-        with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
+        with prefixed(f"{WHO}(shrink_on_freeze=True)"):
             shrink_for_training(run.module, clusters, dropped, optimizers=run.optimizers)
     info(
-        f"CoupledPruningCallback: shrunk the model at step {step} to "
+        f"{WHO}: shrunk the model at step {step} to "
         f"{sum(p.numel() for p in run.module.parameters()):,} parameters; healing runs on the small model."
     )
     return dropped, run.after_shrink()

@@ -37,8 +37,9 @@ from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score, size_option
+from lightning_pat.training.bound import BoundRun, resolve_score, size_option
 from lightning_pat.training.distill import Distiller
+from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
 
 
 # ---------------------------------------------------------------------------------------------------- state in
@@ -84,14 +85,14 @@ def before_restore(
     if not differ:
         return None
     if is_shrunk(body):  # a checkpoint written after the shrink: give the module its shapes
-        with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+        with prefixed(f"{WHO}: cannot resume the shrunk model"):
             small = read_saved(body, "the callback state")  # the schema, once
             restore_shrunk(module, small)
         return list(small.clusters), dict(small.dropped)
     if shrunk:  # this module was shrunk; the checkpoint holds the full-size weights
         name, (mine, theirs) = next(iter(differ.items()))
         raise ConfigurationError(
-            f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+            f"{WHO}(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
             f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
             f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
             "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
@@ -121,7 +122,7 @@ def check_fit_resumes(
     """
     if not restoring and not carry and global_step > 0 and not shrunk:
         raise ConfigurationError(
-            f"CoupledPruningCallback: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
+            f"{WHO}: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
             f"holds no state under this callback's key {key!r} (the cluster declaration names identify it). "
             "Resume with the same cluster names, or, to start pruning from trained weights, load them into the "
             "module and fit with a fresh Trainer without `ckpt_path`."
@@ -142,14 +143,14 @@ def restore_teacher(
     """
     if fresh:
         distiller.reset()  # a new schedule: a new teacher when pruning starts
-    with ranks.together("CoupledPruningCallback"):
+    with ranks.together(WHO):
         if options.distill_teacher_store == "file" and options.distill_teacher is None:
             teacher_file.check_directories(dirs)
         distiller.check_saved()
     if not restoring or not teacher_file.is_file_entry(distiller.saved):
         return
     where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
-    with ranks.together("CoupledPruningCallback"):
+    with ranks.together(WHO):
         distiller.restore_file(directories=[*where, *dirs])
 
 
@@ -195,7 +196,7 @@ def start(
         progress = apply(run, state.Restored.carried(carried))
     else:
         if dropped_carry:
-            info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
+            info(f"{WHO}: a fresh Trainer starts a new pruning schedule at step 0.")
         run.collectors.reset()
         progress = state.Progress()
     if schedule.frozen(progress.step, heal=options.heal):
@@ -247,7 +248,7 @@ def restore(
         )
         if choice.score != run.score.score:  # "auto" continues the score the checkpoint was written with
             run = run.rescored(choice)
-            info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {choice.score!r}.")
+            info(f"{WHO}: score='auto' continues the checkpoint's score {choice.score!r}.")
     run = reallocated(run, saved, options=options, info=info)
     assert run.latents is not None
     restored = state.read(
@@ -283,7 +284,7 @@ def reallocated(
     if changed or run.basis is None or run.plan is None:
         desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) or "no size target now"
         raise ConfigurationError(
-            f"CoupledPruningCallback: the checkpoint's widths were solved by importance at step {step} for "
+            f"{WHO}: the checkpoint's widths were solved by importance at step {step} for "
             f"{ {k: then.get(k) for k in changed} or then }; the changed options ({desc}) would solve them again and "
             "change the widths in the middle of the run. Resume with the saved options, or start a new run (a fresh "
             "Trainer) to prune to another size."
@@ -293,7 +294,7 @@ def reallocated(
     run = run.retargeted(current, SizeSolution.from_dict(entry["size"]), solved_at=step)
     assert run.size is not None
     info(
-        f"CoupledPruningCallback {size_option(options)}: {run.size.describe()}; solved at step {step} (the first "
+        f"{WHO} {size_option(options)}: {run.size.describe()}; solved at step {step} (the first "
         "selection), kept on resume."
     )
     return run
@@ -355,7 +356,7 @@ def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -
     ]
     if empty:
         raise ValueError(
-            f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters "
+            f"{WHO}: at step {step} (after the final ramp step) clusters "
             f"{empty[:5]} have no dropped units although the target requires some; refusing to heal with an empty "
             "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
         )
@@ -368,7 +369,7 @@ def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
     end = step + int(steps_left)
     if end < schedule.final_step:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
+            f"{WHO}: this fit ends after optimizer step {end}, before the final ramp step "
             f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will "
             f"only reach {schedule.fraction(end):.0%} of the target and is not frozen. Raise max_steps/max_epochs "
             "or shorten the schedule."

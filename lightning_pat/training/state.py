@@ -59,11 +59,12 @@ from lightning_pat.core.state_fields import rank_entry
 from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
+from lightning_pat.training.errors import WHO
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
 #: How a restored state is named in the messages of :func:`check_saved`.
-WHAT = "CoupledPruningCallback: the checkpoint's pruning state"
+WHAT = f"{WHO}: the checkpoint's pruning state"
 TEACHER_PREFIX = SIDE_PREFIX + "teacher."  # the sharded distillation teacher (see lightning_pat.training.distill)
 
 
@@ -203,7 +204,7 @@ def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, A
     split = f"sharded by tensor parallelism (reader modules {partial[:3]} cover only some input channels per rank)"
     return rank_entry(
         saved, rank=ranks.world_rank(), world=ranks.world_size(), split=split if partial else None,
-        who="CoupledPruningCallback(score='activation')", entries="the statistics",
+        who=f"{WHO}(score='activation')", entries="the statistics",
         fix="resume with score='rms' (or a fresh run) to collect new statistics",
     )  # fmt: skip
 
@@ -266,19 +267,19 @@ def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], 
     new_final = final_step_of(current)
     if not final and step >= new_final:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was taken at step {step} inside the ramp, but the changed options "
+            f"{WHO}: the checkpoint was taken at step {step} inside the ramp, but the changed options "
             f"({desc}) put the final ramp step at {new_final}, already past; the final mask would never be applied. "
             f"Keep warmup_steps + ramp_steps > {step}."
         )
     shaping = MASK_SHAPING & set(changed)
     if final and current.get("heal", True) and shaping:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
+            f"{WHO}: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
             f"is frozen; the changed options ({desc}) cannot change it. Resume with the saved options "
             f"({ {k: saved[k] for k in shaping} }), or start a new run (a fresh Trainer) to prune again."
         )
     ranks.rank_zero_warn(
-        f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
+        f"{WHO}: resuming at step {step} with changed options ({desc}); the schedule continues from "
         "the saved step with the new options."
     )
 
@@ -307,7 +308,7 @@ def check_restorable(
     if saved != fingerprints:
         changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
+            f"{WHO}: the checkpoint was written for different clusters ({changed[:5]} differ); "
             "resume with the same cluster declarations and model, or start a new run."
         )
     step, saved_options = read.step, read.options
@@ -316,7 +317,7 @@ def check_restorable(
     needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
     if needs and state.get("latents") is None:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint (step {step}, final step {schedule.final_step}, mode "
+            f"{WHO}: the checkpoint (step {step}, final step {schedule.final_step}, mode "
             f"{saved_options.get('mode')!r}) holds no latent copies, so latent mode cannot continue the ramp exactly. "
             "Resume with mode='direct', or resume from a checkpoint written in latent mode."
         )

@@ -22,7 +22,8 @@ from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import make_plan
 from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training import per_step
-from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.controller import PruningController
+from lightning_pat.training.errors import ConfigurationError
 
 CFG = TinyGPTConfig(vocab_size=32, d_model=16, d_ff=32, n_head=4, n_kv_head=2, n_layer=2, max_seq_len=8)
 TARGET = 0.75

@@ -11,8 +11,8 @@ from lightning_pat.pruning.plan import make_plan
 from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.taylor import TaylorScores
-from lightning_pat.training.bound import ConfigurationError, prefixed
 from lightning_pat.training.collectors import Collectors
+from lightning_pat.training.errors import ConfigurationError, prefixed
 
 CLUSTER = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_pat import Cluster, PruningWarning
 from lightning_pat.pruning.options import PruningOptions
-from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.controller import PruningController
+from lightning_pat.training.errors import ConfigurationError
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]
 
