@@ -7,10 +7,8 @@ the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and the save
 neither imports the controller. A resume that continues another score gets a new :class:`BoundRun`
 (:meth:`BoundRun.rescored`); a ``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
 
-:func:`resolve_score` is the one place where ``score="auto"`` is settled: ``"activation"`` wherever its statistics
-can score the clusters, ``"rms"`` under FSDP1 and for clusters without an ``nn.Linear`` reader, and on a resume the
-score the checkpoint was written with (when it runs here). Errors are ``ValueError`` (``ConfigurationError`` where the
-configuration caused them).
+The score is settled by :func:`~lightning_pat.training.score_choice.resolve_score`. Errors are ``ValueError``
+(:class:`~lightning_pat.training.errors.ConfigurationError` where the configuration caused them).
 """
 
 from __future__ import annotations
@@ -28,83 +26,21 @@ from torch import Tensor, nn
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.routing import route_around_dropped
 from lightning_pat.core.spec import Cluster, ResolvedCluster
-from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.parallel import fsdp1
 from lightning_pat.parallel.comm import ranks
-from lightning_pat.pruning.declarations import early_declarations as declared_early
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import Plan, make_plan
 from lightning_pat.pruning.pruner import Pruner
-from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.layers import LayerStats, layer_clusters
-from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.shrink import check_shrinkable
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state
 from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
+from lightning_pat.training.score_choice import ScoreChoice, resolve_score, scored
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ScoreChoice:
-    """The score a run uses, why (for the log of ``score="auto"``), and the activation statistics it built.
-
-    Attributes:
-        score: ``options.score``, or what ``"auto"`` settled on.
-        reason: Why ``"auto"`` settled on it (empty for an explicit score).
-        act: ``score="activation"``: the readers' input statistics (``None`` with only layer units).
-    """
-
-    score: str
-    reason: str = ""
-    act: ActivationStats | None = None
-
-
-def resolve_score(
-    options: PruningOptions,
-    *,
-    module: nn.Module,
-    clusters: Sequence[ResolvedCluster],
-    fsdp1: bool,
-    saved: str | None = None,
-) -> ScoreChoice:
-    """The score of a run (the one place ``score="auto"`` is settled; see the module docstring).
-
-    Args:
-        options: The run's options.
-        module: The model (the activation statistics hook its reader modules).
-        clusters: The resolved clusters.
-        fsdp1: Whether the model runs under FSDP1 (no activation statistics there).
-        saved: On a resume, the score the checkpoint was written with: ``"auto"`` continues it where it runs.
-
-    Returns:
-        The choice, with the activation statistics built when the score is ``"activation"``.
-
-    Raises:
-        ConfigurationError: If an explicit ``score="activation"`` cannot score the clusters (no ``nn.Linear`` reader).
-    """
-    score, reason = options.score, ""
-    if score == "auto":
-        if saved in ("rms", "activation") and not (saved == "activation" and fsdp1):
-            score, reason = saved, "the checkpoint's score"
-        elif fsdp1:
-            score, reason = "rms", "the activation score does not run under FSDPStrategy (FSDP1)"
-        else:
-            score = "activation"
-            reason = "the readers' input statistics, collected in training forwards; pass score='rms' for the weights"
-    act = None
-    if score == "activation" and len(layer_clusters(clusters)) < len(clusters):  # layer units are scored apart
-        try:
-            with prefixed(f"{WHO}(score='activation')"):
-                act = ActivationStats(module, clusters)
-        except ValueError as err:
-            if options.score != "auto":
-                raise
-            score, reason = "rms", f"the activation score cannot score these clusters: {err}"
-    return ScoreChoice(score, reason, act)
 
 
 @dataclass(frozen=True)
@@ -168,7 +104,7 @@ class BoundRun:
         pruner: The pruner (``None`` once the model was shrunk).
         latents: The latent copies (``None`` once the model was shrunk).
         collectors: The data-aware scorers in use.
-        score: The score in use (see :func:`resolve_score`).
+        score: The score in use (see :func:`~lightning_pat.training.score_choice.resolve_score`).
         size: ``target_params`` / ``target_flops``: the solved widths and the achieved count.
         basis: With a size target: what it is solved from (the solve by importance happens at the first selection).
         solved_at: The step at which the size was solved by importance (``None``: not yet, or by fractions at bind).
@@ -237,113 +173,12 @@ class BoundRun:
         """This run with another score: a new pruner and score collectors (the layer statistics are kept)."""
         assert self.plan is not None
         with self.weights() as params:
-            pruner, collectors = _scored(self.plan, params, choice, layers=self.collectors.layers)
+            pruner, collectors = scored(self.plan, params, choice, layers=self.collectors.layers)
         return dataclasses.replace(self, plan=pruner.plan, pruner=pruner, collectors=collectors, score=choice)
 
     def after_shrink(self) -> BoundRun:
         """The run once ``shrink_on_freeze`` cut the model: nothing is left to prune, only steps to count."""
         return dataclasses.replace(self, plan=None, pruner=None, latents=None, collectors=Collectors())
-
-
-class RunViews:
-    """What a bound run holds, read through its owner's ``run`` (``None`` before ``bind``): a mixin of the controller.
-
-    Attributes:
-        options: The run's options.
-        run: The bound run, or ``None`` before ``bind``.
-    """
-
-    options: PruningOptions
-    run: BoundRun | None
-
-    @property
-    def score(self) -> str:
-        """The score in use: ``options.score``, or what ``"auto"`` resolved to (``"auto"`` until :meth:`bind`)."""
-        return self.options.score if self.run is None else self.run.score.score
-
-    @property
-    def plan(self) -> Plan | None:
-        """The bound plan (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.plan
-
-    @property
-    def pruner(self) -> Pruner | None:
-        """The pruner (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.pruner
-
-    @property
-    def latents(self) -> LatentStore | None:
-        """The latent copies (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.latents
-
-    @property
-    def scorers(self) -> Collectors:
-        """The data-aware scores in use (activation, taylor, layer cosines)."""
-        return Collectors() if self.run is None else self.run.collectors
-
-    @property
-    def size(self) -> SizeSolution | None:
-        """``target_params`` / ``target_flops``: the solved widths and the achieved count."""
-        return None if self.run is None else self.run.size
-
-    @property
-    def act(self) -> ActivationStats | None:
-        """The readers' input statistics (``score="activation"``), else ``None``."""
-        return self.scorers.act
-
-    @property
-    def taylor(self) -> TaylorScores | None:
-        """The sums of ``|w * g|`` since the last selection (``score="taylor"``), else ``None``."""
-        return self.scorers.taylor
-
-    @property
-    def layer_stats(self) -> LayerStats | None:
-        """The layer units' ``1 - cos(input, output)`` sums (``layer_score="cosine"``), else ``None``."""
-        return self.scorers.layers
-
-    def targets(self, step: int) -> dict[str, float]:
-        """Per-cluster target fraction in force after optimizer step ``step`` (``{}`` without a plan)."""
-        if self.plan is None:
-            return {}
-        return self.plan.targets(self.options.target_sparsity, fraction=self.options.schedule.fraction(step))
-
-    def counts_at(self, step: int, *, every: int) -> bool:
-        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
-        return self.options.log_metrics and (self.options.schedule.phase(step) == "final" or step % max(every, 1) == 0)
-
-
-def _scored(
-    plan: Plan, params: Mapping[str, Tensor], choice: ScoreChoice, *, layers: LayerStats | None
-) -> tuple[Pruner, Collectors]:
-    """The pruner of ``plan`` with the chosen score, and the collectors that score needs."""
-    if plan.score != choice.score:
-        plan = dataclasses.replace(plan, score=choice.score)  # type: ignore[arg-type]
-    pruner = Pruner(params, plan)
-    collectors = Collectors()
-    collectors.act, collectors.layers = choice.act, layers
-    if choice.score == "taylor":
-        with prefixed(f"{WHO}(score='taylor')"):
-            collectors.taylor = TaylorScores(pruner.executors)
-    return pruner, collectors
-
-
-def early_declarations(
-    options: PruningOptions, module: nn.Module, batch_input: Callable[[], Any]
-) -> list[Cluster] | ValueError | None:
-    """``clusters="auto"`` discovered by tracing before ``configure_model`` shards the model (see ``prepare``).
-
-    Under torch.distributed only global rank 0 traces; every other rank receives its outcome (the declarations, an
-    error, or nothing: JSON bytes in one broadcast, no pickle). A discovery error is returned, not raised: ``bind``
-    raises it, where every rank raises together.
-    """
-    mine = None
-    if ranks.world_rank() == 0:
-        try:
-            mine = declared_early(module, options.clusters, options.preset_options, batch_input)
-        except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
-            mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
-    group = ranks.world_group()
-    return outcome_from_json(ranks.broadcast_json(outcome_to_json(mine), group=group))
 
 
 def bind_run(
@@ -370,7 +205,7 @@ def bind_run(
         declarations: Returns the cluster declarations for ``module`` (or raises the discovery's error).
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
-        saved_score: The score of a state already loaded (``"auto"`` continues it; see :func:`resolve_score`).
+        saved_score: The score of a state already loaded (``"auto"`` continues it).
         info: Where the routes, the solved size and the score go (rank zero).
 
     Raises:
@@ -408,7 +243,7 @@ def bind_run(
         if layer_clusters(clusters) and opts.layer_score == "cosine":
             with prefixed(f"{WHO}(layer_score='cosine')"):
                 layers = LayerStats(module, layer_clusters(clusters))
-        pruner, collectors = _scored(plan, params, choice, layers=layers)
+        pruner, collectors = scored(plan, params, choice, layers=layers)
         route_around_dropped(module, clusters)  # the masked model routes around dropped experts
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
             with prefixed(f"{WHO}(shrink_on_freeze=True)"):

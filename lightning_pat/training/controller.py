@@ -1,7 +1,7 @@
 """The training controller: what happens to the weights around each real optimizer step (no Lightning here).
 
 :class:`PruningController` owns the progress counters, the real-step tracker
-(:class:`~lightning_pat.training.tracker.StepTracker`), the bound run (:class:`~lightning_pat.training.bound.BoundRun`:
+(:class:`~lightning_pat.training.progress.StepTracker`), the bound run (:class:`~lightning_pat.training.bound.BoundRun`:
 the latent copies, the pruner, the data-aware scorers), the mask's freeze and shrink, and with ``distill_alpha > 0``
 the :class:`~lightning_pat.training.distill.Distiller`. A training loop (the callback, or any loop of your own) calls
 :meth:`~PruningController.bind` once the model and optimizers are final (resolve, agree across ranks, route; nothing
@@ -32,19 +32,21 @@ from torch import Tensor, nn
 from lightning_pat.core.saved_state import saved_score
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.parallel.comm import ranks
-from lightning_pat.pruning.declarations import declarations_for
+from lightning_pat.pruning.declarations import declarations_for, early_declarations
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
-from lightning_pat.training import per_step, resume, state
-from lightning_pat.training.bound import BoundRun, RunViews, ScoreChoice, bind_run, early_declarations
+from lightning_pat.training import per_step, resume
+from lightning_pat.training.bound import BoundRun, bind_run
+from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import ConfigurationError
-from lightning_pat.training.tracker import StepTracker
+from lightning_pat.training.progress import Progress, StepTracker
+from lightning_pat.training.score_choice import ScoreChoice
 
 log = logging.getLogger(__name__)
 
 
-class PruningController(RunViews):
+class PruningController:
     """Coupled pruning around a training loop's optimizer steps (see the module docstring).
 
     Args:
@@ -82,7 +84,7 @@ class PruningController(RunViews):
         self.options = options
         self._info = info or (lambda message: ranks.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
-        self.progress = state.Progress()
+        self.progress = Progress()
         self.tracker = StepTracker()
         self.run: BoundRun | None = None  # what bind built (see lightning_pat.training.bound)
         self.resolved: list[ResolvedCluster] = []
@@ -111,7 +113,17 @@ class PruningController(RunViews):
         """Cluster name -> sorted dropped unit indices of the current mask."""
         if self.shrunk is not None:
             return dict(self.shrunk)
-        return {} if self.pruner is None else self.pruner.result().dropped
+        pruner = None if self.run is None else self.run.pruner
+        return {} if pruner is None else pruner.result().dropped
+
+    @property
+    def scorers(self) -> Collectors:
+        """The run's data-aware scorers (empty before :meth:`bind` and once the model was shrunk)."""
+        return Collectors() if self.run is None else self.run.collectors
+
+    def counts_at(self, step: int, *, every: int) -> bool:
+        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
+        return self.options.log_metrics and (self.options.schedule.phase(step) == "final" or step % max(every, 1) == 0)
 
     @property
     def teacher(self) -> nn.Module | None:
@@ -137,7 +149,11 @@ class PruningController(RunViews):
                 :meth:`reproject_after_averaging`).
         """
         self._averaged = weight_averaging
-        self._early = None if batch_input is None else early_declarations(self.options, module, batch_input)
+        self._early = (
+            None
+            if batch_input is None
+            else early_declarations(module, self.options.clusters, self.options.preset_options, batch_input)
+        )
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
@@ -287,7 +303,8 @@ class PruningController(RunViews):
         if self.shrunk is not None:
             self._carry = self.progress.state_dict()  # only the step count goes on
             return
-        assert self.pruner is not None
+        assert self.run is not None
+        assert self.run.pruner is not None
         self._carry = self._save(gather=False)  # this rank's own statistics at every index: each rank reads its own
 
     def release(self) -> None:
@@ -334,7 +351,7 @@ class PruningController(RunViews):
         """
         if self.distiller is not None:
             self.distiller.check_ran()
-        if self.pruner is None or self.latents is None:
+        if self.run is None or self.run.pruner is None or self.run.latents is None:
             return
         action = self.schedule.action(self.progress.step + 1, heal=self.options.heal)
         per_step.after_backward(self._bound(), optimizer, action=action)
@@ -363,7 +380,7 @@ class PruningController(RunViews):
                 self.progress.tick()
                 self.progress.add_lr(self.tracker.last_lr)
             return None
-        if self.pruner is None or self.latents is None:
+        if self.run is None or self.run.pruner is None or self.run.latents is None:
             return None
         result, run = per_step.after_step(
             self._bound(), self.progress, stepped=stepped, lr=self.tracker.last_lr, options=self.options, count=count,
@@ -381,10 +398,11 @@ class PruningController(RunViews):
 
     def reproject(self) -> None:
         """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
-        if self.pruner is None or self.shrunk is not None:
+        pruner = None if self.run is None else self.run.pruner
+        if pruner is None or self.shrunk is not None:
             return
         with torch.no_grad(), self._bound().weights():
-            self.pruner.hold()
+            pruner.hold()
 
     # ------------------------------------------------------------------ the saved state (resume.py)
     def _save(self, *, gather: bool) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Everything here works on a :class:`~lightning_pat.training.bound.BoundRun` (what
 :meth:`~lightning_pat.training.controller.PruningController.bind` built), the run's
-:class:`~lightning_pat.training.state.Progress` and plain values, and returns what changed; the controller's per-step
+:class:`~lightning_pat.training.progress.Progress` and plain values, and returns what changed; the controller's per-step
 verbs call it and keep the results. In the order of a step:
 
 1. :func:`after_backward`: between the backward and the update, the latents are swapped in (latent mode, ramp) or
@@ -35,7 +35,7 @@ from lightning_pat.shrink import shrink_for_training
 from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training.bound import BoundRun, size_option, solve_size
 from lightning_pat.training.errors import WHO, prefixed
-from lightning_pat.training.state import Progress
+from lightning_pat.training.progress import Progress
 
 
 def after_backward(run: BoundRun, optimizer: torch.optim.Optimizer, *, action: Action) -> None:

@@ -37,9 +37,11 @@ from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, resolve_score, size_option
+from lightning_pat.training.bound import BoundRun, size_option
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
+from lightning_pat.training.progress import Progress
+from lightning_pat.training.score_choice import resolve_score
 
 
 # ---------------------------------------------------------------------------------------------------- state in
@@ -164,7 +166,7 @@ def start(
     ckpt_path: Any,
     global_step: int | None,
     info: Callable[[str], None],
-) -> tuple[BoundRun, state.Progress]:
+) -> tuple[BoundRun, Progress]:
     """Where a fit starts: a loaded state (:func:`restore`), the previous fit's, or a new schedule at step 0.
 
     Args:
@@ -198,7 +200,7 @@ def start(
         if dropped_carry:
             info(f"{WHO}: a fresh Trainer starts a new pruning schedule at step 0.")
         run.collectors.reset()
-        progress = state.Progress()
+        progress = Progress()
     if schedule.frozen(progress.step, heal=options.heal):
         check_mask_not_empty(run, options, step=progress.step)
     else:
@@ -208,7 +210,7 @@ def start(
 
 def shrunk_progress(
     restored: Mapping[str, Any] | None, carried: Mapping[str, Any] | None, *, global_step: int | None
-) -> state.Progress | None:
+) -> Progress | None:
     """A shrunk model's progress at fit start (only the step count goes on): a loaded state's, else the previous fit's.
 
     Returns:
@@ -219,7 +221,7 @@ def shrunk_progress(
     """
     if restored is not None:
         return state.read_progress(restored, global_step=global_step)
-    return None if carried is None else state.Progress.from_state(carried)
+    return None if carried is None else Progress.from_state(carried)
 
 
 def restore(
@@ -231,7 +233,7 @@ def restore(
     ckpt_path: Any,
     global_step: int | None,
     info: Callable[[str], None],
-) -> tuple[BoundRun, state.Progress]:
+) -> tuple[BoundRun, Progress]:
     """Continue a loaded state: its score (``"auto"``), its checks, its mask, latents and statistics.
 
     Returns:
@@ -326,7 +328,7 @@ def check_dropped_are_zero(run: BoundRun, dropped: Mapping[str, Sequence[int]]) 
         )
 
 
-def apply(run: BoundRun, restored: state.Restored) -> state.Progress:
+def apply(run: BoundRun, restored: state.Restored) -> Progress:
     """Set the mask, latents and statistics of ``restored`` and project the weights; return its progress."""
     assert run.pruner is not None
     assert run.latents is not None
@@ -385,7 +387,7 @@ def resumable(options: PruningOptions, run: BoundRun | None) -> dict[str, Any]:
 def save(
     run: BoundRun | None,
     *,
-    progress: state.Progress,
+    progress: Progress,
     options: PruningOptions,
     clusters: Sequence[ResolvedCluster],
     dropped: Mapping[str, list[int]],

@@ -60,58 +60,13 @@ from lightning_pat.core.state_schema import StateContext, TensorFacts, check_sta
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
 from lightning_pat.training.errors import WHO
+from lightning_pat.training.progress import Progress
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
 #: How a restored state is named in the messages of :func:`check_saved`.
 WHAT = f"{WHO}: the checkpoint's pruning state"
 TEACHER_PREFIX = SIDE_PREFIX + "teacher."  # the sharded distillation teacher (see lightning_pat.training.distill)
-
-
-@dataclass
-class Progress:
-    """Completed real optimizer steps and the sums of learning rates the group-lasso prox step is sized from.
-
-    Attributes:
-        step: Completed real optimizer steps seen by the schedule.
-        gamma: Sum of learning rates of the steps since warmup.
-        gamma_prox: ``gamma`` at the last fresh selection (a direct-mode prox step sums the lrs from there).
-    """
-
-    step: int = 0
-    gamma: float = 0.0
-    gamma_prox: float = 0.0
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> Progress:
-        """From a state (missing keys start fresh)."""
-        return cls(int(state.get("step", 0)), float(state.get("gamma", 0.0)), float(state.get("gamma_prox", 0.0)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """``step``, ``gamma`` and ``gamma_prox`` as plain numbers."""
-        return {"step": self.step, "gamma": self.gamma, "gamma_prox": self.gamma_prox}
-
-    def tick(self) -> int:
-        """Count one real optimizer step; return the new step."""
-        self.step += 1
-        return self.step
-
-    def add_lr(self, lr: float | None) -> None:
-        """Add a step's learning rate to ``gamma`` (past warmup; an unknown lr adds nothing)."""
-        self.gamma += lr or 0.0
-
-    def prox_step(self, *, latent: bool) -> float:
-        """The group-lasso step size of a fresh selection now (see the callback's ``reg_lambda``).
-
-        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
-        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
-        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
-        """
-        return self.gamma if latent else self.gamma - self.gamma_prox
-
-    def mark_selection(self) -> None:
-        """A fresh selection happened: the next direct-mode prox step sums the learning rates from here."""
-        self.gamma_prox = self.gamma
 
 
 def build(

@@ -110,8 +110,8 @@ def test_latent_mode_never_shows_dense_weights_to_the_forward():
         dropped = results[step].dropped["hidden"]
         assert dropped, step
         assert torch.count_nonzero(seen[step][dropped]) == 0, step
-    assert ctl.latents is not None
-    assert not ctl.latents.active
+    assert ctl.run.latents is not None
+    assert not ctl.run.latents.active
 
 
 def test_micro_batches_without_an_optimizer_step_do_not_count():
