@@ -1,11 +1,13 @@
 """A run bound to its model: what :meth:`PruningController.bind` builds once the model and optimizers are final.
 
-:class:`BoundRun` is frozen: the module, its parameters, the plan, the pruner, the latent copies, the data-aware
-scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the score in use. The controller
-(:mod:`lightning_pat.training.controller`) holds it; the per-step work (:mod:`lightning_pat.training.per_step`) and
-the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and the saved state) are functions on it, and
-neither imports the controller. A resume that continues another score gets a new :class:`BoundRun`
-(:meth:`BoundRun.rescored`); a ``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
+:class:`BoundRun` is frozen: the module, its parameters, the plan, the latent copies, the size target's solution,
+and from fit start the pruner, the data-aware scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the
+score in use. The controller (:mod:`lightning_pat.training.controller`) holds it; the per-step work
+(:mod:`lightning_pat.training.per_step`) and the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and
+the saved state) are functions on it, and neither imports the controller. :func:`bind_run` resolves, routes, agrees
+across ranks and checks, but builds no pruner: the score is settled once, at fit start, when a restored state is
+known under every strategy (:meth:`BoundRun.scored`, called by :func:`~lightning_pat.training.resume.start`); a
+``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
 
 The score is settled by :func:`~lightning_pat.training.score_choice.resolve_score`. Errors are ``ValueError``
 (:class:`~lightning_pat.training.errors.ConfigurationError` where the configuration caused them).
@@ -31,14 +33,13 @@ from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import Plan, make_plan
 from lightning_pat.pruning.pruner import Pruner
-from lightning_pat.scoring.layers import LayerStats, layer_clusters
 from lightning_pat.shrink import check_shrinkable
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state
 from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
-from lightning_pat.training.score_choice import ScoreChoice, resolve_score, scored
+from lightning_pat.training.score_choice import ScoreChoice, check_scores, scored
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,12 @@ class BoundRun:
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
         clusters: The resolved clusters (empty once the model was shrunk).
-        plan: The plan, with the score in use (``None`` once the model was shrunk).
-        pruner: The pruner (``None`` once the model was shrunk).
+        plan: The plan (``None`` once the model was shrunk); its score is the one in use once the fit started.
+        pruner: The pruner, built at fit start with the score (``None`` before, and once the model was shrunk).
         latents: The latent copies (``None`` once the model was shrunk).
-        collectors: The data-aware scorers in use.
-        score: The score in use (see :func:`~lightning_pat.training.score_choice.resolve_score`).
+        collectors: The data-aware scorers in use (built with the pruner).
+        score: The score in use (see :func:`~lightning_pat.training.score_choice.resolve_score`), settled at fit
+            start (``None`` before).
         size: ``target_params`` / ``target_flops``: the solved widths and the achieved count.
         basis: With a size target: what it is solved from (the solve by importance happens at the first selection).
         solved_at: The step at which the size was solved by importance (``None``: not yet, or by fractions at bind).
@@ -120,7 +122,7 @@ class BoundRun:
     pruner: Pruner | None = None
     latents: LatentStore | None = None
     collectors: Collectors = dataclasses.field(default_factory=Collectors)
-    score: ScoreChoice = ScoreChoice("rms")
+    score: ScoreChoice | None = None
     size: SizeSolution | None = None
     basis: SizeBasis | None = None
     solved_at: int | None = None
@@ -131,6 +133,7 @@ class BoundRun:
             self.basis is not None
             and self.solved_at is None
             and self.plan is not None
+            and self.score is not None
             and options.allocation(self.score.score) == "importance"
         )
 
@@ -169,11 +172,15 @@ class BoundRun:
             self.params.values(), fsdp1=self.fsdp1_root is not None, sharded_ckpt=self.sharded_ckpt
         )
 
-    def rescored(self, choice: ScoreChoice) -> BoundRun:
-        """This run with another score: a new pruner and score collectors (the layer statistics are kept)."""
+    def scored(self, choice: ScoreChoice, *, layer_score: str) -> BoundRun:
+        """This run with its score settled: the pruner with ``choice``'s score and the collectors it needs.
+
+        Raises:
+            ConfigurationError: As for :func:`~lightning_pat.training.score_choice.scored`.
+        """
         assert self.plan is not None
         with self.weights() as params:
-            pruner, collectors = scored(self.plan, params, choice, layers=self.collectors.layers)
+            pruner, collectors = scored(self.plan, params, choice, module=self.module, layer_score=layer_score)
         return dataclasses.replace(self, plan=pruner.plan, pruner=pruner, collectors=collectors, score=choice)
 
     def after_shrink(self) -> BoundRun:
@@ -189,14 +196,16 @@ def bind_run(
     declarations: Callable[[nn.Module], list[Cluster]],
     fsdp1_root: nn.Module | None = None,
     sharded_ckpt: bool = False,
-    saved_score: str | None = None,
     info: Callable[[str], None],
 ) -> BoundRun:
-    """Resolve the clusters against ``module``'s final parameters, agree across ranks, build the run.
+    """Resolve the clusters against ``module``'s final parameters, agree across ranks, check, build the run.
 
-    Nothing is mutated. Resolution and routing use global metadata only; their outcome (or a rank's error) is
-    compared across ranks in one collective, so a rank with a different declaration or model makes every rank
-    raise the same error instead of hanging in a later collective.
+    The run has no pruner yet: the score is settled at fit start, once a restored state is known
+    (:func:`~lightning_pat.training.resume.start`); what no checkpoint changes is refused here
+    (:func:`~lightning_pat.training.score_choice.check_scores`). Nothing is mutated. Resolution and routing use
+    global metadata only; their outcome (or a rank's error) is compared across ranks in one collective, so a rank
+    with a different declaration or model makes every rank raise the same error instead of hanging in a later
+    collective.
 
     Args:
         module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
@@ -205,8 +214,7 @@ def bind_run(
         declarations: Returns the cluster declarations for ``module`` (or raises the discovery's error).
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
-        saved_score: The score of a state already loaded (``"auto"`` continues it).
-        info: Where the routes, the solved size and the score go (rank zero).
+        info: Where the routes go (rank zero).
 
     Raises:
         ValueError: As for :meth:`~lightning_pat.training.controller.PruningController.bind`.
@@ -221,7 +229,7 @@ def bind_run(
         try:
             found = declarations(module)
             plan = make_plan(
-                params, found, score="rms", executor=opts.executor,  # the score is resolve_score's, set below
+                params, found, score="rms", executor=opts.executor,  # the score is settled at fit start
                 group_count_ref=opts.group_count_ref,
                 sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
             )  # fmt: skip
@@ -238,12 +246,7 @@ def bind_run(
         ranks.check_rank_agreement(digest, error, who=WHO)
         assert plan is not None
         clusters = tuple(plan.clusters)
-        choice = resolve_score(opts, module=module, clusters=clusters, fsdp1=fsdp1_root is not None, saved=saved_score)
-        layers = None
-        if layer_clusters(clusters) and opts.layer_score == "cosine":
-            with prefixed(f"{WHO}(layer_score='cosine')"):
-                layers = LayerStats(module, layer_clusters(clusters))
-        pruner, collectors = scored(plan, params, choice, layers=layers)
+        check_scores(opts, module=module, plan=plan, params=params, fsdp1=fsdp1_root is not None)
         route_around_dropped(module, clusters)  # the masked model routes around dropped experts
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
             with prefixed(f"{WHO}(shrink_on_freeze=True)"):
@@ -257,24 +260,26 @@ def bind_run(
     # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
     latents = LatentStore(run.params, list(run.params) if fsdp1_root is not None else clustered)
     _warn_unoptimized(run.params, clustered, optimizers)
-    if size is not None:
-        which = size_option(opts)
-        if opts.allocation(choice.score) == "importance":
-            info(
-                f"{WHO} {which}: provisional (by fractions, only to check that the size is "
-                f"reachable; the widths are allocated by importance at the first selection, step "
-                f"{first_selection(opts)}, from the run's {choice.score!r} scores, and logged then): "
-                f"{size.describe()}"
-            )
-        else:
-            info(f"{WHO} {which}: {size.describe()}")
-    if opts.score == "auto":
-        info(f"{WHO}: score='auto' scores units by {choice.score!r} ({choice.reason}).")
     info(routes_message(plan.routes))
-    return dataclasses.replace(
-        run, clusters=clusters, plan=pruner.plan, pruner=pruner, latents=latents, collectors=collectors,
-        score=choice, size=size, basis=basis,
-    )  # fmt: skip
+    return dataclasses.replace(run, clusters=clusters, plan=plan, latents=latents, size=size, basis=basis)
+
+
+def choice_message(run: BoundRun, options: PruningOptions) -> list[str]:
+    """What the log says once the score is settled: the size target's solution and rule, and ``"auto"``'s score."""
+    assert run.score is not None
+    lines, choice, which = [], run.score, size_option(options)
+    if run.size is not None and options.allocation(choice.score) == "importance":
+        lines.append(
+            f"{WHO} {which}: provisional (by fractions, only to check that the size is "
+            f"reachable; the widths are allocated by importance at the first selection, step "
+            f"{first_selection(options)}, from the run's {choice.score!r} scores, and logged then): "
+            f"{run.size.describe()}"
+        )
+    elif run.size is not None:
+        lines.append(f"{WHO} {which}: {run.size.describe()}")
+    if options.score == "auto":
+        lines.append(f"{WHO}: score='auto' scores units by {choice.score!r} ({choice.reason}).")
+    return lines
 
 
 def routes_message(routes: Mapping[str, tuple[str, str]]) -> str:

@@ -197,7 +197,7 @@ class CoupledPruningCallback(PruningViews, Callback):
                 pl_module, optimizers=trainer.optimizers, fsdp1_root=facts.fsdp1_root(strategy),
                 sharded_ckpt=facts.sharded_checkpoints(strategy), accumulate=trainer.accumulate_grad_batches,
             )  # fmt: skip
-        if self.pruner is not None:
+        if self.controller.shrunk is None:  # a model shrunk before this fit only counts steps
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
 
     @override

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.saved_state import saved_score
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.declarations import declarations_for, early_declarations
@@ -41,7 +40,6 @@ from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import ConfigurationError
 from lightning_pat.training.progress import Progress, StepTracker
-from lightning_pat.training.score_choice import ScoreChoice
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +190,13 @@ class PruningController:
         """
         self.tracker.attach(optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            kept = self.run.score if self.run is not None else ScoreChoice(self.options.score)
+            kept = None if self.run is None else self.run.score
             params = dict(module.named_parameters(remove_duplicate=False))
             self.run = BoundRun(module, list(optimizers), params, fsdp1_root, sharded_ckpt, score=kept)
         else:
             self.run = bind_run(
                 module, options=self.options, optimizers=optimizers, declarations=self._declarations,
-                fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt, saved_score=saved_score(self._pending),
-                info=self._info,
+                fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt, info=self._info,
             )  # fmt: skip
             self.resolved = list(self.run.clusters)
         if self.distiller is not None:

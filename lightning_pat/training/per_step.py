@@ -152,6 +152,7 @@ def allocate(
     assert run.pruner is not None
     assert run.plan is not None
     assert run.basis is not None
+    assert run.score is not None
     evidence = run.collectors.evidence
     score = run.score.score
     which = size_option(options)
@@ -209,6 +210,7 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
                 f"{WHO}: no layer saw a training forward before the selection at step {step}; "
                 "the layer units are ranked by the weight score (layer_score='weight') this time."
             )
+    assert run.score is not None
     score = run.score.score
     if scores is None and score == "activation" and scorers.act is None:  # only layer units: weights
         scores = {}

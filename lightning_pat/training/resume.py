@@ -9,10 +9,11 @@ the controller keeps the results. In the order of a resume:
 3. :func:`check_fit_resumes` and :func:`restore_teacher` when the fit starts (``begin_fit``);
 4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule (a model
    already shrunk only continues its step count, :func:`shrunk_progress`);
-   :func:`restore` settles the score a checkpoint was written with (``score="auto"``), then the state is checked and
-   read once (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`),
-   its dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied
-   (:func:`apply`); a size solved by importance before the checkpoint keeps its widths (:func:`reallocated`);
+   first the score is settled, once (:func:`settle_score`: ``score="auto"`` continues a loaded state's score; the
+   pruner and the scorers are built with it), then :func:`restore` checks and reads the state once
+   (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`), its
+   dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied (:func:`apply`);
+   a size solved by importance before the checkpoint keeps its widths (:func:`reallocated`);
 5. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
    fit continues from).
 """
@@ -37,7 +38,7 @@ from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, size_option
+from lightning_pat.training.bound import BoundRun, choice_message, size_option
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
 from lightning_pat.training.progress import Progress
@@ -167,7 +168,7 @@ def start(
     global_step: int | None,
     info: Callable[[str], None],
 ) -> tuple[BoundRun, Progress]:
-    """Where a fit starts: a loaded state (:func:`restore`), the previous fit's, or a new schedule at step 0.
+    """Where a fit starts: the score settled, then a loaded state (:func:`restore`), the previous fit's, or step 0.
 
     Args:
         run: The bound run.
@@ -181,14 +182,16 @@ def start(
         info: Where the informational messages go.
 
     Returns:
-        The run (another one if ``score="auto"`` continues a checkpoint's score) and its progress. The scorers'
-        hooks are attached unless the mask is frozen.
+        The run with its score settled (:func:`settle_score`) and its progress. The scorers' hooks are attached
+        unless the mask is frozen.
 
     Raises:
-        ValueError: As for :func:`restore`; if the mask is empty after the final ramp step although the target
-            requires dropped units (:func:`check_mask_not_empty`).
+        ValueError: As for :func:`settle_score` and :func:`restore`; if the mask is empty after the final ramp step
+            although the target requires dropped units (:func:`check_mask_not_empty`).
     """
     schedule = options.schedule
+    if run.pruner is None:  # once per bind
+        run = settle_score(run, saved_score(restored), options=options, info=info)
     if restored is not None:
         run, progress = restore(
             run, restored, options=options, schedule=schedule, ckpt_path=ckpt_path, global_step=global_step, info=info
@@ -206,6 +209,25 @@ def start(
     else:
         run.collectors.attach()  # removed at the freeze and at the end of the fit
     return run, progress
+
+
+def settle_score(run: BoundRun, saved: str | None, *, options: PruningOptions, info: Callable[[str], None]) -> BoundRun:
+    """The score, settled once, now that a restored state is known under every strategy; the pruner built with it.
+
+    ``score="auto"`` continues the score a loaded state was written with (``saved``) where it runs
+    (:func:`~lightning_pat.training.score_choice.resolve_score`); the size target's rule and ``"auto"``'s score are
+    logged.
+
+    Raises:
+        ConfigurationError: As for :meth:`~lightning_pat.training.bound.BoundRun.scored`.
+    """
+    choice = resolve_score(
+        options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=saved
+    )
+    run = run.scored(choice, layer_score=options.layer_score)
+    for line in choice_message(run, options):
+        info(line)
+    return run
 
 
 def shrunk_progress(
@@ -234,23 +256,15 @@ def restore(
     global_step: int | None,
     info: Callable[[str], None],
 ) -> tuple[BoundRun, Progress]:
-    """Continue a loaded state: its score (``"auto"``), its checks, its mask, latents and statistics.
+    """Continue a loaded state: its checks, its mask, latents and statistics (its score is settled).
 
     Returns:
-        The run (another one if ``score="auto"`` continues the checkpoint's score) and the restored progress.
+        The run (with the saved targets of a size solved by importance) and the restored progress.
 
     Raises:
         ValueError: On every rank, before anything of it is applied, if the state does not fit its schema or this
             run, its dropped units are not zero in the restored weights, or it cannot be continued exactly.
     """
-    kept = saved_score(saved)
-    if options.score == "auto" and kept is not None and kept != run.score.score:
-        choice = resolve_score(
-            options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=kept
-        )
-        if choice.score != run.score.score:  # "auto" continues the score the checkpoint was written with
-            run = run.rescored(choice)
-            info(f"{WHO}: score='auto' continues the checkpoint's score {choice.score!r}.")
     run = reallocated(run, saved, options=options, info=info)
     assert run.latents is not None
     restored = state.read(
@@ -381,7 +395,7 @@ def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
 # ---------------------------------------------------------------------------------------------------- state out
 def resumable(options: PruningOptions, run: BoundRun | None) -> dict[str, Any]:
     """The options saved with the state, with the score in use (``"auto"`` resolved)."""
-    return {**options.resumable(), "score": options.score if run is None else run.score.score}
+    return {**options.resumable(), "score": options.score if run is None or run.score is None else run.score.score}
 
 
 def save(

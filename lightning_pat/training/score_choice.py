@@ -1,10 +1,12 @@
 """The score of a training run: :func:`resolve_score` settles ``score="auto"``; :func:`scored` builds what it needs.
 
-:func:`resolve_score` is the one place where ``score="auto"`` is settled: ``"activation"`` wherever its statistics
-can score the clusters, ``"rms"`` under FSDP1 and for clusters without an ``nn.Linear`` reader, and on a resume the
-score the checkpoint was written with (when it runs here). Its :class:`ScoreChoice` carries the activation
-statistics it built; :func:`scored` builds the pruner with that score and the run's data-aware scorers
-(:class:`~lightning_pat.training.collectors.Collectors`). No Lightning here; errors are
+:func:`resolve_score` is the one place where ``score="auto"`` is settled, once, at fit start (``resume.start``, where
+a restored state is known under every strategy): ``"activation"`` wherever its statistics can score the clusters,
+``"rms"`` under FSDP1 and for clusters without an ``nn.Linear`` reader, and on a resume the score the checkpoint was
+written with (when it runs here). Its :class:`ScoreChoice` carries the activation statistics it built; :func:`scored`
+builds the pruner with that score and the run's data-aware scorers
+(:class:`~lightning_pat.training.collectors.Collectors`). :func:`check_scores` is bind's dry run of both, so that what
+no checkpoint can change is still refused before any step. No Lightning here; errors are
 :class:`~lightning_pat.training.errors.ConfigurationError`.
 """
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from lightning_pat.core.norms import ScoreType
 from lightning_pat.core.spec import ResolvedCluster
+from lightning_pat.parallel.executors.routing import build_executors
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import Plan
 from lightning_pat.pruning.pruner import Pruner
@@ -37,7 +41,7 @@ class ScoreChoice:
         act: ``score="activation"``: the readers' input statistics (``None`` with only layer units).
     """
 
-    score: str
+    score: ScoreType
     reason: str = ""
     act: ActivationStats | None = None
 
@@ -65,11 +69,13 @@ def resolve_score(
     Raises:
         ConfigurationError: If an explicit ``score="activation"`` cannot score the clusters (no ``nn.Linear`` reader).
     """
-    score: str = options.score
+    score: ScoreType
     reason = ""
-    if score == "auto":
-        if saved in ("rms", "activation") and not (saved == "activation" and fsdp1):
-            score, reason = saved, "the checkpoint's score"
+    if options.score != "auto":
+        score = options.score
+    else:
+        if saved == "rms" or (saved == "activation" and not fsdp1):
+            score, reason = ("rms" if saved == "rms" else "activation"), "the checkpoint's score"
         elif fsdp1:
             score, reason = "rms", "the activation score does not run under FSDPStrategy (FSDP1)"
         else:
@@ -88,19 +94,55 @@ def resolve_score(
 
 
 def scored(
-    plan: Plan, params: Mapping[str, Tensor], choice: ScoreChoice, *, layers: LayerStats | None
+    plan: Plan, params: Mapping[str, Tensor], choice: ScoreChoice, *, module: nn.Module, layer_score: str
 ) -> tuple[Pruner, Collectors]:
-    """The pruner of ``plan`` with the chosen score, and the collectors that score needs (``layers`` kept).
+    """The pruner of ``plan`` with the chosen score, and the collectors that score and the layer units need.
+
+    Args:
+        plan: The bound plan (its score is replaced by ``choice``'s).
+        params: The parameters the engine works on.
+        choice: The run's score (:func:`resolve_score`), with its activation statistics.
+        module: The model (the layer cosines hook the layers' modules).
+        layer_score: ``options.layer_score``: ``"cosine"`` collects the layer units' cosines.
 
     Raises:
-        ConfigurationError: If ``score="taylor"`` finds a cluster whose members are all frozen.
+        ConfigurationError: If the layer units share no module (``layer_score="cosine"``), or ``score="taylor"``
+            finds a cluster whose members are all frozen.
     """
-    if plan.score != choice.score:
-        plan = dataclasses.replace(plan, score=choice.score)  # type: ignore[arg-type]
-    pruner = Pruner(params, plan)
+    pruner = Pruner(params, dataclasses.replace(plan, score=choice.score))
     collectors = Collectors()
-    collectors.act, collectors.layers = choice.act, layers
+    collectors.act, collectors.layers = choice.act, _layer_stats(module, plan.clusters, layer_score)
     if choice.score == "taylor":
         with prefixed(f"{WHO}(score='taylor')"):
             collectors.taylor = TaylorScores(pruner.executors)
     return pruner, collectors
+
+
+def check_scores(
+    options: PruningOptions, *, module: nn.Module, plan: Plan, params: Mapping[str, Tensor], fsdp1: bool
+) -> None:
+    """Refuse at bind (every rank, before any step) what :func:`scored` would refuse whatever a checkpoint says.
+
+    A dry run for the options no checkpoint changes: an explicit ``score="activation"`` without ``nn.Linear``
+    readers, layer units without a common module (``layer_score="cosine"``), an explicit ``score="taylor"`` on
+    clusters whose members are all frozen. What it builds to check is dropped (nothing is hooked); the score itself
+    is settled at fit start, once a restored state is known.
+
+    Raises:
+        ConfigurationError: As :func:`resolve_score` and :func:`scored` would.
+    """
+    if options.score == "activation":
+        resolve_score(options, module=module, clusters=plan.clusters, fsdp1=fsdp1)
+    _layer_stats(module, plan.clusters, options.layer_score)
+    if options.score == "taylor":
+        with prefixed(f"{WHO}(score='taylor')"):
+            TaylorScores(build_executors(plan.clusters, params, plan.routes))
+
+
+def _layer_stats(module: nn.Module, clusters: Sequence[ResolvedCluster], layer_score: str) -> LayerStats | None:
+    """The layer units' cosine collector (``layer_score="cosine"`` with layer units), else ``None``."""
+    units = layer_clusters(clusters)
+    if not units or layer_score != "cosine":
+        return None
+    with prefixed(f"{WHO}(layer_score='cosine')"):
+        return LayerStats(module, units)

@@ -51,7 +51,7 @@ class PruningViews:
     def score(self) -> str:
         """The unit score in use (after fit start): ``options.score``, or what ``score="auto"`` resolved to."""
         run = self.controller.run
-        return self.options.score if run is None else run.score.score
+        return self.options.score if run is None or run.score is None else run.score.score
 
     @property
     def step(self) -> int:

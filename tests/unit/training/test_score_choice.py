@@ -11,7 +11,7 @@ from lightning_pat.core.spec import resolve_clusters
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import make_plan
 from lightning_pat.training.errors import ConfigurationError
-from lightning_pat.training.score_choice import ScoreChoice, resolve_score, scored
+from lightning_pat.training.score_choice import ScoreChoice, check_scores, resolve_score, scored
 
 LINEAR = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
 
@@ -70,12 +70,12 @@ def test_scored_builds_the_pruner_with_the_choice_and_only_the_collectors_it_nee
     net = mlp()
     plan = make_plan(net, [LINEAR], score="rms")
     params = dict(net.named_parameters())
-    pruner, collectors = scored(plan, params, ScoreChoice("taylor"), layers=None)
+    pruner, collectors = scored(plan, params, ScoreChoice("taylor"), module=net, layer_score="cosine")
     assert pruner.plan.score == "taylor"
     assert collectors.taylor is not None
     assert (collectors.act, collectors.layers) == (None, None)
     choice = choose(net, [LINEAR])
-    pruner, collectors = scored(plan, params, choice, layers=None)
+    pruner, collectors = scored(plan, params, choice, module=net, layer_score="cosine")
     assert pruner.plan.score == "activation"
     assert (collectors.act, collectors.taylor) == (choice.act, None)
     for p in params.values():
@@ -83,4 +83,27 @@ def test_scored_builds_the_pruner_with_the_choice_and_only_the_collectors_it_nee
     with pytest.raises(
         ConfigurationError, match=r"^CoupledPruningCallback\(score='taylor'\): cluster 'h' has no member"
     ):
-        scored(plan, params, ScoreChoice("taylor"), layers=None)
+        scored(plan, params, ScoreChoice("taylor"), module=net, layer_score="cosine")
+
+
+def test_check_scores_refuses_at_bind_what_no_checkpoint_changes_and_hooks_nothing():
+    net = mlp()
+    plan = make_plan(net, [LINEAR], score="rms")
+    params = dict(net.named_parameters())
+    for score in ("auto", "activation", "taylor", "rms"):
+        opts = PruningOptions([LINEAR], target_sparsity=0.5, score=score)
+        check_scores(opts, module=net, plan=plan, params=params, fsdp1=False)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in net.modules())  # the dry run hooks nothing
+    for p in params.values():
+        p.requires_grad_(False)
+    opts = PruningOptions([LINEAR], target_sparsity=0.5, score="taylor")
+    with pytest.raises(ConfigurationError, match=r"^CoupledPruningCallback\(score='taylor'\): cluster 'h' has no"):
+        check_scores(opts, module=net, plan=plan, params=params, fsdp1=False)
+    plain = [Cluster("h", writers=["fc.weight", "fc.bias"], readers=["scale"])]
+    reader = PlainReader()
+    opts = PruningOptions(plain, target_sparsity=0.5, score="activation")
+    with pytest.raises(ConfigurationError, match=r"score='activation'\): Cluster 'h'"):
+        check_scores(opts, module=reader, plan=make_plan(reader, plain), params={}, fsdp1=False)
+    check_scores(
+        PruningOptions(plain, target_sparsity=0.5), module=reader, plan=make_plan(reader, plain), params={}, fsdp1=False
+    )
