@@ -98,6 +98,8 @@ class BoundRun:
         module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
         optimizers: The optimizers whose steps count.
         params: Parameter name -> live parameter (duplicates included).
+        options: The run's options.
+        info: Where the run's informational messages go (rank zero): the routes, the size, the score, the shrink.
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
         clusters: The resolved clusters (empty once the model was shrunk).
@@ -115,6 +117,8 @@ class BoundRun:
     module: nn.Module
     optimizers: Sequence[torch.optim.Optimizer]
     params: dict[str, Tensor]
+    options: PruningOptions
+    info: Callable[[str], None] = dataclasses.field(repr=False, compare=False)
     fsdp1_root: nn.Module | None = None
     sharded_ckpt: bool = False
     clusters: tuple[ResolvedCluster, ...] = ()
@@ -127,14 +131,14 @@ class BoundRun:
     basis: SizeBasis | None = None
     solved_at: int | None = None
 
-    def allocation_due(self, options: PruningOptions) -> bool:
+    def allocation_due(self) -> bool:
         """Whether the size target waits to be solved by importance (at the next fresh selection)."""
         return (
             self.basis is not None
             and self.solved_at is None
             and self.plan is not None
             and self.score is not None
-            and options.allocation(self.score.score) == "importance"
+            and self.options.allocation(self.score.score) == "importance"
         )
 
     def retargeted(self, targets: Mapping[str, float | None], size: SizeSolution, *, solved_at: int) -> BoundRun:
@@ -172,7 +176,7 @@ class BoundRun:
             self.params.values(), fsdp1=self.fsdp1_root is not None, sharded_ckpt=self.sharded_ckpt
         )
 
-    def scored(self, choice: ScoreChoice, *, layer_score: str) -> BoundRun:
+    def scored(self, choice: ScoreChoice) -> BoundRun:
         """This run with its score settled: the pruner with ``choice``'s score and the collectors it needs.
 
         Raises:
@@ -180,7 +184,9 @@ class BoundRun:
         """
         assert self.plan is not None
         with self.weights() as params:
-            pruner, collectors = scored(self.plan, params, choice, module=self.module, layer_score=layer_score)
+            pruner, collectors = scored(
+                self.plan, params, choice, module=self.module, layer_score=self.options.layer_score
+            )
         return dataclasses.replace(self, plan=pruner.plan, pruner=pruner, collectors=collectors, score=choice)
 
     def after_shrink(self) -> BoundRun:
@@ -217,11 +223,14 @@ def bind_run(
         info: Where the routes go (rank zero).
 
     Raises:
-        ValueError: As for :meth:`~lightning_pat.training.controller.PruningController.bind`.
+        ValueError: If the clusters do not resolve or route on some rank (or ``clusters="auto"`` could not be
+            discovered), a target below 1 would drop every unit of a cluster, or ranks disagree; if an explicit
+            score cannot score the clusters (``"activation"`` readers that are not ``nn.Linear`` weights,
+            ``"taylor"`` on frozen members), or layer units share no module (``layer_score="cosine"``); if
+            ``shrink_on_freeze`` could not shrink the model.
     """
-    run = BoundRun(
-        module, list(optimizers), dict(module.named_parameters(remove_duplicate=False)), fsdp1_root, sharded_ckpt
-    )
+    live = dict(module.named_parameters(remove_duplicate=False))
+    run = BoundRun(module, list(optimizers), live, options, info, fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt)
     opts = options
     size, basis = None, None
     with run.weights() as params:
@@ -264,9 +273,10 @@ def bind_run(
     return dataclasses.replace(run, clusters=clusters, plan=plan, latents=latents, size=size, basis=basis)
 
 
-def choice_message(run: BoundRun, options: PruningOptions) -> list[str]:
+def choice_message(run: BoundRun) -> list[str]:
     """What the log says once the score is settled: the size target's solution and rule, and ``"auto"``'s score."""
     assert run.score is not None
+    options = run.options
     lines, choice, which = [], run.score, size_option(options)
     if run.size is not None and options.allocation(choice.score) == "importance":
         lines.append(

@@ -1,26 +1,29 @@
 """The resume side of a run: the saved state out and in, and the start and end of a fit (no Lightning here).
 
-Everything here works on a :class:`~lightning_pat.training.bound.BoundRun` (what
-:meth:`~lightning_pat.training.controller.PruningController.bind` built) and plain values, and returns what changed;
-the controller keeps the results. In the order of a resume:
+Every function takes the run first: a :class:`~lightning_pat.training.bound.BoundRun` (what
+:meth:`~lightning_pat.training.controller.PruningController.bind` built; it carries the options and where messages
+go), then its :class:`~lightning_pat.training.progress.Progress` where it needs it, and returns what changed; the
+controller keeps the results. A resume reads top to bottom here:
 
 1. :func:`load`: the callback's ``load_state_dict`` keeps the state (the teacher's entry goes to the distiller);
 2. :func:`before_restore`: before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``;
-3. :func:`check_fit_resumes` and :func:`restore_teacher` when the fit starts (``begin_fit``);
-4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule (a model
-   already shrunk only continues its step count, :func:`shrunk_progress`);
-   first the score is settled, once (:func:`settle_score`: ``score="auto"`` continues a loaded state's score; the
-   pruner and the scorers are built with it), then :func:`restore` checks and reads the state once
-   (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`), its
-   dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied (:func:`apply`);
-   a size solved by importance before the checkpoint keeps its widths (:func:`reallocated`);
-5. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
+3. :func:`begin_fit` when the fit starts (the controller hands it a :class:`FitStart`): :func:`check_fit_resumes`,
+   :func:`restore_teacher`, then :func:`start`: a model already shrunk only continues its step count
+   (:func:`shrunk_progress`); else the score is settled, once (:func:`settle_score`: ``score="auto"`` continues a
+   loaded state's score; the pruner and the scorers are built with it), then :func:`restore` checks and reads the
+   state once (:func:`lightning_pat.training.state.read`, with the run's :func:`read_context`, returns one
+   :class:`~lightning_pat.training.state.Restored`), its dropped units checked against the restored weights
+   (:func:`check_dropped_are_zero`) and applied (:func:`apply`); a size solved by importance before the checkpoint
+   keeps its widths (:func:`reallocated`); else the same Trainer's previous fit, or a new schedule; last
+   :func:`warn_short_fit`;
+4. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
    fit continues from).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,17 +118,81 @@ def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------------- fit start
-def check_fit_resumes(
-    *, restoring: bool, carry: bool, shrunk: bool, global_step: int, ckpt_path: Any, key: str
-) -> None:
+@dataclass(frozen=True)
+class FitStart:
+    """What a fit starts from, as the controller kept it (see :func:`begin_fit`).
+
+    Attributes:
+        restored: A state loaded from a checkpoint (:func:`load`), if any.
+        carried: The in-memory state the same process's previous fit kept (:func:`save` with ``gather=False``).
+        carry: Whether this fit continues ``carried`` (the same Trainer, at the step its previous fit ended).
+        shrunk: Whether the model was shrunk (by an earlier fit, or to a checkpoint's shapes): only steps count.
+        global_step: The trainer's optimizer steps so far (``None``: not known); a loaded ``step`` may not exceed it.
+        ckpt_path: The checkpoint ``restored`` came from (a distributed checkpoint's latents are read there).
+    """
+
+    restored: Mapping[str, Any] | None = None
+    carried: Mapping[str, Any] | None = None
+    carry: bool = False
+    shrunk: bool = False
+    global_step: int | None = None
+    ckpt_path: Any = None
+
+
+def begin_fit(
+    run: BoundRun,
+    progress: Progress,
+    fit: FitStart,
+    *,
+    distiller: Distiller | None,
+    key: str,
+    steps_left: float,
+    teacher_dirs: Sequence[str] = (),
+) -> tuple[BoundRun, Progress]:
+    """A fit starts (the callback's ``on_train_start``, after a restore under every strategy), top to bottom.
+
+    1. :func:`check_fit_resumes`: a fit that resumes needs a loaded state or the same Trainer's previous fit;
+    2. :func:`restore_teacher` (with distillation): a new teacher, or the saved one checked on every rank;
+    3. :func:`start`: the score settled and the pruner built, then the loaded state, the previous fit's, or step 0;
+    4. :func:`warn_short_fit`: a fit that ends before the final ramp step is said so.
+
+    Args:
+        run: The bound run.
+        progress: The run's progress so far.
+        fit: What the fit starts from.
+        distiller: The distiller, with distillation.
+        key: This run's state key in a checkpoint (for the message of :func:`check_fit_resumes`).
+        steps_left: The fit's estimated optimizer steps (``inf`` if unknown).
+        teacher_dirs: Where the teacher file (``distill_teacher_store="file"``) is written, and where a restored
+            state's teacher file is looked up after the directory of ``ckpt_path``.
+
+    Returns:
+        The run with its score settled, and its progress.
+
+    Raises:
+        ConfigurationError: As for :func:`check_fit_resumes`.
+        ValueError: On every rank, as for :func:`restore_teacher` and :func:`start`.
+    """
+    check_fit_resumes(fit, key=key)
+    if distiller is not None:
+        fresh = fit.restored is None and not fit.carry
+        restore_teacher(distiller, run.options, fit, fresh=fresh, dirs=teacher_dirs)
+    run, progress = start(run, progress, fit)
+    if not fit.shrunk:
+        warn_short_fit(run.options.schedule, step=progress.step, steps_left=steps_left - (fit.global_step or 0))
+    return run, progress
+
+
+def check_fit_resumes(fit: FitStart, *, key: str) -> None:
     """A fit that resumes (``global_step > 0``) needs a loaded state or the same Trainer's previous fit.
 
     Raises:
         ConfigurationError: If neither is there (and the model was not shrunk).
     """
-    if not restoring and not carry and global_step > 0 and not shrunk:
+    global_step = fit.global_step or 0
+    if fit.restored is None and not fit.carry and global_step > 0 and not fit.shrunk:
         raise ConfigurationError(
-            f"{WHO}: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
+            f"{WHO}: the fit resumes at global step {global_step} from {fit.ckpt_path!r}, which "
             f"holds no state under this callback's key {key!r} (the cluster declaration names identify it). "
             "Resume with the same cluster names, or, to start pruning from trained weights, load them into the "
             "module and fit with a fresh Trainer without `ckpt_path`."
@@ -133,12 +200,12 @@ def check_fit_resumes(
 
 
 def restore_teacher(
-    distiller: Distiller, options: PruningOptions, *, fresh: bool, restoring: bool, ckpt_path: Any, dirs: Sequence[str]
+    distiller: Distiller, options: PruningOptions, fit: FitStart, *, fresh: bool, dirs: Sequence[str]
 ) -> None:
     """At fit start, on every rank: a new teacher for a new schedule, the teacher file's directories, a saved teacher.
 
-    A restored teacher file is read and checked after the directory of ``ckpt_path``, then ``dirs``. One agreement
-    collective each: if one rank fails, every rank raises.
+    A restored teacher file is read and checked after the directory of ``fit.ckpt_path``, then ``dirs``. One
+    agreement collective each: if one rank fails, every rank raises.
 
     Raises:
         ValueError: If the teacher file's directories cannot hold it, a restored teacher does not fit the model, or
@@ -150,68 +217,63 @@ def restore_teacher(
         if options.distill_teacher_store == "file" and options.distill_teacher is None:
             teacher_file.check_directories(dirs)
         distiller.check_saved()
-    if not restoring or not teacher_file.is_file_entry(distiller.saved):
+    if fit.restored is None or not teacher_file.is_file_entry(distiller.saved):
         return
-    where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
+    where = [] if fit.ckpt_path is None else [str(Path(fit.ckpt_path).parent)]
     with ranks.together(WHO):
         distiller.restore_file(directories=[*where, *dirs])
 
 
-def start(
-    run: BoundRun,
-    *,
-    restored: Mapping[str, Any] | None,
-    carried: Mapping[str, Any] | None,
-    dropped_carry: bool,
-    options: PruningOptions,
-    ckpt_path: Any,
-    global_step: int | None,
-    info: Callable[[str], None],
-) -> tuple[BoundRun, Progress]:
-    """Where a fit starts: the score settled, then a loaded state (:func:`restore`), the previous fit's, or step 0.
+def start(run: BoundRun, progress: Progress, fit: FitStart) -> tuple[BoundRun, Progress]:
+    """Where the schedule stands: the score settled, then a loaded state, the previous fit's, or a new schedule.
 
-    Args:
-        run: The bound run.
-        restored: A state loaded from a checkpoint, if any.
-        carried: The in-memory state of the same Trainer's previous fit (see :func:`save` with ``gather=False``), if
-            this fit continues it.
-        dropped_carry: Whether a previous fit's state exists but is not continued (a fresh Trainer: it is said so).
-        options: The run's options.
-        ckpt_path: The checkpoint ``restored`` came from.
-        global_step: The trainer's optimizer steps so far.
-        info: Where the informational messages go.
+    A shrunk model only continues its step count (:func:`shrunk_progress`). Otherwise the score is settled once per
+    bind (:func:`settle_score`), then a loaded state continues (:func:`restore`), else the previous fit's state
+    when ``fit.carry`` (this process's own: nothing to check), else a new schedule starts at step 0.
 
     Returns:
-        The run with its score settled (:func:`settle_score`) and its progress. The scorers' hooks are attached
-        unless the mask is frozen.
+        The run and its progress. The scorers' hooks are attached unless the mask is frozen.
 
     Raises:
         ValueError: As for :func:`settle_score` and :func:`restore`; if the mask is empty after the final ramp step
             although the target requires dropped units (:func:`check_mask_not_empty`).
     """
-    schedule = options.schedule
-    if run.pruner is None:  # once per bind
-        run = settle_score(run, saved_score(restored), options=options, info=info)
-    if restored is not None:
-        run, progress = restore(
-            run, restored, options=options, schedule=schedule, ckpt_path=ckpt_path, global_step=global_step, info=info
-        )
-    elif carried is not None:  # this process's own state: nothing to check
-        run = reallocated(run, carried, options=options, info=info)
-        progress = apply(run, state.Restored.carried(carried))
+    if fit.shrunk:
+        return run, shrunk_progress(fit) or progress
+    if run.pruner is None:
+        run = settle_score(run, saved_score(fit.restored))
+    if fit.restored is not None:
+        run, progress = restore(run, fit.restored, fit)
+    elif fit.carry and fit.carried is not None:
+        run = reallocated(run, fit.carried)
+        progress = apply(run, state.Restored.carried(fit.carried))
     else:
-        if dropped_carry:
-            info(f"{WHO}: a fresh Trainer starts a new pruning schedule at step 0.")
+        if fit.carried is not None:
+            run.info(f"{WHO}: a fresh Trainer starts a new pruning schedule at step 0.")
         run.collectors.reset()
         progress = Progress()
-    if schedule.frozen(progress.step, heal=options.heal):
-        check_mask_not_empty(run, options, step=progress.step)
+    if run.options.schedule.frozen(progress.step, heal=run.options.heal):
+        check_mask_not_empty(run, progress)
     else:
         run.collectors.attach()  # removed at the freeze and at the end of the fit
     return run, progress
 
 
-def settle_score(run: BoundRun, saved: str | None, *, options: PruningOptions, info: Callable[[str], None]) -> BoundRun:
+def shrunk_progress(fit: FitStart) -> Progress | None:
+    """A shrunk model's progress at fit start (only the step count goes on): a loaded state's, else the previous fit's.
+
+    Returns:
+        The progress to continue, or ``None`` when there is neither state (the progress stands).
+
+    Raises:
+        ValueError: If the loaded state does not fit the schema (see :func:`lightning_pat.training.state.check_saved`).
+    """
+    if fit.restored is not None:
+        return state.read_progress(fit.restored, global_step=fit.global_step)
+    return None if fit.carried is None else Progress.from_state(fit.carried)
+
+
+def settle_score(run: BoundRun, saved: str | None) -> BoundRun:
     """The score, settled once, now that a restored state is known under every strategy; the pruner built with it.
 
     ``score="auto"`` continues the score a loaded state was written with (``saved``) where it runs
@@ -222,41 +284,16 @@ def settle_score(run: BoundRun, saved: str | None, *, options: PruningOptions, i
         ConfigurationError: As for :meth:`~lightning_pat.training.bound.BoundRun.scored`.
     """
     choice = resolve_score(
-        options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=saved
+        run.options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=saved
     )
-    run = run.scored(choice, layer_score=options.layer_score)
-    for line in choice_message(run, options):
-        info(line)
+    run = run.scored(choice)
+    for line in choice_message(run):
+        run.info(line)
     return run
 
 
-def shrunk_progress(
-    restored: Mapping[str, Any] | None, carried: Mapping[str, Any] | None, *, global_step: int | None
-) -> Progress | None:
-    """A shrunk model's progress at fit start (only the step count goes on): a loaded state's, else the previous fit's.
-
-    Returns:
-        The progress to continue, or ``None`` when there is neither state (the progress stands).
-
-    Raises:
-        ValueError: If the loaded state does not fit the schema (see :func:`lightning_pat.training.state.check_saved`).
-    """
-    if restored is not None:
-        return state.read_progress(restored, global_step=global_step)
-    return None if carried is None else Progress.from_state(carried)
-
-
-def restore(
-    run: BoundRun,
-    saved: Mapping[str, Any],
-    *,
-    options: PruningOptions,
-    schedule: Schedule,
-    ckpt_path: Any,
-    global_step: int | None,
-    info: Callable[[str], None],
-) -> tuple[BoundRun, Progress]:
-    """Continue a loaded state: its checks, its mask, latents and statistics (its score is settled).
+def restore(run: BoundRun, saved: Mapping[str, Any], fit: FitStart) -> tuple[BoundRun, Progress]:
+    """Continue a loaded state: its checks, its mask, latents and statistics (the score is settled).
 
     Returns:
         The run (with the saved targets of a size solved by importance) and the restored progress.
@@ -265,20 +302,28 @@ def restore(
         ValueError: On every rank, before anything of it is applied, if the state does not fit its schema or this
             run, its dropped units are not zero in the restored weights, or it cannot be continued exactly.
     """
-    run = reallocated(run, saved, options=options, info=info)
-    assert run.latents is not None
+    run = reallocated(run, saved)
     restored = state.read(
-        saved, global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
-        options=resumable(options, run), schedule=schedule, latent_mode=options.mode == "latent", heal=options.heal,
-        ckpt_path=ckpt_path, before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
-        **run.collectors.saved_shapes(),
+        saved, read_context(run, global_step=fit.global_step), fit.ckpt_path,
+        before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
     )  # fmt: skip
     return run, apply(run, restored)
 
 
-def reallocated(
-    run: BoundRun, saved: Mapping[str, Any], *, options: PruningOptions, info: Callable[[str], None]
-) -> BoundRun:
+def read_context(run: BoundRun, *, global_step: int | None) -> state.ReadContext:
+    """What a loaded state is checked against and read with (:class:`~lightning_pat.training.state.ReadContext`)."""
+    assert run.latents is not None
+    checks = state.restore_context(
+        global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
+        **run.collectors.saved_shapes(),
+    )  # fmt: skip
+    options = run.options
+    return state.ReadContext(
+        checks, run.params, resumable(options, run), options.schedule, options.mode == "latent", options.heal
+    )
+
+
+def reallocated(run: BoundRun, saved: Mapping[str, Any]) -> BoundRun:
     """A state whose size was solved by importance: the run takes its widths (a resume never solves them again).
 
     Solving again would change the widths in the middle of a run; a state saved before the solve has no
@@ -295,7 +340,7 @@ def reallocated(
     entry = allocation_entry(saved, what=state.WHAT)
     if entry is None:
         return run
-    step, then, now = entry["step"], dict(entry["options"]), options.size_options()
+    step, then, now = entry["step"], dict(entry["options"]), run.options.size_options()
     changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
     if changed or run.basis is None or run.plan is None:
         desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) or "no size target now"
@@ -309,8 +354,8 @@ def reallocated(
     current = {rc.name: targets.get(rc.name, rc.target) for rc in run.plan.clusters}  # another cluster: refused later
     run = run.retargeted(current, SizeSolution.from_dict(entry["size"]), solved_at=step)
     assert run.size is not None
-    info(
-        f"{WHO} {size_option(options)}: {run.size.describe()}; solved at step {step} (the first "
+    run.info(
+        f"{WHO} {size_option(run.options)}: {run.size.describe()}; solved at step {step} (the first "
         "selection), kept on resume."
     )
     return run
@@ -357,7 +402,7 @@ def apply(run: BoundRun, restored: state.Restored) -> Progress:
     return restored.progress
 
 
-def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -> None:
+def check_mask_not_empty(run: BoundRun, progress: Progress) -> None:
     """Never heal with an empty mask where the final target requires dropped units (call it once frozen).
 
     Raises:
@@ -365,7 +410,8 @@ def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -
     """
     assert run.plan is not None
     assert run.pruner is not None
-    targets = run.plan.targets(options.target_sparsity)
+    step = progress.step
+    targets = run.plan.targets(run.options.target_sparsity)
     dropped = run.pruner.result().dropped
     empty = [
         rc.name for rc in run.plan.clusters if not dropped[rc.name] and num_to_drop(targets[rc.name], rc.num_units)

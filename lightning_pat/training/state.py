@@ -308,20 +308,33 @@ class Restored:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ReadContext:
+    """What a resume checks a saved state against and reads it with (``resume`` builds it from the bound run).
+
+    Attributes:
+        checks: What the schema checks the state against (:func:`restore_context`: the trainer's ``global_step``,
+            the run's clusters, whose fingerprints must match, the latents' shapes and dtypes, the scorers' readers
+            and layers).
+        params: Parameter name -> live parameter (the latents are read like them).
+        options: The run's resumable options, the score in use included (compared with the saved ones).
+        schedule: The run's schedule.
+        latent_mode: Whether the run is in latent mode (a ramp it continues needs the saved latents).
+        heal: Whether the mask freezes after the final ramp step.
+    """
+
+    checks: StateContext
+    params: Mapping[str, Tensor]
+    options: Mapping[str, Any]
+    schedule: Schedule
+    latent_mode: bool
+    heal: bool
+
+
 def read(
     saved: Mapping[str, Any],
-    *,
-    global_step: int | None,
-    clusters: Sequence[ResolvedCluster],
-    params: Mapping[str, Tensor],
-    latent_names: Sequence[str],
-    options: Mapping[str, Any],
-    schedule: Schedule,
-    latent_mode: bool,
-    heal: bool,
+    context: ReadContext,
     ckpt_path: Any,
-    readers: Mapping[str, int] | None = None,
-    layers: Sequence[str] | None = None,
     before_latents: Callable[[Mapping[str, Sequence[int]]], None] | None = None,
 ) -> Restored:
     """Check a restored state against the schema, the run and its continuation, then read it (on every rank).
@@ -332,42 +345,31 @@ def read(
 
     Args:
         saved: The state (without ``"distill"``).
-        global_step: The trainer's optimizer steps so far.
-        clusters: The run's resolved clusters.
-        params: Parameter name -> live parameter.
-        latent_names: The parameters that get a latent copy.
-        options: The run's resumable options (the score in use included).
-        schedule: The run's schedule.
-        latent_mode: Whether the run is in latent mode.
-        heal: Whether the mask freezes after the final ramp step.
+        context: What the run checks it against and reads it with.
         ckpt_path: The checkpoint (a ``dcp`` latent entry is read there).
-        readers: ``score="activation"``: reader module name -> ``in_features``.
-        layers: Layer units: the module paths of the layers.
         before_latents: Called with the saved dropped units once the checks passed.
 
     Raises:
         ValueError: As for :func:`check_restorable`, and whatever ``before_latents`` raises.
     """
-    context = restore_context(
-        global_step=global_step, clusters=clusters, params=params, latent_names=latent_names, readers=readers,
-        layers=layers,
-    )  # fmt: skip
+    clusters = context.checks.clusters
+    assert clusters is not None
     needs_latents = False
     with ranks.together():
         needs_latents = check_restorable(
             saved,
             fingerprints={rc.name: rc.fingerprint() for rc in clusters},
-            options=options,
-            schedule=schedule,
-            latent_mode=latent_mode,
-            heal=heal,
-            context=context,
+            options=context.options,
+            schedule=context.schedule,
+            latent_mode=context.latent_mode,
+            heal=context.heal,
+            context=context.checks,
         )
     dropped = saved["dropped"]
     if before_latents is not None:
         before_latents(dropped)
     entry = saved.get("latents")
-    latents = read_latents(entry, params, ckpt_path=ckpt_path) if needs_latents and entry else None
+    latents = read_latents(entry, context.params, ckpt_path=ckpt_path) if needs_latents and entry else None
     return Restored(Progress.from_state(saved), dropped, saved.get("factors", {}), latents, saved)
 
 
