@@ -362,15 +362,17 @@ class Distiller:
         memory until :meth:`ensure_teacher` loads them into a fresh copy. A user's teacher needs no file.
 
         Raises:
-            ValueError: As :func:`lightning_pat.training.teacher_file.read` (missing, truncated, modified or foreign
-                file, a name that is not a plain teacher file name, another world size or layout).
+            ValueError: As :func:`lightning_pat.training.teacher_file.read_teacher_file` (missing, truncated,
+                modified or foreign file, a name that is not a plain teacher file name, another world size or layout).
         """
         if not teacher_file.is_file_entry(self._saved) or self.user_teacher is not None:
             return
         assert self.student is not None
         entry = dict(self._saved)
         like_module = self._skeleton if self._skeleton is not None else self.student
-        tensors = teacher_file.read(entry, directories=directories, like=like_module.state_dict(keep_vars=True))
+        tensors = teacher_file.read_teacher_file(
+            entry, directories=directories, like=like_module.state_dict(keep_vars=True)
+        )
         self._saved = {"format": "local", "tensors": tensors} if entry.get("sharded") else tensors
         self._ref = entry
 
