@@ -2,7 +2,8 @@
 
 The callback's ``clusters`` (checked when :class:`~lightning_pat.pruning.options.PruningOptions` is built, by
 :func:`normalize_clusters`) become declarations for a module at fit start (:func:`declarations_for`), or, for
-``clusters="auto"`` on a model no preset covers, by tracing before the model is sharded (:func:`early_declarations`).
+``clusters="auto"`` on a model no preset covers, by tracing before the model is sharded (:func:`early_declarations`:
+global rank 0 traces, :func:`traced_declarations`, and broadcasts the outcome).
 :func:`~lightning_pat.prune_clusters` takes the same spellings without a Trainer (:func:`one_shot_declarations`).
 """
 
@@ -17,7 +18,8 @@ import torch
 
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
-from lightning_pat.discovery import discovered_clusters, prefers_discovery
+from lightning_pat.discovery import discovered_clusters, outcome_from_json, outcome_to_json, prefers_discovery
+from lightning_pat.parallel.comm import ranks
 from lightning_pat.presets.registry import expand as expand_presets
 from lightning_pat.shrink.stock_config import stock_expressible
 
@@ -136,13 +138,13 @@ def declarations_for(
     return stock_expressible(module, out) if _is_auto(clusters) else out
 
 
-def early_declarations(
+def traced_declarations(
     module: Any,
     clusters: str | Sequence[Cluster | str],
     preset_options: Mapping[str, bool],
     batch_input: Callable[[], Any],
 ) -> list[Cluster] | ValueError | None:
-    """``clusters="auto"`` by tracing, before the model is sharded (FSDP2 modules cannot be copied for tracing).
+    """``clusters="auto"`` by tracing on this rank, before the model is sharded (FSDP2 modules cannot be copied).
 
     Args:
         module: The model, before ``configure_model``.
@@ -162,6 +164,37 @@ def early_declarations(
         return _discovered(module, example if example is not None else batch_input(), preset_options)
     except ValueError as err:
         return err
+
+
+def early_declarations(
+    module: Any,
+    clusters: str | Sequence[Cluster | str],
+    preset_options: Mapping[str, bool],
+    batch_input: Callable[[], Any],
+) -> list[Cluster] | ValueError | None:
+    """``clusters="auto"`` discovered by tracing before ``configure_model`` shards the model, agreed by every rank.
+
+    Under torch.distributed only global rank 0 traces (:func:`traced_declarations`); every other rank receives its
+    outcome (the declarations, an error, or nothing: JSON bytes in one broadcast, no pickle). A discovery error is
+    returned, not raised: the training controller's ``bind`` raises it, where every rank raises together.
+
+    Args:
+        module: The model, before ``configure_model``.
+        clusters: ``PruningOptions.clusters``.
+        preset_options: ``PruningOptions.preset_options``.
+        batch_input: Returns the first training batch's inputs (see :func:`traced_declarations`).
+
+    Returns:
+        As for :func:`traced_declarations`, the same on every rank.
+    """
+    mine: list[Cluster] | ValueError | None = None
+    if ranks.world_rank() == 0:
+        try:
+            mine = traced_declarations(module, clusters, preset_options, batch_input)
+        except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
+            mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
+    group = ranks.world_group()
+    return outcome_from_json(ranks.broadcast_json(outcome_to_json(mine), group=group))
 
 
 def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -> list[Cluster]:

@@ -1,16 +1,16 @@
 """A run bound to its model: what :meth:`PruningController.bind` builds once the model and optimizers are final.
 
-:class:`BoundRun` is frozen: the module, its parameters, the plan, the pruner, the latent copies, the data-aware
-scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the score in use. The controller
-(:mod:`lightning_pat.training.controller`) holds it; the per-step work (:mod:`lightning_pat.training.per_step`) and
-the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and the saved state) are functions on it, and
-neither imports the controller. A resume that continues another score gets a new :class:`BoundRun`
-(:meth:`BoundRun.rescored`); a ``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
+:class:`BoundRun` is frozen: the module, its parameters, the plan, the latent copies, the size target's solution,
+and from fit start the pruner, the data-aware scorers (:class:`~lightning_pat.training.collectors.Collectors`) and the
+score in use. The controller (:mod:`lightning_pat.training.controller`) holds it; the per-step work
+(:mod:`lightning_pat.training.per_step`) and the resume (:mod:`lightning_pat.training.resume`, the fit lifecycle and
+the saved state) are functions on it, and neither imports the controller. :func:`bind_run` resolves, routes, agrees
+across ranks and checks, but builds no pruner: the score is settled once, at fit start, when a restored state is
+known under every strategy (:meth:`BoundRun.scored`, called by :func:`~lightning_pat.training.resume.start`); a
+``shrink_on_freeze`` keeps only the module (:meth:`BoundRun.after_shrink`).
 
-:func:`resolve_score` is the one place where ``score="auto"`` is settled: ``"activation"`` wherever its statistics
-can score the clusters, ``"rms"`` under FSDP1 and for clusters without an ``nn.Linear`` reader, and on a resume the
-score the checkpoint was written with (when it runs here). Errors are ``ValueError`` (``ConfigurationError`` where the
-configuration caused them).
+The score is settled by :func:`~lightning_pat.training.score_choice.resolve_score`. Errors are ``ValueError``
+(:class:`~lightning_pat.training.errors.ConfigurationError` where the configuration caused them).
 """
 
 from __future__ import annotations
@@ -28,99 +28,20 @@ from torch import Tensor, nn
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.routing import route_around_dropped
 from lightning_pat.core.spec import Cluster, ResolvedCluster
-from lightning_pat.discovery import outcome_from_json, outcome_to_json
 from lightning_pat.parallel import fsdp1
 from lightning_pat.parallel.comm import ranks
-from lightning_pat.pruning.declarations import early_declarations as declared_early
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import Plan, make_plan
 from lightning_pat.pruning.pruner import Pruner
-from lightning_pat.scoring.activation import ActivationStats
-from lightning_pat.scoring.layers import LayerStats, layer_clusters
-from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.shrink import check_shrinkable
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state
 from lightning_pat.training.collectors import Collectors
+from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
+from lightning_pat.training.score_choice import ScoreChoice, check_scores, scored
 
 log = logging.getLogger(__name__)
-
-
-class ConfigurationError(ValueError):
-    """A ``ValueError`` during training that the run's configuration caused (the callback reports it as such)."""
-
-
-@contextmanager
-def prefixed(prefix: str) -> Iterator[None]:
-    """Re-raise a ``ValueError`` of the enclosed code as ``ConfigurationError(f"{prefix}: {error}")``.
-
-    Raises:
-        ConfigurationError: If the enclosed code raises a ``ValueError``.
-    """
-    try:
-        yield
-    except ValueError as err:
-        raise ConfigurationError(f"{prefix}: {err}") from err
-
-
-@dataclass(frozen=True)
-class ScoreChoice:
-    """The score a run uses, why (for the log of ``score="auto"``), and the activation statistics it built.
-
-    Attributes:
-        score: ``options.score``, or what ``"auto"`` settled on.
-        reason: Why ``"auto"`` settled on it (empty for an explicit score).
-        act: ``score="activation"``: the readers' input statistics (``None`` with only layer units).
-    """
-
-    score: str
-    reason: str = ""
-    act: ActivationStats | None = None
-
-
-def resolve_score(
-    options: PruningOptions,
-    *,
-    module: nn.Module,
-    clusters: Sequence[ResolvedCluster],
-    fsdp1: bool,
-    saved: str | None = None,
-) -> ScoreChoice:
-    """The score of a run (the one place ``score="auto"`` is settled; see the module docstring).
-
-    Args:
-        options: The run's options.
-        module: The model (the activation statistics hook its reader modules).
-        clusters: The resolved clusters.
-        fsdp1: Whether the model runs under FSDP1 (no activation statistics there).
-        saved: On a resume, the score the checkpoint was written with: ``"auto"`` continues it where it runs.
-
-    Returns:
-        The choice, with the activation statistics built when the score is ``"activation"``.
-
-    Raises:
-        ConfigurationError: If an explicit ``score="activation"`` cannot score the clusters (no ``nn.Linear`` reader).
-    """
-    score, reason = options.score, ""
-    if score == "auto":
-        if saved in ("rms", "activation") and not (saved == "activation" and fsdp1):
-            score, reason = saved, "the checkpoint's score"
-        elif fsdp1:
-            score, reason = "rms", "the activation score does not run under FSDPStrategy (FSDP1)"
-        else:
-            score = "activation"
-            reason = "the readers' input statistics, collected in training forwards; pass score='rms' for the weights"
-    act = None
-    if score == "activation" and len(layer_clusters(clusters)) < len(clusters):  # layer units are scored apart
-        try:
-            with prefixed("CoupledPruningCallback(score='activation')"):
-                act = ActivationStats(module, clusters)
-        except ValueError as err:
-            if options.score != "auto":
-                raise
-            score, reason = "rms", f"the activation score cannot score these clusters: {err}"
-    return ScoreChoice(score, reason, act)
 
 
 @dataclass(frozen=True)
@@ -177,14 +98,17 @@ class BoundRun:
         module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
         optimizers: The optimizers whose steps count.
         params: Parameter name -> live parameter (duplicates included).
+        options: The run's options.
+        info: Where the run's informational messages go (rank zero): the routes, the size, the score, the shrink.
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
         clusters: The resolved clusters (empty once the model was shrunk).
-        plan: The plan, with the score in use (``None`` once the model was shrunk).
-        pruner: The pruner (``None`` once the model was shrunk).
+        plan: The plan (``None`` once the model was shrunk); its score is the one in use once the fit started.
+        pruner: The pruner, built at fit start with the score (``None`` before, and once the model was shrunk).
         latents: The latent copies (``None`` once the model was shrunk).
-        collectors: The data-aware scorers in use.
-        score: The score in use (see :func:`resolve_score`).
+        collectors: The data-aware scorers in use (built with the pruner).
+        score: The score in use (see :func:`~lightning_pat.training.score_choice.resolve_score`), settled at fit
+            start (``None`` before).
         size: ``target_params`` / ``target_flops``: the solved widths and the achieved count.
         basis: With a size target: what it is solved from (the solve by importance happens at the first selection).
         solved_at: The step at which the size was solved by importance (``None``: not yet, or by fractions at bind).
@@ -193,6 +117,8 @@ class BoundRun:
     module: nn.Module
     optimizers: Sequence[torch.optim.Optimizer]
     params: dict[str, Tensor]
+    options: PruningOptions
+    info: Callable[[str], None] = dataclasses.field(repr=False, compare=False)
     fsdp1_root: nn.Module | None = None
     sharded_ckpt: bool = False
     clusters: tuple[ResolvedCluster, ...] = ()
@@ -200,18 +126,19 @@ class BoundRun:
     pruner: Pruner | None = None
     latents: LatentStore | None = None
     collectors: Collectors = dataclasses.field(default_factory=Collectors)
-    score: ScoreChoice = ScoreChoice("rms")
+    score: ScoreChoice | None = None
     size: SizeSolution | None = None
     basis: SizeBasis | None = None
     solved_at: int | None = None
 
-    def allocation_due(self, options: PruningOptions) -> bool:
+    def allocation_due(self) -> bool:
         """Whether the size target waits to be solved by importance (at the next fresh selection)."""
         return (
             self.basis is not None
             and self.solved_at is None
             and self.plan is not None
-            and options.allocation(self.score.score) == "importance"
+            and self.score is not None
+            and self.options.allocation(self.score.score) == "importance"
         )
 
     def retargeted(self, targets: Mapping[str, float | None], size: SizeSolution, *, solved_at: int) -> BoundRun:
@@ -249,117 +176,22 @@ class BoundRun:
             self.params.values(), fsdp1=self.fsdp1_root is not None, sharded_ckpt=self.sharded_ckpt
         )
 
-    def rescored(self, choice: ScoreChoice) -> BoundRun:
-        """This run with another score: a new pruner and score collectors (the layer statistics are kept)."""
+    def scored(self, choice: ScoreChoice) -> BoundRun:
+        """This run with its score settled: the pruner with ``choice``'s score and the collectors it needs.
+
+        Raises:
+            ConfigurationError: As for :func:`~lightning_pat.training.score_choice.scored`.
+        """
         assert self.plan is not None
         with self.weights() as params:
-            pruner, collectors = _scored(self.plan, params, choice, layers=self.collectors.layers)
+            pruner, collectors = scored(
+                self.plan, params, choice, module=self.module, layer_score=self.options.layer_score
+            )
         return dataclasses.replace(self, plan=pruner.plan, pruner=pruner, collectors=collectors, score=choice)
 
     def after_shrink(self) -> BoundRun:
         """The run once ``shrink_on_freeze`` cut the model: nothing is left to prune, only steps to count."""
         return dataclasses.replace(self, plan=None, pruner=None, latents=None, collectors=Collectors())
-
-
-class RunViews:
-    """What a bound run holds, read through its owner's ``run`` (``None`` before ``bind``): a mixin of the controller.
-
-    Attributes:
-        options: The run's options.
-        run: The bound run, or ``None`` before ``bind``.
-    """
-
-    options: PruningOptions
-    run: BoundRun | None
-
-    @property
-    def score(self) -> str:
-        """The score in use: ``options.score``, or what ``"auto"`` resolved to (``"auto"`` until :meth:`bind`)."""
-        return self.options.score if self.run is None else self.run.score.score
-
-    @property
-    def plan(self) -> Plan | None:
-        """The bound plan (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.plan
-
-    @property
-    def pruner(self) -> Pruner | None:
-        """The pruner (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.pruner
-
-    @property
-    def latents(self) -> LatentStore | None:
-        """The latent copies (``None`` before :meth:`bind` and once the model was shrunk)."""
-        return None if self.run is None else self.run.latents
-
-    @property
-    def scorers(self) -> Collectors:
-        """The data-aware scores in use (activation, taylor, layer cosines)."""
-        return Collectors() if self.run is None else self.run.collectors
-
-    @property
-    def size(self) -> SizeSolution | None:
-        """``target_params`` / ``target_flops``: the solved widths and the achieved count."""
-        return None if self.run is None else self.run.size
-
-    @property
-    def act(self) -> ActivationStats | None:
-        """The readers' input statistics (``score="activation"``), else ``None``."""
-        return self.scorers.act
-
-    @property
-    def taylor(self) -> TaylorScores | None:
-        """The sums of ``|w * g|`` since the last selection (``score="taylor"``), else ``None``."""
-        return self.scorers.taylor
-
-    @property
-    def layer_stats(self) -> LayerStats | None:
-        """The layer units' ``1 - cos(input, output)`` sums (``layer_score="cosine"``), else ``None``."""
-        return self.scorers.layers
-
-    def targets(self, step: int) -> dict[str, float]:
-        """Per-cluster target fraction in force after optimizer step ``step`` (``{}`` without a plan)."""
-        if self.plan is None:
-            return {}
-        return self.plan.targets(self.options.target_sparsity, fraction=self.options.schedule.fraction(step))
-
-    def counts_at(self, step: int, *, every: int) -> bool:
-        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
-        return self.options.log_metrics and (self.options.schedule.phase(step) == "final" or step % max(every, 1) == 0)
-
-
-def _scored(
-    plan: Plan, params: Mapping[str, Tensor], choice: ScoreChoice, *, layers: LayerStats | None
-) -> tuple[Pruner, Collectors]:
-    """The pruner of ``plan`` with the chosen score, and the collectors that score needs."""
-    if plan.score != choice.score:
-        plan = dataclasses.replace(plan, score=choice.score)  # type: ignore[arg-type]
-    pruner = Pruner(params, plan)
-    collectors = Collectors()
-    collectors.act, collectors.layers = choice.act, layers
-    if choice.score == "taylor":
-        with prefixed("CoupledPruningCallback(score='taylor')"):
-            collectors.taylor = TaylorScores(pruner.executors)
-    return pruner, collectors
-
-
-def early_declarations(
-    options: PruningOptions, module: nn.Module, batch_input: Callable[[], Any]
-) -> list[Cluster] | ValueError | None:
-    """``clusters="auto"`` discovered by tracing before ``configure_model`` shards the model (see ``prepare``).
-
-    Under torch.distributed only global rank 0 traces; every other rank receives its outcome (the declarations, an
-    error, or nothing: JSON bytes in one broadcast, no pickle). A discovery error is returned, not raised: ``bind``
-    raises it, where every rank raises together.
-    """
-    mine = None
-    if ranks.world_rank() == 0:
-        try:
-            mine = declared_early(module, options.clusters, options.preset_options, batch_input)
-        except Exception as err:  # noqa: BLE001 - the other ranks wait in the broadcast: send any error to them
-            mine = ValueError(f"clusters='auto': discovery failed on rank 0 ({type(err).__name__}: {err})")
-    group = ranks.world_group()
-    return outcome_from_json(ranks.broadcast_json(outcome_to_json(mine), group=group))
 
 
 def bind_run(
@@ -370,14 +202,16 @@ def bind_run(
     declarations: Callable[[nn.Module], list[Cluster]],
     fsdp1_root: nn.Module | None = None,
     sharded_ckpt: bool = False,
-    saved_score: str | None = None,
     info: Callable[[str], None],
 ) -> BoundRun:
-    """Resolve the clusters against ``module``'s final parameters, agree across ranks, build the run.
+    """Resolve the clusters against ``module``'s final parameters, agree across ranks, check, build the run.
 
-    Nothing is mutated. Resolution and routing use global metadata only; their outcome (or a rank's error) is
-    compared across ranks in one collective, so a rank with a different declaration or model makes every rank
-    raise the same error instead of hanging in a later collective.
+    The run has no pruner yet: the score is settled at fit start, once a restored state is known
+    (:func:`~lightning_pat.training.resume.start`); what no checkpoint changes is refused here
+    (:func:`~lightning_pat.training.score_choice.check_scores`). Nothing is mutated. Resolution and routing use
+    global metadata only; their outcome (or a rank's error) is compared across ranks in one collective, so a rank
+    with a different declaration or model makes every rank raise the same error instead of hanging in a later
+    collective.
 
     Args:
         module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
@@ -386,15 +220,17 @@ def bind_run(
         declarations: Returns the cluster declarations for ``module`` (or raises the discovery's error).
         fsdp1_root: The FSDP1-wrapped root module, if any.
         sharded_ckpt: Whether checkpoints are distributed checkpoints.
-        saved_score: The score of a state already loaded (``"auto"`` continues it; see :func:`resolve_score`).
-        info: Where the routes, the solved size and the score go (rank zero).
+        info: Where the routes go (rank zero).
 
     Raises:
-        ValueError: As for :meth:`~lightning_pat.training.controller.PruningController.bind`.
+        ValueError: If the clusters do not resolve or route on some rank (or ``clusters="auto"`` could not be
+            discovered), a target below 1 would drop every unit of a cluster, or ranks disagree; if an explicit
+            score cannot score the clusters (``"activation"`` readers that are not ``nn.Linear`` weights,
+            ``"taylor"`` on frozen members), or layer units share no module (``layer_score="cosine"``); if
+            ``shrink_on_freeze`` could not shrink the model.
     """
-    run = BoundRun(
-        module, list(optimizers), dict(module.named_parameters(remove_duplicate=False)), fsdp1_root, sharded_ckpt
-    )
+    live = dict(module.named_parameters(remove_duplicate=False))
+    run = BoundRun(module, list(optimizers), live, options, info, fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt)
     opts = options
     size, basis = None, None
     with run.weights() as params:
@@ -402,7 +238,7 @@ def bind_run(
         try:
             found = declarations(module)
             plan = make_plan(
-                params, found, score="rms", executor=opts.executor,  # the score is resolve_score's, set below
+                params, found, score="rms", executor=opts.executor,  # the score is settled at fit start
                 group_count_ref=opts.group_count_ref,
                 sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
             )  # fmt: skip
@@ -410,24 +246,19 @@ def bind_run(
                 basis = SizeBasis(plan, tuple(found))
                 plan, size = solve_size(plan, params, opts, module=module, declarations=found)
         except ValueError as err:
-            error = f"CoupledPruningCallback: {err}"
+            error = f"{WHO}: {err}"
         digest = {
             "clusters": None if plan is None else [rc.fingerprint() for rc in plan.clusters],
             "routes": None if plan is None else plan.routes,
             "options": opts.resumable(),
         }
-        ranks.check_rank_agreement(digest, error, who="CoupledPruningCallback")
+        ranks.check_rank_agreement(digest, error, who=WHO)
         assert plan is not None
         clusters = tuple(plan.clusters)
-        choice = resolve_score(opts, module=module, clusters=clusters, fsdp1=fsdp1_root is not None, saved=saved_score)
-        layers = None
-        if layer_clusters(clusters) and opts.layer_score == "cosine":
-            with prefixed("CoupledPruningCallback(layer_score='cosine')"):
-                layers = LayerStats(module, layer_clusters(clusters))
-        pruner, collectors = _scored(plan, params, choice, layers=layers)
+        check_scores(opts, module=module, plan=plan, params=params, fsdp1=fsdp1_root is not None)
         route_around_dropped(module, clusters)  # the masked model routes around dropped experts
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
-            with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
+            with prefixed(f"{WHO}(shrink_on_freeze=True)"):
                 check_shrinkable(module, clusters)
                 if any(is_layer_cluster(rc) for rc in clusters):
                     raise ValueError(
@@ -438,24 +269,27 @@ def bind_run(
     # FSDP1 keeps parameters in flat shards between steps: the latent is a copy of every local shard.
     latents = LatentStore(run.params, list(run.params) if fsdp1_root is not None else clustered)
     _warn_unoptimized(run.params, clustered, optimizers)
-    if size is not None:
-        which = size_option(opts)
-        if opts.allocation(choice.score) == "importance":
-            info(
-                f"CoupledPruningCallback {which}: provisional (by fractions, only to check that the size is "
-                f"reachable; the widths are allocated by importance at the first selection, step "
-                f"{first_selection(opts)}, from the run's {choice.score!r} scores, and logged then): "
-                f"{size.describe()}"
-            )
-        else:
-            info(f"CoupledPruningCallback {which}: {size.describe()}")
-    if opts.score == "auto":
-        info(f"CoupledPruningCallback: score='auto' scores units by {choice.score!r} ({choice.reason}).")
     info(routes_message(plan.routes))
-    return dataclasses.replace(
-        run, clusters=clusters, plan=pruner.plan, pruner=pruner, latents=latents, collectors=collectors,
-        score=choice, size=size, basis=basis,
-    )  # fmt: skip
+    return dataclasses.replace(run, clusters=clusters, plan=plan, latents=latents, size=size, basis=basis)
+
+
+def choice_message(run: BoundRun) -> list[str]:
+    """What the log says once the score is settled: the size target's solution and rule, and ``"auto"``'s score."""
+    assert run.score is not None
+    options = run.options
+    lines, choice, which = [], run.score, size_option(options)
+    if run.size is not None and options.allocation(choice.score) == "importance":
+        lines.append(
+            f"{WHO} {which}: provisional (by fractions, only to check that the size is "
+            f"reachable; the widths are allocated by importance at the first selection, step "
+            f"{first_selection(options)}, from the run's {choice.score!r} scores, and logged then): "
+            f"{run.size.describe()}"
+        )
+    elif run.size is not None:
+        lines.append(f"{WHO} {which}: {run.size.describe()}")
+    if options.score == "auto":
+        lines.append(f"{WHO}: score='auto' scores units by {choice.score!r} ({choice.reason}).")
+    return lines
 
 
 def routes_message(routes: Mapping[str, tuple[str, str]]) -> str:
@@ -476,7 +310,7 @@ def routes_message(routes: Mapping[str, tuple[str, str]]) -> str:
     groups: dict[tuple[str, str], list[str]] = {}
     for name, route in routes.items():
         groups.setdefault(route, []).append(name)
-    head = f"CoupledPruningCallback routes {len(routes)} cluster(s)"
+    head = f"{WHO} routes {len(routes)} cluster(s)"
     if len(groups) == 1:
         (kind, reason), _ = next(iter(groups.items()))
         return f"{head}: all {kind} ({reason})"
@@ -491,13 +325,13 @@ def _warn_unoptimized(params: Mapping[str, Tensor], names: Sequence[str], optimi
     orphan = [n for n in names if params[n].requires_grad and id(params[n]) not in in_opt]
     if frozen:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
+            f"{WHO}: clustered parameters {frozen[:5]} are frozen (requires_grad=False). Their "
             "dropped units are set to zero and stay zero, but they are never trained; unfreeze them or remove them "
             "from the clusters if they must not be pruned."
         )
     if orphan:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
+            f"{WHO}: clustered parameters {orphan[:5]} are in no optimizer. Their dropped units are "
             "set to zero but they are never updated; add them to `configure_optimizers` or remove them from the "
             "clusters."
         )

@@ -24,8 +24,9 @@ from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.pruning.options import Method, Mode, PruningOptions, TrainingScore, options_doc
 from lightning_pat.training import trainer_facts as facts
-from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.controller import PruningController
 from lightning_pat.training.environment import check_environment
+from lightning_pat.training.errors import ConfigurationError
 from lightning_pat.training.metrics import PruningMetrics
 from lightning_pat.training.views import PruningViews
 
@@ -196,7 +197,7 @@ class CoupledPruningCallback(PruningViews, Callback):
                 pl_module, optimizers=trainer.optimizers, fsdp1_root=facts.fsdp1_root(strategy),
                 sharded_ckpt=facts.sharded_checkpoints(strategy), accumulate=trainer.accumulate_grad_batches,
             )  # fmt: skip
-        if self.controller.pruner is not None:
+        if self.controller.shrunk is None:  # a model shrunk before this fit only counts steps
             self.metrics = PruningMetrics([rc.name for rc in self.controller.resolved])
 
     @override

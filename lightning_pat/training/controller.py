@@ -1,7 +1,7 @@
 """The training controller: what happens to the weights around each real optimizer step (no Lightning here).
 
 :class:`PruningController` owns the progress counters, the real-step tracker
-(:class:`~lightning_pat.training.tracker.StepTracker`), the bound run (:class:`~lightning_pat.training.bound.BoundRun`:
+(:class:`~lightning_pat.training.progress.StepTracker`), the bound run (:class:`~lightning_pat.training.bound.BoundRun`:
 the latent copies, the pruner, the data-aware scorers), the mask's freeze and shrink, and with ``distill_alpha > 0``
 the :class:`~lightning_pat.training.distill.Distiller`. A training loop (the callback, or any loop of your own) calls
 :meth:`~PruningController.bind` once the model and optimizers are final (resolve, agree across ranks, route; nothing
@@ -29,28 +29,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.saved_state import saved_score
 from lightning_pat.core.spec import Cluster, ResolvedCluster
 from lightning_pat.parallel.comm import ranks
-from lightning_pat.pruning.declarations import declarations_for
+from lightning_pat.pruning.declarations import declarations_for, early_declarations
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
-from lightning_pat.training import per_step, resume, state
-from lightning_pat.training.bound import (
-    BoundRun,
-    ConfigurationError,
-    RunViews,
-    ScoreChoice,
-    bind_run,
-    early_declarations,
-)
+from lightning_pat.training import per_step, resume
+from lightning_pat.training.bound import BoundRun, bind_run
+from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
-from lightning_pat.training.tracker import StepTracker
+from lightning_pat.training.errors import ConfigurationError
+from lightning_pat.training.progress import Progress, StepTracker
 
 log = logging.getLogger(__name__)
 
 
-class PruningController(RunViews):
+class PruningController:
     """Coupled pruning around a training loop's optimizer steps (see the module docstring).
 
     Args:
@@ -88,7 +82,7 @@ class PruningController(RunViews):
         self.options = options
         self._info = info or (lambda message: ranks.rank_zero_info(message, logger=log))
         self.schedule = options.schedule
-        self.progress = state.Progress()
+        self.progress = Progress()
         self.tracker = StepTracker()
         self.run: BoundRun | None = None  # what bind built (see lightning_pat.training.bound)
         self.resolved: list[ResolvedCluster] = []
@@ -117,7 +111,17 @@ class PruningController(RunViews):
         """Cluster name -> sorted dropped unit indices of the current mask."""
         if self.shrunk is not None:
             return dict(self.shrunk)
-        return {} if self.pruner is None else self.pruner.result().dropped
+        pruner = None if self.run is None else self.run.pruner
+        return {} if pruner is None else pruner.result().dropped
+
+    @property
+    def scorers(self) -> Collectors:
+        """The run's data-aware scorers (empty before :meth:`bind` and once the model was shrunk)."""
+        return Collectors() if self.run is None else self.run.collectors
+
+    def counts_at(self, step: int, *, every: int) -> bool:
+        """Whether the result after ``step`` is logged (counted): every ``every`` steps and at the final ramp step."""
+        return self.options.log_metrics and (self.options.schedule.phase(step) == "final" or step % max(every, 1) == 0)
 
     @property
     def teacher(self) -> nn.Module | None:
@@ -143,7 +147,11 @@ class PruningController(RunViews):
                 :meth:`reproject_after_averaging`).
         """
         self._averaged = weight_averaging
-        self._early = None if batch_input is None else early_declarations(self.options, module, batch_input)
+        self._early = (
+            None
+            if batch_input is None
+            else early_declarations(module, self.options.clusters, self.options.preset_options, batch_input)
+        )
 
     def _declarations(self, module: nn.Module) -> list[Cluster]:
         if isinstance(self._early, ValueError):  # discovery failed in setup: every rank raises it in bind
@@ -159,11 +167,10 @@ class PruningController(RunViews):
         sharded_ckpt: bool = False,
         accumulate: int = 1,
     ) -> None:
-        """Resolve the clusters against ``module``'s final (possibly sharded) parameters, agree, build executors.
+        """Bind the run to ``module``'s final parameters (:func:`~lightning_pat.training.bound.bind_run`).
 
-        Nothing is mutated. Resolution and routing use global metadata only; their outcome (or a rank's error) is
-        compared across ranks in one collective, so a rank with a different declaration or model makes every rank
-        raise the same error instead of hanging in a later collective.
+        Nothing is mutated and no pruner is built: :meth:`start` settles the score and builds it. Under
+        torch.distributed every rank must call this (the clusters are agreed in one collective).
 
         Args:
             module: The model (under FSDP1, the LightningModule inside ``fsdp1_root``).
@@ -174,22 +181,22 @@ class PruningController(RunViews):
             accumulate: Micro-batches per optimizer step (the distillation gradient is divided by it, as the loss).
 
         Raises:
-            ValueError: If the clusters do not resolve or route on some rank (or ``clusters="auto"`` could not be
-                discovered, see :meth:`prepare`), a target below 1 would drop every unit of a cluster, or ranks
-                disagree; if ``score="activation"`` readers are not ``nn.Linear`` weights; if ``shrink_on_freeze``
-                could not shrink the model.
+            ValueError: As for :func:`~lightning_pat.training.bound.bind_run` (a discovery error kept by
+                :meth:`prepare` included).
             Exception: ``forward_error`` if ``distill_module`` names no submodule.
         """
         self.tracker.attach(optimizers)
         if self.shrunk is not None:  # the model was shrunk: nothing is left to prune, only steps to count
-            kept = self.run.score if self.run is not None else ScoreChoice(self.options.score)
+            kept = None if self.run is None else self.run.score
             params = dict(module.named_parameters(remove_duplicate=False))
-            self.run = BoundRun(module, list(optimizers), params, fsdp1_root, sharded_ckpt, score=kept)
+            self.run = BoundRun(
+                module, list(optimizers), params, self.options, self._info, fsdp1_root=fsdp1_root,
+                sharded_ckpt=sharded_ckpt, score=kept,
+            )  # fmt: skip
         else:
             self.run = bind_run(
                 module, options=self.options, optimizers=optimizers, declarations=self._declarations,
-                fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt, saved_score=saved_score(self._pending),
-                info=self._info,
+                fsdp1_root=fsdp1_root, sharded_ckpt=sharded_ckpt, info=self._info,
             )  # fmt: skip
             self.resolved = list(self.run.clusters)
         if self.distiller is not None:
@@ -200,11 +207,6 @@ class PruningController(RunViews):
         return self.run
 
     # ------------------------------------------------------------------ start and end of a fit (resume.py)
-    @property
-    def restoring(self) -> bool:
-        """Whether a loaded state waits for :meth:`start`."""
-        return self._pending is not None
-
     def begin_fit(
         self,
         *,
@@ -215,7 +217,7 @@ class PruningController(RunViews):
         key: str,
         teacher_dirs: Sequence[str] = (),
     ) -> None:
-        """A fit starts: continue a restored state, ``owner``'s previous fit, or start a new schedule at step 0.
+        """A fit starts: :func:`~lightning_pat.training.resume.begin_fit`, where a resume reads top to bottom.
 
         ``owner``'s previous fit is continued if it ended (:meth:`end_fit`) at ``global_step``; a fit with a fresh
         trainer starts a new schedule (and, with distillation, takes a new teacher when pruning starts).
@@ -223,38 +225,32 @@ class PruningController(RunViews):
         Args:
             owner: The trainer (held by a weak reference).
             global_step: The trainer's optimizer steps so far (above 0 on a resume).
-            steps_left: The fit's estimated optimizer steps (``inf`` if unknown), for :meth:`warn_short_fit`.
+            steps_left: The fit's estimated optimizer steps (``inf`` if unknown): a fit that ends before the final
+                ramp step is warned about.
             ckpt_path: The checkpoint the fit resumes from, if any.
             key: This run's state key in a checkpoint (for the message).
             teacher_dirs: Where the teacher file (``distill_teacher_store="file"``) is written, and where a restored
                 state's teacher file is looked up after the directory of ``ckpt_path``; checked at fit start.
 
         Raises:
-            ConfigurationError: If the fit resumes (``global_step > 0``) but no state was loaded and there is no
-                previous fit of ``owner`` to continue.
-            ValueError: As for :meth:`start`; on every rank, as for
-                :func:`~lightning_pat.training.resume.restore_teacher`.
+            ValueError: As for :func:`~lightning_pat.training.resume.begin_fit`.
         """
         last = self._last_fit
         carry = last is not None and last[0]() is owner and last[1] == global_step
-        resume.check_fit_resumes(
-            restoring=self.restoring, carry=carry, shrunk=self.shrunk is not None, global_step=global_step,
-            ckpt_path=ckpt_path, key=key,
+        fit = self._fit_start(carry=carry, ckpt_path=ckpt_path, global_step=global_step)
+        self._started(
+            *resume.begin_fit(
+                self._bound(), self.progress, fit, distiller=self.distiller, key=key, steps_left=steps_left,
+                teacher_dirs=teacher_dirs,
+            )
         )  # fmt: skip
-        if self.distiller is not None:
-            resume.restore_teacher(
-                self.distiller, self.options, fresh=not self.restoring and not carry, restoring=self.restoring,
-                ckpt_path=ckpt_path, dirs=teacher_dirs,
-            )  # fmt: skip
-        self.start(carry=carry, ckpt_path=ckpt_path, global_step=global_step)
-        if self.shrunk is None:
-            self.warn_short_fit(steps_left - global_step)
 
     def start(self, *, carry: bool = False, ckpt_path: Any = None, global_step: int | None = None) -> None:
-        """Decide where the schedule stands and project the weights accordingly.
+        """Decide where the schedule stands: :func:`~lightning_pat.training.resume.start` (for a loop of one's own).
 
         A state given to :meth:`load_state_dict` continues; else, with ``carry``, the in-memory state of the previous
-        fit (the same Trainer's next ``fit``); else a new schedule starts at step 0.
+        fit (the same Trainer's next ``fit``); else a new schedule starts at step 0. The score is settled and the
+        pruner built here, once per :meth:`bind`.
 
         Args:
             carry: Continue the in-memory state of the previous fit, if there is one.
@@ -262,25 +258,24 @@ class PruningController(RunViews):
             global_step: The trainer's optimizer steps so far: a loaded state's ``step`` may not exceed it.
 
         Raises:
-            ValueError: On every rank, before anything of it is applied, if the loaded state does not fit its schema
-                (:mod:`lightning_pat.core.state_schema`) or this run, or cannot be continued exactly; if the mask
-                is empty after the final ramp step although the target requires dropped units (see
-                :func:`~lightning_pat.training.resume.start`).
+            ValueError: As for :func:`~lightning_pat.training.resume.start`.
         """
-        restored, self._pending = self._pending, None
-        carried, self._carry = self._carry, None
-        if self.shrunk is not None:  # shrunk (before the restore, or by an earlier fit): count steps
-            self.progress = resume.shrunk_progress(restored, carried, global_step=global_step) or self.progress
-            return
-        self.run, self.progress = resume.start(
-            self._bound(), restored=restored, carried=carried if carry else None, dropped_carry=carried is not None,
-            options=self.options, ckpt_path=ckpt_path, global_step=global_step, info=self._info,
-        )  # fmt: skip
-        self.resolved = list(self.run.clusters)  # a size solved by importance before: the saved targets
+        fit = self._fit_start(carry=carry, ckpt_path=ckpt_path, global_step=global_step)
+        self._started(*resume.start(self._bound(), self.progress, fit))
 
-    def warn_short_fit(self, steps_left: float) -> None:
-        """Warn when a fit of ``steps_left`` more steps ends before the final ramp step (the target is never met)."""
-        resume.warn_short_fit(self.schedule, step=self.progress.step, steps_left=steps_left)
+    def _fit_start(self, *, carry: bool, ckpt_path: Any, global_step: int | None) -> resume.FitStart:
+        """What the fit starts from; the loaded and the carried state are handed over (and forgotten here)."""
+        fit = resume.FitStart(
+            self._pending, self._carry, carry=carry, shrunk=self.shrunk is not None, global_step=global_step,
+            ckpt_path=ckpt_path,
+        )  # fmt: skip
+        self._pending = self._carry = None
+        return fit
+
+    def _started(self, run: BoundRun, progress: Progress) -> None:
+        self.run, self.progress = run, progress
+        if self.shrunk is None:  # a size solved by importance before: the saved targets
+            self.resolved = list(run.clusters)
 
     def end_fit(self, *, owner: object, global_step: int) -> None:
         """A fit of ``owner`` ended at ``global_step``: keep what its next fit continues from (:meth:`finish_fit`)."""
@@ -293,7 +288,8 @@ class PruningController(RunViews):
         if self.shrunk is not None:
             self._carry = self.progress.state_dict()  # only the step count goes on
             return
-        assert self.pruner is not None
+        assert self.run is not None
+        assert self.run.pruner is not None
         self._carry = self._save(gather=False)  # this rank's own statistics: each rank reads its own
 
     def release(self) -> None:
@@ -340,10 +336,8 @@ class PruningController(RunViews):
         """
         if self.distiller is not None:
             self.distiller.check_ran()
-        if self.pruner is None or self.latents is None:
-            return
-        action = self.schedule.action(self.progress.step + 1, heal=self.options.heal)
-        per_step.after_backward(self._bound(), optimizer, action=action)
+        if self.run is not None:
+            per_step.after_backward(self.run, self.progress, optimizer)
 
     def after_step(self, *, count: bool | Callable[[int], bool] = False) -> PruneResult | None:
         """After a batch: if a real optimizer step happened, advance the schedule and act.
@@ -369,28 +363,26 @@ class PruningController(RunViews):
                 self.progress.tick()
                 self.progress.add_lr(self.tracker.last_lr)
             return None
-        if self.pruner is None or self.latents is None:
+        if self.run is None or self.run.pruner is None or self.run.latents is None:
             return None
         result, run = per_step.after_step(
-            self._bound(), self.progress, stepped=stepped, lr=self.tracker.last_lr, options=self.options, count=count,
-            info=self._info,
-        )  # fmt: skip
+            self.run, self.progress, stepped=stepped, lr=self.tracker.last_lr, count=count
+        )
         if run is not self.run:  # the size was solved by importance at this selection: the clusters' targets changed
             self.run, self.resolved = run, list(run.clusters)
         if stepped and self.schedule.freezes(self.progress.step, heal=self.options.heal):  # a selection's step
-            shrunk = per_step.freeze(
-                run, options=self.options, clusters=self.resolved, step=self.progress.step, info=self._info
-            )
+            shrunk = per_step.freeze(run, self.progress)
             if shrunk is not None:
                 self.shrunk, self.run = shrunk
         return result
 
     def reproject(self) -> None:
         """Zero the dropped units again, e.g. after another callback copied averaged weights into the model."""
-        if self.pruner is None or self.shrunk is not None:
+        pruner = None if self.run is None else self.run.pruner
+        if pruner is None or self.shrunk is not None:
             return
         with torch.no_grad(), self._bound().weights():
-            self.pruner.hold()
+            pruner.hold()
 
     # ------------------------------------------------------------------ the saved state (resume.py)
     def _save(self, *, gather: bool) -> dict[str, Any]:
@@ -429,19 +421,13 @@ class PruningController(RunViews):
             self.distiller.write_file(directories)
 
     def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:
-        """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
+        """Before a checkpoint's ``weights`` load: :func:`~lightning_pat.training.resume.before_restore`.
 
-        A checkpoint written after the shrink (``saved`` says ``shrunk``) gives a full-size module the small shapes; a
-        checkpoint written before it cannot load into a module this controller already shrank.
-
-        Args:
-            module: The module whose weights the checkpoint restores.
-            saved: This run's state in that checkpoint, if any.
-            weights: The checkpoint's weights for ``module``.
+        A module given the shrunk shapes of ``saved`` (this run's state in that checkpoint) makes this controller's
+        run a shrunk one: only steps are counted from there on.
 
         Raises:
-            ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
-                shrink of this (shrunk) module.
+            ConfigurationError: As for :func:`~lightning_pat.training.resume.before_restore`.
         """
         small = resume.before_restore(
             module, saved, weights=weights, distiller=self.distiller, options=self.options,

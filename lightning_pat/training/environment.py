@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from lightning_pat.pruning.options import PruningOptions
+from lightning_pat.training.errors import WHO
 
 #: How the training strategy holds parameters: one device, DDP replicas, FSDP1 flat shards, DTensors, DeepSpeed.
 StrategyKind = Literal["single", "ddp", "fsdp1", "model_parallel", "deepspeed", "other"]
@@ -43,12 +44,12 @@ def check_environment(
     """
     if kind == "deepspeed":
         raise ValueError(
-            f"CoupledPruningCallback does not support {strategy}: DeepSpeed partitions parameters into flat buffers "
+            f"{WHO} does not support {strategy}: DeepSpeed partitions parameters into flat buffers "
             "that have no per-tensor structure. Use strategy='ddp', or ModelParallelStrategy with fully_shard."
         )
     if not automatic_optimization:
         raise ValueError(
-            f"CoupledPruningCallback does not support manual optimization ({module}."
+            f"{WHO} does not support manual optimization ({module}."
             "automatic_optimization is False): it must see every optimizer step between the backward and the "
             "update (a raw optimizer bypasses Lightning's hooks, and with several optimizers the schedule could not "
             "tell which step counts). Use automatic optimization with one optimizer (param groups may differ), or "
@@ -56,34 +57,34 @@ def check_environment(
         )
     if options.score == "activation" and kind == "fsdp1":
         raise ValueError(
-            f"CoupledPruningCallback(score='activation') supports a single device, DDP and ModelParallelStrategy "
+            f"{WHO}(score='activation') supports a single device, DDP and ModelParallelStrategy "
             f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps parameters in flat shards, where the readers' "
             "columns are not addressable. Use ModelParallelStrategy with fully_shard, or a weight score "
             "(score='rms', the default) under FSDPStrategy."
         )
     if options.score == "taylor" and kind == "fsdp1":
         raise ValueError(
-            f"CoupledPruningCallback(score='taylor') supports a single device, DDP and ModelParallelStrategy "
+            f"{WHO}(score='taylor') supports a single device, DDP and ModelParallelStrategy "
             f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
             "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
         )
     if options.distill and kind not in ("single", "ddp", "model_parallel"):
         raise ValueError(
-            f"CoupledPruningCallback(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
+            f"{WHO}(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
             f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
             "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
             "distill_alpha=0."
         )
     if options.shrink_on_freeze and weight_averaging is not None:
         raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
+            f"{WHO}(shrink_on_freeze=True) cannot run with {weight_averaging}: it keeps a full-size "
             "averaged copy of the model and writes it back at the end of fit, which no longer fits the shrunk model. "
             "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
             "callback."
         )
     if options.shrink_on_freeze and kind != "single":
         raise ValueError(
-            f"CoupledPruningCallback(shrink_on_freeze=True) runs on a single device, got "
+            f"{WHO}(shrink_on_freeze=True) runs on a single device, got "
             f"{strategy}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
             "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
             "(lightning_pat.shrink(model, callback)), or train on one device."

@@ -1,9 +1,9 @@
 """The per-step pruning work on a bound run: what the weights go through around one optimizer step (no Lightning here).
 
-Everything here works on a :class:`~lightning_pat.training.bound.BoundRun` (what
-:meth:`~lightning_pat.training.controller.PruningController.bind` built), the run's
-:class:`~lightning_pat.training.state.Progress` and plain values, and returns what changed; the controller's per-step
-verbs call it and keep the results. In the order of a step:
+Every function takes the run and its progress first: a :class:`~lightning_pat.training.bound.BoundRun` (what
+:meth:`~lightning_pat.training.controller.PruningController.bind` built; it carries the options and where messages
+go) and its :class:`~lightning_pat.training.progress.Progress`, then plain values, and returns what changed; the
+controller's per-step verbs call it and keep the results. In the order of a step:
 
 1. :func:`after_backward`: between the backward and the update, the latents are swapped in (latent mode, ramp) or
    the dropped units' gradients zeroed (healing); a Taylor score observes the gradient;
@@ -19,35 +19,34 @@ only after the backward and committed after the update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_pat.core.schedule import Action
-from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.api import importance_costs
-from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.shrink import shrink_for_training
 from lightning_pat.sizing.targets import declaration_labels
-from lightning_pat.training.bound import BoundRun, prefixed, size_option, solve_size
-from lightning_pat.training.state import Progress
+from lightning_pat.training.bound import BoundRun, size_option, solve_size
+from lightning_pat.training.errors import WHO, prefixed
+from lightning_pat.training.progress import Progress
 
 
-def after_backward(run: BoundRun, optimizer: torch.optim.Optimizer, *, action: Action) -> None:
+def after_backward(run: BoundRun, progress: Progress, optimizer: torch.optim.Optimizer) -> None:
     """After the backward, before ``optimizer`` updates: swap latents in (ramp) or zero dropped grads (healing).
 
     Args:
         run: The bound run (nothing happens once the model was shrunk).
+        progress: The run's progress (the schedule's action is the one after the step this update completes).
         optimizer: The optimizer about to update (its parameters' latents are swapped in).
-        action: The schedule's action after the step this update completes.
     """
     pruner, latents = run.pruner, run.latents
     if pruner is None or latents is None:
         return
+    action = run.options.schedule.action(progress.step + 1, heal=run.options.heal)
     with torch.no_grad():
         if action == "freeze":
             if run.fsdp1_root is None:  # FSDP1: grads in flat shards; weights re-zeroed after
@@ -65,9 +64,7 @@ def after_step(
     *,
     stepped: bool,
     lr: float | None,
-    options: PruningOptions,
     count: bool | Callable[[int], bool],
-    info: Callable[[str], None] = lambda _: None,
 ) -> tuple[PruneResult | None, BoundRun]:
     """After a batch of a run that still prunes: if ``stepped``, count the step in ``progress`` and act.
 
@@ -79,9 +76,7 @@ def after_step(
         progress: The run's progress (ticked and given ``lr`` when a real step happened and pruning has started).
         stepped: Whether a real optimizer step happened (not accumulation, not an AMP skip).
         lr: The step's learning rate (``None`` if unknown).
-        options: The run's options.
         count: Whether to return a result with literal-zero counts: a bool, or a function of the new step.
-        info: Where the size solved by importance is reported (rank zero).
 
     Returns:
         The current mask with its literal-zero counts, when counted and the schedule acted (else ``None``), and the
@@ -92,7 +87,7 @@ def after_step(
             solved by importance.
         ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
     """
-    pruner, latents = run.pruner, run.latents
+    pruner, latents, options = run.pruner, run.latents, run.options
     assert pruner is not None
     assert latents is not None
     latent = options.mode == "latent"
@@ -113,21 +108,14 @@ def after_step(
         counted = count(step) if callable(count) else count
         with run.weights() as params:
             if action == "select":
-                if run.allocation_due(options):
-                    run = allocate(run, params, step=step, options=options, info=info)
-                return select(run, progress, step=step, options=options, count=counted), run
+                if run.allocation_due():
+                    run = allocate(run, params, step=step)
+                return select(run, progress, step=step, count=counted), run
             pruner.hold(rescale=latent and action == "hold")
             return (pruner.result(count=True) if counted else None), run
 
 
-def allocate(
-    run: BoundRun,
-    params: Mapping[str, Tensor],
-    *,
-    step: int,
-    options: PruningOptions,
-    info: Callable[[str], None],
-) -> BoundRun:
+def allocate(run: BoundRun, params: Mapping[str, Tensor], *, step: int) -> BoundRun:
     """Solve the size target by importance from the run's own statistics (``target_allocation="importance"``).
 
     The unit scores are reduced as for a selection (the data-aware score's partials in the executors' one reduction,
@@ -138,9 +126,7 @@ def allocate(
     Args:
         run: The bound run, its weights in hand (``params``).
         params: The parameters the engine works on (:meth:`~lightning_pat.training.bound.BoundRun.weights`).
-        step: The completed optimizer step (the first selection).
-        options: The run's options.
-        info: Where the solution is reported (rank zero).
+        step: The completed optimizer step (the first selection); the solution is reported to ``run.info``.
 
     Returns:
         The run with the solved targets and size (its pruner retargeted in place).
@@ -151,10 +137,11 @@ def allocate(
     assert run.pruner is not None
     assert run.plan is not None
     assert run.basis is not None
-    evidence = run.collectors.evidence
+    assert run.score is not None
+    evidence, options = run.collectors.evidence, run.options
     score = run.score.score
     which = size_option(options)
-    with prefixed(f"CoupledPruningCallback({which}, target_allocation={options.target_allocation!r})"):
+    with prefixed(f"{WHO}({which}, target_allocation={options.target_allocation!r})"):
         q, scores = run.pruner.reduced(None, evidence)
         declared = declaration_labels(params, run.basis.declarations)
         costs = importance_costs(
@@ -165,14 +152,14 @@ def allocate(
         )
     run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
     source = "statistics" if evidence is not None else "weights"
-    info(
-        f"CoupledPruningCallback {which}: {size.describe()}; solved at step {step} (the first selection) from the "
+    run.info(
+        f"{WHO} {which}: {size.describe()}; solved at step {step} (the first selection) from the "
         f"run's {score!r} {source}."
     )
     return run
 
 
-def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOptions, count: bool) -> PruneResult:
+def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> PruneResult:
     """A fresh selection at this step's targets (the final step always applies the exact hard target).
 
     The run's weights must be in hand (:meth:`~lightning_pat.training.bound.BoundRun.weights`). A data-aware score's
@@ -183,7 +170,6 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         run: The bound run (its pruner is bound).
         progress: The run's progress (the prox step is sized from it; the selection is marked in it).
         step: The completed optimizer step.
-        options: The run's options.
         count: Whether the result carries literal-zero counts (which may communicate).
 
     Returns:
@@ -193,7 +179,8 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         ConfigurationError: If ``score="activation"`` statistics cannot score the clusters.
         ValueError: If a score is not finite (see :func:`~lightning_pat.core.selection.check_finite`).
     """
-    pruner, plan, scorers, schedule = run.pruner, run.plan, run.collectors, options.schedule
+    pruner, plan, scorers, options = run.pruner, run.plan, run.collectors, run.options
+    schedule = options.schedule
     assert pruner is not None
     assert plan is not None
     sparsity = options.target_sparsity
@@ -201,19 +188,20 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
     method = "hard" if schedule.phase(step) in ("final", "healing") else options.method
     scores = None
     if scorers.layers is not None:
-        with prefixed("CoupledPruningCallback(layer_score='cosine')"):
+        with prefixed(f"{WHO}(layer_score='cosine')"):
             scores = scorers.layers.summed_scores()  # one collective when distributed
         if scores is None:
             ranks.rank_zero_warn(
-                f"CoupledPruningCallback: no layer saw a training forward before the selection at step {step}; "
+                f"{WHO}: no layer saw a training forward before the selection at step {step}; "
                 "the layer units are ranked by the weight score (layer_score='weight') this time."
             )
+    assert run.score is not None
     score = run.score.score
     if scores is None and score == "activation" and scorers.act is None:  # only layer units: weights
         scores = {}
     threshold = options.reg_lambda * progress.prox_step(latent=options.mode == "latent")
     used = repr(score) if options.score != "auto" else f"'auto' -> {score!r}"
-    with prefixed(f"CoupledPruningCallback(score={used})"):
+    with prefixed(f"{WHO}(score={used})"):
         targets = plan.targets(sparsity, fraction=schedule.fraction(step))
         result = pruner.step(
             targets, method=method, threshold=threshold, count=count, scores=scores, evidence=scorers.evidence
@@ -222,28 +210,16 @@ def select(run: BoundRun, progress: Progress, *, step: int, options: PruningOpti
         scorers.taylor.reset()  # the next selection sums the steps from here
     progress.mark_selection()
     if options.debug_check_selection:  # the mask the pruner holds now, whatever produced it
-        ranks.check_selection_agreement(
-            pruner.result().dropped, step=step, who="CoupledPruningCallback (debug_check_selection)"
-        )
+        ranks.check_selection_agreement(pruner.result().dropped, step=step, who=f"{WHO} (debug_check_selection)")
     return result
 
 
-def freeze(
-    run: BoundRun,
-    *,
-    options: PruningOptions,
-    clusters: Sequence[ResolvedCluster],
-    step: int,
-    info: Callable[[str], None],
-) -> tuple[dict[str, list[int]], BoundRun] | None:
+def freeze(run: BoundRun, progress: Progress) -> tuple[dict[str, list[int]], BoundRun] | None:
     """The mask is final: free the latents, stop collecting statistics, and shrink if asked to.
 
     Args:
-        run: The bound run (its pruner and latents are bound).
-        options: The run's options (``shrink_on_freeze``).
-        clusters: The resolved clusters the shrink cuts.
-        step: The completed optimizer step (for the message).
-        info: Where the shrink's message goes (rank zero).
+        run: The bound run (its pruner and latents are bound); ``shrink_on_freeze`` cuts its clusters.
+        progress: The run's progress (its step names the shrink in the message to ``run.info``).
 
     Returns:
         With ``shrink_on_freeze``: the dropped units and the run on the shrunk model (it only counts steps); else
@@ -257,13 +233,13 @@ def freeze(
     with torch.no_grad():
         run.latents.clear()
         run.collectors.detach()  # no per-forward cost during healing
-        if not options.shrink_on_freeze:
+        if not run.options.shrink_on_freeze:
             return None
         dropped = run.pruner.result().dropped
-        with prefixed("CoupledPruningCallback(shrink_on_freeze=True)"):
-            shrink_for_training(run.module, clusters, dropped, optimizers=run.optimizers)
-    info(
-        f"CoupledPruningCallback: shrunk the model at step {step} to "
+        with prefixed(f"{WHO}(shrink_on_freeze=True)"):
+            shrink_for_training(run.module, run.clusters, dropped, optimizers=run.optimizers)
+    run.info(
+        f"{WHO}: shrunk the model at step {progress.step} to "
         f"{sum(p.numel() for p in run.module.parameters()):,} parameters; healing runs on the small model."
     )
     return dropped, run.after_shrink()

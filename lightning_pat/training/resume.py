@@ -1,25 +1,29 @@
 """The resume side of a run: the saved state out and in, and the start and end of a fit (no Lightning here).
 
-Everything here works on a :class:`~lightning_pat.training.bound.BoundRun` (what
-:meth:`~lightning_pat.training.controller.PruningController.bind` built) and plain values, and returns what changed;
-the controller keeps the results. In the order of a resume:
+Every function takes the run first: a :class:`~lightning_pat.training.bound.BoundRun` (what
+:meth:`~lightning_pat.training.controller.PruningController.bind` built; it carries the options and where messages
+go), then its :class:`~lightning_pat.training.progress.Progress` where it needs it, and returns what changed; the
+controller keeps the results. A resume reads top to bottom here:
 
 1. :func:`load`: the callback's ``load_state_dict`` keeps the state (the teacher's entry goes to the distiller);
 2. :func:`before_restore`: before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``;
-3. :func:`check_fit_resumes` and :func:`restore_teacher` when the fit starts (``begin_fit``);
-4. :func:`start`: a loaded state (:func:`restore`), the same Trainer's previous fit, or a new schedule (a model
-   already shrunk only continues its step count, :func:`shrunk_progress`);
-   :func:`restore` settles the score a checkpoint was written with (``score="auto"``), then the state is checked and
-   read once (:func:`lightning_pat.training.state.read` returns one :class:`~lightning_pat.training.state.Restored`),
-   its dropped units checked against the restored weights (:func:`check_dropped_are_zero`) and applied
-   (:func:`apply`); a size solved by importance before the checkpoint keeps its widths (:func:`reallocated`);
-5. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
+3. :func:`begin_fit` when the fit starts (the controller hands it a :class:`FitStart`): :func:`check_fit_resumes`,
+   :func:`restore_teacher`, then :func:`start`: a model already shrunk only continues its step count
+   (:func:`shrunk_progress`); else the score is settled, once (:func:`settle_score`: ``score="auto"`` continues a
+   loaded state's score; the pruner and the scorers are built with it), then :func:`restore` checks and reads the
+   state once (:func:`lightning_pat.training.state.read`, with the run's :func:`read_context`, returns one
+   :class:`~lightning_pat.training.state.Restored`), its dropped units checked against the restored weights
+   (:func:`check_dropped_are_zero`) and applied (:func:`apply`); a size solved by importance before the checkpoint
+   keeps its widths (:func:`reallocated`); else the same Trainer's previous fit, or a new schedule; last
+   :func:`warn_short_fit`;
+4. :func:`save` at every checkpoint, and with ``gather=False`` at the end of a fit (what the same Trainer's next
    fit continues from).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,12 @@ from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score, size_option
+from lightning_pat.training.bound import BoundRun, choice_message, size_option
 from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
+from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
+from lightning_pat.training.progress import Progress
+from lightning_pat.training.score_choice import resolve_score
 
 
 # ---------------------------------------------------------------------------------------------------- state in
@@ -85,14 +92,14 @@ def before_restore(
     if not differ:
         return None
     if is_shrunk(body):  # a checkpoint written after the shrink: give the module its shapes
-        with prefixed("CoupledPruningCallback: cannot resume the shrunk model"):
+        with prefixed(f"{WHO}: cannot resume the shrunk model"):
             small = read_saved(body, "the callback state")  # the schema, once
             restore_shrunk(module, small)
         return list(small.clusters), dict(small.dropped)
     if shrunk:  # this module was shrunk; the checkpoint holds the full-size weights
         name, (mine, theirs) = next(iter(differ.items()))
         raise ConfigurationError(
-            f"CoupledPruningCallback(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
+            f"{WHO}(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
             f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
             f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
             "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
@@ -112,17 +119,81 @@ def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------------- fit start
-def check_fit_resumes(
-    *, restoring: bool, carry: bool, shrunk: bool, global_step: int, ckpt_path: Any, key: str
-) -> None:
+@dataclass(frozen=True)
+class FitStart:
+    """What a fit starts from, as the controller kept it (see :func:`begin_fit`).
+
+    Attributes:
+        restored: A state loaded from a checkpoint (:func:`load`), if any.
+        carried: The in-memory state the same process's previous fit kept (:func:`save` with ``gather=False``).
+        carry: Whether this fit continues ``carried`` (the same Trainer, at the step its previous fit ended).
+        shrunk: Whether the model was shrunk (by an earlier fit, or to a checkpoint's shapes): only steps count.
+        global_step: The trainer's optimizer steps so far (``None``: not known); a loaded ``step`` may not exceed it.
+        ckpt_path: The checkpoint ``restored`` came from (a distributed checkpoint's latents are read there).
+    """
+
+    restored: Mapping[str, Any] | None = None
+    carried: Mapping[str, Any] | None = None
+    carry: bool = False
+    shrunk: bool = False
+    global_step: int | None = None
+    ckpt_path: Any = None
+
+
+def begin_fit(
+    run: BoundRun,
+    progress: Progress,
+    fit: FitStart,
+    *,
+    distiller: Distiller | None,
+    key: str,
+    steps_left: float,
+    teacher_dirs: Sequence[str] = (),
+) -> tuple[BoundRun, Progress]:
+    """A fit starts (the callback's ``on_train_start``, after a restore under every strategy), top to bottom.
+
+    1. :func:`check_fit_resumes`: a fit that resumes needs a loaded state or the same Trainer's previous fit;
+    2. :func:`restore_teacher` (with distillation): a new teacher, or the saved one checked on every rank;
+    3. :func:`start`: the score settled and the pruner built, then the loaded state, the previous fit's, or step 0;
+    4. :func:`warn_short_fit`: a fit that ends before the final ramp step is said so.
+
+    Args:
+        run: The bound run.
+        progress: The run's progress so far.
+        fit: What the fit starts from.
+        distiller: The distiller, with distillation.
+        key: This run's state key in a checkpoint (for the message of :func:`check_fit_resumes`).
+        steps_left: The fit's estimated optimizer steps (``inf`` if unknown).
+        teacher_dirs: Where the teacher file (``distill_teacher_store="file"``) is written, and where a restored
+            state's teacher file is looked up after the directory of ``ckpt_path``.
+
+    Returns:
+        The run with its score settled, and its progress.
+
+    Raises:
+        ConfigurationError: As for :func:`check_fit_resumes`.
+        ValueError: On every rank, as for :func:`restore_teacher` and :func:`start`.
+    """
+    check_fit_resumes(fit, key=key)
+    if distiller is not None:
+        fresh = fit.restored is None and not fit.carry
+        restore_teacher(distiller, run.options, fit, fresh=fresh, dirs=teacher_dirs)
+    run, progress = start(run, progress, fit)
+    if not fit.shrunk:
+        warn_short_fit(run.options.schedule, step=progress.step, steps_left=steps_left - (fit.global_step or 0))
+    return run, progress
+
+
+def check_fit_resumes(fit: FitStart, *, key: str) -> None:
     """A fit that resumes (``global_step > 0``) needs a loaded state or the same Trainer's previous fit.
 
     Raises:
         ConfigurationError: If neither is there (and the model was not shrunk).
     """
-    if not restoring and not carry and global_step > 0 and not shrunk:
+    global_step = fit.global_step or 0
+    if fit.restored is None and not fit.carry and global_step > 0 and not fit.shrunk:
         raise ConfigurationError(
-            f"CoupledPruningCallback: the fit resumes at global step {global_step} from {ckpt_path!r}, which "
+            f"{WHO}: the fit resumes at global step {global_step} from {fit.ckpt_path!r}, which "
             f"holds no state under this callback's key {key!r} (the cluster declaration names identify it). "
             "Resume with the same cluster names, or, to start pruning from trained weights, load them into the "
             "module and fit with a fresh Trainer without `ckpt_path`."
@@ -130,12 +201,12 @@ def check_fit_resumes(
 
 
 def restore_teacher(
-    distiller: Distiller, options: PruningOptions, *, fresh: bool, restoring: bool, ckpt_path: Any, dirs: Sequence[str]
+    distiller: Distiller, options: PruningOptions, fit: FitStart, *, fresh: bool, dirs: Sequence[str]
 ) -> None:
     """At fit start, on every rank: a new teacher for a new schedule, the teacher file's directories, a saved teacher.
 
-    A restored teacher file is read and checked after the directory of ``ckpt_path``, then ``dirs``. One agreement
-    collective each: if one rank fails, every rank raises.
+    A restored teacher file is read and checked after the directory of ``fit.ckpt_path``, then ``dirs``. One
+    agreement collective each: if one rank fails, every rank raises.
 
     Raises:
         ValueError: If the teacher file's directories cannot hold it, a restored teacher does not fit the model, or
@@ -143,72 +214,53 @@ def restore_teacher(
     """
     if fresh:
         distiller.reset()  # a new schedule: a new teacher when pruning starts
-    with ranks.together("CoupledPruningCallback"):
+    with ranks.together(WHO):
         if options.distill_teacher_store == "file" and options.distill_teacher is None:
             teacher_file.check_directories(dirs)
         distiller.check_saved()
-    if not restoring or not teacher_file.is_file_entry(distiller.saved):
+    if fit.restored is None or not teacher_file.is_file_entry(distiller.saved):
         return
-    where = [] if ckpt_path is None else [str(Path(ckpt_path).parent)]
-    with ranks.together("CoupledPruningCallback"):
+    where = [] if fit.ckpt_path is None else [str(Path(fit.ckpt_path).parent)]
+    with ranks.together(WHO):
         distiller.restore_file(directories=[*where, *dirs])
 
 
-def start(
-    run: BoundRun,
-    *,
-    restored: Mapping[str, Any] | None,
-    carried: Mapping[str, Any] | None,
-    dropped_carry: bool,
-    options: PruningOptions,
-    ckpt_path: Any,
-    global_step: int | None,
-    info: Callable[[str], None],
-) -> tuple[BoundRun, state.Progress]:
-    """Where a fit starts: a loaded state (:func:`restore`), the previous fit's, or a new schedule at step 0.
+def start(run: BoundRun, progress: Progress, fit: FitStart) -> tuple[BoundRun, Progress]:
+    """Where the schedule stands: the score settled, then a loaded state, the previous fit's, or a new schedule.
 
-    Args:
-        run: The bound run.
-        restored: A state loaded from a checkpoint, if any.
-        carried: The in-memory state of the same Trainer's previous fit (see :func:`save` with ``gather=False``), if
-            this fit continues it.
-        dropped_carry: Whether a previous fit's state exists but is not continued (a fresh Trainer: it is said so).
-        options: The run's options.
-        ckpt_path: The checkpoint ``restored`` came from.
-        global_step: The trainer's optimizer steps so far.
-        info: Where the informational messages go.
+    A shrunk model only continues its step count (:func:`shrunk_progress`). Otherwise the score is settled once per
+    bind (:func:`settle_score`), then a loaded state continues (:func:`restore`), else the previous fit's state
+    when ``fit.carry`` (this process's own: nothing to check), else a new schedule starts at step 0.
 
     Returns:
-        The run (another one if ``score="auto"`` continues a checkpoint's score) and its progress. The scorers'
-        hooks are attached unless the mask is frozen.
+        The run and its progress. The scorers' hooks are attached unless the mask is frozen.
 
     Raises:
-        ValueError: As for :func:`restore`; if the mask is empty after the final ramp step although the target
-            requires dropped units (:func:`check_mask_not_empty`).
+        ValueError: As for :func:`settle_score` and :func:`restore`; if the mask is empty after the final ramp step
+            although the target requires dropped units (:func:`check_mask_not_empty`).
     """
-    schedule = options.schedule
-    if restored is not None:
-        run, progress = restore(
-            run, restored, options=options, schedule=schedule, ckpt_path=ckpt_path, global_step=global_step, info=info
-        )
-    elif carried is not None:  # this process's own state: nothing to check
-        run = reallocated(run, carried, options=options, info=info)
-        progress = apply(run, state.Restored.carried(carried))
+    if fit.shrunk:
+        return run, shrunk_progress(fit) or progress
+    if run.pruner is None:
+        run = settle_score(run, saved_score(fit.restored))
+    if fit.restored is not None:
+        run, progress = restore(run, fit.restored, fit)
+    elif fit.carry and fit.carried is not None:
+        run = reallocated(run, fit.carried)
+        progress = apply(run, state.Restored.carried(fit.carried))
     else:
-        if dropped_carry:
-            info("CoupledPruningCallback: a fresh Trainer starts a new pruning schedule at step 0.")
+        if fit.carried is not None:
+            run.info(f"{WHO}: a fresh Trainer starts a new pruning schedule at step 0.")
         run.collectors.reset()
-        progress = state.Progress()
-    if schedule.frozen(progress.step, heal=options.heal):
-        check_mask_not_empty(run, options, step=progress.step)
+        progress = Progress()
+    if run.options.schedule.frozen(progress.step, heal=run.options.heal):
+        check_mask_not_empty(run, progress)
     else:
         run.collectors.attach()  # removed at the freeze and at the end of the fit
     return run, progress
 
 
-def shrunk_progress(
-    restored: Mapping[str, Any] | None, carried: Mapping[str, Any] | None, *, global_step: int | None
-) -> state.Progress | None:
+def shrunk_progress(fit: FitStart) -> Progress | None:
     """A shrunk model's progress at fit start (only the step count goes on): a loaded state's, else the previous fit's.
 
     Returns:
@@ -217,52 +269,62 @@ def shrunk_progress(
     Raises:
         ValueError: If the loaded state does not fit the schema (see :func:`lightning_pat.training.state.check_saved`).
     """
-    if restored is not None:
-        return state.read_progress(restored, global_step=global_step)
-    return None if carried is None else state.Progress.from_state(carried)
+    if fit.restored is not None:
+        return state.read_progress(fit.restored, global_step=fit.global_step)
+    return None if fit.carried is None else Progress.from_state(fit.carried)
 
 
-def restore(
-    run: BoundRun,
-    saved: Mapping[str, Any],
-    *,
-    options: PruningOptions,
-    schedule: Schedule,
-    ckpt_path: Any,
-    global_step: int | None,
-    info: Callable[[str], None],
-) -> tuple[BoundRun, state.Progress]:
-    """Continue a loaded state: its score (``"auto"``), its checks, its mask, latents and statistics.
+def settle_score(run: BoundRun, saved: str | None) -> BoundRun:
+    """The score, settled once, now that a restored state is known under every strategy; the pruner built with it.
+
+    ``score="auto"`` continues the score a loaded state was written with (``saved``) where it runs
+    (:func:`~lightning_pat.training.score_choice.resolve_score`); the size target's rule and ``"auto"``'s score are
+    logged.
+
+    Raises:
+        ConfigurationError: As for :meth:`~lightning_pat.training.bound.BoundRun.scored`.
+    """
+    choice = resolve_score(
+        run.options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=saved
+    )
+    run = run.scored(choice)
+    for line in choice_message(run):
+        run.info(line)
+    return run
+
+
+def restore(run: BoundRun, saved: Mapping[str, Any], fit: FitStart) -> tuple[BoundRun, Progress]:
+    """Continue a loaded state: its checks, its mask, latents and statistics (the score is settled).
 
     Returns:
-        The run (another one if ``score="auto"`` continues the checkpoint's score) and the restored progress.
+        The run (with the saved targets of a size solved by importance) and the restored progress.
 
     Raises:
         ValueError: On every rank, before anything of it is applied, if the state does not fit its schema or this
             run, its dropped units are not zero in the restored weights, or it cannot be continued exactly.
     """
-    kept = saved_score(saved)
-    if options.score == "auto" and kept is not None and kept != run.score.score:
-        choice = resolve_score(
-            options, module=run.module, clusters=run.clusters, fsdp1=run.fsdp1_root is not None, saved=kept
-        )
-        if choice.score != run.score.score:  # "auto" continues the score the checkpoint was written with
-            run = run.rescored(choice)
-            info(f"CoupledPruningCallback: score='auto' continues the checkpoint's score {choice.score!r}.")
-    run = reallocated(run, saved, options=options, info=info)
-    assert run.latents is not None
+    run = reallocated(run, saved)
     restored = state.read(
-        saved, global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
-        options=resumable(options, run), schedule=schedule, latent_mode=options.mode == "latent", heal=options.heal,
-        ckpt_path=ckpt_path, before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
-        entries=run.collectors.checks(),
+        saved, read_context(run, global_step=fit.global_step), fit.ckpt_path,
+        before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
     )  # fmt: skip
     return run, apply(run, restored)
 
 
-def reallocated(
-    run: BoundRun, saved: Mapping[str, Any], *, options: PruningOptions, info: Callable[[str], None]
-) -> BoundRun:
+def read_context(run: BoundRun, *, global_step: int | None) -> state.ReadContext:
+    """What a loaded state is checked against and read with (:class:`~lightning_pat.training.state.ReadContext`)."""
+    assert run.latents is not None
+    checks = state.restore_context(
+        global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
+        entries=run.collectors.checks(),
+    )  # fmt: skip
+    options = run.options
+    return state.ReadContext(
+        checks, run.params, resumable(options, run), options.schedule, options.mode == "latent", options.heal
+    )
+
+
+def reallocated(run: BoundRun, saved: Mapping[str, Any]) -> BoundRun:
     """A state whose size was solved by importance: the run takes its widths (a resume never solves them again).
 
     Solving again would change the widths in the middle of a run; a state saved before the solve has no
@@ -279,12 +341,12 @@ def reallocated(
     entry = allocation_entry(saved, what=state.WHAT)
     if entry is None:
         return run
-    step, then, now = entry["step"], dict(entry["options"]), options.size_options()
+    step, then, now = entry["step"], dict(entry["options"]), run.options.size_options()
     changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
     if changed or run.basis is None or run.plan is None:
         desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) or "no size target now"
         raise ConfigurationError(
-            f"CoupledPruningCallback: the checkpoint's widths were solved by importance at step {step} for "
+            f"{WHO}: the checkpoint's widths were solved by importance at step {step} for "
             f"{ {k: then.get(k) for k in changed} or then }; the changed options ({desc}) would solve them again and "
             "change the widths in the middle of the run. Resume with the saved options, or start a new run (a fresh "
             "Trainer) to prune to another size."
@@ -293,8 +355,8 @@ def reallocated(
     current = {rc.name: targets.get(rc.name, rc.target) for rc in run.plan.clusters}  # another cluster: refused later
     run = run.retargeted(current, SizeSolution.from_dict(entry["size"]), solved_at=step)
     assert run.size is not None
-    info(
-        f"CoupledPruningCallback {size_option(options)}: {run.size.describe()}; solved at step {step} (the first "
+    run.info(
+        f"{WHO} {size_option(run.options)}: {run.size.describe()}; solved at step {step} (the first "
         "selection), kept on resume."
     )
     return run
@@ -326,7 +388,7 @@ def check_dropped_are_zero(run: BoundRun, dropped: Mapping[str, Sequence[int]]) 
         )
 
 
-def apply(run: BoundRun, restored: state.Restored) -> state.Progress:
+def apply(run: BoundRun, restored: state.Restored) -> Progress:
     """Set the mask, latents and statistics of ``restored`` and project the weights; return its progress."""
     assert run.pruner is not None
     assert run.latents is not None
@@ -341,7 +403,7 @@ def apply(run: BoundRun, restored: state.Restored) -> state.Progress:
     return restored.progress
 
 
-def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -> None:
+def check_mask_not_empty(run: BoundRun, progress: Progress) -> None:
     """Never heal with an empty mask where the final target requires dropped units (call it once frozen).
 
     Raises:
@@ -349,14 +411,15 @@ def check_mask_not_empty(run: BoundRun, options: PruningOptions, *, step: int) -
     """
     assert run.plan is not None
     assert run.pruner is not None
-    targets = run.plan.targets(options.target_sparsity)
+    step = progress.step
+    targets = run.plan.targets(run.options.target_sparsity)
     dropped = run.pruner.result().dropped
     empty = [
         rc.name for rc in run.plan.clusters if not dropped[rc.name] and num_to_drop(targets[rc.name], rc.num_units)
     ]
     if empty:
         raise ValueError(
-            f"CoupledPruningCallback: at step {step} (after the final ramp step) clusters "
+            f"{WHO}: at step {step} (after the final ramp step) clusters "
             f"{empty[:5]} have no dropped units although the target requires some; refusing to heal with an empty "
             "mask. Resume from a checkpoint of this run, or start a new run with a fresh Trainer."
         )
@@ -369,7 +432,7 @@ def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
     end = step + int(steps_left)
     if end < schedule.final_step:
         ranks.rank_zero_warn(
-            f"CoupledPruningCallback: this fit ends after optimizer step {end}, before the final ramp step "
+            f"{WHO}: this fit ends after optimizer step {end}, before the final ramp step "
             f"{schedule.final_step} (warmup {schedule.warmup_steps} + ramp {schedule.ramp_steps}); the mask will "
             f"only reach {schedule.fraction(end):.0%} of the target and is not frozen. Raise max_steps/max_epochs "
             "or shorten the schedule."
@@ -379,13 +442,13 @@ def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
 # ---------------------------------------------------------------------------------------------------- state out
 def resumable(options: PruningOptions, run: BoundRun | None) -> dict[str, Any]:
     """The options saved with the state, with the score in use (``"auto"`` resolved)."""
-    return {**options.resumable(), "score": options.score if run is None else run.score.score}
+    return {**options.resumable(), "score": options.score if run is None or run.score is None else run.score.score}
 
 
 def save(
     run: BoundRun | None,
     *,
-    progress: state.Progress,
+    progress: Progress,
     options: PruningOptions,
     clusters: Sequence[ResolvedCluster],
     dropped: Mapping[str, list[int]],

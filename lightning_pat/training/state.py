@@ -65,58 +65,14 @@ from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
 from lightning_pat.training import latent
 from lightning_pat.training.collectors import Collectors
+from lightning_pat.training.errors import WHO
+from lightning_pat.training.progress import Progress
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
 #: How a restored state is named in the messages of :func:`check_saved`.
-WHAT = "CoupledPruningCallback: the checkpoint's pruning state"
+WHAT = f"{WHO}: the checkpoint's pruning state"
 TEACHER_PREFIX = SIDE_PREFIX + "teacher."  # the sharded distillation teacher (see lightning_pat.training.distill)
-
-
-@dataclass
-class Progress:
-    """Completed real optimizer steps and the sums of learning rates the group-lasso prox step is sized from.
-
-    Attributes:
-        step: Completed real optimizer steps seen by the schedule.
-        gamma: Sum of learning rates of the steps since warmup.
-        gamma_prox: ``gamma`` at the last fresh selection (a direct-mode prox step sums the lrs from there).
-    """
-
-    step: int = 0
-    gamma: float = 0.0
-    gamma_prox: float = 0.0
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> Progress:
-        """From a state (missing keys start fresh)."""
-        return cls(int(state.get("step", 0)), float(state.get("gamma", 0.0)), float(state.get("gamma_prox", 0.0)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """``step``, ``gamma`` and ``gamma_prox`` as plain numbers."""
-        return {"step": self.step, "gamma": self.gamma, "gamma_prox": self.gamma_prox}
-
-    def tick(self) -> int:
-        """Count one real optimizer step; return the new step."""
-        self.step += 1
-        return self.step
-
-    def add_lr(self, lr: float | None) -> None:
-        """Add a step's learning rate to ``gamma`` (past warmup; an unknown lr adds nothing)."""
-        self.gamma += lr or 0.0
-
-    def prox_step(self, *, latent: bool) -> float:
-        """The group-lasso step size of a fresh selection now (see the callback's ``reg_lambda``).
-
-        Latent mode shrinks the unshrunk latent, so the step is the sum of learning rates since warmup; direct mode
-        shrinks weights that earlier selections already shrank, so the step is the sum of learning rates since the
-        previous fresh selection (this step's lr when ``every_n_steps=1``): a proximal gradient step.
-        """
-        return self.gamma if latent else self.gamma - self.gamma_prox
-
-    def mark_selection(self) -> None:
-        """A fresh selection happened: the next direct-mode prox step sums the learning rates from here."""
-        self.gamma_prox = self.gamma
 
 
 def build(
@@ -261,19 +217,19 @@ def check_resumed_options(saved: Mapping[str, Any], current: Mapping[str, Any], 
     new_final = final_step_of(current)
     if not final and step >= new_final:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was taken at step {step} inside the ramp, but the changed options "
+            f"{WHO}: the checkpoint was taken at step {step} inside the ramp, but the changed options "
             f"({desc}) put the final ramp step at {new_final}, already past; the final mask would never be applied. "
             f"Keep warmup_steps + ramp_steps > {step}."
         )
     shaping = MASK_SHAPING & set(changed)
     if final and current.get("heal", True) and shaping:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
+            f"{WHO}: the checkpoint was taken at step {step}, after the final ramp step, so its mask "
             f"is frozen; the changed options ({desc}) cannot change it. Resume with the saved options "
             f"({ {k: saved[k] for k in shaping} }), or start a new run (a fresh Trainer) to prune again."
         )
     ranks.rank_zero_warn(
-        f"CoupledPruningCallback: resuming at step {step} with changed options ({desc}); the schedule continues from "
+        f"{WHO}: resuming at step {step} with changed options ({desc}); the schedule continues from "
         "the saved step with the new options."
     )
 
@@ -302,7 +258,7 @@ def check_restorable(
     if saved != fingerprints:
         changed = sorted(k for k in set(saved) | set(fingerprints) if saved.get(k) != fingerprints.get(k))
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint was written for different clusters ({changed[:5]} differ); "
+            f"{WHO}: the checkpoint was written for different clusters ({changed[:5]} differ); "
             "resume with the same cluster declarations and model, or start a new run."
         )
     step, saved_options = read.step, read.options
@@ -311,7 +267,7 @@ def check_restorable(
     needs = needs and schedule.action(step + 1, heal=heal) in ("select", "hold")
     if needs and state.get("latents") is None:
         raise ValueError(
-            f"CoupledPruningCallback: the checkpoint (step {step}, final step {schedule.final_step}, mode "
+            f"{WHO}: the checkpoint (step {step}, final step {schedule.final_step}, mode "
             f"{saved_options.get('mode')!r}) holds no latent copies, so latent mode cannot continue the ramp exactly. "
             "Resume with mode='direct', or resume from a checkpoint written in latent mode."
         )
@@ -347,19 +303,33 @@ class Restored:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ReadContext:
+    """What a resume checks a saved state against and reads it with (``resume`` builds it from the bound run).
+
+    Attributes:
+        checks: What the schema checks the state against (:func:`restore_context`: the trainer's ``global_step``,
+            the run's clusters, whose fingerprints must match, the latents' shapes and dtypes, the scorers' readers
+            and layers).
+        params: Parameter name -> live parameter (the latents are read like them).
+        options: The run's resumable options, the score in use included (compared with the saved ones).
+        schedule: The run's schedule.
+        latent_mode: Whether the run is in latent mode (a ramp it continues needs the saved latents).
+        heal: Whether the mask freezes after the final ramp step.
+    """
+
+    checks: StateContext
+    params: Mapping[str, Tensor]
+    options: Mapping[str, Any]
+    schedule: Schedule
+    latent_mode: bool
+    heal: bool
+
+
 def read(
     saved: Mapping[str, Any],
-    *,
-    global_step: int | None,
-    clusters: Sequence[ResolvedCluster],
-    params: Mapping[str, Tensor],
-    latent_names: Sequence[str],
-    options: Mapping[str, Any],
-    schedule: Schedule,
-    latent_mode: bool,
-    heal: bool,
+    context: ReadContext,
     ckpt_path: Any,
-    entries: Mapping[str, EntryCheck] | None = None,
     before_latents: Callable[[Mapping[str, Sequence[int]]], None] | None = None,
 ) -> Restored:
     """Check a restored state against the schema, the run and its continuation, then read it (on every rank).
@@ -370,40 +340,31 @@ def read(
 
     Args:
         saved: The state (without ``"distill"``).
-        global_step: The trainer's optimizer steps so far.
-        clusters: The run's resolved clusters.
-        params: Parameter name -> live parameter.
-        latent_names: The parameters that get a latent copy.
-        options: The run's resumable options (the score in use included).
-        schedule: The run's schedule.
-        latent_mode: Whether the run is in latent mode.
-        heal: Whether the mask freezes after the final ramp step.
+        context: What the run checks it against and reads it with.
         ckpt_path: The checkpoint (a ``dcp`` latent entry is read there).
-        entries: The scorers' checks of their entries (:meth:`~lightning_pat.training.collectors.Collectors.checks`).
         before_latents: Called with the saved dropped units once the checks passed.
 
     Raises:
         ValueError: As for :func:`check_restorable`, and whatever ``before_latents`` raises.
     """
-    context = restore_context(
-        global_step=global_step, clusters=clusters, params=params, latent_names=latent_names, entries=entries,
-    )  # fmt: skip
+    clusters = context.checks.clusters
+    assert clusters is not None
     needs_latents = False
     with ranks.together():
         needs_latents = check_restorable(
             saved,
             fingerprints={rc.name: rc.fingerprint() for rc in clusters},
-            options=options,
-            schedule=schedule,
-            latent_mode=latent_mode,
-            heal=heal,
-            context=context,
+            options=context.options,
+            schedule=context.schedule,
+            latent_mode=context.latent_mode,
+            heal=context.heal,
+            context=context.checks,
         )
     dropped = saved["dropped"]
     if before_latents is not None:
         before_latents(dropped)
     entry = saved.get("latents")
-    latents = read_latents(entry, params, ckpt_path=ckpt_path) if needs_latents and entry else None
+    latents = read_latents(entry, context.params, ckpt_path=ckpt_path) if needs_latents and entry else None
     return Restored(Progress.from_state(saved), dropped, saved.get("factors", {}), latents, saved)
 
 

@@ -253,7 +253,7 @@ def check_entry(entry: Mapping[str, Any], *, world: int) -> None:
         )
 
 
-def read(
+def read_teacher_file(
     entry: Mapping[str, Any], *, directories: Sequence[str | os.PathLike[str]], like: Mapping[str, Tensor]
 ) -> dict[str, Tensor]:
     """This rank's teacher tensors from the file ``entry`` names, found in the first of ``directories`` that has it.

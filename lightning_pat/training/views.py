@@ -1,7 +1,8 @@
 """The read-only views of a pruning run: the callback's public attributes, read from its controller (no Lightning).
 
 :class:`PruningViews` is a mixin for an object that holds ``options``, a ``controller`` and the logged ``metrics``
-(the callback); each view reads them and changes nothing.
+(the callback); each view reads them, or the controller's bound run (``controller.run``, a
+:class:`~lightning_pat.training.bound.BoundRun`: ``None`` before fit start), and changes nothing.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ class PruningViews:
         By importance (``target_allocation``), the solution of the first selection from then on; before it, the
         fit-start solution by fractions that checked the size (its ``rule`` says which).
         """
-        return self.controller.size
+        run = self.controller.run
+        return None if run is None else run.size
 
     @property
     def score(self) -> str:
         """The unit score in use (after fit start): ``options.score``, or what ``score="auto"`` resolved to."""
-        return self.controller.score
+        run = self.controller.run
+        return self.options.score if run is None or run.score is None else run.score.score
 
     @property
     def step(self) -> int:
@@ -68,7 +71,8 @@ class PruningViews:
     @property
     def pruner(self) -> Pruner | None:
         """The engine (after fit start; ``None`` once the model was shrunk)."""
-        return self.controller.pruner
+        run = self.controller.run
+        return None if run is None else run.pruner
 
     @property
     def teacher(self) -> nn.Module | None:
@@ -81,5 +85,5 @@ class PruningViews:
 
     def latent_params(self) -> Mapping[str, Tensor]:
         """The latent copies held right now (empty in direct mode, during warmup and during healing)."""
-        latents = self.controller.latents
+        latents = None if self.controller.run is None else self.controller.run.latents
         return {} if latents is None else latents.state_dict()

@@ -90,7 +90,7 @@ def test_hooks_live_only_while_selecting_and_never_leak_across_fits():
     trainer.fit(module)  # a second fit (a notebook cell run again): one hook again, removed again
     assert seen[7] == (0, 1)
     assert hooks(module) == 0
-    count = cb.controller.act.state_dict()["count"]["fc2"]
+    count = cb.controller.run.collectors.act.state_dict()["count"]["fc2"]
     assert count == 4  # the new schedule started from empty statistics: batches of steps 1..4
 
 
@@ -152,7 +152,7 @@ def test_tiny_gpt_preset_heads_and_mlp_then_shrink_on_freeze():
         "tiny_gpt", 0.5, warmup_steps=1, ramp_steps=3, score="activation", shrink_on_freeze=True
     )
     trainer_for([cb], 6).fit(module)
-    assert cb.controller.act is None  # the statistics went with the shrink
+    assert cb.controller.run.collectors.act is None  # the statistics went with the shrink
     layers = module.model.layers
     assert [layer.mlp.gate_proj.out_features for layer in layers] == [32, 32]
     assert all(len(v) > 0 for v in cb.dropped.values())

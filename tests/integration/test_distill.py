@@ -373,7 +373,7 @@ def test_teacher_forwards_do_not_reach_the_students_activation_statistics():
 
     class Peek(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            act = trainer.callbacks[0].controller.act
+            act = trainer.callbacks[0].controller.run.collectors.act
             if act is not None:
                 counts[trainer.global_step] = act.state_dict()["count"]
 

@@ -125,10 +125,10 @@ def test_resume_between_selections_restores_the_layer_sums_bitwise(tmp_path):
     first_cb = _callback()
     with ends_mid_ramp():
         quiet_trainer(max_steps=4, callbacks=[first_cb, ckpt], checkpointing=True).fit(LitLayers(batch_size=4))
-    assert first_cb.controller.layer_stats.seen()  # the checkpoint holds pending sums
+    assert first_cb.controller.run.collectors.layers.seen()  # the checkpoint holds pending sums
     resumed, cb = LitLayers(batch_size=4), _callback()
     quiet_trainer(max_steps=6, callbacks=[cb]).fit(resumed, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
-    assert cb.controller.layer_stats.last == ref_cb.controller.layer_stats.last  # exact floats
+    assert cb.controller.run.collectors.layers.last == ref_cb.controller.run.collectors.layers.last  # exact floats
     assert cb.dropped == ref_cb.dropped
     for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -139,8 +139,9 @@ def test_layer_units_with_the_activation_score_fit_and_shrink():
 
     lit, cb = LitLayers(batch_size=4), _callback(score="activation")
     quiet_trainer(max_steps=6, callbacks=[cb]).fit(lit)
-    assert cb.controller.act is not None
-    assert "layer.0" not in {rc.name for rc in cb.controller.act.clusters}  # layers: scored by the cosine
+    act = cb.controller.run.collectors.act
+    assert act is not None
+    assert "layer.0" not in {rc.name for rc in act.clusters}  # layers: scored by the cosine
     assert sum(bool(cb.dropped[f"layer.{i}"]) for i in range(4)) == 2
     lit.eval()
     ids = layer_worker.ids()
@@ -153,5 +154,5 @@ def test_layer_units_with_the_activation_score_fit_and_shrink():
 def test_layer_score_weight_keeps_the_weight_norm_ranking():
     lit, cb = LitLayers(batch_size=4), _callback(layer_score="weight", mode="direct")
     quiet_trainer(max_steps=6, callbacks=[cb]).fit(lit)
-    assert cb.controller.layer_stats is None
+    assert cb.controller.run.collectors.layers is None
     assert sum(bool(cb.dropped[f"layer.{i}"]) for i in range(4)) == 2

@@ -118,7 +118,7 @@ def test_a_model_left_in_eval_mode_still_collects_statistics_in_training_batches
     assert cb_eval.score == "activation"
     assert cb_eval.dropped == cb_train.dropped
     assert same_weights(m_eval, m_train)
-    stats = cb_eval.controller.act
+    stats = cb_eval.controller.run.collectors.act
     stats.attach()  # the fit removed the hooks; the flag the controller sets around each training batch decides
     before = stats.state_dict()["ema"]["fc2"].clone()
     x = torch.randn(4, 8)

@@ -210,10 +210,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/unit/training/test_controller.py", "tests/integration/test_resume.py"),
         "resume, through the controller and a Trainer",
     ),
-    "training/tracker.py": (
-        ("tests/unit/training/test_state.py", "tests/integration/test_callback.py"),
-        "whether an optimizer really stepped (accumulation, skipped steps)",
-    ),
     "training/trainer_facts.py": (
         ("tests/integration/test_strategies.py", "tests/integration/test_discovery_callback.py"),
         "what the callback reads from a Trainer (strategy, first batch), fitted",

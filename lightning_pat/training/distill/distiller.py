@@ -25,6 +25,7 @@ from lightning_pat.training.distill.teacher import (
     replace_logits,
     teacher_copy,
 )
+from lightning_pat.training.errors import WHO
 
 if TYPE_CHECKING:
     from lightning_pat.pruning.options import Distillation
@@ -102,7 +103,7 @@ class Distiller:
         except AttributeError as err:
             names = [n for n, _ in root.named_modules() if n][:8]
             raise self.error(
-                f"CoupledPruningCallback: `distill_module={module_name!r}` names no submodule of "
+                f"{WHO}: `distill_module={module_name!r}` names no submodule of "
                 f"{type(root).__name__} (some are {names}). Name the module whose forward returns the logits, or '' "
                 "for the LightningModule itself."
             ) from err
@@ -143,7 +144,7 @@ class Distiller:
             self._check_finite()
         if self.on and self.calls == 0:
             raise self.error(
-                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{WHO}(distill_alpha={self.alpha}): the forward of `distill_module="
                 f"{self.module_name!r}` did not run in this training step, so nothing was distilled. Call "
                 "`self(...)` in `training_step`, or set `distill_module` to the submodule it calls (e.g. 'model')."
             )
@@ -169,7 +170,7 @@ class Distiller:
             else f"the logits are finite, so the softmax at temperature {self.temperature:g} overflows or underflows"
         )
         raise self.error(
-            f"CoupledPruningCallback(distill_alpha={self.alpha}, distill_temperature={self.temperature:g}): the "
+            f"{WHO}(distill_alpha={self.alpha}, distill_temperature={self.temperature:g}): the "
             f"distillation KL is not finite ({kl}) at step {self.step}: {cause}. The step was not applied (no weight "
             "changed). Use a temperature such as 1.0 or 2.0, and check the teacher (`distill_teacher`) and the loss "
             "scaling."
@@ -220,12 +221,12 @@ class Distiller:
             self._ref, self._written = None, set()
         else:
             raise self.error(
-                f"CoupledPruningCallback(distill_alpha={self.alpha}): the fit continues at step {step}, after "
+                f"{WHO}(distill_alpha={self.alpha}): the fit continues at step {step}, after "
                 f"pruning started (step {start}), but no teacher was saved (the checkpoint was written without "
                 "distillation). Pass the dense model as `distill_teacher`, or resume without distillation."
             )
         ranks.rank_zero_info(
-            f"CoupledPruningCallback: distillation teacher ready ({self.teacher_bytes / 2**20:.1f} MiB of "
+            f"{WHO}: distillation teacher ready ({self.teacher_bytes / 2**20:.1f} MiB of "
             "parameters and buffers on rank 0; logged per rank as `pruning/teacher_bytes`).",
             logger=log,
         )
@@ -258,13 +259,13 @@ class Distiller:
         logits = find_logits(output)
         if logits is None:
             raise self.error(
-                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{WHO}(distill_alpha={self.alpha}): the forward of `distill_module="
                 f"{self.module_name!r}` returned {type(output).__name__}, which is neither a tensor nor has "
                 "`logits`. Set `distill_module` to the submodule whose output is the logits."
             )
         if dtensor.is_dtensor(logits):  # e.g. vocabulary-sharded logits for loss_parallel: not supported
             raise self.error(
-                f"CoupledPruningCallback(distill_alpha={self.alpha}): the forward of `distill_module="
+                f"{WHO}(distill_alpha={self.alpha}): the forward of `distill_module="
                 f"{self.module_name!r}` returned DTensor logits (placements {tuple(logits.placements)}); distillation "
                 "needs plain logits, identical on the ranks that share a batch. Give the output layer a plain output "
                 "(ColwiseParallel(output_layouts=Replicate(), use_local_output=True)), without loss_parallel."
@@ -277,7 +278,7 @@ class Distiller:
         if target is None or target.shape != logits.shape:
             found = None if target is None else tuple(target.shape)
             raise self.error(
-                f"CoupledPruningCallback: `distill_teacher` must return logits of the student's shape "
+                f"{WHO}: `distill_teacher` must return logits of the student's shape "
                 f"{tuple(logits.shape)} on the same inputs, got {found}. Pass a teacher with the student's vocabulary "
                 "and output layout."
             )
@@ -332,7 +333,7 @@ class Distiller:
         teacher = saved.get("teacher") if isinstance(saved, Mapping) else saved
         if teacher is not None and not isinstance(teacher, Mapping):
             raise self.error(
-                f"CoupledPruningCallback: the checkpoint's distillation teacher must be a mapping, got "
+                f"{WHO}: the checkpoint's distillation teacher must be a mapping, got "
                 f"{type(teacher).__name__}; the checkpoint was edited or is not one of ours."
             )
         self._saved = None if teacher is None else dict(teacher)
@@ -377,15 +378,17 @@ class Distiller:
         memory until :meth:`ensure_teacher` loads them into a fresh copy. A user's teacher needs no file.
 
         Raises:
-            ValueError: As :func:`lightning_pat.training.teacher_file.read` (missing, truncated, modified or foreign
-                file, a name that is not a plain teacher file name, another world size or layout).
+            ValueError: As :func:`lightning_pat.training.teacher_file.read_teacher_file` (missing, truncated,
+                modified or foreign file, a name that is not a plain teacher file name, another world size or layout).
         """
         if not teacher_file.is_file_entry(self._saved) or self.user_teacher is not None:
             return
         assert self.student is not None
         entry = dict(self._saved)
         like_module = self._skeleton if self._skeleton is not None else self.student
-        tensors = teacher_file.read(entry, directories=directories, like=like_module.state_dict(keep_vars=True))
+        tensors = teacher_file.read_teacher_file(
+            entry, directories=directories, like=like_module.state_dict(keep_vars=True)
+        )
         self._saved = {"format": "local", "tensors": tensors} if entry.get("sharded") else tensors
         self._ref = entry
 

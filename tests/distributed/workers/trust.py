@@ -252,7 +252,7 @@ def edited_resume(rank: int, world: int) -> dict[str, Any]:
         "kept-as-dropped": lambda s: s["dropped"].update(h=kept[: len(s["dropped"]["h"])]),
         "unedited": lambda s: None,
     }
-    out: dict[str, Any] = {"routes": dict(ctl.plan.routes) if ctl.plan else {}}
+    out: dict[str, Any] = {"routes": dict(ctl.run.plan.routes) if ctl.run.plan else {}}
     before = (m.w.full_tensor().clone(), m.r.full_tensor().clone())
     for case, edit in edits.items():
         state = copy.deepcopy(saved)

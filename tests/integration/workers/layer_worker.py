@@ -103,7 +103,7 @@ def report(lit: LitLayers, cb: CoupledPruningCallback, state: dict) -> dict:
         "dropped": cb.dropped,
         "step": cb.step,
         "achieved": cb.size.achieved,
-        "layer_scores": {} if cb.controller.layer_stats is None else cb.controller.layer_stats.last,
+        "layer_scores": {} if cb.controller.run.collectors.layers is None else cb.controller.run.collectors.layers.last,
         "shrunk_params": sum(p.numel() for p in small.parameters()),
         "shrunk_flops": count_flops(small, seq_len=CFG.max_seq_len),
         "num_layers": len(small.model.layers),

@@ -89,8 +89,8 @@ def fit_once(strategy_name: str, mode: str, score: str) -> None:
                 "unit_sparsity": float(trainer.callback_metrics["pruning/unit_sparsity"]),
                 "flat_shapes": flat_shapes,
                 "disagreements": check.disagreements,
-                "activation": cb.controller.act.state_dict()["ema"]["fc2"].tolist()
-                if cb.controller.act is not None
+                "activation": cb.controller.run.collectors.act.state_dict()["ema"]["fc2"].tolist()
+                if cb.controller.run.collectors.act is not None
                 else None,
             }
         ),

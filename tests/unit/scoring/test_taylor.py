@@ -59,13 +59,13 @@ def _run(
         ctl.start()
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     ref = torch.zeros(12, dtype=torch.float64)
-    original = ctl.pruner.step
+    original = ctl.run.pruner.step
 
     def spy(*args, evidence=None, **kwargs):  # noqa: ANN002, ANN003, ANN202 - calls through
         seen.append((evidence.shard_riders()["h"].clone(), ref.clone()))
         return original(*args, evidence=evidence, **kwargs)
 
-    ctl.pruner.step = spy
+    ctl.run.pruner.step = spy
     for step in range(start, start + steps):
         opt.zero_grad()
         for micro in range(accumulate):  # gradient accumulation: the optimizer sees the sum of the micro-batches
@@ -82,7 +82,7 @@ def _run(
         ctl.after_step()
         if selects:
             ref = torch.zeros(12, dtype=torch.float64)
-    del ctl.pruner.step
+    del ctl.run.pruner.step
     return ctl, model, opt, seen
 
 
@@ -99,7 +99,7 @@ def test_scores_are_the_sums_of_w_times_g_over_real_steps(mode, accumulate):
     assert ctl.dropped["h"] == sorted(torch.argsort(last, stable=True)[:drop].tolist())
     assert ctl.frozen
     if mode == "direct":  # a dropped unit's weights are zero: it scores 0 at the next selection
-        first_dropped = set(ctl.pruner.result().dropped["h"])
+        first_dropped = set(ctl.run.pruner.result().dropped["h"])
         assert all(seen[-1][0][c] == 0 for c in first_dropped & set(ctl.dropped["h"]))
 
 
@@ -137,9 +137,9 @@ def test_a_selection_without_any_real_step_is_refused():
     )
     ctl.bind(model, optimizers=[opt])
     ctl.start()
-    ctl.taylor.reset()
+    ctl.run.collectors.taylor.reset()
     with pytest.raises(ValueError, match=r"score='taylor' has no gradient sums yet"):
-        ctl.pruner.step({"h": 0.5}, evidence=ctl.taylor)
+        ctl.run.pruner.step({"h": 0.5}, evidence=ctl.run.collectors.taylor)
 
 
 def test_prune_clusters_refuses_taylor():

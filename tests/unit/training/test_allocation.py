@@ -22,7 +22,8 @@ from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import make_plan
 from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training import per_step
-from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.controller import PruningController
+from lightning_pat.training.errors import ConfigurationError
 
 CFG = TinyGPTConfig(vocab_size=32, d_model=16, d_ff=32, n_head=4, n_kv_head=2, n_layer=2, max_seq_len=8)
 TARGET = 0.75
@@ -76,7 +77,7 @@ def test_importance_is_solved_at_the_first_selection_from_the_runs_statistics():
     to the reported count."""
     ctl, net, opt = bound(options(score="activation", target_allocation="importance"))
     ctl.start()
-    at_bind = ctl.size
+    at_bind = ctl.run.size
     assert at_bind is not None
     assert at_bind.rule == "fractions"  # the fit-start check of the size; not what the ramp goes towards
     seen = {}
@@ -84,18 +85,24 @@ def test_importance_is_solved_at_the_first_selection_from_the_runs_statistics():
     def reference(net: TinyGPT) -> None:  # the dense weights and the statistics the first selection sees
         if ctl.progress.step + 1 == WARMUP + 1:
             seen["sized"] = size_clusters(
-                net, "tiny_gpt", target_params=TARGET, target_allocation="importance", activations=ctl.act
+                net,
+                "tiny_gpt",
+                target_params=TARGET,
+                target_allocation="importance",
+                activations=ctl.run.collectors.act,
             )
             plan = make_plan(net, resolve_preset("tiny_gpt", net), score="activation")
-            seen["costs"] = plan_importance(net, plan, resolve_preset("tiny_gpt", net), activations=ctl.act)
+            seen["costs"] = plan_importance(
+                net, plan, resolve_preset("tiny_gpt", net), activations=ctl.run.collectors.act
+            )
             seen["plan"] = plan
 
     for t in range(1, WARMUP + 1):
         step(ctl, net, opt, t, before=reference)
         assert ctl.run.solved_at is None
-        assert ctl.size == at_bind
+        assert ctl.run.size == at_bind
     step(ctl, net, opt, WARMUP + 1, before=reference)
-    size = ctl.size
+    size = ctl.run.size
     assert ctl.run.solved_at == WARMUP + 1
     assert size.rule == "importance"
     want = seen["sized"]
@@ -116,7 +123,7 @@ def test_importance_is_solved_at_the_first_selection_from_the_runs_statistics():
     for t in range(WARMUP + 2, 8):
         step(ctl, net, opt, t)
     assert ctl.frozen
-    assert ctl.size == size
+    assert ctl.run.size == size
     dropped = ctl.dropped
     assert {n: len(v) for n, v in dropped.items()} == {
         rc.name: rc.num_units - size.cluster_kept[rc.name] for rc in ctl.resolved
@@ -133,7 +140,7 @@ def test_other_scores_solve_by_importance_from_their_own_scores(score):
     ctl.start()
     for t in range(1, 8):
         step(ctl, net, opt, t)
-    size = ctl.size
+    size = ctl.run.size
     assert (size.rule, ctl.run.solved_at) == ("importance", WARMUP + 1)
     small = shrink(copy.deepcopy(net), ctl.state_dict())
     assert sum(p.numel() for p in small.parameters()) == size.achieved
@@ -144,11 +151,11 @@ def test_fractions_and_weight_scores_keep_the_fit_start_solution():
     for opts in (options(target_allocation="fractions"), options(score="rms")):
         ctl, net, opt = bound(opts)
         ctl.start()
-        at_bind = ctl.size
+        at_bind = ctl.run.size
         for t in range(1, 7):
             step(ctl, net, opt, t)
-        assert ctl.size == at_bind
-        assert ctl.size.rule == "fractions"
+        assert ctl.run.size == at_bind
+        assert ctl.run.size.rule == "fractions"
         assert ctl.run.solved_at is None
 
 
@@ -203,13 +210,13 @@ def test_resume_keeps_the_solved_widths_or_solves_at_its_first_selection(stop, m
     ctl.load_state_dict(saved)
     ctl.start(global_step=stop)
     if stop > WARMUP:
-        assert ctl.size == first.size
+        assert ctl.run.size == first.run.size
         assert ctl.run.solved_at == WARMUP + 1
         assert any("solved at step 3 (the first selection), kept on resume" in line for line in lines)
     for t in range(stop + 1, 9):
         step(ctl, net2, opt2, t)
     assert solves == ([] if stop > WARMUP else [WARMUP + 1])
-    assert ctl.size == ref.size
+    assert ctl.run.size == ref.run.size
     assert ctl.dropped == ref.dropped
     assert [rc.target for rc in ctl.resolved] == [rc.target for rc in ref.resolved]
     for (name, a), b in zip(net2.state_dict().items(), ref_net.state_dict().values(), strict=True):

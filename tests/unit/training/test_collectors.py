@@ -16,8 +16,8 @@ from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.collector import Collector
 from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.training import collectors
-from lightning_pat.training.bound import ConfigurationError, prefixed
 from lightning_pat.training.collectors import Collectors
+from lightning_pat.training.errors import ConfigurationError, prefixed
 
 CLUSTER = Cluster("h", writers=["0.weight", "0.bias"], readers=["2.weight"])
 

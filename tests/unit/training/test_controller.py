@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_pat import Cluster, PruningWarning
 from lightning_pat.pruning.options import PruningOptions
-from lightning_pat.training.controller import ConfigurationError, PruningController
+from lightning_pat.training.controller import PruningController
+from lightning_pat.training.errors import ConfigurationError
 
 HIDDEN = [Cluster("hidden", writers=["0.weight", "0.bias"], readers=["2.weight"])]
 
@@ -109,8 +110,8 @@ def test_latent_mode_never_shows_dense_weights_to_the_forward():
         dropped = results[step].dropped["hidden"]
         assert dropped, step
         assert torch.count_nonzero(seen[step][dropped]) == 0, step
-    assert ctl.latents is not None
-    assert not ctl.latents.active
+    assert ctl.run.latents is not None
+    assert not ctl.run.latents.active
 
 
 def test_micro_batches_without_an_optimizer_step_do_not_count():

@@ -1,4 +1,4 @@
-"""The state schema (lightning_pat.training.state): latent formats, progress, one spelling of every key."""
+"""The state schema (lightning_pat.training.state): latent formats, one spelling of every key."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lightning_pat.training import state
-from lightning_pat.training.controller import StepTracker
 from lightning_pat.training.latent import LatentStore
 
 
@@ -39,41 +38,6 @@ def test_latent_store_rejects_other_shapes():
         LatentStore(params, ["a"]).load_state_dict({"a": torch.zeros(3, 2)})
     with pytest.raises(ValueError, match=r"lack parameters \['a'\]"):
         LatentStore(params, ["a"]).load_state_dict({})
-
-
-def test_step_tracker_counts_only_real_steps():
-    p = torch.nn.Parameter(torch.ones(1))
-    opt = torch.optim.SGD([p], lr=0.25)
-    tracker = StepTracker()
-    tracker.attach([opt])
-    assert not tracker.consume()
-    p.grad = torch.ones(1)
-    opt.step()
-    assert tracker.consume()
-    assert tracker.last_lr == 0.25
-    assert not tracker.consume()
-    tracker.detach()
-    opt.step()
-    assert not tracker.consume()
-
-
-def test_progress_prox_step_per_mode_and_round_trip():
-    """Latent mode steps by the lr sum since warmup; direct mode by the lrs since the last selection."""
-    p = state.Progress()
-    for lr in (0.5, 0.25):
-        p.tick()
-        p.add_lr(lr)
-    assert (p.step, p.gamma) == (2, 0.75)
-    assert p.prox_step(latent=True) == 0.75
-    assert p.prox_step(latent=False) == 0.75
-    p.mark_selection()
-    p.tick()
-    p.add_lr(0.125)
-    p.add_lr(None)  # an unknown lr adds nothing
-    assert p.prox_step(latent=True) == 0.875
-    assert p.prox_step(latent=False) == 0.125
-    assert state.Progress.from_state(p.state_dict()) == p
-    assert state.Progress.from_state({}) == state.Progress()
 
 
 def test_resumed_options_refuse_what_cannot_take_effect():

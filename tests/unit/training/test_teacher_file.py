@@ -49,7 +49,7 @@ def test_write_once_then_read_back_bitwise_and_the_name_follows_the_content(tmp_
     mtime = path.stat().st_mtime_ns
     assert teacher_file.write(entry, t, tmp_path) == path  # an intact file is kept
     assert path.stat().st_mtime_ns == mtime
-    got = teacher_file.read(entry, directories=[tmp_path / "nowhere", tmp_path], like=t)
+    got = teacher_file.read_teacher_file(entry, directories=[tmp_path / "nowhere", tmp_path], like=t)
     assert set(got) == set(t)
     assert all(torch.equal(got[n], t[n]) and got[n].dtype == t[n].dtype for n in t)
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
@@ -63,7 +63,10 @@ def test_a_damaged_file_is_rewritten_on_the_next_save(tmp_path):
     path = teacher_file.write(entry, t, tmp_path)
     path.write_bytes(b"garbage")
     teacher_file.write(entry, t, tmp_path)
-    assert teacher_file.digest(teacher_file.read(entry, directories=[tmp_path], like=t)) == entry["files"][0]["digest"]
+    assert (
+        teacher_file.digest(teacher_file.read_teacher_file(entry, directories=[tmp_path], like=t))
+        == entry["files"][0]["digest"]
+    )
 
 
 def test_shapes_other_than_the_models_are_refused(tmp_path):
@@ -72,9 +75,9 @@ def test_shapes_other_than_the_models_are_refused(tmp_path):
     teacher_file.write(entry, t, tmp_path)
     like = {**t, "a.weight": torch.zeros(2, 3)}
     with pytest.raises(ValueError, match=rf"{OPTION}: .* holds tensors of other shapes \['a.weight'\]"):
-        teacher_file.read(entry, directories=[tmp_path], like=like)
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like=like)
     with pytest.raises(ValueError, match=r"holds other tensors than the model \(missing \['c'\], unexpected \[\]\)"):
-        teacher_file.read(entry, directories=[tmp_path], like={**t, "c": torch.zeros(1)})
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like={**t, "c": torch.zeros(1)})
 
 
 def sharded_entry(world: int = 2) -> dict:
@@ -88,7 +91,7 @@ def sharded_entry(world: int = 2) -> dict:
 
 def test_a_sharded_teacher_on_another_world_size_is_refused_before_any_file_is_read(tmp_path):
     with pytest.raises(ValueError, match=r"shards of 2 ranks \(mesh \{'data_parallel': 2\}\), and this run has 1; .*"):
-        teacher_file.read(sharded_entry(2), directories=[tmp_path], like=tensors())
+        teacher_file.read_teacher_file(sharded_entry(2), directories=[tmp_path], like=tensors())
 
 
 def test_a_shard_of_another_layout_is_refused(tmp_path):
@@ -98,7 +101,7 @@ def test_a_shard_of_another_layout_is_refused(tmp_path):
     teacher_file.write(entry, t, tmp_path)
     entry["files"][0]["layout"] = "f" * 64  # what another mesh would have recorded
     with pytest.raises(ValueError, match=r"another layout \(mesh \{'data_parallel': 2\}\) than this run's model"):
-        teacher_file.read(entry, directories=[tmp_path], like=t)
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like=t)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +119,7 @@ def test_names_that_are_not_plain_teacher_file_names_are_refused(tmp_path, name)
     entry = teacher_file.reference(tensors())
     entry["files"][0]["name"] = name
     with pytest.raises(ValueError, match=rf"{OPTION}: the checkpoint names the teacher file .* is not a teacher file"):
-        teacher_file.read(entry, directories=[tmp_path], like=tensors())
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like=tensors())
 
 
 def test_a_symlink_leading_outside_the_directory_is_refused(tmp_path):
@@ -128,12 +131,12 @@ def test_a_symlink_leading_outside_the_directory_is_refused(tmp_path):
     inside.mkdir()
     (inside / entry["files"][0]["name"]).symlink_to(outside / entry["files"][0]["name"])
     with pytest.raises(ValueError, match=r"leads outside .* \(a symlink to"):
-        teacher_file.read(entry, directories=[inside], like=t)
+        teacher_file.read_teacher_file(entry, directories=[inside], like=t)
 
 
 def test_a_malformed_reference_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"the checkpoint's teacher reference is malformed"):
-        teacher_file.read({"format": "file", "files": []}, directories=[tmp_path], like=tensors())
+        teacher_file.read_teacher_file({"format": "file", "files": []}, directories=[tmp_path], like=tensors())
 
 
 # ------------------------------------------------------------------------------------ issue 23 (B1, C8, C9, C13)
@@ -147,7 +150,7 @@ def test_a_malformed_reference_is_refused(tmp_path):
 def test_a_reference_with_fields_of_the_wrong_type_is_refused(tmp_path, edit, match):
     entry = {**teacher_file.reference(tensors()), **edit}
     with pytest.raises(ValueError, match=match):
-        teacher_file.read(entry, directories=[tmp_path], like=tensors())
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like=tensors())
 
 
 def test_a_directory_in_the_teacher_files_place_is_named_as_such(tmp_path):
@@ -155,7 +158,7 @@ def test_a_directory_in_the_teacher_files_place_is_named_as_such(tmp_path):
     entry = teacher_file.reference(t)
     (tmp_path / entry["files"][0]["name"]).mkdir()
     with pytest.raises(ValueError, match=r"is a directory, not a file"):
-        teacher_file.read(entry, directories=[tmp_path], like=t)
+        teacher_file.read_teacher_file(entry, directories=[tmp_path], like=t)
     with pytest.raises(ValueError, match=r"is a directory, not a file"):
         teacher_file.write(entry, t, tmp_path)
 
