@@ -452,24 +452,6 @@ class PruningOptions:
         object.__setattr__(self, "sizing", sizing)
         object.__setattr__(self, "distillation", distillation)
 
-    @property
-    def size_target(self) -> int | float | str | None:
-        """``sizing.value``: ``target_params`` or ``target_flops``, whichever is set (``None``: ``target_sparsity``)."""
-        return self.sizing.value
-
-    @property
-    def distill(self) -> bool:
-        """``distillation.on``: whether the ramp and healing distill from a teacher (``distill_alpha > 0``)."""
-        return self.distillation.on
-
-    def allocation(self, score: str) -> Allocation:
-        """``sizing.allocation(score)``: the rule that spreads a size target, with ``score`` the score in use."""
-        return self.sizing.allocation(score)
-
-    def size_options(self) -> dict[str, Any]:
-        """``sizing.to_dict()``: the options that define a solved size (:data:`SIZE_OPTIONS`), by name."""
-        return self.sizing.to_dict()
-
     def resumable(self) -> dict[str, Any]:
         """The options that may change on resume (:data:`RESUMABLE`), by name; they are saved in the state."""
         return {k: getattr(self, k) for k in RESUMABLE}

@@ -57,37 +57,11 @@ class SizeBasis:
     declarations: tuple[Cluster, ...]
 
 
-def solve_size(
-    plan: Plan,
-    params: Mapping[str, Tensor],
-    options: PruningOptions,
-    *,
-    module: nn.Module,
-    declarations: Sequence[Cluster],
-    importance: Mapping[str, Sequence[float]] | None = None,
-) -> tuple[Plan, SizeSolution]:
-    """``plan`` sized to the run's ``target_params`` / ``target_flops`` (by importance if ``importance`` is given).
-
-    Raises:
-        ValueError: As for :meth:`~lightning_pat.pruning.plan.Plan.sized`.
-    """
-    return plan.sized(
-        params, options.size_target, side=options.target_side, declarations=declarations,
-        keep_layers=options.target_layers, widths=options.target_widths, min_kept=options.min_kept,
-        flops=None if options.target_flops is None else (module, int(options.seq_len or 0)), importance=importance,
-    )  # fmt: skip
-
-
 def first_selection(options: PruningOptions) -> int:
     """The step of the schedule's first fresh selection (where ``target_allocation="importance"`` is solved)."""
     schedule = options.schedule
     last = schedule.final_step + max(schedule.every_n_steps, 1)
     return next((t for t in range(1, last + 1) if schedule.action(t, heal=options.heal) == "select"), last)
-
-
-def size_option(options: PruningOptions) -> str:
-    """The size option in use: ``"target_params"`` or ``"target_flops"``."""
-    return "target_params" if options.target_flops is None else "target_flops"
 
 
 @dataclass(frozen=True)
@@ -116,7 +90,7 @@ class BoundRun:
 
     module: nn.Module
     optimizers: Sequence[torch.optim.Optimizer]
-    params: dict[str, Tensor]
+    params: Mapping[str, Tensor]
     options: PruningOptions
     info: Callable[[str], None] = dataclasses.field(repr=False, compare=False)
     fsdp1_root: nn.Module | None = None
@@ -138,7 +112,7 @@ class BoundRun:
             and self.solved_at is None
             and self.plan is not None
             and self.score is not None
-            and self.options.allocation(self.score.score) == "importance"
+            and self.options.sizing.allocation(self.score.score) == "importance"
         )
 
     def retargeted(self, targets: Mapping[str, float | None], size: SizeSolution, *, solved_at: int) -> BoundRun:
@@ -160,7 +134,7 @@ class BoundRun:
         return dataclasses.replace(self, clusters=clusters, plan=plan, size=size, solved_at=solved_at)
 
     @contextmanager
-    def weights(self) -> Iterator[dict[str, Tensor]]:
+    def weights(self) -> Iterator[Mapping[str, Tensor]]:
         """The parameters the engine works on: the live ones, or FSDP1's summoned full ones (written back on exit)."""
         if self.fsdp1_root is None:
             yield self.params
@@ -240,11 +214,11 @@ def bind_run(
             plan = make_plan(
                 params, found, score="rms", executor=opts.executor,  # the score is settled at fit start
                 group_count_ref=opts.group_count_ref,
-                sparsity=opts.target_sparsity if opts.size_target is None else None,  # else: checked when sized
+                sparsity=opts.target_sparsity if opts.sizing.value is None else None,  # else: checked when sized
             )  # fmt: skip
-            if opts.size_target is not None:  # by fractions: the solve by importance waits for statistics
+            if opts.sizing.value is not None:  # by fractions: the solve by importance waits for statistics
                 basis = SizeBasis(plan, tuple(found))
-                plan, size = solve_size(plan, params, opts, module=module, declarations=found)
+                plan, size = plan.for_size(params, opts.sizing, declarations=found, model=module)
         except ValueError as err:
             error = f"{WHO}: {err}"
         digest = {
@@ -277,8 +251,8 @@ def choice_message(run: BoundRun) -> list[str]:
     """What the log says once the score is settled: the size target's solution and rule, and ``"auto"``'s score."""
     assert run.score is not None
     options = run.options
-    lines, choice, which = [], run.score, size_option(options)
-    if run.size is not None and options.allocation(choice.score) == "importance":
+    lines, choice, which = [], run.score, options.sizing.option
+    if run.size is not None and options.sizing.allocation(choice.score) == "importance":
         lines.append(
             f"{WHO} {which}: provisional (by fractions, only to check that the size is "
             f"reachable; the widths are allocated by importance at the first selection, step "

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_pat.core.choices import Method, Mode, TrainingScore
 from lightning_pat.core.saved_state import callback_state
 from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.executors import ExecutorKind
-from lightning_pat.pruning.options import Method, Mode, PruningOptions, TrainingScore, options_doc
+from lightning_pat.pruning.options import PruningOptions, options_doc
 from lightning_pat.training import trainer_facts as facts
 from lightning_pat.training.controller import PruningController
 from lightning_pat.training.environment import check_environment
@@ -116,7 +117,9 @@ class CoupledPruningCallback(PruningViews, Callback):
     ) -> None:
         with _user_errors():
             self.options = PruningOptions(
-                clusters=clusters, target_sparsity=target_sparsity, warmup_steps=warmup_steps, ramp_steps=ramp_steps,
+                # a list of declarations is normalized (and checked) into a tuple by PruningOptions
+                clusters=clusters,  # type: ignore[arg-type]
+                target_sparsity=target_sparsity, warmup_steps=warmup_steps, ramp_steps=ramp_steps,
                 every_n_steps=every_n_steps, ramp=ramp, heal=heal, method=method, reg_lambda=reg_lambda, score=score,
                 mode=mode, executor=executor, group_count_ref=group_count_ref, preset_options=preset_options or {},
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
@@ -143,14 +146,16 @@ class CoupledPruningCallback(PruningViews, Callback):
         return self.controller.state_dict()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Distributed checkpoint: the sharded latents and teacher go next to the model's shards (each rank its own).
 
         With ``distill_teacher_store="file"`` the teacher file is written now, once per directory.
         """
         checkpoint["state_dict"].update(self.controller.sharded_latents())
         with _user_errors():
-            self.controller.write_teacher(facts.teacher_dirs(trainer, self.options.distill_teacher_dir))
+            self.controller.write_teacher(facts.teacher_dirs(trainer, self.options.distillation.teacher_dir))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -207,7 +212,7 @@ class CoupledPruningCallback(PruningViews, Callback):
             self.controller.begin_fit(
                 owner=trainer, global_step=trainer.global_step, ckpt_path=trainer.ckpt_path, key=self.state_key,
                 steps_left=getattr(trainer, "estimated_stepping_batches", float("inf")),
-                teacher_dirs=facts.teacher_dirs(trainer, self.options.distill_teacher_dir),
+                teacher_dirs=facts.teacher_dirs(trainer, self.options.distillation.teacher_dir),
             )  # fmt: skip
 
     @override

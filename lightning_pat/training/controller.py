@@ -91,11 +91,8 @@ class PruningController:
         self._pending: dict[str, Any] | None = None  # a loaded state, applied by the next start()
         self._early: list[Cluster] | ValueError | None = None  # clusters="auto" traced before sharding (see prepare)
         self.distiller: Distiller | None = None
-        if options.distill:
-            self.distiller = Distiller(
-                alpha=options.distill_alpha, temperature=options.distill_temperature, teacher=options.distill_teacher,
-                error=forward_error, store=options.distill_teacher_store,
-            )  # fmt: skip
+        if options.distillation.on:
+            self.distiller = Distiller.of(options.distillation, error=forward_error)
         self.kl: Tensor | None = None  # the last batch's distillation KL (see after_step)
         self._averaged = False  # a weight-averaging callback may write averaged weights into dropped units
         self._last_fit: tuple[Any, int] | None = None  # (weakref to the trainer, its step) at the last end_fit
@@ -200,7 +197,9 @@ class PruningController:
             )  # fmt: skip
             self.resolved = list(self.run.clusters)
         if self.distiller is not None:
-            self.distiller.bind(module, self.options.distill_module, accumulate=accumulate, sharded_ckpt=sharded_ckpt)
+            self.distiller.bind(
+                module, self.options.distillation.module, accumulate=accumulate, sharded_ckpt=sharded_ckpt
+            )
 
     def _bound(self) -> BoundRun:
         assert self.run is not None, "bind() first"

@@ -68,9 +68,9 @@ def check_environment(
             f"(FSDP2/tensor parallel), got {strategy}: FSDP1 keeps gradients in flat shards, where a unit's "
             "gradient is not addressable without gathering every step. Use ModelParallelStrategy with fully_shard."
         )
-    if options.distill and kind not in ("single", "ddp", "model_parallel"):
+    if options.distillation.on and kind not in ("single", "ddp", "model_parallel"):
         raise ValueError(
-            f"{WHO}(distill_alpha={options.distill_alpha}) supports a single device, DDP and "
+            f"{WHO}(distill_alpha={options.distillation.alpha}) supports a single device, DDP and "
             f"ModelParallelStrategy (FSDP2, tensor parallel), got {strategy}: FSDP1's flat parameters cannot be "
             "copied into a teacher sharded like the student. Use ModelParallelStrategy with fully_shard, or set "
             "distill_alpha=0."

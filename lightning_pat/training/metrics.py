@@ -96,7 +96,10 @@ class PruningMetrics:
         self.metrics[f"{self.prefix}/param_sparsity"](sum(zeros.values()), sum(numel.values()))
         for name, key in self._clusters.items():
             self.metrics[key](len(dropped.get(name, ())), num_units[name])
-        self._last = {k: m._forward_cache for k, m in self.metrics.items() if m._forward_cache is not None}
+        self._last = {}
+        for key, metric in self.metrics.items():
+            if metric._forward_cache is not None:
+                self._last[key] = metric._forward_cache
 
     def log(self, log: Callable[..., Any]) -> None:
         """Log each metric object through ``log`` (``LightningModule.log``) per step; the main one in the bar."""

@@ -30,7 +30,7 @@ from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.shrink import shrink_for_training
 from lightning_pat.sizing.targets import declaration_labels
-from lightning_pat.training.bound import BoundRun, size_option, solve_size
+from lightning_pat.training.bound import BoundRun
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.progress import Progress
 
@@ -140,15 +140,15 @@ def allocate(run: BoundRun, params: Mapping[str, Tensor], *, step: int) -> Bound
     assert run.score is not None
     evidence, options = run.collectors.evidence, run.options
     score = run.score.score
-    which = size_option(options)
-    with prefixed(f"{WHO}({which}, target_allocation={options.target_allocation!r})"):
+    which = options.sizing.option
+    with prefixed(f"{WHO}({which}, target_allocation={options.sizing.target_allocation!r})"):
         q, scores = run.pruner.reduced(None, evidence)
         declared = declaration_labels(params, run.basis.declarations)
         costs = importance_costs(
             run.plan, q, scores, declared=declared, comparable=isinstance(evidence, ActivationStats)
         )
-        sized, size = solve_size(
-            run.basis.plan, params, options, module=run.module, declarations=run.basis.declarations, importance=costs
+        sized, size = run.basis.plan.for_size(
+            params, options.sizing, declarations=run.basis.declarations, model=run.module, importance=costs
         )
     run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
     source = "statistics" if evidence is not None else "weights"

@@ -12,8 +12,8 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_pat.core.choices import TrainingScore
 from lightning_pat.core.spec import Cluster
-from lightning_pat.pruning.options import TrainingScore
 from lightning_pat.training.callback import CoupledPruningCallback
 
 #: The options a recipe fixes, and the value it fixes them to.

@@ -41,7 +41,7 @@ from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
-from lightning_pat.training.bound import BoundRun, choice_message, size_option
+from lightning_pat.training.bound import BoundRun, choice_message
 from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
@@ -87,7 +87,7 @@ def before_restore(
     """
     body, distill = split_distill(saved or {})
     if distiller is not None and is_shrunk(body):  # a dense copy to rebuild the teacher into
-        distiller.keep_skeleton(module, distill, options.distill_module)
+        distiller.keep_skeleton(module, distill, options.distillation.module)
     differ = _shape_mismatches(module, weights)
     if not differ:
         return None
@@ -108,7 +108,9 @@ def before_restore(
     return None
 
 
-def _shape_mismatches(module: nn.Module, weights: Mapping[str, Any]) -> dict[str, tuple[tuple, tuple]]:
+def _shape_mismatches(
+    module: nn.Module, weights: Mapping[str, Any]
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
     out = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -215,7 +217,7 @@ def restore_teacher(
     if fresh:
         distiller.reset()  # a new schedule: a new teacher when pruning starts
     with ranks.together(WHO):
-        if options.distill_teacher_store == "file" and options.distill_teacher is None:
+        if options.distillation.teacher_store == "file" and options.distillation.teacher is None:
             teacher_file.check_directories(dirs)
         distiller.check_saved()
     if fit.restored is None or not teacher_file.is_file_entry(distiller.saved):
@@ -341,7 +343,7 @@ def reallocated(run: BoundRun, saved: Mapping[str, Any]) -> BoundRun:
     entry = allocation_entry(saved, what=state.WHAT)
     if entry is None:
         return run
-    step, then, now = entry["step"], dict(entry["options"]), run.options.size_options()
+    step, then, now = entry["step"], dict(entry["options"]), run.options.sizing.to_dict()
     changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
     if changed or run.basis is None or run.plan is None:
         desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) or "no size target now"
@@ -356,7 +358,7 @@ def reallocated(run: BoundRun, saved: Mapping[str, Any]) -> BoundRun:
     run = run.retargeted(current, SizeSolution.from_dict(entry["size"]), solved_at=step)
     assert run.size is not None
     run.info(
-        f"{WHO} {size_option(run.options)}: {run.size.describe()}; solved at step {step} (the first "
+        f"{WHO} {run.options.sizing.option}: {run.size.describe()}; solved at step {step} (the first "
         "selection), kept on resume."
     )
     return run
@@ -412,6 +414,7 @@ def check_mask_not_empty(run: BoundRun, progress: Progress) -> None:
     assert run.plan is not None
     assert run.pruner is not None
     step = progress.step
+    assert run.options.target_sparsity is not None  # PruningOptions sets it (0.5 when a size target is given)
     targets = run.plan.targets(run.options.target_sparsity)
     dropped = run.pruner.result().dropped
     empty = [
@@ -480,7 +483,7 @@ def save(
     allocation = None
     if run is not None and run.solved_at is not None and run.size is not None:
         allocation = {
-            "rule": "importance", "step": run.solved_at, "options": options.size_options(), "size": run.size.to_dict()
+            "rule": "importance", "step": run.solved_at, "options": options.sizing.to_dict(), "size": run.size.to_dict()
         }  # fmt: skip
     saved = state.build(
         progress,

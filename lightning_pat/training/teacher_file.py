@@ -30,7 +30,7 @@ import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -47,7 +47,7 @@ _FIX = (
 )
 
 
-def is_file_entry(entry: Any) -> bool:
+def is_file_entry(entry: Any) -> TypeGuard[Mapping[str, Any]]:
     """Whether a saved teacher is a file reference (see the module docstring)."""
     return isinstance(entry, Mapping) and entry.get("format") == "file"
 
@@ -63,7 +63,8 @@ def digest(tensors: Mapping[str, Tensor]) -> str:
         local = _local(tensors[name])
         sha.update(f"{name}|{local.dtype}|{tuple(local.shape)}\n".encode())
         if local.numel():
-            sha.update(memoryview(local.reshape(-1).view(torch.uint8).numpy()))
+            # numpy arrays implement the buffer protocol; numpy's stubs do not say so to Python 3.11's typeshed
+            sha.update(memoryview(local.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
     return sha.hexdigest()
 
 
@@ -113,7 +114,8 @@ def reference(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def _my_file(entry: Mapping[str, Any]) -> Mapping[str, Any]:
-    return entry["files"][ranks.world_rank() if entry.get("sharded") else 0]
+    mine: Mapping[str, Any] = entry["files"][ranks.world_rank() if entry.get("sharded") else 0]
+    return mine
 
 
 def write(entry: Mapping[str, Any], tensors: Mapping[str, Tensor], directory: str | os.PathLike[str]) -> Path | None:

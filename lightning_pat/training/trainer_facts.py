@@ -99,7 +99,7 @@ def watch_restore(
         if not prefix:
             before(mod, getattr(connector, "_loaded_checkpoint", None), weights)
 
-    return module.register_load_state_dict_pre_hook(hook)
+    return module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch
 
 
 def teacher_dirs(trainer: pl.Trainer, configured: str | None) -> list[str]:

@@ -35,7 +35,9 @@ class PruningViews:
     @property
     def target_sparsity(self) -> float:
         """Fraction of each cluster's units removed at the end of the ramp (clusters may override)."""
-        return self.options.target_sparsity
+        sparsity = self.options.target_sparsity
+        assert sparsity is not None  # PruningOptions sets it
+        return sparsity
 
     @property
     def size(self) -> SizeSolution | None:

@@ -48,7 +48,6 @@ FEATURE_FILES: dict[str, str] = {
     "tests/unit/sizing/test_solver_importance.py": "the solver by importance costs, against the engine's selection",
     # owned by the helpers working in these folders at the same time; renames proposed to the lead in issue 40
     "tests/unit/scoring/test_activation_non_finite.py": "non-finite activations (-> into test_activation.py)",
-    "tests/unit/training/test_allocation.py": "size by importance through the controller (pruning/allocation.py)",
 }
 
 #: files directly in tests/unit/ -> why they are not in a package folder
@@ -160,7 +159,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     "presets/registry.py": (("tests/unit/presets/test_presets.py",), "detection and registration on every family"),
     "presets/transformers.py": (("tests/unit/presets/test_presets.py",), "the family layouts on every family"),
     # pruning (tests/unit/pruning/ is another helper's at the time of issue 40)
-    "pruning/allocation.py": (("tests/unit/training/test_allocation.py",), "to rename: -> tests/unit/pruning/"),
     "pruning/declarations.py": (
         ("tests/unit/pruning/test_api.py", "tests/distributed/test_discovery_broadcast.py"),
         "clusters= to declarations, and early discovery",

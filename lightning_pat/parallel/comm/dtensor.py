@@ -52,8 +52,10 @@ def write_back_(tensor: Tensor, dense: Tensor) -> None:
         data.copy_(dense)
 
 
-def as_dtensor(local: Tensor, like: DTensor) -> Tensor:
+def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
     """Wrap a rank-local tensor laid out like DTensor ``like`` (same mesh, placements, global shape) as a DTensor."""
+    if not isinstance(like, DTensor):
+        raise TypeError(f"as_dtensor: `like` must be a DTensor, got {type(like).__name__}")
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )

@@ -71,7 +71,7 @@ class Distiller:
         self._checked = False
         self._handles: list[Any] = []
         self._calls_open: list[bool] = []  # per open student call: whether another student call ran inside it
-        self._saved: dict[str, Tensor] | None = None  # a restored teacher's weights, until the teacher is rebuilt
+        self._saved: dict[str, Any] | None = None  # a restored teacher's weights, until the teacher is rebuilt
         self._skeleton: nn.Module | None = None  # a dense copy taken before a shrunk checkpoint loaded
         self.sharded_ckpt = False  # checkpoints are distributed checkpoints (a sharded teacher's shards go there)
 
@@ -290,7 +290,8 @@ class Distiller:
         if self._finite is not None:  # several forwards in the step (accumulation): every one must be finite
             finite = [a & b for a, b in zip(self._finite, finite, strict=True)]
         self._finite = finite
-        return replace_logits(output, DistillGrad.apply(logits, target.detach(), self.scale, self.temperature))
+        graded = DistillGrad.apply(logits, target.detach(), self.scale, self.temperature)  # type: ignore[no-untyped-call]  # torch's Function.apply is untyped
+        return replace_logits(output, graded)
 
     # ------------------------------------------------------------------ state
     @property

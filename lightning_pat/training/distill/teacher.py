@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import Tensor, nn
 
@@ -63,6 +63,6 @@ def teacher_copy(student: nn.Module, *, share: tuple[Any, ...] = ()) -> nn.Modul
     return frozen_copy(student, share=share)
 
 
-def is_sharded_entry(saved: Any) -> bool:
+def is_sharded_entry(saved: Any) -> TypeGuard[Mapping[str, Any]]:
     """Whether a saved teacher is a sharded entry (``{"format": ...}``, see :func:`sharded_teacher_entry`)."""
     return isinstance(saved, Mapping) and isinstance(saved.get("format"), str)

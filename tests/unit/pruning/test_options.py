@@ -157,13 +157,13 @@ def test_the_groups_hold_the_flat_options_and_the_saved_size_options_keep_their_
     flat = {"target_params": "1M", "target_side": "above", "target_widths": "ranked", "min_kept": 0.5}
     opts = PruningOptions(clusters="linear_chain", **flat)
     assert opts.sizing == SizeTarget(**flat)
-    assert (opts.sizing.value, opts.sizing.option, opts.size_target) == ("1M", "target_params", "1M")
+    assert (opts.sizing.value, opts.sizing.option) == ("1M", "target_params")
     # a saved ``allocation`` entry's ``options``: these names, in this order, with the flat values
-    assert list(opts.size_options()) == [
+    assert list(opts.sizing.to_dict()) == [
         "target_params", "target_flops", "seq_len", "target_side", "target_layers", "target_widths", "min_kept",
         "target_allocation",
     ]  # fmt: skip
-    assert opts.size_options() == {name: getattr(opts, name) for name in SIZE_OPTIONS}
+    assert opts.sizing.to_dict() == {name: getattr(opts, name) for name in SIZE_OPTIONS}
     step = StepOptions(target_flops="2M", seq_len=16, target_allocation="fractions")
     assert (step.sizing.value, step.sizing.option, step.sizing.target_allocation) == ("2M", "target_flops", "fractions")
     assert StepOptions(sparsity=0.5).sizing == SizeTarget(target_allocation="importance")
@@ -181,7 +181,7 @@ def test_the_distillation_group_holds_the_flat_options_normalised(tmp_path):
     assert isinstance(group.temperature, float)
     assert group.teacher is teacher
     assert group.teacher_dir == str(tmp_path) == opts.distill_teacher_dir
-    assert (opts.distill_alpha, opts.distill_temperature, opts.distill) == (1.0, 2.0, True)
+    assert (opts.distill_alpha, opts.distill_temperature, opts.distillation.on) == (1.0, 2.0, True)
     assert not PruningOptions(clusters="linear_chain").distillation.on
     for bad, match in (
         ({"alpha": 2.0}, r"`distill_alpha` must be a number \[0.0, 1.0\], got 2.0"),

@@ -160,11 +160,11 @@ def test_fractions_and_weight_scores_keep_the_fit_start_solution():
 
 
 def test_auto_allocates_by_importance_with_a_data_aware_score():
-    assert options().allocation("activation") == "importance"
-    assert options().allocation("taylor") == "importance"
-    assert options().allocation("rms") == "fractions"
-    assert options(target_allocation="importance").allocation("rms") == "importance"
-    assert options(target_allocation="fractions").allocation("activation") == "fractions"
+    assert options().sizing.allocation("activation") == "importance"
+    assert options().sizing.allocation("taylor") == "importance"
+    assert options().sizing.allocation("rms") == "fractions"
+    assert options(target_allocation="importance").sizing.allocation("rms") == "importance"
+    assert options(target_allocation="fractions").sizing.allocation("activation") == "fractions"
 
 
 def test_the_log_names_the_rule_and_the_step_it_was_solved_at():
