@@ -22,6 +22,9 @@ on the same calibration batches (8 batches of 4 x 128 bytes of the calibration f
   ``kind="reap"``), through the front door: ``prune_clusters(model, clusters, 0.5, calibration=batches)``;
 * ``frequency``: how many calibration tokens the router sends to the expert (``expert_scores(kind="frequency")``,
   passed to ``Pruner.step(scores=...)``);
+* ``reap_sum`` (bench-side, not a library score): REAP's sum instead of its mean over the expert's tokens, i.e.
+  ``reap * frequency``: the router-weighted output norm the expert contributes over all calibration tokens (an expert
+  that many tokens use counts for more; passed to ``Pruner.step(scores=...)``);
 * ``weight``: the expert's weight norm (its gate/up and down slices and its router row; ``prune_clusters(...,
   score="l2")``; every expert has the same size, so ``"rms"`` ranks the same);
 * ``random``: a seeded random ranking per layer (``Pruner.step(scores=...)``), the floor.
@@ -48,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCORES = ("reap", "frequency", "weight", "random")
+SCORES = ("reap", "frequency", "reap_sum", "weight", "random")
 RESULTS = Path(__file__).resolve().parent / "results" / "expert_scores.jsonl"
 #: The options a worker process gets from the driver.
 CONFIG = (
@@ -176,6 +179,9 @@ def cut(model: torch.nn.Module, score: str, calib: list[torch.Tensor], seed: int
     clusters = lp.resolve_clusters(model, decls)
     if score == "frequency":
         scores = expert_scores(model, clusters, calib, kind="frequency")
+    elif score == "reap_sum":  # mean over the expert's tokens times their number: the sum over them
+        freq = expert_scores(model, clusters, calib, kind="frequency")
+        scores = {name: s * freq[name] for name, s in expert_scores(model, clusters, calib, kind="reap").items()}
     elif score == "random":
         gen = torch.Generator().manual_seed(1_000 + seed)
         scores = {rc.name: torch.rand(rc.num_units, generator=gen, dtype=torch.float64) for rc in clusters}
