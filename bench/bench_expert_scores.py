@@ -1,6 +1,7 @@
 """Expert scores for a one-shot cut of whole routed experts: REAP vs router frequency vs weight norm vs random.
 
-    python bench/bench_expert_scores.py                   # 3 seeds, a fresh process per seed (~8 min on 1 core)
+    python bench/bench_expert_scores.py                   # 3 seeds, a fresh process each (~5 min of one core's time)
+    python bench/bench_expert_scores.py --aux 0 --out bench/results/expert_scores_aux0.jsonl   # no balancing loss
     python bench/bench_expert_scores.py --quick           # seconds: 1 seed, a few steps, a tinier model
     python bench/bench_expert_scores.py --table bench/results/expert_scores.jsonl   # the table of stored rows
 
