@@ -69,6 +69,10 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         ["bench_oneshot_units.py", "--quick", "--sizes", "0.75", "--scores", "activation"],
         "| units | size | score | allocation | params | held-out loss | vs dense | widths |",
     ),
+    "expert-scores": (
+        ["bench_expert_scores.py", "--quick"],
+        "| score | loss per seed | mean | vs REAP: mean (min, max) | / dense |",
+    ),
     "gpu-help": (["gpu.py", "--help"], "usage: gpu.py"),
     "teacher-store": (
         ["bench_teacher_store.py", *TINY, "--steps", "4", "--skip-fsdp2"],
@@ -79,7 +83,7 @@ TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds
 #: Scripts that start rank processes by pickling functions of their ``__main__`` (spawn), or that start processes
 #: of themselves: each in its own process. Every other script runs in ONE process, one after another
 #: (tests/common/run_scripts.py): torch and Lightning imported once, not once per script.
-OWN_PROCESS = {"distill-fsdp2", "sharded", "gpu-pretrained"}
+OWN_PROCESS = {"distill-fsdp2", "sharded", "gpu-pretrained", "expert-scores"}
 #: Run last in the shared process: they put torchvision on the path (tests/common/torchvision_zoo.py).
 LAST = ("discover", "zoo")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
