@@ -91,7 +91,7 @@ class ValueCut:
                 shapes={a: self.plan.shapes[n] for a, n in attrs.items()},
             )
             apply_plan(twin, sub, check_zeros=False)
-            out.update({n: twin._parameters[a].detach() for a, n in attrs.items()})  # noqa: SLF001
+            out.update({n: getattr(twin, a).detach() for a, n in attrs.items()})
         return out
 
 

@@ -242,8 +242,8 @@ def shrink_sharded(
     _check_tensor_parallel(module, groups, cut.clusters, cut.dropped)
     validate(module, plan, optimizers)  # the one-device checks, on global shapes: nothing has changed yet
     # ---- validated; mutate from here on
-    for group in groups:
-        fsdp2.strip_fully_shard(group.module)
+    for each in groups:
+        fsdp2.strip_fully_shard(each.module)
     values = ValueCut(module, plan)
     slots = _slots(module)
     old = dict(module.named_parameters(remove_duplicate=False))
@@ -254,8 +254,8 @@ def shrink_sharded(
             owner._parameters[attr] = stand_in  # noqa: SLF001 - replaced in every module that holds it
     apply_plan(module, plan, check_zeros=False)  # metadata, head counts, config: on meta, nothing allocated
     stand_ins = dict(module.named_parameters(remove_duplicate=False))
-    for group in [*groups, None]:
-        names = group.names if group is not None else rest
+    batches: list[tuple[_Group | None, list[str]]] = [(g, g.names) for g in groups]
+    for group, names in [*batches, (None, list(rest))]:  # bottom-up; then the parameters of no group (plain)
         if names:
             _cut_group(
                 module, group, names, old=old, stand_ins=stand_ins, plan=plan, values=values, optimizers=optimizers
