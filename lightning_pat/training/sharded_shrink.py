@@ -2,7 +2,8 @@
 
 :func:`shrink_sharded` is the FSDP2 counterpart of :func:`lightning_pat.shrink.entry.shrink_for_training`. No rank
 ever holds the whole model: at most one ``fully_shard`` group (a decoder layer, or the root's embedding, norm and
-head) is whole at a time, with its optimizer state, as FSDP2's own forward gathers one group at a time.
+head) is whole at a time, and one kind of tensor of it at a time (its parameters, then each kind of optimizer state),
+as FSDP2's own forward gathers one group at a time.
 
 1. **Checked before anything changes**: the plan against the live model and its optimizers' state (the one-device
    shrink's checks, on the DTensors' global shapes), the layouts this path serves (FSDP2's default ``Shard(0)``
@@ -12,15 +13,17 @@ head) is whole at a time, with its optimizer state, as FSDP2's own forward gathe
    on them stay valid), every parameter is replaced by a placeholder on the meta device of its global shape, and
    :func:`~lightning_pat.shrink.surgery.apply_plan` rewrites the module metadata, head counts and the config exactly
    as on one device, allocating nothing.
-3. **Values, one group at a time, bottom-up** (decoder layers, then the root): the group's shards and their optimizer
-   state are gathered with **one** packed all-gather (:func:`~lightning_pat.parallel.comm.fsdp2.gather_packed`, in
-   the stored dtype, never FSDP2's ``param_dtype``), each cut parameter gets its value from the shrink's own rules
-   (:class:`~lightning_pat.shrink.values.ValueCut`: the slicing and the RMSNorm rescale), the state is sliced like
-   the parameter (``exp_avg``, ``exp_avg_sq``, momentum; scalars such as ``step`` kept), the group is sharded again
+3. **Values, one group at a time, bottom-up** (decoder layers, then the root): the group's parameter shards are
+   gathered with **one** packed all-gather (:func:`~lightning_pat.parallel.comm.fsdp2.gather_packed`, in the stored
+   dtype, never FSDP2's ``param_dtype``; a tensor-parallel axis is then gathered per tensor), each cut parameter gets
+   its value from the shrink's own rules (:class:`~lightning_pat.shrink.values.ValueCut`: the slicing and the
+   RMSNorm rescale), the group is sharded again
    with the settings it had (:func:`~lightning_pat.parallel.comm.fsdp2.shard_again`: same mesh,
    ``reshard_after_forward``, ``MixedPrecisionPolicy``, offload policy; uneven shards where the kept count does not
-   divide the world size, as FSDP2 pads them), and every optimizer's param groups point at the new parameters, with
-   their state laid out like them (each rank keeps its own rows, no further communication).
+   divide the world size, as FSDP2 pads them); then each kind of optimizer state is gathered the same way (one packed
+   all-gather per kind: 3 collectives per group for Adam), sliced like its parameter (``exp_avg``, ``exp_avg_sq``,
+   momentum; scalars such as ``step`` kept) and laid out like the new parameter (each rank keeps its own rows), and
+   every optimizer's param groups point at the new parameters.
 
 The parameters are new objects (a DTensor cannot change its global shape): the returned mapping gives each
 parameter's new object by name, for whoever kept references (the pruning plan's executors). Gradients are dropped
@@ -161,6 +164,13 @@ def _replace(optimizers: Sequence[torch.optim.Optimizer], old: Tensor, new: nn.P
             opt.state[new] = opt.state.pop(old)
 
 
+def _gather(group: _Group | None, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The group's tensors whole on this rank: one packed all-gather over FSDP2's axes, then tensor parallelism's."""
+    if group is None:
+        return [t.detach() for t in tensors]
+    return [dtensor.full_tensor(g) for g in fsdp2.gather_packed(tensors, group.dims)]
+
+
 def _cut_group(
     module: nn.Module,
     group: _Group | None,
@@ -172,16 +182,19 @@ def _cut_group(
     values: ValueCut,
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> None:
-    """One group: gathered (one packed all-gather), cut, sharded again, its optimizer state sliced and laid out."""
+    """One group: its parameters cut and sharded again, then its optimizer state, one kind at a time.
+
+    The parameters are gathered with one packed all-gather, cut and sharded again; then each kind of state
+    (``exp_avg``, ``exp_avg_sq``, ...: one packed all-gather each) is sliced and laid out like the new parameters. One
+    kind at a time, so that a rank holds the group whole once (plus the gather's buffers), not three times.
+    """
     slots = _slots(module)
-    states = [(n, s) for n in names for s in _state_tensors(optimizers, old[n])]
-    tensors = [old[n] for n in names] + [value for _, (_, _, value) in states]
+    tensors = [old[n] for n in names]
     gathered = fsdp2.gather_packed(tensors, group.dims) if group is not None else [t.detach() for t in tensors]
     # a tensor-parallel DTensor stays one on the tensor-parallel sub-mesh: whole here, laid out like it again below
-    tp_like = {n: g for n, g in zip(names, gathered, strict=False) if dtensor.is_dtensor(g)}
-    full = [dtensor.full_tensor(g) for g in gathered]
+    tp_like = {n: g for n, g in zip(names, gathered, strict=True) if dtensor.is_dtensor(g)}
+    whole = {n: dtensor.full_tensor(g) for n, g in zip(names, gathered, strict=True)}
     del gathered
-    whole = dict(zip(names, full[: len(names)], strict=True))
     whole.update(values.cut({n: whole[n] for n in names if n in plan.keep}))
     for name in names:
         value = whole.pop(name)
@@ -189,14 +202,20 @@ def _cut_group(
         param = nn.Parameter(value, requires_grad=old[name].requires_grad)
         for owner, attr in slots[id(stand_ins[name])]:
             owner._parameters[attr] = param  # noqa: SLF001 - replaced in every module that holds it
+    del whole, value, param
     if group is not None:
         fsdp2.shard_again(group.module, group.settings)
     placed = {n: p for n, p in module.named_parameters(remove_duplicate=False) if n in names}
-    for (name, (i, key, _)), value in zip(states, full[len(names) :], strict=True):
-        sliced = plan.slice(name, value) if name in plan.keep else value
-        like = placed[name]
-        laid = dtensor.as_dtensor(dtensor.shard_like(sliced, like), like) if dtensor.is_dtensor(like) else sliced
-        optimizers[i].state[old[name]][key] = laid
+    kinds: dict[tuple[int, str], list[tuple[str, Tensor]]] = {}
+    for name in names:
+        for i, key, value in _state_tensors(optimizers, old[name]):
+            kinds.setdefault((i, key), []).append((name, value))
+    for (i, key), entries in kinds.items():  # the same kinds in the same order on every rank (global metadata)
+        for (name, _), full in zip(entries, _gather(group, [v for _, v in entries]), strict=True):
+            sliced = plan.slice(name, full) if name in plan.keep else full
+            like = placed[name]
+            laid = dtensor.as_dtensor(dtensor.shard_like(sliced, like), like) if dtensor.is_dtensor(like) else sliced
+            optimizers[i].state[old[name]][key] = laid
     for name in names:
         _replace(optimizers, old[name], placed[name])
 

@@ -5,7 +5,8 @@ rank; the same model on one device (same values, the sharded run's own, gathered
 ``shrink_for_training``. After ``shrink_sharded``: the parameters and the Adam state equal the one-device ones
 exactly (bitwise), the logits too (rel < 1e-5), one more step gives the same parameters, every rank holds exactly its
 share of the small model (uneven where a kept count does not divide the world size), each ``fully_shard`` group is
-gathered with one all-gather of its own size (never the whole model), and FSDP2's settings are the same.
+gathered one kind of tensor at a time (its parameters, then each Adam moment: one all-gather of that group's size
+each, never the whole model), and FSDP2's settings are the same.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ def test_sharded_model_is_cut_and_sharded_again_like_the_one_device_shrink(layou
         assert out["bytes_got"] == out["bytes_want"], (rank, out["bytes_got"], out["bytes_want"])
         assert out["state_bytes"] == out["bytes_got"], rank
         assert out["bytes_got"] < out["bytes_full"], rank
-        # one packed all-gather per fully_shard group, over the data-parallel ranks only, bytes of that group only
+        # per fully_shard group one packed all-gather of its parameters, then one per Adam moment, over the
+        # data-parallel ranks only, each of that group's bytes only: never the whole model
         dp = world // (2 if layout == "2x2" else 1)
-        assert [c[0] for c in out["calls"]] in (["all_gather_single"] * 3, ["all_gather_into_tensor"] * 3), out["calls"]
+        assert [c[0] for c in out["calls"]] in (["all_gather_single"] * 9, ["all_gather_into_tensor"] * 9), out["calls"]
         assert all(c[1] == list(range(rank % (world // dp), world, world // dp)) for c in out["calls"]), out["calls"]
         if layout == "fsdp2":
-            assert sorted(out["gather_bytes"]) == sorted(out["group_slot_bytes"]), (rank, out["gather_bytes"])
+            want = sorted(3 * out["group_slot_bytes"])  # the parameters, exp_avg, exp_avg_sq
+            assert sorted(out["gather_bytes"]) == want, (rank, out["gather_bytes"], want)
     sizes = {tuple(out["shapes"]["model.layers.0.mlp.gate_proj.weight"][0]) for out in outs}
     assert len(sizes) == 1  # the same global shapes on every rank
 

@@ -99,8 +99,8 @@ def _sync(ref: torch.nn.Module, opt_ref: torch.optim.Optimizer, sharded: torch.n
 
 
 def _slot_bytes(module: torch.nn.Module, opt: Any, world: int) -> int:
-    """The bytes one rank packs to gather a group (1-D FSDP2): every parameter and Adam moment of the module that no
-    nested fully_shard module holds, each the largest rank's rows, 16-byte aligned."""
+    """The bytes one rank packs to gather one kind of tensor of a group (1-D FSDP2): every parameter (or its Adam
+    moment) of the module that no nested fully_shard module holds, each the largest rank's rows, 16-byte aligned."""
     nested = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     inner = {id(p) for m in nested for p in m.parameters()}
     total = 0
@@ -108,7 +108,7 @@ def _slot_bytes(module: torch.nn.Module, opt: Any, world: int) -> int:
         if id(p) in inner:
             continue
         rows = -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * 4
-        total += 3 * (-(-rows // 16) * 16)  # the parameter, exp_avg, exp_avg_sq
+        total += -(-rows // 16) * 16
     return total
 
 
