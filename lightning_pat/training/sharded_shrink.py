@@ -179,7 +179,7 @@ def _cut_group(
     old: Mapping[str, Tensor],
     stand_ins: Mapping[str, Tensor],
     plan: ShrinkPlan,
-    values: ValueCut,
+    values: ValueCut | None,
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> None:
     """One group: its parameters cut and sharded again, then its optimizer state, one kind at a time.
@@ -189,16 +189,21 @@ def _cut_group(
     kind at a time, so that a rank holds the group whole once (plus the gather's buffers), not three times.
     """
     slots = _slots(module)
+    dims = group.dims if group is not None else ()
     tensors = [old[n] for n in names]
-    gathered = fsdp2.gather_packed(tensors, group.dims) if group is not None else [t.detach() for t in tensors]
-    # a tensor-parallel DTensor stays one on the tensor-parallel sub-mesh: whole here, laid out like it again below
-    tp_like = {n: g for n, g in zip(names, gathered, strict=True) if dtensor.is_dtensor(g)}
-    whole = {n: dtensor.full_tensor(g) for n, g in zip(names, gathered, strict=True)}
-    del gathered
-    whole.update(values.cut({n: whole[n] for n in names if n in plan.keep}))
+    # tensor parallelism's layout beside FSDP2's: whole here, laid out like that again below
+    tp_layout = {n: lay for n, t in zip(names, tensors, strict=True) if (lay := fsdp2.outside_layout(t, dims))}
+    if values is None:  # restore: the shapes only, the values are about to be loaded (no communication)
+        local = {n: dtensor.local_tensor(t) for n, t in zip(names, tensors, strict=True)}
+        whole = {n: torch.zeros(stand_ins[n].shape, dtype=t.dtype, device=t.device) for n, t in local.items()}
+    else:
+        gathered = fsdp2.gather_packed(tensors, dims) if group is not None else [t.detach() for t in tensors]
+        whole = {n: dtensor.full_tensor(g) for n, g in zip(names, gathered, strict=True)}
+        del gathered
+        whole.update(values.cut({n: whole[n] for n in names if n in plan.keep}))
     for name in names:
         value = whole.pop(name)
-        value = dtensor.distribute_like(value, tp_like[name]) if name in tp_like else value
+        value = dtensor.distribute_on(value, *tp_layout[name]) if name in tp_layout else value
         param = nn.Parameter(value, requires_grad=old[name].requires_grad)
         for owner, attr in slots[id(stand_ins[name])]:
             owner._parameters[attr] = param  # noqa: SLF001 - replaced in every module that holds it
@@ -206,6 +211,10 @@ def _cut_group(
     if group is not None:
         fsdp2.shard_again(group.module, group.settings)
     placed = {n: p for n, p in module.named_parameters(remove_duplicate=False) if n in names}
+    if values is None:  # restore: the state is about to be loaded for the new parameters
+        for opt in optimizers:
+            for name in names:
+                opt.state.pop(old[name], None)
     kinds: dict[tuple[int, str], list[tuple[str, Tensor]]] = {}
     for name in names:
         for i, key, value in _state_tensors(optimizers, old[name]):
@@ -218,6 +227,35 @@ def _cut_group(
             optimizers[i].state[old[name]][key] = laid
     for name in names:
         _replace(optimizers, old[name], placed[name])
+
+
+def restore_shrunk_sharded(
+    module: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    dropped: Mapping[str, Sequence[int]],
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> dict[str, nn.Parameter]:
+    """Give a freshly sharded full-size model the shapes and layout :func:`shrink_sharded` left, to load a checkpoint.
+
+    The resume of a fit after a sharded ``shrink_on_freeze``: the checkpoint (a torch distributed checkpoint) holds
+    the small tensors, so the model must have their shapes before it is loaded. Same steps as :func:`shrink_sharded`
+    without the values: no communication; the parameters are zeros until the checkpoint's values are loaded, and
+    the optimizers' param groups point at the new parameters with no state (the checkpoint's is loaded for them).
+
+    Args:
+        module: The full-size module, sharded as in the run that wrote the checkpoint.
+        clusters: The saved clusters.
+        dropped: The saved frozen mask.
+        optimizers: The optimizers, before their state is loaded.
+
+    Returns:
+        Parameter name -> the new parameter object.
+
+    Raises:
+        ValueError: As for :func:`shrink_sharded`.
+    """
+    return _shrink(module, clusters, dropped, optimizers=optimizers, values=False)
 
 
 def shrink_sharded(
@@ -249,6 +287,17 @@ def shrink_sharded(
             whole layers, or as for :func:`~lightning_pat.shrink.surgery.apply_plan` (a member the shrink cannot
             rewrite, partial heads, optimizer state it cannot slice).
     """
+    return _shrink(module, clusters, dropped, optimizers=optimizers, values=True)
+
+
+def _shrink(
+    module: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    dropped: Mapping[str, Sequence[int]],
+    *,
+    optimizers: Sequence[torch.optim.Optimizer],
+    values: bool,
+) -> dict[str, nn.Parameter]:
     cut = depth.split_layers(clusters, dropped)
     if cut.prefixes:
         raise ValueError(
@@ -259,11 +308,13 @@ def shrink_sharded(
     groups, rest = _groups(module)
     _check_layout(module, groups, rest)
     _check_tensor_parallel(module, groups, cut.clusters, cut.dropped)
-    validate(module, plan, optimizers)  # the one-device checks, on global shapes: nothing has changed yet
+    validate(
+        module, plan, optimizers if values else ()
+    )  # the one-device checks, on global shapes: nothing has changed yet
     # ---- validated; mutate from here on
     for each in groups:
         fsdp2.strip_fully_shard(each.module)
-    values = ValueCut(module, plan)
+    cutter = ValueCut(module, plan) if values else None
     slots = _slots(module)
     old = dict(module.named_parameters(remove_duplicate=False))
     for name in [*(n for g in groups for n in g.names), *rest]:
@@ -277,7 +328,7 @@ def shrink_sharded(
     for group, names in [*batches, (None, list(rest))]:  # bottom-up; then the parameters of no group (plain)
         if names:
             _cut_group(
-                module, group, names, old=old, stand_ins=stand_ins, plan=plan, values=values, optimizers=optimizers
+                module, group, names, old=old, stand_ins=stand_ins, plan=plan, values=cutter, optimizers=optimizers
             )
     log.info(
         "shrink_on_freeze: %d fully_shard groups cut and sharded again (%d parameters cut)", len(groups), len(plan.keep)

@@ -74,3 +74,16 @@ def test_a_kept_count_tensor_parallelism_cannot_split_is_refused_with_the_number
         assert "over mesh axis 'tensor_parallel' of 2 ranks" in message, message
         assert "multiple_of=2" in message, message
         assert unchanged
+
+
+@pytest.mark.parametrize(("layout", "world"), [("fsdp2", 2), ("2x2", 4)])
+def test_a_checkpoint_written_after_the_freeze_resumes_bitwise_into_a_fresh_sharded_model(layout, world, tmp_path):
+    from tests.distributed.workers.sharded_shrink import resume_after_the_freeze
+
+    for rank, out in enumerate(run_distributed(resume_after_the_freeze, world, layout, str(tmp_path), timeout=280)):
+        assert out["shapes_equal"], rank  # the restored model has the checkpoint's (small) shapes before loading
+        assert out["restore_calls"] == [], rank  # no communication: the values come from the checkpoint
+        assert out["config_equal"], rank
+        assert out["layout_equal"], rank
+        assert out["params_equal"], rank  # one more step after the load: the same parameters as the run that wrote it
+        assert out["state_equal"], rank

@@ -66,6 +66,11 @@ def shard_like(dense: Tensor, like: Tensor) -> Tensor:
     return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
+def distribute_on(dense: Tensor, mesh: object, placements: tuple[object, ...]) -> Tensor:
+    """A dense tensor (identical on every rank) as a DTensor on ``mesh`` with ``placements``; no communication."""
+    return distribute_tensor(dense, mesh, placements, src_data_rank=None)  # type: ignore[arg-type]
+
+
 def distribute_like(dense: Tensor, like: Tensor) -> Tensor:
     """A dense tensor (identical on every rank) as a DTensor on ``like``'s mesh, with its placements.
 

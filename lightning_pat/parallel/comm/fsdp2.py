@@ -130,6 +130,21 @@ def _packable_axis(tensor: DTensor, dims: Sequence[str]) -> int | None:
     return axis
 
 
+def outside_layout(tensor: Tensor, dims: Sequence[str]) -> tuple[Any, tuple[Any, ...]] | None:
+    """Tensor parallelism's layout beside FSDP2's: the sub-mesh of the axes not in ``dims``, and the placements there.
+
+    ``None`` for a plain tensor or a DTensor on no other axis. No communication.
+    """
+    data = tensor.detach()
+    if not dtensor.is_dtensor(data):
+        return None
+    names = data.device_mesh.mesh_dim_names or ()
+    kept = [i for i, name in enumerate(names) if name not in dims]
+    if not kept:
+        return None
+    return data.device_mesh[tuple(names[i] for i in kept)], tuple(data.placements[i] for i in kept)
+
+
 def _after_gather(full: Tensor, like: DTensor, dims: Sequence[str]) -> Tensor:
     """``full`` (DTensor ``like`` gathered along the axes in ``dims``): plain, or a DTensor on the other axes."""
     names = like.device_mesh.mesh_dim_names or ()
@@ -320,7 +335,7 @@ def shard_settings(module: torch.nn.Module) -> ShardSettings | None:
 
 
 def strip_fully_shard(module: torch.nn.Module) -> None:
-    """Undo ``fully_shard`` on ``module`` in place: its own class back, FSDP2's hooks and state gone.
+    """Undo ``fully_shard`` on ``module`` in place: its class back, FSDP2's hooks (forward, state dict) and state gone.
 
     The parameters FSDP2 had registered stay registered (the sharded DTensors: the module is resharded first), so
     they can be read and replaced before :func:`shard_again`. Descendants that were sharded on their own are left as
@@ -334,6 +349,13 @@ def strip_fully_shard(module: torch.nn.Module) -> None:
     module.reshard()
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():  # noqa: SLF001
+        handle.remove()
+    handles = []
+    for group in state._fsdp_param_groups:  # noqa: SLF001
+        handles += [param._post_load_hook_handle for param in group.fsdp_params]  # noqa: SLF001 - its load hook
+        handles += list(group._module_to_pre_save_state_dict_hook_handle.values())  # noqa: SLF001
+        handles += list(group._module_to_pre_load_state_dict_hook_handle.values())  # noqa: SLF001
+    for handle in handles:  # the state-dict hooks of the old shards: a later load would re-pad them
         handle.remove()
     managed = [m for g in state._fsdp_param_groups for m in g.modules]  # noqa: SLF001
     for sub in {id(m): m for m in (module, *managed, *module.modules())}.values():

@@ -227,3 +227,52 @@ def refused_under_tensor_parallel(rank: int, world: int) -> tuple[str, bool]:
         and all(torch.equal(after[n].to_local(), v) for n, v in before.items())
     )
     return message, unchanged
+
+
+def resume_after_the_freeze(rank: int, world: int, layout: str, path: str) -> dict:
+    """Shrunk and sharded again, one step, saved as a torch distributed checkpoint; a fresh full-size sharded model
+    given the small layout by restore_shrunk_sharded loads it and continues bitwise like the original."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from lightning_pat.training.sharded_shrink import restore_shrunk_sharded
+
+    table = DROPPED if layout == "fsdp2" else DROPPED_TP
+    kv = 3 if layout == "fsdp2" else 4
+    ref = tiny_llama(kv=kv)
+    clusters = resolve_clusters(ref, presets.llama(ref, residual=True, query_heads=False))
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    first = _sharded_copy(ref, layout, world)
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        _loss(first, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    shrink_sharded(first, clusters, table, optimizers=[opt])
+    _loss(first, ids).backward()
+    opt.step()
+    opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(first, [opt])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
+    second = _sharded_copy(tiny_llama(kv=kv), layout, world)  # the resumed run: full size, sharded, a fresh optimizer
+    opt2 = torch.optim.AdamW(second.parameters(), lr=1e-2, weight_decay=0.1)
+    with Recorder() as rec:
+        restore_shrunk_sharded(second, clusters, table, optimizers=[opt2])
+    model_sd2, optim_sd2 = get_state_dict(second, [opt2])
+    out: dict = {"shapes_equal": {k: tuple(v.shape) for k, v in model_sd2.items()} == shapes}
+    out["restore_calls"] = [c.name for c in rec.calls]
+    dcp.load({"model": model_sd2, "optim": optim_sd2}, checkpoint_id=path)
+    set_state_dict(second, [opt2], model_state_dict=model_sd2, optim_state_dict=optim_sd2)
+    for model, o in ((first, opt), (second, opt2)):
+        _loss(model, ids).backward()
+        o.step()
+        o.zero_grad()
+    a, b = dict(first.named_parameters()), dict(second.named_parameters())
+    out["params_equal"] = all(torch.equal(a[n].to_local(), b[n].to_local()) for n in a)
+    out["layout_equal"] = all(a[n].placements == b[n].placements and a[n].shape == b[n].shape for n in a)
+    out["state_equal"] = all(
+        torch.equal(opt.state[a[n]][k].to_local(), opt2.state[b[n]][k].to_local()) for n in a for k in ("exp_avg",)
+    ) and all(float(opt.state[a[n]]["step"]) == float(opt2.state[b[n]]["step"]) for n in a)
+    out["config_equal"] = first.config.to_dict() == second.config.to_dict()
+    return out
