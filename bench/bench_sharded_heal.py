@@ -9,19 +9,20 @@ every decoder layer, then the root) over ``--world`` gloo ranks and trained with
 keeps about 50% of the parameters: 2 of 3 query groups and 640 of 1536 MLP channels in every layer, 480 of 576
 residual channels (the dropped units are zero in the weights, as the callback leaves them at the freeze).
 
-Per rank (the table shows the worst rank):
+Two copies of the model live in every rank, trained on the same tokens (the table shows the worst rank):
 
-* **full size**: the step of the model at its full size with the mask in its weights, which is what healing costs
-  without ``shrink_on_freeze`` (the callback's zeroing of the dropped gradients comes on top) and what every step
-  before the freeze costs;
-* **reshard**: one call of :func:`lightning_pat.training.sharded_shrink.shrink_sharded` (the cut, one packed
-  all-gather per ``fully_shard`` group, the optimizer state sliced);
-* **healing small**: the step after it.
+* **before the freeze**: the step at full size (the second copy, before its shrink);
+* **shrink_sharded**: one call of :func:`lightning_pat.training.sharded_shrink.shrink_sharded` on the second copy
+  (the cut, packed all-gathers per ``fully_shard`` group, the optimizer state sliced);
+* **healing at full size (masked)**: the first copy's step, the mask in its weights: what healing costs without
+  ``shrink_on_freeze`` (the callback's zeroing of the dropped gradients comes on top);
+* **healing small**: the second copy's step after its shrink. The two healing steps are interleaved, one of each in
+  turn, so that both see the same load on the machine.
 
 Step time: median of ``--steps`` steps after one warm-up, slowest rank. Memory: the bytes this rank holds for the
-parameters, their gradients and the AdamW state (local shards, exact), and the peak resident set during the steps
-(``VmHWM``, reset through ``/proc/self/clear_refs``; glibc's mmap threshold at 64 KiB so freed tensors return to the
-OS).
+parameters, their gradients and the AdamW state (local shards, exact), and the rise of the resident set's
+high-water mark over a step (``VmHWM``, reset through ``/proc/self/clear_refs``; glibc's mmap threshold at 64 KiB so
+that freed tensors return to the OS): activations and the gathered groups.
 """
 
 from __future__ import annotations
@@ -89,24 +90,25 @@ def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> tuple[float, int]:
-    def one() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # gradients stay allocated, as between Lightning's steps with accumulation
-
-    one()  # warm-up: FSDP2's lazy init, AdamW's state
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> tuple[float, int]:
+    """One training step: its wall time and the rise of the resident set's high-water mark over the step."""
+    dist.barrier()
     _reset_peak()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), _rss_kib("VmHWM") * 1024
+    before = _rss_kib("VmRSS") * 1024
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # gradients stay allocated between steps
+    return time.perf_counter() - start, _rss_kib("VmHWM") * 1024 - before
+
+
+def _median(samples: list[tuple[float, int]]) -> tuple[float, int]:
+    return statistics.median(t for t, _ in samples), max(m for _, m in samples)
 
 
 def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq: int, queue) -> None:  # noqa: ANN001
+    import copy
+
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=1800))
@@ -118,41 +120,48 @@ def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq:
     from lightning_pat.training.sharded_shrink import shrink_sharded
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    model = _model(layers)
-    clusters = resolve_clusters(model, presets.llama(model, residual=True, query_heads=False))
+    masked = _model(layers)
+    clusters = resolve_clusters(masked, presets.llama(masked, residual=True, query_heads=False))
     dropped = {}
     for rc in clusters:
-        keep = (
-            KEEP["groups"] if rc.name.startswith("heads") else KEEP["mlp" if rc.name.startswith("mlp") else "residual"]
-        )
-        dropped[rc.name] = _spread(rc.num_units, keep)
+        kind = "groups" if rc.name.startswith("heads") else "mlp" if rc.name.startswith("mlp") else "residual"
+        dropped[rc.name] = _spread(rc.num_units, KEEP[kind])
     plan = build_plan(clusters, dropped)
     with torch.no_grad():  # the mask in the weights, as the callback leaves them at the freeze
-        params = dict(model.named_parameters())
+        params = dict(masked.named_parameters())
         for name, dims in plan.keep.items():
             for dim, kept in dims.items():
                 mask = torch.ones(params[name].shape[dim], dtype=torch.bool)
                 mask[kept] = False
                 params[name].index_fill_(dim, mask.nonzero().squeeze(1), 0.0)
-    numel_full = sum(p.numel() for p in model.parameters())
-    shard_causal_lm(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    numel_full = sum(p.numel() for p in masked.parameters())
+    healed = copy.deepcopy(masked)  # the run with shrink_on_freeze; `masked` heals at full size
+    for model in (masked, healed):
+        shard_causal_lm(model, mesh)
+    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (masked, healed)}
     ids = torch.randint(0, SHAPE["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
-    rows = {}
-    full_time, full_peak = _steps(model, opt, ids, steps)
-    rows["full size"] = (full_time, _held_bytes(model, opt), full_peak)
-    opt.zero_grad(set_to_none=True)  # the freeze comes after a real step; shrink_sharded drops the gradients
-    _reset_peak()
+    for model in (masked, healed):  # warm-up: FSDP2's lazy init, AdamW's state
+        _step(model, opts[id(model)], ids)
+    before = _median([_step(healed, opts[id(healed)], ids) for _ in range(steps)])
+    opts[id(healed)].zero_grad(set_to_none=True)  # the freeze comes after a real step; shrink_sharded drops them
     rss_before = _rss_kib("VmRSS") * 1024
     dist.barrier()
+    _reset_peak()
     start = time.perf_counter()
-    shrink_sharded(model, clusters, dropped, optimizers=[opt])
-    reshard_time = time.perf_counter() - start
-    reshard_peak = _rss_kib("VmHWM") * 1024 - rss_before
-    numel_small = sum(p.numel() for p in model.parameters())
-    small_time, small_peak = _steps(model, opt, ids, steps)
-    rows["healing small"] = (small_time, _held_bytes(model, opt), small_peak)
-    queue.put((rank, rows, reshard_time, reshard_peak, numel_full, numel_small))
+    shrink_sharded(healed, clusters, dropped, optimizers=[opts[id(healed)]])
+    reshard = (time.perf_counter() - start, _rss_kib("VmHWM") * 1024 - rss_before)
+    _step(healed, opts[id(healed)], ids)  # warm-up of the new FSDP2 state
+    full, small = [], []
+    for _ in range(steps):  # interleaved, so that both see the same load on the machine
+        full.append(_step(masked, opts[id(masked)], ids))
+        small.append(_step(healed, opts[id(healed)], ids))
+    rows = {
+        "before the freeze": (*before, _held_bytes(masked, opts[id(masked)])),
+        "healing at full size (masked)": (*_median(full), _held_bytes(masked, opts[id(masked)])),
+        "healing small (after shrink_sharded)": (*_median(small), _held_bytes(healed, opts[id(healed)])),
+    }
+    numel_small = sum(p.numel() for p in healed.parameters())
+    queue.put((rank, rows, reshard, numel_full, numel_small))
     dist.destroy_process_group()
 
 
@@ -161,26 +170,26 @@ def _mb(n: float) -> str:
 
 
 def table(results: list, world: int, layers: int, seq: int) -> str:
-    worst = {k: max(r[1][k][0] for r in results) for k in ("full size", "healing small")}
-    held = {k: max(r[1][k][1] for r in results) for k in ("full size", "healing small")}
-    peak = {k: max(r[1][k][2] for r in results) for k in ("full size", "healing small")}
-    numel_full, numel_small = results[0][4], results[0][5]
+    keys = list(results[0][1])
+    worst = {k: [max(r[1][k][i] for r in results) for i in range(3)] for k in keys}
+    numel_full, numel_small = results[0][3], results[0][4]
     lines = [
         f"world {world} (gloo, 1 thread per rank), {layers} layers, 1 x {seq} tokens, AdamW; parameters "
         f"{numel_full / 1e6:.1f}M -> {numel_small / 1e6:.1f}M ({numel_small / numel_full:.0%})",
         "",
-        "| | step time (median, slowest rank) | params + grads + AdamW held per rank | peak RSS per rank |",
+        "| | step time (median, slowest rank) | params + grads + AdamW held per rank | peak rise during a step |",
         "|---|---|---|---|",
     ]
-    for k in ("full size", "healing small"):
-        lines.append(f"| {k} | {worst[k]:.2f} s | {_mb(held[k])} | {_mb(peak[k])} |")
+    for k in keys:
+        time_s, rise, held = worst[k]
+        lines.append(f"| {k} | {time_s:.2f} s | {_mb(held)} | {_mb(rise)} |")
+    full, small = worst[keys[1]], worst[keys[2]]
     lines.append(
-        f"| ratio full / small | {worst['full size'] / worst['healing small']:.2f}x | "
-        f"{held['full size'] / held['healing small']:.2f}x | {peak['full size'] / peak['healing small']:.2f}x |"
+        f"| ratio masked / small | {full[0] / small[0]:.2f}x | {full[2] / small[2]:.2f}x | {full[1] / small[1]:.2f}x |"
     )
-    reshard = max(r[2] for r in results)
-    rise = max(r[3] for r in results)
-    lines += ["", f"reshard (shrink_sharded, slowest rank): {reshard:.2f} s, resident set rose by at most {_mb(rise)}"]
+    reshard = max(r[2][0] for r in results)
+    rise = max(r[2][1] for r in results)
+    lines += ["", f"shrink_sharded itself (slowest rank): {reshard:.2f} s, resident set rose by at most {_mb(rise)}"]
     return "\n".join(lines)
 
 
