@@ -43,7 +43,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = {"hidden": 576, "mlp": 1536, "heads": 9, "kv": 3, "head_dim": 64, "vocab": 49152}
-KEEP = {"groups": 2, "mlp": 640, "residual": 480}
+TINY = {"hidden": 96, "mlp": 128, "heads": 6, "kv": 3, "head_dim": 16, "vocab": 256}  # --tiny: the smoke test's
+KEEP = {"groups": 2 / 3, "mlp": 640 / 1536, "residual": 480 / 576}  # kept fractions of each cluster's units
 
 
 def _rss_kib(field: str) -> int:
@@ -65,13 +66,13 @@ def _spread(total: int, keep: int) -> list[int]:
     return [i for i in range(total) if i not in kept]
 
 
-def _model(layers: int) -> torch.nn.Module:
+def _model(layers: int, shape: dict[str, int]) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["mlp"],
-        num_hidden_layers=layers, num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"],
-        head_dim=SHAPE["head_dim"], tie_word_embeddings=True, max_position_embeddings=2048,
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
+        num_hidden_layers=layers, num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
+        head_dim=shape["head_dim"], tie_word_embeddings=True, max_position_embeddings=2048,
         attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
@@ -106,7 +107,7 @@ def _median(samples: list[tuple[float, int]]) -> tuple[float, int]:
     return statistics.median(t for t, _ in samples), max(m for _, m in samples)
 
 
-def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq: int, queue) -> None:  # noqa: ANN001
+def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq: int, tiny: bool, queue) -> None:  # noqa: ANN001
     import copy
 
     torch.set_num_threads(1)
@@ -120,12 +121,13 @@ def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq:
     from lightning_pat.training.sharded_shrink import shrink_sharded
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    masked = _model(layers)
+    shape = TINY if tiny else SHAPE
+    masked = _model(layers, shape)
     clusters = resolve_clusters(masked, presets.llama(masked, residual=True, query_heads=False))
     dropped = {}
     for rc in clusters:
         kind = "groups" if rc.name.startswith("heads") else "mlp" if rc.name.startswith("mlp") else "residual"
-        dropped[rc.name] = _spread(rc.num_units, KEEP[kind])
+        dropped[rc.name] = _spread(rc.num_units, round(KEEP[kind] * rc.num_units))
     plan = build_plan(clusters, dropped)
     with torch.no_grad():  # the mask in the weights, as the callback leaves them at the freeze
         params = dict(masked.named_parameters())
@@ -139,7 +141,7 @@ def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq:
     for model in (masked, healed):
         shard_causal_lm(model, mesh)
     opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (masked, healed)}
-    ids = torch.randint(0, SHAPE["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, shape["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
     for model in (masked, healed):  # warm-up: FSDP2's lazy init, AdamW's state
         _step(model, opts[id(model)], ids)
     before = _median([_step(healed, opts[id(healed)], ids) for _ in range(steps)])
@@ -199,6 +201,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (the smoke test)")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: freed tensors return to the OS
     ctx = mp.get_context("spawn")
@@ -206,7 +209,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=worker, args=(r, args.world, store, args.layers, args.steps, args.seq, queue))
+            ctx.Process(target=worker, args=(r, args.world, store, args.layers, args.steps, args.seq, args.tiny, queue))
             for r in range(args.world)
         ]
         for p in procs:
