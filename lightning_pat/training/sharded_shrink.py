@@ -107,7 +107,7 @@ def _check_layout(model: nn.Module, groups: Sequence[_Group], rest: Sequence[str
     loose = [n for n in rest if dtensor.is_dtensor(params[n])]
     if loose:
         raise ValueError(
-            f"shrink_sharded: parameters {loose[:3]} are DTensors that no fully_shard group manages (tensor parallel "
+            f"shrink_sharded: the plan cuts {loose[:3]}, DTensors that no fully_shard group manages (tensor parallel "
             "without FSDP2); only FSDP2 layouts are sharded again at a new size. Apply fully_shard over the "
             "data-parallel axis too, or set shrink_on_freeze=False."
         )
@@ -282,10 +282,11 @@ def shrink_sharded(
         Parameter name (as ``module.named_parameters()`` gives it) -> the new parameter object.
 
     Raises:
-        ValueError: Before anything changes: if the module has no ``fully_shard`` group, a DTensor parameter belongs to
-            no group or is tensor parallel and cut, a group was sharded with a ``shard_placement_fn``, the plan drops
-            whole layers, or as for :func:`~lightning_pat.shrink.surgery.apply_plan` (a member the shrink cannot
-            rewrite, partial heads, optimizer state it cannot slice).
+        ValueError: Before anything changes: if the module has no ``fully_shard`` group, the plan cuts a DTensor that
+            no group manages, a cluster's kept count does not divide by the size of a tensor-parallel axis that splits
+            a member along its cut dim, a group was sharded with a ``shard_placement_fn``, the plan drops whole
+            layers, or as for :func:`~lightning_pat.shrink.surgery.apply_plan` (a member the shrink cannot rewrite,
+            partial heads, optimizer state it cannot slice).
     """
     return _shrink(module, clusters, dropped, optimizers=optimizers, values=True)
 
@@ -306,6 +307,7 @@ def _shrink(
         )
     plan = align_names(build_plan(cut.clusters, cut.dropped), module)
     groups, rest = _groups(module)
+    rest = [n for n in rest if n in plan.keep]  # a parameter of no group that is not cut is left as it is
     _check_layout(module, groups, rest)
     _check_tensor_parallel(module, groups, cut.clusters, cut.dropped)
     validate(

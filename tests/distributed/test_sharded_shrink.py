@@ -87,3 +87,12 @@ def test_a_checkpoint_written_after_the_freeze_resumes_bitwise_into_a_fresh_shar
         assert out["layout_equal"], rank
         assert out["params_equal"], rank  # one more step after the load: the same parameters as the run that wrote it
         assert out["state_equal"], rank
+
+
+def test_a_shard_placement_fn_is_refused_before_anything_changes():
+    from tests.distributed.workers.sharded_shrink import refused_shard_placement
+
+    for message, unchanged in run_distributed(refused_shard_placement, 2, timeout=200):
+        assert "sharded by fully_shard with a shard_placement_fn" in message, message
+        assert "Linear.weight (Shard(dim=1))" in message, message
+        assert unchanged

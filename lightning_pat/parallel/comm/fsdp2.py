@@ -310,7 +310,7 @@ def shard_settings(module: torch.nn.Module) -> ShardSettings | None:
         return ShardSettings(None, None if state._auto_reshard_after_forward else True, state._mp_policy, None)  # noqa: SLF001
     group = groups[0]
     odd = [
-        f"{info.param_name} ({param.fsdp_placement})"
+        f"{type(info.module).__name__}.{info.param_name} ({param.fsdp_placement!r})"
         for g in groups
         for param in g.fsdp_params
         for info in [param._module_info]  # noqa: SLF001 - the parameter's owner and attribute name

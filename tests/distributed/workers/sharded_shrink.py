@@ -276,3 +276,26 @@ def resume_after_the_freeze(rank: int, world: int, layout: str, path: str) -> di
     ) and all(float(opt.state[a[n]]["step"]) == float(opt2.state[b[n]]["step"]) for n in a)
     out["config_equal"] = first.config.to_dict() == second.config.to_dict()
     return out
+
+
+def refused_shard_placement(rank: int, world: int) -> tuple[str, bool]:
+    """FSDP2 with a shard_placement_fn (Shard(1) for matrices): refused before anything changes."""
+    from torch.distributed.tensor import Shard
+
+    ref = tiny_llama()
+    clusters = resolve_clusters(ref, presets.llama(ref, query_heads=False))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    sharded = copy.deepcopy(ref)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    fully_shard(sharded, mesh=mesh)
+    try:
+        shrink_sharded(sharded, clusters, {"mlp.0": [1]})
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = "not refused"
+    unchanged = all(isinstance(m, FSDPModule) for m in (sharded, *sharded.model.layers)) and all(
+        tuple(p.shape) == tuple(q.shape) for p, q in zip(sharded.parameters(), ref.parameters(), strict=True)
+    )
+    return message, unchanged
