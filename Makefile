@@ -65,6 +65,7 @@ lint: setup
 bench: setup bench-shrink bench-components
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_sharded.py
+	$(PY) bench/bench_sharded_heal.py
 
 # torchao (its prototype PAT optimizer) is a baseline of the component benchmark only; --no-deps keeps the CPU torch.
 bench-components: setup

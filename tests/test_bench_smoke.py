@@ -43,6 +43,10 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
         ["bench_sharded.py", "--world", "2", "--sizes", "S", "--steps", "1"],
         "| size (d/ffn/layers, params) | clusters | executor | collectives |",
     ),
+    "sharded-heal": (
+        ["bench_sharded_heal.py", "--tiny", "--layers", "2", "--steps", "1", "--seq", "8"],
+        "| | step time (median, slowest rank) | params + grads + AdamW held per rank | peak rise during a step |",
+    ),
     "size": (["bench_size.py", "--quick"], "| variant | shape | params | tokens/s (batch 32) |"),
     "distill": (
         ["bench_distill.py", *TINY, "--steps", "3", "--rounds", "1"],
@@ -83,7 +87,7 @@ TIMEOUT_S = 240  # per script, generous for a loaded machine (each takes seconds
 #: Scripts that start rank processes by pickling functions of their ``__main__`` (spawn), or that start processes
 #: of themselves: each in its own process. Every other script runs in ONE process, one after another
 #: (tests/common/run_scripts.py): torch and Lightning imported once, not once per script.
-OWN_PROCESS = {"distill-fsdp2", "sharded", "gpu-pretrained", "expert-scores"}
+OWN_PROCESS = {"distill-fsdp2", "sharded", "sharded-heal", "gpu-pretrained", "expert-scores"}
 #: Run last in the shared process: they put torchvision on the path (tests/common/torchvision_zoo.py).
 LAST = ("discover", "zoo")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

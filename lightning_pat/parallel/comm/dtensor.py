@@ -68,6 +68,21 @@ def shard_like(dense: Tensor, like: Tensor) -> Tensor:
     return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
+def distribute_on(dense: Tensor, mesh: object, placements: tuple[object, ...]) -> Tensor:
+    """A dense tensor (identical on every rank) as a DTensor on ``mesh`` with ``placements``; no communication."""
+    return distribute_tensor(dense, mesh, placements, src_data_rank=None)  # type: ignore[arg-type]
+
+
+def distribute_like(dense: Tensor, like: Tensor) -> Tensor:
+    """A dense tensor (identical on every rank) as a DTensor on ``like``'s mesh, with its placements.
+
+    The global shape is ``dense``'s own; each rank keeps its piece, no communication. A plain ``like`` gives ``dense``.
+    """
+    if not is_dtensor(like):
+        return dense
+    return distribute_tensor(dense, like.device_mesh, like.placements, src_data_rank=None)
+
+
 def is_counting_replica(tensor: Tensor) -> bool:
     """Whether this rank's piece of ``tensor`` should be counted, so that per-rank counts sum to the truth.
 

@@ -130,6 +130,21 @@ def _packable_axis(tensor: DTensor, dims: Sequence[str]) -> int | None:
     return axis
 
 
+def outside_layout(tensor: Tensor, dims: Sequence[str]) -> tuple[Any, tuple[Any, ...]] | None:
+    """Tensor parallelism's layout beside FSDP2's: the sub-mesh of the axes not in ``dims``, and the placements there.
+
+    ``None`` for a plain tensor or a DTensor on no other axis. No communication.
+    """
+    data = tensor.detach()
+    if not dtensor.is_dtensor(data):
+        return None
+    names = data.device_mesh.mesh_dim_names or ()
+    kept = [i for i, name in enumerate(names) if name not in dims]
+    if not kept:
+        return None
+    return data.device_mesh[tuple(names[i] for i in kept)], tuple(data.placements[i] for i in kept)
+
+
 def _after_gather(full: Tensor, like: DTensor, dims: Sequence[str]) -> Tensor:
     """``full`` (DTensor ``like`` gathered along the axes in ``dims``): plain, or a DTensor on the other axes."""
     names = like.device_mesh.mesh_dim_names or ()
@@ -256,3 +271,113 @@ def gather_packed(tensors: Sequence[Tensor], dims: Sequence[str], *, dtype: torc
         for segment in segments:
             out[segment.index] = _after_gather(segment.unpack(rows), segment.like, dims)
     return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------------- re-sharding
+@dataclass(frozen=True)
+class ShardSettings:
+    """What ``fully_shard`` was given for one module, read back so that it can be given again (:func:`shard_again`).
+
+    Attributes:
+        mesh: FSDP2's mesh (1-D: FSDP; 2-D: HSDP).
+        reshard_after_forward: ``None`` when FSDP2 chose it (``True``, the root ``False``), else what was passed
+            (``True``, ``False`` or the world size resharded to).
+        mp_policy: The ``MixedPrecisionPolicy``.
+        offload_policy: The ``OffloadPolicy``.
+    """
+
+    mesh: Any
+    reshard_after_forward: bool | int | None
+    mp_policy: Any
+    offload_policy: Any
+
+
+def shard_settings(module: torch.nn.Module) -> ShardSettings | None:
+    """The :class:`ShardSettings` of a ``fully_shard`` module; ``None`` if ``module`` is not FSDP2's.
+
+    Raises:
+        ValueError: If FSDP2 shards one of its parameters on another dim than 0 or over another mesh than the
+            group's (a ``shard_placement_fn``, which cannot be read back).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor.placement_types import Shard
+
+    if not isinstance(module, FSDPModule):
+        return None
+    state = fully_shard.state(module)  # type: ignore[attr-defined]  # contract()'s .state, hidden by the overloads
+    groups = state._fsdp_param_groups  # noqa: SLF001 - FSDP2 keeps its parameter groups here
+    if not groups:  # fully_shard on a module without parameters of its own: any mesh re-creates it
+        return ShardSettings(None, None if state._auto_reshard_after_forward else True, state._mp_policy, None)  # noqa: SLF001
+    group = groups[0]
+    odd = [
+        f"{type(info.module).__name__}.{info.param_name} ({param.fsdp_placement!r})"
+        for g in groups
+        for param in g.fsdp_params
+        for info in [param._module_info]  # noqa: SLF001 - the parameter's owner and attribute name
+        if not (isinstance(param.fsdp_placement, Shard) and param.fsdp_placement.dim == 0) or g is not group
+    ]
+    if odd:
+        raise ValueError(
+            f"{type(module).__name__} is sharded by fully_shard with a shard_placement_fn ({odd[:3]}); only the "
+            "default layout (every parameter Shard(0) over the group's mesh) can be sharded again at a new size. "
+            "Leave shard_placement_fn out, or set shrink_on_freeze=False."
+        )
+    post = group.post_forward_mesh_info
+    if state._auto_reshard_after_forward:  # noqa: SLF001
+        after: bool | int | None = None
+    elif post is None:
+        after = False
+    elif post is group.mesh_info or post.shard_mesh_size == group.mesh_info.shard_mesh_size:
+        after = True
+    else:
+        after = int(post.shard_mesh_size)
+    return ShardSettings(group.mesh_info.mesh, after, group.mp_policy, group.offload_policy)
+
+
+def strip_fully_shard(module: torch.nn.Module) -> None:
+    """Undo ``fully_shard`` on ``module`` in place: its class back, FSDP2's hooks (forward, state dict) and state gone.
+
+    The parameters FSDP2 had registered stay registered (the sharded DTensors: the module is resharded first), so
+    they can be read and replaced before :func:`shard_again`. Descendants that were sharded on their own are left as
+    they are. Not a collective.
+    """
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return
+    module.reshard()
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():  # noqa: SLF001
+        handle.remove()
+    handles = []
+    for group in state._fsdp_param_groups:  # noqa: SLF001
+        handles += [param._post_load_hook_handle for param in group.fsdp_params]  # noqa: SLF001 - its load hook
+        handles += list(group._module_to_pre_save_state_dict_hook_handle.values())  # noqa: SLF001
+        handles += list(group._module_to_pre_load_state_dict_hook_handle.values())  # noqa: SLF001
+    for handle in handles:  # the state-dict hooks of the old shards: a later load would re-pad them
+        handle.remove()
+    managed = [m for g in state._fsdp_param_groups for m in g.modules]  # noqa: SLF001
+    for sub in {id(m): m for m in (module, *managed, *module.modules())}.values():
+        if sub is not module and isinstance(sub, FSDPModule):
+            continue
+        for flag in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            sub.__dict__.pop(flag, None)
+    _module_state_mapping.pop(module, None)
+    for key in [k for k in module.__dict__ if is_composable_state_key(k)]:
+        del module.__dict__[key]
+    module.__class__ = unsharded_class(module)  # type: ignore[assignment]  # narrowed to FSDPModule above; the swap undoes it
+
+
+def shard_again(module: torch.nn.Module, settings: ShardSettings) -> None:
+    """``fully_shard(module, ...)`` with the settings read by :func:`shard_settings` (not a collective)."""
+    from torch.distributed.fsdp import fully_shard
+
+    options: dict[str, Any] = {"reshard_after_forward": settings.reshard_after_forward}
+    if settings.mesh is not None:
+        options["mesh"] = settings.mesh
+    if settings.mp_policy is not None:
+        options["mp_policy"] = settings.mp_policy
+    if settings.offload_policy is not None:
+        options["offload_policy"] = settings.offload_policy
+    fully_shard(module, **options)
