@@ -125,34 +125,6 @@ def read_saved(state: Mapping[str, Any], what: str) -> SavedState:
     return read_state(state, what=f"shrink: {what}", required=("dropped",))
 
 
-def state_source(state: Mapping[str, Any], what: str) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
-    """The clusters and dropped units of a callback state (``what`` names it in the error), see :func:`read_saved`.
-
-    Raises:
-        ValueError: If the state has no ``clusters`` or no ``dropped`` entry, or does not fit the schema.
-    """
-    saved = read_saved(state, what)
-    return saved.clusters, saved.dropped
-
-
-def checkpoint_state(ckpt: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The one ``CoupledPruningCallback`` state in a Lightning checkpoint dict.
-
-    The lookup is :func:`~lightning_pat.core.saved_state.callback_state`'s.
-
-    Args:
-        ckpt: The checkpoint (``torch.load`` of a ``.ckpt`` file).
-
-    Returns:
-        The callback's state (what its ``state_dict()`` returned).
-
-    Raises:
-        ValueError: If the checkpoint holds no such state, several, or one that is not a mapping.
-    """
-    state: Mapping[str, Any] = callback_state(ckpt)
-    return state
-
-
 def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]]]:
     """The resolved clusters and dropped units held by ``source``.
 
@@ -172,8 +144,10 @@ def read_source(source: Any) -> tuple[list[ResolvedCluster], dict[str, list[int]
         return list(source.clusters), {k: list(v) for k, v in source.dropped.items()}
     if isinstance(source, Mapping):
         if is_checkpoint(source):
-            return state_source(callback_state(source), "the checkpoint's callback state")
-        return state_source(source, "the mapping")
+            saved = read_saved(callback_state(source), "the checkpoint's callback state")
+        else:
+            saved = read_saved(source, "the mapping")
+        return saved.clusters, saved.dropped
     if hasattr(source, "resolved") and hasattr(source, "dropped"):  # the callback, without importing Lightning
         if not source.resolved:
             raise ValueError("shrink: the callback has no resolved clusters; call `trainer.fit` first.")

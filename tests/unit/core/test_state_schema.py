@@ -260,7 +260,7 @@ def test_a_state_that_is_not_a_mapping_is_refused_when_loaded():
 
 
 def test_checkpoint_callbacks_that_are_not_a_mapping_are_refused():
-    from lightning_pat.shrink import checkpoint_state
+    from lightning_pat.core.saved_state import callback_state
 
     with pytest.raises(ValueError, match=r"the checkpoint's 'callbacks' entry must be a mapping, got list"):
-        checkpoint_state({"state_dict": {}, "callbacks": ["CoupledPruningCallback{}"]})
+        callback_state({"state_dict": {}, "callbacks": ["CoupledPruningCallback{}"]})
