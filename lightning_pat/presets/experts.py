@@ -1,18 +1,25 @@
-r"""Mixture-of-experts decoders with fused 3-D experts (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE in transformers 5).
+r"""Mixture-of-experts decoders with fused 3-D experts (transformers 5).
 
-A layer's routed experts are one module with ``gate_up_proj`` ``(E, 2 * I, H)`` and ``down_proj`` ``(E, H, I)``, and
-a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
+Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE(-shared), PhiMoE, FlexOlmo, MiniMax-M2, Cohere2-MoE and gpt-oss keep a
+layer's routed experts as one module with fused ``gate_up_proj`` and ``down_proj`` (``(E, 2 * I, H)`` and
+``(E, H, I)``; gpt-oss transposed, gate and up interleaved, with biases: see
+:func:`lightning_pat.shrink.experts.fused_layout`) and a router ``weight`` ``(E, H)`` (gpt-oss: and a ``bias``).
+The preset finds them by structure (a child ``experts`` holding the fused weights next to a ``*Router`` child, in
+every decoder layer), not by family name. :func:`moe` declares, per layer:
 
 * ``mlp.{layer}``: the intermediate channels of every expert, one width per layer shared by its experts (unit ``c``:
-  gate row ``c`` and up row ``I + c`` of ``gate_up_proj`` dim 1, column ``c`` of ``down_proj`` dim 2, in every
-  expert), so that the stock config's ``intermediate_size`` (``moe_intermediate_size``) holds the new width;
-* ``experts.{layer}``: whole routed experts (expert ``e``: ``gate_up_proj[e]``, ``down_proj[e]`` and router row
-  ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router's softmax and top-k
-  run over the kept experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
-* ``shared.{layer}`` (with ``mlp``, where the model has one, as Qwen2-MoE): the shared expert's channels, an
-  ordinary MLP cluster (``shared_expert_intermediate_size`` follows);
+  the gate and up channels ``c`` of ``gate_up_proj`` and its bias, channel ``c`` of ``down_proj``, in every expert),
+  so that the stock config's ``intermediate_size`` (``moe_intermediate_size``) holds the new width;
+* ``experts.{layer}``: whole routed experts (expert ``e``: its slice of every fused weight and bias and router row
+  ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router runs over the kept
+  experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
+* ``shared.{layer}`` (with ``mlp``, where the model has one): the shared expert's channels, an ordinary MLP cluster
+  (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
+  ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
-  in OLMoE: no head cut is exact there) (:func:`lightning_pat.presets.transformers.llama`).
+  in OLMoE, FlexOlmo and MiniMax-M2, or where the attention holds per-head parameters of its own, gpt-oss's
+  ``sinks``: no head cut is exact or expressible there, and the preset says so)
+  (:func:`lightning_pat.presets.transformers.llama`).
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
@@ -38,6 +45,7 @@ from lightning_pat.presets.transformers import (
     llama_like,
     param_names,
 )
+from lightning_pat.shrink.experts import FusedLayout, block_router, fused_layout
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +54,53 @@ _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
 _SHARED = r"mlp\.shared_expert\."
-#: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, GraniteMoE.
-BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("block_sparse_moe", "router"))
+_SHARED_MLP = r"shared_mlp\."
+#: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, PhiMoE/gpt-oss, GraniteMoE.
+BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "router"))
+_WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
-def moe_layout(block: str = "mlp", router: str = "gate", *, shared: bool = False) -> Layout:
+def _gate_up(block: str, fused: FusedLayout) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
+    """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer."""
+    gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
+    dim = fused.gate_up_channels
+    bias = (rf"{gate_up}_bias@1",) if fused.bias else ()
+    readers = (rf"{down}@{fused.down_channels}",)
+    if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
+        return (rf"{gate_up}@{dim}", *bias), readers, 1
+    halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
+    return halves, readers, None
+
+
+def moe_layout(
+    block: str = "mlp", router: str = "gate", *, shared: bool = False, fused: FusedLayout | None = None
+) -> Layout:
     """The layout of a decoder whose MLP is a block of fused routed experts (``<block>.experts``, ``<block>.<router>``).
 
     With ``shared`` (Qwen2-MoE: an MLP ``mlp.shared_expert`` and its sigmoid gate ``mlp.shared_expert_gate``, a Linear
-    to one output) the shared expert's residual rows and columns join the residual cluster.
+    to one output) the shared expert's residual rows and columns join the residual cluster. ``fused``: how the
+    experts store their weights (default: ``(E, 2I, H)`` halves, no biases).
     """
+    fused = fused or FusedLayout()
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
-    router_w = rf"{block}\.{router}\.weight"
-    writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
-    readers: tuple[str, ...] = (r"self_attn\.[qkv]_proj\.weight", rf"{gate_up}@2", router_w)
-    params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.weight|self_attn\.[qk]_norm\.weight"
-    params += rf"|{gate_up}|{down}|{router_w}"
-    out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
+    router_w = rf"{block}\.{router}\.(?:weight|bias)"
+    biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
+    down_out = (rf"{down}@{fused.down_hidden}", *((rf"{down}_bias@1",) if fused.bias else ()))
+    writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
+    readers: tuple[str, ...] = (r"self_attn\.[qkv]_proj\.weight", rf"{gate_up}@{fused.gate_up_hidden}",
+                                rf"{block}\.{router}\.weight")  # fmt: skip
+    params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.(?:weight|bias)|self_attn\.[qk]_norm\.weight"
+    params += rf"|{gate_up}|{down}|{router_w}{biases}|self_attn\.sinks|post_feedforward_layernorm\.weight"
+    params += rf"|{_SHARED_MLP}(?:input|output)_linear\.weight"
+    out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
     if shared:
         writers, out = (*writers, rf"{_SHARED}down_proj\.weight"), (*out, rf"{_SHARED}down_proj\.weight")
         readers = (*readers, rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight")
         params += rf"|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight"
+    mlp_writers, mlp_readers, _ = _gate_up(block, fused)
     return dataclasses.replace(
         llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
-        mlp=((rf"{gate_up}@1[0/2]", rf"{gate_up}@1[1/2]"), (rf"{down}@2",)),
+        mlp=(mlp_writers, mlp_readers),
         residual=(writers, readers),
         layer_params=params,
         layer_out=(out, ()),
@@ -88,6 +119,69 @@ def _whole_width_qk_norm(model: nn.Module) -> bool:
             q_proj = params.get(name.replace("q_norm", "q_proj"))
             return q_proj is not None and p.numel() == q_proj.shape[0]
     return False
+
+
+def _attention_params(names: list[str]) -> list[str]:
+    """Parameters an attention module holds itself (gpt-oss's ``sinks``, one per query head): no head cut cuts them."""
+    return [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedLayout]]] | None:
+    """The backbone prefix and, per decoder layer with one, ``(layer, block, router, layout)`` of its MoE block.
+
+    A block is a child of the layer holding a fused ``experts`` module (:func:`~lightning_pat.shrink.experts.
+    fused_layout`) and a top-k router (``gate`` or ``router``); ``None`` if the model has no such backbone.
+    """
+    names = param_names(model)
+    try:
+        backbone = find_backbone(MOE_LAYOUT, names)
+    except ValueError:
+        return None
+    if backbone is None:
+        return None
+    prefix = backbone[0]
+    layer_re = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<block>[^.]+)")
+    found = []
+    for name, module in model.named_modules():
+        match = layer_re.fullmatch(name)
+        experts = getattr(module, "experts", None)
+        if match is None or not isinstance(experts, nn.Module) or (layout := fused_layout(experts)) is None:
+            continue
+        router = block_router(module)
+        if router is None:
+            continue
+        router_name = next(n for n, c in module.named_children() if c is router)
+        found.append((match["layer"], match["block"], router_name, layout))
+    return (prefix, found) if found else None
+
+
+def covers(model: nn.Module) -> bool:
+    """Whether :func:`moe` covers every decoder layer of ``model`` (``clusters="auto"`` picks it then).
+
+    Every layer must hold a fused-experts block with its router, the same block and layout in each, and nothing the
+    layout does not know (a dense MLP in some layers, an attention of another kind: then discovery runs instead).
+    """
+    found = find_blocks(model)
+    if found is None:
+        return False
+    prefix, blocks = found
+    if len({(b, r, lay) for _, b, r, lay in blocks}) != 1:
+        return False
+    _, block, router, fused = blocks[0]
+    names = param_names(model)
+    shared = any(re.search(_SHARED + r"down_proj\.weight$", n) for n in names)
+    layout = moe_layout(block, router, shared=shared, fused=fused)
+    layer = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<rest>.+)")
+    known = re.compile(layout.layer_params)
+    layers = set()
+    for n in names:
+        match = layer.fullmatch(n)
+        if match is None:
+            continue
+        layers.add(match["layer"])
+        if not known.fullmatch(match["rest"]):
+            return False
+    return layers == {layer for layer, *_ in blocks}
 
 
 def moe(
@@ -124,48 +218,63 @@ def moe(
         "moe", mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads, experts=experts
     )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
-    backbone = find_backbone(MOE_LAYOUT, names)
-    prefix = backbone[0] if backbone is not None else ""
+    find_backbone(MOE_LAYOUT, names)  # raises if there are several backbones
+    found = find_blocks(model)
+    if found is None:
+        raise ValueError(
+            "presets.moe: no decoder layer `<prefix>layers.N` holds a block with fused `experts.gate_up_proj` / "
+            "`experts.down_proj` (3-D) next to a top-k router (`gate` or `router`), so this is not a fused "
+            "mixture-of-experts model; use presets.llama, or declare clusters by hand."
+        )
+    prefix, blocks = found
+    _, block, router, fused = blocks[0]
     wrappers = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
     per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{wrappers}"
-    found = [
-        (block, router)
-        for block, router in BLOCKS
-        if any(re.fullmatch(rf"{per_layer[3:]}{block}\.{router}\.weight", n) for n in names)
-        and any(re.fullmatch(rf"{per_layer[3:]}{block}\.experts\.gate_up_proj", n) for n in names)
-    ]
-    if not found:
-        raise ValueError(
-            "presets.moe: no parameter matches `<prefix>layers.N.mlp.gate.weight` (or `block_sparse_moe.router`) next "
-            "to fused `experts.gate_up_proj` / `experts.down_proj`, so this is not a fused mixture-of-experts model; "
-            "use presets.llama, or declare clusters by hand."
-        )
-    block, router = found[0]
     shared = any(re.fullmatch(per_layer[3:] + _SHARED + r"down_proj\.weight", n) for n in names)
+    shared_mlp = any(re.fullmatch(per_layer[3:] + _SHARED_MLP + r"output_linear\.weight", n) for n in names)
     if heads and _whole_width_qk_norm(model):
         log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
         heads = False
-    out = (
-        build(
-            moe_layout(block, router, shared=shared),
-            model,
-            mlp=mlp,
-            heads=heads,
-            residual=residual,
-            layers=layers,
-            query_heads=query_heads,
+    if heads and (own := _attention_params(names)):
+        log.warning(
+            "presets.moe: the heads are not cut: the attention holds %s itself (one entry per query head), which "
+            "no head cut rewrites; heads.{layer} left out", own[0].rsplit(".", 1)[-1],
+        )  # fmt: skip
+        heads = False
+    if residual and fused.transposed:
+        raise ValueError(
+            "presets.moe(residual=True): the experts hold transposed weights with biases (gpt-oss), whose residual "
+            "axis the preset does not declare yet; set residual=False, or declare the residual cluster by hand."
         )
-        if mlp or heads or residual or layers
+    layout = moe_layout(block, router, shared=shared, fused=fused)
+    out = (
+        build(layout, model, mlp=False, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
+        if heads or residual or layers
         else []
     )
+    if mlp:
+        writers, readers, head_dim = _gate_up(block, fused)
+        out.insert(
+            0,
+            Cluster(
+                "mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers], head_dim=head_dim
+            ),
+        )
     out = [  # the expert weights' strides stay what transformers' grouped_mm experts need
         dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
     ]
     if mlp and shared:  # the shared expert's channels: an ordinary MLP cluster
         gate_up = per_layer + _SHARED + r"(?:gate|up)_proj\.weight"
         out.append(Cluster("shared.{layer}", [gate_up], [per_layer + _SHARED + r"down_proj\.weight"]))
+    if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
+        fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
+        out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
     if experts:
-        parts = (rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj")
+        parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        if any(re.fullmatch(rf"{per_layer[3:]}{block}\.{router}\.bias", n) for n in names):
+            parts.append(rf"{router}\.bias")
+        if fused.bias:
+            parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts]))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")

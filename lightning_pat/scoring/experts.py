@@ -43,14 +43,41 @@ def expert_modules(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> dic
     return out
 
 
+def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
+    """Expert ``e``'s output on tokens ``x_TH``, as the fused experts module computes it.
+
+    ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``, or transposed (``is_transposed``, gpt-oss:
+    ``(E, H, 2I)`` and ``(E, I, H)``), with their biases where the module has them; the gate is the module's own
+    ``_apply_gate`` (transformers' experts: halves or interleaved, its activation), else ``act_fn`` on the first half.
+    """
+    params = module._parameters  # noqa: SLF001 - this module's own parameters
+    gate_up: Tensor = params["gate_up_proj"]  # type: ignore[assignment]
+    down: Tensor = params["down_proj"]  # type: ignore[assignment]
+    transposed = getattr(module, "is_transposed", False) is True
+    h = x_TH @ gate_up[e] if transposed else nn.functional.linear(x_TH, gate_up[e])
+    if params.get("gate_up_proj_bias") is not None:
+        h = h + params["gate_up_proj_bias"][e]  # type: ignore[index]
+    apply_gate = getattr(module, "_apply_gate", None)
+    if callable(apply_gate):
+        h = apply_gate(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        h = module.act_fn(gate) * up  # type: ignore[operator]
+    out = h @ down[e] if transposed else nn.functional.linear(h, down[e])
+    if params.get("down_proj_bias") is not None:
+        out = out + params["down_proj_bias"][e]  # type: ignore[index]
+    return out
+
+
+#: Keyword names of a fused experts forward's (hidden states, top-k index, top-k weights), gpt-oss's included.
+_ARGS = ("hidden_states", "top_k_index", "router_indices", "top_k_weights", "routing_weights")
+
+
 def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
-        values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]
+        values = list(args) + [kwargs[k] for k in _ARGS if k in kwargs]
         h_TH, index_TK, weights_TK = values[:3]
         h_TH = h_TH.reshape(-1, h_TH.shape[-1])
-        gate_up: Tensor = module._parameters["gate_up_proj"]  # type: ignore[assignment]  # noqa: SLF001
-        down: Tensor = module._parameters["down_proj"]  # type: ignore[assignment]  # noqa: SLF001
-        act: Callable[[Tensor], Tensor] = module.act_fn  # type: ignore[assignment]
         for e in range(sums_E.numel()):
             hit_TK = index_TK == e
             tokens_T = hit_TK.any(dim=-1)
@@ -60,9 +87,7 @@ def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore) -> Callable[..., 
             counts_E[e] += num
             if kind == "frequency":
                 continue
-            x = h_TH[tokens_T]
-            gate, up = nn.functional.linear(x, gate_up[e]).chunk(2, dim=-1)
-            out = nn.functional.linear(act(gate) * up, down[e])
+            out = expert_output(module, h_TH[tokens_T], e)
             g = (weights_TK * hit_TK).sum(dim=-1)[tokens_T]
             sums_E[e] += (g.double() * out.double().norm(dim=-1)).sum().to(sums_E.device)
 

@@ -170,7 +170,7 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     its name is not an attention's (``attn``/``attention``), whatever the family calls it (``down_proj``, ``fc2``,
     ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused ``gate_up_proj``).
     """
-    skip = ("attn", "attention", "shared_expert")  # a shared expert's width is shared_expert_intermediate_size
+    skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
     for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
         value = getattr(config, field)

@@ -177,7 +177,7 @@ def apply_plan(
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)
-    update_blocks(model)
+    update_blocks(model, edits)
     reads = [(e.name, old, in_width(e.module)) for key, e in edits.items() if (old := reads_before[key]) is not None]
     for owner in owners:
         emb = embeddings[id(owner)]

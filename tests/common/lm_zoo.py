@@ -39,6 +39,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     "num_experts_per_tok": 2,
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
 }
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
