@@ -6,11 +6,11 @@ logit 0, which top-k may still pick), so the masked model routes with hooks on e
 (:func:`route_around_dropped`): while the router runs, its logits (the output of ``F.linear(x, router.weight)`` or
 ``x @ router.weight.T``, in any dtype the router casts its weight to) get the lowest finite value for every expert
 whose router row is exactly zero (a dropped expert; a trained router row is never all zeros), and a per-expert
-selection bias passed to the router (MiniMax-M2's ``e_score_correction_bias``) the same. The router's own code then
-runs on those logits, whatever it does with them (softmax then top-k, top-k then softmax, a sigmoid, PhiMoE's
-sparsemixer): a dropped expert is never picked while ``top_k`` experts are kept, and weighs exactly 0 otherwise, as
-in the shrunk model. No state beyond the weights is needed (a resumed run or a reloaded masked checkpoint routes the
-same).
+selection bias passed to the router or held by it (MiniMax-M2's and DeepSeek-V3's ``e_score_correction_bias``) the
+same. The router's own code then runs on those logits, whatever it does with them (softmax then top-k, top-k then
+softmax, a sigmoid, PhiMoE's sparsemixer, DeepSeek's group-limited top-k): a dropped expert is never picked while
+``top_k`` experts are kept (DeepSeek: in the groups it picks), and weighs exactly 0 otherwise, as in the shrunk model.
+No state beyond the weights is needed (a resumed run or a reloaded masked checkpoint routes the same).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from lightning_pat.core.spec import ResolvedCluster
 
 _HOOK_ATTR = "_lightning_pat_routing_hook"
 _MODE_ATTR = "_lightning_pat_routing_mode"
+#: Buffers of a router holding one selection bias per expert (masked like the logits while the router runs).
+SELECTION_BIASES = ("e_score_correction_bias",)
 #: Tensor methods whose result is the router's weight in another dtype, device or memory layout.
 _SAME = frozenset(
     (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
@@ -92,21 +94,28 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     if dropped is None:
         return None
     mode = _MaskLogits(router._parameters["weight"], dropped)  # type: ignore[arg-type]  # noqa: SLF001
-    mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
-    router.__dict__[_MODE_ATTR] = mode
 
-    def bias(a: Any) -> Any:  # a per-expert selection bias passed to the router (MiniMax-M2)
+    def bias(a: Any) -> Any:  # a per-expert selection bias (MiniMax-M2: passed in; DeepSeek-V3: the router's own)
         if isinstance(a, Tensor) and a.dtype.is_floating_point and a.shape == dropped.shape:
             return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
         return a
+
+    buffers = router._buffers  # noqa: SLF001 - the router's own buffers, put back by the post-hook
+    saved = {k: buffers[k] for k in SELECTION_BIASES if buffers.get(k) is not None}
+    for k, buf in saved.items():
+        buffers[k] = bias(buf)
+    mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
+    router.__dict__[_MODE_ATTR] = (mode, saved)
 
     return (args[0], *(bias(a) for a in args[1:])), {k: bias(v) for k, v in kwargs.items()}
 
 
 def _after(router: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
-    mode = router.__dict__.pop(_MODE_ATTR, None)
-    if mode is not None:
+    state = router.__dict__.pop(_MODE_ATTR, None)
+    if state is not None:
+        mode, saved = state
         mode.__exit__(None, None, None)
+        router._buffers.update(saved)  # noqa: SLF001 - the buffers _before swapped
     return output
 
 

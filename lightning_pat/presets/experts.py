@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import weakref
 
 from torch import nn
 
@@ -41,11 +42,10 @@ from lightning_pat.presets.transformers import (
     Layout,
     build,
     check_flags,
-    find_backbone,
     llama_like,
     param_names,
 )
-from lightning_pat.shrink.experts import FusedLayout, block_router, fused_layout
+from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,26 @@ BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("blo
 _WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
-def _gate_up(block: str, fused: FusedLayout) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
-    """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer."""
+def _gate_up(
+    block: str, fused: FusedLayout, *, joint_shared: bool = False
+) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
+    """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer.
+
+    ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE) is as wide as the experts times the
+    config's shared-expert count, so its channels join the same units (``s`` channels per unit for ``s`` experts).
+    """
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
     dim = fused.gate_up_channels
     bias = (rf"{gate_up}_bias@1",) if fused.bias else ()
-    readers = (rf"{down}@{fused.down_channels}",)
+    readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
+    shared_w: tuple[str, ...] = ()
+    if joint_shared:
+        shared_w = (rf"{block}\.shared_experts\.(?:gate|up)_proj\.(?:weight|bias)",)
+        readers = (*readers, rf"{block}\.shared_experts\.down_proj\.weight")
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
-        return (rf"{gate_up}@{dim}", *bias), readers, 1
+        return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
-    return halves, readers, None
+    return (*halves, *shared_w), readers, 1 if joint_shared else None
 
 
 def moe_layout(
@@ -126,22 +136,36 @@ def _attention_params(names: list[str]) -> list[str]:
     return [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
 
 
+#: Per-layer parameters of DeepSeek's multi-head latent attention (MLA), relative to the layer.
+_MLA = (
+    r"self_attn\.(?:q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj|o_proj)"
+    r"\.(?:weight|bias)"
+)
+#: A dense MLP in the layers before the first MoE layer (DeepSeek's ``first_k_dense_replace``).
+_DENSE = r"mlp\.(?:gate|up|down)_proj\.(?:weight|bias)"
+_SHARED_EXPERTS = r"mlp\.shared_experts\.(?:gate|up|down)_proj\.(?:weight|bias)"
+#: Models the preset said something about already (each reason is logged once per model).
+_TOLD: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _tell(model: nn.Module, message: str, *args: object) -> None:
+    told = _TOLD.setdefault(model, set())
+    if message not in told:
+        told.add(message)
+        log.warning(message, *args)
+
+
 def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedLayout]]] | None:
     """The backbone prefix and, per decoder layer with one, ``(layer, block, router, layout)`` of its MoE block.
 
     A block is a child of the layer holding a fused ``experts`` module (:func:`~lightning_pat.shrink.experts.
     fused_layout`) and a top-k router (``gate`` or ``router``); ``None`` if the model has no such backbone.
+
+    Raises:
+        ValueError: If MoE blocks sit under several backbones (a preset covers one).
     """
-    names = param_names(model)
-    try:
-        backbone = find_backbone(MOE_LAYOUT, names)
-    except ValueError:
-        return None
-    if backbone is None:
-        return None
-    prefix = backbone[0]
-    layer_re = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<block>[^.]+)")
-    found = []
+    layer_re = re.compile(rf"(?P<prefix>(?:.+\.)?)layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<block>[^.]+)")
+    found, prefixes = [], set()
     for name, module in model.named_modules():
         match = layer_re.fullmatch(name)
         experts = getattr(module, "experts", None)
@@ -151,17 +175,32 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         if router is None:
             continue
         router_name = next(n for n, c in module.named_children() if c is router)
+        prefixes.add(match["prefix"])
         found.append((match["layer"], match["block"], router_name, layout))
-    return (prefix, found) if found else None
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"presets.moe: found mixture-of-experts blocks under {len(prefixes)} backbones {sorted(prefixes)}; a "
+            "preset covers one. Pass the submodule that holds one backbone, or declare clusters by hand."
+        )
+    return (prefixes.pop(), found) if found else None
+
+
+def _layer_params(layout: Layout) -> re.Pattern[str]:
+    """Every parameter a layer of the model may hold for :func:`moe` (MLA, a dense MLP, shared experts included)."""
+    return re.compile(rf"(?:{layout.layer_params}|{_MLA}|{_DENSE}|{_SHARED_EXPERTS})")
 
 
 def covers(model: nn.Module) -> bool:
     """Whether :func:`moe` covers every decoder layer of ``model`` (``clusters="auto"`` picks it then).
 
-    Every layer must hold a fused-experts block with its router, the same block and layout in each, and nothing the
-    layout does not know (a dense MLP in some layers, an attention of another kind: then discovery runs instead).
+    Some layer must hold a fused-experts block with its router (the same block name and layout in each), the others
+    a dense Llama MLP (DeepSeek's first layers), and no layer anything the preset does not know (then discovery
+    runs instead).
     """
-    found = find_blocks(model)
+    try:
+        found = find_blocks(model)
+    except ValueError:
+        return False
     if found is None:
         return False
     prefix, blocks = found
@@ -170,18 +209,28 @@ def covers(model: nn.Module) -> bool:
     _, block, router, fused = blocks[0]
     names = param_names(model)
     shared = any(re.search(_SHARED + r"down_proj\.weight$", n) for n in names)
-    layout = moe_layout(block, router, shared=shared, fused=fused)
+    known = _layer_params(moe_layout(block, router, shared=shared, fused=fused))
     layer = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<rest>.+)")
-    known = re.compile(layout.layer_params)
-    layers = set()
+    moe_layers = {layer for layer, *_ in blocks}
+    dense: set[str] = set()
+    seen: set[str] = set()
     for n in names:
         match = layer.fullmatch(n)
         if match is None:
             continue
-        layers.add(match["layer"])
+        seen.add(match["layer"])
         if not known.fullmatch(match["rest"]):
             return False
-    return layers == {layer for layer, *_ in blocks}
+        if re.fullmatch(r"mlp\.down_proj\.weight", match["rest"]):
+            dense.add(match["layer"])
+    return seen == moe_layers | dense and not moe_layers & dense
+
+
+def _mla(model: nn.Module, names: list[str]) -> bool:
+    """Whether the layers' attention is DeepSeek's multi-head latent attention (a ``kv_b_proj``, no ``k_proj``)."""
+    return any(n.endswith("self_attn.kv_b_proj.weight") for n in names) and not any(
+        n.endswith("self_attn.k_proj.weight") for n in names
+    )
 
 
 def moe(
@@ -198,14 +247,16 @@ def moe(
 
     Args:
         model: The model, or a module that holds exactly one such backbone.
-        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts (and ``shared.{layer}``:
-            the shared expert's channels, where the model has one).
+        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts (with the channels of a
+            ``shared_experts`` MLP as wide as the experts, DeepSeek's; in a dense layer, its MLP's channels), and
+            ``shared.{layer}``: a shared expert of its own width, where the model has one.
         heads: Add ``heads.{layer}`` (as :func:`~lightning_pat.presets.transformers.llama`).
         residual: Add ``residual`` (the hidden size across the model, the experts' and router's hidden axes
             included).
         layers: Add ``layer.{layer}`` (whole decoder layers); not with ``residual``.
         query_heads: As for :func:`~lightning_pat.presets.transformers.llama`.
-        experts: Add ``experts.{layer}``: whole routed experts with their router rows.
+        experts: Add ``experts.{layer}``: whole routed experts with their router rows (a group-limited router's
+            groups, DeepSeek's ``n_group``, each keep the same number: ``unit_groups``).
 
     Returns:
         The declarations, in the order mlp, heads, residual, layers, shared, experts.
@@ -218,7 +269,6 @@ def moe(
         "moe", mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads, experts=experts
     )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
-    find_backbone(MOE_LAYOUT, names)  # raises if there are several backbones
     found = find_blocks(model)
     if found is None:
         raise ValueError(
@@ -228,38 +278,57 @@ def moe(
         )
     prefix, blocks = found
     _, block, router, fused = blocks[0]
-    wrappers = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
-    per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{wrappers}"
-    shared = any(re.fullmatch(per_layer[3:] + _SHARED + r"down_proj\.weight", n) for n in names)
-    shared_mlp = any(re.fullmatch(per_layer[3:] + _SHARED_MLP + r"output_linear\.weight", n) for n in names)
+    per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}"
+
+    def has(pattern: str) -> bool:
+        return any(re.fullmatch(per_layer[3:] + pattern, n) for n in names)
+
+    shared = has(_SHARED + r"down_proj\.weight")
+    shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
+    joint = has(rf"{block}\.shared_experts\.down_proj\.weight")
+    mla = _mla(model, names)
+    if heads and mla:
+        _tell(
+            model,
+            "presets.moe: the heads of %s are not cut: its multi-head latent attention (MLA) reads every head "
+            "through shared latent projections (kv_a_proj_with_mqa, kv_b_proj), which no head cut of the preset "
+            "declares yet; heads.{layer} left out (its MLPs and experts are cut)",
+            type(model).__name__,
+        )
+        heads = False
     if heads and _whole_width_qk_norm(model):
         log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
         heads = False
     if heads and (own := _attention_params(names)):
-        log.warning(
+        _tell(
+            model,
             "presets.moe: the heads are not cut: the attention holds %s itself (one entry per query head), which "
-            "no head cut rewrites; heads.{layer} left out", own[0].rsplit(".", 1)[-1],
-        )  # fmt: skip
+            "no head cut rewrites; heads.{layer} left out",
+            own[0].rsplit(".", 1)[-1],
+        )
         heads = False
-    if residual and fused.transposed:
+    if residual and (fused.transposed or mla):
         raise ValueError(
-            "presets.moe(residual=True): the experts hold transposed weights with biases (gpt-oss), whose residual "
-            "axis the preset does not declare yet; set residual=False, or declare the residual cluster by hand."
+            "presets.moe(residual=True): the preset does not declare the residual axis of "
+            f"{'MLA attention' if mla else 'transposed experts with biases (gpt-oss)'} yet; set residual=False, or "
+            "declare the residual cluster by hand."
         )
     layout = moe_layout(block, router, shared=shared, fused=fused)
+    if mla:
+        layout = dataclasses.replace(layout, anchor=r"self_attn\.o_proj\.weight")
     out = (
         build(layout, model, mlp=False, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
         if heads or residual or layers
         else []
     )
     if mlp:
-        writers, readers, head_dim = _gate_up(block, fused)
-        out.insert(
-            0,
-            Cluster(
-                "mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers], head_dim=head_dim
-            ),
-        )
+        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint)
+        mlps = [Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers],
+                        head_dim=head_dim)]  # fmt: skip
+        if has(r"mlp\.down_proj\.weight"):  # dense layers (DeepSeek's first_k_dense_replace)
+            mlps.append(Cluster("mlp.{layer}", [per_layer + r"mlp\.(?:gate|up)_proj\.(?:weight|bias)"],
+                                [per_layer + r"mlp\.down_proj\.weight"]))  # fmt: skip
+        out = mlps + out
     out = [  # the expert weights' strides stay what transformers' grouped_mm experts need
         dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
     ]
@@ -271,11 +340,12 @@ def moe(
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
     if experts:
         parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
-        if any(re.fullmatch(rf"{per_layer[3:]}{block}\.{router}\.bias", n) for n in names):
+        if has(rf"{block}\.{router}\.bias"):
             parts.append(rf"{router}\.bias")
         if fused.bias:
             parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
-        out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts]))
+        groups = expert_groups(model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}.{router}"))
+        out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")
     return out

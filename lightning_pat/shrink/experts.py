@@ -178,6 +178,8 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             )
         if min(v.numel() for v in kept.values()) == 0:
             raise ValueError(f"Shrink: MoE block {name!r} would keep no expert; keep at least one.")
+        if router is not None:
+            check_groups(name, router, kept["experts.down_proj"], num)
         rows = _cut(e_edit, "gate_up_proj", layout.gate_up_channels, double)
         gate, up = _gate_and_up(rows, double // 2, layout.interleaved)
         down = _cut(e_edit, "down_proj", layout.down_channels, double // 2)
@@ -197,6 +199,39 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
                 f"{layout.down_channels}); list {parts}, `down_proj@{layout.down_channels}` (and the biases) in one "
                 "cluster."
             )
+
+
+def expert_groups(router: nn.Module) -> int:
+    """How many consecutive groups of experts a group-limited router picks from (DeepSeek's ``n_group``), else 1."""
+    groups = getattr(router, "num_group", None)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 1:
+        return 1
+    return 1 if getattr(router, "topk_method", "group_limited_greedy") == "greedy" else groups
+
+
+def check_groups(name: str, router: nn.Module, kept: Tensor, num: int) -> None:
+    """Refuse a cut that a group-limited router (DeepSeek-V2/V3) could not route as the masked model does.
+
+    Every group must keep the same number of experts, enough for the group score and the top-k; the config's
+    ``n_group`` and ``topk_group`` then hold as they are.
+
+    Raises:
+        ValueError: With the numbers, naming the block.
+    """
+    groups = expert_groups(router)
+    if groups == 1:
+        return
+    per_group = torch.bincount(kept // (num // groups), minlength=groups).tolist()
+    need = 2 if "e_score_correction_bias" in router._buffers else 1  # noqa: SLF001 - V3 sums each group's top 2
+    top_k, topk_group = int(getattr(router, "top_k", 1)), int(getattr(router, "topk_group", groups))
+    if len(set(per_group)) != 1 or per_group[0] < need or top_k > topk_group * per_group[0]:
+        raise ValueError(
+            f"Shrink: MoE block {name!r} routes within {groups} groups of {num // groups} experts (n_group), picking "
+            f"{topk_group} groups (topk_group) and {top_k} experts (top_k); the cut keeps {per_group} experts per "
+            f"group, but every group must keep the same number, at least {need} and at least "
+            f"top_k / topk_group = {-(-top_k // topk_group)}. Declare the expert cluster with unit_groups={groups} "
+            "(presets.moe does) and a target that keeps enough experts."
+        )
 
 
 def _set_int(module: nn.Module, attr: str, value: int) -> None:
@@ -262,11 +297,12 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
 
 
 def shared_experts(model: nn.Module) -> list[nn.Module]:
-    """The shared experts (``shared_expert``, an MLP next to fused routed experts, as in Qwen2-MoE)."""
+    """The shared experts by fused routed experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``)."""
     return [
-        block.shared_expert
+        getattr(block, attr)
         for block in model.modules()
-        if isinstance(getattr(block, "shared_expert", None), nn.Module)
+        for attr in ("shared_expert", "shared_experts")
+        if isinstance(getattr(block, attr, None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
         and is_fused_experts(block.experts)
     ]
@@ -299,7 +335,9 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
         out["num_experts_per_tok"] = min(top_k, min(m.gate_up_proj.shape[0] for m, _ in fused))
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
-    shared = {m.down_proj.in_features for m in shared_experts(model) if isinstance(m.down_proj, nn.Linear)}
+    shared = {
+        m.down_proj.in_features for m in shared_experts(model) if isinstance(getattr(m, "down_proj", None), nn.Linear)
+    }
     if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
         out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
     shared = _shared_mlp_widths(model)

@@ -41,6 +41,15 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
 }
+#: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
+_FAMILY: dict[str, dict[str, Any]] = {
+    # multi-head latent attention: as many KV heads as heads; 8 experts in 2 groups, a dense first layer
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), {
+        "num_key_value_heads": HEADS, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 8, "n_group": 2,
+        "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    }),
+}  # fmt: skip
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -55,6 +64,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
+    kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists

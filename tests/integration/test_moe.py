@@ -487,3 +487,58 @@ def test_callback_prunes_experts_and_channels_of_the_new_families_then_shrinks_e
     reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
     count, width = FUSED[model_type]
     assert (getattr(reloaded.config, count), getattr(reloaded.config, width)) == (2, 64)
+
+
+# ---------------------------------------------------------------- DeepSeek-V2/V3: MLA, group-limited routing
+def deepseek(model_type: str) -> nn.Module:
+    """A tiny DeepSeek (tests.common.lm_zoo: 8 experts in 2 groups, top-2 from 1 group, a dense first layer), with a
+    selection bias (V3) that would pick the dropped experts if the masked model did not route around them; V2 routes
+    group-limited too (its default is greedy top-k over all experts)."""
+    model = zoo(model_type, **({"topk_method": "group_limited_greedy"} if model_type == "deepseek_v2" else {}))
+    gate = model.model.layers[1].mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):
+        gate.e_score_correction_bias.copy_(torch.linspace(0.3, -0.3, 8))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_cuts_mlps_shared_and_routed_experts_leaves_mla_heads_with_a_reason(model_type, tmp_path, caplog):
+    model = deepseek(model_type)
+    with caplog.at_level("WARNING", logger="lightning_pat.presets.experts"):
+        res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
+    assert caplog.text.count("multi-head latent attention (MLA)") == 1  # said once, with the reason
+    assert sorted(res.dropped) == ["experts.1", "mlp.0", "mlp.1"]  # dense MLP, experts + shared experts, experts
+    dropped = torch.tensor(res.dropped["experts.1"])
+    assert torch.bincount(dropped // 4, minlength=2).tolist() == [2, 2]  # each routing group keeps the same number
+    gate = model.model.layers[1].mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):
+        with torch.no_grad():  # the dropped experts would win every group and every top-k without the routing hook
+            gate.e_score_correction_bias[dropped] = 5.0
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    cfg = reloaded.config
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 1, 2)
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size) == (16, 64)
+    block = reloaded.model.layers[1].mlp
+    assert block.shared_experts.down_proj.in_features == 16  # moe_intermediate_size * n_shared_experts
+    if model_type == "deepseek_v3":
+        kept = [e for e in range(8) if e not in res.dropped["experts.1"]]
+        torch.testing.assert_close(block.gate.e_score_correction_bias, torch.linspace(0.3, -0.3, 8)[kept])
+        assert block.gate.e_score_correction_bias.shape == (4,)
+
+
+def test_deepseek_v3_refuses_a_cut_its_group_limited_routing_cannot_take():
+    model = deepseek("deepseek_v3")
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False)
+    res = lp.prune_clusters(model, clusters, 0.75)  # 1 expert per group: V3 scores a group by its top 2
+    with pytest.raises(ValueError, match=r"keeps \[1, 1\] experts per group, .* at least 2"):
+        lp.shrink(model, res)
+
+
+@pytest.mark.slow
+def test_callback_prunes_deepseek_v3_experts_and_mlps_then_shrinks_exactly(tmp_path):
+    module = ZooMoEStep("deepseek_v3")
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    assert (len(cb.dropped["experts.1"]), len(cb.dropped["mlp.0"]), len(cb.dropped["mlp.1"])) == (4, 64, 16)
+    reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
+    assert (reloaded.config.n_routed_experts, reloaded.config.moe_intermediate_size) == (4, 16)
