@@ -1,7 +1,8 @@
 """Transformers' causal-LM classes as tiny random models, for ``bench/bench_lmzoo.py`` and the family tests (offline).
 
 :func:`tiny_config` shrinks a family's default config to hidden 64, 2 layers, 4 heads of 16 (2 KV heads where the
-family has GQA), a small MLP and vocabulary; :func:`build` makes the model (eager attention, every parameter jittered
+family has GQA), a small MLP and vocabulary (DeepSeek-V2/V3: the MLA sizes and 8 experts in 2 routing groups of
+``_FAMILY``); :func:`build` makes the model (eager attention, every parameter jittered
 so that norms and biases matter); :func:`chain` runs what a new user runs: ``prune_clusters(model, "auto", 0.5,
 calibration=...)``, ``shrink``, the logits against the masked model's, ``save_pretrained``, stock
 ``AutoModelForCausalLM.from_pretrained`` and ``generate()``. This is a test and benchmark helper, never library code.
