@@ -478,15 +478,29 @@ class ZooMoEStep(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
 
 
-@pytest.mark.parametrize("model_type", ["phimoe", "gpt_oss", pytest.param("granitemoeshared", marks=pytest.mark.slow)])
-def test_callback_prunes_experts_and_channels_of_the_new_families_then_shrinks_exactly(model_type, tmp_path):
+def _config_sizes(config) -> tuple[int, int]:
+    """(routed experts, experts' width) of a config, whatever the family calls them."""
+    count = next(
+        getattr(config, n) for n in ("n_routed_experts", "num_local_experts", "num_experts") if hasattr(config, n)
+    )
+    width = config.moe_intermediate_size if hasattr(config, "moe_intermediate_size") else config.intermediate_size
+    return count, width
+
+
+#: Issue 37's done-when families (Mixtral's own callback tests are above; DeepSeek-V3's below), a second each.
+CALLBACK_FAMILIES = ["phimoe", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared"]
+
+
+@pytest.mark.parametrize("model_type", CALLBACK_FAMILIES)
+def test_callback_prunes_experts_and_channels_of_each_family_then_shrinks_exactly(model_type, tmp_path):
     module = ZooMoEStep(model_type)
+    count, width = _config_sizes(module.model.config)
     cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
     quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
-    assert all(len(cb.dropped[f"experts.{i}"]) == 2 and len(cb.dropped[f"mlp.{i}"]) == 64 for i in range(2))
+    for i in range(2):
+        assert (len(cb.dropped[f"experts.{i}"]), len(cb.dropped[f"mlp.{i}"])) == (count // 2, width // 2)
     reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
-    count, width = FUSED[model_type]
-    assert (getattr(reloaded.config, count), getattr(reloaded.config, width)) == (2, 64)
+    assert _config_sizes(reloaded.config) == (count // 2, width // 2)
 
 
 # ---------------------------------------------------------------- DeepSeek-V2/V3: MLA, group-limited routing
@@ -534,7 +548,6 @@ def test_deepseek_v3_refuses_a_cut_its_group_limited_routing_cannot_take():
         lp.shrink(model, res)
 
 
-@pytest.mark.slow
 def test_callback_prunes_deepseek_v3_experts_and_mlps_then_shrinks_exactly(tmp_path):
     module = ZooMoEStep("deepseek_v3")
     cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
