@@ -53,7 +53,6 @@ _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 #: Kept widths of the experts' intermediate and hidden axes are multiples of this: transformers' ``grouped_mm``
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
-_SHARED = r"mlp\.shared_expert\."
 _SHARED_MLP = r"shared_mlp\."
 #: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, PhiMoE/gpt-oss, GraniteMoE.
 BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "router"))
@@ -65,8 +64,9 @@ def _gate_up(
 ) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
     """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer.
 
-    ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE) is as wide as the experts times the
-    config's shared-expert count, so its channels join the same units (``s`` channels per unit for ``s`` experts).
+    ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE; Llama 4's ``shared_expert``) is as wide
+    as the experts times the config's shared-expert count, so its channels join the same units (``s`` channels per
+    unit for ``s`` experts).
     """
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
     dim = fused.gate_up_channels
@@ -74,8 +74,8 @@ def _gate_up(
     readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
     shared_w: tuple[str, ...] = ()
     if joint_shared:
-        shared_w = (rf"{block}\.shared_experts\.(?:gate|up)_proj\.(?:weight|bias)",)
-        readers = (*readers, rf"{block}\.shared_experts\.down_proj\.weight")
+        shared_w = (rf"{block}\.shared_experts?\.(?:gate|up)_proj\.(?:weight|bias)",)
+        readers = (*readers, rf"{block}\.shared_experts?\.down_proj\.weight")
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
         return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
@@ -92,6 +92,7 @@ def moe_layout(
     experts store their weights (default: ``(E, 2I, H)`` halves, no biases).
     """
     fused = fused or FusedLayout()
+    shared_re = rf"{block}\.shared_expert\."
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
     router_w = rf"{block}\.{router}\.(?:weight|bias)"
     biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
@@ -102,11 +103,11 @@ def moe_layout(
     params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.(?:weight|bias)|self_attn\.[qk]_norm\.weight"
     params += rf"|{gate_up}|{down}|{router_w}{biases}|self_attn\.sinks|post_feedforward_layernorm\.weight"
     params += rf"|{_SHARED_MLP}(?:input|output)_linear\.weight"
+    params += rf"|{block}\.shared_experts?\.(?:gate|up|down)_proj\.(?:weight|bias)|{block}\.shared_expert_gate\.weight"
     out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
     if shared:
-        writers, out = (*writers, rf"{_SHARED}down_proj\.weight"), (*out, rf"{_SHARED}down_proj\.weight")
-        readers = (*readers, rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight")
-        params += rf"|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight"
+        writers, out = (*writers, rf"{shared_re}down_proj\.weight"), (*out, rf"{shared_re}down_proj\.weight")
+        readers = (*readers, rf"{shared_re}(?:gate|up)_proj\.weight", rf"{block}\.shared_expert_gate\.weight")
     mlp_writers, mlp_readers, _ = _gate_up(block, fused)
     return dataclasses.replace(
         llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
@@ -141,9 +142,11 @@ _MLA = (
     r"self_attn\.(?:q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj|o_proj)"
     r"\.(?:weight|bias)"
 )
+#: MiniMax's lightning (linear) attention layers between its full-attention ones: left whole, and the heads of the
+#: full-attention layers too (the config's head count builds both kinds).
+_LINEAR_ATTENTION = r"self_attn\.(?:qkv_proj|out_proj|output_gate|norm)\.weight"
 #: A dense MLP in the layers before the first MoE layer (DeepSeek's ``first_k_dense_replace``).
 _DENSE = r"mlp\.(?:gate|up|down)_proj\.(?:weight|bias)"
-_SHARED_EXPERTS = r"mlp\.shared_experts\.(?:gate|up|down)_proj\.(?:weight|bias)"
 #: Models the preset said something about already (each reason is logged once per model).
 _TOLD: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
@@ -187,7 +190,7 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
 
 def _layer_params(layout: Layout) -> re.Pattern[str]:
     """Every parameter a layer of the model may hold for :func:`moe` (MLA, a dense MLP, shared experts included)."""
-    return re.compile(rf"(?:{layout.layer_params}|{_MLA}|{_DENSE}|{_SHARED_EXPERTS})")
+    return re.compile(rf"(?:{layout.layer_params}|{_MLA}|{_DENSE}|{_LINEAR_ATTENTION})")
 
 
 def covers(model: nn.Module) -> bool:
@@ -208,7 +211,7 @@ def covers(model: nn.Module) -> bool:
         return False
     _, block, router, fused = blocks[0]
     names = param_names(model)
-    shared = any(re.search(_SHARED + r"down_proj\.weight$", n) for n in names)
+    shared = any(re.search(rf"{block}\.shared_expert\.down_proj\.weight$", n) for n in names)
     known = _layer_params(moe_layout(block, router, shared=shared, fused=fused))
     layer = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<rest>.+)")
     moe_layers = {layer for layer, *_ in blocks}
@@ -283,9 +286,12 @@ def moe(
     def has(pattern: str) -> bool:
         return any(re.fullmatch(per_layer[3:] + pattern, n) for n in names)
 
-    shared = has(_SHARED + r"down_proj\.weight")
     shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
-    joint = has(rf"{block}\.shared_experts\.down_proj\.weight")
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    joint = has(rf"{block}\.shared_experts\.down_proj\.weight") or (  # Llama 4: the experts' width
+        has(rf"{block}\.shared_expert\.down_proj\.weight") and not hasattr(config, "shared_expert_intermediate_size")
+    )
+    shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
     mla = _mla(model, names)
     if heads and mla:
         _tell(
@@ -293,6 +299,15 @@ def moe(
             "presets.moe: the heads of %s are not cut: its multi-head latent attention (MLA) reads every head "
             "through shared latent projections (kv_a_proj_with_mqa, kv_b_proj), which no head cut of the preset "
             "declares yet; heads.{layer} left out (its MLPs and experts are cut)",
+            type(model).__name__,
+        )
+        heads = False
+    if heads and has(_LINEAR_ATTENTION):
+        _tell(
+            model,
+            "presets.moe: the heads of %s are not cut: its linear-attention layers take their head count from the "
+            "same config field as the full-attention layers, so a head cut could not reload stock; heads.{layer} "
+            "left out",
             type(model).__name__,
         )
         heads = False
@@ -307,10 +322,11 @@ def moe(
             own[0].rsplit(".", 1)[-1],
         )
         heads = False
-    if residual and (fused.transposed or mla):
+    if residual and (fused.transposed or mla or joint):
         raise ValueError(
             "presets.moe(residual=True): the preset does not declare the residual axis of "
-            f"{'MLA attention' if mla else 'transposed experts with biases (gpt-oss)'} yet; set residual=False, or "
+            f"{'MLA attention' if mla else 'transposed experts' if fused.transposed else 'shared experts'} yet; set "
+            "residual=False, or "
             "declare the residual cluster by hand."
         )
     layout = moe_layout(block, router, shared=shared, fused=fused)
@@ -333,8 +349,10 @@ def moe(
         dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
     ]
     if mlp and shared:  # the shared expert's channels: an ordinary MLP cluster
-        gate_up = per_layer + _SHARED + r"(?:gate|up)_proj\.weight"
-        out.append(Cluster("shared.{layer}", [gate_up], [per_layer + _SHARED + r"down_proj\.weight"]))
+        shared_re = rf"{per_layer}{block}\.shared_expert\."
+        out.append(
+            Cluster("shared.{layer}", [shared_re + r"(?:gate|up)_proj\.weight"], [shared_re + r"down_proj\.weight"])
+        )
     if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
         fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))

@@ -53,7 +53,8 @@ def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
     params = module._parameters  # noqa: SLF001 - this module's own parameters
     gate_up: Tensor = params["gate_up_proj"]  # type: ignore[assignment]
     down: Tensor = params["down_proj"]  # type: ignore[assignment]
-    transposed = getattr(module, "is_transposed", False) is True
+    flag = getattr(module, "is_transposed", None)  # else from the shapes: (E, H, 2I) and (E, I, H) (Llama 4)
+    transposed = flag is True or (flag is None and down.shape[1] * 2 == gate_up.shape[2])
     h = x_TH @ gate_up[e] if transposed else nn.functional.linear(x_TH, gate_up[e])
     if params.get("gate_up_proj_bias") is not None:
         h = h + params["gate_up_proj_bias"][e]  # type: ignore[index]
@@ -73,9 +74,12 @@ def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
 _ARGS = ("hidden_states", "top_k_index", "router_indices", "top_k_weights", "routing_weights")
 
 
-def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore) -> Callable[..., None]:
+def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore, unrouted: list[bool]) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
         values = list(args) + [kwargs[k] for k in _ARGS if k in kwargs]
+        if len(values) < 3 or not all(isinstance(v, Tensor) for v in values[:3]):
+            unrouted[0] = True  # an experts forward that gets no top-k (Llama 4's: every expert, pre-scaled tokens)
+            return
         h_TH, index_TK, weights_TK = values[:3]
         h_TH = h_TH.reshape(-1, h_TH.shape[-1])
         for e in range(sums_E.numel()):
@@ -106,7 +110,8 @@ def expert_scores(
 
     Args:
         model: The model the clusters were resolved against.
-        clusters: The resolved clusters; those whose units are no fused experts are left out of the result.
+        clusters: The resolved clusters; those whose units are no fused experts, or whose experts module is not called
+            with a top-k index and weights (Llama 4's runs every expert), are left out of the result.
         batches: Calibration inputs, each run as ``model(batch)`` (or ``forward(model, batch)``), without grad.
         kind: ``"reap"`` or ``"frequency"``.
         forward: How to run a batch, if not ``model(batch)``.
@@ -125,8 +130,9 @@ def expert_scores(
     by_name: Mapping[str, ResolvedCluster] = {rc.name: rc for rc in clusters}
     sums = {name: torch.zeros(by_name[name].num_units, dtype=torch.float64) for name in modules}
     counts = {name: torch.zeros(by_name[name].num_units, dtype=torch.float64) for name in modules}
+    unrouted = {name: [False] for name in modules}
     handles = [
-        module.register_forward_hook(_hook(sums[name], counts[name], kind), with_kwargs=True)
+        module.register_forward_hook(_hook(sums[name], counts[name], kind, unrouted[name]), with_kwargs=True)
         for name, module in modules.items()
     ]
     try:
@@ -134,6 +140,7 @@ def expert_scores(
     finally:
         for handle in handles:
             handle.remove()
+    scored = [name for name in modules if not unrouted[name][0]]  # the others: no data score (the weights rank them)
     if kind == "frequency":
-        return counts
-    return {name: sums[name] / counts[name].clamp(min=1.0) for name in modules}
+        return {name: counts[name] for name in scored}
+    return {name: sums[name] / counts[name].clamp(min=1.0) for name in scored}

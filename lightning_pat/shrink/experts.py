@@ -88,18 +88,22 @@ class FusedLayout:
 def fused_layout(module: nn.Module) -> FusedLayout | None:
     """The layout of a fused experts module (``gate_up_proj`` and ``down_proj`` 3-D, consistent shapes), or ``None``.
 
-    ``is_transposed`` / ``is_concatenated`` are read from the module (transformers' experts decorator sets them).
+    ``is_transposed`` / ``is_concatenated`` are read from the module (transformers' experts decorator sets them); a
+    module without ``is_transposed`` (Llama 4's experts) is transposed when only that reading fits the shapes.
     """
     params = module._parameters  # noqa: SLF001 - this module's own parameters only
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return None
-    transposed = getattr(module, "is_transposed", False) is True
     interleaved = getattr(module, "is_concatenated", True) is False
     num, a, b = gate_up.shape
-    hidden, double = (a, b) if transposed else (b, a)
-    want = (num, double // 2, hidden) if transposed else (num, hidden, double // 2)
-    if double % 2 or tuple(down.shape) != want:
+    flag = getattr(module, "is_transposed", None)  # transformers' experts decorator; else read from the shapes
+    for transposed in (True, False) if flag is None else (flag is True,):
+        hidden, double = (a, b) if transposed else (b, a)
+        want = (num, double // 2, hidden) if transposed else (num, hidden, double // 2)
+        if double % 2 == 0 and tuple(down.shape) == want:
+            break
+    else:
         return None
     gate_up_bias, down_bias = params.get("gate_up_proj_bias"), params.get("down_proj_bias")
     bias = gate_up_bias is not None or down_bias is not None
@@ -252,7 +256,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         double = module.gate_up_proj.shape[layout.gate_up_channels]
         hidden = module.gate_up_proj.shape[layout.gate_up_hidden]
         _set_int(module, "num_experts", num)
-        for attr in ("intermediate_dim", "intermediate_size"):
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
