@@ -32,8 +32,8 @@ ours, through the public API only:
   (``target_widths="ranked"``); ``act_q``: MLP channels and query heads inside the GQA groups
   (``presets.llama(query_heads=True)``: every group keeps the same number, k/v untouched).
 * ``act_refit`` (and ``act_mlp_refit``, ``act_ranked_refit``, ``act_q_refit``, ``act_q_ranked_refit``): the same
-  cut, then ``lightning_pat.pruning.repair.refit_readers``: the readers of every cut cluster refit by least squares on the
-  calibration data, so that each layer's output matches the dense one (no training).
+  cut, then ``lightning_pat.pruning.repair.refit_readers``: the readers of every cut cluster refit by least squares on
+  the calibration data, so that each layer's output matches the dense one (no training).
 * ``act_mlp_bias``: ``act_mlp``'s cut with FLAP-style mean compensation instead of the refit (bench-side: a bias
   ``W[:, D] E[x_D]`` on each ``down_proj``, evaluated in memory; a stock Llama has no such bias).
 * ``mix_refit``: MLP channels and whole layers together (``layers=True``; the solver balances depth and width),

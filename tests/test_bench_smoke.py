@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # starts bench scripts and rank processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--d_model", "32", "--d_ff", "64", "--n_layer", "1", "--batch", "2", "--seq", "8"]
 HEADS = ["--n_head", "4", "--n_kv_head", "2"]

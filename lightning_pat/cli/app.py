@@ -76,7 +76,9 @@ class StepProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     @override
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict]:
+    def get_metrics(
+        self, trainer: Trainer, pl_module: LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
         """The progress-bar metrics without the logger's version number."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)

@@ -155,7 +155,8 @@ def model_from_config(config: str | Path) -> LightningModule:
     parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False)
     try:
         parsed = parser.parse_object({"model": section})
-        return parser.instantiate_classes(parsed).model
+        model: LightningModule = parser.instantiate_classes(parsed).model
+        return model
     except Exception as err:  # noqa: BLE001 - jsonargparse's errors and the model's own: one line naming the file
         cause = root_cause(err)  # jsonargparse wraps the model's own error in "Does not validate against ..."
         text = str(cause).strip().splitlines()
@@ -174,7 +175,7 @@ def root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:
+def _export_target(module: nn.Module, attribute: str | None) -> nn.Module:
     if attribute:
         try:
             return module.get_submodule(attribute)
@@ -192,9 +193,9 @@ def _export_target(module: LightningModule, attribute: str | None) -> nn.Module:
         pretrained = []
     if len(pretrained) == 1:
         return pretrained[0]
-    children = list(module.named_children())
-    if len(children) == 1:
-        return children[0][1]
+    named = list(module.named_children())
+    if len(named) == 1:
+        return named[0][1]
     return module
 
 
@@ -260,7 +261,7 @@ def shrink_checkpoint(
         config = find_config(ckpt_path)
         model_class = hparams.get("_class_path") if config is None else None  # LightningCLI stores it
     if config is not None:
-        module = model_from_config(config)
+        module: nn.Module = model_from_config(config)
     elif model_class is not None:
         cls = _module_class(model_class, where=f"the model class of {ckpt_path}")
         init_args = {k: v for k, v in hparams.items() if not k.startswith("_")}

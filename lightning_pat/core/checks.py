@@ -1,5 +1,7 @@
 """The checkers every option goes through: a choice, a number in a range, a bool (pure, no torch).
 
+:func:`check_option` checks an option against its vocabulary or range in :mod:`lightning_pat.core.choices`.
+
 Each raises ``ValueError`` naming the option, what was expected and what was found, so that the messages of
 :class:`~lightning_pat.pruning.options.PruningOptions`, :func:`~lightning_pat.prune_clusters` and the other entry
 points read alike.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+from lightning_pat.core.choices import CHOICES, RANGES
 
 
 def check_choice(name: str, value: object, valid: Sequence[str]) -> None:
@@ -53,3 +57,26 @@ def check_bool(name: str, value: object) -> None:
     """
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.")
+
+
+def check_option(name: str, value: object, *, rule: str | None = None) -> None:
+    """Raise unless ``value`` is in the vocabulary or the range of :mod:`lightning_pat.core.choices` for ``name``.
+
+    Args:
+        name: The option, as the message names it.
+        value: Its value.
+        rule: The option whose vocabulary or range applies, if not ``name`` (``sparsity`` is checked as
+            ``target_sparsity``).
+
+    Raises:
+        ValueError: As :func:`check_choice` or :func:`check_number` (``None`` passes where the range allows it).
+        KeyError: If no vocabulary or range has that name (a bug, not a user error).
+    """
+    key = rule or name
+    if key in CHOICES:
+        check_choice(name, value, CHOICES[key])
+        return
+    bounds = RANGES[key]
+    if value is None and bounds.none_ok:
+        return
+    check_number(name, value, low=bounds.low, high=bounds.high, integer=bounds.integer)

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_pat.core.choices import RAMP_SHAPES, RANGES, RampShape
+
 Phase = Literal["warmup", "ramp", "final", "healing"]
-RampShape = Literal["cubic", "linear"]
 Action = Literal["none", "select", "hold", "freeze"]
 
 
@@ -48,11 +49,11 @@ class Schedule:
     shape: RampShape = "cubic"
 
     def __post_init__(self) -> None:
-        for key, low in (("warmup_steps", 0), ("ramp_steps", 1), ("every_n_steps", 1)):
-            value = getattr(self, key)
+        for key in ("warmup_steps", "ramp_steps", "every_n_steps"):
+            value, low = getattr(self, key), RANGES[key].low
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"`{key}` must be an int >= {low}, got {value!r}.")
-        if self.shape not in ("cubic", "linear"):
+        if self.shape not in RAMP_SHAPES:
             raise ValueError(f"`ramp` (the ramp shape) must be 'cubic' or 'linear', got {self.shape!r}.")
 
     @property

@@ -11,8 +11,9 @@ error naming the field, what was expected and what was found, never a wrong mask
   against ``fingerprints`` (the same names; each fingerprint recomputed from its cluster);
 * ``dropped``: known cluster names, distinct int indices in ``[0, C)``, no cluster emptied unless its target is 1
   (a shared budget is checked on its total); ``factors``: ``[C]`` float tensors in ``[0, 1]``;
-* ``latents``, ``activation``, ``taylor`` and ``layer_scores``: their layout, names, shapes, dtypes and finiteness,
-  against what the run holds where the caller says so (:class:`StateContext`);
+* ``latents`` (:mod:`lightning_pat.training.latent`), ``activation``, ``taylor`` and ``layer_scores`` (the scorers,
+  :class:`~lightning_pat.scoring.collector.Collector`) only by their owners, whose checks a resume passes in
+  (:attr:`StateContext.entries`): core readers (a shrink) do not use them;
 * ``allocation`` (:func:`allocation_entry`): a size solved by importance during training, its step, the size options
   it was solved for and the solution, or ``None``.
 
@@ -24,11 +25,10 @@ Every check is local and the same on every rank for the same state (the caller m
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from lightning_pat.core.choices import CHOICES, RANGES, SWITCHES
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_fields import FieldChecker, StateError, describe
 
@@ -41,22 +41,10 @@ KEYS: tuple[str, ...] = (
 REQUIRED: tuple[str, ...] = ("step", "dropped")
 #: Latent formats (see :mod:`lightning_pat.training.state`).
 LATENT_FORMATS: tuple[str, ...] = ("local", "tensors", "per_rank", "full", "dcp")
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "ramp": ("cubic", "linear"),
-    "method": ("hard", "group_lasso"),
-    "score": ("auto", "rms", "l2", "param_cost", "activation", "taylor"),
-    "mode": ("latent", "direct"),
-    "layer_score": ("cosine", "weight"),
-}
 
 
-@dataclass(frozen=True)
-class TensorFacts:
-    """What a saved tensor must match: the parameter's global shape, this rank's local shape, its dtype."""
-
-    shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    dtype: torch.dtype
+#: The check of an entry its owner reads: ``check(entry, what)`` raises a :class:`StateError` naming the field.
+EntryCheck = Callable[[object, str], None]
 
 
 @dataclass(frozen=True)
@@ -67,20 +55,16 @@ class StateContext:
         global_step: The trainer's optimizer steps so far: ``step`` may not exceed it.
         clusters: The run's resolved clusters (names and unit counts for ``dropped``, ``factors``, ``taylor``);
             by default the state's own ``clusters``.
-        latents: Parameter name -> facts, for every parameter that gets a latent copy.
-        readers: ``score="activation"``: reader module name -> ``in_features``.
-        layers: Layer units: the module paths of the layers.
-        world: The number of ranks (a ``per_rank`` latent entry holds one entry per rank).
-        rank: This rank.
+        entries: The checks of the entries that core readers do not use, by their owners (the latent copies:
+            :func:`lightning_pat.training.latent.check_entry`; the scorers' statistics:
+            :meth:`lightning_pat.training.collectors.Collectors.checks`): entry name -> ``check(entry, what)``,
+            called with the entry (``None`` if the state has none) after the core entries passed. An entry without
+            a check here is not checked (``lightning-pat shrink`` reads none of them).
     """
 
     global_step: int | None = None
     clusters: Sequence[ResolvedCluster] | None = None
-    latents: Mapping[str, TensorFacts] | None = None
-    readers: Mapping[str, int] | None = None
-    layers: Collection[str] | None = None
-    world: int = 1
-    rank: int = 0
+    entries: Mapping[str, EntryCheck] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------- clusters
@@ -232,10 +216,8 @@ def check_state(
         if tensor.numel() and (bool((tensor < 0).any()) or bool((tensor > 1).any())):
             raise check.fail(f"factors[{name!r}]", "holds values outside [0, 1] (group-lasso factors)")
     allocation_entry(data, what=what)
-    _latents(check, data.get("latents"), ctx)
-    _activation(check, data.get("activation"), ctx.readers)
-    _taylor(check, data.get("taylor"), units if known is not None else None)
-    _layer_scores(check, data.get("layer_scores"), ctx.layers)
+    for key, check_entry in ctx.entries.items():  # the entries their owners check (latents, the scorers' statistics)
+        check_entry(data.get(key), what)
     return saved
 
 
@@ -289,21 +271,17 @@ def allocation_entry(state: Mapping[str, Any], *, what: str) -> Mapping[str, Any
 def _options(check: FieldChecker, raw: object) -> Mapping[str, Any]:
     options = check.mapping(raw, "options")
     assert options is not None
-    checks: dict[str, Callable[[Any, str], object]] = {
-        "target_sparsity": lambda v, w: check.real(v, w, low=0.0, high=1.0),
-        "warmup_steps": lambda v, w: check.integer(v, w),
-        "ramp_steps": lambda v, w: check.integer(v, w, low=1),
-        "every_n_steps": lambda v, w: check.integer(v, w, low=1),
-        "reg_lambda": lambda v, w: check.real(v, w, low=0.0),
-        "group_count_ref": lambda v, w: None if v is None else check.integer(v, w, low=1),
-    }
-    for key, value in options.items():
+    for key, value in options.items():  # the vocabularies and ranges of the options themselves (core.choices)
         where = f"options[{key!r}]"
-        if key in checks:
-            checks[key](value, where)
-        elif key in _CHOICES and value not in _CHOICES[key]:
-            raise check.fail(where, f"must be one of {_CHOICES[key]}, got {describe(value)}")
-        elif key == "heal" and not isinstance(value, bool):
+        bounds = RANGES.get(key)
+        if bounds is not None and not (value is None and bounds.none_ok):
+            if bounds.integer:
+                check.integer(value, where, low=int(bounds.low), high=None if bounds.high is None else int(bounds.high))
+            else:
+                check.real(value, where, low=bounds.low, high=bounds.high)
+        elif key in CHOICES and value not in CHOICES[key]:
+            raise check.fail(where, f"must be one of {CHOICES[key]}, got {describe(value)}")
+        elif key in SWITCHES and not isinstance(value, bool):
             raise check.fail(where, f"must be a bool, got {describe(value)}")
     return options
 
@@ -364,132 +342,7 @@ def _not_emptied(
             )
 
 
-def _latents(check: FieldChecker, raw: object, ctx: StateContext) -> None:
-    entry = check.mapping(raw, "latents", allow_none=True)
-    if entry is None:
-        return
-    fmt = entry.get("format")
-    if fmt not in LATENT_FORMATS:
-        raise check.fail("latents.format", f"must be one of {LATENT_FORMATS}, got {describe(fmt)}")
-    expected = ctx.latents
-    if fmt == "dcp":
-        names = check.sequence(entry.get("names"), "latents.names")
-        if not all(isinstance(n, str) for n in names):
-            raise check.fail("latents.names", "must be a list of parameter names")
-        _same_names(check, names, expected, "latents.names")
-        return
-    if fmt == "per_rank":
-        ranks = check.sequence(entry.get("tensors"), "latents.tensors")
-        if len(ranks) != ctx.world:
-            raise check.fail(
-                "latents.tensors",
-                f"holds the latent pieces of {len(ranks)} rank(s) (FSDP1 flat shards), and this run has {ctx.world}",
-                f"resume on {len(ranks)} ranks, or from a checkpoint written outside the ramp",
-            )
-        for r, piece in enumerate(ranks):
-            _latent_tensors(check, piece, expected if r == ctx.rank else None, f"latents.tensors[{r}]", local=True)
-        return
-    _latent_tensors(check, entry.get("tensors"), expected, "latents.tensors", local=fmt != "full")
-
-
-def _latent_tensors(
-    check: FieldChecker, raw: object, expected: Mapping[str, TensorFacts] | None, where: str, *, local: bool
-) -> None:
-    tensors = check.mapping(raw, where)
-    assert tensors is not None
-    for name, value in tensors.items():
-        facts = None if expected is None else expected.get(name)
-        tensor = check.tensor(value, f"{where}[{name!r}]", scan=False)  # a model-sized copy: not scanned
-        if facts is None:
-            continue
-        want = facts.local_shape if local else facts.shape
-        if tuple(tensor.shape) != tuple(want):
-            raise check.fail(f"{where}[{name!r}]", f"has shape {tuple(tensor.shape)}, the parameter {tuple(want)}")
-        if tensor.dtype != facts.dtype:
-            raise check.fail(f"{where}[{name!r}]", f"has dtype {tensor.dtype}, the parameter {facts.dtype}")
-    _same_names(check, list(tensors), expected, where)
-
-
-def _same_names(check: FieldChecker, names: Sequence[str], expected: Mapping[str, Any] | None, where: str) -> None:
-    if expected is None:
-        return
-    missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-    if missing or extra:
-        raise check.fail(
-            where,
-            f"names other parameters than the clustered ones (missing {missing[:5]}, unexpected {extra[:5]})",
-            "resume with the model and clusters the checkpoint was written for",
-        )
-
-
-def _activation(check: FieldChecker, raw: object, readers: Mapping[str, int] | None) -> None:
-    if raw is None:
-        return
-    for r, item in enumerate(check.sequence(raw, "activation")):
-        where = f"activation[{r}]"
-        entry = check.mapping(item, where)
-        assert entry is not None
-        unknown = sorted(set(entry) - {"beta", "ema", "count", "window"})
-        if unknown:
-            raise check.fail(where, f"has unknown entries {unknown}")
-        if "beta" in entry:
-            check.real(entry["beta"], f"{where}.beta", low=0.0, high=1.0)
-        ema = check.mapping(entry.get("ema", {}), f"{where}.ema") or {}
-        counts = check.mapping(entry.get("count", {}), f"{where}.count") or {}
-        windows = check.mapping(entry.get("window", {}), f"{where}.window") or {}
-        for part, names in (("ema", ema), ("count", counts), ("window", windows)):
-            check.names(names, readers, f"{where}.{part}", "reader modules")
-        for name, value in ema.items():
-            tensor = check.tensor(value, f"{where}.ema[{name!r}]", nonnegative=True)
-            if tensor.dim() != 1:
-                raise check.fail(f"{where}.ema[{name!r}]", f"must be 1-D, got shape {tuple(tensor.shape)}")
-            width = None if readers is None else readers.get(name)
-            window = windows.get(name, (0, tensor.numel() if width is None else width))
-            window = check.sequence(window, f"{where}.window[{name!r}]")
-            if len(window) != 2:
-                raise check.fail(f"{where}.window[{name!r}]", f"must be [first channel, channels], got {window!r}")
-            offset = check.integer(window[0], f"{where}.window[{name!r}]")
-            length = check.integer(window[1], f"{where}.window[{name!r}]", low=1)
-            if tensor.numel() != length or (width is not None and offset + length > width):
-                raise check.fail(
-                    f"{where}.ema[{name!r}]",
-                    f"has {tensor.numel()} channels for a window of {length} from channel {offset}"
-                    + ("" if width is None else f" of the module's {width} input channels"),
-                )
-        for name, value in counts.items():
-            check.integer(value, f"{where}.count[{name!r}]")
-
-
-def _taylor(check: FieldChecker, raw: object, units: Mapping[str, int] | None) -> None:
-    if raw is None:
-        return
-    for r, item in enumerate(check.sequence(raw, "taylor")):
-        where = f"taylor[{r}]"
-        entry = check.mapping(item, where)
-        assert entry is not None
-        check.integer(entry.get("steps", 0), f"{where}.steps")
-        sums = check.mapping(entry.get("sums", {}), f"{where}.sums") or {}
-        check.names(sums, units, f"{where}.sums", "clusters")
-        for name, value in sums.items():
-            shape = None if units is None else (units[name],)
-            check.tensor(value, f"{where}.sums[{name!r}]", shape=shape, nonnegative=True)
-
-
-def _layer_scores(check: FieldChecker, raw: object, layers: Collection[str] | None) -> None:
-    if raw is None:
-        return
-    for r, item in enumerate(check.sequence(raw, "layer_scores")):
-        where = f"layer_scores[{r}]"
-        entry = check.mapping(item, where)
-        assert entry is not None
-        for part in ("sum", "count"):
-            values = check.mapping(entry.get(part, {}), f"{where}.{part}") or {}
-            check.names(values, layers, f"{where}.{part}", "layers")
-            for name, value in values.items():
-                check.real(value, f"{where}.{part}[{name!r}]", low=0.0)
-
-
 __all__ = [
-    "KEYS", "LATENT_FORMATS", "REQUIRED", "StateContext", "StateError", "TensorFacts", "allocation_entry",
+    "KEYS", "LATENT_FORMATS", "REQUIRED", "EntryCheck", "StateContext", "StateError", "allocation_entry",
     "check_state",
 ]  # fmt: skip

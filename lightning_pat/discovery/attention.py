@@ -34,7 +34,7 @@ nothing else reads the packed output.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch.fx import Node
 
@@ -145,8 +145,8 @@ def _sdpa(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     shapes = [node_shape(t) for t in (q, k, v)]
     if out is None or any(s is None or len(s) < 3 for s in shapes) or isinstance(node.meta.get("val"), (list, tuple)):
         return NotImplemented
-    sq, sk, sv = shapes
-    lq, lk, lv = (w.ndim_label(t, len(s)) for t, s in zip((q, k, v), shapes, strict=True))
+    sq, sk, sv = cast("list[tuple[int, ...]]", shapes)  # none is None (checked above)
+    lq, lk, lv = (w.ndim_label(t, len(s)) for t, s in zip((q, k, v), (sq, sk, sv), strict=True))
     op = op_name(node)
     _contract(w, [lq[-1], lk[-1], lk[-2], lv[-2]], op)  # q.k over D, weights.v over the keys
     for lab in w.ndim_label(mask, len(node_shape(mask) or ())) if isinstance(mask, Node) else ():
@@ -257,7 +257,7 @@ def _split(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     values = node.meta.get("val")
     if shape is None or not isinstance(values, (list, tuple)):
         return NotImplemented
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    dim = cast(int, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
     dim %= len(shape)
     sizes = [int(v.shape[dim]) for v in values]
     lab = w.ndim_label(x, len(shape))

@@ -17,7 +17,7 @@ A handler of the discovery walk (:mod:`~lightning_pat.discovery.walk`), on its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch.fx import Node
 
@@ -34,7 +34,7 @@ def _layout(node: Node) -> tuple[bool, int]:
     at = _GROUPS_AT.get(op, 6)
     groups = args[at] if len(args) > at else node.kwargs.get("groups", 1)
     transposed = bool(args[6]) if op == "convolution" else op.startswith("conv_transpose")
-    return transposed, int(groups)
+    return transposed, int(cast(int, groups))
 
 
 def conv(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:

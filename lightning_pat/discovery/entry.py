@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -105,8 +105,8 @@ def _pattern(param: str, dim: int, start: int, stop: int, shapes: dict[str, tupl
 
 def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
     by_root: dict[int, list[tuple[str, int, int, int]]] = {}
-    for key, space in w.members.items():
-        by_root.setdefault(w.find(space), []).append(key)
+    for key, member_space in w.members.items():
+        by_root.setdefault(w.find(member_space), []).append(key)
     for root, keys in by_root.items():
         for param, *_ in keys:
             if param in w.direct:
@@ -246,7 +246,7 @@ def _multihead_attention(model: nn.Module, found: Discovery, refused_calls: Mapp
         members = tuple(
             p for p in packed if packed[p] == name and getattr(module, p.rsplit(".", 1)[-1], None) is not None
         )
-        left.append(LeftOut(name, int(module.num_heads), members, (reasons[name],)))
+        left.append(LeftOut(name, int(cast(int, module.num_heads)), members, (reasons[name],)))
     return Discovery(clusters=clusters, left_out=left)
 
 

@@ -13,7 +13,7 @@ def op_name(node: Node) -> str:
     target = node.target
     packet = getattr(target, "_overloadpacket", None)
     if packet is not None:
-        return packet.__name__
+        return str(packet.__name__)
     return getattr(target, "__name__", str(target))
 
 

@@ -13,6 +13,8 @@ must keep the same number of query heads (``unit_groups`` = the KV head count).
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from lightning_pat.core.spec import Cluster
@@ -62,9 +64,11 @@ def refine_query_heads(model: nn.Module, clusters: list[Cluster]) -> list[Cluste
             out.append(cluster)
             continue
         path, module = found
-        num_kv = module.k_proj.out_features // module.head_dim
-        n_rep = module.num_key_value_groups
-        if n_rep < 2 or cluster.num_units != num_kv or module.q_proj.out_features != num_kv * n_rep * module.head_dim:
+        q_proj, k_proj = cast(nn.Linear, module.q_proj), cast(nn.Linear, module.k_proj)  # checked by _attention
+        head_dim = cast(int, module.head_dim)
+        num_kv = k_proj.out_features // head_dim
+        n_rep = cast(int, module.num_key_value_groups)
+        if n_rep < 2 or cluster.num_units != num_kv or q_proj.out_features != num_kv * n_rep * head_dim:
             out.append(cluster)
             continue
         writers = [w for w in cluster.writers if w.startswith(f"{path}.q_proj.")]

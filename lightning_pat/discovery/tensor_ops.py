@@ -10,7 +10,7 @@ one-channel axis poisons it); pooling, reductions and softmax poison the axes th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 from torch.fx import Node
 
@@ -83,8 +83,8 @@ def _elementwise(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
                 w.poison(lab[-i], f"`{op}` broadcasts a one-channel axis")
         present = [(s[-i], lab[-i]) for s, lab in labelled if len(s) >= i and s[-i] > 1]
         label: Label = None
-        for _, lab in present:
-            label = w.join(label, lab, f"`{op}`") if lab is not None else label
+        for _, part in present:
+            label = w.join(label, part, f"`{op}`") if part is not None else label
         if label is not None and any(lab is None for _, lab in present):
             w.poison(label, f"`{op}` with a tensor whose channels are not traced")
         result[-i] = label
@@ -116,7 +116,7 @@ def _reduce(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims) or not dims:
         dims = list(range(len(shape)))
-    dims = sorted({d % len(shape) for d in dims}) if shape else []
+    dims = sorted({d % len(shape) for d in cast("list[int]", dims)}) if shape else []  # ints (checked above)
     lab = w.ndim_label(node.args[0], len(shape))
     for d in dims:
         w.poison(lab[d], f"`{op}` reduces over a channel axis")
@@ -159,7 +159,8 @@ def _view(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
             continue
         if len(gj) == 1 and len(labelled) == 1 and labelled[0] == gi[0]:
             trailing = math.prod(shape[d] for d in gi[1:])
-            result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in lab[gi[0]])
+            segs = cast("tuple[Segment, ...]", lab[gi[0]])  # labelled
+            result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in segs)
             continue
         if len(gi) == 1 and len(gj) >= 3 and (heads := packed_heads(w, lab[gi[0]], [out[d] for d in gj], node)):
             result[gj[1]] = heads  # (parts, heads, head_dim, ...): a packed QKV; the parts axis lies inside a unit
@@ -188,11 +189,11 @@ def _permute(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     op = _op_name(node)
     n = len(shape)
     if op == "permute":
-        order = [d % n for d in node.args[1]]
+        order = [d % n for d in cast("list[int]", node.args[1])]
     elif op in ("t", "numpy_T"):  # `W.t()`, `W.T`: every dim reversed
         order = list(range(n))[::-1]
     else:  # transpose
-        a, b = node.args[1] % n, node.args[2] % n
+        a, b = cast(int, node.args[1]) % n, cast(int, node.args[2]) % n
         order = list(range(n))
         order[a], order[b] = order[b], order[a]
     return tuple(lab[d] for d in order)
@@ -218,7 +219,7 @@ def _slice(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     if shape is None or (out is None and _op_name(node) != "unbind"):
         return NotImplemented
     lab = list(w.ndim_label(src, len(shape)))
-    dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+    dim = cast(int, node.args[1] if len(node.args) > 1 else 0) % len(shape)
     op = _op_name(node)
     if op == "unbind":
         w.poison(lab[dim], "`unbind` picks channels one by one")
@@ -228,9 +229,10 @@ def _slice(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         w.poison(lab[dim], "`select` picks one channel")
         del lab[dim]
         return tuple(lab)
-    if out[dim] != shape[dim]:
+    size = cast("tuple[int, ...]", out)[dim]  # known: only unbind's is None
+    if size != shape[dim]:
         w.poison(lab[dim], "`slice` keeps part of a channel axis")
-        lab[dim] = w.fresh(out[dim], "`slice` keeps part of a channel axis")
+        lab[dim] = w.fresh(size, "`slice` keeps part of a channel axis")
     return tuple(lab)
 
 
@@ -280,11 +282,12 @@ def _new_constant(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _cat(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    tensors = [t for t in node.args[0] if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
-    shapes = [_shape(t.meta.get("val")) for t in tensors]
+    args = cast("list[Any]", node.args[0])
+    tensors = [t for t in args if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
+    shapes = cast("list[tuple[int, ...]]", [_shape(t.meta.get("val")) for t in tensors])  # None: refused below
     if out is None or any(s is None or len(s) != len(out) for s in shapes):
         return NotImplemented
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
     labs = [w.ndim_label(t, len(out)) for t in tensors]
     result: list[Label] = [None] * len(out)
     for d in range(len(out)):
@@ -310,7 +313,7 @@ def _pad(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     if shape is None or out is None or len(out) != len(shape):
         return NotImplemented
     lab = list(w.ndim_label(src, len(shape)))
-    padded = len(node.args[1]) // 2
+    padded = len(cast("list[int]", node.args[1])) // 2
     for d in range(len(shape) - padded, len(shape)):
         if out[d] != shape[d] and lab[d] is not None:
             w.poison(lab[d], "`pad` pads a channel axis")
@@ -323,7 +326,7 @@ def _softmax(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     if out is None:
         return NotImplemented
     lab = w.ndim_label(src, len(out))
-    dim = node.args[1] % len(out)
+    dim = cast(int, node.args[1]) % len(out)
     w.poison(lab[dim], f"`{_op_name(node)}` mixes channels")
     return tuple(lab)
 

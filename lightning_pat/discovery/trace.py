@@ -120,7 +120,7 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
 _DATA_DEPENDENT = ("meta", "data-dependent", "item()", "Could not guard", "GuardOnDataDependent", "symbolic")
 
 
-def _input_misfit(twin: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+def _input_misfit(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why the forward rejects the (meta) example input when run eagerly, or ``None`` if it runs or depends on data."""
     stack: list[str] = []
     names = {id(m): n for n, m in twin.named_modules()}

@@ -11,7 +11,7 @@ of ops that share one handler and ``SLOTS``, the argument positions that are wei
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch.fx import Node
 
@@ -83,7 +83,7 @@ class Walk(Labelling):
         if op.endswith("_") and not op.endswith("__"):  # in place (relu_, dropout_, add_): as the functional op
             op = op[:-1]
         if op == "getitem":
-            src, idx = node.args
+            src, idx = cast("tuple[Node, int]", node.args)
             value = self.labels.get(src)
             return value[idx] if isinstance(value, list) and idx < len(value) else None
         if op in _IGNORE:

@@ -9,7 +9,7 @@ affine parameters would not keep a dropped channel zero: both poison it. Convolu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch.fx import Node
 
@@ -24,12 +24,12 @@ _BATCH_NORMS = {
 
 
 def _linear(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    x, weight = node.args[0], node.args[1]
+    x, weight = cast(Node, node.args[0]), node.args[1]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     wname, bname = w.param_of(weight), w.param_of(bias)
     if wname is None or (bias is not None and bname is None) or out is None:
         return NotImplemented
-    shape = _shape(x.meta.get("val"))
+    shape = cast("tuple[int, ...]", _shape(x.meta.get("val")))  # the input of a traced linear has a static shape
     lab = w.ndim_label(x, len(shape))
     w.add_segments(wname, "in", 1, lab[-1])
     space = w.new_space(out[-1])
@@ -97,7 +97,7 @@ def _embedding(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _batch_norm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    x, weight, bias = node.args[0], node.args[1], node.args[2]
+    x, weight, bias = cast(Node, node.args[0]), node.args[1], node.args[2]
     shape = _shape(x.meta.get("val"))
     if shape is None:
         return NotImplemented
@@ -115,7 +115,7 @@ def _batch_norm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _group_norm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    x, groups = node.args[0], node.args[1]
+    x, groups = cast(Node, node.args[0]), cast(int, node.args[1])
     weight = node.args[2] if len(node.args) > 2 else None
     bias = node.args[3] if len(node.args) > 3 else None
     shape = _shape(x.meta.get("val"))
@@ -138,7 +138,7 @@ def _group_norm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
 
 
 def _layer_norm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    x, normalized = node.args[0], node.args[1]
+    x, normalized = cast(Node, node.args[0]), cast("list[int]", node.args[1])
     shape = _shape(x.meta.get("val"))
     if shape is None:
         return NotImplemented

@@ -53,7 +53,7 @@ class DeciBlock:
         return f"DeciBlock(attention={self.attention}, ffn={self.ffn})"
 
 
-class DeciLMConfig(PretrainedConfig):
+class DeciLMConfig(PretrainedConfig):  # type: ignore[no-untyped-call]  # transformers leaves __init_subclass__ untyped
     """A Llama config with one ``block_configs`` entry per decoder layer (``model_type`` ``nemotron-nas``)."""
 
     model_type = "nemotron-nas"

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -153,7 +153,8 @@ def _tensors(model: nn.Module, layout: LlamaLayout) -> list[tuple[str, torch.Ten
     backbone: Any = model.model
     out = [("token_embd.weight", backbone.embed_tokens.weight), ("output_norm.weight", backbone.norm.weight)]
     if not layout.tied:
-        out.append(("output.weight", model.get_output_embeddings().weight))
+        get_head = cast("Callable[[], nn.Module]", model.get_output_embeddings)
+        out.append(("output.weight", get_head().weight))
     for i, (layer, shape) in enumerate(zip(backbone.layers, layout.layers, strict=True)):
         attn, mlp = layer.self_attn, layer.mlp
         out += [

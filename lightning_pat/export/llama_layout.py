@@ -94,7 +94,8 @@ def read_layout(model: nn.Module, *, what: str) -> LlamaLayout:
             SiLU, heads of different sizes, RMSNorms with different eps, or layers that are not Llama decoder layers
             (each message names what was found and the fix).
     """
-    config = model.config.to_dict() if callable(getattr(getattr(model, "config", None), "to_dict", None)) else {}
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    config: dict[str, Any] = to_dict() if callable(to_dict) else {}
     if config.get("model_type") != "llama" or type(model).__name__ != "LlamaForCausalLM":
         raise _refuse(
             f"{what}: writes the Llama family only (LlamaForCausalLM, model_type 'llama'); got "
@@ -112,26 +113,27 @@ def read_layout(model: nn.Module, *, what: str) -> LlamaLayout:
         raise _refuse(f"{what}: {type(model).__name__} has no model.layers / model.embed_tokens", "export with 'hf'")
     shapes, head_dims = [], set()
     for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or not is_llama_attention(attn) or not isinstance(getattr(mlp, "down_proj", None), nn.Linear):
+        attn, down = getattr(layer, "self_attn", None), getattr(getattr(layer, "mlp", None), "down_proj", None)
+        if attn is None or not is_llama_attention(attn) or not isinstance(down, nn.Linear):
             raise _refuse(f"{what}: layer {i} is not a Llama decoder layer (self_attn q/k/v/o_proj, mlp)", "use 'hf'")
         hd = attn.head_dim
         head_dims.add(hd)
         n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
-        shapes.append(LayerShape(n_q, n_kv, mlp.down_proj.in_features))
+        shapes.append(LayerShape(n_q, n_kv, down.in_features))
     if len(head_dims) != 1:
         raise _refuse(f"{what}: head_dim differs between layers ({sorted(head_dims)})", "export with format='hf'")
     eps = {
-        float(m.variance_epsilon)
+        float(e)
         for m in model.modules()
-        if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "variance_epsilon", None), float)
+        if type(m).__name__.endswith("RMSNorm") and isinstance(e := getattr(m, "variance_epsilon", None), float)
     }
     if len(eps) != 1:
         raise _refuse(
             f"{what}: the RMSNorms have different eps ({sorted(eps)}; a serving config has one rms_norm_eps)",
             "export with format='hf' and load it with lightning_pat.load_pretrained",
         )
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     return LlamaLayout(
         hidden=embed.embedding_dim,
         vocab=embed.num_embeddings,

@@ -23,10 +23,19 @@ import importlib
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
+
+_T = TypeVar("_T")
+
+
+class _Dataclass(Protocol):
+    """What a dataclass has (typeshed's ``DataclassInstance``): the type :func:`resolve_class` gives without a base."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
 
 MODEL_MODULES: tuple[str, ...] = (
     r"torch\.nn\.modules\.[a-z_]+",
@@ -70,7 +79,13 @@ def model_module(name: str) -> bool:
     return any(re.fullmatch(pattern, name) for pattern in MODEL_MODULES)
 
 
-def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | None = nn.Module) -> type:
+@overload
+def resolve_class(path: object, *, classes: Iterable[type] = ()) -> type[nn.Module]: ...
+@overload
+def resolve_class(path: object, *, classes: Iterable[type] = (), base: type[_T]) -> type[_T]: ...
+@overload
+def resolve_class(path: object, *, classes: Iterable[type] = (), base: None) -> type[_Dataclass]: ...
+def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | None = nn.Module) -> type[Any]:
     """The class an export names, if it is allowed.
 
     Args:
@@ -112,9 +127,11 @@ def resolve_class(path: object, *, classes: Iterable[type] = (), base: type | No
             obj = None
     for attr in parts[module_name.count(".") + 1 :]:
         obj = getattr(obj, attr, None)
-    ok = isinstance(obj, type) and class_path(obj) == path
-    ok = ok and (issubclass(obj, base) if base is not None else dataclasses.is_dataclass(obj))
-    if not ok:
+    if not (
+        isinstance(obj, type)
+        and class_path(obj) == path
+        and (issubclass(obj, base) if base is not None else dataclasses.is_dataclass(obj))
+    ):
         raise ValueError(f"load_pretrained: {path!r} is not {kind} (found {type(obj).__name__}); refused.")
     return obj
 

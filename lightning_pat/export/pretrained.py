@@ -44,7 +44,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ from lightning_pat.export.llama_layout import read_layout
 from lightning_pat.export.module_tree import SOURCE_ATTR, UnsupportedStateError, describe, rebuild
 from lightning_pat.shrink import hf_entry
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR, ENTRY, LOADER
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -256,15 +259,16 @@ def _save_with_base_config(model: nn.Module, directory: Path, *, module_names: b
     transformers converts some families to (Mixtral's fused experts back to one tensor per expert).
     """
     _, base_config = hf_entry.base_config(model)
-    shrunk_config = model.config
-    model.config = base_config
+    hf = cast("PreTrainedModel", model)
+    shrunk_config = hf.config
+    hf.config = base_config
     try:
         if module_names:
-            model.save_pretrained(directory, save_original_format=False)
+            hf.save_pretrained(directory, save_original_format=False)
         else:
-            model.save_pretrained(directory)
+            hf.save_pretrained(directory)
     finally:
-        model.config = shrunk_config
+        hf.config = shrunk_config
 
 
 def _save_decilm(model: nn.Module, directory: Path, config: Mapping[str, Any]) -> None:
@@ -277,13 +281,14 @@ def _save_decilm(model: nn.Module, directory: Path, config: Mapping[str, Any]) -
 
 def _save_hf(model: nn.Module, directory: Path, *, destination: Path) -> None:
     entry = hf_entry.record(model)
+    hf = cast("PreTrainedModel", model)
     if entry is None:
-        model.save_pretrained(directory)
+        hf.save_pretrained(directory)
         log.info("save_pretrained: %s is expressible by its stock config; no lightning_pat entry", type(model).__name__)
         return
     cls = type(model)
     _save_with_base_config(model, directory, module_names=True)  # read back only by load_pretrained
-    config = {**model.config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
+    config = {**hf.config.to_dict(), "architectures": [cls.__name__], ENTRY: entry}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     log.warning(
         "save_pretrained: the stock %s config cannot express this model (%s); load it with "
@@ -367,19 +372,21 @@ def load_pretrained(directory: str | Path, *, classes: Iterable[type] = ()) -> n
     if entry is None:
         arch = (config.get("architectures") or [None])[0]
         cls = _hf_class(transformers, arch) if arch else transformers.AutoModelForCausalLM
-        return load_hf_class(cls, directory, what="load_pretrained", use_safetensors=True)
+        loaded: nn.Module = load_hf_class(cls, directory, what="load_pretrained", use_safetensors=True)
+        return loaded
     if not isinstance(entry, Mapping) or entry.get("version") != _VERSION:
         version = entry.get("version") if isinstance(entry, Mapping) else entry
         raise ValueError(f"load_pretrained: export version {version!r} is not {_VERSION}; upgrade.")
     where = f"{directory / 'config.json'}'s {ENTRY} entry"
     check_entry(entry, where)
     model = _build(transformers, entry, weights, directory, where=where)
-    model.config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
-    setattr(model.config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
+    hf_config = cast("PretrainedConfig", model.config)
+    hf_config.update({k: v for k, v in config.items() if k not in (ENTRY, "transformers_version", "architectures")})
+    setattr(hf_config, ENTRY, dict(entry))  # the model's own save_pretrained writes it again
     return model.eval()
 
 
-def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], directory: Path, *, where: str) -> Any:
+def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], directory: Path, *, where: str) -> nn.Module:
     """The model an entry describes (``class``, ``base_config``, ``shapes``, ``attributes``), with its weights.
 
     The entry's shapes are checked against the safetensors headers before anything of those shapes is built.
@@ -388,7 +395,7 @@ def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], direc
     check_shapes(entry["shapes"], files, where)
     state = _read_safetensors(files)
     try:
-        base_config = cls.config_class.from_dict(copy.deepcopy(entry["base_config"]))
+        base_config = cast("type[PretrainedConfig]", cls.config_class).from_dict(copy.deepcopy(entry["base_config"]))
         model = hf_entry.build_empty(cls, base_config)
     except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as err:  # what a crafted config raises
         raise ValueError(
@@ -401,15 +408,16 @@ def _build(transformers: Any, entry: Mapping[str, Any], files: list[Path], direc
         old = getattr(module, key, None)
         setattr(module, key, tuple(value) if isinstance(old, tuple) else value)
     setattr(model, BASE_CONFIG_ATTR, entry["base_config"])
-    model.config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
+    hf_config = cast("PretrainedConfig", model.config)
+    hf_config._name_or_path = str(directory)  # as from_pretrained: save_pretrained(tokenizer="auto") finds it
     return model
 
 
-def _hf_class(transformers: Any, name: object) -> type:
+def _hf_class(transformers: Any, name: object) -> type[PreTrainedModel]:
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise ValueError(f"load_pretrained: config.json names {name!r}, which is not a transformers model class.")
-    return cls
+    return cast("type[PreTrainedModel]", cls)
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -451,7 +459,7 @@ def _materialize(model: nn.Module, shapes: Mapping[str, list[int]], state: Mappi
             f"load_pretrained: the export lists parameters {sorted(set(shapes) ^ set(params))[:5]} that the rebuilt "
             "model does not have (or the reverse); the export does not belong to this transformers version's class."
         )
-    owners = {}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for attr, param in module._parameters.items():
             if param is not None:

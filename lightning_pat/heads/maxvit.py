@@ -6,6 +6,7 @@ See :mod:`lightning_pat.heads.replace` for why and when the shrink puts it in pl
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,8 @@ class MaxVitAttention(nn.Module):
         device: Where the parameters are allocated.
     """
 
+    relative_position_index: Tensor
+
     def __init__(
         self, feat_dim: int, n_heads: int, head_dim: int, max_seq_len: int, *, device: torch.device | str | None = None
     ) -> None:
@@ -86,18 +89,20 @@ class MaxVitAttention(nn.Module):
         """
         if not is_maxvit_attention(attn):
             raise ValueError(f"MaxVitAttention: cannot adopt {type(attn).__name__}.")
-        heads = int(attn.relative_position_bias_table.shape[1])
-        rows, inner = attn.to_qkv.out_features, attn.merge.in_features
+        to_qkv, merge = cast(nn.Linear, attn.to_qkv), cast(nn.Linear, attn.merge)
+        table = cast(nn.Parameter, attn.relative_position_bias_table)
+        heads = int(table.shape[1])
+        rows, inner = to_qkv.out_features, merge.in_features
         if heads < 1 or rows != 3 * inner or inner % heads:
             raise ValueError(
                 f"MaxVitAttention: to_qkv rows {rows}, merge columns {inner} and {heads} heads (bias table columns) "
                 "are not whole heads of one head count."
             )
-        new = cls(attn.to_qkv.in_features, heads, inner // heads, int(attn.max_seq_len), device="meta")
-        new.scale_factor = float(attn.scale_factor)
-        new.to_qkv, new.merge = attn.to_qkv, attn.merge
-        new.relative_position_bias_table = attn.relative_position_bias_table
-        new.relative_position_index = attn.relative_position_index
+        new = cls(to_qkv.in_features, heads, inner // heads, int(cast(int, attn.max_seq_len)), device="meta")
+        new.scale_factor = float(cast(float, attn.scale_factor))
+        new.to_qkv, new.merge = to_qkv, merge
+        new.relative_position_bias_table = table
+        new.relative_position_index = cast(Tensor, attn.relative_position_index)
         move_hooks(attn, new)
         return new
 
@@ -121,4 +126,5 @@ class MaxVitAttention(nn.Module):
         k = k * self.scale_factor
         attn = F.softmax(torch.matmul(q, k.transpose(-2, -1)) + self.position_bias(), dim=-1)
         out = torch.matmul(attn, v).permute(0, 1, 3, 2, 4).reshape(batch, groups, length, heads * hd)
-        return self.merge(out)
+        merged: Tensor = self.merge(out)
+        return merged

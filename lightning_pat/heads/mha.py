@@ -101,7 +101,7 @@ class HeadsMultiheadAttention(nn.Module):
             ValueError: If ``mha`` is not supported or its rows are not whole heads.
         """
         refusal = mha_refusal(mha)
-        if refusal is not None:
+        if refusal is not None or not isinstance(mha, (nn.MultiheadAttention, HeadsMultiheadAttention)):
             raise ValueError(f"HeadsMultiheadAttention: cannot adopt {type(mha).__name__}: {refusal}.")
         head_dim = int(mha.head_dim)
         rows = mha.in_proj_weight.shape[0]

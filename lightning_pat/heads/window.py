@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ class _ShiftedWindows(nn.Module):
     Subclasses give the attention logits of one window (:meth:`logits`) and the q, k, v projection (:meth:`project`).
     """
 
+    relative_position_index: Tensor
+
     def __init__(
         self,
         dim: int,
@@ -84,7 +86,8 @@ class _ShiftedWindows(nn.Module):
 
     def project(self, windows: Tensor) -> Tensor:
         """q, k and v of ``[windows * B, N, C]`` (V1: ``qkv`` itself, its hooks run)."""
-        return self.qkv(windows)
+        out: Tensor = self.qkv(windows)
+        return out
 
     def logits(self, q: Tensor, k: Tensor) -> Tensor:
         """Attention logits ``[B * windows, heads, N, N]`` of queries and keys ``[B * windows, heads, N, D]``."""
@@ -183,20 +186,23 @@ class WindowAttention(_ShiftedWindows):
         """
         if not is_swin_attention(attn):
             raise ValueError(f"WindowAttention: cannot adopt {type(attn).__name__}.")
-        heads = int(attn.relative_position_bias_table.shape[1])
-        rows, inner = attn.qkv.out_features, attn.proj.in_features
+        qkv, proj = cast(nn.Linear, attn.qkv), cast(nn.Linear, attn.proj)
+        table = cast(nn.Parameter, attn.relative_position_bias_table)
+        heads = int(table.shape[1])
+        rows, inner = qkv.out_features, proj.in_features
         if heads < 1 or rows != 3 * inner or inner % heads:
             raise ValueError(
                 f"WindowAttention: qkv rows {rows}, proj columns {inner} and {heads} heads are not whole heads."
             )
         new = cls(
-            attn.qkv.in_features, attn.window_size, attn.shift_size, heads, inner // heads,
-            qkv_bias=attn.qkv.bias is not None, proj_bias=attn.proj.bias is not None,
-            attention_dropout=float(attn.attention_dropout), dropout=float(attn.dropout), device="meta",
+            qkv.in_features, cast("list[int]", attn.window_size), cast("list[int]", attn.shift_size), heads,
+            inner // heads, qkv_bias=qkv.bias is not None, proj_bias=proj.bias is not None,
+            attention_dropout=float(cast(float, attn.attention_dropout)), dropout=float(cast(float, attn.dropout)),
+            device="meta",
         )  # fmt: skip
-        new.qkv, new.proj = attn.qkv, attn.proj
-        new.relative_position_bias_table = attn.relative_position_bias_table
-        new.relative_position_index = attn.relative_position_index
+        new.qkv, new.proj = qkv, proj
+        new.relative_position_bias_table = table
+        new.relative_position_index = cast(Tensor, attn.relative_position_index)
         move_hooks(attn, new)
         return new
 
@@ -243,6 +249,8 @@ class WindowAttentionV2(_ShiftedWindows):
 
     #: Parameter -> its head axis, for parameters used directly in the forward (discovery makes them members).
     per_head_parameters: ClassVar[dict[str, int]] = {"logit_scale": 0}
+
+    relative_coords_table: Tensor
 
     def __init__(
         self,
@@ -292,27 +300,29 @@ class WindowAttentionV2(_ShiftedWindows):
         """
         if not is_swin_v2_attention(attn):
             raise ValueError(f"WindowAttentionV2: cannot adopt {type(attn).__name__}.")
-        heads = int(attn.logit_scale.shape[0])
-        rows, inner = attn.qkv.out_features, attn.proj.in_features
-        last = attn.cpb_mlp[-1]
+        qkv, proj = cast(nn.Linear, attn.qkv), cast(nn.Linear, attn.proj)
+        logit_scale, cpb_mlp = cast(nn.Parameter, attn.logit_scale), cast(nn.Sequential, attn.cpb_mlp)
+        heads = int(logit_scale.shape[0])
+        rows, inner = qkv.out_features, proj.in_features
+        last = cast(nn.Linear, cpb_mlp[-1])
         if (
-            heads < 1 or rows != 3 * inner or inner % heads or tuple(attn.logit_scale.shape) != (heads, 1, 1)
+            heads < 1 or rows != 3 * inner or inner % heads or tuple(logit_scale.shape) != (heads, 1, 1)
             or last.out_features != heads
         ):  # fmt: skip
             raise ValueError(
-                f"WindowAttentionV2: qkv rows {rows}, proj columns {inner}, logit_scale {tuple(attn.logit_scale.shape)}"
+                f"WindowAttentionV2: qkv rows {rows}, proj columns {inner}, logit_scale {tuple(logit_scale.shape)}"
                 f" and cpb_mlp's last rows {last.out_features} are not whole heads of one head count."
             )
         new = cls(
-            attn.qkv.in_features, attn.window_size, attn.shift_size, heads, inner // heads,
-            qkv_bias=attn.qkv.bias is not None, proj_bias=attn.proj.bias is not None,
-            attention_dropout=float(attn.attention_dropout), dropout=float(attn.dropout),
+            qkv.in_features, cast("list[int]", attn.window_size), cast("list[int]", attn.shift_size), heads,
+            inner // heads, qkv_bias=qkv.bias is not None, proj_bias=proj.bias is not None,
+            attention_dropout=float(cast(float, attn.attention_dropout)), dropout=float(cast(float, attn.dropout)),
             cpb_hidden=last.in_features, device="meta",
         )  # fmt: skip
-        new.qkv, new.proj, new.cpb_mlp = attn.qkv, attn.proj, attn.cpb_mlp
-        new.logit_scale = attn.logit_scale
-        new.relative_coords_table = attn.relative_coords_table
-        new.relative_position_index = attn.relative_position_index
+        new.qkv, new.proj, new.cpb_mlp = qkv, proj, cpb_mlp
+        new.logit_scale = logit_scale
+        new.relative_coords_table = cast(Tensor, attn.relative_coords_table)
+        new.relative_position_index = cast(Tensor, attn.relative_position_index)
         new.traced = bool(getattr(attn, "traced", False))
         move_hooks(attn, new)
         return new
@@ -322,7 +332,7 @@ class WindowAttentionV2(_ShiftedWindows):
 
         As torchvision does, ``qkv``'s weight and bias are used directly (its forward hooks do not run).
         """
-        bias = self.qkv.bias
+        bias: Tensor | None = self.qkv.bias
         if bias is not None and not self.traced:
             inner = self.num_heads * self.head_dim
             bias = torch.cat((bias[:inner], torch.zeros_like(bias[inner : 2 * inner]), bias[2 * inner :]))

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -71,7 +71,8 @@ def split_by_file(items: Sequence[Any], *, holdout_every: int = 10) -> tuple[lis
         raise ValueError(
             f"`holdout_every` must be an int >= 2 (one file in that many is held out), got {holdout_every!r}."
         )
-    train, held = [], []
+    train: list[Any] = []
+    held: list[Any] = []
     for i, item in enumerate(items):
         (held if i % holdout_every == holdout_every // 2 else train).append(item)
     return train, held
@@ -199,7 +200,7 @@ def random_starts(tokens: Tensor, *, num_windows: int, seq_len: int, seed: int) 
     return torch.randint(0, tokens.numel() - seq_len - 1, (num_windows,), generator=gen)
 
 
-class Windows(Dataset):
+class Windows(Dataset[tuple[Tensor, Tensor]]):
     """Windows of a token stream as ``(inputs, next tokens)`` pairs of ``seq_len`` tokens each.
 
     Args:
@@ -416,13 +417,13 @@ class TextFiles(pl.LightningDataModule):
             ", held-out English (pydoc_data.topics)" if self.english else "",
         )  # fmt: skip
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
         """The training windows, in their seeded random order."""
         self.setup()
         assert self.train is not None
         return DataLoader(self.train, batch_size=self.batch_size, shuffle=False, drop_last=True)
 
-    def val_dataloader(self) -> list[DataLoader]:
+    def val_dataloader(self) -> list[DataLoader[tuple[Tensor, Tensor]]]:
         """The held-out code windows, then (with ``english``) the held-out English windows."""
         self.setup()
         return [DataLoader(v, batch_size=self.batch_size) for v in self.val]

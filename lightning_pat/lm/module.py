@@ -22,11 +22,11 @@ import copy
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_pat.export.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
@@ -112,7 +112,8 @@ def pruning_callback(trainer: pl.Trainer) -> Any:
     Raises:
         ValueError: If the trainer holds several.
     """
-    found = [cb for cb in trainer.callbacks if hasattr(cb, "resolved") and hasattr(cb, "dropped")]
+    # trainer.callbacks is set by Lightning's callback connector, outside the Trainer class body
+    found = [cb for cb in trainer.callbacks if hasattr(cb, "resolved") and hasattr(cb, "dropped")]  # type: ignore[attr-defined]
     if len(found) > 1:
         raise ValueError(f"CausalLM(export=...): {len(found)} pruning callbacks; the export follows exactly one.")
     return found[0] if found else None
@@ -202,7 +203,8 @@ class CausalLM(pl.LightningModule):
         """
         if input_ids.device.type == "cpu" or not self._ids_checked:
             self._check_ids(input_ids)
-        return self.model(input_ids=input_ids).logits
+        logits: Tensor = self.model(input_ids=input_ids).logits
+        return logits
 
     def _check_ids(self, input_ids: Tensor) -> None:
         self._ids_checked = True
@@ -250,7 +252,8 @@ class CausalLM(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """AdamW over the trainable parameters, with the warmup and schedule (stepped every optimizer step)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        betas = cast("tuple[float, float]", self.betas)  # two numbers (check_options)
+        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=betas, weight_decay=self.weight_decay)
         total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
         warmup, final, cosine = self.warmup_steps, self.min_lr_ratio, self.schedule == "cosine"
 
@@ -301,7 +304,7 @@ class CausalLM(pl.LightningModule):
         if not self.trainer.is_global_zero:
             return None
         cls = unsharded_class(self.model)  # not the FSDP<Class> subclass fully_shard swapped in
-        plain = cls(copy.deepcopy(self.model.config)).to(next(iter(state.values())).dtype)
+        plain: Any = cls(copy.deepcopy(self.model.config)).to(next(iter(state.values())).dtype)  # a transformers model
         plain.load_state_dict(state)
         plain.config._name_or_path = self.model.config._name_or_path
         return plain.eval()

@@ -111,7 +111,8 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)
     config["architectures"] = ["LlamaForCausalLM"]
-    plain = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    # transformers' decorator on PreTrainedModel.to hides its signature from mypy
+    plain = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)  # type: ignore[arg-type]
     plain.load_state_dict(quantized.state_dict(), strict=True)
     plain.generation_config = quantized.generation_config
     plain.eval()

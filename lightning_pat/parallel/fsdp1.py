@@ -29,7 +29,7 @@ def summon_full_params(root: torch.nn.Module) -> Iterator[None]:
 def summoned_params(root: torch.nn.Module, module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """``module``'s full parameters by their unwrapped names while summoned (:func:`summon_full_params`)."""
     with summon_full_params(root):
-        params = {}
+        params: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             for wrapper in WRAPPER_NAMES:
                 name = name.replace(f"{wrapper}.", "")

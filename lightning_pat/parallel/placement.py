@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import cast
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -67,8 +68,9 @@ def _split(intervals: _Intervals, placement: Placement, *, num_chunks: int, inde
     total = sum(n for _, n in intervals)
     if isinstance(placement, _StridedShard):
         pieces: list[Range] = []
-        for outer in range(placement.split_factor):
-            o_start, o_len = chunk_range(total, num_chunks=placement.split_factor, index=outer)
+        factor = cast(int, placement.split_factor)  # int | SymInt in torch's types; an int outside tracing
+        for outer in range(factor):
+            o_start, o_len = chunk_range(total, num_chunks=factor, index=outer)
             i_start, i_len = chunk_range(o_len, num_chunks=num_chunks, index=index)
             pieces.extend(_take(intervals, o_start + i_start, i_len))
         return _merge(tuple(pieces))
@@ -89,8 +91,9 @@ def unsupported_reason(placements: Sequence[Placement], *, ndim: int) -> str | N
         if kind is Replicate:
             continue
         if kind in (Shard, _StridedShard):
-            if not -ndim <= p.dim < ndim:
-                return f"placement {p!r} on mesh axis {axis} shards dim {p.dim} of a {ndim}-D tensor"
+            dim = cast("Shard | _StridedShard", p).dim
+            if not -ndim <= dim < ndim:
+                return f"placement {p!r} on mesh axis {axis} shards dim {dim} of a {ndim}-D tensor"
             continue
         return f"placement {p!r} on mesh axis {axis} is not Shard/Replicate (Partial or unknown)"
     return None
@@ -103,7 +106,7 @@ def _pieces(
     for axis, p in enumerate(placements):
         if type(p) is Replicate:
             continue
-        dim = p.dim % len(shape)
+        dim = cast("Shard | _StridedShard", p).dim % len(shape)  # unsupported_reason let only these through
         per_dim[dim] = _split(per_dim[dim], p, num_chunks=mesh_shape[axis], index=coordinate[axis])
     return tuple(per_dim)
 

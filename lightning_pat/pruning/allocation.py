@@ -30,11 +30,12 @@ from torch import nn
 
 from lightning_pat import presets
 from lightning_pat.core.checks import check_choice
+from lightning_pat.core.choices import ALLOCATIONS, Allocation, Side
 from lightning_pat.core.spec import Cluster, as_cluster, resolve_clusters
 from lightning_pat.pruning.api import one_shot_calibration, plan_importance
-from lightning_pat.pruning.options import ALLOCATIONS, Allocation, check_size_target
+from lightning_pat.pruning.options import SizeTarget, check_one_size
 from lightning_pat.pruning.plan import make_plan
-from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.problem import SizeSolution
 
 if TYPE_CHECKING:
     from lightning_pat.scoring.activation import ActivationStats
@@ -87,26 +88,21 @@ def size_clusters(
     Raises:
         ValueError: As for :func:`~lightning_pat.prune_clusters` with ``target_params``; nothing is mutated.
     """
-    if (target_params is None) == (target_flops is None):
-        raise ValueError(
-            "size_clusters needs `target_params` or `target_flops`, exactly one of them; got "
-            f"target_params={target_params!r}, target_flops={target_flops!r}."
-        )
-    check_size_target(target_params, target_flops, seq_len=seq_len, side=target_side, layers=target_layers)
+    check_one_size("size_clusters", target_params=target_params, target_flops=target_flops)
+    target = SizeTarget(
+        target_params=target_params, target_flops=target_flops, seq_len=seq_len, target_side=target_side,
+        target_layers=target_layers, target_allocation=target_allocation,
+    )  # fmt: skip
     check_choice("target_allocation", target_allocation, ALLOCATIONS)
     entries = [clusters] if isinstance(clusters, (str, Cluster, Mapping)) else list(clusters)
     decls = [c for e in entries for c in (presets.resolve_preset(e, model) if isinstance(e, str) else [as_cluster(e)])]
     score, activations, _ = one_shot_calibration(model, decls, "auto", activations, calibration)
     params = dict(model.named_parameters(remove_duplicate=False))
     plan = make_plan(model, decls, score=score)
-    importance = (
-        plan_importance(model, plan, decls, activations=activations) if target_allocation == "importance" else None
-    )
-    sized, size = plan.sized(
-        params, target_params if target_flops is None else target_flops, side=target_side, declarations=decls,
-        keep_layers=target_layers, flops=None if target_flops is None else (model, int(seq_len or 0)),
-        importance=importance,
-    )  # fmt: skip
+    importance = None
+    if target.target_allocation == "importance":
+        importance = plan_importance(model, plan, decls, activations=activations)
+    sized, size = plan.for_size(params, target, declarations=decls, model=model, importance=importance)
     targets = {rc.name: rc.target for rc in sized.clusters}
     out = []
     for decl in decls:

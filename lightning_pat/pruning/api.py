@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from lightning_pat.core.choices import Allocation, ExecutorKind, Method, Side, Widths
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.norms import WEIGHT_SCORES, ScoreType, normalise
 from lightning_pat.core.spec import Cluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor
-from lightning_pat.parallel.executors import ExecutorKind
 from lightning_pat.pruning.declarations import one_shot_declarations
-from lightning_pat.pruning.options import Allocation, Method, StepOptions
+from lightning_pat.pruning.options import StepOptions
 from lightning_pat.pruning.plan import Plan, make_plan, named_tensors
 from lightning_pat.pruning.pruner import Pruner, PruneResult
-from lightning_pat.sizing.problem import Side
 from lightning_pat.sizing.targets import declaration_labels, unit_costs
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ def prune_clusters(
     target_params: int | float | str | None = None,
     target_side: Side = "below",
     target_layers: int | None = None,
-    target_widths: str = "uniform",
+    target_widths: Widths = "uniform",
     min_kept: float | None = None,
     target_flops: int | float | str | None = None,
     seq_len: int | None = None,
@@ -297,16 +296,14 @@ def prune_clusters(
         sparsity=opts.sparsity,
     )  # fmt: skip
     size = None
-    if opts.size_target is not None:
+    if opts.sizing.value is not None:
         decls = [declared] if isinstance(declared, (Cluster, Mapping)) else list(declared)
         importance = None
-        if opts.target_allocation == "importance":
+        if opts.sizing.target_allocation == "importance":
             importance = plan_importance(model, plan, decls, activations=activations)
-        plan, size = plan.sized(
-            named_tensors(model), opts.size_target, side=opts.target_side, declarations=decls,
-            keep_layers=opts.target_layers, widths=opts.target_widths, min_kept=opts.min_kept,
-            flops=None if opts.target_flops is None else (model, int(opts.seq_len or 0)), importance=importance,
-        )  # fmt: skip
+        plan, size = plan.for_size(
+            named_tensors(model), opts.sizing, declarations=decls, model=model, importance=importance
+        )
     pruner = Pruner(model, plan)
     # plain tensors: this process's own statistics, no collective; DTensors: the statistics travel in the sharded
     # path's one reduction (and are summed over the ranks of the mesh)

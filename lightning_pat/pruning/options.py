@@ -15,31 +15,36 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 from lightning_pat import presets
-from lightning_pat.core.checks import check_bool, check_choice, check_number
-from lightning_pat.core.norms import SCORE_TYPES
-from lightning_pat.core.schedule import RampShape, Schedule
+from lightning_pat.core.checks import check_bool, check_choice, check_option
+from lightning_pat.core.choices import (
+    ALLOCATIONS,
+    SWITCHES,
+    TRAINING_SCORES,
+    Allocation,
+    ExecutorKind,
+    LayerScore,
+    Method,
+    Mode,
+    RampShape,
+    Side,
+    TeacherStore,
+    TrainingAllocation,
+    TrainingScore,
+    Widths,
+)
+from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.spec import Cluster
 from lightning_pat.parallel.comm.ranks import rank_zero_warn
-from lightning_pat.parallel.executors.routing import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.pruning.declarations import normalize_clusters
-from lightning_pat.scoring.layers import LAYER_SCORES, LayerScore
 from lightning_pat.sizing.flops import check_flops
-from lightning_pat.sizing.problem import Side
 from lightning_pat.sizing.targets import check_target
 
-Mode = Literal["latent", "direct"]
-MODES: tuple[str, ...] = ("latent", "direct")
-Method = Literal["hard", "group_lasso"]
-METHODS: tuple[str, ...] = ("hard", "group_lasso")
-#: Where a copied distillation teacher is saved for resume (``distill_teacher_store``).
-TeacherStore = Literal["checkpoint", "file"]
-TEACHER_STORES: tuple[str, ...] = ("checkpoint", "file")
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
@@ -49,20 +54,12 @@ RESUMABLE: tuple[str, ...] = (
 MASK_SHAPING: frozenset[str] = frozenset(
     {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
 )
-#: The callback's scores: a score of :data:`~lightning_pat.core.norms.SCORE_TYPES`, or ``"auto"`` (the default).
-TrainingScore = Literal["auto", "rms", "l2", "param_cost", "activation", "taylor"]
-TRAINING_SCORES: tuple[str, ...] = ("auto", *SCORE_TYPES)
-#: ``target_allocation``: by unit costs per parameter removed, or by kept fractions (see :mod:`lightning_pat.sizing`).
-ALLOCATIONS: tuple[str, ...] = ("importance", "fractions")
-Allocation = Literal["importance", "fractions"]
-#: The callback's ``target_allocation``: ``"auto"`` (by importance with a data-aware score), or one of the rules.
-TRAINING_ALLOCATIONS: tuple[str, ...] = ("auto", *ALLOCATIONS)
-TrainingAllocation = Literal["auto", "importance", "fractions"]
-#: The options that define a solved size: a resume after the widths were solved by importance may not change them.
-SIZE_OPTIONS: tuple[str, ...] = (
-    "target_params", "target_flops", "seq_len", "target_side", "target_layers", "target_widths", "min_kept",
-    "target_allocation",
-)  # fmt: skip
+#: What each size option is, for the message of an entry point that takes a fraction or a size.
+_SIZE_GLOSSES: dict[str, str] = {
+    "sparsity": "a fraction of each cluster's units",
+    "target_params": "a size such as '350M' or 0.5 of the model",
+    "target_flops": "FLOPs per token",
+}
 
 
 def check_method(method: object, reg_lambda: object) -> None:
@@ -71,8 +68,8 @@ def check_method(method: object, reg_lambda: object) -> None:
     Raises:
         ValueError: If ``method`` is unknown or ``reg_lambda`` is not a finite number >= 0.
     """
-    check_choice("method", method, METHODS)
-    check_number("reg_lambda", reg_lambda, low=0.0)
+    check_option("method", method)
+    check_option("reg_lambda", reg_lambda)
 
 
 def check_group_count_ref(group_count_ref: object) -> None:
@@ -81,37 +78,135 @@ def check_group_count_ref(group_count_ref: object) -> None:
     Raises:
         ValueError: If it is anything else (a bool included).
     """
-    if group_count_ref is not None:
-        check_number("group_count_ref", group_count_ref, low=1, integer=True)
+    check_option("group_count_ref", group_count_ref)
 
 
-def check_size_target(
-    target_params: object,
-    target_flops: object,
-    *,
-    seq_len: object,
-    side: object = "below",
-    layers: object = None,
-    widths: object = "uniform",
-    min_kept: object = None,
-) -> None:
-    """A size target: ``target_params`` or ``target_flops`` (with ``seq_len``), its side, layers and widths.
+def check_size_target(target: SizeTarget) -> None:
+    """A size target: ``target_params`` or ``target_flops`` (with ``seq_len``), its side, layers, widths, allocation.
 
     Raises:
-        ValueError: If both targets are given, ``target_flops`` and ``seq_len`` are not given together, or the
-            target, side, layers, widths or ``min_kept`` are malformed (see
+        ValueError: If ``target_allocation`` is unknown, both targets are given, ``target_flops`` and ``seq_len``
+            are not given together, or the target, side, layers, widths or ``min_kept`` are malformed (see
             :func:`~lightning_pat.sizing.targets.check_target`).
     """
-    if target_params is not None and target_flops is not None:
+    check_option("target_allocation", target.target_allocation)
+    if target.target_params is not None and target.target_flops is not None:
         raise ValueError(
             "Give `target_params` (parameters) or `target_flops` (FLOPs per token), not both; got "
-            f"target_params={target_params!r}, target_flops={target_flops!r}."
+            f"target_params={target.target_params!r}, target_flops={target.target_flops!r}."
         )
-    check_flops(target_flops, seq_len)
+    check_flops(target.target_flops, target.seq_len)
     check_target(
-        target_params if target_flops is None else target_flops, side, layers, widths, min_kept,
-        name="target_params" if target_flops is None else "target_flops",
+        target.value, target.target_side, target.target_layers, target.target_widths, target.min_kept,
+        name=target.option,
     )  # fmt: skip
+
+
+def check_one_size(who: str, **given: object) -> None:
+    """Raise unless exactly one of ``given`` is set: the sizes an entry point takes, in its order, by name.
+
+    With a fraction besides the two size targets (``sparsity``), the message says what each one is.
+
+    Raises:
+        ValueError: If none or several are set.
+    """
+    if sum(value is not None for value in given.values()) == 1:
+        return
+    names = [f"`{k}`" + (f" ({_SIZE_GLOSSES[k]})" if len(given) > 2 else "") for k in given]
+    got = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    raise ValueError(f"{who} needs {', '.join(names[:-1])} or {names[-1]}, exactly one of them; got {got}.")
+
+
+@dataclass(frozen=True)
+class SizeTarget:
+    """The size-target options as one group (a size instead of a fraction), checked once when it is built.
+
+    The fields are the options of the same names (:class:`PruningOptions` documents each); the callback,
+    :func:`~lightning_pat.prune_clusters` and :func:`~lightning_pat.pruning.allocation.size_clusters` keep them as
+    flat parameters and build this group, which the code then reads. Without ``target_params`` and
+    ``target_flops`` the group is off (:attr:`value` is ``None``).
+
+    Raises:
+        ValueError: As :func:`check_size_target`.
+
+    Example::
+
+        >>> SizeTarget(target_flops="2M", seq_len=64).option, SizeTarget().value
+        ('target_flops', None)
+    """
+
+    target_params: int | float | str | None = None
+    target_flops: int | float | str | None = None
+    seq_len: int | None = None
+    target_side: Side = "below"
+    target_layers: int | None = None
+    target_widths: Widths = "uniform"
+    min_kept: float | None = None
+    target_allocation: TrainingAllocation = "auto"
+
+    def __post_init__(self) -> None:
+        check_size_target(self)
+
+    @property
+    def value(self) -> int | float | str | None:
+        """``target_params`` or ``target_flops``, whichever is set (``None``: no size target)."""
+        return self.target_params if self.target_flops is None else self.target_flops
+
+    @property
+    def option(self) -> str:
+        """The size option in use: ``"target_params"`` or ``"target_flops"``."""
+        return "target_params" if self.target_flops is None else "target_flops"
+
+    def allocation(self, score: str) -> Allocation:
+        """The rule that spreads the target, with ``score`` the score in use (``"auto"`` settled here)."""
+        if self.target_allocation in ("importance", "fractions"):
+            return "importance" if self.target_allocation == "importance" else "fractions"
+        return "importance" if score in ("activation", "taylor") else "fractions"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options by name (:data:`SIZE_OPTIONS`: the ``options`` of a saved ``allocation`` entry)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: The options that define a solved size: a resume after the widths were solved by importance may not change them.
+SIZE_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(SizeTarget))
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """The distillation options (``distill_*``) as one group, checked once when it is built.
+
+    Each field is the callback's option with the ``distill_`` prefix (:class:`PruningOptions` documents each):
+    ``alpha`` is ``distill_alpha``, ``teacher_store`` is ``distill_teacher_store``, and so on. Numbers are stored as
+    floats and the directory as a str.
+
+    Raises:
+        ValueError, TypeError: As :func:`check_distillation`.
+
+    Example::
+
+        >>> Distillation(alpha=1, temperature=2).on, Distillation().on
+        (True, False)
+    """
+
+    alpha: float = 0.0
+    temperature: float = 1.0
+    teacher: Any = field(default=None, repr=False, compare=False)
+    module: str = ""
+    teacher_store: TeacherStore = "checkpoint"
+    teacher_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_distillation(self)
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.teacher_dir is not None:
+            object.__setattr__(self, "teacher_dir", os.fspath(self.teacher_dir))
+
+    @property
+    def on(self) -> bool:
+        """Whether the ramp and healing distill from a teacher (``alpha > 0``)."""
+        return self.alpha > 0
 
 
 def check_preset_options(preset_options: object) -> None:
@@ -279,7 +374,7 @@ class PruningOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
-    target_widths: Literal["uniform", "ranked"] = "uniform"
+    target_widths: Widths = "uniform"
     min_kept: float | None = None
     target_flops: int | float | str | None = None
     seq_len: int | None = None
@@ -292,36 +387,34 @@ class PruningOptions:
     distill_teacher_store: TeacherStore = "checkpoint"
     distill_teacher_dir: str | None = None
     schedule: Schedule = field(init=False, repr=False, compare=False)
+    #: The size-target options as one group (built from the flat fields above).
+    sizing: SizeTarget = field(init=False, repr=False, compare=False)
+    #: The ``distill_*`` options as one group (built from the flat fields above).
+    distillation: Distillation = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given_sparsity = self.target_sparsity
         object.__setattr__(self, "target_sparsity", 0.5 if given_sparsity is None else given_sparsity)
-        check_number("target_sparsity", self.target_sparsity, low=0.0, high=1.0)
+        check_option("target_sparsity", self.target_sparsity)
         check_method(self.method, self.reg_lambda)
-        for switch in ("heal", "log_metrics", "debug_check_selection", "shrink_on_freeze"):
+        for switch in SWITCHES:
             check_bool(switch, getattr(self, switch))
-        check_choice("score", self.score, TRAINING_SCORES)
-        check_choice("mode", self.mode, MODES)
-        check_choice("layer_score", self.layer_score, LAYER_SCORES)
-        check_choice("target_allocation", self.target_allocation, TRAINING_ALLOCATIONS)
-        check_choice("executor", self.executor, EXECUTOR_KINDS)
+        for name in ("score", "mode", "layer_score", "executor"):
+            check_option(name, getattr(self, name))
         check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:
             raise ValueError(
                 "`method='group_lasso'` needs `reg_lambda` > 0 (got 0.0); set a strength such as 1e-3 or use 'hard'."
             )
         check_preset_options(self.preset_options)
-        check_size_target(
-            self.target_params, self.target_flops, seq_len=self.seq_len, side=self.target_side,
-            layers=self.target_layers, widths=self.target_widths, min_kept=self.min_kept,
-        )  # fmt: skip
-        if given_sparsity is not None and self.size_target is not None:  # one behaviour with prune_clusters
-            which = "target_params" if self.target_flops is None else "target_flops"
+        sizing = SizeTarget(**{name: getattr(self, name) for name in SIZE_OPTIONS})
+        if given_sparsity is not None and sizing.value is not None:  # one behaviour with prune_clusters
+            which = sizing.option
             rank_zero_warn(
                 f"CoupledPruningCallback: `target_sparsity={given_sparsity}` is unused: `{which}` sets the widths "
-                f"({which}={self.size_target!r}); remove `target_sparsity` (e.g. from the config file) to silence this."
+                f"({which}={sizing.value!r}); remove `target_sparsity` (e.g. from the config file) to silence this."
             )
-        if self.size_target is not None and self.method == "group_lasso":
+        if sizing.value is not None and self.method == "group_lasso":
             raise ValueError(
                 "`target_params` solves exact widths for `method='hard'`; group lasso may zero more units than the "
                 "solved widths. Use method='hard' with `target_params`, or `target_sparsity` with group lasso."
@@ -343,37 +436,39 @@ class PruningOptions:
             raise ValueError(
                 "`shrink_on_freeze=True` needs `heal=True`: the mask must be frozen before units can be removed."
             )
-        check_distillation(self)
+        distillation = Distillation(
+            alpha=self.distill_alpha, temperature=self.distill_temperature, teacher=self.distill_teacher,
+            module=self.distill_module, teacher_store=self.distill_teacher_store, teacher_dir=self.distill_teacher_dir,
+        )  # fmt: skip
         object.__setattr__(self, "clusters", clusters)
-        object.__setattr__(self, "distill_alpha", float(self.distill_alpha))
-        object.__setattr__(self, "distill_temperature", float(self.distill_temperature))
-        if self.distill_teacher_dir is not None:
-            object.__setattr__(self, "distill_teacher_dir", os.fspath(self.distill_teacher_dir))
+        object.__setattr__(self, "distill_alpha", distillation.alpha)
+        object.__setattr__(self, "distill_temperature", distillation.temperature)
+        object.__setattr__(self, "distill_teacher_dir", distillation.teacher_dir)
         assert self.target_sparsity is not None  # filled in with 0.5 above when not given
         object.__setattr__(self, "target_sparsity", float(self.target_sparsity))
         object.__setattr__(self, "reg_lambda", float(self.reg_lambda))
         object.__setattr__(self, "preset_options", dict(self.preset_options or {}))
         object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "sizing", sizing)
+        object.__setattr__(self, "distillation", distillation)
 
     @property
     def size_target(self) -> int | float | str | None:
-        """``target_params`` or ``target_flops``, whichever is set (``None``: ``target_sparsity`` applies)."""
-        return self.target_params if self.target_flops is None else self.target_flops
+        """``sizing.value``: ``target_params`` or ``target_flops``, whichever is set (``None``: ``target_sparsity``)."""
+        return self.sizing.value
 
     @property
     def distill(self) -> bool:
-        """Whether the ramp and healing distill from a teacher (``distill_alpha > 0``)."""
-        return self.distill_alpha > 0
+        """``distillation.on``: whether the ramp and healing distill from a teacher (``distill_alpha > 0``)."""
+        return self.distillation.on
 
     def allocation(self, score: str) -> Allocation:
-        """The rule that spreads a size target, with ``score`` the score in use (``"auto"`` settled here)."""
-        if self.target_allocation in ("importance", "fractions"):
-            return "importance" if self.target_allocation == "importance" else "fractions"
-        return "importance" if score in ("activation", "taylor") else "fractions"
+        """``sizing.allocation(score)``: the rule that spreads a size target, with ``score`` the score in use."""
+        return self.sizing.allocation(score)
 
     def size_options(self) -> dict[str, Any]:
-        """The options that define a solved size (:data:`SIZE_OPTIONS`), by name."""
-        return {k: getattr(self, k) for k in SIZE_OPTIONS}
+        """``sizing.to_dict()``: the options that define a solved size (:data:`SIZE_OPTIONS`), by name."""
+        return self.sizing.to_dict()
 
     def resumable(self) -> dict[str, Any]:
         """The options that may change on resume (:data:`RESUMABLE`), by name; they are saved in the state."""
@@ -409,7 +504,7 @@ class StepOptions:
     target_params: int | float | str | None = None
     target_side: Side = "below"
     target_layers: int | None = None
-    target_widths: str = "uniform"
+    target_widths: Widths = "uniform"
     min_kept: float | None = None
     target_flops: int | float | str | None = None
     seq_len: int | None = None
@@ -419,6 +514,8 @@ class StepOptions:
     reg_lambda: float = 0.0
     gamma: float = 1.0
     group_count_ref: int | None = None
+    #: The size-target options as one group (built from the flat fields above).
+    sizing: SizeTarget = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sparsity, target_params, target_flops = self.sparsity, self.target_params, self.target_flops
@@ -429,22 +526,14 @@ class StepOptions:
                 f"({which}={target_params if target_flops is None else target_flops!r}); pass one of them."
             )
             sparsity = None
-        if sum(x is not None for x in (sparsity, target_params, target_flops)) != 1:
-            raise ValueError(
-                "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such "
-                "as '350M' or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got "
-                f"sparsity={sparsity!r}, target_params={target_params!r}, target_flops={target_flops!r}."
-            )
-        check_size_target(
-            target_params, target_flops, seq_len=self.seq_len, side=self.target_side, layers=self.target_layers,
-            widths=self.target_widths, min_kept=self.min_kept,
-        )  # fmt: skip
+        check_one_size("prune_clusters", sparsity=sparsity, target_params=target_params, target_flops=target_flops)
+        object.__setattr__(self, "sizing", SizeTarget(**{name: getattr(self, name) for name in SIZE_OPTIONS}))
         if sparsity is not None:
-            check_number("sparsity", sparsity, low=0.0, high=1.0)
+            check_option("sparsity", sparsity, rule="target_sparsity")
         check_choice("score", self.score, TRAINING_SCORES)
         check_choice("target_allocation", self.target_allocation, ALLOCATIONS)
         check_method(self.method, self.reg_lambda)
-        check_number("gamma", self.gamma, low=0.0)
+        check_option("gamma", self.gamma)
         check_group_count_ref(self.group_count_ref)
         if self.score == "taylor":
             raise ValueError(
@@ -453,11 +542,6 @@ class StepOptions:
                 "loop); for prune_clusters use a weight score ('rms') or score='activation' with calibrate()."
             )
         object.__setattr__(self, "sparsity", None if sparsity is None else float(sparsity))
-
-    @property
-    def size_target(self) -> int | float | str | None:
-        """``target_params`` or ``target_flops``, whichever is set (``None``: ``sparsity`` applies)."""
-        return self.target_params if self.target_flops is None else self.target_flops
 
 
 def options_doc() -> str:
@@ -470,8 +554,8 @@ def options_doc() -> str:
     return doc[doc.index("    Args:\n") : doc.index("\n\n    Raises:")]
 
 
-def check_distillation(options: PruningOptions) -> None:
-    """Check the distillation options (``distill_*``).
+def check_distillation(options: Distillation) -> None:
+    """Check the distillation options (``distill_*``; the group names them without the prefix).
 
     Raises:
         ValueError: If ``distill_alpha`` is outside ``[0, 1]``, ``distill_temperature`` is not a number > 0, a
@@ -480,33 +564,33 @@ def check_distillation(options: PruningOptions) -> None:
         TypeError: If ``distill_teacher`` is not a ``torch.nn.Module``, ``distill_module`` is not a string or
             ``distill_teacher_dir`` is not a path.
     """
-    check_number("distill_alpha", options.distill_alpha, low=0.0, high=1.0)
-    temperature = options.distill_temperature
+    check_option("distill_alpha", options.alpha)
+    temperature = options.temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"`distill_temperature` must be a number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
     if not math.isfinite(temperature):  # T^2 * KL would be inf * 0: NaN trained into the weights
         raise ValueError(f"`distill_temperature` must be a finite number > 0 (e.g. 1.0 or 2.0), got {temperature!r}.")
-    teacher = options.distill_teacher
+    teacher = options.teacher
     if teacher is not None and not isinstance(teacher, torch.nn.Module):
         raise TypeError(
             f"`distill_teacher` must be a torch.nn.Module (or None for a frozen copy of the model when pruning "
             f"starts), got {type(teacher).__name__}."
         )
-    if teacher is not None and options.distill_alpha == 0:
+    if teacher is not None and options.alpha == 0:
         raise ValueError("`distill_teacher` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill.")
-    if not isinstance(options.distill_module, str):
-        raise TypeError(f"`distill_module` must be a submodule name (str), got {options.distill_module!r}.")
-    check_choice("distill_teacher_store", options.distill_teacher_store, TEACHER_STORES)
-    if options.distill_teacher_store == "file" and options.distill_alpha == 0:
+    if not isinstance(options.module, str):
+        raise TypeError(f"`distill_module` must be a submodule name (str), got {options.module!r}.")
+    check_option("distill_teacher_store", options.teacher_store)
+    if options.teacher_store == "file" and options.alpha == 0:
         raise ValueError(
             "`distill_teacher_store='file'` is set but `distill_alpha` is 0: set `distill_alpha` in (0, 1] to distill "
             "(the store says where the copied teacher is saved)."
         )
-    where = options.distill_teacher_dir
+    where = options.teacher_dir
     if where is not None and (isinstance(where, bytes) or not isinstance(where, (str, os.PathLike)) or not str(where)):
         raise TypeError(f"`distill_teacher_dir` must be a directory path (str) or None, got {where!r}.")
-    if where is not None and options.distill_teacher_store != "file":
+    if where is not None and options.teacher_store != "file":
         raise ValueError(
             f"`distill_teacher_dir={str(where)!r}` is set but `distill_teacher_store` is "
-            f"{options.distill_teacher_store!r}: the directory is used only with distill_teacher_store='file'."
+            f"{options.teacher_store!r}: the directory is used only with distill_teacher_store='file'."
         )

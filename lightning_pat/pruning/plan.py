@@ -1,7 +1,8 @@
 """The plan of a pruning run: declarations resolved against a model and routed, sized, checked for feasibility.
 
 :func:`make_plan` is the one plan builder of :func:`~lightning_pat.prune_clusters`, the callback's controller and
-:class:`~lightning_pat.pruning.pruner.Pruner`; :meth:`Plan.sized` applies a size target as per-cluster targets;
+:class:`~lightning_pat.pruning.pruner.Pruner`; :meth:`Plan.sized` applies a size target as per-cluster targets
+(:meth:`Plan.for_size` from the options' :class:`~lightning_pat.pruning.options.SizeTarget` group);
 :func:`check_not_emptied` refuses a target below 1 that would remove every unit of a cluster. Global metadata only:
 nothing here communicates or mutates.
 """
@@ -12,18 +13,22 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from lightning_pat.core.choices import Side
 from lightning_pat.core.norms import ScoreType
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import Cluster, ResolvedCluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.parallel.executors import ExecutorKind, route
 from lightning_pat.sizing.flops import flop_costs
-from lightning_pat.sizing.problem import Side, SizeSolution
+from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.sizing.targets import declaration_labels, sized_clusters
+
+if TYPE_CHECKING:
+    from lightning_pat.pruning.options import SizeTarget
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,31 @@ class Plan:
         check_not_emptied(clusters, 0.0)  # the solver keeps a unit of every cluster; refuse loudly if not
         routes = {rc.name: self.routes[rc.name] for rc in clusters}
         return dataclasses.replace(self, clusters=tuple(clusters), routes=routes), solution
+
+    def for_size(
+        self,
+        params: Mapping[str, Tensor],
+        target: SizeTarget,
+        *,
+        declarations: Sequence[Cluster | Mapping[str, Any]] = (),
+        model: nn.Module | None = None,
+        importance: Mapping[str, Sequence[float]] | None = None,
+    ) -> tuple[Plan, SizeSolution]:
+        """:meth:`sized` for a size-target group: its options are read here, once, for every entry point.
+
+        ``model`` is the module whose FLOPs a ``target_flops`` counts (needed then).
+
+        Raises:
+            ValueError: As :meth:`sized`.
+        """
+        flops = None
+        if target.target_flops is not None:
+            assert model is not None, "target_flops counts the FLOPs of `model`: pass it"
+            flops = (model, int(target.seq_len or 0))
+        return self.sized(
+            params, target.value, side=target.target_side, declarations=declarations, keep_layers=target.target_layers,
+            widths=target.target_widths, min_kept=target.min_kept, flops=flops, importance=importance,
+        )  # fmt: skip
 
     def targets(self, sparsity: float, *, fraction: float = 1.0) -> dict[str, float]:
         """Per cluster, ``fraction`` of its final target (its own ``target``, else ``sparsity``)."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.checks import check_choice
+from lightning_pat.core.choices import METHODS, Method
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.norms import SCORE_TYPES, WEIGHT_SCORES, ScoreType, group_count_correction, normalise
 from lightning_pat.core.routing import route_around_dropped
@@ -33,7 +34,7 @@ from lightning_pat.core.selection import (
 )
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.executors import Evidence, Executor, ExecutorKind, Reduced, UnitAction, build_executors
-from lightning_pat.pruning.options import METHODS, Method, check_group_count_ref
+from lightning_pat.pruning.options import check_group_count_ref
 from lightning_pat.pruning.plan import Plan, make_plan, named_tensors
 from lightning_pat.sizing.problem import SizeSolution
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -47,10 +47,12 @@ from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.norms import channel_sq_sums
 from lightning_pat.core.pruning_warning import PruningWarning
 from lightning_pat.core.spec import Cluster, Member, ResolvedCluster, ensure_resolved
+from lightning_pat.core.state_fields import FieldChecker, rank_entry
 from lightning_pat.core.units import unit_of_channels
 from lightning_pat.parallel import placement
 from lightning_pat.parallel.comm import dtensor
-from lightning_pat.parallel.executors import Reduced
+from lightning_pat.parallel.executors import Evidence, Reduced
+from lightning_pat.scoring.collector import Collector, entries
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 
@@ -59,8 +61,11 @@ def _owner(modules: Mapping[str, nn.Module], name: str) -> tuple[str, nn.Module 
     return path, modules.get(path), attr
 
 
-class ActivationStats(TrainingForwardHooks):
+class ActivationStats(TrainingForwardHooks, Collector):
     """Per-input-channel ``E[x^2]`` of every cluster's reader modules, and the unit scores built from them.
+
+    A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``activation`` entry: the ranks' statistics
+    in rank order (each rank sees other batches and resumes its own).
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
@@ -80,6 +85,8 @@ class ActivationStats(TrainingForwardHooks):
         >>> stats.unit_scores(dict(mlp.named_parameters()))["h"].shape
         torch.Size([8])
     """
+
+    key: ClassVar[str] = "activation"
 
     def __init__(self, model: nn.Module, clusters: Sequence[ResolvedCluster], *, beta: float | None = 0.9) -> None:
         if beta is not None and (isinstance(beta, bool) or not 0.0 <= beta < 1.0):
@@ -409,6 +416,10 @@ class ActivationStats(TrainingForwardHooks):
     #: The executors add the readers' squared column norms to the reduction (partial sums of the local pieces).
     columns = True
 
+    def as_evidence(self) -> Evidence:
+        """The statistics are the selection's data-aware score (see :meth:`data_riders`, :meth:`finish`)."""
+        return self
+
     def shard_riders(self) -> dict[str, Tensor]:
         """None: the statistics are per rank (see :meth:`data_riders`)."""
         return {}
@@ -480,6 +491,64 @@ class ActivationStats(TrainingForwardHooks):
             count = int(state.get("count", {}).get(name, 1))
             self._count[name] = torch.tensor(count, dtype=torch.long, device=device)
             self._bad[name] = torch.zeros((), dtype=torch.long, device=device)
+
+    def rank_entry(self, saved: Sequence[Mapping[str, Any]] | None, *, rank: int, world: int) -> Mapping[str, Any]:
+        """This rank's statistics of the ranks' saved ones (rank order); ``{}`` if there are none.
+
+        Statistics that cover every input channel (DDP, FSDP2) move to another number of ranks (a rank beyond the
+        saved ones resumes rank 0's); statistics split over input channels by tensor parallelism do not.
+
+        Raises:
+            ValueError: If the saved statistics are split over input channels (a window that starts after channel 0
+                exists exactly then) and ``world`` differs from the number of ranks saved.
+        """
+        partial = sorted({n for entry in saved or () for n, (offset, _) in entry.get("window", {}).items() if offset})
+        split = f"sharded by tensor parallelism (reader modules {partial[:3]} cover only some input channels per rank)"
+        return rank_entry(
+            saved, rank=rank, world=world, split=split if partial else None, who="score='activation'",
+            entries="the statistics", fix="resume with score='rms' (or a fresh run) to collect new statistics",
+        )  # fmt: skip
+
+    @classmethod
+    def check_entry(cls, raw: object, check: FieldChecker, *, held: ActivationStats | None) -> None:
+        """Check a saved ``activation`` entry; with ``held``, against its reader modules and their widths.
+
+        Per rank: ``beta``, and per reader module its average (1-D, finite, not negative), batches seen and window.
+
+        Raises:
+            StateError: Naming the field, what was expected and what was found.
+        """
+        readers = None if held is None else {n: m.in_features for n, m in held.modules.items()}
+        for where, entry in entries(raw, check, cls.key):
+            unknown = sorted(set(entry) - {"beta", "ema", "count", "window"})
+            if unknown:
+                raise check.fail(where, f"has unknown entries {unknown}")
+            if "beta" in entry:
+                check.real(entry["beta"], f"{where}.beta", low=0.0, high=1.0)
+            ema = check.mapping(entry.get("ema", {}), f"{where}.ema") or {}
+            counts = check.mapping(entry.get("count", {}), f"{where}.count") or {}
+            windows = check.mapping(entry.get("window", {}), f"{where}.window") or {}
+            for part, names in (("ema", ema), ("count", counts), ("window", windows)):
+                check.names(names, readers, f"{where}.{part}", "reader modules")
+            for name, value in ema.items():
+                tensor = check.tensor(value, f"{where}.ema[{name!r}]", nonnegative=True)
+                if tensor.dim() != 1:
+                    raise check.fail(f"{where}.ema[{name!r}]", f"must be 1-D, got shape {tuple(tensor.shape)}")
+                width = None if readers is None else readers.get(name)
+                window = windows.get(name, (0, tensor.numel() if width is None else width))
+                window = check.sequence(window, f"{where}.window[{name!r}]")
+                if len(window) != 2:
+                    raise check.fail(f"{where}.window[{name!r}]", f"must be [first channel, channels], got {window!r}")
+                offset = check.integer(window[0], f"{where}.window[{name!r}]")
+                length = check.integer(window[1], f"{where}.window[{name!r}]", low=1)
+                if tensor.numel() != length or (width is not None and offset + length > width):
+                    raise check.fail(
+                        f"{where}.ema[{name!r}]",
+                        f"has {tensor.numel()} channels for a window of {length} from channel {offset}"
+                        + ("" if width is None else f" of the module's {width} input channels"),
+                    )
+            for name, value in counts.items():
+                check.integer(value, f"{where}.count[{name!r}]")
 
 
 def calibrate(

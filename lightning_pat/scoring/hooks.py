@@ -3,9 +3,11 @@
 :class:`TrainingForwardHooks` registers one hook per named module (:meth:`~TrainingForwardHooks.attach`,
 :meth:`~TrainingForwardHooks.detach`) and tells a hook whether the call is a training forward to count
 (:meth:`~TrainingForwardHooks.training_forward`): grad enabled, and ``module.training`` or
-:attr:`~TrainingForwardHooks.in_batch`. Under activation checkpointing each batch still counts once: a forward
-recomputed during the backward is skipped when its first pass was counted (non-reentrant checkpoint) and counted
-when that pass ran under ``no_grad`` (reentrant checkpoint).
+:attr:`~TrainingForwardHooks.in_batch` (between :meth:`~TrainingForwardHooks.begin_batch` and
+:meth:`~TrainingForwardHooks.end_batch`: the batch window of a
+:class:`~lightning_pat.scoring.collector.Collector`). Under activation checkpointing each batch still counts once:
+a forward recomputed during the backward is skipped when its first pass was counted (non-reentrant checkpoint) and
+counted when that pass ran under ``no_grad`` (reentrant checkpoint).
 Used by :mod:`lightning_pat.scoring.activation` (reader inputs), :mod:`lightning_pat.scoring.layers` (layer
 cosines) and :mod:`lightning_pat.pruning.repair` (the readers' Gram matrices); :func:`run_batches` runs their
 calibration batches.
@@ -66,6 +68,14 @@ class TrainingForwardHooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def begin_batch(self) -> None:
+        """A training batch opens: its forwards count (see :attr:`in_batch`)."""
+        self.in_batch = True
+
+    def end_batch(self, *, stepped: bool) -> None:
+        """The training batch is over: forwards count again only in train mode (whether it ``stepped`` is moot)."""
+        self.in_batch = False
 
     @contextmanager
     def collecting(self) -> Iterator[None]:

@@ -33,19 +33,17 @@ Legend: ``N`` tokens of the local batch, ``H`` the hidden size, ``L`` the layers
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
+from lightning_pat.core.state_fields import FieldChecker
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
+from lightning_pat.scoring.collector import Collector, entries
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
-
-#: How layer units are scored: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
-LayerScore = Literal["cosine", "weight"]
-LAYER_SCORES: tuple[str, ...] = ("cosine", "weight")
 
 
 def token_cosines(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,8 +102,11 @@ def _hidden_pair(args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) 
     return x, y
 
 
-class LayerStats(TrainingForwardHooks):
+class LayerStats(TrainingForwardHooks, Collector):
     r"""Running sums of ``cos(input, output)`` per layer unit's decoder layer, and the scores built from them.
+
+    A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``layer_scores`` entry: the ranks' sums since
+    the last selection in rank order (each whole: a rank beyond the saved ones resumes rank 0's).
 
     Args:
         model: The module holding the clusters' parameters (names as in ``model.named_parameters()``).
@@ -128,6 +129,8 @@ class LayerStats(TrainingForwardHooks):
         >>> sorted(stats.seen())
         ['layer.a']
     """
+
+    key: ClassVar[str] = "layer_scores"
 
     def __init__(self, model: nn.Module, clusters: Sequence[ResolvedCluster]) -> None:
         super().__init__()
@@ -267,6 +270,23 @@ class LayerStats(TrainingForwardHooks):
             count = float(state.get("count", {}).get(path, 0.0))
             self._sum[path] = torch.tensor(float(value), dtype=torch.float64, device=device)
             self._count[path] = torch.tensor(count, dtype=torch.float64, device=device)
+
+    @classmethod
+    def check_entry(cls, raw: object, check: FieldChecker, *, held: LayerStats | None) -> None:
+        """Check a saved ``layer_scores`` entry; with ``held``, against the module paths of its layers.
+
+        Per rank: the sums and token counts (finite numbers, not negative) of layer modules.
+
+        Raises:
+            StateError: Naming the field, what was expected and what was found.
+        """
+        layers = None if held is None else list(held.modules)
+        for where, entry in entries(raw, check, cls.key):
+            for part in ("sum", "count"):
+                values = check.mapping(entry.get(part, {}), f"{where}.{part}") or {}
+                check.names(values, layers, f"{where}.{part}", "layers")
+                for name, value in values.items():
+                    check.real(value, f"{where}.{part}[{name!r}]", low=0.0)
 
 
 def layer_clusters(clusters: Sequence[ResolvedCluster]) -> list[ResolvedCluster]:

@@ -28,20 +28,24 @@ Legend: ``C`` units of a cluster.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_pat.core.state_fields import rank_entry
+from lightning_pat.core.state_fields import FieldChecker, rank_entry
 from lightning_pat.parallel.comm import dtensor
-from lightning_pat.parallel.executors import Executor, Reduced, ShardedExecutor
+from lightning_pat.parallel.executors import Evidence, Executor, Reduced, ShardedExecutor
+from lightning_pat.scoring.collector import Collector, entries
 
 
-class TaylorScores:
+class TaylorScores(Collector):
     """Per-unit sums of ``|w * g|`` over the real steps since the last selection (see the module docstring).
 
-    An :class:`~lightning_pat.parallel.executors.Evidence`: pass it to ``Pruner.step(..., evidence=...)``.
+    An :class:`~lightning_pat.parallel.executors.Evidence`: pass it to ``Pruner.step(..., evidence=...)``. A
+    :class:`~lightning_pat.scoring.collector.Collector` of the state's ``taylor`` entry without forward hooks: the
+    ranks' partial sums in rank order when they are partials of sharded pieces, else one entry (plain parameters:
+    the same sums on every rank). A training batch's term is kept at its end only if the optimizer really stepped.
 
     Args:
         executors: The pruner's executors (they read the local pieces of the weights and gradients).
@@ -61,6 +65,7 @@ class TaylorScores:
         4
     """
 
+    key: ClassVar[str] = "taylor"
     columns = False
 
     def __init__(self, executors: Sequence[Executor]) -> None:
@@ -113,6 +118,14 @@ class TaylorScores:
         """Start new sums (after a selection)."""
         self.sums, self.steps, self._pending = {}, 0, None
 
+    def end_batch(self, *, stepped: bool) -> None:
+        """The training batch is over: keep its observed term if the optimizer ``stepped``, else forget it."""
+        self.commit() if stepped else self.discard()
+
+    def as_evidence(self) -> Evidence:
+        """The sums are the selection's data-aware score (see :meth:`shard_riders`, :meth:`finish`)."""
+        return self
+
     # ------------------------------------------------------------------ evidence
     def shard_riders(self) -> dict[str, Tensor]:
         """Cluster name -> this rank's partial sums (summed over the pieces in the selection's one reduction).
@@ -159,6 +172,11 @@ class TaylorScores:
         """Whether the sums are partials of local pieces (they differ per rank and depend on the layout)."""
         return any(isinstance(ex, ShardedExecutor) for ex in self.executors)
 
+    @property
+    def per_rank(self) -> bool:
+        """Sharded partials differ per rank (a checkpoint keeps every rank's); plain sums are the same (one entry)."""
+        return self.sharded
+
     def rank_entry(self, saved: Sequence[Mapping[str, Any]] | None, *, rank: int, world: int) -> Mapping[str, Any]:
         """This rank's entry of the ranks' saved states (rank order); ``{}`` if there is none.
 
@@ -191,3 +209,21 @@ class TaylorScores:
                 )
             self.sums[name] = total.to(device=device, dtype=torch.float64).clone()
         self.steps = int(state.get("steps", 0))
+
+    @classmethod
+    def check_entry(cls, raw: object, check: FieldChecker, *, held: TaylorScores | None) -> None:
+        """Check a saved ``taylor`` entry; with ``held``, against its clusters and their numbers of units.
+
+        Per rank: the steps, and per cluster its sums (finite, not negative).
+
+        Raises:
+            StateError: Naming the field, what was expected and what was found.
+        """
+        units = None if held is None else {rc.name: rc.num_units for ex in held.executors for rc in ex.clusters}
+        for where, entry in entries(raw, check, cls.key):
+            check.integer(entry.get("steps", 0), f"{where}.steps")
+            sums = check.mapping(entry.get("sums", {}), f"{where}.sums") or {}
+            check.names(sums, units, f"{where}.sums", "clusters")
+            for name, value in sums.items():
+                shape = None if units is None else (units[name],)
+                check.tensor(value, f"{where}.sums[{name!r}]", shape=shape, nonnegative=True)

@@ -10,15 +10,22 @@ changes; nothing here changes a module.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.heads import HeadsMultiheadAttention
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.model_meta import is_gpt2_attention, is_llama_attention, module_kind
 
 #: Module kinds the surgery replaces by a module of ours (the model itself cannot be one).
 _REPLACED = ("mha", "window_attention", "window_attention_v2", "maxvit_attention")
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    """``module``'s part ``name``, an ``nn.Linear`` (the kind checks of :func:`check_attention` made sure of it)."""
+    return cast(nn.Linear, getattr(module, name))
 
 
 def _kept(edits: Mapping[int, Edit], module: nn.Module, attr: str, dim: int, length: int) -> Tensor:
@@ -39,8 +46,8 @@ def _whole_heads(kept: Tensor, head_dim: int, where: str) -> Tensor:
 
 
 def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
-    hd = attn.head_dim
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    hd = cast(int, attn.head_dim)
+    q, k, v, o = (_linear(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
     where = f"Shrink: attention {name!r} ({type(attn).__name__})"
     fix = (
         "prune attention with a heads cluster (whole heads / whole GQA query groups: q, k, v rows and o columns; or "
@@ -69,7 +76,7 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]
             f"(n_rep={n_rep}); a Llama attention needs the same number in every group. Select query heads with "
             "`unit_groups` set to the KV head count (the presets' query-head units do)."
         )
-    groups = (q_heads // n_rep).unique_consecutive()
+    groups = (q_heads // n_rep).unique_consecutive()  # type: ignore[no-untyped-call]  # unannotated in torch
     expected_q = (groups[:, None] * n_rep + torch.arange(n_rep)).flatten()
     if not (torch.equal(q_heads, o_heads) and torch.equal(k_heads, v_heads)) or not (
         torch.equal(q_heads, expected_q) and torch.equal(groups, k_heads)
@@ -86,11 +93,12 @@ def _check_gpt2_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit])
         if id(attn.c_attn) in edits or id(attn.q_attn) in edits or id(attn.c_proj) in edits:
             raise ValueError(f"{where}: cross-attention cannot be shrunk; exclude its parameters from the clusters.")
         return
-    hd, width = attn.head_dim, attn.c_attn.nf // 3
-    kept = _kept(edits, attn.c_attn, "weight", 1, attn.c_attn.nf)
+    gpt2: Any = attn  # transformers' GPT2Attention: its Conv1D parts (nf, nx) are not a type the shrink imports
+    hd, width = gpt2.head_dim, gpt2.c_attn.nf // 3
+    kept = _kept(edits, gpt2.c_attn, "weight", 1, gpt2.c_attn.nf)
     chunks = [kept[(kept >= i * width) & (kept < (i + 1) * width)] - i * width for i in range(3)]
     heads = [_whole_heads(c, hd, f"{where}, c_attn chunk {i}") for i, c in enumerate(chunks)]
-    o_heads = _whole_heads(_kept(edits, attn.c_proj, "weight", 0, attn.c_proj.nx), hd, f"{where}, c_proj rows")
+    o_heads = _whole_heads(_kept(edits, gpt2.c_proj, "weight", 0, gpt2.c_proj.nx), hd, f"{where}, c_proj rows")
     if o_heads.numel() == 0:
         raise ValueError(
             f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
@@ -124,9 +132,10 @@ def _qkv_heads(kept: Tensor, inner: int, head_dim: int, where: str) -> dict[str,
 def _check_mha(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     """An ``nn.MultiheadAttention`` (or ours) must lose whole heads, the same in q, k, v rows and out_proj columns."""
     where = f"Shrink: attention {name!r} ({type(attn).__name__})"
-    hd, rows = int(attn.head_dim), attn.in_proj_weight.shape[0]
-    heads = _qkv_heads(_kept(edits, attn, "in_proj_weight", 0, rows), rows // 3, hd, where)
-    cols = _kept(edits, attn.out_proj, "weight", 1, attn.out_proj.in_features)
+    mha = cast("nn.MultiheadAttention | HeadsMultiheadAttention", attn)  # module_kind "mha"
+    hd, rows = int(mha.head_dim), mha.in_proj_weight.shape[0]
+    heads = _qkv_heads(_kept(edits, mha, "in_proj_weight", 0, rows), rows // 3, hd, where)
+    cols = _kept(edits, mha.out_proj, "weight", 1, mha.out_proj.in_features)
     heads["out_proj columns"] = _whole_heads(cols, hd, f"{where}, out_proj columns")
     _same_heads(where, heads)
 
@@ -151,8 +160,8 @@ def _packed_heads(
 
 def _check_window_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Swin's window attention: whole heads of qkv rows, proj columns and the bias table's columns, the same."""
-    num_heads = int(attn.relative_position_bias_table.shape[1])
-    where, heads = _packed_heads(name, attn, attn.qkv, attn.proj, "proj", num_heads, edits)
+    num_heads = int(cast(Tensor, attn.relative_position_bias_table).shape[1])
+    where, heads = _packed_heads(name, attn, _linear(attn, "qkv"), _linear(attn, "proj"), "proj", num_heads, edits)
     heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
     _same_heads(where, heads)
 
@@ -163,18 +172,19 @@ def _check_window_attention_v2(name: str, attn: nn.Module, edits: Mapping[int, E
     The kept heads must be the same in every part: q, k and v rows of ``qkv``, ``proj`` columns, the entries of
     ``logit_scale`` and the rows of ``cpb_mlp``'s last ``Linear`` (its columns, the hidden units, are free).
     """
-    num_heads = int(attn.logit_scale.shape[0])
-    where, heads = _packed_heads(name, attn, attn.qkv, attn.proj, "proj", num_heads, edits)
+    num_heads = int(cast(Tensor, attn.logit_scale).shape[0])
+    where, heads = _packed_heads(name, attn, _linear(attn, "qkv"), _linear(attn, "proj"), "proj", num_heads, edits)
     heads["logit_scale entries"] = _kept(edits, attn, "logit_scale", 0, num_heads)
-    last = attn.cpb_mlp[-1]
-    heads[f"cpb_mlp.{len(attn.cpb_mlp) - 1} rows"] = _kept(edits, last, "weight", 0, last.out_features)
+    cpb_mlp = cast(nn.Sequential, attn.cpb_mlp)
+    last = cast(nn.Linear, cpb_mlp[-1])
+    heads[f"cpb_mlp.{len(cpb_mlp) - 1} rows"] = _kept(edits, last, "weight", 0, last.out_features)
     _same_heads(where, heads)
 
 
 def _check_maxvit_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]) -> None:
     """MaxViT's attention: whole heads of to_qkv rows, merge columns and the bias table's columns, the same."""
-    num_heads = int(attn.relative_position_bias_table.shape[1])
-    where, heads = _packed_heads(name, attn, attn.to_qkv, attn.merge, "merge", num_heads, edits)
+    num_heads = int(cast(Tensor, attn.relative_position_bias_table).shape[1])
+    where, heads = _packed_heads(name, attn, _linear(attn, "to_qkv"), _linear(attn, "merge"), "merge", num_heads, edits)
     heads["relative_position_bias_table columns"] = _kept(edits, attn, "relative_position_bias_table", 1, num_heads)
     _same_heads(where, heads)
 
@@ -201,7 +211,7 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         elif kind == "window_attention" and any(id(m) in edits for m in (module, module.qkv, module.proj)):
             _check_window_attention(name, module, edits)
         elif kind == "window_attention_v2" and any(
-            id(m) in edits for m in (module, module.qkv, module.proj, module.cpb_mlp[-1])
+            id(m) in edits for m in (module, module.qkv, module.proj, cast(nn.Sequential, module.cpb_mlp)[-1])
         ):
             _check_window_attention_v2(name, module, edits)
         elif kind == "maxvit_attention" and any(id(m) in edits for m in (module, module.to_qkv, module.merge)):

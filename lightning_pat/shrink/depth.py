@@ -14,6 +14,7 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -91,7 +92,7 @@ def locate(model: nn.Module, cut: LayerCut) -> dict[str, list[int]]:
             )
         out.setdefault(parent, []).append(int(index))
     for parent, idx in out.items():
-        if len(set(idx)) >= len(model.get_submodule(parent)):
+        if len(set(idx)) >= len(cast(nn.ModuleList, model.get_submodule(parent))):  # checked by the loop above
             raise ValueError(f"shrink: every layer of {parent!r} is dropped; keep at least one layer.")
     return out
 
@@ -123,7 +124,7 @@ def remove_layers(model: nn.Module, where: Mapping[str, Sequence[int]]) -> None:
         for new, layer in enumerate(new_list):
             for module in layer.modules():
                 if isinstance(getattr(module, "layer_idx", None), int):
-                    module.layer_idx = new
+                    module.layer_idx = new  # type: ignore[assignment]  # an int attribute (transformers' layers)
         for owner in config_owners(model):
             _update_config(owner.config, old, kept)
         log.info("shrink: removed layers %s of %s (%d -> %d)", sorted(set(idx)), parent, old, len(kept))

@@ -194,7 +194,9 @@ def _cut_width(edit: Edit, attr: str, dim: int) -> int:
     """The old length of ``attr``'s ``dim`` if the edit cuts it, else 0."""
     if dim not in edit.cuts.get(attr, {}):
         return 0
-    return int(edit.module._parameters[attr].shape[dim])  # noqa: SLF001 - the registered tensor itself
+    param = edit.module._parameters[attr]  # noqa: SLF001 - the registered tensor itself
+    assert param is not None  # a cut attribute holds a tensor
+    return int(param.shape[dim])
 
 
 def _check_between(model: nn.Module, edits: Mapping[int, Edit]) -> None:

@@ -237,11 +237,10 @@ def restore_shrunk(module: nn.Module, state: Mapping[str, Any] | SavedState) -> 
         ValueError: As for :func:`read_source` and :func:`apply_plan`.
     """
     if not isinstance(state, SavedState):
-        if is_checkpoint(state):
-            state = callback_state(state)
-        if not state.get("shrunk"):
+        raw: Mapping[str, Any] = callback_state(state) if is_checkpoint(state) else state
+        if not raw.get("shrunk"):
             return False
-        state = read_saved(state, "the callback state")
+        state = read_saved(raw, "the callback state")
     if not state.shrunk:
         return False
     apply_plan(module, align_names(build_plan(state.clusters, state.dropped), module), check_zeros=False)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -238,6 +238,11 @@ def check_groups(name: str, router: nn.Module, kept: Tensor, num: int) -> None:
         )
 
 
+def _shape(module: nn.Module, attr: str = "gate_up_proj") -> tuple[int, ...]:
+    """The shape of one of ``module``'s own parameters."""
+    return tuple(cast(Tensor, module._parameters[attr]).shape)  # noqa: SLF001 - its own parameter
+
+
 def _set_int(module: nn.Module, attr: str, value: int) -> None:
     if isinstance(getattr(module, attr, None), int) and not isinstance(getattr(module, attr), bool):
         setattr(module, attr, value)
@@ -252,19 +257,18 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         if param is not None and param.shape != new_params[id(param)].shape:
             param.data = new_params[id(param)]
     if layout is not None:
-        num = module.gate_up_proj.shape[0]
-        double = module.gate_up_proj.shape[layout.gate_up_channels]
-        hidden = module.gate_up_proj.shape[layout.gate_up_hidden]
+        shape = _shape(module)
+        num, double, hidden = shape[0], shape[layout.gate_up_channels], shape[layout.gate_up_hidden]
         _set_int(module, "num_experts", num)
         for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
     else:
-        num, hidden = module.weight.shape
+        num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
-        _set_int(module, "top_k", min(module.top_k, num))
+        _set_int(module, "top_k", min(cast(int, module.top_k), num))
 
 
 def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> None:
@@ -273,24 +277,24 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
-    counts = {m.gate_up_proj.shape[0] for m in model.modules() if is_fused_experts(m)}
+    counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
     if len(counts) == 1:  # the model's own copies (Mixtral's CausalLM reads num_experts for its auxiliary loss)
         num = counts.pop()
         for owner in model.modules():
             if hasattr(owner, "config"):
                 _set_int(owner, "num_experts", num)
-                if isinstance(getattr(owner, "num_experts_per_tok", None), int):
-                    _set_int(owner, "num_experts_per_tok", min(owner.num_experts_per_tok, num))
+                if isinstance(top_k := getattr(owner, "num_experts_per_tok", None), int):
+                    _set_int(owner, "num_experts_per_tok", min(top_k, num))
     for block in model.modules():
         experts = getattr(block, "experts", None)
         if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
             continue
-        num = experts.gate_up_proj.shape[0]
+        num = _shape(experts)[0]
         router = block_router(block)
         for module in (block, router) if router is not None else (block,):
             _set_int(module, "num_experts", num)
-            if isinstance(getattr(module, "top_k", None), int):
-                _set_int(module, "top_k", min(module.top_k, num))
+            if isinstance(top_k := getattr(module, "top_k", None), int):
+                _set_int(module, "top_k", min(top_k, num))
         edit = (edits or {}).get(id(experts))
         kept = edit.cuts.get("gate_up_proj", {}).get(0) if edit is not None else None
         for owner in (block, router) if router is not None else (block,):
@@ -308,16 +312,16 @@ def shared_experts(model: nn.Module) -> list[nn.Module]:
         for attr in ("shared_expert", "shared_experts")
         if isinstance(getattr(block, attr, None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
-        and is_fused_experts(block.experts)
+        and is_fused_experts(cast(nn.Module, block.experts))
     ]
 
 
 def _shared_mlp_widths(model: nn.Module) -> set[int]:
     """The widths of GraniteMoE-shared's shared MLPs (``shared_mlp.output_linear`` next to fused experts)."""
     return {
-        int(layer.shared_mlp.output_linear.in_features)
+        out.in_features
         for layer in model.modules()
-        if isinstance(getattr(getattr(layer, "shared_mlp", None), "output_linear", None), nn.Linear)
+        if isinstance(out := getattr(getattr(layer, "shared_mlp", None), "output_linear", None), nn.Linear)
     }
 
 
@@ -326,8 +330,9 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     fused = [(m, layout) for m in model.modules() if (layout := fused_layout(m)) is not None]
     if not fused:
         return {}
-    counts = {m.gate_up_proj.shape[0] for m, _ in fused}
-    widths = {m.down_proj.shape[layout.down_channels] for m, layout in fused}
+    counts = {_shape(m)[0] for m, _ in fused}
+    fewest = min(counts)
+    widths = {_shape(m, "down_proj")[layout.down_channels] for m, layout in fused}
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
@@ -336,12 +341,10 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
             out[attr] = count
     top_k = getattr(config, "num_experts_per_tok", None)
     if isinstance(top_k, int):
-        out["num_experts_per_tok"] = min(top_k, min(m.gate_up_proj.shape[0] for m, _ in fused))
+        out["num_experts_per_tok"] = min(top_k, fewest)
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
-    shared = {
-        m.down_proj.in_features for m in shared_experts(model) if isinstance(getattr(m, "down_proj", None), nn.Linear)
-    }
+    shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
     if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
         out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
     shared = _shared_mlp_widths(model)

@@ -13,7 +13,7 @@ import contextlib
 import copy
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch import nn
 
@@ -53,6 +53,12 @@ def attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+class _Config(Protocol):
+    """What is read here of a transformers ``PretrainedConfig`` (the shrink does not import transformers)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Build modules with parameters on the meta device (no memory, no init); buffers stay real."""
@@ -63,11 +69,12 @@ def _parameters_on_meta() -> Iterator[None]:
         if param is not None and not param.is_meta:  # an already-meta parameter is a tie: keep its identity
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    # patched on the class for the build (a plain function where a method was): every module registers on meta
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Module.register_parameter = original  # type: ignore[method-assign]  # the original method back
 
 
 def build_empty(cls: type[nn.Module], config: Any) -> nn.Module:
@@ -94,9 +101,11 @@ def differences(model: nn.Module, other: nn.Module) -> list[str]:
     return diffs
 
 
-def _changed(attrs: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str, Any]]) -> dict[str, dict]:
+def _changed(
+    attrs: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """Module name -> the attributes whose value differs from ``base`` (modules with no change are left out)."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, values in attrs.items():
         changed = {k: v for k, v in values.items() if base.get(name, {}).get(k) != v}
         if changed:
@@ -110,8 +119,9 @@ def stock_differences(model: nn.Module) -> list[str]:
     with contextlib.suppress(AttributeError):
         delattr(config, ENTRY)
     try:
-        if callable(getattr(config, "validate", None)):
-            config.validate()  # e.g. Llama: hidden_size must be a multiple of the head count
+        validate = getattr(config, "validate", None)
+        if callable(validate):
+            validate()  # e.g. Llama: hidden_size must be a multiple of the head count
         return differences(model, build_empty(type(model), config))
     except Exception as err:  # noqa: BLE001 - a config that cannot validate or build is "not expressible"
         return [f"the stock config does not validate or build: {type(err).__name__}: {str(err).strip()[-200:]}"]
@@ -124,10 +134,10 @@ def base_config(model: nn.Module) -> tuple[dict[str, Any], Any]:
         ValueError: If no model can be built from it (the message names the class and the fix).
     """
     cls = type(model)
-    base_dict = getattr(model, BASE_CONFIG_ATTR, None) or model.config.to_dict()
+    base_dict = getattr(model, BASE_CONFIG_ATTR, None) or cast(_Config, model.config).to_dict()
     base_dict = {k: v for k, v in base_dict.items() if k != ENTRY}
     try:
-        config = cls.config_class.from_dict(copy.deepcopy(base_dict))
+        config = cast(Any, cls).config_class.from_dict(copy.deepcopy(base_dict))  # a transformers model class
         build_empty(cls, config)
     except Exception as err:  # noqa: BLE001 - re-raised with the fix
         raise ValueError(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pat.heads import (
     HeadsMultiheadAttention,
@@ -83,8 +83,9 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
     """Head counts of attention modules, MLP widths and hidden-size attributes of every container module."""
     for module in model.modules():
         if is_qkv_attention(module):
-            hd = module.head_dim
-            n_q, n_kv = module.q_proj.out_features // hd, module.k_proj.out_features // hd
+            hd = cast(int, module.head_dim)
+            n_q = cast(nn.Linear, module.q_proj).out_features // hd
+            n_kv = cast(nn.Linear, module.k_proj).out_features // hd
             for attr in ("num_heads", "num_attention_heads", "n_head"):
                 _set_if_int(module, attr, n_q)
             for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_head"):
@@ -93,9 +94,10 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
                 for attr in ("num_key_value_groups", "n_rep"):
                     _set_if_int(module, attr, n_q // n_kv)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
-            module.split_size = module.c_attn.nf // 3
+            gpt2: Any = module  # transformers' GPT2Attention (its Conv1D c_attn is not a type imported here)
+            gpt2.split_size = gpt2.c_attn.nf // 3
             if isinstance(getattr(module, "head_dim", None), int):  # GPT-1's attention has none
-                _set_if_int(module, "num_heads", module.split_size // module.head_dim)
+                _set_if_int(module, "num_heads", gpt2.split_size // gpt2.head_dim)
         down = getattr(module, "down_proj", None)
         if isinstance(down, nn.Linear) and isinstance(getattr(module, "up_proj", None), nn.Linear):
             _set_if_int(module, "intermediate_size", down.in_features)
@@ -152,8 +154,8 @@ def in_width(module: nn.Module) -> int | None:
     """The input width of an ``nn.Linear`` or a ``Conv1D`` (``nx``), else ``None``."""
     kind = module_kind(module)
     if kind == "linear":
-        return int(module.in_features)
-    return int(module.weight.shape[0]) if kind == "conv1d" else None
+        return int(cast(nn.Linear, module).in_features)
+    return int(cast(Tensor, module.weight).shape[0]) if kind == "conv1d" else None
 
 
 #: Config fields holding the (query) head count and the KV head count.
@@ -199,26 +201,28 @@ def update_config(
     ``reads``: ``(module name, input width before, after)`` of every cut ``nn.Linear``/``Conv1D`` (the MLP width
     fields follow the readers that read the old width, whatever the family calls them).
     """
-    config = model.config
+    config: Any = model.config
     hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if hasattr(config, n)), None)
     if reads:
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
-    attns = [m for m in model.modules() if is_qkv_attention(m)]
-    gpt2 = [
+    attns: list[Any] = [m for m in model.modules() if is_qkv_attention(m)]  # stock attention modules
+    gpt2: list[Any] = [
         m
         for m in model.modules()
         if is_gpt2_attention(m) and not hasattr(m, "q_attn") and isinstance(getattr(m, "head_dim", None), int)
     ]
     shared = {id(m) for m in shared_experts(model)}  # their width is the config's shared_expert_intermediate_size
-    mlp_widths = [
-        m.down_proj.in_features
+    mlp_widths: list[int] = [
+        cast(nn.Linear, m.down_proj).in_features
         for m in model.modules()
         if id(m) not in shared
         and isinstance(getattr(m, "down_proj", None), nn.Linear)
         and isinstance(getattr(m, "up_proj", None), nn.Linear)
     ]
-    mlp_widths += [m.c_fc.nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"]
+    mlp_widths += [
+        cast(Any, m.c_fc).nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"
+    ]
     if mlp_widths:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
     if attns:

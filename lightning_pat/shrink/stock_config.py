@@ -74,8 +74,8 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         # them cut): the clusters holding the same kind of parameter changed the config field
         suffix = "." + ".".join(name.split(".")[-3:])
         culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
-        for decl in culprits:
-            refused.setdefault(decl, why)
+        for culprit in culprits:
+            refused.setdefault(culprit, why)
     return refused
 
 

@@ -20,6 +20,7 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +57,7 @@ class LayerNormShrinkWarning(PruningWarning):
 
 def _rescale_norm(edit: Edit, old: int, new: int) -> None:
     """RMSNorm over the kept channels of a zero-padded input: weight * sqrt(d/d'), eps * d/d'."""
-    module = edit.module
+    module: Any = edit.module  # nn.RMSNorm, or a transformers RMSNorm (variance_epsilon), not a type imported here
     ratio = old / new
     with torch.no_grad():
         module.weight.mul_(math.sqrt(ratio))
@@ -69,7 +70,7 @@ def _rescale_norm(edit: Edit, old: int, new: int) -> None:
 
 def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
-    module = edit.module
+    module: Any = edit.module  # its attributes by edit.kind, some of classes not imported here (Conv1D, HF norms)
     if edit.kind in REPLACED_KINDS:  # replaced by a module of ours afterwards (replace_attention)
         for attr in edit.cuts:
             param = module._parameters[attr]
@@ -145,8 +146,9 @@ def apply_plan(
     # ---- validated; mutate from here on
     owners = config_owners(model)
     for owner in owners:
-        if callable(getattr(owner.config, "to_dict", None)) and not hasattr(owner, BASE_CONFIG_ATTR):
-            setattr(owner, BASE_CONFIG_ATTR, copy.deepcopy(owner.config.to_dict()))
+        to_dict = getattr(owner.config, "to_dict", None)
+        if callable(to_dict) and not hasattr(owner, BASE_CONFIG_ATTR):
+            setattr(owner, BASE_CONFIG_ATTR, copy.deepcopy(to_dict()))
     embeddings = {id(m): input_embedding(m) for m in [model, *owners]}
     hidden_before = {k: e.embedding_dim for k, e in embeddings.items() if e is not None}
     for opt, cuts in zip(optimizers, cut_by_opt, strict=True):
@@ -161,16 +163,17 @@ def apply_plan(
             param.grad = None
     heads = head_counts_before(model, edits)
     reads_before = {key: in_width(e.module) for key, e in edits.items()}
-    layernorms, rescaled_eps = [], {}
+    layernorms: list[str] = []
+    rescaled_eps: dict[int, float] = {}  # both norms' eps is a float after _rescale_norm
     with torch.no_grad():
         for edit in edits.values():
             _rewrite(edit, new_params)
             if edit.kind == "layernorm":
                 layernorms.append(edit.name)
             elif edit.kind == "hf_rmsnorm":
-                rescaled_eps[id(edit.module)] = edit.module.variance_epsilon
+                rescaled_eps[id(edit.module)] = cast(float, edit.module.variance_epsilon)
             elif edit.kind == "rmsnorm":
-                rescaled_eps[id(edit.module)] = edit.module.eps
+                rescaled_eps[id(edit.module)] = cast(float, edit.module.eps)
     for name, grad in grads.items():
         params[name].grad = grad
     replace_attention(model, [e.module for e in edits.values() if e.kind in REPLACED_KINDS])
@@ -178,7 +181,11 @@ def apply_plan(
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)
     update_blocks(model, edits)
-    reads = [(e.name, old, in_width(e.module)) for key, e in edits.items() if (old := reads_before[key]) is not None]
+    # (name, old, new input width); a module that read a width before still reads one
+    reads = cast(
+        "list[tuple[str, int, int]]",
+        [(e.name, old, in_width(e.module)) for key, e in edits.items() if (old := reads_before[key]) is not None],
+    )
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]

@@ -17,6 +17,8 @@ module kind allows and which metadata and buffers follow the parameters:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
@@ -64,7 +66,7 @@ def _groups_kept(kept: Tensor, block: int) -> Tensor:
     return kept.cpu().view(-1, block)[:, 0] // block
 
 
-def _check_grouped(where: str, module: nn.Module, kind: str, cuts: dict[str, dict[int, Tensor]]) -> None:
+def _check_grouped(where: str, module: _ConvNd, kind: str, cuts: dict[str, dict[int, Tensor]]) -> None:
     """A grouped convolution loses whole groups: rows of whole groups, a bias naming the same groups, no dim 1 cut."""
     in_per, out_per = module.in_channels // module.groups, module.out_channels // module.groups
     if 1 in cuts.get("weight", {}):
@@ -101,15 +103,16 @@ def check_conv_edit(name: str, module: nn.Module, kind: str, cuts: dict[str, dic
             would lose part of a group.
     """
     where = f"Shrink: module {name!r} ({type(module).__name__})"
-    if kind in ("conv", "conv_tg") and module.groups > 1:
-        _check_grouped(where, module, kind, cuts)
+    if kind in ("conv", "conv_tg") and cast(_ConvNd, module).groups > 1:  # the kind is conv_kind(module)
+        _check_grouped(where, cast(_ConvNd, module), kind, cuts)
     if kind == "groupnorm":
+        norm = cast(nn.GroupNorm, module)
         kept = cuts.get("weight", cuts.get("bias", {})).get(0)
-        size = module.num_channels // module.num_groups
+        size = norm.num_channels // norm.num_groups
         if kept is not None and not _whole_blocks(kept, size):
             raise ValueError(
                 f"{where}: GroupNorm normalises groups of {size} channels, so only whole groups can be dropped "
-                f"(num_groups={module.num_groups}); declare the cluster with `num_units={module.num_groups}`."
+                f"(num_groups={norm.num_groups}); declare the cluster with `num_units={norm.num_groups}`."
             )
 
 
@@ -121,16 +124,17 @@ def rewrite_conv(module: nn.Module, kind: str, old_width: int) -> None:
         kind: Its kind (:func:`conv_kind`).
         old_width: ``weight.shape[0]`` before the cut.
     """
-    w = module.weight
-    if kind in ("conv", "conv_t", "conv_tg") and module.groups > 1:  # checked: whole groups of rows were cut
-        module.groups = w.shape[0] // (old_width // module.groups)
+    conv, norm = cast(_ConvNd, module), cast(nn.GroupNorm, module)  # which one: the kind (conv_kind) says
+    w = conv.weight
+    if kind in ("conv", "conv_t", "conv_tg") and conv.groups > 1:  # checked: whole groups of rows were cut
+        conv.groups = w.shape[0] // (old_width // conv.groups)
     if kind == "conv":
-        module.in_channels = module.groups * w.shape[1]
-        module.out_channels = w.shape[0]
+        conv.in_channels = conv.groups * w.shape[1]
+        conv.out_channels = w.shape[0]
     elif kind in ("conv_t", "conv_tg"):  # weight [in, out / groups, *kernel]
-        module.in_channels = w.shape[0]
-        module.out_channels = module.groups * w.shape[1]
+        conv.in_channels = w.shape[0]
+        conv.out_channels = conv.groups * w.shape[1]
     elif kind == "groupnorm":
-        size = old_width // module.num_groups
-        module.num_channels = w.shape[0]
-        module.num_groups = w.shape[0] // size
+        size = old_width // norm.num_groups
+        norm.num_channels = w.shape[0]
+        norm.num_groups = w.shape[0] // size

@@ -132,7 +132,7 @@ def _rel(a: list[Tensor], b: list[Tensor]) -> float:
     den = sum(float(y.double().norm() ** 2) for y in b)
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
-    return (num / den) ** 0.5
+    return float((num / den) ** 0.5)  # float ** float is typed Any (a negative base gives a complex)
 
 
 def tolerance(outputs: list[Tensor]) -> float:

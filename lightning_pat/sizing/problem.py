@@ -8,8 +8,8 @@ A dropped layer (a layer unit, see :func:`lightning_pat.presets.layer_units`) re
 widths of its other clusters no longer count.
 
 A target is parsed by :func:`parse_size` (a count, ``"90M"``, a fraction or a percentage); :func:`size_problem`
-turns resolved clusters into the solver's groups and member axes, and :func:`count_params` counts a configuration.
-The search over configurations is :mod:`lightning_pat.sizing.solver`.
+turns resolved clusters into the solver's groups and member axes. The search over configurations, and the count of
+one (:func:`~lightning_pat.sizing.solver.count_params`, the model above), is :mod:`lightning_pat.sizing.solver`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
 from lightning_pat.core.layers import LAYER_BUDGET, is_layer_cluster, layer_prefix
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
 
-Side = Literal["below", "above"]
-SIDES: tuple[str, ...] = ("below", "above")
+#: Size option -> (what it counts, what the full model is called), for messages (a table: the solver reads it too).
+TARGET_UNITS: Mapping[str, tuple[str, str]] = {
+    "target_params": ("parameters", "the model's size"),
+    "target_flops": ("FLOPs per token", "the model's FLOPs per token"),
+}
 #: (parameter name, dim) -> [(cluster name, block, slice length)]: the member slices on that axis.
 Axes = Mapping[tuple[str, int], Sequence[tuple[str, int, int]]]
 
@@ -158,13 +161,6 @@ class SizeSolution:
         )
 
 
-def target_units(name: str) -> tuple[str, str]:
-    """(what is counted, what the full model is called) for the option ``name``."""
-    if name == "target_flops":
-        return "FLOPs per token", "the model's FLOPs per token"
-    return "parameters", "the model's size"
-
-
 def size_value(value: object, *, name: str = "target_params") -> tuple[str, Fraction]:
     """Read a size target without the model: ``("count", n)`` or ``("fraction", f)`` (one rule for every form).
 
@@ -238,7 +234,7 @@ def parse_size(value: object, *, total: int, name: str = "target_params") -> int
         (350000000, 250, 500)
     """
     kind, number = size_value(value, name=name)
-    unit, whole = target_units(name)
+    unit, whole = TARGET_UNITS.get(name, TARGET_UNITS["target_params"])
     result = round(number * total) if kind == "fraction" else int(number)
     if result <= 0:
         raise ValueError(f"`{name}` = {value!r} is {result} {unit} of {total:,}; ask for a positive size.")
@@ -248,52 +244,6 @@ def parse_size(value: object, *, total: int, name: str = "target_params") -> int
             "fraction <= 1)."
         )
     return result
-
-
-def count_params(
-    shapes: Mapping[str, Sequence[int]],
-    axes: Axes,
-    kept: Mapping[str, int],
-    *,
-    owners: Mapping[str, str] | None = None,
-) -> int:
-    """Parameters left when each cluster keeps ``kept[name]`` units (clusters not listed keep all).
-
-    Args:
-        shapes: Distinct parameter name -> global shape (a tied tensor once).
-        axes: The member slices per ``(parameter, dim)``.
-        kept: Cluster name -> kept units.
-        owners: Parameter name -> the layer cluster that owns it (absent if in no layer); a layer cluster with 0
-            kept units removes the parameter.
-
-    Returns:
-        The count.
-    """
-    total = 0
-    for name, shape in shapes.items():
-        if owners is not None and name in owners and kept.get(owners[name], 1) == 0:
-            continue
-        numel = 1
-        for dim, length in enumerate(shape):
-            for cluster, block, span in axes.get((name, dim), ()):
-                if cluster in kept:
-                    length += block * kept[cluster] - span
-            numel *= length
-        total += numel
-    return total
-
-
-def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, int]:
-    """Cluster name -> kept units, from a group configuration (a layer group keeps its first ``k`` layers)."""
-    out: dict[str, int] = {}
-    for group in groups:
-        k = kept[group.name]
-        if group.budget is not None:
-            out.update(zip(group.clusters, group.spread(k), strict=True))
-            continue
-        for i, cluster in enumerate(group.clusters):
-            out[cluster] = (1 if i < k else 0) if group.layers else k
-    return out
 
 
 #: With ``target_widths="ranked"``: the fraction of each cluster's units it keeps at least.

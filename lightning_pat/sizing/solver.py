@@ -1,5 +1,8 @@
 """The size solver: the kept units per group that meet a parameter target (pure, no torch).
 
+The solver counts every configuration it visits itself (:func:`count_params`, the count model of
+:mod:`lightning_pat.sizing.problem`, and :func:`cluster_kept`), so a solve never goes back to the problem module.
+
 Search: clusters that must keep the same width (one declaration over the layers: ``mlp.0``, ``mlp.1``, ...) form a
 *group* with one kept count ``k``. Starting from the full model, one *granule* (``multiple_of`` units in every
 cluster of the group, or one layer) is removed at a time from the group whose kept fraction ``k / C`` is highest
@@ -37,16 +40,54 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from lightning_pat.sizing.problem import (
-    SIDES,
-    Axes,
-    Group,
-    Side,
-    SizeSolution,
-    cluster_kept,
-    count_params,
-    target_units,
-)
+from lightning_pat.core.choices import SIDES, Side
+from lightning_pat.sizing.problem import TARGET_UNITS, Axes, Group, SizeSolution
+
+
+def count_params(
+    shapes: Mapping[str, Sequence[int]],
+    axes: Axes,
+    kept: Mapping[str, int],
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> int:
+    """Parameters left when each cluster keeps ``kept[name]`` units (clusters not listed keep all).
+
+    Args:
+        shapes: Distinct parameter name -> global shape (a tied tensor once).
+        axes: The member slices per ``(parameter, dim)``.
+        kept: Cluster name -> kept units.
+        owners: Parameter name -> the layer cluster that owns it (absent if in no layer); a layer cluster with 0
+            kept units removes the parameter.
+
+    Returns:
+        The count.
+    """
+    total = 0
+    for name, shape in shapes.items():
+        if owners is not None and name in owners and kept.get(owners[name], 1) == 0:
+            continue
+        numel = 1
+        for dim, length in enumerate(shape):
+            for cluster, block, span in axes.get((name, dim), ()):
+                if cluster in kept:
+                    length += block * kept[cluster] - span
+            numel *= length
+        total += numel
+    return total
+
+
+def cluster_kept(groups: Sequence[Group], kept: Mapping[str, int]) -> dict[str, int]:
+    """Cluster name -> kept units, from a group configuration (a layer group keeps its first ``k`` layers)."""
+    out: dict[str, int] = {}
+    for group in groups:
+        k = kept[group.name]
+        if group.budget is not None:
+            out.update(zip(group.clusters, group.spread(k), strict=True))
+            continue
+        for i, cluster in enumerate(group.clusters):
+            out[cluster] = (1 if i < k else 0) if group.layers else k
+    return out
 
 
 def _path(groups: Sequence[Group], ratios: Sequence[Sequence[float]] | None = None) -> list[int]:
@@ -267,7 +308,7 @@ def solve(
     total = count_params(shapes, axes, cluster_kept(groups, full), owners=owners)
     _check_equal_layers(shapes, axes, groups, full, owners)
     _check_equal_units(shapes, axes, groups, owners)
-    unit, whole = target_units(name)
+    unit, whole = TARGET_UNITS.get(name, TARGET_UNITS["target_params"])
     if target > total:
         raise ValueError(f"`{name}` ({target:,}) is above {whole} ({total:,}); ask for at most that.")
     granule_costs, ratios = (None, None) if costs is None else _importance_ratios(shapes, axes, groups, costs, owners)

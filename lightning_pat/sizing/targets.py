@@ -26,12 +26,11 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_pat.core.choices import SIDES, WIDTHS, Side
 from lightning_pat.core.layers import LAYER_BUDGET, is_layer_cluster
 from lightning_pat.core.spec import Cluster, ResolvedCluster, as_cluster, resolve_clusters
 from lightning_pat.sizing.problem import (
     DEFAULT_MIN_KEPT,
-    SIDES,
-    Side,
     SizeSolution,
     parse_size,
     size_problem,
@@ -40,9 +39,6 @@ from lightning_pat.sizing.problem import (
 from lightning_pat.sizing.solver import solve
 
 log = logging.getLogger(__name__)
-
-#: ``target_widths``: one width per declaration (a stock config loads it), or units ranked by score per family.
-WIDTHS: tuple[str, ...] = ("uniform", "ranked")
 
 
 def distinct_shapes(params: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:

@@ -1,33 +1,49 @@
 """The data-aware scorers of a training run as one set: what the controller does to all of them at once.
 
-:class:`Collectors` holds the scorers in use, each ``None`` when it is not:
-:class:`~lightning_pat.scoring.activation.ActivationStats` (``score="activation"``),
-:class:`~lightning_pat.scoring.taylor.TaylorScores` (``score="taylor"``) and
-:class:`~lightning_pat.scoring.layers.LayerStats` (layer units with ``layer_score="cosine"``). The controller builds
-them (which ones depends on the score and the clusters) and calls the set's verbs at fixed points of a fit:
-:meth:`~Collectors.reset` (a new schedule), :meth:`~Collectors.attach` and :meth:`~Collectors.detach` (the forward
-hooks, from the start of a fit until the freeze or the end of the fit), :meth:`~Collectors.batch_open` (a training
-batch is open), :meth:`~Collectors.state_dicts` and :meth:`~Collectors.load` (the state's ``activation``, ``taylor``
-and ``layer_scores`` entries; :meth:`~Collectors.saved_shapes` for their checks), and :attr:`~Collectors.evidence`
-(what the selection's one reduction carries). The Taylor sums have no forward hooks: the controller observes,
-commits and discards each step's term itself.
+Each scorer is a :class:`~lightning_pat.scoring.collector.Collector`: it owns its entry of the saved state, its
+checks and its verbs. :data:`KINDS` registers them, in the state's order:
+:class:`~lightning_pat.scoring.activation.ActivationStats` (``score="activation"``, entry ``activation``),
+:class:`~lightning_pat.scoring.taylor.TaylorScores` (``score="taylor"``, entry ``taylor``) and
+:class:`~lightning_pat.scoring.layers.LayerStats` (layer units with ``layer_score="cosine"``, entry
+``layer_scores``). A new scorer is a module of ``scoring/`` plus its line in :data:`KINDS` (and its entry's name in
+the saved format's vocabulary, :data:`lightning_pat.core.state_schema.KEYS`).
+
+:class:`Collectors` is the list of the scorers in use (the controller builds them: which ones depends on the score
+and the clusters). Its verbs run every one of them at fixed points of a fit: :meth:`~Collectors.reset` (a new
+schedule), :meth:`~Collectors.attach` and :meth:`~Collectors.detach` (the forward hooks, from the start of a fit
+until the freeze or the end of the fit), :meth:`~Collectors.batch_open` and :meth:`~Collectors.end_batch` (the
+window of a training batch), :meth:`~Collectors.state_dicts`, :meth:`~Collectors.checks` and
+:meth:`~Collectors.load` (the state's entries: built, checked before anything is applied, read), and
+:attr:`~Collectors.evidence` (what the selection's one reduction carries). The Taylor sums have no forward hooks:
+the controller observes each step's term itself, and the batch end commits or discards it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
-from lightning_pat.parallel.comm import ranks
+from lightning_pat.parallel.executors import Evidence
 from lightning_pat.scoring.activation import ActivationStats
+from lightning_pat.scoring.collector import Collector
 from lightning_pat.scoring.layers import LayerStats
 from lightning_pat.scoring.taylor import TaylorScores
-from lightning_pat.training import state
+
+#: Every kind of collector a state holds an entry for (``None`` when the run does not use it), in the state's order.
+KINDS: tuple[type[Collector], ...] = (ActivationStats, TaylorScores, LayerStats)
+
+_C = TypeVar("_C", bound=Collector)
 
 
 class Collectors:
-    """The active scorers of a run (see the module docstring); empty until the controller builds them.
+    """The active scorers of a run (see the module docstring), at most one of each kind, in :data:`KINDS` order.
+
+    Args:
+        collectors: The scorers (``None`` entries are left out).
+
+    Raises:
+        TypeError: If a scorer's kind is not registered in :data:`KINDS`.
 
     Example::
 
@@ -36,40 +52,103 @@ class Collectors:
         (True, {'activation': None, 'taylor': None, 'layer_scores': None})
     """
 
-    def __init__(self) -> None:
-        self.act: ActivationStats | None = None  # score="activation": the readers' input statistics
-        self.taylor: TaylorScores | None = None  # score="taylor": |w * g| summed between selections
-        self.layers: LayerStats | None = None  # layer units, layer_score="cosine": 1 - cos(input, output)
+    def __init__(self, *collectors: Collector | None) -> None:
+        self._items: dict[type[Collector], Collector] = {}
+        for collector in collectors:
+            if collector is not None:
+                self.put(collector)
 
-    def _hooked(self) -> list[ActivationStats | LayerStats]:
-        """The scorers that collect through forward hooks (the activation statistics, then the layer stats)."""
-        return [c for c in (self.act, self.layers) if c is not None]
+    def put(self, collector: Collector) -> None:
+        """Use ``collector`` (it replaces the scorer of its kind).
+
+        Raises:
+            TypeError: If its kind is not registered in :data:`KINDS`.
+        """
+        kind = next((k for k in KINDS if isinstance(collector, k)), None)
+        if kind is None:
+            raise TypeError(
+                f"{type(collector).__name__} is not a registered collector kind ({[k.__name__ for k in KINDS]}); "
+                "add it to lightning_pat.training.collectors.KINDS."
+            )
+        self._items[kind] = collector
+
+    def __iter__(self) -> Iterator[Collector]:
+        """The scorers in use, in :data:`KINDS` order."""
+        return iter([self._items[k] for k in KINDS if k in self._items])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, kind: type[_C]) -> _C | None:
+        """The scorer of ``kind`` in use, else ``None``."""
+        found = self._items.get(kind)
+        return found if isinstance(found, kind) else None
+
+    def _set(self, kind: type[Collector], collector: Collector | None) -> None:
+        if collector is None:
+            self._items.pop(kind, None)
+        else:
+            self.put(collector)
+
+    # ------------------------------------------------------------------ the scorers by kind (for their own readers)
+    @property
+    def act(self) -> ActivationStats | None:
+        """``score="activation"``: the readers' input statistics."""
+        return self.get(ActivationStats)
+
+    @act.setter
+    def act(self, value: ActivationStats | None) -> None:
+        self._set(ActivationStats, value)
 
     @property
-    def evidence(self) -> ActivationStats | TaylorScores | None:
-        """The data-aware score whose partials travel in the selection's reduction (``Pruner.step(evidence=)``)."""
-        return self.act or self.taylor
+    def taylor(self) -> TaylorScores | None:
+        """``score="taylor"``: ``|w * g|`` summed between selections."""
+        return self.get(TaylorScores)
 
+    @taylor.setter
+    def taylor(self, value: TaylorScores | None) -> None:
+        self._set(TaylorScores, value)
+
+    @property
+    def layers(self) -> LayerStats | None:
+        """Layer units with ``layer_score="cosine"``: ``1 - cos(input, output)``."""
+        return self.get(LayerStats)
+
+    @layers.setter
+    def layers(self, value: LayerStats | None) -> None:
+        self._set(LayerStats, value)
+
+    @property
+    def evidence(self) -> Evidence | None:
+        """The data-aware score whose partials travel in the selection's reduction (``Pruner.step(evidence=)``)."""
+        return next((e for c in self if (e := c.as_evidence()) is not None), None)
+
+    # ------------------------------------------------------------------ a fit's verbs
     def reset(self) -> None:
         """A new schedule: every scorer starts empty."""
-        for scorer in (self.act, self.taylor, self.layers):
-            if scorer is not None:
-                scorer.reset()
+        for scorer in self:
+            scorer.reset()
 
     def attach(self) -> None:
         """Register the forward hooks (they are removed at the freeze and at the end of the fit)."""
-        for scorer in self._hooked():
+        for scorer in self:
             scorer.attach()
 
     def detach(self) -> None:
         """Remove the forward hooks (what they collected is kept): no per-forward cost during healing."""
-        for scorer in self._hooked():
+        for scorer in self:
             scorer.detach()
 
     def batch_open(self, value: bool) -> None:
-        """Tell the hooked scorers whether a training batch is open (its forwards count even in eval mode)."""
-        for scorer in self._hooked():
-            scorer.in_batch = value
+        """A training batch opens: its forwards count even in eval mode.
+
+        ``False``: the batch ends without a real optimizer step (:meth:`end_batch` with ``stepped=False``).
+        """
+        if not value:
+            self.end_batch(stepped=False)
+            return
+        for scorer in self:
+            scorer.begin_batch()
 
     def end_batch(self, *, stepped: bool) -> None:
         """The training batch is over: the hooked scorers stop counting, and a Taylor score keeps the batch's sums.
@@ -77,66 +156,43 @@ class Collectors:
         A Taylor score keeps the batch's gradient products only if a real optimizer step applied them (not
         accumulation, not an AMP-skipped step).
         """
-        self.batch_open(False)
-        if self.taylor is not None:
-            self.taylor.commit() if stepped else self.taylor.discard()
+        for scorer in self:
+            scorer.end_batch(stepped=stepped)
 
-    def saved_shapes(self) -> dict[str, Any]:
-        """What a saved state's statistics are checked against (``state.restore_context``'s ``readers``, ``layers``).
-
-        The reader modules' ``in_features`` by name and the hooked layers' module paths; ``None`` without the scorer.
-        """
-        act, layers = self.act, self.layers
-        return {
-            "readers": None if act is None else {n: m.in_features for n, m in act.modules.items()},
-            "layers": None if layers is None else list(layers.modules),
-        }
-
-    def state_dicts(self, *, gather: bool = True) -> dict[str, list[Any] | None]:
-        """The state's ``activation``, ``taylor`` and ``layer_scores`` entries: per-rank states, or ``None``.
+    # ------------------------------------------------------------------ the state's entries
+    def state_dicts(self, *, gather: bool = True) -> dict[str, Any]:
+        """The state's entry of every registered kind (:data:`KINDS` order): ``None`` for a kind not in use.
 
         Args:
             gather: Every rank's own states in rank order (a collective: every rank calls it), as ranks see other
                 batches and each resumes its own; the Taylor sums of plain parameters, the same on every rank, once.
-                Else this rank's own state at every rank's index (what this process's next fit continues from; no
-                collective).
+                Else this rank's own state (a mapping, what this process's next fit continues from; no collective).
         """
-        if not gather:
-            world = ranks.world_size()
-            return {
-                "activation": None if self.act is None else [self.act.state_dict()] * world,
-                "taylor": None if self.taylor is None else [self.taylor.state_dict()] * world,
-                "layer_scores": None if self.layers is None else [self.layers.state_dict()] * world,
-            }
-        activation = None
-        if self.act is not None:
-            activation = ranks.gather_objects(self.act.state_dict(), group=ranks.world_group())
-        taylor = None
-        if self.taylor is not None:  # sharded: every rank's partials; plain: the same sums on every rank
-            mine = self.taylor.state_dict()
-            sharded = self.taylor.sharded
-            taylor = ranks.gather_objects(mine, group=ranks.world_group()) if sharded else [mine]
-        layer_scores = None
-        if self.layers is not None:
-            layer_scores = ranks.gather_objects(self.layers.state_dict(), group=ranks.world_group())
-        return {"activation": activation, "taylor": taylor, "layer_scores": layer_scores}
+        out: dict[str, Any] = {kind.key: None for kind in KINDS}
+        for scorer in self:
+            out[scorer.key] = scorer.saved_entry(gather=gather)
+        return out
+
+    def checks(self) -> dict[str, Callable[[object, str], None]]:
+        """Entry name -> the check of a saved state's entry (``check(entry, what)``), for every registered kind.
+
+        A scorer in use checks its entry against what it holds (its modules, clusters, widths); a kind the run does
+        not use checks only the layout of what was saved (the entry is not read).
+        """
+        return {kind.key: kind.check_layout if (held := self.get(kind)) is None else held.check_saved for kind in KINDS}
 
     def load(self, saved: Mapping[str, Any], *, errors: Callable[[str], AbstractContextManager[None]]) -> None:
         """Load this rank's entries of a state; a scorer with none saved (the score changed) collects from here on.
 
         Args:
-            saved: A state (see :mod:`lightning_pat.training.state`).
-            errors: The controller's ``prefixed``: it turns the Taylor sums' ``ValueError`` into its own error.
+            saved: A state (see :mod:`lightning_pat.training.state`; checked first, see :meth:`checks`), or the
+                same process's previous fit's (:meth:`state_dicts` with ``gather=False``).
+            errors: The controller's ``prefixed``: it turns a scorer's ``ValueError`` into its own error.
 
         Raises:
-            ValueError: If the activation statistics were sharded by tensor parallelism over another number of ranks,
-                or a saved statistic does not fit this model; the Taylor sums' errors as ``errors`` raises them.
+            ValueError: As ``errors`` raises it: statistics split by tensor parallelism (or Taylor partials of
+                sharded pieces) over another number of ranks, or a saved statistic that does not fit this model.
         """
-        if self.act is not None:
-            self.act.load_state_dict(state.rank_activation(saved.get("activation")))
-        if self.taylor is not None:
-            rank, world = ranks.world_rank(), ranks.world_size()
+        for scorer in self:
             with errors("CoupledPruningCallback"):
-                self.taylor.load_state_dict(self.taylor.rank_entry(saved.get("taylor"), rank=rank, world=world))
-        if self.layers is not None:  # this rank's sums since the last selection
-            self.layers.load_state_dict(state.rank_activation(saved.get("layer_scores")))
+                scorer.load_saved(saved.get(scorer.key))

@@ -294,7 +294,7 @@ class PruningController(RunViews):
             self._carry = self.progress.state_dict()  # only the step count goes on
             return
         assert self.pruner is not None
-        self._carry = self._save(gather=False)  # this rank's own statistics at every index: each rank reads its own
+        self._carry = self._save(gather=False)  # this rank's own statistics: each rank reads its own
 
     def release(self) -> None:
         """Remove the optimizer, scorer and distillation hooks (the state for a next fit is kept)."""

@@ -38,6 +38,7 @@ from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
 from lightning_pat.training.bound import BoundRun, ConfigurationError, prefixed, resolve_score, size_option
+from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
 
 
@@ -254,7 +255,7 @@ def restore(
         saved, global_step=global_step, clusters=run.clusters, params=run.params, latent_names=run.latents.names,
         options=resumable(options, run), schedule=schedule, latent_mode=options.mode == "latent", heal=options.heal,
         ckpt_path=ckpt_path, before_latents=lambda dropped: check_dropped_are_zero(run, dropped),
-        **run.collectors.saved_shapes(),
+        entries=run.collectors.checks(),
     )  # fmt: skip
     return run, apply(run, restored)
 
@@ -404,14 +405,14 @@ def save(
         distiller: The distiller, whose state goes under ``"distill"``.
         gather: A checkpoint's state: FSDP1 latents, full DTensor latents and every rank's statistics are
             gathered (every rank must call it). Else what the same process's next fit continues from: the latents
-            as they are, this rank's own statistics at every rank's index, no collective.
+            as they are, this rank's own statistics, no collective.
     """
-    latents, scorers = None, {"activation": None, "taylor": None, "layer_scores": None}
+    latents, scorers = None, Collectors()
     if run is not None:
         if run.latents is not None and run.latents.active:
             fmt = run.latent_format() if gather else "local"
             latents = state.latent_entry(run.latents.state_dict(), run.params, fmt=fmt)
-        scorers = run.collectors.state_dicts(gather=gather)
+        scorers = run.collectors
     pruner = None if run is None else run.pruner
     allocation = None
     if run is not None and run.solved_at is not None and run.size is not None:
@@ -427,7 +428,8 @@ def save(
         latents=latents,
         shrunk=shrunk,
         allocation=allocation,
-        **scorers,
+        collectors=scorers,
+        gather=gather,
     )
     if distiller is not None:
         saved[DISTILL] = distiller.state_dict()

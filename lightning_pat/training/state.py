@@ -27,10 +27,15 @@ the callbacks' states with rank 0's metadata, so the sharded latents travel as m
 :data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
 distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
 
+The scorers' entries (``activation``, ``taylor``, ``layer_scores``) are their own
+(:class:`~lightning_pat.scoring.collector.Collector`): the run's
+:class:`~lightning_pat.training.collectors.Collectors` build, check and read them. In the same process's next fit
+(the in-memory state) each holds this rank's own state, a mapping, instead of the ranks' list.
+
 A restored state is checked before any of it is applied (:func:`check_saved`, on every rank): against the one schema
 of :mod:`lightning_pat.core.state_schema` (in ``core`` so that ``lightning-pat shrink`` and the shrink floor use the
 same one) and against the run (:func:`restore_context`: the trainer's ``global_step``, the clusters, the latents'
-shapes and dtypes, the activation readers, the layers).
+shapes and dtypes, and the scorers' checks of their entries).
 
 Why not the optimizer state (``optimizer.state[p]["pat_latent"]``, which torch's distributed optimizer state dict
 saves sharded)? Lightning's sharded load (``lightning.fabric.strategies.model_parallel._load_checkpoint``) reads each
@@ -55,10 +60,11 @@ from torch import Tensor
 from lightning_pat.core.saved_state import read_state
 from lightning_pat.core.schedule import Schedule, final_step_of
 from lightning_pat.core.spec import ResolvedCluster
-from lightning_pat.core.state_fields import rank_entry
-from lightning_pat.core.state_schema import StateContext, TensorFacts, check_state
+from lightning_pat.core.state_schema import EntryCheck, StateContext, check_state
 from lightning_pat.parallel.comm import dcp, dtensor, ranks
 from lightning_pat.pruning.options import MASK_SHAPING
+from lightning_pat.training import latent
+from lightning_pat.training.collectors import Collectors
 
 SIDE_PREFIX = "_lightning_pat."  # model-state keys that carry pruning state in a distributed checkpoint (not weights)
 DCP_PREFIX = SIDE_PREFIX + "latent."  # the sharded latents
@@ -122,12 +128,15 @@ def build(
     options: Mapping[str, Any],
     latents: dict[str, Any] | None,
     shrunk: bool,
-    activation: list[Any] | None,
-    taylor: list[Any] | None = None,
-    layer_scores: list[Any] | None = None,
+    collectors: Collectors,
+    gather: bool = True,
     allocation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions)."""
+    """A state (see the module docstring); ``clusters`` are resolved clusters (fingerprints and definitions).
+
+    The scorers' entries are the ``collectors``' own (:meth:`~lightning_pat.training.collectors.Collectors.state_dicts`:
+    with ``gather`` the ranks' states, a collective; else this rank's own).
+    """
     return {
         **progress.state_dict(),
         "dropped": {k: list(v) for k, v in dropped.items()},
@@ -137,9 +146,7 @@ def build(
         "options": dict(options),
         "latents": latents,
         "shrunk": shrunk,
-        "activation": activation,
-        "taylor": taylor,
-        "layer_scores": layer_scores,
+        **collectors.state_dicts(gather=gather),
         "allocation": allocation,
     }
 
@@ -196,18 +203,6 @@ def read_latents(
     return {n: dtensor.local_tensor(holders[prefix + n]) for n in like}
 
 
-def rank_activation(saved: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any]:
-    """This rank's activation statistics from a state's ``activation`` list; ``{}`` if there are none."""
-    # a window that starts after channel 0 exists exactly when some reader's input channels were split over ranks
-    partial = sorted({name for entry in saved or () for name, (offset, _) in entry.get("window", {}).items() if offset})
-    split = f"sharded by tensor parallelism (reader modules {partial[:3]} cover only some input channels per rank)"
-    return rank_entry(
-        saved, rank=ranks.world_rank(), world=ranks.world_size(), split=split if partial else None,
-        who="CoupledPruningCallback(score='activation')", entries="the statistics",
-        fix="resume with score='rms' (or a fresh run) to collect new statistics",
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------------- resume checks
 def restore_context(
     *,
@@ -215,8 +210,7 @@ def restore_context(
     clusters: Sequence[ResolvedCluster] | None = None,
     params: Mapping[str, Tensor] | None = None,
     latent_names: Sequence[str] = (),
-    readers: Mapping[str, int] | None = None,
-    layers: Sequence[str] | None = None,
+    entries: Mapping[str, EntryCheck] | None = None,
 ) -> StateContext:
     """What a run restoring a state knows (see :class:`~lightning_pat.core.state_schema.StateContext`).
 
@@ -225,19 +219,20 @@ def restore_context(
         clusters: The run's resolved clusters.
         params: Parameter name -> live parameter (for the latents' shapes and dtypes).
         latent_names: The parameters that get a latent copy.
-        readers: ``score="activation"``: reader module name -> ``in_features``.
-        layers: Layer units: the module paths of the layers.
+        entries: The scorers' checks of their entries (:meth:`~lightning_pat.training.collectors.Collectors.checks`).
     """
     facts = None
     if params is not None:
         facts = {
-            n: TensorFacts(tuple(params[n].shape), tuple(dtensor.local_tensor(params[n]).shape), params[n].dtype)
+            n: latent.TensorFacts(tuple(params[n].shape), tuple(dtensor.local_tensor(params[n]).shape), params[n].dtype)
             for n in latent_names
         }
-    return StateContext(
-        global_step=global_step, clusters=clusters, latents=facts, readers=readers, layers=layers,
-        world=ranks.world_size(), rank=ranks.world_rank(),
-    )  # fmt: skip
+    world, rank = ranks.world_size(), ranks.world_rank()
+
+    def latents(raw: object, what: str) -> None:
+        latent.check_entry(raw, what, facts=facts, world=world, rank=rank)
+
+    return StateContext(global_step=global_step, clusters=clusters, entries={"latents": latents, **(entries or {})})
 
 
 def check_saved(saved: Mapping[str, Any], context: StateContext) -> None:
@@ -364,8 +359,7 @@ def read(
     latent_mode: bool,
     heal: bool,
     ckpt_path: Any,
-    readers: Mapping[str, int] | None = None,
-    layers: Sequence[str] | None = None,
+    entries: Mapping[str, EntryCheck] | None = None,
     before_latents: Callable[[Mapping[str, Sequence[int]]], None] | None = None,
 ) -> Restored:
     """Check a restored state against the schema, the run and its continuation, then read it (on every rank).
@@ -385,16 +379,14 @@ def read(
         latent_mode: Whether the run is in latent mode.
         heal: Whether the mask freezes after the final ramp step.
         ckpt_path: The checkpoint (a ``dcp`` latent entry is read there).
-        readers: ``score="activation"``: reader module name -> ``in_features``.
-        layers: Layer units: the module paths of the layers.
+        entries: The scorers' checks of their entries (:meth:`~lightning_pat.training.collectors.Collectors.checks`).
         before_latents: Called with the saved dropped units once the checks passed.
 
     Raises:
         ValueError: As for :func:`check_restorable`, and whatever ``before_latents`` raises.
     """
     context = restore_context(
-        global_step=global_step, clusters=clusters, params=params, latent_names=latent_names, readers=readers,
-        layers=layers,
+        global_step=global_step, clusters=clusters, params=params, latent_names=latent_names, entries=entries,
     )  # fmt: skip
     needs_latents = False
     with ranks.together():

@@ -194,7 +194,7 @@ def _worker(rank: int, world: int, kind: str, d: int, f: int) -> dict:
         "averages": averages,
         "scores": {k: v.tolist() for k, v in scores.items()},
         "dropped": result.dropped,
-        "windows": dict(stats._window),  # noqa: SLF001 - which input channels this rank saw
+        "windows": stats.state_dict()["window"],  # which input channels this rank saw: [first, channels]
         "routes": {k: v[0] for k, v in pruner.routes.items()},
     }
 

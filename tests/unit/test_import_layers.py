@@ -10,8 +10,8 @@ floors listed for its own:
   the modules of parallel/comm/ and parallel/fsdp1.py (FSDP1's wrapper), the DTensor and mesh types also by
   parallel/placement.py and parallel/executors/sharded.py;
 * ``sizing`` (problem, solver, targets, flops): size targets to per-cluster targets; adds nothing but core;
-* ``scoring`` (hooks, activation, taylor, layers): the data-aware scores, collected from forwards and gradients; adds
-  core and parallel (the executors' evidence protocol, rank-ordered sums);
+* ``scoring`` (collector, hooks, activation, taylor, layers): the data-aware scores, collected from forwards and
+  gradients; adds core and parallel (the executors' evidence protocol, rank-ordered sums);
 * ``pruning`` (the ``pruning`` package: options, declarations, plan, pruner, the one-shot API, allocation; presets/;
   discovery: clusters found by tracing): adds heads, parallel, sizing, scoring, and shrink (discovery returns only
   clusters the shrink can rewrite, checked by the shrink's own validation and a trial shrink);

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -61,13 +61,13 @@ def fsdp2_policy(module: torch.nn.Module) -> Any | None:
     return state._mp_policy  # noqa: SLF001 - FSDP2 keeps the policy here
 
 
-def unsharded_class(module: torch.nn.Module) -> type:
+def unsharded_class(module: torch.nn.Module) -> type[torch.nn.Module]:
     """The class ``module`` had before ``fully_shard`` swapped it for its ``FSDP<Class>`` subclass."""
     from torch.distributed.fsdp import FSDPModule
 
     cls = type(module)
     if isinstance(module, FSDPModule):
-        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+        return cast("type[torch.nn.Module]", cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)])
     return cls
 
 

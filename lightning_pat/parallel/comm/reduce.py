@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    # re-exported for the executors, which hold groups but do not import torch.distributed
+    from torch.distributed import ProcessGroup as ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 

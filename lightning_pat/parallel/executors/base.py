@@ -19,9 +19,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_pat.core.masking import unit_channels, zero_channels_
+from lightning_pat.core.masking import zero_channels_
 from lightning_pat.core.norms import ACCUMULATION_DTYPE, channel_sq_sums, member_unit_abs_prod_sums
 from lightning_pat.core.spec import Member, ResolvedCluster
+from lightning_pat.core.units import unit_channels
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 
 
@@ -93,7 +94,7 @@ class Executor(ABC):
     def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
         self.clusters = list(clusters)
         self.params = {n: params[n] for rc in self.clusters for n in rc.param_names}
-        self._channels: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._channels: dict[tuple[str, int, int, int, int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._cache: dict[str, Tensor] | None = None  # dense copies, only inside a session
 
     @property

@@ -11,15 +11,20 @@ that a rank without a gradient can never leave the others waiting in a gather.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_pat.core.masking import count_zeros, scale_units_
 from lightning_pat.core.norms import ACCUMULATION_DTYPE, member_unit_sq_sums
+from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.parallel.executors.base import Executor, UnitAction
+
+if TYPE_CHECKING:
+    from lightning_pat.parallel.comm.reduce import ProcessGroup
 
 
 class MaterializingExecutor(Executor):
@@ -27,14 +32,15 @@ class MaterializingExecutor(Executor):
 
     kind = "materializing"
 
-    def __init__(self, clusters, params) -> None:  # noqa: ANN001 - same as base
+    def __init__(self, clusters: Sequence[ResolvedCluster], params: Mapping[str, Tensor]) -> None:
         super().__init__(clusters, params)
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
 
     def _get(self, name: str, dense: dict[str, Tensor], *, grads: bool = False) -> Tensor:
         key = f"{name}.grad" if grads else name
         if key not in dense:
             src = self.params[name].grad if grads else self.params[name]
+            assert src is not None  # gradients are read only where _grads_present found them
             dense[key] = dtensor.full_tensor(src)
         return dense[key]
 
@@ -48,7 +54,7 @@ class MaterializingExecutor(Executor):
             ValueError: If a DTensor parameter has a gradient on some ranks of its mesh and none on others.
         """
         present = {n for n in names if self.params[n].grad is not None}
-        by_group: dict[tuple[int, ...], tuple[object, list[str]]] = {}
+        by_group: dict[tuple[int, ...], tuple[ProcessGroup, list[str]]] = {}
         for name in names:
             param = self.params[name]
             if dtensor.is_dtensor(param):
@@ -107,6 +113,7 @@ class MaterializingExecutor(Executor):
                 touched.append(m.name)
         for name in dict.fromkeys(touched):
             target = self.params[name].grad if grads else self.params[name]
+            assert target is not None  # touched: gradients only where _grads_present found them
             dtensor.write_back_(target, cache[f"{name}.grad" if grads else name])
 
     @torch.no_grad()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 from torch import Tensor
 
+from lightning_pat.core.choices import EXECUTOR_KINDS, ExecutorKind
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel import placement
 from lightning_pat.parallel.comm import dtensor, reduce
@@ -14,14 +14,12 @@ from lightning_pat.parallel.executors.base import Executor
 from lightning_pat.parallel.executors.materializing import MaterializingExecutor
 from lightning_pat.parallel.executors.sharded import ShardedExecutor
 
-ExecutorKind = Literal["auto", "materializing", "sharded"]
-EXECUTOR_KINDS: tuple[str, ...] = ("auto", "materializing", "sharded")
-
 
 def sharded_reason(cluster: ResolvedCluster, params: Mapping[str, Tensor]) -> str | None:
     """Why ``cluster`` cannot take the sharded path (global metadata only), or ``None`` if it can."""
-    tensors = [params[m.name] for m in cluster.members]
-    if not all(dtensor.is_dtensor(t) for t in tensors):
+    members = [params[m.name] for m in cluster.members]
+    tensors = [t for t in members if dtensor.is_dtensor(t)]
+    if len(tensors) != len(members):
         return "plain tensors (not DTensors)"
     for m in cluster.members:
         if m.dim != (1 if m.role == "reader" else 0):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -37,6 +38,11 @@ from lightning_pat.parallel import placement
 from lightning_pat.parallel.comm import dtensor, ranks, reduce
 from lightning_pat.parallel.executors.base import Executor, Reduced, UnitAction
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pat.parallel.comm.reduce import ProcessGroup
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -51,7 +57,7 @@ class _Piece:
 class _Pack:
     """Clusters reduced together over ``group`` per step, summed in mesh-coordinate ``order``."""
 
-    group: object
+    group: ProcessGroup
     order: list[int]
     clusters: list[ResolvedCluster]
 
@@ -73,16 +79,17 @@ class ShardedExecutor(Executor):
     ) -> None:
         super().__init__(clusters, params)
         self._two_phase_min = self.two_phase_min_bytes  # decided at construction (the packs' lengths are not yet)
-        self._groups: dict[tuple[int, ...], object] = {}  # multi-axis process groups, owned by this executor
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # multi-axis process groups, owned by this executor
         self._pieces: dict[tuple[str, str], _Piece] = {}
         self._ungathered: list[ResolvedCluster] = []  # every member replicated: the local partial is complete
         packs: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pack] = {}  # (group ranks, order) -> pack
         mismatches: list[str] = []
         for rc in self.clusters:
-            first = self.params[rc.members[0].name]
+            first = cast("DTensor", self.params[rc.members[0].name])  # every member of an eligible cluster is one
             mesh = first.device_mesh
             coord = mesh.get_coordinate()
-            placements = [tuple(self.params[m.name].placements) for m in rc.members]
+            assert coord is not None  # this rank holds the parameter: it is in the mesh
+            placements = [tuple(cast("DTensor", self.params[m.name]).placements) for m in rc.members]
             reason = placement.cluster_reason(rc, placements, mesh_shape=tuple(mesh.shape))
             if reason is not None:  # global metadata: every rank raises here, before any collective
                 raise ValueError(f"Cluster {rc.name!r} cannot take the sharded path: {reason}.")
@@ -105,9 +112,9 @@ class ShardedExecutor(Executor):
             order = reduce.gather_order(mesh, axes, group)
             packs.setdefault((reduce.group_key(group), tuple(order)), _Pack(group, order, [])).clusters.append(rc)
         self._packs = list(packs.values())
-        counts: dict[tuple[int, ...], tuple[object, list[str]]] = {}  # whole-mesh group -> parameter names
+        counts: dict[tuple[int, ...], tuple[ProcessGroup, list[str]]] = {}  # whole-mesh group -> parameter names
         for name, tensor in self.params.items():
-            group = reduce.mesh_group(tensor.device_mesh, cache=self._groups)
+            group = reduce.mesh_group(cast("DTensor", tensor).device_mesh, cache=self._groups)
             counts.setdefault(reduce.group_key(group), (group, []))[1].append(name)
         self._count_groups = list(counts.values())
         # a local shape check must not make one rank raise while the others go on into a gather: agree first
@@ -146,7 +153,7 @@ class ShardedExecutor(Executor):
         for rc in self.clusters:
             total_C = None
             for m in rc.members:
-                param = self.params[m.name]
+                param = cast("DTensor", self.params[m.name])
                 piece = self._pieces[(rc.name, m.name)]
                 local = dtensor.local_tensor(param)
                 grad = param.grad
@@ -255,11 +262,13 @@ class ShardedExecutor(Executor):
     # ------------------------------------------------------------------ masking
     def _apply_member(self, target: Tensor, rc: ResolvedCluster, m: Member, action: UnitAction) -> None:
         piece = self._pieces[(rc.name, m.name)]
-        in_place = dtensor.is_dtensor(target) and tuple(target.placements) == tuple(self.params[m.name].placements)
+        param = cast("DTensor", self.params[m.name])
+        in_place = dtensor.is_dtensor(target) and tuple(target.placements) == tuple(param.placements)
         if in_place:
             local = dtensor.local_tensor(target)
             offset, length = piece.offset, piece.length
         else:  # a gradient laid out differently: same decision on every rank (placements are global metadata)
+            target = cast("DTensor", target)  # its mesh and placements are read (a plain tensor has none)
             if not reduce.mesh_is_increasing(target.device_mesh):
                 raise ValueError(
                     f"Cluster {rc.name!r}, member {m.name!r}: the gradient is laid out as {tuple(target.placements)}, "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,9 @@ from lightning_pat.training.distill.teacher import (
     replace_logits,
     teacher_copy,
 )
+
+if TYPE_CHECKING:
+    from lightning_pat.pruning.options import Distillation
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,19 @@ class Distiller:
         self._saved: dict[str, Tensor] | None = None  # a restored teacher's weights, until the teacher is rebuilt
         self._skeleton: nn.Module | None = None  # a dense copy taken before a shrunk checkpoint loaded
         self.sharded_ckpt = False  # checkpoints are distributed checkpoints (a sharded teacher's shards go there)
+
+    @classmethod
+    def of(cls, options: Distillation, *, error: type[Exception] = ValueError) -> Distiller:
+        """A distiller for the options' distillation group (its alpha, temperature, teacher and teacher store).
+
+        Args:
+            options: The checked ``distill_*`` options (``PruningOptions.distillation``).
+            error: The exception type of the errors raised later (the callback's ``MisconfigurationException``).
+        """
+        return cls(
+            alpha=options.alpha, temperature=options.temperature, teacher=options.teacher, error=error,
+            store=options.teacher_store,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ setup
     def bind(self, root: nn.Module, module_name: str, *, accumulate: int = 1, sharded_ckpt: bool = False) -> None:

@@ -235,17 +235,22 @@ def test_a_shared_budget_may_empty_one_cluster_but_not_itself():
     check_state({**state, "options": {"target_sparsity": 1.0}, "dropped": {"a": [0, 1], "c": [0, 1]}})  # asked for
 
 
-def test_layer_scores_and_taylor_sums_are_checked():
-    check_state({"step": 0, "dropped": {}, "layer_scores": [{"sum": {"l.0": 0.5}, "count": {"l.0": 2.0}}]})
-    with pytest.raises(StateError, match=r"`layer_scores\[0\].sum` names layers \['l.9'\]"):
-        check_state(
-            {"step": 0, "dropped": {}, "layer_scores": [{"sum": {"l.9": 0.5}, "count": {}}]},
-            context=StateContext(layers=["l.0"]),
-        )
-    with pytest.raises(StateError, match=r"`layer_scores\[0\].count\['l.0'\]` must be finite"):
-        check_state({"step": 0, "dropped": {}, "layer_scores": [{"sum": {}, "count": {"l.0": float("inf")}}]})
-    with pytest.raises(StateError, match=r"`taylor\[0\].sums\['x'\]` holds negative values"):
-        check_state({"step": 0, "dropped": {}, "taylor": [{"steps": 1, "sums": {"x": -torch.ones(2)}}]})
+def test_the_scorers_entries_are_checked_by_their_owners_only():
+    """Core reads no statistics: it checks them only through the checks a resume passes in (tests/unit/scoring/
+    test_collector.py has the scorers' own), after the core entries, with the state's name."""
+    bad = {"step": 0, "dropped": {}, "layer_scores": [{"sum": {}, "count": {"l.0": float("inf")}}], "taylor": "x"}
+    assert check_state(bad) == []  # a shrink does not read them
+    seen = []
+    check_state(bad, context=StateContext(entries={"taylor": lambda raw, what: seen.append((raw, what))}))
+    assert seen == [("x", "the checkpoint's pruning state")]
+
+    def refuse(raw, what):
+        raise StateError(f"{what}: `activation` refused")
+
+    with pytest.raises(StateError, match=r"`step` must be an int"):  # the core entries first
+        check_state({**bad, "step": "1"}, context=StateContext(entries={"activation": refuse}))
+    with pytest.raises(StateError, match=r"^the checkpoint's pruning state: `activation` refused$"):
+        check_state(bad, context=StateContext(entries={"activation": refuse}))  # called with None: nothing saved
 
 
 def test_a_state_that_is_not_a_mapping_is_refused_when_loaded():

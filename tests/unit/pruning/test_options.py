@@ -16,7 +16,14 @@ from torch import nn
 from lightning_pat import Cluster, presets, resolve_clusters
 from lightning_pat.core.checks import check_bool, check_choice, check_number
 from lightning_pat.presets.registry import expand
-from lightning_pat.pruning.options import PruningOptions, StepOptions
+from lightning_pat.pruning.options import (
+    SIZE_OPTIONS,
+    Distillation,
+    PruningOptions,
+    SizeTarget,
+    StepOptions,
+    check_one_size,
+)
 from lightning_pat.pruning.plan import make_plan
 from lightning_pat.pruning.pruner import Pruner
 
@@ -37,6 +44,16 @@ SHARED = {
     "seq_len zero": ({"target_flops": "1M", "seq_len": 0}, r"`seq_len` .* must be an int >= 1, got 0"),
     "min_kept": ({"target_params": 0.5, "min_kept": 0.5}, r"set target_widths='ranked' too"),
 }
+
+
+SIZED = [case for case, (options, _) in SHARED.items() if set(options) <= set(SIZE_OPTIONS)]
+
+
+@pytest.mark.parametrize("case", SIZED, ids=SIZED)
+def test_the_size_target_group_words_a_bad_size_option_as_the_entry_points_do(case):
+    options, match = SHARED[case]
+    with pytest.raises(ValueError, match=match):
+        SizeTarget(**options)
 
 
 @pytest.mark.parametrize("case", list(SHARED), ids=list(SHARED))
@@ -66,7 +83,7 @@ def test_step_options_refuse_what_only_one_step_cannot_do():
 def test_a_size_target_drops_the_sparsity_with_a_warning():
     with pytest.warns(UserWarning, match=r"prune_clusters: `sparsity=0.5` is unused"):
         opts = StepOptions(sparsity=0.5, target_params="1M")
-    assert (opts.sparsity, opts.size_target) == (None, "1M")
+    assert (opts.sparsity, opts.sizing.value) == (None, "1M")
 
 
 def _mlp() -> tuple[nn.Module, list]:
@@ -134,3 +151,61 @@ def test_check_number_integer_choice_and_bool():
     check_bool("b", False)
     with pytest.raises(ValueError, match=r"`b` must be a bool \(True or False\), got 'false'"):
         check_bool("b", "false")
+
+
+def test_the_groups_hold_the_flat_options_and_the_saved_size_options_keep_their_format():
+    flat = {"target_params": "1M", "target_side": "above", "target_widths": "ranked", "min_kept": 0.5}
+    opts = PruningOptions(clusters="linear_chain", **flat)
+    assert opts.sizing == SizeTarget(**flat)
+    assert (opts.sizing.value, opts.sizing.option, opts.size_target) == ("1M", "target_params", "1M")
+    # a saved ``allocation`` entry's ``options``: these names, in this order, with the flat values
+    assert list(opts.size_options()) == [
+        "target_params", "target_flops", "seq_len", "target_side", "target_layers", "target_widths", "min_kept",
+        "target_allocation",
+    ]  # fmt: skip
+    assert opts.size_options() == {name: getattr(opts, name) for name in SIZE_OPTIONS}
+    step = StepOptions(target_flops="2M", seq_len=16, target_allocation="fractions")
+    assert (step.sizing.value, step.sizing.option, step.sizing.target_allocation) == ("2M", "target_flops", "fractions")
+    assert StepOptions(sparsity=0.5).sizing == SizeTarget(target_allocation="importance")
+
+
+def test_the_distillation_group_holds_the_flat_options_normalised(tmp_path):
+    teacher = nn.Linear(2, 2)
+    opts = PruningOptions(
+        clusters="linear_chain", distill_alpha=1, distill_temperature=2, distill_teacher=teacher,
+        distill_module="model", distill_teacher_store="file", distill_teacher_dir=tmp_path,
+    )  # fmt: skip
+    group = opts.distillation
+    assert (group.alpha, group.temperature, group.module, group.teacher_store) == (1.0, 2.0, "model", "file")
+    assert isinstance(group.alpha, float)
+    assert isinstance(group.temperature, float)
+    assert group.teacher is teacher
+    assert group.teacher_dir == str(tmp_path) == opts.distill_teacher_dir
+    assert (opts.distill_alpha, opts.distill_temperature, opts.distill) == (1.0, 2.0, True)
+    assert not PruningOptions(clusters="linear_chain").distillation.on
+    for bad, match in (
+        ({"alpha": 2.0}, r"`distill_alpha` must be a number \[0.0, 1.0\], got 2.0"),
+        ({"temperature": 0}, r"`distill_temperature` must be a number > 0"),
+        ({"alpha": 0.5, "teacher_dir": "x"}, r"`distill_teacher_dir='x'` is set but `distill_teacher_store` is"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Distillation(**bad)
+        with pytest.raises(ValueError, match=match):
+            PruningOptions(clusters="linear_chain", **{f"distill_{k}": v for k, v in bad.items()})
+
+
+def test_exactly_one_size_is_worded_per_entry_point():
+    with pytest.raises(ValueError) as one_step:
+        check_one_size("prune_clusters", sparsity=None, target_params=None, target_flops=None)
+    assert str(one_step.value) == (
+        "prune_clusters needs `sparsity` (a fraction of each cluster's units), `target_params` (a size such as '350M' "
+        "or 0.5 of the model) or `target_flops` (FLOPs per token), exactly one of them; got sparsity=None, "
+        "target_params=None, target_flops=None."
+    )
+    with pytest.raises(ValueError) as sizing:
+        check_one_size("size_clusters", target_params=0.5, target_flops="1M")
+    assert str(sizing.value) == (
+        "size_clusters needs `target_params` or `target_flops`, exactly one of them; got target_params=0.5, "
+        "target_flops='1M'."
+    )
+    check_one_size("size_clusters", target_params=0.5, target_flops=None)

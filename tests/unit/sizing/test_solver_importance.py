@@ -18,8 +18,8 @@ from torch import nn
 from lightning_pat import Cluster, presets, prune_clusters, resolve_clusters, shrink
 from lightning_pat.core.selection import bottom_k_floored
 from lightning_pat.scoring.activation import calibrate
-from lightning_pat.sizing.problem import Group, count_params
-from lightning_pat.sizing.solver import elimination_order, solve
+from lightning_pat.sizing.problem import Group
+from lightning_pat.sizing.solver import count_params, elimination_order, solve
 from lightning_pat.sizing.targets import unit_costs
 from tests.common import tiny_families as fam
 

@@ -76,12 +76,6 @@ def test_progress_prox_step_per_mode_and_round_trip():
     assert state.Progress.from_state({}) == state.Progress()
 
 
-def test_rank_activation_picks_this_rank_or_the_first():
-    assert state.rank_activation(None) == {}
-    assert state.rank_activation([{"r": 0}, {"r": 1}]) == {"r": 0}  # one process: rank 0
-    assert state.rank_activation([{"r": 7}]) == {"r": 7}
-
-
 def test_resumed_options_refuse_what_cannot_take_effect():
     saved = {"warmup_steps": 2, "ramp_steps": 6, "target_sparsity": 0.5, "heal": True}
     with pytest.raises(ValueError, match=r"step 5 inside the ramp.*final ramp step at 4, already past"):
@@ -133,17 +127,3 @@ def test_optimizer_state_cannot_carry_latents_through_lightnings_sharded_load(tm
     dcp.load(template, checkpoint_id=tmp_path)
     with pytest.raises(RuntimeError, match="Missing optimizer state for parameter"):
         set_optimizer_state_dict(seeded, seeded_opt, optim_state_dict=template["optimizer_0"])
-
-
-def test_rank_activation_refuses_tensor_parallel_statistics_on_another_world_size():
-    """Statistics split over input channels (a window after channel 0 exists) cannot move to another world size;
-    statistics that cover every channel (DDP, FSDP2) can (each rank resumes some rank's statistics)."""
-    ema = torch.ones(4, dtype=torch.float64)
-    split = [
-        {"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [0, 4]}},
-        {"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [4, 4]}},
-    ]
-    with pytest.raises(ValueError, match=r"statistics of 2 rank\(s\) sharded by tensor parallelism.*this run has 1"):
-        state.rank_activation(split)
-    whole = [{"ema": {"down": ema}, "count": {"down": 1}, "window": {"down": [0, 4]}} for _ in range(2)]
-    assert state.rank_activation(whole) is whole[0]
