@@ -17,9 +17,11 @@ every decoder layer), not by family name. :func:`moe` declares, per layer:
   (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
   ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
-  in OLMoE, FlexOlmo and MiniMax-M2, or where the attention holds per-head parameters of its own, gpt-oss's
-  ``sinks``: no head cut is exact or expressible there, and the preset says so)
-  (:func:`lightning_pat.presets.transformers.llama`).
+  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds per-head parameters of its own, gpt-oss's
+  ``sinks``, or where linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible
+  there, and the preset says so) (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
+  attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
+  latents and the shared rotary key stay whole).
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
@@ -229,6 +231,38 @@ def covers(model: nn.Module) -> bool:
     return seen == moe_layers | dense and not moe_layers & dense
 
 
+def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
+    """The head count of the model's MLA layers, if each holds DeepSeek's projections and head sizes, else ``None``.
+
+    A head ``h`` is exactly removable: its query rows (``q_b_proj``, or ``q_proj`` without a query LoRA), its rows of
+    ``kv_b_proj`` (its k without position and its v) and its ``o_proj`` columns; the latents and the shared rotary
+    key stay. The shrink then writes ``num_attention_heads`` and ``num_key_value_heads`` (one KV head per head).
+    """
+    attns = [
+        m for n, m in model.named_modules() if re.fullmatch(rf"{re.escape(prefix)}layers\.\d+\.{_WRAPPERS}self_attn", n)
+    ]
+    counts: set[int] = set()
+    for attn in attns:
+        heads = getattr(attn, "num_heads", None)
+        nope, rope, v = (getattr(attn, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        kv_b, o = getattr(attn, "kv_b_proj", None), getattr(attn, "o_proj", None)
+        q = getattr(attn, "q_b_proj", None) or getattr(attn, "q_proj", None)
+        if not (
+            isinstance(heads, int)
+            and isinstance(nope, int)
+            and isinstance(rope, int)
+            and isinstance(v, int)
+            and isinstance(kv_b, nn.Linear)
+            and isinstance(o, nn.Linear)
+            and isinstance(q, nn.Linear)
+        ):
+            return None
+        if (q.out_features, kv_b.out_features, o.in_features) != (heads * (nope + rope), heads * (nope + v), heads * v):
+            return None
+        counts.add(heads)
+    return counts.pop() if len(counts) == 1 else None
+
+
 def _mla(model: nn.Module, names: list[str]) -> bool:
     """Whether the layers' attention is DeepSeek's multi-head latent attention (a ``kv_b_proj``, no ``k_proj``)."""
     return any(n.endswith("self_attn.kv_b_proj.weight") for n in names) and not any(
@@ -293,15 +327,17 @@ def moe(
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
     mla = _mla(model, names)
-    if heads and mla:
+    mla_heads = _mla_heads(model, names, prefix) if heads and mla else None
+    if heads and mla and mla_heads is None:
         _tell(
             model,
-            "presets.moe: the heads of %s are not cut: its multi-head latent attention (MLA) reads every head "
-            "through shared latent projections (kv_a_proj_with_mqa, kv_b_proj), which no head cut of the preset "
-            "declares yet; heads.{layer} left out (its MLPs and experts are cut)",
+            "presets.moe: the heads of %s are not cut: its multi-head latent attention (MLA) does not read its head "
+            "count and sizes from the config as DeepSeek-V2/V3 do (num_attention_heads, qk_nope_head_dim, "
+            "qk_rope_head_dim, v_head_dim); heads.{layer} left out (its MLPs and experts are cut)",
             type(model).__name__,
         )
-        heads = False
+    if mla:
+        heads = False  # declared below from the latent projections, not from the Llama layout
     if heads and has(_LINEAR_ATTENTION):
         _tell(
             model,
@@ -356,6 +392,10 @@ def moe(
     if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
         fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
+    if mla_heads is not None:  # head h: its q rows, its k and v rows of kv_b_proj, its o_proj columns
+        q = r"self_attn\.q_b_proj\.weight" if has(r"self_attn\.q_b_proj\.weight") else r"self_attn\.q_proj\.weight"
+        out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
+                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
     if experts:
         parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
         if has(rf"{block}\.{router}\.bias"):

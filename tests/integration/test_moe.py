@@ -518,12 +518,13 @@ def deepseek(model_type: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
-def test_deepseek_cuts_mlps_shared_and_routed_experts_leaves_mla_heads_with_a_reason(model_type, tmp_path, caplog):
+def test_deepseek_cuts_mla_heads_mlps_shared_and_routed_experts_exactly_with_stock_reload(model_type, tmp_path):
     model = deepseek(model_type)
-    with caplog.at_level("WARNING", logger="lightning_pat.presets.experts"):
-        res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
-    assert caplog.text.count("multi-head latent attention (MLA)") == 1  # said once, with the reason
-    assert sorted(res.dropped) == ["experts.1", "mlp.0", "mlp.1"]  # dense MLP, experts + shared experts, experts
+    with torch.no_grad():
+        dense = model(ids()).logits
+    res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
+    assert sorted(res.dropped) == ["experts.1", "heads.0", "heads.1", "mlp.0", "mlp.1"]  # mlp.1: experts + shared
+    assert all(len(res.dropped[f"heads.{i}"]) == 2 for i in range(2))  # MLA: q, kv_b rows and o columns per head
     dropped = torch.tensor(res.dropped["experts.1"])
     assert torch.bincount(dropped // 4, minlength=2).tolist() == [2, 2]  # each routing group keeps the same number
     gate = model.model.layers[1].mlp.gate
@@ -532,6 +533,10 @@ def test_deepseek_cuts_mlps_shared_and_routed_experts_leaves_mla_heads_with_a_re
             gate.e_score_correction_bias[dropped] = 5.0
     reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
     cfg = reloaded.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 2)
+    assert reloaded.model.layers[0].self_attn.kv_b_proj.out_features == 2 * (16 + 16)
+    with torch.no_grad():
+        assert rel(reloaded(ids()).logits, dense) > 1e-3  # something was cut
     assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 1, 2)
     assert (cfg.moe_intermediate_size, cfg.intermediate_size) == (16, 64)
     block = reloaded.model.layers[1].mlp
@@ -544,16 +549,18 @@ def test_deepseek_cuts_mlps_shared_and_routed_experts_leaves_mla_heads_with_a_re
 
 def test_deepseek_v3_refuses_a_cut_its_group_limited_routing_cannot_take():
     model = deepseek("deepseek_v3")
-    clusters = lp.presets.resolve_preset("moe", model, mlp=False)
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
     res = lp.prune_clusters(model, clusters, 0.75)  # 1 expert per group: V3 scores a group by its top 2
     with pytest.raises(ValueError, match=r"keeps \[1, 1\] experts per group, .* at least 2"):
         lp.shrink(model, res)
 
 
-def test_callback_prunes_deepseek_v3_experts_and_mlps_then_shrinks_exactly(tmp_path):
+def test_callback_prunes_deepseek_v3_heads_experts_and_mlps_then_shrinks_exactly(tmp_path):
     module = ZooMoEStep("deepseek_v3")
     cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
     quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
     assert (len(cb.dropped["experts.1"]), len(cb.dropped["mlp.0"]), len(cb.dropped["mlp.1"])) == (4, 64, 16)
+    assert len(cb.dropped["heads.0"]) == 2
     reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
-    assert (reloaded.config.n_routed_experts, reloaded.config.moe_intermediate_size) == (4, 16)
+    cfg = reloaded.config
+    assert (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_attention_heads) == (4, 16, 2)
