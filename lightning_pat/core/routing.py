@@ -1,14 +1,16 @@
 """Routing around dropped experts: what a masked mixture-of-experts model computes.
 
 Dropping expert ``e`` of a layer removes its slices of the fused expert weights and row ``e`` of the router, so the
-shrunk router's softmax and top-k run over the kept experts only. Zeros cannot express that (a zero router row gives
-logit 0, which top-k may still pick), so the masked model routes with a forward hook on each router
-(:func:`route_around_dropped`): an expert whose router row is exactly zero (a dropped expert; a trained router row is
-never all zeros) gets the lowest logit, so that it is never picked while ``top_k`` experts are kept, and gets weight
-exactly 0 otherwise. The hook recomputes the router's scores from those logits as the stock router does (softmax,
-top-k, the top-k weights renormalized where the router does so; GraniteMoE: top-k of the logits, then their softmax).
-Hence the masked model computes what the shrunk one computes, and no state beyond the weights is needed (a resumed
-run or a reloaded masked checkpoint routes the same).
+shrunk router scores and picks among the kept experts only. Zeros cannot express that (a zero router row gives
+logit 0, which top-k may still pick), so the masked model routes with hooks on each router
+(:func:`route_around_dropped`): while the router runs, its logits (the output of ``F.linear(x, router.weight)`` or
+``x @ router.weight.T``, in any dtype the router casts its weight to) get the lowest finite value for every expert
+whose router row is exactly zero (a dropped expert; a trained router row is never all zeros), and a per-expert
+selection bias passed to the router or held by it (MiniMax-M2's and DeepSeek-V3's ``e_score_correction_bias``) the
+same. The router's own code then runs on those logits, whatever it does with them (softmax then top-k, top-k then
+softmax, a sigmoid, PhiMoE's sparsemixer, DeepSeek's group-limited top-k): a dropped expert is never picked while
+``top_k`` experts are kept (DeepSeek: in the groups it picks), and weighs exactly 0 otherwise, as in the shrunk model.
+No state beyond the weights is needed (a resumed run or a reloaded masked checkpoint routes the same).
 """
 
 from __future__ import annotations
@@ -18,53 +20,107 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F  # noqa: N812 - the usual name
+from torch.overrides import TorchFunctionMode
 
 from lightning_pat.core.spec import ResolvedCluster
 
-#: Top-k routers whose scores are ``softmax(logits)``, top-k, then (``norm_topk_prob``, or always) renormalized.
-SOFTMAX_TOPK_ROUTERS: tuple[str, ...] = (
-    "MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
-)  # fmt: skip
-#: Top-k routers whose scores are the softmax of the top-k logits (GraniteMoE).
-TOPK_SOFTMAX_ROUTERS: tuple[str, ...] = ("GraniteMoeTopKRouter",)
 _HOOK_ATTR = "_lightning_pat_routing_hook"
+_MODE_ATTR = "_lightning_pat_routing_mode"
+#: Buffers of a router holding one selection bias per expert (masked like the logits while the router runs).
+SELECTION_BIASES = ("e_score_correction_bias",)
+#: Tensor methods whose result is the router's weight in another dtype, device or memory layout.
+_SAME = frozenset(
+    (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+     torch.Tensor.double, torch.Tensor.contiguous, torch.Tensor.detach, torch.Tensor.type_as)
+)  # fmt: skip
+#: Those whose result is its transpose, ``(H, E)``.
+_TRANSPOSED = frozenset((torch.Tensor.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.t))  # type: ignore[attr-defined]
 
 
 def is_router(module: nn.Module) -> bool:
-    """Whether ``module`` is a top-k router this module can route around dropped experts for."""
+    """Whether ``module`` is a top-k router: a ``*Router`` class, a 2-D ``weight`` ``(E, H)``, an int ``top_k``."""
     weight = module._parameters.get("weight")  # noqa: SLF001 - this module's own parameter
+    top_k = getattr(module, "top_k", None)
     return (
-        type(module).__name__ in (*SOFTMAX_TOPK_ROUTERS, *TOPK_SOFTMAX_ROUTERS)
+        "router" in type(module).__name__.lower()
         and weight is not None
         and weight.dim() == 2
-        and isinstance(getattr(module, "top_k", None), int)
+        and isinstance(top_k, int)
+        and not isinstance(top_k, bool)
     )
 
 
-def _renormalizes(router: nn.Module) -> bool:
-    return bool(getattr(router, "norm_topk_prob", True))  # Mixtral (no attribute) always renormalizes
+class _MaskLogits(TorchFunctionMode):
+    """Fills the dropped experts' logits with the lowest finite value wherever the router's weight makes logits."""
+
+    def __init__(self, weight: Tensor, dropped: Tensor) -> None:
+        super().__init__()
+        self.dropped = dropped
+        self.rows: dict[int, Tensor] = {id(weight): weight}  # the weight as (E, H), in any dtype
+        self.cols: dict[int, Tensor] = {}  # its transpose (H, E)
+
+    def _mask(self, out: Any) -> Any:
+        if isinstance(out, Tensor) and out.dtype.is_floating_point and out.shape[-1:] == self.dropped.shape:
+            return out.masked_fill(self.dropped.to(out.device), torch.finfo(out.dtype).min)
+        return out
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        first = args[0] if args else None
+        if func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            return self._mask(out) if weight is not None and id(weight) in self.rows else out
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) > 1:
+            return self._mask(out) if id(args[1]) in self.cols else out
+        if isinstance(out, Tensor) and isinstance(first, Tensor):
+            for same, other in ((self.rows, self.cols), (self.cols, self.rows)):
+                if id(first) in same and func in _SAME:
+                    same[id(out)] = out
+                elif id(first) in same and func in _TRANSPOSED:
+                    other[id(out)] = out
+        return out
 
 
-def _route_hook(router: nn.Module, _inputs: Any, output: Any) -> Any:
+def _dropped(router: nn.Module) -> Tensor | None:
     weight: Tensor = router._parameters["weight"]  # type: ignore[assignment]  # noqa: SLF001 - is_router checked it
-    top_k: int = router.__dict__["top_k"]
-    dropped_E = torch.eq(weight, 0).all(dim=1)
-    if not bool(dropped_E.any()):
-        return output
-    logits, scores = output[0], output[1]
-    logits = logits.masked_fill(dropped_E, torch.finfo(logits.dtype).min)
-    if type(router).__name__ in TOPK_SOFTMAX_ROUTERS:
-        top_logits, top_index = torch.topk(logits, top_k, dim=-1)
-        return (logits, torch.softmax(top_logits, dim=-1).to(scores.dtype), top_index, *output[3:])
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    top_value, top_index = torch.topk(probs, top_k, dim=-1)
-    if _renormalizes(router):
-        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
-    return (logits, top_value.to(scores.dtype), top_index, *output[3:])
+    dropped = torch.eq(weight.detach(), 0).all(dim=1)
+    return dropped if bool(dropped.any()) else None
+
+
+def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dropped = _dropped(router)
+    if dropped is None:
+        return None
+    mode = _MaskLogits(router._parameters["weight"], dropped)  # type: ignore[arg-type]  # noqa: SLF001
+
+    def bias(a: Any) -> Any:  # a per-expert selection bias (MiniMax-M2: passed in; DeepSeek-V3: the router's own)
+        if isinstance(a, Tensor) and a.dtype.is_floating_point and a.shape == dropped.shape:
+            return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
+        return a
+
+    buffers = router._buffers  # noqa: SLF001 - the router's own buffers, put back by the post-hook
+    saved = {k: buffers[k] for k in SELECTION_BIASES if buffers.get(k) is not None}
+    for k, buf in saved.items():
+        buffers[k] = bias(buf)
+    mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
+    router.__dict__[_MODE_ATTR] = (mode, saved)
+
+    return (args[0], *(bias(a) for a in args[1:])), {k: bias(v) for k, v in kwargs.items()}
+
+
+def _after(router: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
+    state = router.__dict__.pop(_MODE_ATTR, None)
+    if state is not None:
+        mode, saved = state
+        mode.__exit__(None, None, None)
+        router._buffers.update(saved)  # noqa: SLF001 - the buffers _before swapped
+    return output
 
 
 def route_around_dropped(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> int:
-    """Put the routing hook (see the module docs) on every router whose rows are units of one of ``clusters``.
+    """Put the routing hooks (see the module docs) on every router whose rows are units of one of ``clusters``.
 
     Idempotent: a router hooked already is left as it is.
 
@@ -80,6 +136,10 @@ def route_around_dropped(model: nn.Module, clusters: Sequence[ResolvedCluster]) 
     for name, module in model.named_modules():
         weight = f"{name}.weight" if name else "weight"
         if weight in rows and is_router(module) and getattr(module, _HOOK_ATTR, None) is None:
-            setattr(module, _HOOK_ATTR, module.register_forward_hook(_route_hook))
+            handles = (
+                module.register_forward_pre_hook(_before, with_kwargs=True),
+                module.register_forward_hook(_after, with_kwargs=True, always_call=True),
+            )
+            setattr(module, _HOOK_ATTR, handles)
             count += 1
     return count

@@ -38,6 +38,7 @@ from typing import Any, cast
 
 from torch.fx import Node
 
+from lightning_pat.discovery import weights
 from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
 from lightning_pat.discovery.nodes import node_shape, op_name
 
@@ -115,8 +116,14 @@ def _contract(w: Labelling, labels: list[Label], op: str) -> None:
 
 
 def _matmul(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    """``matmul``/``bmm`` of two activations with at least 2 dims: batch axes joined, the contracted axis poisoned."""
+    """``matmul``/``bmm`` of two activations with at least 2 dims: batch axes joined, the contracted axis poisoned.
+
+    ``matmul(x, W.T)`` of a 2-D parameter ``W`` is a linear layer (:func:`~lightning_pat.discovery.weights.
+    matmul_transposed`).
+    """
     a, b = node.args[0], node.args[1]
+    if op_name(node) == "matmul" and (wname := weights.transposed_param(w, b)) is not None:
+        return weights.matmul_transposed(w, node, wname, out)  # `x @ weight.T`: a linear layer
     sa, sb = node_shape(a), node_shape(b)
     if out is None or sa is None or sb is None or len(sa) < 2 or len(sb) < 2:
         return NotImplemented

@@ -190,7 +190,7 @@ def _permute(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     n = len(shape)
     if op == "permute":
         order = [d % n for d in cast("list[int]", node.args[1])]
-    elif op == "t":
+    elif op in ("t", "numpy_T"):  # `W.t()`, `W.T`: every dim reversed
         order = list(range(n))[::-1]
     else:  # transpose
         a, b = cast(int, node.args[1]) % n, cast(int, node.args[2]) % n
@@ -336,6 +336,7 @@ HANDLERS: dict[str, Handler] = {
     "permute": _permute,
     "transpose": _permute,
     "t": _permute,
+    "numpy_T": _permute,
     "expand": _expand,
     "expand_as": _expand,  # F.normalize: the norm expanded to its input's shape
     "slice": _slice,

@@ -98,7 +98,18 @@ class Walk(Labelling):
         return self.unknown(node, op)
 
     def note_direct(self, node: Node, op: str) -> None:
-        """Parameters used outside a weight slot of an op we understand."""
+        """Parameters used outside a weight slot of an op we understand.
+
+        A 2-D parameter transposed only to be an ``mm``/``addmm`` weight (``x @ weight.T``) is in a weight slot.
+        """
+        if op in weights.TRANSPOSES and weights.transposed_param(self, node) is not None:
+            users = list(node.users)
+            if users and all(
+                (_op_name(u) in ("mm", "addmm") and u.args[-1] is node and node not in u.args[:-1])
+                or (_op_name(u) == "matmul" and u.args[1] is node and u.args[0] is not node)
+                for u in users
+            ):
+                return
         slots = _SLOTS.get(op, ())
         for i, arg in enumerate(node.args):
             name = self.param_of(arg)

@@ -39,19 +39,52 @@ def _linear(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return (*lab[:-1], ((space, out[-1], 1),))
 
 
+#: Ops that transpose a 2-D tensor (``W.T``, ``W.t()``, ``W.permute(1, 0)``, ``W.transpose(0, 1)``).
+TRANSPOSES = frozenset(("t", "permute", "transpose", "numpy_T"))
+
+
+def transposed_param(w: Labelling, arg: Any) -> str | None:
+    """The 2-D parameter ``arg`` is the transpose of (Falcon's ``x @ self.weight.T``), else ``None``."""
+    if not isinstance(arg, Node) or arg.op != "call_function" or _op_name(arg) not in TRANSPOSES or not arg.args:
+        return None
+    name = w.param_of(arg.args[0])
+    shape = _shape(arg.args[0].meta.get("val")) if isinstance(arg.args[0], Node) else None
+    return name if name is not None and shape is not None and len(shape) == 2 else None
+
+
 def _addmm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    """``addmm(bias, x, W)`` / ``mm(x, W)`` with a parameter ``W`` of shape ``[in, out]`` (transformers ``Conv1D``)."""
+    """``addmm(bias, x, W)`` / ``mm(x, W)`` with a parameter ``W`` of shape ``[in, out]``.
+
+    ``W`` is a parameter ``[in, out]`` (transformers ``Conv1D``), or the transpose of a parameter ``[out, in]``
+    (``x @ weight.T``, Falcon's linear layers).
+    """
     bias, x, weight = (node.args[0], node.args[1], node.args[2]) if _op_name(node) == "addmm" else (None, *node.args)
     wname, bname = w.param_of(weight), w.param_of(bias)
+    in_dim, out_dim = 0, 1
+    if wname is None and (wname := transposed_param(w, weight)) is not None:
+        in_dim, out_dim = 1, 0
     if wname is None or (bias is not None and bname is None) or out is None or len(out) != 2:
         return NotImplemented
     lab = w.ndim_label(x, 2)
-    w.add_segments(wname, "in", 0, lab[1])
+    w.add_segments(wname, "in", in_dim, lab[1])
     space = w.new_space(out[1])
-    w.add_member(wname, "out", 1, 0, out[1], space)
+    w.add_member(wname, "out", out_dim, 0, out[1], space)
     if bname is not None:
         w.add_member(bname, "out", 0, 0, out[1], space)
     return (lab[0], ((space, out[1], 1),))
+
+
+def matmul_transposed(w: Labelling, node: Node, wname: str, out: tuple[int, ...] | None) -> Any:
+    """``matmul(x, W.T)`` with a parameter ``W`` ``[out, in]``: a linear layer without bias (Falcon's)."""
+    x = node.args[0]
+    shape = _shape(x.meta.get("val")) if isinstance(x, Node) else None
+    if shape is None or out is None or len(shape) < 1:
+        return NotImplemented
+    lab = w.ndim_label(x, len(shape))
+    w.add_segments(wname, "in", 1, lab[-1])
+    space = w.new_space(out[-1])
+    w.add_member(wname, "out", 0, 0, out[-1], space)
+    return (*lab[:-1], ((space, out[-1], 1),))
 
 
 def _embedding(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:

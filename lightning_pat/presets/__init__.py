@@ -23,8 +23,9 @@ Families: ``llama`` (also ``mistral``, ``qwen2``, ``qwen3``: ``*.layers.N.self_a
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``embed_tokens``,
 ``lm_head``; Qwen3's per-head ``q_norm``/``k_norm`` act over ``head_dim`` and belong to no cluster), ``gpt2``
 (``*.h.N.attn.c_attn``, ``ln_1``, ``ln_2``, ``mlp.c_fc``, ``wte``, ``wpe``, ``ln_f``) and ``linear_chain`` (see
-:func:`linear_chain`), ``moe`` (fused routed experts of transformers 5: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE;
-expert channels, whole experts, a shared expert, see :mod:`lightning_pat.presets.experts`). Other packages add
+:func:`linear_chain`), ``moe`` (fused routed experts of transformers 5, found by structure: Mixtral, Qwen2/3-MoE,
+OLMoE, GraniteMoE(-shared), PhiMoE, gpt-oss, FlexOlmo, MiniMax-M2, Cohere2-MoE; expert channels, whole experts, a
+shared expert, see :mod:`lightning_pat.presets.experts`). Other packages add
 families with :func:`register` (the demo registers ``tiny_gpt``, its
 :class:`~lightning_pat.demo.model.TinyGPT`, when ``lightning_pat.demo`` is imported).
 

@@ -1,18 +1,27 @@
-r"""Mixture-of-experts decoders with fused 3-D experts (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE in transformers 5).
+r"""Mixture-of-experts decoders with fused 3-D experts (transformers 5).
 
-A layer's routed experts are one module with ``gate_up_proj`` ``(E, 2 * I, H)`` and ``down_proj`` ``(E, H, I)``, and
-a router ``gate.weight`` ``(E, H)``. :func:`moe` declares, per layer:
+Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE(-shared), PhiMoE, FlexOlmo, MiniMax-M2, Cohere2-MoE and gpt-oss keep a
+layer's routed experts as one module with fused ``gate_up_proj`` and ``down_proj`` (``(E, 2 * I, H)`` and
+``(E, H, I)``; gpt-oss transposed, gate and up interleaved, with biases: see
+:func:`lightning_pat.shrink.experts.fused_layout`) and a router ``weight`` ``(E, H)`` (gpt-oss: and a ``bias``).
+The preset finds them by structure (a child ``experts`` holding the fused weights next to a ``*Router`` child, in
+every decoder layer), not by family name. :func:`moe` declares, per layer:
 
 * ``mlp.{layer}``: the intermediate channels of every expert, one width per layer shared by its experts (unit ``c``:
-  gate row ``c`` and up row ``I + c`` of ``gate_up_proj`` dim 1, column ``c`` of ``down_proj`` dim 2, in every
-  expert), so that the stock config's ``intermediate_size`` (``moe_intermediate_size``) holds the new width;
-* ``experts.{layer}``: whole routed experts (expert ``e``: ``gate_up_proj[e]``, ``down_proj[e]`` and router row
-  ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router's softmax and top-k
-  run over the kept experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
-* ``shared.{layer}`` (with ``mlp``, where the model has one, as Qwen2-MoE): the shared expert's channels, an
-  ordinary MLP cluster (``shared_expert_intermediate_size`` follows);
+  the gate and up channels ``c`` of ``gate_up_proj`` and its bias, channel ``c`` of ``down_proj``, in every expert),
+  so that the stock config's ``intermediate_size`` (``moe_intermediate_size``) holds the new width;
+* ``experts.{layer}``: whole routed experts (expert ``e``: its slice of every fused weight and bias and router row
+  ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router runs over the kept
+  experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
+* ``shared.{layer}`` (with ``mlp``, where the model has one): the shared expert's channels, an ordinary MLP cluster
+  (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
+  ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
-  in OLMoE: no head cut is exact there) (:func:`lightning_pat.presets.transformers.llama`).
+  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds per-head parameters of its own, gpt-oss's
+  ``sinks``, or where linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible
+  there, and the preset says so) (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
+  attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
+  latents and the shared rotary key stay whole).
 
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
@@ -25,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import weakref
 
 from torch import nn
 
@@ -34,10 +44,10 @@ from lightning_pat.presets.transformers import (
     Layout,
     build,
     check_flags,
-    find_backbone,
     llama_like,
     param_names,
 )
+from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
 
 log = logging.getLogger(__name__)
 
@@ -45,31 +55,65 @@ _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 #: Kept widths of the experts' intermediate and hidden axes are multiples of this: transformers' ``grouped_mm``
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
-_SHARED = r"mlp\.shared_expert\."
-#: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, GraniteMoE.
-BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("block_sparse_moe", "router"))
+_SHARED_MLP = r"shared_mlp\."
+#: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, PhiMoE/gpt-oss, GraniteMoE.
+BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "router"))
+_WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
-def moe_layout(block: str = "mlp", router: str = "gate", *, shared: bool = False) -> Layout:
+def _gate_up(
+    block: str, fused: FusedLayout, *, joint_shared: bool = False
+) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
+    """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer.
+
+    ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE; Llama 4's ``shared_expert``) is as wide
+    as the experts times the config's shared-expert count, so its channels join the same units (``s`` channels per
+    unit for ``s`` experts).
+    """
+    gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
+    dim = fused.gate_up_channels
+    bias = (rf"{gate_up}_bias@1",) if fused.bias else ()
+    readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
+    shared_w: tuple[str, ...] = ()
+    if joint_shared:
+        shared_w = (rf"{block}\.shared_experts?\.(?:gate|up)_proj\.(?:weight|bias)",)
+        readers = (*readers, rf"{block}\.shared_experts?\.down_proj\.weight")
+    if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
+        return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
+    halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
+    return (*halves, *shared_w), readers, 1 if joint_shared else None
+
+
+def moe_layout(
+    block: str = "mlp", router: str = "gate", *, shared: bool = False, fused: FusedLayout | None = None
+) -> Layout:
     """The layout of a decoder whose MLP is a block of fused routed experts (``<block>.experts``, ``<block>.<router>``).
 
     With ``shared`` (Qwen2-MoE: an MLP ``mlp.shared_expert`` and its sigmoid gate ``mlp.shared_expert_gate``, a Linear
-    to one output) the shared expert's residual rows and columns join the residual cluster.
+    to one output) the shared expert's residual rows and columns join the residual cluster. ``fused``: how the
+    experts store their weights (default: ``(E, 2I, H)`` halves, no biases).
     """
+    fused = fused or FusedLayout()
+    shared_re = rf"{block}\.shared_expert\."
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
-    router_w = rf"{block}\.{router}\.weight"
-    writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
-    readers: tuple[str, ...] = (r"self_attn\.[qkv]_proj\.weight", rf"{gate_up}@2", router_w)
-    params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.weight|self_attn\.[qk]_norm\.weight"
-    params += rf"|{gate_up}|{down}|{router_w}"
-    out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", rf"{down}@1")
+    router_w = rf"{block}\.{router}\.(?:weight|bias)"
+    biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
+    down_out = (rf"{down}@{fused.down_hidden}", *((rf"{down}_bias@1",) if fused.bias else ()))
+    writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
+    readers: tuple[str, ...] = (r"self_attn\.[qkv]_proj\.weight", rf"{gate_up}@{fused.gate_up_hidden}",
+                                rf"{block}\.{router}\.weight")  # fmt: skip
+    params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.(?:weight|bias)|self_attn\.[qk]_norm\.weight"
+    params += rf"|{gate_up}|{down}|{router_w}{biases}|self_attn\.sinks|post_feedforward_layernorm\.weight"
+    params += rf"|{_SHARED_MLP}(?:input|output)_linear\.weight"
+    params += rf"|{block}\.shared_experts?\.(?:gate|up|down)_proj\.(?:weight|bias)|{block}\.shared_expert_gate\.weight"
+    out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
     if shared:
-        writers, out = (*writers, rf"{_SHARED}down_proj\.weight"), (*out, rf"{_SHARED}down_proj\.weight")
-        readers = (*readers, rf"{_SHARED}(?:gate|up)_proj\.weight", r"mlp\.shared_expert_gate\.weight")
-        params += rf"|{_SHARED}(?:gate|up|down)_proj\.weight|mlp\.shared_expert_gate\.weight"
+        writers, out = (*writers, rf"{shared_re}down_proj\.weight"), (*out, rf"{shared_re}down_proj\.weight")
+        readers = (*readers, rf"{shared_re}(?:gate|up)_proj\.weight", rf"{block}\.shared_expert_gate\.weight")
+    mlp_writers, mlp_readers, _ = _gate_up(block, fused)
     return dataclasses.replace(
         llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
-        mlp=((rf"{gate_up}@1[0/2]", rf"{gate_up}@1[1/2]"), (rf"{down}@2",)),
+        mlp=(mlp_writers, mlp_readers),
         residual=(writers, readers),
         layer_params=params,
         layer_out=(out, ()),
@@ -90,6 +134,142 @@ def _whole_width_qk_norm(model: nn.Module) -> bool:
     return False
 
 
+def _attention_params(names: list[str]) -> list[str]:
+    """Parameters an attention module holds itself (gpt-oss's ``sinks``, one per query head): no head cut cuts them."""
+    return [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+
+
+#: Per-layer parameters of DeepSeek's multi-head latent attention (MLA), relative to the layer.
+_MLA = (
+    r"self_attn\.(?:q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj|o_proj)"
+    r"\.(?:weight|bias)"
+)
+#: MiniMax's lightning (linear) attention layers between its full-attention ones: left whole, and the heads of the
+#: full-attention layers too (the config's head count builds both kinds).
+_LINEAR_ATTENTION = r"self_attn\.(?:qkv_proj|out_proj|output_gate|norm)\.weight"
+#: A dense MLP in the layers before the first MoE layer (DeepSeek's ``first_k_dense_replace``).
+_DENSE = r"mlp\.(?:gate|up|down)_proj\.(?:weight|bias)"
+#: Models the preset said something about already (each reason is logged once per model).
+_TOLD: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _tell(model: nn.Module, message: str, *args: object) -> None:
+    told = _TOLD.setdefault(model, set())
+    if message not in told:
+        told.add(message)
+        log.warning(message, *args)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedLayout]]] | None:
+    """The backbone prefix and, per decoder layer with one, ``(layer, block, router, layout)`` of its MoE block.
+
+    A block is a child of the layer holding a fused ``experts`` module (:func:`~lightning_pat.shrink.experts.
+    fused_layout`) and a top-k router (``gate`` or ``router``); ``None`` if the model has no such backbone.
+
+    Raises:
+        ValueError: If MoE blocks sit under several backbones (a preset covers one).
+    """
+    layer_re = re.compile(rf"(?P<prefix>(?:.+\.)?)layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<block>[^.]+)")
+    found, prefixes = [], set()
+    for name, module in model.named_modules():
+        match = layer_re.fullmatch(name)
+        experts = getattr(module, "experts", None)
+        if match is None or not isinstance(experts, nn.Module) or (layout := fused_layout(experts)) is None:
+            continue
+        router = block_router(module)
+        if router is None:
+            continue
+        router_name = next(n for n, c in module.named_children() if c is router)
+        prefixes.add(match["prefix"])
+        found.append((match["layer"], match["block"], router_name, layout))
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"presets.moe: found mixture-of-experts blocks under {len(prefixes)} backbones {sorted(prefixes)}; a "
+            "preset covers one. Pass the submodule that holds one backbone, or declare clusters by hand."
+        )
+    return (prefixes.pop(), found) if found else None
+
+
+def _layer_params(layout: Layout) -> re.Pattern[str]:
+    """Every parameter a layer of the model may hold for :func:`moe` (MLA, a dense MLP, shared experts included)."""
+    return re.compile(rf"(?:{layout.layer_params}|{_MLA}|{_DENSE}|{_LINEAR_ATTENTION})")
+
+
+def covers(model: nn.Module) -> bool:
+    """Whether :func:`moe` covers every decoder layer of ``model`` (``clusters="auto"`` picks it then).
+
+    Some layer must hold a fused-experts block with its router (the same block name and layout in each), the others
+    a dense Llama MLP (DeepSeek's first layers), and no layer anything the preset does not know (then discovery
+    runs instead).
+    """
+    try:
+        found = find_blocks(model)
+    except ValueError:
+        return False
+    if found is None:
+        return False
+    prefix, blocks = found
+    if len({(b, r, lay) for _, b, r, lay in blocks}) != 1:
+        return False
+    _, block, router, fused = blocks[0]
+    names = param_names(model)
+    shared = any(re.search(rf"{block}\.shared_expert\.down_proj\.weight$", n) for n in names)
+    known = _layer_params(moe_layout(block, router, shared=shared, fused=fused))
+    layer = re.compile(rf"{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}(?P<rest>.+)")
+    moe_layers = {layer for layer, *_ in blocks}
+    dense: set[str] = set()
+    seen: set[str] = set()
+    for n in names:
+        match = layer.fullmatch(n)
+        if match is None:
+            continue
+        seen.add(match["layer"])
+        if not known.fullmatch(match["rest"]):
+            return False
+        if re.fullmatch(r"mlp\.down_proj\.weight", match["rest"]):
+            dense.add(match["layer"])
+    return seen == moe_layers | dense and not moe_layers & dense
+
+
+def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
+    """The head count of the model's MLA layers, if each holds DeepSeek's projections and head sizes, else ``None``.
+
+    A head ``h`` is exactly removable: its query rows (``q_b_proj``, or ``q_proj`` without a query LoRA), its rows of
+    ``kv_b_proj`` (its k without position and its v) and its ``o_proj`` columns; the latents and the shared rotary
+    key stay. The shrink then writes ``num_attention_heads`` and ``num_key_value_heads`` (one KV head per head).
+    """
+    attns = [
+        m for n, m in model.named_modules() if re.fullmatch(rf"{re.escape(prefix)}layers\.\d+\.{_WRAPPERS}self_attn", n)
+    ]
+    counts: set[int] = set()
+    for attn in attns:
+        heads = getattr(attn, "num_heads", None)
+        nope, rope, v = (getattr(attn, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        kv_b, o = getattr(attn, "kv_b_proj", None), getattr(attn, "o_proj", None)
+        q = getattr(attn, "q_b_proj", None) or getattr(attn, "q_proj", None)
+        if not (
+            isinstance(heads, int)
+            and isinstance(nope, int)
+            and isinstance(rope, int)
+            and isinstance(v, int)
+            and isinstance(kv_b, nn.Linear)
+            and isinstance(o, nn.Linear)
+            and isinstance(q, nn.Linear)
+        ):
+            return None
+        if (q.out_features, kv_b.out_features, o.in_features) != (heads * (nope + rope), heads * (nope + v), heads * v):
+            return None
+        counts.add(heads)
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _mla(model: nn.Module, names: list[str]) -> bool:
+    """Whether the layers' attention is DeepSeek's multi-head latent attention (a ``kv_b_proj``, no ``k_proj``)."""
+    return any(n.endswith("self_attn.kv_b_proj.weight") for n in names) and not any(
+        n.endswith("self_attn.k_proj.weight") for n in names
+    )
+
+
 def moe(
     model: nn.Module,
     *,
@@ -104,14 +284,16 @@ def moe(
 
     Args:
         model: The model, or a module that holds exactly one such backbone.
-        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts (and ``shared.{layer}``:
-            the shared expert's channels, where the model has one).
+        mlp: Add ``mlp.{layer}``: the intermediate channels shared by the layer's experts (with the channels of a
+            ``shared_experts`` MLP as wide as the experts, DeepSeek's; in a dense layer, its MLP's channels), and
+            ``shared.{layer}``: a shared expert of its own width, where the model has one.
         heads: Add ``heads.{layer}`` (as :func:`~lightning_pat.presets.transformers.llama`).
         residual: Add ``residual`` (the hidden size across the model, the experts' and router's hidden axes
             included).
         layers: Add ``layer.{layer}`` (whole decoder layers); not with ``residual``.
         query_heads: As for :func:`~lightning_pat.presets.transformers.llama`.
-        experts: Add ``experts.{layer}``: whole routed experts with their router rows.
+        experts: Add ``experts.{layer}``: whole routed experts with their router rows (a group-limited router's
+            groups, DeepSeek's ``n_group``, each keep the same number: ``unit_groups``).
 
     Returns:
         The declarations, in the order mlp, heads, residual, layers, shared, experts.
@@ -124,49 +306,104 @@ def moe(
         "moe", mlp=mlp, heads=heads, residual=residual, layers=layers, query_heads=query_heads, experts=experts
     )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
-    backbone = find_backbone(MOE_LAYOUT, names)
-    prefix = backbone[0] if backbone is not None else ""
-    wrappers = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
-    per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{wrappers}"
-    found = [
-        (block, router)
-        for block, router in BLOCKS
-        if any(re.fullmatch(rf"{per_layer[3:]}{block}\.{router}\.weight", n) for n in names)
-        and any(re.fullmatch(rf"{per_layer[3:]}{block}\.experts\.gate_up_proj", n) for n in names)
-    ]
-    if not found:
+    found = find_blocks(model)
+    if found is None:
         raise ValueError(
-            "presets.moe: no parameter matches `<prefix>layers.N.mlp.gate.weight` (or `block_sparse_moe.router`) next "
-            "to fused `experts.gate_up_proj` / `experts.down_proj`, so this is not a fused mixture-of-experts model; "
-            "use presets.llama, or declare clusters by hand."
+            "presets.moe: no decoder layer `<prefix>layers.N` holds a block with fused `experts.gate_up_proj` / "
+            "`experts.down_proj` (3-D) next to a top-k router (`gate` or `router`), so this is not a fused "
+            "mixture-of-experts model; use presets.llama, or declare clusters by hand."
         )
-    block, router = found[0]
-    shared = any(re.fullmatch(per_layer[3:] + _SHARED + r"down_proj\.weight", n) for n in names)
+    prefix, blocks = found
+    _, block, router, fused = blocks[0]
+    per_layer = rf"re:{re.escape(prefix)}layers\.(?P<layer>\d+)\.{_WRAPPERS}"
+
+    def has(pattern: str) -> bool:
+        return any(re.fullmatch(per_layer[3:] + pattern, n) for n in names)
+
+    shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    joint = has(rf"{block}\.shared_experts\.down_proj\.weight") or (  # Llama 4: the experts' width
+        has(rf"{block}\.shared_expert\.down_proj\.weight") and not hasattr(config, "shared_expert_intermediate_size")
+    )
+    shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
+    mla = _mla(model, names)
+    mla_heads = _mla_heads(model, names, prefix) if heads and mla else None
+    if heads and mla and mla_heads is None:
+        _tell(
+            model,
+            "presets.moe: the heads of %s are not cut: its multi-head latent attention (MLA) does not read its head "
+            "count and sizes from the config as DeepSeek-V2/V3 do (num_attention_heads, qk_nope_head_dim, "
+            "qk_rope_head_dim, v_head_dim); heads.{layer} left out (its MLPs and experts are cut)",
+            type(model).__name__,
+        )
+    if mla:
+        heads = False  # declared below from the latent projections, not from the Llama layout
+    if heads and has(_LINEAR_ATTENTION):
+        _tell(
+            model,
+            "presets.moe: the heads of %s are not cut: its linear-attention layers take their head count from the "
+            "same config field as the full-attention layers, so a head cut could not reload stock; heads.{layer} "
+            "left out",
+            type(model).__name__,
+        )
+        heads = False
     if heads and _whole_width_qk_norm(model):
         log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
         heads = False
-    out = (
-        build(
-            moe_layout(block, router, shared=shared),
+    if heads and (own := _attention_params(names)):
+        _tell(
             model,
-            mlp=mlp,
-            heads=heads,
-            residual=residual,
-            layers=layers,
-            query_heads=query_heads,
+            "presets.moe: the heads are not cut: the attention holds %s itself (one entry per query head), which "
+            "no head cut rewrites; heads.{layer} left out",
+            own[0].rsplit(".", 1)[-1],
         )
-        if mlp or heads or residual or layers
+        heads = False
+    if residual and (fused.transposed or mla or joint):
+        raise ValueError(
+            "presets.moe(residual=True): the preset does not declare the residual axis of "
+            f"{'MLA attention' if mla else 'transposed experts' if fused.transposed else 'shared experts'} yet; set "
+            "residual=False, or "
+            "declare the residual cluster by hand."
+        )
+    layout = moe_layout(block, router, shared=shared, fused=fused)
+    if mla:
+        layout = dataclasses.replace(layout, anchor=r"self_attn\.o_proj\.weight")
+    out = (
+        build(layout, model, mlp=False, heads=heads, residual=residual, layers=layers, query_heads=query_heads)
+        if heads or residual or layers
         else []
     )
+    if mlp:
+        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint)
+        mlps = [Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers],
+                        head_dim=head_dim)]  # fmt: skip
+        if has(r"mlp\.down_proj\.weight"):  # dense layers (DeepSeek's first_k_dense_replace)
+            mlps.append(Cluster("mlp.{layer}", [per_layer + r"mlp\.(?:gate|up)_proj\.(?:weight|bias)"],
+                                [per_layer + r"mlp\.down_proj\.weight"]))  # fmt: skip
+        out = mlps + out
     out = [  # the expert weights' strides stay what transformers' grouped_mm experts need
         dataclasses.replace(c, multiple_of=WIDTH_MULTIPLE) if c.name in ("mlp.{layer}", "residual") else c for c in out
     ]
     if mlp and shared:  # the shared expert's channels: an ordinary MLP cluster
-        gate_up = per_layer + _SHARED + r"(?:gate|up)_proj\.weight"
-        out.append(Cluster("shared.{layer}", [gate_up], [per_layer + _SHARED + r"down_proj\.weight"]))
+        shared_re = rf"{per_layer}{block}\.shared_expert\."
+        out.append(
+            Cluster("shared.{layer}", [shared_re + r"(?:gate|up)_proj\.weight"], [shared_re + r"down_proj\.weight"])
+        )
+    if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
+        fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
+        out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
+    if mla_heads is not None:  # head h: its q rows, its k and v rows of kv_b_proj, its o_proj columns
+        q = r"self_attn\.q_b_proj\.weight" if has(r"self_attn\.q_b_proj\.weight") else r"self_attn\.q_proj\.weight"
+        out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
+                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
     if experts:
-        parts = (rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj")
-        out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts]))
+        parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        if has(rf"{block}\.{router}\.bias"):
+            parts.append(rf"{router}\.bias")
+        if fused.bias:
+            parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
+        groups = expert_groups(model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}.{router}"))
+        out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")
     return out

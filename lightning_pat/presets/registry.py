@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_pat.core.spec import Cluster, as_cluster
 from lightning_pat.presets.chains import linear_chain, linear_pairs
-from lightning_pat.presets.experts import moe
+from lightning_pat.presets.experts import covers, moe
 from lightning_pat.presets.transformers import (
     HOW_TO,
     LAYOUTS,
@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 Preset = Callable[..., list[Cluster]]
 #: The option names a preset takes (``preset_options``).
 OPTIONS: tuple[str, ...] = ("mlp", "heads", "residual", "layers", "query_heads", "experts")
-#: ``config.model_type`` of the families whose routed experts are fused 3-D parameters (``presets.moe`` reads them).
-MOE_MODEL_TYPES = frozenset(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"))
 #: Layouts that :func:`detect` tries: the built-in families, then those registered with one.
 _LAYOUTS: dict[str, Layout] = dict(LAYOUTS)
 #: Structural detectors that :func:`detect` asks next: family -> ``model -> whether the family's preset covers it``
@@ -48,12 +46,7 @@ def model_type(model: nn.Module) -> str | None:
     return next((t for t in types if isinstance(t, str)), None)
 
 
-def fused_experts(model: nn.Module) -> bool:
-    """Whether ``model`` is a mixture-of-experts family whose experts :func:`~lightning_pat.presets.moe` reads."""
-    return model_type(model) in MOE_MODEL_TYPES
-
-
-_DETECTORS["moe"] = fused_experts
+_DETECTORS["moe"] = covers  # fused routed experts in every decoder layer, found by structure
 
 
 def detect(model: nn.Module) -> str:

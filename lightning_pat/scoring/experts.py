@@ -43,14 +43,45 @@ def expert_modules(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> dic
     return out
 
 
-def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore) -> Callable[..., None]:
+def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
+    """Expert ``e``'s output on tokens ``x_TH``, as the fused experts module computes it.
+
+    ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``, or transposed (``is_transposed``, gpt-oss:
+    ``(E, H, 2I)`` and ``(E, I, H)``), with their biases where the module has them; the gate is the module's own
+    ``_apply_gate`` (transformers' experts: halves or interleaved, its activation), else ``act_fn`` on the first half.
+    """
+    params = module._parameters  # noqa: SLF001 - this module's own parameters
+    gate_up: Tensor = params["gate_up_proj"]  # type: ignore[assignment]
+    down: Tensor = params["down_proj"]  # type: ignore[assignment]
+    flag = getattr(module, "is_transposed", None)  # else from the shapes: (E, H, 2I) and (E, I, H) (Llama 4)
+    transposed = flag is True or (flag is None and down.shape[1] * 2 == gate_up.shape[2])
+    h = x_TH @ gate_up[e] if transposed else nn.functional.linear(x_TH, gate_up[e])
+    if params.get("gate_up_proj_bias") is not None:
+        h = h + params["gate_up_proj_bias"][e]  # type: ignore[index]
+    apply_gate = getattr(module, "_apply_gate", None)
+    if callable(apply_gate):
+        h = apply_gate(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        h = module.act_fn(gate) * up  # type: ignore[operator]
+    out = h @ down[e] if transposed else nn.functional.linear(h, down[e])
+    if params.get("down_proj_bias") is not None:
+        out = out + params["down_proj_bias"][e]  # type: ignore[index]
+    return out
+
+
+#: Keyword names of a fused experts forward's (hidden states, top-k index, top-k weights), gpt-oss's included.
+_ARGS = ("hidden_states", "top_k_index", "router_indices", "top_k_weights", "routing_weights")
+
+
+def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore, unrouted: list[bool]) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
-        values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]
+        values = list(args) + [kwargs[k] for k in _ARGS if k in kwargs]
+        if len(values) < 3 or not all(isinstance(v, Tensor) for v in values[:3]):
+            unrouted[0] = True  # an experts forward that gets no top-k (Llama 4's: every expert, pre-scaled tokens)
+            return
         h_TH, index_TK, weights_TK = values[:3]
         h_TH = h_TH.reshape(-1, h_TH.shape[-1])
-        gate_up: Tensor = module._parameters["gate_up_proj"]  # type: ignore[assignment]  # noqa: SLF001
-        down: Tensor = module._parameters["down_proj"]  # type: ignore[assignment]  # noqa: SLF001
-        act: Callable[[Tensor], Tensor] = module.act_fn  # type: ignore[assignment]
         for e in range(sums_E.numel()):
             hit_TK = index_TK == e
             tokens_T = hit_TK.any(dim=-1)
@@ -60,9 +91,7 @@ def _hook(sums_E: Tensor, counts_E: Tensor, kind: ExpertScore) -> Callable[..., 
             counts_E[e] += num
             if kind == "frequency":
                 continue
-            x = h_TH[tokens_T]
-            gate, up = nn.functional.linear(x, gate_up[e]).chunk(2, dim=-1)
-            out = nn.functional.linear(act(gate) * up, down[e])
+            out = expert_output(module, h_TH[tokens_T], e)
             g = (weights_TK * hit_TK).sum(dim=-1)[tokens_T]
             sums_E[e] += (g.double() * out.double().norm(dim=-1)).sum().to(sums_E.device)
 
@@ -81,7 +110,8 @@ def expert_scores(
 
     Args:
         model: The model the clusters were resolved against.
-        clusters: The resolved clusters; those whose units are no fused experts are left out of the result.
+        clusters: The resolved clusters; those whose units are no fused experts, or whose experts module is not called
+            with a top-k index and weights (Llama 4's runs every expert), are left out of the result.
         batches: Calibration inputs, each run as ``model(batch)`` (or ``forward(model, batch)``), without grad.
         kind: ``"reap"`` or ``"frequency"``.
         forward: How to run a batch, if not ``model(batch)``.
@@ -100,8 +130,9 @@ def expert_scores(
     by_name: Mapping[str, ResolvedCluster] = {rc.name: rc for rc in clusters}
     sums = {name: torch.zeros(by_name[name].num_units, dtype=torch.float64) for name in modules}
     counts = {name: torch.zeros(by_name[name].num_units, dtype=torch.float64) for name in modules}
+    unrouted = {name: [False] for name in modules}
     handles = [
-        module.register_forward_hook(_hook(sums[name], counts[name], kind), with_kwargs=True)
+        module.register_forward_hook(_hook(sums[name], counts[name], kind, unrouted[name]), with_kwargs=True)
         for name, module in modules.items()
     ]
     try:
@@ -109,6 +140,7 @@ def expert_scores(
     finally:
         for handle in handles:
             handle.remove()
+    scored = [name for name in modules if not unrouted[name][0]]  # the others: no data score (the weights rank them)
     if kind == "frequency":
-        return counts
-    return {name: sums[name] / counts[name].clamp(min=1.0) for name in modules}
+        return {name: counts[name] for name in scored}
+    return {name: sums[name] / counts[name].clamp(min=1.0) for name in scored}

@@ -1,24 +1,31 @@
 """Shrink rules for mixture-of-experts blocks: fused 3-D expert weights and their top-k router.
 
-Hugging Face keeps a layer's routed experts as one module holding fused 3-D parameters (Mixtral, Qwen2/3-MoE, OLMoE):
-``gate_up_proj`` of shape ``(E, 2 * I, H)`` (the gate rows ``[0, I)``, then the up rows ``[I, 2 * I)``) and
-``down_proj`` of shape ``(E, H, I)``; the router next to it holds ``weight`` of shape ``(E, H)``. The shrink may cut
+Hugging Face keeps a layer's routed experts as one module holding fused 3-D parameters. Most families (Mixtral,
+Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, FlexOlmo, MiniMax-M2, Cohere2-MoE) hold ``gate_up_proj`` of shape
+``(E, 2 * I, H)`` (the gate rows ``[0, I)``, then the up rows ``[I, 2 * I)``) and ``down_proj`` of shape
+``(E, H, I)``; gpt-oss holds them transposed (``(E, H, 2 * I)`` and ``(E, I, H)``, the module's ``is_transposed``),
+gate and up interleaved (gate ``2c``, up ``2c + 1``: ``is_concatenated`` false) and with biases
+``gate_up_proj_bias`` ``(E, 2 * I)`` and ``down_proj_bias`` ``(E, H)`` (:func:`fused_layout` reads which). The
+router next to it holds ``weight`` of shape ``(E, H)`` (and gpt-oss a ``bias`` ``(E,)``). The shrink may cut
 
-* whole experts: dim 0 of both fused weights and the router's rows, the same experts everywhere (``num_experts`` of
-  the experts, the router and the block follow; ``top_k`` becomes ``min(top_k, experts kept)``);
-* the intermediate channels of every expert: ``gate_up_proj`` dim 1 (the same channels in its gate and up halves)
-  and ``down_proj`` dim 2 (``intermediate_dim`` follows);
-* the residual: ``gate_up_proj`` dim 2, ``down_proj`` dim 1, the router's columns (``hidden_dim`` follows).
+* whole experts: dim 0 of every fused weight and bias and the router's rows, the same experts everywhere
+  (``num_experts`` of the experts, the router and the block follow; ``top_k`` becomes ``min(top_k, experts kept)``;
+  a block's per-expert ``e_score_correction_bias`` buffer, MiniMax-M2's, keeps the kept experts' entries);
+* the intermediate channels of every expert: ``gate_up_proj``'s channel dim (the same channels in its gate and up
+  parts) with its bias, and ``down_proj``'s (``intermediate_dim`` / ``intermediate_size`` follows);
+* the residual: the hidden dims, the router's columns (``hidden_dim`` follows).
 
 A model's config gets the expert count (``num_local_experts`` / ``num_experts``), ``num_experts_per_tok`` and the
 experts' width (``moe_intermediate_size`` where the config has one, else ``intermediate_size``) where they are the
-same in every layer, and a shared expert's width (``shared_expert_intermediate_size``). How a dropped expert is
-routed around in the masked model: :mod:`lightning_pat.core.routing`.
+same in every layer, and a shared expert's width (``shared_expert_intermediate_size``, GraniteMoE-shared's
+``shared_intermediate_size``). How a dropped expert is routed around in the masked model:
+:mod:`lightning_pat.core.routing`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -31,20 +38,88 @@ from lightning_pat.shrink.cuts import Edit
 EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("experts", "gate_up_proj"): (0, 1, 2),
     ("experts", "down_proj"): (0, 1, 2),
+    ("experts", "gate_up_proj_bias"): (0, 1),
+    ("experts", "down_proj_bias"): (0, 1),
     ("router", "weight"): (0, 1),
+    ("router", "bias"): (0,),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
+#: Buffers of a MoE block holding one entry per expert (cut with the experts).
+PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds fused 3-D ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``."""
+@dataclass(frozen=True)
+class FusedLayout:
+    """How a fused experts module stores its weights.
+
+    Attributes:
+        transposed: ``gate_up_proj`` is ``(E, H, 2I)`` and ``down_proj`` ``(E, I, H)`` (gpt-oss), not ``(E, 2I, H)``
+            and ``(E, H, I)``.
+        interleaved: Gate and up channels alternate (gate ``2c``, up ``2c + 1``), not two halves.
+        bias: The module holds ``gate_up_proj_bias`` ``(E, 2I)`` and ``down_proj_bias`` ``(E, H)``.
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
+
+    @property
+    def gate_up_channels(self) -> int:
+        """The dim of ``gate_up_proj`` that holds the gate and up channels."""
+        return 2 if self.transposed else 1
+
+    @property
+    def down_channels(self) -> int:
+        """The dim of ``down_proj`` that holds the intermediate channels."""
+        return 1 if self.transposed else 2
+
+    @property
+    def gate_up_hidden(self) -> int:
+        """The hidden (residual) dim of ``gate_up_proj``."""
+        return 1 if self.transposed else 2
+
+    @property
+    def down_hidden(self) -> int:
+        """The hidden (residual) dim of ``down_proj``."""
+        return 2 if self.transposed else 1
+
+
+def fused_layout(module: nn.Module) -> FusedLayout | None:
+    """The layout of a fused experts module (``gate_up_proj`` and ``down_proj`` 3-D, consistent shapes), or ``None``.
+
+    ``is_transposed`` / ``is_concatenated`` are read from the module (transformers' experts decorator sets them); a
+    module without ``is_transposed`` (Llama 4's experts) is transposed when only that reading fits the shapes.
+    """
     params = module._parameters  # noqa: SLF001 - this module's own parameters only
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-        return False
-    num, double, hidden = gate_up.shape
-    return tuple(down.shape) == (num, hidden, double // 2) and double % 2 == 0 and "gate_up_proj_bias" not in params
+        return None
+    interleaved = getattr(module, "is_concatenated", True) is False
+    num, a, b = gate_up.shape
+    flag = getattr(module, "is_transposed", None)  # transformers' experts decorator; else read from the shapes
+    for transposed in (True, False) if flag is None else (flag is True,):
+        hidden, double = (a, b) if transposed else (b, a)
+        want = (num, double // 2, hidden) if transposed else (num, hidden, double // 2)
+        if double % 2 == 0 and tuple(down.shape) == want:
+            break
+    else:
+        return None
+    gate_up_bias, down_bias = params.get("gate_up_proj_bias"), params.get("down_proj_bias")
+    bias = gate_up_bias is not None or down_bias is not None
+    if bias and (
+        gate_up_bias is None
+        or down_bias is None
+        or tuple(gate_up_bias.shape) != (num, double)
+        or tuple(down_bias.shape) != (num, hidden)
+    ):
+        return None
+    return FusedLayout(transposed=transposed, interleaved=interleaved, bias=bias)
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
+    return fused_layout(module) is not None
 
 
 def experts_kind(module: nn.Module) -> str | None:
@@ -54,51 +129,118 @@ def experts_kind(module: nn.Module) -> str | None:
     return "router" if is_router(module) else None
 
 
+def block_router(block: nn.Module) -> nn.Module | None:
+    """The router of a MoE block (its ``gate`` or ``router`` child), or ``None``."""
+    for name in ("gate", "router"):
+        child = getattr(block, name, None)
+        if isinstance(child, nn.Module) and is_router(child):
+            return child
+    return None
+
+
 def _cut(edit: Edit | None, attr: str, dim: int, length: int) -> Tensor:
     if edit is not None and dim in edit.cuts.get(attr, {}):
         return edit.cuts[attr][dim].cpu()
     return torch.arange(length)
 
 
+def _gate_and_up(rows: Tensor, half: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """The intermediate channels kept in the gate part and in the up part of ``gate_up_proj``."""
+    if interleaved:
+        return rows[rows % 2 == 0] // 2, rows[rows % 2 == 1] // 2
+    return rows[rows < half], rows[rows >= half] - half
+
+
 def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
-    """Every MoE block must cut the same experts everywhere and the same channels in the gate and up halves.
+    """Every MoE block must cut the same experts everywhere and the same channels in the gate and up parts.
 
     Raises:
         ValueError: Naming the block and what differs.
     """
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
-        router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
-        if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
+        layout = fused_layout(experts) if isinstance(experts, nn.Module) else None
+        if experts is None or layout is None:
             continue
-        e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if isinstance(router, nn.Module) else None
+        router = block_router(block)
+        e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if router is not None else None
         if e_edit is None and r_edit is None:
             continue
-        num, double, _ = cast(Tensor, experts.gate_up_proj).shape
-        kept = {
-            "experts.gate_up_proj": _cut(e_edit, "gate_up_proj", 0, num),
-            "experts.down_proj": _cut(e_edit, "down_proj", 0, num),
-        }
-        if isinstance(router, nn.Module) and is_router(router):
+        num = experts.gate_up_proj.shape[0]
+        double = experts.gate_up_proj.shape[layout.gate_up_channels]
+        attrs = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()))
+        kept = {f"experts.{a}": _cut(e_edit, a, 0, num) for a in attrs}
+        if router is not None:
             kept["router.weight"] = _cut(r_edit, "weight", 0, num)
+            if router._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
+                kept["router.bias"] = _cut(r_edit, "bias", 0, num)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
                 f"Shrink: MoE block {name!r} would keep different experts in {sorted(kept)} "
-                f"({ {k: v.numel() for k, v in kept.items()} }); list the router's rows and both fused expert weights "
-                "(dim 0) in one cluster, so that an expert goes with its router row."
+                f"({ {k: v.numel() for k, v in kept.items()} }); list the router's rows (and bias) and every fused "
+                "expert weight and bias (dim 0) in one cluster, so that an expert goes with its router row."
             )
         if min(v.numel() for v in kept.values()) == 0:
             raise ValueError(f"Shrink: MoE block {name!r} would keep no expert; keep at least one.")
-        rows = _cut(e_edit, "gate_up_proj", 1, double)
-        half = double // 2
-        gate, up = rows[rows < half], rows[rows >= half] - half
-        down = _cut(e_edit, "down_proj", 2, half)
-        if not (torch.equal(gate, up) and torch.equal(gate, down)):
-            raise ValueError(
-                f"Shrink: MoE block {name!r} would cut different intermediate channels in the gate half, the up half "
-                "of `experts.gate_up_proj` (dim 1) and `experts.down_proj` (dim 2); list `gate_up_proj@1[0/2]`, "
-                "`gate_up_proj@1[1/2]` and `down_proj@2` in one cluster."
+        if router is not None:
+            check_groups(name, router, kept["experts.down_proj"], num)
+        rows = _cut(e_edit, "gate_up_proj", layout.gate_up_channels, double)
+        gate, up = _gate_and_up(rows, double // 2, layout.interleaved)
+        down = _cut(e_edit, "down_proj", layout.down_channels, double // 2)
+        same = torch.equal(gate, up) and torch.equal(gate, down)
+        if layout.bias:
+            same = same and torch.equal(rows, _cut(e_edit, "gate_up_proj_bias", 1, double))
+            hidden = experts.down_proj.shape[layout.down_hidden]
+            same = same and torch.equal(
+                _cut(e_edit, "down_proj", layout.down_hidden, hidden), _cut(e_edit, "down_proj_bias", 1, hidden)
             )
+        if not same:
+            where = f"gate_up_proj@{layout.gate_up_channels}"
+            parts = f"`{where}` (block 2)" if layout.interleaved else f"`{where}[0/2]`, `{where}[1/2]`"
+            raise ValueError(
+                f"Shrink: MoE block {name!r} would cut different intermediate channels in the gate and up parts of "
+                f"`experts.gate_up_proj` (dim {layout.gate_up_channels}), its bias and `experts.down_proj` (dim "
+                f"{layout.down_channels}); list {parts}, `down_proj@{layout.down_channels}` (and the biases) in one "
+                "cluster."
+            )
+
+
+def expert_groups(router: nn.Module) -> int:
+    """How many consecutive groups of experts a group-limited router picks from (DeepSeek's ``n_group``), else 1."""
+    groups = getattr(router, "num_group", None)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 1:
+        return 1
+    return 1 if getattr(router, "topk_method", "group_limited_greedy") == "greedy" else groups
+
+
+def check_groups(name: str, router: nn.Module, kept: Tensor, num: int) -> None:
+    """Refuse a cut that a group-limited router (DeepSeek-V2/V3) could not route as the masked model does.
+
+    Every group must keep the same number of experts, enough for the group score and the top-k; the config's
+    ``n_group`` and ``topk_group`` then hold as they are.
+
+    Raises:
+        ValueError: With the numbers, naming the block.
+    """
+    groups = expert_groups(router)
+    if groups == 1:
+        return
+    per_group = torch.bincount(kept // (num // groups), minlength=groups).tolist()
+    need = 2 if "e_score_correction_bias" in router._buffers else 1  # noqa: SLF001 - V3 sums each group's top 2
+    top_k, topk_group = int(getattr(router, "top_k", 1)), int(getattr(router, "topk_group", groups))
+    if len(set(per_group)) != 1 or per_group[0] < need or top_k > topk_group * per_group[0]:
+        raise ValueError(
+            f"Shrink: MoE block {name!r} routes within {groups} groups of {num // groups} experts (n_group), picking "
+            f"{topk_group} groups (topk_group) and {top_k} experts (top_k); the cut keeps {per_group} experts per "
+            f"group, but every group must keep the same number, at least {need} and at least "
+            f"top_k / topk_group = {-(-top_k // topk_group)}. Declare the expert cluster with unit_groups={groups} "
+            "(presets.moe does) and a target that keeps enough experts."
+        )
+
+
+def _shape(module: nn.Module, attr: str = "gate_up_proj") -> tuple[int, ...]:
+    """The shape of one of ``module``'s own parameters."""
+    return tuple(cast(Tensor, module._parameters[attr]).shape)  # noqa: SLF001 - its own parameter
 
 
 def _set_int(module: nn.Module, attr: str, value: int) -> None:
@@ -109,15 +251,19 @@ def _set_int(module: nn.Module, attr: str, value: int) -> None:
 def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give an experts module or a router its new data, and its sizes."""
     module = edit.module
+    layout = fused_layout(module) if edit.kind == "experts" else None  # read before the cut: shapes consistent
     for attr in edit.cuts:
         param = module._parameters[attr]  # noqa: SLF001 - the registered tensor itself
         if param is not None and param.shape != new_params[id(param)].shape:
             param.data = new_params[id(param)]
-    if edit.kind == "experts":
-        num, double, hidden = cast(Tensor, module.gate_up_proj).shape
+    if layout is not None:
+        shape = _shape(module)
+        num, double, hidden = shape[0], shape[layout.gate_up_channels], shape[layout.gate_up_hidden]
         _set_int(module, "num_experts", num)
-        _set_int(module, "intermediate_dim", double // 2)
-        _set_int(module, "hidden_dim", hidden)
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+            _set_int(module, attr, double // 2)
+        for attr in ("hidden_dim", "hidden_size"):
+            _set_int(module, attr, hidden)
     else:
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
@@ -125,35 +271,68 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         _set_int(module, "top_k", min(cast(int, module.top_k), num))
 
 
-def update_blocks(model: nn.Module) -> None:
-    """A MoE block's own ``top_k`` / ``num_experts`` after its experts were cut."""
+def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> None:
+    """A MoE block's own ``top_k`` / ``num_experts`` (and its router's) after its experts were cut.
+
+    With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
+    experts' entries.
+    """
+    counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
+    if len(counts) == 1:  # the model's own copies (Mixtral's CausalLM reads num_experts for its auxiliary loss)
+        num = counts.pop()
+        for owner in model.modules():
+            if hasattr(owner, "config"):
+                _set_int(owner, "num_experts", num)
+                if isinstance(top_k := getattr(owner, "num_experts_per_tok", None), int):
+                    _set_int(owner, "num_experts_per_tok", min(top_k, num))
     for block in model.modules():
         experts = getattr(block, "experts", None)
-        if isinstance(experts, nn.Module) and is_fused_experts(experts):
-            num = cast(Tensor, experts.gate_up_proj).shape[0]
-            _set_int(block, "num_experts", num)
-            if isinstance(getattr(block, "top_k", None), int):
-                _set_int(block, "top_k", min(cast(int, block.top_k), num))
+        if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
+            continue
+        num = _shape(experts)[0]
+        router = block_router(block)
+        for module in (block, router) if router is not None else (block,):
+            _set_int(module, "num_experts", num)
+            if isinstance(top_k := getattr(module, "top_k", None), int):
+                _set_int(module, "top_k", min(top_k, num))
+        edit = (edits or {}).get(id(experts))
+        kept = edit.cuts.get("gate_up_proj", {}).get(0) if edit is not None else None
+        for owner in (block, router) if router is not None else (block,):
+            for attr in PER_EXPERT_BUFFERS:
+                buf = owner._buffers.get(attr)  # noqa: SLF001 - this module's own buffer
+                if kept is not None and buf is not None and buf.dim() == 1 and buf.shape[0] != num:
+                    owner._buffers[attr] = buf.index_select(0, kept.to(buf.device))  # noqa: SLF001
 
 
 def shared_experts(model: nn.Module) -> list[nn.Module]:
-    """The shared experts (``shared_expert``, an MLP next to fused routed experts, as in Qwen2-MoE)."""
+    """The shared experts by fused routed experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``)."""
     return [
-        cast(nn.Module, block.shared_expert)
+        getattr(block, attr)
         for block in model.modules()
-        if isinstance(getattr(block, "shared_expert", None), nn.Module)
+        for attr in ("shared_expert", "shared_experts")
+        if isinstance(getattr(block, attr, None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
         and is_fused_experts(cast(nn.Module, block.experts))
     ]
 
 
+def _shared_mlp_widths(model: nn.Module) -> set[int]:
+    """The widths of GraniteMoE-shared's shared MLPs (``shared_mlp.output_linear`` next to fused experts)."""
+    return {
+        out.in_features
+        for layer in model.modules()
+        if isinstance(out := getattr(getattr(layer, "shared_mlp", None), "output_linear", None), nn.Linear)
+    }
+
+
 def expert_config(model: nn.Module) -> dict[str, int | None]:
     """The config values of the experts' new sizes, ``None`` where layers differ (per-layer counts: our format)."""
-    fused = [m for m in model.modules() if is_fused_experts(m)]
+    fused = [(m, layout) for m in model.modules() if (layout := fused_layout(m)) is not None]
     if not fused:
         return {}
-    counts = {cast(Tensor, m.gate_up_proj).shape[0] for m in fused}
-    widths = {cast(Tensor, m.down_proj).shape[2] for m in fused}
+    counts = {_shape(m)[0] for m, _ in fused}
+    fewest = min(counts)
+    widths = {_shape(m, "down_proj")[layout.down_channels] for m, layout in fused}
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
@@ -162,10 +341,13 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
             out[attr] = count
     top_k = getattr(config, "num_experts_per_tok", None)
     if isinstance(top_k, int):
-        out["num_experts_per_tok"] = min(top_k, min(cast(Tensor, m.gate_up_proj).shape[0] for m in fused))
+        out["num_experts_per_tok"] = min(top_k, fewest)
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
-    shared = {m.down_proj.in_features for m in shared_experts(model) if isinstance(m.down_proj, nn.Linear)}
+    shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
     if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
         out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
+    shared = _shared_mlp_widths(model)
+    if shared and isinstance(getattr(config, "shared_intermediate_size", None), int):
+        out["shared_intermediate_size"] = shared.pop() if len(shared) == 1 else None
     return out

@@ -79,10 +79,23 @@ def _set_if_int(module: nn.Module, attr: str, value: int) -> None:
         setattr(module, attr, value)
 
 
+def mla_heads(m: nn.Module) -> int | None:
+    """The head count of a multi-head latent attention (DeepSeek-V2/V3), else ``None``.
+
+    Its ``kv_b_proj`` rows are the heads' k and v channels, ``qk_nope_head_dim + v_head_dim`` per head.
+    """
+    kv_b, nope, v = getattr(m, "kv_b_proj", None), getattr(m, "qk_nope_head_dim", None), getattr(m, "v_head_dim", None)
+    if not isinstance(kv_b, nn.Linear) or not isinstance(nope, int) or not isinstance(v, int) or nope + v <= 0:
+        return None
+    return kv_b.out_features // (nope + v)
+
+
 def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
     """Head counts of attention modules, MLP widths and hidden-size attributes of every container module."""
     for module in model.modules():
-        if is_qkv_attention(module):
+        if (heads := mla_heads(module)) is not None:
+            _set_if_int(module, "num_heads", heads)
+        elif is_qkv_attention(module):
             hd = cast(int, module.head_dim)
             n_q = cast(nn.Linear, module.q_proj).out_features // hd
             n_kv = cast(nn.Linear, module.k_proj).out_features // hd
@@ -172,7 +185,7 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     its name is not an attention's (``attn``/``attention``), whatever the family calls it (``down_proj``, ``fc2``,
     ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused ``gate_up_proj``).
     """
-    skip = ("attn", "attention", "shared_expert")  # a shared expert's width is shared_expert_intermediate_size
+    skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
     for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
         value = getattr(config, field)
@@ -225,6 +238,10 @@ def update_config(
     ]
     if mlp_widths:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
+    mla = [h for m in model.modules() if (h := mla_heads(m)) is not None]
+    if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
+        _set_config(config, HEAD_FIELDS, _uniform(mla), "the head count")
+        _set_config(config, KV_FIELDS, _uniform(mla), "the KV head count")
     if attns:
         _set_config(
             config,

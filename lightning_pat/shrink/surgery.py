@@ -180,7 +180,7 @@ def apply_plan(
     emb = embeddings[id(model)]
     update_containers(model, (hidden_before[id(model)], emb.embedding_dim) if emb is not None else None)
     update_head_counts(heads)
-    update_blocks(model)
+    update_blocks(model, edits)
     # (name, old, new input width); a module that read a width before still reads one
     reads = cast(
         "list[tuple[str, int, int]]",

@@ -1,7 +1,8 @@
 """Transformers' causal-LM classes as tiny random models, for ``bench/bench_lmzoo.py`` and the family tests (offline).
 
 :func:`tiny_config` shrinks a family's default config to hidden 64, 2 layers, 4 heads of 16 (2 KV heads where the
-family has GQA), a small MLP and vocabulary; :func:`build` makes the model (eager attention, every parameter jittered
+family has GQA), a small MLP and vocabulary (DeepSeek-V2/V3: the MLA sizes and 8 experts in 2 routing groups of
+``_FAMILY``); :func:`build` makes the model (eager attention, every parameter jittered
 so that norms and biases matter); :func:`chain` runs what a new user runs: ``prune_clusters(model, "auto", 0.5,
 calibration=...)``, ``shrink``, the logits against the masked model's, ``save_pretrained``, stock
 ``AutoModelForCausalLM.from_pretrained`` and ``generate()``. This is a test and benchmark helper, never library code.
@@ -39,7 +40,17 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     "num_experts_per_tok": 2,
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
 }
+#: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
+_FAMILY: dict[str, dict[str, Any]] = {
+    # multi-head latent attention: as many KV heads as heads; 8 experts in 2 groups, a dense first layer
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), {
+        "num_key_value_heads": HEADS, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 8, "n_group": 2,
+        "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    }),
+}  # fmt: skip
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -54,6 +65,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
+    kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists

@@ -27,6 +27,7 @@ BY_CAUSE = {
     "gpt_neox": "2: head size from hidden // heads: heads left out, said before pruning",
     "gpt2": "4: Conv1D readers: the activation score falls back to the weights",
     "olmo2": "5: q_norm/k_norm over all heads: heads left out",
+    "falcon": "3: `x @ self.weight.T` (FalconLinear): discovery reads matmul with a transposed weight",
     "llama": "the preset route, unchanged",
 }
 #: The other families that pass the whole chain (slow: the full list).
@@ -37,6 +38,9 @@ OTHERS = (
     "jais2", "lfm3", "ministral3", "mistral", "nanochat", "olmo", "olmo3", "olmo_hybrid", "opt", "param2moe",
     "persimmon", "phi3", "qwen2", "qwen3", "sarvam_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
     "vaultgemma", "xglm",
+    # mixture of experts by structure (tests/integration/test_moe.py checks their units)
+    "cohere2_moe", "deepseek_v2", "deepseek_v3", "flex_olmo", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoeshared", "minimax_m2", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 
 
@@ -117,3 +121,48 @@ def test_gpt_neox_with_heads_cut_exports_in_our_format_and_load_pretrained_reads
     with torch.no_grad():
         torch.testing.assert_close(again(x).logits, masked, atol=1e-5, rtol=1e-4)
     assert again.gpt_neox.layers[0].attention.dense.in_features == 32
+
+
+class _TransposedLinear(torch.nn.Linear):
+    """A linear layer computing ``x @ self.weight.T`` (FalconLinear's forward, no bias)."""
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class _TransposedLinears(torch.nn.Module):
+    """Two such layers, a ReLU between; ``reuse`` also reads fc1's transposed weight elsewhere (then it is used
+    directly and its cluster is left out)."""
+
+    def __init__(self, reuse: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = _TransposedLinear(8, 12, bias=False)
+        self.fc2 = _TransposedLinear(12, 8, bias=False)
+        self.reuse = reuse
+
+    def forward(self, x):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        return h + self.fc1.weight.T.sum() if self.reuse else h
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_discovery_reads_matmul_with_a_transposed_parameter_as_a_linear_layer(reuse):
+    import lightning_pat as lp
+
+    model = _TransposedLinears(reuse)
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
+    found = lp.discover(model, x)
+    if reuse:
+        assert found.clusters == []
+        assert any("used directly" in why for lo in found.left_out for why in lo.reasons)
+        return
+    [cluster] = lp.resolve_clusters(model, found)
+    assert [(m.name, m.dim) for m in cluster.members] == [("fc1.weight", 0), ("fc2.weight", 1)]
+    res = lp.prune_clusters(model, found, 0.5, score="rms")
+    with torch.no_grad():
+        masked = model(x)
+    small = lp.shrink(model, res)
+    assert small.fc1.weight.shape == (6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), masked)

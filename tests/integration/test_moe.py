@@ -76,7 +76,7 @@ def assert_shrinks_exactly_and_reloads(model: nn.Module, source, tmp_path) -> nn
     assert type(reloaded) is type(shrunk)
     with torch.no_grad():
         assert rel(reloaded(x).logits, masked) < 1e-4
-    out = reloaded.generate(x[:1, :4], max_new_tokens=4, do_sample=False)
+    out = reloaded.generate(x[:1, :4], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)
     return reloaded
 
@@ -351,3 +351,216 @@ def test_the_moe_preset_refuses_options_that_are_not_bools(option):
     """Audit 2026-12b C7 for ``presets.moe``: ``experts="no"`` is truthy and was never checked."""
     with pytest.raises(ValueError, match=rf"presets.moe: `{option}` must be a bool \(True or False\), got 'no'"):
         lp.presets.moe(tiny("mixtral"), **{option: "no"})
+
+
+# ---------------------------------------------------------------- every family with fused experts, by structure
+#: model_type -> (config field of the expert count, of the experts' width). Built by tests.common.lm_zoo (hidden 64,
+#: 2 layers, 4 experts, top-2, expert width 128, every parameter jittered: biases and sinks are not zero).
+FUSED = {
+    "phimoe": ("num_local_experts", "intermediate_size"),
+    "gpt_oss": ("num_local_experts", "intermediate_size"),
+    "granitemoeshared": ("num_local_experts", "intermediate_size"),
+    "flex_olmo": ("num_experts", "intermediate_size"),
+    "minimax_m2": ("num_local_experts", "intermediate_size"),
+    "cohere2_moe": ("num_experts", "intermediate_size"),
+    "llama4_text": ("num_local_experts", "intermediate_size"),  # experts run densely; a shared expert as wide
+    "minimax": ("num_local_experts", "intermediate_size"),  # linear-attention layers between full-attention ones
+}
+
+
+def zoo(model_type: str, **overrides) -> nn.Module:
+    from tests.common.lm_zoo import build
+
+    return build(model_type, **overrides)
+
+
+@pytest.mark.parametrize("model_type", sorted(FUSED))
+def test_auto_cuts_whole_experts_and_their_channels_in_every_fused_family(model_type, tmp_path):
+    model = zoo(model_type)
+    assert lp.presets.registry.detect(model) == "moe"  # by structure, not by model_type
+    res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
+    assert all(len(res.dropped[f"experts.{i}"]) == 2 for i in range(2))
+    assert all(len(res.dropped[f"mlp.{i}"]) == 64 for i in range(2))
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    count, width = FUSED[model_type]
+    assert (getattr(reloaded.config, count), getattr(reloaded.config, width)) == (2, 64)
+    assert reloaded.config.num_experts_per_tok == 2
+
+
+def test_gpt_oss_interleaved_transposed_experts_with_biases_lose_gate_and_up_together(tmp_path, caplog):
+    model = zoo("gpt_oss")
+    with caplog.at_level("WARNING", logger="lightning_pat.presets.experts"):
+        clusters = lp.presets.moe(model)
+    assert "sinks" in caplog.text  # the heads are left out, and the preset says why
+    assert [c.name for c in clusters] == ["mlp.{layer}", "experts.{layer}"]
+    res = lp.prune_clusters(model, clusters, 0.5, calibration=[ids(seed=2)])
+    experts = model.model.layers[0].mlp.experts
+    dropped = torch.tensor(res.dropped["mlp.0"])
+    both = torch.stack([2 * dropped, 2 * dropped + 1], dim=1).flatten()  # gate 2c, up 2c + 1
+    assert bool((experts.gate_up_proj[:, :, both] == 0).all())
+    assert bool((experts.gate_up_proj_bias[:, both] == 0).all())
+    assert bool((experts.down_proj[:, dropped] == 0).all())
+    gone = res.dropped["experts.0"]
+    assert bool((model.model.layers[0].mlp.router.bias[gone] == 0).all())
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    block = reloaded.model.layers[0].mlp
+    assert tuple(block.experts.gate_up_proj.shape) == (2, 64, 128)
+    assert tuple(block.experts.down_proj_bias.shape) == (2, 64)
+    assert tuple(block.router.bias.shape) == (2,)
+
+
+def test_granitemoe_shared_mlp_is_an_mlp_cluster_with_its_config_field(tmp_path):
+    model = zoo("granitemoeshared")
+    res = lp.prune_clusters(model, "auto", 0.5)
+    assert len(res.dropped["shared.0"]) == 24  # shared_intermediate_size 48
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    assert (reloaded.config.shared_intermediate_size, reloaded.config.intermediate_size) == (24, 64)
+
+
+def test_minimax_m2_selection_bias_of_dropped_experts_is_routed_around_and_cut(tmp_path):
+    """MiniMax-M2 picks experts by sigmoid(logit) + e_score_correction_bias: a large bias on a dropped expert must
+    not get it picked in the masked model, and the shrunk block keeps the kept experts' biases."""
+    model = zoo("minimax_m2")
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
+    res = lp.prune_clusters(model, clusters, 0.5)
+    with torch.no_grad():
+        for i in range(2):
+            block = model.model.layers[i].mlp
+            block.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, 4))
+            block.e_score_correction_bias[res.dropped[f"experts.{i}"]] = 5.0  # would always win without the hook
+    kept = [e for e in range(4) if e not in res.dropped["experts.1"]]
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    torch.testing.assert_close(reloaded.model.layers[1].mlp.e_score_correction_bias, torch.linspace(-0.5, 0.5, 4)[kept])
+
+
+class _TransposedRouter(nn.Module):
+    """A router that makes its logits as ``x @ weight.T`` in float32 (not F.linear), softmax then top-k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.randn(5, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        logits = x @ self.weight.float().T
+        return logits, *torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+
+
+def test_routing_masks_logits_made_by_matmul_with_the_transposed_weight():
+    from lightning_pat.core.routing import route_around_dropped
+
+    router = _TransposedRouter()
+    [rc] = lp.resolve_clusters(router, lp.Cluster("experts", ["weight"]))
+    assert route_around_dropped(router, [rc]) == 1
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        router.weight[[0, 3]] = 0.0
+        _, values, index = router(x)
+        want_v, want_i = torch.topk(torch.softmax(x @ router.weight[[1, 2, 4]].T, dim=-1), 2, dim=-1)
+    assert torch.equal(index, torch.tensor([1, 2, 4])[want_i])
+    torch.testing.assert_close(values, want_v)
+
+
+class ZooMoEStep(pl.LightningModule):
+    """A tiny zoo MoE model whose batch is a function of the step."""
+
+    def __init__(self, model_type: str) -> None:
+        super().__init__()
+        self.model = zoo(model_type)
+
+    def training_step(self, batch, batch_idx):
+        x = ids(seed=100 + self.global_step, batch=2, length=9)
+        logits = self.model(input_ids=x[:, :-1]).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
+
+
+def _config_sizes(config) -> tuple[int, int]:
+    """(routed experts, experts' width) of a config, whatever the family calls them."""
+    count = next(
+        getattr(config, n) for n in ("n_routed_experts", "num_local_experts", "num_experts") if hasattr(config, n)
+    )
+    width = config.moe_intermediate_size if hasattr(config, "moe_intermediate_size") else config.intermediate_size
+    return count, width
+
+
+#: Issue 37's done-when families (Mixtral's own callback tests are above; DeepSeek-V3's below), a second each.
+CALLBACK_FAMILIES = ["phimoe", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared"]
+
+
+@pytest.mark.parametrize("model_type", CALLBACK_FAMILIES)
+def test_callback_prunes_experts_and_channels_of_each_family_then_shrinks_exactly(model_type, tmp_path):
+    module = ZooMoEStep(model_type)
+    count, width = _config_sizes(module.model.config)
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    for i in range(2):
+        assert (len(cb.dropped[f"experts.{i}"]), len(cb.dropped[f"mlp.{i}"])) == (count // 2, width // 2)
+    reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
+    assert _config_sizes(reloaded.config) == (count // 2, width // 2)
+
+
+# ---------------------------------------------------------------- DeepSeek-V2/V3: MLA, group-limited routing
+def deepseek(model_type: str) -> nn.Module:
+    """A tiny DeepSeek (tests.common.lm_zoo: 8 experts in 2 groups, top-2 from 1 group, a dense first layer), with a
+    selection bias (V3) that would pick the dropped experts if the masked model did not route around them; V2 routes
+    group-limited too (its default is greedy top-k over all experts)."""
+    model = zoo(model_type, **({"topk_method": "group_limited_greedy"} if model_type == "deepseek_v2" else {}))
+    gate = model.model.layers[1].mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):
+        gate.e_score_correction_bias.copy_(torch.linspace(0.3, -0.3, 8))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_cuts_mla_heads_mlps_shared_and_routed_experts_exactly_with_stock_reload(model_type, tmp_path):
+    model = deepseek(model_type)
+    with torch.no_grad():
+        dense = model(ids()).logits
+    res = lp.prune_clusters(model, "auto", 0.5, calibration=[ids(seed=2)])
+    assert sorted(res.dropped) == ["experts.1", "heads.0", "heads.1", "mlp.0", "mlp.1"]  # mlp.1: experts + shared
+    assert all(len(res.dropped[f"heads.{i}"]) == 2 for i in range(2))  # MLA: q, kv_b rows and o columns per head
+    dropped = torch.tensor(res.dropped["experts.1"])
+    assert torch.bincount(dropped // 4, minlength=2).tolist() == [2, 2]  # each routing group keeps the same number
+    gate = model.model.layers[1].mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):
+        with torch.no_grad():  # the dropped experts would win every group and every top-k without the routing hook
+            gate.e_score_correction_bias[dropped] = 5.0
+    reloaded = assert_shrinks_exactly_and_reloads(model, res, tmp_path)
+    cfg = reloaded.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 2)
+    assert reloaded.model.layers[0].self_attn.kv_b_proj.out_features == 2 * (16 + 16)
+    with torch.no_grad():
+        assert rel(reloaded(ids()).logits, dense) > 1e-3  # something was cut
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 1, 2)
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size) == (16, 64)
+    block = reloaded.model.layers[1].mlp
+    assert block.shared_experts.down_proj.in_features == 16  # moe_intermediate_size * n_shared_experts
+    if model_type == "deepseek_v3":
+        kept = [e for e in range(8) if e not in res.dropped["experts.1"]]
+        torch.testing.assert_close(block.gate.e_score_correction_bias, torch.linspace(0.3, -0.3, 8)[kept])
+        assert block.gate.e_score_correction_bias.shape == (4,)
+
+
+def test_deepseek_v3_refuses_a_cut_its_group_limited_routing_cannot_take():
+    model = deepseek("deepseek_v3")
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
+    res = lp.prune_clusters(model, clusters, 0.75)  # 1 expert per group: V3 scores a group by its top 2
+    with pytest.raises(ValueError, match=r"keeps \[1, 1\] experts per group, .* at least 2"):
+        lp.shrink(model, res)
+
+
+def test_callback_prunes_deepseek_v3_heads_experts_and_mlps_then_shrinks_exactly(tmp_path):
+    module = ZooMoEStep("deepseek_v3")
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+    quiet_trainer(max_steps=5, callbacks=[cb]).fit(module)
+    assert (len(cb.dropped["experts.1"]), len(cb.dropped["mlp.0"]), len(cb.dropped["mlp.1"])) == (4, 64, 16)
+    assert len(cb.dropped["heads.0"]) == 2
+    reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
+    cfg = reloaded.config
+    assert (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_attention_heads) == (4, 16, 2)

@@ -38,7 +38,7 @@ def test_experts_without_their_router_rows_are_refused():
 def test_gate_and_up_halves_cut_differently_are_refused():
     model = tiny_mixtral()
     clusters = Cluster("c", [P + "experts.gate_up_proj@1[0/2]"], [P + "experts.down_proj@2"])
-    with pytest.raises(ValueError, match=r"different intermediate channels in the gate half, the up half"):
+    with pytest.raises(ValueError, match=r"different intermediate channels in the gate and up parts"):
         shrink(model, clusters, {"c": [2]})
 
 
