@@ -100,8 +100,15 @@ def one_shot_calibration(
     except ValueError as err:
         if not auto:
             raise
-        log.warning("prune_clusters: score='auto' falls back to the weights ('rms'): the activation score cannot "
-                    "score these clusters: %s", err)  # fmt: skip
+        from lightning_pat.scoring.experts import expert_modules
+
+        if len(expert_modules(model, resolved)) == len(resolved):  # whole routed experts only: REAP ranks them
+            log.info("prune_clusters: the whole routed experts are ranked by REAP's router-weighted output norm on the "
+                     "calibration batches.")  # fmt: skip
+        else:
+            log.warning("prune_clusters: score='auto' falls back to the weights ('rms') for the clusters that are not "
+                        "whole routed experts (those are ranked by REAP on the calibration batches): the activation "
+                        "score cannot score these clusters: %s", err)  # fmt: skip
         return "rms", None, layer_stats
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)

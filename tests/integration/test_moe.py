@@ -564,3 +564,22 @@ def test_callback_prunes_deepseek_v3_heads_experts_and_mlps_then_shrinks_exactly
     reloaded = assert_shrinks_exactly_and_reloads(module.model.eval(), cb, tmp_path)
     cfg = reloaded.config
     assert (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_attention_heads) == (4, 16, 2)
+
+
+def test_experts_only_one_shot_says_reap_ranks_them_not_that_it_falls_back_to_weights(caplog):
+    """Whole experts alone with ``calibration``: REAP ranks them; the weights fallback warning is for other clusters."""
+    from lightning_pat.scoring.experts import expert_scores
+
+    model = tiny("mixtral")
+    clusters = lp.presets.moe(model, mlp=False, heads=False)
+    batches = [ids(seed=2)]
+    with caplog.at_level("INFO", logger="lightning_pat.pruning.api"):
+        res = lp.prune_clusters(model, clusters, 0.5, calibration=batches)
+    assert "ranked by REAP" in caplog.text
+    assert "falls back to the weights" not in caplog.text
+    # and REAP did rank them: each layer drops its lowest REAP scores (recomputed on the dense copy)
+    dense = tiny("mixtral")
+    reap = expert_scores(dense, lp.resolve_clusters(dense, clusters), batches)
+    for name, dropped in res.dropped.items():
+        order = sorted(range(len(reap[name])), key=lambda e: float(reap[name][e]))
+        assert sorted(dropped) == sorted(order[: len(dropped)]), name
