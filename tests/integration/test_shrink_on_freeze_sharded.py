@@ -1,0 +1,99 @@
+"""``shrink_on_freeze`` under ``ModelParallelStrategy`` (FSDP2, data-parallel size 2, gloo on CPU): healing small.
+
+One launch of 2 ranks (``workers/mp_shrink_worker.py``) fits a TinyGPT through the freeze with a distributed
+checkpoint after every step, resumes from a checkpoint written after the freeze and from one written before it, and
+tries to resume a distilled run after its freeze (refused). The reference is the same recipe on one process, on both
+ranks' batches at once (the mean loss over them is the mean of the ranks' losses, which FSDP2 averages), run here:
+
+* the selection (the dropped units) is the one process's on every rank, and the parameters are DTensors at the
+  small size from the freeze on: each rank holds its shards of the small model (bytes measured per rank);
+* the losses fall and stay finite through the freeze;
+* the final weights (gathered: the export) have the one process's shapes and, within 1e-5, its values (the gloo
+  reduction of two half-batches and the one-process mean of the whole batch round differently, by a few ulps);
+* a resume from either checkpoint ends bitwise on the uninterrupted run's weights, its losses bitwise too.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.common.dist import result_records, run_rank_scripts
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKER = Path(__file__).parent / "workers" / "mp_shrink_worker.py"
+FREEZE = 4  # warmup 1 + ramp 3
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], Path]:
+    """The 2 ranks' records of every run, by run name, and the folder holding rank 0's final weights."""
+    out = tmp_path_factory.mktemp("sharded_shrink")
+    records = result_records(run_rank_scripts(WORKER, 2, args=[str(out)], timeout=240))
+    runs: dict[str, list[dict]] = {}
+    for record in records:
+        runs.setdefault(record["run"], []).append(record)
+    assert all([r["rank"] for r in runs[name]] == [0, 1] for name in runs), runs.keys()
+    return runs, out
+
+
+@pytest.fixture(scope="module")
+def one_process() -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """The same recipe on one process (no strategy): its dropped units and final (shrunk) weights."""
+    from tests.integration.workers.mp_shrink_worker import fit
+
+    module, cb, _, _ = fit(None, devices=1)
+    return cb.dropped, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_sharded_run_heals_small_with_the_one_process_selection_and_weights(launched, one_process):
+    runs, out = launched
+    dropped, weights = one_process
+    for r in runs["uninterrupted"]:
+        assert r["dropped"] == dropped  # every rank: the one process's selection
+        assert r["shrunk"]
+        assert r["step"] == 7
+        assert all(r["dtensors"])  # sharded again after the freeze, never gathered for good
+        before, after = r["bytes"][FREEZE - 2], r["bytes"][FREEZE - 1]
+        assert r["bytes"][: FREEZE - 1] == [before] * (FREEZE - 1)
+        assert r["bytes"][FREEZE - 1 :] == [after] * (7 - FREEZE + 1)
+        assert after < 0.35 * before, (before, after)  # this rank's shards of the small model
+        assert all(math.isfinite(x) for x in r["losses"])
+        assert r["losses"][-1] < r["losses"][FREEZE - 1] < r["losses"][0]
+        assert r["optimizer_params_are_module_params"]  # the optimizer trains the new parameters
+    got = torch.load(out / "uninterrupted.pt", weights_only=True)
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in weights.items()}
+    # the ranks' shards tile the small model: no rank keeps a full-size or a gathered copy
+    assert sum(t.numel() * t.element_size() for t in got.values()) == sum(r["bytes"][-1] for r in runs["uninterrupted"])
+    for name, tensor in weights.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["after", "before"], ids=["ckpt-after-freeze", "ckpt-before-freeze"])
+def test_resume_from_a_checkpoint_around_the_freeze_is_bitwise(launched, name):
+    runs, out = launched
+    want, got = (
+        torch.load(out / "uninterrupted.pt", weights_only=True),
+        torch.load(out / f"{name}.pt", weights_only=True),
+    )
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    for uninterrupted, resumed in zip(runs["uninterrupted"], runs[name], strict=True):
+        assert resumed["dropped"] == uninterrupted["dropped"]
+        assert resumed["shrunk"]
+        assert resumed["step"] == 7
+        assert resumed["losses"] == uninterrupted["losses"][-len(resumed["losses"]) :]
+        assert resumed["bytes"][-1] == uninterrupted["bytes"][-1]
+        assert resumed["optimizer_params_are_module_params"]
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_the_freeze_with_distillation_is_refused_on_every_rank(launched):
+    runs, _ = launched
+    for r in runs["distill-resume"]:
+        assert r["refused"].startswith("MisconfigurationException: CoupledPruningCallback(shrink_on_freeze=True, ")
+        assert "not supported with distillation" in r["refused"]
