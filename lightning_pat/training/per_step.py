@@ -34,7 +34,7 @@ from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training.bound import BoundRun
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.progress import Progress
-from lightning_pat.training.sharded_shrink import shrink_sharded
+from lightning_pat.training.sharded_shrink import check_kept_counts, shrink_sharded
 
 
 def after_backward(run: BoundRun, progress: Progress, optimizer: torch.optim.Optimizer) -> None:
@@ -153,6 +153,9 @@ def allocate(run: BoundRun, params: Mapping[str, Tensor], *, step: int) -> Bound
             params, options.sizing, declarations=run.basis.declarations, model=run.module, importance=costs
         )
     run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
+    if options.shrink_on_freeze:  # the widths are known now: refuse what the freeze could not shard again
+        with prefixed(f"{WHO}(shrink_on_freeze=True)"):
+            check_kept_counts(run.module, run.clusters, {rc.name: rc.target or 0.0 for rc in sized.clusters})
     source = "statistics" if evidence is not None else "weights"
     run.info(
         f"{WHO} {which}: {size.describe()}; solved at step {step} (the first selection) from the "

@@ -16,12 +16,17 @@ ranks' batches at once (the mean loss over them is the mean of the ranks' losses
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.common.dist import result_records, run_rank_scripts
+from tests.common.processes import console_script
+from tests.common.tiny_lm import tiny_lm_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).parent / "workers" / "mp_shrink_worker.py"
@@ -97,3 +102,83 @@ def test_resume_after_the_freeze_with_distillation_is_refused_on_every_rank(laun
     for r in runs["distill-resume"]:
         assert r["refused"].startswith("MisconfigurationException: CoupledPruningCallback(shrink_on_freeze=True, ")
         assert "not supported with distillation" in r["refused"]
+
+
+FRONT_DOOR = """seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_steps: 6
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_pat.CoupledPruningCallback
+      init_args: {{clusters: llama, target_params: 0.7, score: rms, warmup_steps: 1, ramp_steps: 2,
+        shrink_on_freeze: true}}
+model:
+  class_path: lightning_pat.lm.CausalLM
+  init_args: {{pretrained: {model}, lr: 1.0e-6, export: {export}}}
+data:
+  class_path: lightning_pat.lm.TextFiles
+  init_args: {{files: {files}, holdout_every: 2, batch_size: 2, seq_len: 16, val_windows: 2, train_windows: 32,
+    english: false}}
+"""
+MESH = ["--trainer.strategy=ModelParallelStrategy", "--trainer.devices=2"]
+FRONT_DOOR_LAYOUTS = {
+    "one-process": [],
+    "fsdp2-x2": [*MESH, "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1"],
+    "tp-x2": [*MESH, "--trainer.strategy.data_parallel_size=1", "--trainer.strategy.tensor_parallel_size=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def front_door(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """``lightning-pat fit`` of one CausalLM config with ``shrink_on_freeze: true`` in each layout (the export dirs)."""
+    root = tmp_path_factory.mktemp("sharded_shrink_front_door")
+    model = tiny_lm_dir(root)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / name) for name in ("abc.py", "ast.py", "bisect.py", "calendar.py")]
+    done = {}
+    for name, flags in FRONT_DOOR_LAYOUTS.items():
+        config = root / f"{name}.yaml"
+        config.write_text(FRONT_DOOR.format(model=model, export=root / name, files=files))
+        done[name] = subprocess.run(
+            [console_script(), "fit", "--config", str(config), *flags], capture_output=True, text=True, cwd=root,
+            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    return root, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_front_door_heals_small_under_fsdp2_and_exports_the_one_process_model(front_door):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, done = front_door
+    for name in ("one-process", "fsdp2-x2"):
+        assert done[name].returncode == 0, f"{name}: {done[name].stderr[-4000:]}"
+        assert "healing runs on the small model" in done[name].stderr + done[name].stdout, name
+    reference = load_file(root / "one-process" / "model.safetensors")
+    weights = load_file(root / "fsdp2-x2" / "model.safetensors")
+    full = load_file(tiny_lm_dir(root) / "model.safetensors")
+    assert sum(t.numel() for t in reference.values()) < 0.8 * sum(t.numel() for t in full.values())  # really cut
+    assert sorted(weights) == sorted(reference)
+    for key, tensor in reference.items():
+        torch.testing.assert_close(weights[key], tensor, atol=1e-4, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(root / "fsdp2-x2").eval()
+    assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_kept_count_tensor_parallel_cannot_split_is_refused_at_fit_start_with_the_numbers(front_door):
+    _, done = front_door
+    tp = done["tp-x2"]
+    assert tp.returncode != 0
+    assert "keeps 37 of 64 units" in tp.stderr
+    assert "over mesh axis 'tensor_parallel' of 2 ranks" in tp.stderr
+    assert "healing runs on the small model" not in tp.stderr + tp.stdout  # refused before any step
+    assert "target_params:" not in tp.stderr + tp.stdout  # at fit start: before the size is even reported
