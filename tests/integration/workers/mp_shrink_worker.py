@@ -11,10 +11,12 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
 1. ``uninterrupted``: the fit through the freeze; per step the loss and this rank's parameter bytes;
 2. ``after``: resumed from the step-6 checkpoint (written after the freeze, small shapes);
 3. ``before``: resumed from the step-2 checkpoint (written before the freeze): it freezes and shrinks itself;
-4. ``distill``: a fit with distillation through the freeze, then its resume from the step-6 checkpoint, which must
-   be refused on every rank before anything is loaded.
+4. ``full`` and ``full-after``: 1 with full (gathered) checkpoints, and its resume from the step-6 one;
+5. ``distill``: a fit with distillation through the freeze (the teacher's and the student's shapes and bytes), then
+   ``distill-resume``: its resume from the step-6 checkpoint, which must be refused on every rank before anything is
+   loaded.
 
-Rank 0 saves the final full weights of 1-3 to ``OUT_DIR/{name}.pt``; each rank prints one ``RESULT {json}`` line per
+Rank 0 saves the final full weights of 1-4 to ``OUT_DIR/{name}.pt``; each rank prints one ``RESULT {json}`` line per
 run.
 """
 
@@ -97,7 +99,7 @@ def make_callback(*, distill: bool = False) -> CoupledPruningCallback:
     )  # fmt: skip
 
 
-def fit(ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = False, devices: int = 2):
+def fit(ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = False, devices: int = 2, dcp: bool = True):
     cb, record = make_callback(distill=distill), Record()
     callbacks: list = [cb, record]
     if ckpts is not None:
@@ -105,7 +107,7 @@ def fit(ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = Fals
             pl.callbacks.ModelCheckpoint(dirpath=ckpts, filename="{step}", every_n_train_steps=1, save_top_k=-1)
         )
     strategy = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=True)
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=dcp)
         if devices == 2
         else "auto"
     )
@@ -142,7 +144,18 @@ def main(out_dir: Path) -> None:
     report("uninterrupted", out_dir, *fit("ckpts"))
     for name, stop in (("after", 6), ("before", 2)):
         report(name, out_dir, *fit(f"ckpts-{name}", ckpt_path=f"ckpts/step={stop}.ckpt"))
-    fit("ckpts-distill", distill=True)
+    for name in ("full", "full-after"):  # a full (gathered) checkpoint: the same fit, resumed after the freeze
+        ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
+        report(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False))
+    module, cb, record, _ = fit("ckpts-distill", distill=True)
+    teacher = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in cb.teacher.named_parameters()}
+    distilled = {
+        "run": "distill", "rank": dist.get_rank(), "dropped": cb.dropped, "losses": record.losses,
+        "bytes": record.bytes, "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher.values()),
+        "teacher_shapes": {n: list(p.shape) for n, p in cb.teacher.named_parameters()},
+        "student_shapes": {n: list(p.shape) for n, p in module.model.named_parameters()},
+    }  # fmt: skip
+    print("RESULT " + json.dumps(distilled), flush=True)
     try:
         fit(None, ckpt_path="ckpts-distill/step=6.ckpt", distill=True)
         refused = ""
