@@ -12,6 +12,8 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
 2. ``after``: resumed from the step-6 checkpoint (written after the freeze, small shapes);
 3. ``before``: resumed from the step-2 checkpoint (written before the freeze): it freezes and shrinks itself;
 4. ``full`` and ``full-after``: 1 with full (gathered) checkpoints, and its resume from the step-6 one;
+   ``tp`` and ``tp-after``: 1 and 2 under tensor parallel 2 (sequence-parallel plan, FSDP2 over a data-parallel axis
+   of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch;
 5. ``distill``: a fit with distillation through the freeze (the teacher's and the student's shapes and bytes), then
    ``distill-resume``: its resume from the step-6 checkpoint, which must be refused on every rank before anything is
    loaded.
@@ -52,10 +54,11 @@ class RankTiny(LitTiny):
     The model gets a config of its own: the shrink rewrites the model's config (head counts, widths) in place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dp: int = 2) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = TinyGPT(dataclasses.replace(CFG))
+        self.dp = dp  # the data-parallel ranks whose batches one process trains on at once
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:
@@ -63,7 +66,7 @@ class RankTiny(LitTiny):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         if self.device_mesh is None:
-            x = torch.cat([rank_tokens(0), rank_tokens(1)])
+            x = torch.cat([rank_tokens(rank) for rank in range(self.dp)])
         else:
             x = rank_tokens(self.device_mesh["data_parallel"].get_local_rank())
         return super().training_step((x,), batch_idx)
@@ -92,22 +95,30 @@ class Record(pl.Callback):
         self.dtensors.append(all(hasattr(p, "placements") for p in pl_module.parameters()))
 
 
-def make_callback(*, distill: bool = False) -> CoupledPruningCallback:
+#: under tensor parallel: the MLP channels and the residual stream (the 2 KV groups cut to 1 cannot split over 2 ranks)
+TP_CLUSTERS = [c for c in CLUSTERS if not c.name.startswith("heads")]
+
+
+def make_callback(*, distill: bool = False, tp: int = 1) -> CoupledPruningCallback:
     return CoupledPruningCallback(
-        CLUSTERS, 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, score="rms", shrink_on_freeze=True,
+        CLUSTERS if tp == 1 else TP_CLUSTERS, 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, score="rms",
+        shrink_on_freeze=True,
         distill_alpha=0.5 if distill else 0.0, distill_module="model" if distill else "",
     )  # fmt: skip
 
 
-def fit(ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = False, devices: int = 2, dcp: bool = True):
-    cb, record = make_callback(distill=distill), Record()
+def fit(
+    ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = False, devices: int = 2, dcp: bool = True,
+    tp: int = 1,
+):  # fmt: skip
+    cb, record = make_callback(distill=distill, tp=tp), Record()
     callbacks: list = [cb, record]
     if ckpts is not None:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=ckpts, filename="{step}", every_n_train_steps=1, save_top_k=-1)
         )
     strategy = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=dcp)
+        ModelParallelStrategy(data_parallel_size=2 // tp, tensor_parallel_size=tp, save_distributed_checkpoint=dcp)
         if devices == 2
         else "auto"
     )
@@ -116,7 +127,7 @@ def fit(ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = Fals
         enable_checkpointing=ckpts is not None, enable_progress_bar=False, enable_model_summary=False,
         log_every_n_steps=1,
     )  # fmt: skip
-    module = RankTiny()
+    module = RankTiny(dp=2 // tp)
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, cb, record, trainer
 
@@ -147,6 +158,8 @@ def main(out_dir: Path) -> None:
     for name in ("full", "full-after"):  # a full (gathered) checkpoint: the same fit, resumed after the freeze
         ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
         report(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False))
+    report("tp", out_dir, *fit("ckpts-tp", tp=2))  # FSDP2 (a data-parallel axis of 1) x tensor parallel 2
+    report("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2))
     module, cb, record, _ = fit("ckpts-distill", distill=True)
     teacher = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in cb.teacher.named_parameters()}
     distilled = {
