@@ -181,7 +181,9 @@ class CoupledPruningCallback(PruningViews, Callback):
         if self.options.shrink_on_freeze:
             self._restore_hook = facts.watch_restore(trainer, pl_module, self._before_restore)
             if facts.strategy_kind(trainer.strategy) == "model_parallel":  # restores after on_fit_start
-                self._sharded_restore_hook = facts.watch_sharded_restore(trainer, self._before_sharded_restore)
+                self._sharded_restore_hook = facts.watch_sharded_restore(
+                    trainer, lambda checkpoint: self._before_sharded_restore(trainer, pl_module, checkpoint)
+                )
 
     def _before_restore(
         self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None, weights: Mapping[str, Any]
@@ -190,9 +192,12 @@ class CoupledPruningCallback(PruningViews, Callback):
             saved = callback_state(checkpoint or {}, key=self.state_key)
             self.controller.before_restore(module, saved, weights=weights)
 
-    def _before_sharded_restore(self, checkpoint: Mapping[str, Any]) -> None:
+    def _before_sharded_restore(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Mapping[str, Any]
+    ) -> None:
         with _user_errors():
-            self.controller.before_sharded_restore(callback_state(checkpoint, key=self.state_key))
+            saved = callback_state(checkpoint, key=self.state_key)
+            self.controller.before_sharded_restore(pl_module, saved, optimizers=trainer.optimizers)
         if self.controller.shrunk is not None:  # a model shrunk before this fit only counts steps
             self.metrics = None
 

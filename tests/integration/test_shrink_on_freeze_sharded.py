@@ -12,7 +12,8 @@ ranks' batches at once (the mean loss over them is the mean of the ranks' losses
   reduction of two half-batches and the one-process mean of the whole batch round differently: 1.1e-6 at most,
   measured; a different selection would cut other rows, O(1) apart);
 * a resume from either checkpoint ends bitwise on the uninterrupted run's weights, its losses bitwise too; so does
-  a resume from a full (gathered) checkpoint written after the freeze;
+  a resume from a full (gathered) checkpoint written after the freeze; ``trainer.validate`` of a fresh module from
+  the last checkpoint loads exactly the trained small model;
 * with distillation the student heals small from the dense teacher; its resume after the freeze is refused;
 * under tensor parallel 2 (a sequence-parallel plan, FSDP2 over a data-parallel axis of 1; the MLP and residual
   clusters) the same: the one process's selection and weights (within 1e-4), a resume after the freeze bitwise.
@@ -128,6 +129,17 @@ def test_fsdp2_x_tensor_parallel_heals_small_and_resumes(launched):
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-4)
     resumed = torch.load(out / "tp-after.pt", weights_only=True)
     assert [n for n in got if not torch.equal(resumed[n], got[n])] == []
+
+
+@pytest.mark.timeout(300)
+def test_validate_from_a_checkpoint_written_after_the_freeze_loads_it_into_a_fresh_module(launched):
+    runs, out = launched
+    want = torch.load(out / "uninterrupted.pt", weights_only=True)
+    got = torch.load(out / "validate.pt", weights_only=True)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []  # the fresh full-size module, made small
+    for r in runs["validate"]:  # (no bytes compared: FSDP2 keeps the root's parameters gathered after a forward)
+        assert r["shrunk"]
+        assert math.isfinite(r["losses"][0])
 
 
 @pytest.mark.timeout(300)

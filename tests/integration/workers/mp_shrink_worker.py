@@ -11,15 +11,16 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
 1. ``uninterrupted``: the fit through the freeze; per step the loss and this rank's parameter bytes;
 2. ``after``: resumed from the step-6 checkpoint (written after the freeze, small shapes);
 3. ``before``: resumed from the step-2 checkpoint (written before the freeze): it freezes and shrinks itself;
-4. ``full`` and ``full-after``: 1 with full (gathered) checkpoints, and its resume from the step-6 one;
+4. ``validate``: ``trainer.validate`` of a fresh module from the step-7 checkpoint;
+   ``full`` and ``full-after``: 1 with full (gathered) checkpoints, and its resume from the step-6 one;
    ``tp`` and ``tp-after``: 1 and 2 under tensor parallel 2 (sequence-parallel plan, FSDP2 over a data-parallel axis
    of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch;
 5. ``distill``: a fit with distillation through the freeze (the teacher's and the student's shapes and bytes), then
    ``distill-resume``: its resume from the step-6 checkpoint, which must be refused on every rank before anything is
    loaded.
 
-Rank 0 saves the final full weights of 1-4 to ``OUT_DIR/{name}.pt``; each rank prints one ``RESULT {json}`` line per
-run.
+Rank 0 saves the final full weights of 1-4 and ``tp`` to ``OUT_DIR/{name}.pt``; each rank prints one
+``RESULT {json}`` line per run.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ class RankTiny(LitTiny):
         else:
             x = rank_tokens(self.device_mesh["data_parallel"].get_local_rank())
         return super().training_step((x,), batch_idx)
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = self.training_step(batch, batch_idx)
+        self.log("val_loss", loss)
+        return loss
+
+    def val_dataloader(self):  # noqa: ANN201
+        return self.train_dataloader()
 
 
 def local_bytes(module: torch.nn.Module) -> int:
@@ -132,6 +141,21 @@ def fit(
     return module, cb, record, trainer
 
 
+def validate(ckpt_path: str):
+    """``trainer.validate`` of a fresh full-size module from a checkpoint written after the freeze."""
+    cb, record = make_callback(), Record()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, logger=False, callbacks=[cb, record], limit_val_batches=1,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = RankTiny()
+    trainer.validate(module, ckpt_path=ckpt_path, verbose=False)
+    record.bytes = [local_bytes(module)]
+    record.losses = [float(trainer.callback_metrics["val_loss"])]
+    return module, cb, record, trainer
+
+
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()
@@ -145,7 +169,7 @@ def report(name: str, out_dir: Path, module, cb, record, trainer) -> None:  # no
     out = {
         "run": name, "rank": dist.get_rank(), "dropped": cb.dropped, "step": cb.step, "losses": record.losses,
         "bytes": record.bytes, "dtensors": record.dtensors, "shrunk": cb.controller.shrunk is not None,
-        "optimizer_params_are_module_params": [id(p) for g in trainer.optimizers[0].param_groups
+        "optimizer_params_are_module_params": [id(p) for opt in trainer.optimizers for g in opt.param_groups
                                                for p in g["params"]] == [id(p) for p in module.parameters()],
     }  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
@@ -155,6 +179,8 @@ def main(out_dir: Path) -> None:
     report("uninterrupted", out_dir, *fit("ckpts"))
     for name, stop in (("after", 6), ("before", 2)):
         report(name, out_dir, *fit(f"ckpts-{name}", ckpt_path=f"ckpts/step={stop}.ckpt"))
+    module, cb, record, trainer = validate("ckpts/step=7.ckpt")
+    report("validate", out_dir, module, cb, record, trainer)
     for name in ("full", "full-after"):  # a full (gathered) checkpoint: the same fit, resumed after the freeze
         ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
         report(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False))
