@@ -40,6 +40,7 @@ from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
 from lightning_pat.training.score_choice import ScoreChoice, check_scores, scored
+from lightning_pat.training.sharded_shrink import check_kept_counts
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,8 @@ def bind_run(
         if opts.shrink_on_freeze:  # refuse now what the shrink at the final step could not rewrite
             with prefixed(f"{WHO}(shrink_on_freeze=True)"):
                 check_shrinkable(module, clusters)
+                sparsity = opts.target_sparsity if opts.target_sparsity is not None else 0.0
+                check_kept_counts(module, clusters, plan.targets(sparsity))  # sharded: whole units per TP rank
                 if any(is_layer_cluster(rc) for rc in clusters):
                     raise ValueError(
                         "layer units (preset_options={'layers': True}) are removed by `lightning_pat.shrink` "

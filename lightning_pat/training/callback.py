@@ -132,6 +132,7 @@ class CoupledPruningCallback(PruningViews, Callback):
         self.controller = PruningController(self.options, info=rank_zero_info, forward_error=MisconfigurationException)
         self.metrics: PruningMetrics | None = None
         self._restore_hook: Any = None
+        self._sharded_restore_hook: Any = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -179,6 +180,10 @@ class CoupledPruningCallback(PruningViews, Callback):
         self._unwatch_restore()  # one hook at a time (setup runs for every fit, validate, test and predict)
         if self.options.shrink_on_freeze:
             self._restore_hook = facts.watch_restore(trainer, pl_module, self._before_restore)
+            if facts.strategy_kind(trainer.strategy) == "model_parallel":  # restores after on_fit_start
+                self._sharded_restore_hook = facts.watch_sharded_restore(
+                    trainer, lambda checkpoint: self._before_sharded_restore(trainer, pl_module, checkpoint)
+                )
 
     def _before_restore(
         self, module: torch.nn.Module, checkpoint: Mapping[str, Any] | None, weights: Mapping[str, Any]
@@ -187,10 +192,22 @@ class CoupledPruningCallback(PruningViews, Callback):
             saved = callback_state(checkpoint or {}, key=self.state_key)
             self.controller.before_restore(module, saved, weights=weights)
 
-    def _unwatch_restore(self) -> None:
+    def _before_sharded_restore(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Mapping[str, Any]
+    ) -> None:
+        with _user_errors():
+            saved = callback_state(checkpoint, key=self.state_key)
+            self.controller.before_sharded_restore(pl_module, saved, optimizers=trainer.optimizers)
+        if self.controller.shrunk is not None:  # a model shrunk before this fit only counts steps
+            self.metrics = None
+
+    def _unwatch_restore(self, *, sharded: bool = False) -> None:
         if self._restore_hook is not None:
             self._restore_hook.remove()
             self._restore_hook = None
+        if sharded and self._sharded_restore_hook is not None:
+            self._sharded_restore_hook.remove()
+            self._sharded_restore_hook = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -208,6 +225,7 @@ class CoupledPruningCallback(PruningViews, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Continue a restored state, the same Trainer's previous fit, or start at step 0 (``begin_fit``)."""
+        self._unwatch_restore(sharded=True)  # ModelParallelStrategy restored its checkpoint by now
         with _user_errors():
             self.controller.begin_fit(
                 owner=trainer, global_step=trainer.global_step, ckpt_path=trainer.ckpt_path, key=self.state_key,
@@ -229,12 +247,13 @@ class CoupledPruningCallback(PruningViews, Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the controller's hooks (the in-memory state for a next fit of the same Trainer is kept)."""
         self.controller.release()
-        self._unwatch_restore()
+        self._unwatch_restore(sharded=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A failed fit does not reach ``teardown``: remove the hooks here (no leak into the next cell's fit)."""
         self.controller.release()
+        self._unwatch_restore(sharded=True)
 
     # ------------------------------------------------------------------ per step
     @override

@@ -434,3 +434,28 @@ class PruningController:
         )  # fmt: skip
         if small is not None and self.shrunk is None:
             self.resolved, self.shrunk = small
+
+    def before_sharded_restore(
+        self, module: nn.Module, saved: Mapping[str, Any] | None, *, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> None:
+        """Before ``ModelParallelStrategy`` loads a checkpoint: the sharded :meth:`before_restore`.
+
+        :func:`~lightning_pat.training.resume.before_sharded_restore`: a ``module`` given the shrunk shapes of
+        ``saved`` (its ``optimizers``' param groups repointed) makes this controller's run a shrunk one; in a fit
+        (the strategy restores after fit start, so after :meth:`bind`) the run is bound again to the new parameters
+        (only steps are counted from there on).
+
+        Raises:
+            ConfigurationError: As for :func:`~lightning_pat.training.resume.before_sharded_restore`.
+        """
+        small = resume.before_sharded_restore(
+            module, saved, optimizers=optimizers, distiller=self.distiller, shrunk=self.shrunk is not None
+        )
+        if small is None:
+            return
+        self.resolved, self.shrunk = small
+        if self.run is not None:  # a fit: bound at fit start to the full-size parameters
+            params = dict(module.named_parameters(remove_duplicate=False))
+            self.run = BoundRun(
+                module, list(optimizers), params, self.options, self._info, sharded_ckpt=self.run.sharded_ckpt
+            )

@@ -82,10 +82,10 @@ def check_environment(
             "Use shrink_on_freeze=False and shrink after fit (lightning_pat.shrink(model, callback)), or drop the SWA "
             "callback."
         )
-    if options.shrink_on_freeze and kind != "single":
+    if options.shrink_on_freeze and kind not in ("single", "model_parallel"):
         raise ValueError(
-            f"{WHO}(shrink_on_freeze=True) runs on a single device, got "
-            f"{strategy}: under DDP/FSDP/ModelParallelStrategy the wrapped or sharded "
-            "parameters cannot be resized in place yet. Use shrink_on_freeze=False and shrink after fit "
-            "(lightning_pat.shrink(model, callback)), or train on one device."
+            f"{WHO}(shrink_on_freeze=True) runs on a single device or under ModelParallelStrategy (FSDP2, FSDP2 x "
+            f"tensor parallel), got {strategy}: under DDP and FSDP1 the wrapped or flat-sharded parameters cannot be "
+            "resized in place. Use ModelParallelStrategy with fully_shard, or shrink_on_freeze=False and shrink after "
+            "fit (lightning_pat.shrink(model, callback))."
         )

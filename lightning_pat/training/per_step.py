@@ -19,12 +19,13 @@ only after the backward and committed after the update.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_pat.parallel.comm import ranks
+from lightning_pat.parallel.comm import dtensor, ranks
 from lightning_pat.pruning.api import importance_costs
 from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.scoring.activation import ActivationStats
@@ -33,6 +34,7 @@ from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training.bound import BoundRun
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.progress import Progress
+from lightning_pat.training.sharded_shrink import check_kept_counts, shrink_sharded
 
 
 def after_backward(run: BoundRun, progress: Progress, optimizer: torch.optim.Optimizer) -> None:
@@ -151,6 +153,9 @@ def allocate(run: BoundRun, params: Mapping[str, Tensor], *, step: int) -> Bound
             params, options.sizing, declarations=run.basis.declarations, model=run.module, importance=costs
         )
     run = run.retargeted({rc.name: rc.target for rc in sized.clusters}, size, solved_at=step)
+    if options.shrink_on_freeze:  # the widths are known now: refuse what the freeze could not shard again
+        with prefixed(f"{WHO}(shrink_on_freeze=True)"):
+            check_kept_counts(run.module, run.clusters, {rc.name: rc.target or 0.0 for rc in sized.clusters})
     source = "statistics" if evidence is not None else "weights"
     run.info(
         f"{WHO} {which}: {size.describe()}; solved at step {step} (the first selection) from the "
@@ -237,9 +242,15 @@ def freeze(run: BoundRun, progress: Progress) -> tuple[dict[str, list[int]], Bou
             return None
         dropped = run.pruner.result().dropped
         with prefixed(f"{WHO}(shrink_on_freeze=True)"):
-            shrink_for_training(run.module, run.clusters, dropped, optimizers=run.optimizers)
+            if any(dtensor.is_dtensor(p) for p in run.module.parameters()):  # FSDP2 (x TP): cut and sharded again
+                params: Mapping[str, Tensor] = shrink_sharded(
+                    run.module, run.clusters, dropped, optimizers=run.optimizers
+                )
+            else:
+                shrink_for_training(run.module, run.clusters, dropped, optimizers=run.optimizers)
+                params = dict(run.module.named_parameters(remove_duplicate=False))
     run.info(
         f"{WHO}: shrunk the model at step {progress.step} to "
         f"{sum(p.numel() for p in run.module.parameters()):,} parameters; healing runs on the small model."
     )
-    return dropped, run.after_shrink()
+    return dropped, dataclasses.replace(run.after_shrink(), params=params)

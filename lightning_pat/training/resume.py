@@ -47,6 +47,7 @@ from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
 from lightning_pat.training.progress import Progress
 from lightning_pat.training.score_choice import resolve_score
+from lightning_pat.training.sharded_shrink import restore_shrunk_sharded
 
 
 # ---------------------------------------------------------------------------------------------------- state in
@@ -106,6 +107,54 @@ def before_restore(
             "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
         )
     return None
+
+
+def before_sharded_restore(
+    module: nn.Module,
+    saved: Mapping[str, Any] | None,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer],
+    distiller: Distiller | None,
+    shrunk: bool,
+) -> tuple[list[ResolvedCluster], dict[str, list[int]]] | None:
+    """Before ``ModelParallelStrategy`` loads a checkpoint: give an FSDP2 model the shapes of a ``shrink_on_freeze``.
+
+    The sharded counterpart of :func:`before_restore`: a distributed checkpoint is loaded into the module's current
+    (sharded) state dict, so a checkpoint written after the shrink needs the small model first
+    (:func:`~lightning_pat.training.sharded_shrink.restore_shrunk_sharded`, no communication; the optimizers' param
+    groups repointed before their state loads). Every rank reads the same ``saved``, so every rank does the same.
+
+    Returns:
+        The saved clusters and dropped units when ``module`` was given the shrunk shapes of ``saved``, else ``None``.
+
+    Raises:
+        ConfigurationError: Before anything is loaded: if the checkpoint was written after the shrink and the run
+            distils (the teacher is not rebuilt full-size under ``ModelParallelStrategy`` yet), if the module cannot
+            be shrunk to the saved shapes, or if this module was shrunk and the checkpoint predates the shrink.
+    """
+    body, _ = split_distill(saved or {})
+    if shrunk:  # the same Trainer's next fit: the module is small already
+        if is_shrunk(body):
+            return None
+        raise ConfigurationError(
+            f"{WHO}(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the full-size weights, but "
+            "this module was shrunk at the final ramp step. Evaluate that checkpoint on a fresh, full-size module "
+            "(`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the shrink, or omit "
+            "`ckpt_path` to use the shrunk module's current weights."
+        )
+    if not is_shrunk(body):
+        return None
+    if distiller is not None:
+        raise ConfigurationError(
+            f"{WHO}(shrink_on_freeze=True, distill_alpha>0): resuming under ModelParallelStrategy from a checkpoint "
+            "written after the shrink is not supported with distillation yet: the full-size teacher would have to "
+            "be rebuilt sharded before the small student loads. Resume from a checkpoint written before the freeze, "
+            "set distill_alpha=0 for the rest of the healing, or resume on one device."
+        )
+    with prefixed(f"{WHO}: cannot resume the shrunk model"):
+        small = read_saved(body, "the callback state")
+        restore_shrunk_sharded(module, list(small.clusters), small.dropped, optimizers=optimizers)
+    return list(small.clusters), {name: list(units) for name, units in small.dropped.items()}
 
 
 def _shape_mismatches(

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.parallel.comm import dtensor, fsdp2
 from lightning_pat.shrink import depth
@@ -227,6 +228,33 @@ def _cut_group(
             optimizers[i].state[old[name]][key] = laid
     for name in names:
         _replace(optimizers, old[name], placed[name])
+
+
+def check_kept_counts(module: nn.Module, clusters: Sequence[ResolvedCluster], targets: Mapping[str, float]) -> None:
+    """Refuse, before training, the kept counts :func:`shrink_sharded` could not shard again at the freeze.
+
+    With ``shrink_on_freeze`` on a tensor-parallel model: a cluster cut along a tensor-parallel dim must keep a count
+    that divides by that axis's size. The count each cluster keeps at ``targets`` (its final sparsity) is known
+    before the ramp unless the cluster shares a budget with others (then it is checked at the freeze); a trial
+    mask of that count is checked as :func:`shrink_sharded` checks the real one. Nothing changes; no communication.
+
+    Args:
+        module: The sharded module the clusters were resolved against.
+        clusters: The resolved clusters.
+        targets: Cluster name -> final sparsity.
+
+    Raises:
+        ValueError: Naming the cluster, its kept count, the parameter, the mesh axis and the fix.
+    """
+    if not any(dtensor.is_dtensor(p) for p in module.parameters()):
+        return
+    trial = {}
+    for rc in clusters:
+        if rc.budget is None and rc.name in targets:
+            num = num_to_drop(targets[rc.name], rc.num_units, multiple_of=rc.multiple_of)
+            if 0 < num < rc.num_units:
+                trial[rc.name] = list(range(num))
+    _check_tensor_parallel(module, _groups(module)[0], clusters, trial)
 
 
 def restore_shrunk_sharded(

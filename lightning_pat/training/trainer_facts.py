@@ -8,6 +8,7 @@ Each function reads one fact and hands plain values (or a hook handle) to the Li
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 
+from lightning_pat.core.safe_io import load_torch_file
 from lightning_pat.training.environment import StrategyKind
 
 if TYPE_CHECKING:
@@ -100,6 +102,59 @@ def watch_restore(
             before(mod, getattr(connector, "_loaded_checkpoint", None), weights)
 
     return module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+class _StrategyRestoreWatch:
+    """The handle of :func:`watch_sharded_restore`: ``remove()`` gives the strategy its own ``load_checkpoint`` back."""
+
+    def __init__(self, strategy: Strategy, wrapper: Callable[..., Any]) -> None:
+        self._strategy = strategy
+        strategy.load_checkpoint = wrapper  # type: ignore[method-assign]  # this instance only, until remove()
+
+    def remove(self) -> None:
+        """Stop watching (idempotent)."""
+        if "load_checkpoint" in vars(self._strategy):
+            del self._strategy.load_checkpoint
+
+
+def checkpoint_meta(path: Any) -> Mapping[str, Any]:
+    """Everything but the weights of the Lightning checkpoint at ``path``, read without running code from it.
+
+    A distributed checkpoint directory (``ModelParallelStrategy(save_distributed_checkpoint=True)``) keeps it in
+    ``meta.pt`` (the shards are not read); a ``.ckpt`` file is read whole.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist, or is a directory without ``meta.pt``.
+        ValueError: As for :func:`~lightning_pat.core.safe_io.load_torch_file`.
+    """
+    from lightning.fabric.utilities.data import AttributeDict
+
+    source = Path(path)
+    if source.is_dir():
+        source = source / "meta.pt"
+    loaded = load_torch_file(source, what="checkpoint", allowed=[AttributeDict])
+    return loaded if isinstance(loaded, Mapping) else {}
+
+
+def watch_sharded_restore(trainer: pl.Trainer, before: Callable[[Mapping[str, Any]], None]) -> Any:
+    """Call ``before(checkpoint)`` before ``ModelParallelStrategy`` loads a checkpoint (its weights included).
+
+    Under ``ModelParallelStrategy`` Lightning restores the checkpoint after ``on_fit_start``, loading the weights
+    into the module's current state dict (a distributed checkpoint's shapes must already match), and no callback hook
+    runs in between; so this wraps the strategy's ``load_checkpoint`` (this instance only) and hands ``before`` the
+    checkpoint without its weights (:func:`checkpoint_meta`), on every rank.
+
+    Returns:
+        The handle (``handle.remove()`` stops watching).
+    """
+    strategy = trainer.strategy
+    load = strategy.load_checkpoint
+
+    def wrapper(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        before(checkpoint_meta(checkpoint_path))
+        return load(checkpoint_path, *args, **kwargs)
+
+    return _StrategyRestoreWatch(strategy, wrapper)
 
 
 def teacher_dirs(trainer: pl.Trainer, configured: str | None) -> list[str]:

@@ -1,0 +1,254 @@
+"""``shrink_on_freeze`` under ``ModelParallelStrategy`` (FSDP2, data-parallel size 2, gloo on CPU): healing small.
+
+One launch of 2 ranks (``workers/mp_shrink_worker.py``) fits a TinyGPT through the freeze with a distributed
+checkpoint after every step, resumes from a checkpoint written after the freeze and from one written before it, and
+tries to resume a distilled run after its freeze (refused). The reference is the same recipe on one process, on both
+ranks' batches at once (the mean loss over them is the mean of the ranks' losses, which FSDP2 averages), run here:
+
+* the selection (the dropped units) is the one process's on every rank, and the parameters are DTensors at the
+  small size from the freeze on: each rank holds its shards of the small model (bytes measured per rank);
+* the losses fall and stay finite through the freeze;
+* the final weights (gathered: the export) have the one process's shapes and, within 1e-5, its values (the gloo
+  reduction of two half-batches and the one-process mean of the whole batch round differently: 1.1e-6 at most,
+  measured; a different selection would cut other rows, O(1) apart);
+* a resume from either checkpoint ends bitwise on the uninterrupted run's weights, its losses bitwise too; so does
+  a resume from a full (gathered) checkpoint written after the freeze; ``trainer.validate`` of a fresh module from
+  the last checkpoint loads exactly the trained small model;
+* with distillation the student heals small from the dense teacher; its resume after the freeze is refused;
+* under tensor parallel 2 (a sequence-parallel plan, FSDP2 over a data-parallel axis of 1; the MLP and residual
+  clusters) the same: the one process's selection and weights (within 1e-4), a resume after the freeze bitwise.
+
+``lightning-pat fit`` of a ``CausalLM`` config with ``shrink_on_freeze: true`` (slow): FSDP2 at world 2 exports the
+one process's model within 1e-4, which stock ``from_pretrained`` loads; tensor parallel at world 2 with a kept width
+of 37 is refused at fit start with the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.common.dist import result_records, run_rank_scripts
+from tests.common.processes import console_script
+from tests.common.tiny_lm import tiny_lm_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKER = Path(__file__).parent / "workers" / "mp_shrink_worker.py"
+FREEZE = 4  # warmup 1 + ramp 3
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], Path]:
+    """The 2 ranks' records of every run, by run name, and the folder holding rank 0's final weights."""
+    out = tmp_path_factory.mktemp("sharded_shrink")
+    records = result_records(run_rank_scripts(WORKER, 2, args=[str(out)], timeout=240))
+    runs: dict[str, list[dict]] = {}
+    for record in records:
+        runs.setdefault(record["run"], []).append(record)
+    assert all([r["rank"] for r in runs[name]] == [0, 1] for name in runs), runs.keys()
+    return runs, out
+
+
+def one_process_run(tp: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """The recipe of the sharded run with tensor-parallel size ``tp`` on one process (no strategy): its dropped units
+    and final (shrunk) weights."""
+    from tests.integration.workers.mp_shrink_worker import fit
+
+    module, cb, _, _ = fit(None, devices=1, tp=tp)
+    return cb.dropped, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def one_process() -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """The FSDP2 run's recipe on one process, on both data-parallel ranks' batches."""
+    return one_process_run(1)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_run_heals_small_with_the_one_process_selection_and_weights(launched, one_process):
+    runs, out = launched
+    dropped, weights = one_process
+    for r in runs["uninterrupted"]:
+        assert r["dropped"] == dropped  # every rank: the one process's selection
+        assert r["shrunk"]
+        assert r["step"] == 7
+        assert all(r["dtensors"])  # sharded again after the freeze, never gathered for good
+        before, after = r["bytes"][FREEZE - 2], r["bytes"][FREEZE - 1]
+        assert r["bytes"][: FREEZE - 1] == [before] * (FREEZE - 1)
+        assert r["bytes"][FREEZE - 1 :] == [after] * (7 - FREEZE + 1)
+        assert after < 0.35 * before, (before, after)  # this rank's shards of the small model
+        assert all(math.isfinite(x) for x in r["losses"])
+        assert r["losses"][-1] < r["losses"][FREEZE - 1] < r["losses"][0]
+        assert r["optimizer_params_are_module_params"]  # the optimizer trains the new parameters
+    got = torch.load(out / "uninterrupted.pt", weights_only=True)
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in weights.items()}
+    # the ranks' shards tile the small model: no rank keeps a full-size or a gathered copy
+    assert sum(t.numel() * t.element_size() for t in got.values()) == sum(r["bytes"][-1] for r in runs["uninterrupted"])
+    for name, tensor in weights.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["after", "before"], ids=["ckpt-after-freeze", "ckpt-before-freeze"])
+def test_resume_from_a_checkpoint_around_the_freeze_is_bitwise(launched, name):
+    runs, out = launched
+    want, got = (
+        torch.load(out / "uninterrupted.pt", weights_only=True),
+        torch.load(out / f"{name}.pt", weights_only=True),
+    )
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    for uninterrupted, resumed in zip(runs["uninterrupted"], runs[name], strict=True):
+        assert resumed["dropped"] == uninterrupted["dropped"]
+        assert resumed["shrunk"]
+        assert resumed["step"] == 7
+        assert resumed["losses"] == uninterrupted["losses"][-len(resumed["losses"]) :]
+        assert resumed["bytes"][-1] == uninterrupted["bytes"][-1]
+        assert resumed["optimizer_params_are_module_params"]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_x_tensor_parallel_heals_small_and_resumes(launched):
+    runs, out = launched
+    dropped, weights = one_process_run(2)  # both ranks train on data-parallel rank 0's batch
+    for r in runs["tp"]:
+        assert r["dropped"] == dropped
+        assert r["shrunk"]
+        assert all(r["dtensors"])
+        before, after = r["bytes"][FREEZE - 2], r["bytes"][FREEZE - 1]
+        assert after < 0.45 * before, (before, after)
+        assert r["losses"][-1] < r["losses"][FREEZE - 1]
+    got = torch.load(out / "tp.pt", weights_only=True)
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in weights.items()}
+    for name, tensor in weights.items():  # measured: 1.06e-5 at most (the TP matmuls' partial sums round apart)
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-4)
+    resumed = torch.load(out / "tp-after.pt", weights_only=True)
+    assert [n for n in got if not torch.equal(resumed[n], got[n])] == []
+
+
+@pytest.mark.timeout(300)
+def test_validate_from_a_checkpoint_written_after_the_freeze_loads_it_into_a_fresh_module(launched):
+    runs, out = launched
+    want = torch.load(out / "uninterrupted.pt", weights_only=True)
+    got = torch.load(out / "validate.pt", weights_only=True)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []  # the fresh full-size module, made small
+    for r in runs["validate"]:  # (no bytes compared: FSDP2 keeps the root's parameters gathered after a forward)
+        assert r["shrunk"]
+        assert math.isfinite(r["losses"][0])
+
+
+@pytest.mark.timeout(300)
+def test_a_full_checkpoint_written_after_the_freeze_resumes_bitwise(launched):
+    runs, out = launched
+    want, got = torch.load(out / "full.pt", weights_only=True), torch.load(out / "full-after.pt", weights_only=True)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    uninterrupted = torch.load(out / "uninterrupted.pt", weights_only=True)  # the checkpoint format changes nothing
+    assert [n for n in want if not torch.equal(uninterrupted[n], want[n])] == []
+    for r in runs["full-after"]:
+        assert r["shrunk"]
+        assert r["bytes"] == [runs["uninterrupted"][r["rank"]]["bytes"][-1]]
+
+
+@pytest.mark.timeout(300)
+def test_distillation_heals_the_small_student_from_the_dense_teacher(launched):
+    runs, _ = launched
+    for r in runs["distill"]:
+        assert r["dropped"] == runs["uninterrupted"][r["rank"]]["dropped"]  # the teacher's term starts after the cut
+        assert all(math.isfinite(x) for x in r["losses"])
+        small = r["student_shapes"]
+        dense = {n: r["teacher_shapes"][n] for n in small}
+        assert small != dense  # the student was cut, the teacher kept the dense shape
+        assert r["teacher_bytes"] > r["bytes"][-1]  # this rank's shards: the dense teacher outweighs the student
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_the_freeze_with_distillation_is_refused_on_every_rank(launched):
+    runs, _ = launched
+    for r in runs["distill-resume"]:
+        assert r["refused"].startswith("MisconfigurationException: CoupledPruningCallback(shrink_on_freeze=True, ")
+        assert "not supported with distillation" in r["refused"]
+
+
+FRONT_DOOR = """seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_steps: 6
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_pat.CoupledPruningCallback
+      init_args: {{clusters: llama, target_params: 0.7, score: rms, warmup_steps: 1, ramp_steps: 2,
+        shrink_on_freeze: true}}
+model:
+  class_path: lightning_pat.lm.CausalLM
+  init_args: {{pretrained: {model}, lr: 1.0e-6, export: {export}}}
+data:
+  class_path: lightning_pat.lm.TextFiles
+  init_args: {{files: {files}, holdout_every: 2, batch_size: 2, seq_len: 16, val_windows: 2, train_windows: 32,
+    english: false}}
+"""
+MESH = ["--trainer.strategy=ModelParallelStrategy", "--trainer.devices=2"]
+FRONT_DOOR_LAYOUTS = {
+    "one-process": [],
+    "fsdp2-x2": [*MESH, "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1"],
+    "tp-x2": [*MESH, "--trainer.strategy.data_parallel_size=1", "--trainer.strategy.tensor_parallel_size=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def front_door(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """``lightning-pat fit`` of one CausalLM config with ``shrink_on_freeze: true`` in each layout (the export dirs)."""
+    root = tmp_path_factory.mktemp("sharded_shrink_front_door")
+    model = tiny_lm_dir(root)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / name) for name in ("abc.py", "ast.py", "bisect.py", "calendar.py")]
+    done = {}
+    for name, flags in FRONT_DOOR_LAYOUTS.items():
+        config = root / f"{name}.yaml"
+        config.write_text(FRONT_DOOR.format(model=model, export=root / name, files=files))
+        done[name] = subprocess.run(
+            [console_script(), "fit", "--config", str(config), *flags], capture_output=True, text=True, cwd=root,
+            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    return root, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_front_door_heals_small_under_fsdp2_and_exports_the_one_process_model(front_door):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, done = front_door
+    for name in ("one-process", "fsdp2-x2"):
+        assert done[name].returncode == 0, f"{name}: {done[name].stderr[-4000:]}"
+        assert "healing runs on the small model" in done[name].stderr + done[name].stdout, name
+    reference = load_file(root / "one-process" / "model.safetensors")
+    weights = load_file(root / "fsdp2-x2" / "model.safetensors")
+    full = load_file(tiny_lm_dir(root) / "model.safetensors")
+    assert sum(t.numel() for t in reference.values()) < 0.8 * sum(t.numel() for t in full.values())  # really cut
+    assert sorted(weights) == sorted(reference)
+    for key, tensor in reference.items():
+        torch.testing.assert_close(weights[key], tensor, atol=1e-4, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(root / "fsdp2-x2").eval()
+    assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_kept_count_tensor_parallel_cannot_split_is_refused_at_fit_start_with_the_numbers(front_door):
+    _, done = front_door
+    tp = done["tp-x2"]
+    assert tp.returncode != 0
+    assert "keeps 37 of 64 units" in tp.stderr
+    assert "over mesh axis 'tensor_parallel' of 2 ranks" in tp.stderr
+    assert "healing runs on the small model" not in tp.stderr + tp.stdout  # refused before any step
+    assert "target_params:" not in tp.stderr + tp.stdout  # at fit start: before the size is even reported
