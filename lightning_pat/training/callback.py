@@ -177,7 +177,7 @@ class CoupledPruningCallback(PruningViews, Callback):
             )  # fmt: skip
         batch_input = (lambda: facts.first_batch_input(trainer)) if stage == "fit" else None
         self.controller.prepare(pl_module, batch_input, weight_averaging=averaging is not None)
-        self._unwatch_restore()  # one hook at a time (setup runs for every fit, validate, test and predict)
+        self._unwatch_restore(sharded=True)  # one hook at a time (setup runs for every fit, validate, test, predict)
         if self.options.shrink_on_freeze:
             self._restore_hook = facts.watch_restore(trainer, pl_module, self._before_restore)
             if facts.strategy_kind(trainer.strategy) == "model_parallel":  # restores after on_fit_start
