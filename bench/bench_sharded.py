@@ -75,7 +75,8 @@ class CommBytes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -83,7 +84,8 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
+    """Reset the resident-set high-water mark (``VmHWM``) to the current resident size."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -159,13 +161,13 @@ def worker(rank: int, world: int, store_path: str, sizes: list[str], steps: int,
             times, peaks, received, ops = [], [], [], []
             for step in range(steps + 1):
                 dist.barrier()
-                base = _rss_kib("VmRSS")
-                _reset_peak()
+                base = rss_kib("VmRSS")
+                reset_peak()
                 with torch.no_grad():
                     start = time.perf_counter()
                     res = pruner.step(targets)
                     elapsed = time.perf_counter() - start
-                peak = _rss_kib("VmHWM") - base
+                peak = rss_kib("VmHWM") - base
                 if step:  # step 0 is a warm-up
                     times.append(elapsed)
                     peaks.append(peak * 1024)

@@ -41,23 +41,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sharded import reset_peak, rss_kib  # noqa: E402  (bench/bench_sharded.py: the same memory probes)
 
 SHAPE = {"hidden": 576, "mlp": 1536, "heads": 9, "kv": 3, "head_dim": 64, "vocab": 49152}
 TINY = {"hidden": 96, "mlp": 128, "heads": 6, "kv": 3, "head_dim": 16, "vocab": 256}  # --tiny: the smoke test's
 KEEP = {"groups": 2 / 3, "mlp": 640 / 1536, "residual": 480 / 576}  # kept fractions of each cluster's units
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _spread(total: int, keep: int) -> list[int]:
@@ -94,13 +83,13 @@ def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> tuple[float, int]:
     """One training step: its wall time and the rise of the resident set's high-water mark over the step."""
     dist.barrier()
-    _reset_peak()
-    before = _rss_kib("VmRSS") * 1024
+    reset_peak()
+    before = rss_kib("VmRSS") * 1024
     start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=False)  # gradients stay allocated between steps
-    return time.perf_counter() - start, _rss_kib("VmHWM") * 1024 - before
+    return time.perf_counter() - start, rss_kib("VmHWM") * 1024 - before
 
 
 def _median(samples: list[tuple[float, int]]) -> tuple[float, int]:
@@ -146,12 +135,12 @@ def worker(rank: int, world: int, store_path: str, layers: int, steps: int, seq:
         _step(model, opts[id(model)], ids)
     before = _median([_step(healed, opts[id(healed)], ids) for _ in range(steps)])
     opts[id(healed)].zero_grad(set_to_none=True)  # the freeze comes after a real step; shrink_sharded drops them
-    rss_before = _rss_kib("VmRSS") * 1024
+    rss_before = rss_kib("VmRSS") * 1024
     dist.barrier()
-    _reset_peak()
+    reset_peak()
     start = time.perf_counter()
     shrink_sharded(healed, clusters, dropped, optimizers=[opts[id(healed)]])
-    reshard = (time.perf_counter() - start, _rss_kib("VmHWM") * 1024 - rss_before)
+    reshard = (time.perf_counter() - start, rss_kib("VmHWM") * 1024 - rss_before)
     _step(healed, opts[id(healed)], ids)  # warm-up of the new FSDP2 state
     full, small = [], []
     for _ in range(steps):  # interleaved, so that both see the same load on the machine
