@@ -3,7 +3,10 @@ trained here on one standard-library file (no download, a few seconds)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sysconfig
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -47,3 +50,27 @@ def code_files(root: Path, n: int = 12) -> list[str]:
         path.write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(40)))
         paths.append(str(path))
     return paths
+
+
+def fit_layouts(
+    root: Path, template: str, layouts: Mapping[str, Sequence[str]], *, timeout: float
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``lightning-pat fit`` of one CausalLM config per layout (the installed console script, one process each).
+
+    ``template`` is a YAML config with ``{model}``, ``{export}`` (``root / <layout name>``) and ``{files}`` (four
+    standard-library files) to fill; each layout's flags go on its command line.
+    """
+    from tests.common.processes import console_script
+
+    model = tiny_lm_dir(root)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / name) for name in ("abc.py", "ast.py", "bisect.py", "calendar.py")]
+    done = {}
+    for name, flags in layouts.items():
+        config = root / f"{name}.yaml"
+        config.write_text(template.format(model=model, export=root / name, files=files))
+        done[name] = subprocess.run(
+            [console_script(), "fit", "--config", str(config), *flags], capture_output=True, text=True, cwd=root,
+            timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    return done

@@ -12,16 +12,12 @@ with its parameters on meta, each rank reading only its shards after ``fully_sha
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.common.processes import console_script
-from tests.common.tiny_lm import tiny_lm_dir
+from tests.common.tiny_lm import fit_layouts, tiny_lm_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -62,17 +58,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_front_door")
-    model = tiny_lm_dir(root)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / name) for name in ("abc.py", "ast.py", "bisect.py", "calendar.py")]
     out = {}
-    for name, flags in LAYOUTS.items():
-        config = root / f"{name}.yaml"
-        config.write_text(CONFIG.format(model=model, export=root / name, files=files))
-        done = subprocess.run(
-            [console_script(), "fit", "--config", str(config), *flags], capture_output=True, text=True, cwd=root,
-            timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+    for name, done in fit_layouts(root, CONFIG, LAYOUTS, timeout=400).items():
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
         out[name] = root / name
     return out

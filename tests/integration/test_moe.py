@@ -461,23 +461,12 @@ def test_routing_masks_logits_made_by_matmul_with_the_transposed_weight():
     torch.testing.assert_close(values, want_v)
 
 
-class ZooMoEStep(pl.LightningModule):
-    """A tiny zoo MoE model whose batch is a function of the step."""
+class ZooMoEStep(MoEStep):
+    """:class:`MoEStep` on a tiny zoo MoE model."""
 
     def __init__(self, model_type: str) -> None:
-        super().__init__()
+        pl.LightningModule.__init__(self)
         self.model = zoo(model_type)
-
-    def training_step(self, batch, batch_idx):
-        x = ids(seed=100 + self.global_step, batch=2, length=9)
-        logits = self.model(input_ids=x[:, :-1]).logits
-        return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
 
 
 def _config_sizes(config) -> tuple[int, int]:

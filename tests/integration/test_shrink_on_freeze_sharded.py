@@ -26,17 +26,14 @@ of 37 is refused at fit start with the numbers.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.common.dist import result_records, run_rank_scripts
-from tests.common.processes import console_script
-from tests.common.tiny_lm import tiny_lm_dir
+from tests.common.tiny_lm import fit_layouts, tiny_lm_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKER = Path(__file__).parent / "workers" / "mp_shrink_worker.py"
@@ -207,18 +204,7 @@ FRONT_DOOR_LAYOUTS = {
 def front_door(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     """``lightning-pat fit`` of one CausalLM config with ``shrink_on_freeze: true`` in each layout (the export dirs)."""
     root = tmp_path_factory.mktemp("sharded_shrink_front_door")
-    model = tiny_lm_dir(root)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / name) for name in ("abc.py", "ast.py", "bisect.py", "calendar.py")]
-    done = {}
-    for name, flags in FRONT_DOOR_LAYOUTS.items():
-        config = root / f"{name}.yaml"
-        config.write_text(FRONT_DOOR.format(model=model, export=root / name, files=files))
-        done[name] = subprocess.run(
-            [console_script(), "fit", "--config", str(config), *flags], capture_output=True, text=True, cwd=root,
-            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-    return root, done
+    return root, fit_layouts(root, FRONT_DOOR, FRONT_DOOR_LAYOUTS, timeout=240)
 
 
 @pytest.mark.slow
