@@ -84,39 +84,21 @@ class Collectors:
         found = self._items.get(kind)
         return found if isinstance(found, kind) else None
 
-    def _set(self, kind: type[Collector], collector: Collector | None) -> None:
-        if collector is None:
-            self._items.pop(kind, None)
-        else:
-            self.put(collector)
-
     # ------------------------------------------------------------------ the scorers by kind (for their own readers)
     @property
     def act(self) -> ActivationStats | None:
         """``score="activation"``: the readers' input statistics."""
         return self.get(ActivationStats)
 
-    @act.setter
-    def act(self, value: ActivationStats | None) -> None:
-        self._set(ActivationStats, value)
-
     @property
     def taylor(self) -> TaylorScores | None:
         """``score="taylor"``: ``|w * g|`` summed between selections."""
         return self.get(TaylorScores)
 
-    @taylor.setter
-    def taylor(self, value: TaylorScores | None) -> None:
-        self._set(TaylorScores, value)
-
     @property
     def layers(self) -> LayerStats | None:
         """Layer units with ``layer_score="cosine"``: ``1 - cos(input, output)``."""
         return self.get(LayerStats)
-
-    @layers.setter
-    def layers(self, value: LayerStats | None) -> None:
-        self._set(LayerStats, value)
 
     @property
     def evidence(self) -> Evidence | None:

@@ -110,12 +110,12 @@ def scored(
             finds a cluster whose members are all frozen.
     """
     pruner = Pruner(params, dataclasses.replace(plan, score=choice.score))
-    collectors = Collectors()
-    collectors.act, collectors.layers = choice.act, _layer_stats(module, plan.clusters, layer_score)
+    layers = _layer_stats(module, plan.clusters, layer_score)
+    taylor = None
     if choice.score == "taylor":
         with prefixed(f"{WHO}(score='taylor')"):
-            collectors.taylor = TaylorScores(pruner.executors)
-    return pruner, collectors
+            taylor = TaylorScores(pruner.executors)
+    return pruner, Collectors(choice.act, taylor, layers)
 
 
 def check_scores(

@@ -78,8 +78,7 @@ def test_checks_hold_every_registered_entry_against_the_scorers_in_use():
 def test_load_prefixes_the_scorers_errors_with_the_callers_wrapper():
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     pruner = Pruner(mlp, make_plan(mlp, CLUSTER))
-    scorers = Collectors()
-    scorers.taylor = TaylorScores(pruner.executors)
+    scorers = Collectors(TaylorScores(pruner.executors))
     bad = {"taylor": [{"steps": 1, "sums": {"h": torch.zeros(3, dtype=torch.float64)}}]}
     with pytest.raises(ConfigurationError, match=r"^CoupledPruningCallback: The saved score='taylor' sums of cluster"):
         scorers.load(bad, errors=prefixed)
