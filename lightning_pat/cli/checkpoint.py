@@ -16,11 +16,11 @@ from lightning.pytorch.cli import LightningArgumentParser
 from torch import nn
 
 from lightning_pat.core.pruning_warning import PruningWarning
-from lightning_pat.core.safe_io import confined, load_torch_file
 from lightning_pat.core.saved_state import SavedState, callback_state
 from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.training.state import SIDE_PREFIX
+from lightning_pat.training.trainer_facts import checkpoint_meta
 
 
 def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
@@ -46,13 +46,6 @@ def _module_class(class_path: object, *, where: str) -> type[nn.Module]:
     return obj
 
 
-def _checkpoint_globals() -> list[Any]:
-    """The classes besides tensors, containers and plain values that Lightning writes into checkpoints."""
-    from lightning.fabric.utilities.data import AttributeDict
-
-    return [AttributeDict]
-
-
 def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     """Read a Lightning checkpoint, a ``.ckpt`` file or a distributed checkpoint directory, without running code.
 
@@ -76,20 +69,15 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint not found: {path}")
-    allowed = _checkpoint_globals()
-    if path.is_file():
-        checkpoint = load_torch_file(path, what="checkpoint", allowed=allowed)
-    else:
-        meta = path / "meta.pt"
-        if not meta.is_file():
-            raise FileNotFoundError(
-                f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
-            )
+    if not path.is_file() and not (path / "meta.pt").is_file():
+        raise FileNotFoundError(
+            f"{path} is a directory but not a Lightning distributed checkpoint (no `meta.pt` inside)."
+        )
+    checkpoint = dict(checkpoint_meta(path))
+    if not path.is_file():
         from lightning_pat.parallel.comm.dcp import read_distributed_checkpoint
 
-        checkpoint = load_torch_file(confined(path, "meta.pt", what="checkpoint"), what="checkpoint", allowed=allowed)
-        if isinstance(checkpoint, dict):
-            checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
+        checkpoint["state_dict"] = read_distributed_checkpoint(path).get("state_dict")
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"cannot read checkpoint {path}: not a Lightning checkpoint (no `state_dict` mapping)")
     return checkpoint

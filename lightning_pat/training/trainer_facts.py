@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 
-from lightning_pat.core.safe_io import load_torch_file
+from lightning_pat.core.safe_io import confined, load_torch_file
 from lightning_pat.training.environment import StrategyKind
 
 if TYPE_CHECKING:
@@ -117,22 +117,29 @@ class _StrategyRestoreWatch:
             del self._strategy.load_checkpoint
 
 
+def checkpoint_globals() -> list[Any]:
+    """The classes besides tensors, containers and plain values that Lightning writes into checkpoints."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
+
+
 def checkpoint_meta(path: Any) -> Mapping[str, Any]:
     """Everything but the weights of the Lightning checkpoint at ``path``, read without running code from it.
 
     A distributed checkpoint directory (``ModelParallelStrategy(save_distributed_checkpoint=True)``) keeps it in
-    ``meta.pt`` (the shards are not read); a ``.ckpt`` file is read whole.
+    ``meta.pt`` (the shards are not read); a ``.ckpt`` file is read whole. Only :func:`checkpoint_globals` besides
+    tensors, containers and plain values are allowed (the one allow-list of the callback and ``lightning-pat shrink``).
 
     Raises:
         FileNotFoundError: If ``path`` does not exist, or is a directory without ``meta.pt``.
-        ValueError: As for :func:`~lightning_pat.core.safe_io.load_torch_file`.
+        ValueError: As for :func:`~lightning_pat.core.safe_io.load_torch_file`, or if ``meta.pt`` leads outside the
+            directory.
     """
-    from lightning.fabric.utilities.data import AttributeDict
-
     source = Path(path)
     if source.is_dir():
-        source = source / "meta.pt"
-    loaded = load_torch_file(source, what="checkpoint", allowed=[AttributeDict])
+        source = confined(source, "meta.pt", what="checkpoint")
+    loaded = load_torch_file(source, what="checkpoint", allowed=checkpoint_globals())
     return loaded if isinstance(loaded, Mapping) else {}
 
 
