@@ -3,10 +3,10 @@
 Every option that takes one of a few words has its ``Literal`` here, and the tuple of its words is derived from that
 ``Literal`` (``get_args``), so the type and the check cannot drift apart. Every numeric option has its :class:`Range`.
 The readers: :mod:`lightning_pat.pruning.options` (the options' checks), :mod:`lightning_pat.core.schedule` (the ramp
-shape and the step counts), :mod:`lightning_pat.scoring.layers` (the layer scores), the executors' routing
-(:data:`EXECUTOR_KINDS`), and :mod:`lightning_pat.core.state_schema`, which checks a saved state's options against the
-same tuples and ranges (it sits below the options and cannot import them). :func:`check_option` in
-:mod:`lightning_pat.core.checks` checks one option against its entry here.
+shape and the step counts), :mod:`lightning_pat.scoring.layers` and :mod:`lightning_pat.scoring.experts` (the layer
+and expert scores), the executors' routing (:data:`EXECUTOR_KINDS`), and :mod:`lightning_pat.core.state_schema`,
+which checks a saved state's options against the same tuples and ranges (it sits below the options and cannot import
+them). :func:`check_option` in :mod:`lightning_pat.core.checks` checks one option against its entry here.
 
 Example::
 
@@ -35,6 +35,10 @@ TRAINING_SCORES: tuple[str, ...] = get_args(TrainingScore)
 #: ``layer_score``: ``1 - cos(input, output)`` from training forwards, or the output projections' RMS.
 LayerScore = Literal["cosine", "weight"]
 LAYER_SCORES: tuple[str, ...] = get_args(LayerScore)
+#: ``expert_score``: how whole routed experts are ranked: from the training tokens routed to them (REAP's
+#: router-weighted output norm summed or averaged over those tokens, or their count), or by their weights.
+ExpertScoreChoice = Literal["reap_sum", "reap", "frequency", "weight"]
+EXPERT_SCORES: tuple[str, ...] = get_args(ExpertScoreChoice)
 #: ``executor``: which path serves a cluster (``"auto"``: sharded where eligible, see the executors' routing).
 ExecutorKind = Literal["auto", "materializing", "sharded"]
 EXECUTOR_KINDS: tuple[str, ...] = get_args(ExecutorKind)
@@ -61,6 +65,7 @@ CHOICES: Mapping[str, tuple[str, ...]] = {
     "ramp": RAMP_SHAPES,
     "score": TRAINING_SCORES,
     "layer_score": LAYER_SCORES,
+    "expert_score": EXPERT_SCORES,
     "executor": EXECUTOR_KINDS,
     "distill_teacher_store": TEACHER_STORES,
     "target_allocation": TRAINING_ALLOCATIONS,

@@ -11,9 +11,9 @@ error naming the field, what was expected and what was found, never a wrong mask
   against ``fingerprints`` (the same names; each fingerprint recomputed from its cluster);
 * ``dropped``: known cluster names, distinct int indices in ``[0, C)``, no cluster emptied unless its target is 1
   (a shared budget is checked on its total); ``factors``: ``[C]`` float tensors in ``[0, 1]``;
-* ``latents`` (:mod:`lightning_pat.training.latent`), ``activation``, ``taylor`` and ``layer_scores`` (the scorers,
-  :class:`~lightning_pat.scoring.collector.Collector`) only by their owners, whose checks a resume passes in
-  (:attr:`StateContext.entries`): core readers (a shrink) do not use them;
+* ``latents`` (:mod:`lightning_pat.training.latent`), ``activation``, ``taylor``, ``layer_scores`` and
+  ``expert_scores`` (the scorers, :class:`~lightning_pat.scoring.collector.Collector`) only by their owners, whose
+  checks a resume passes in (:attr:`StateContext.entries`): core readers (a shrink) do not use them;
 * ``allocation`` (:func:`allocation_entry`): a size solved by importance during training, its step, the size options
   it was solved for and the solution, or ``None``.
 
@@ -35,7 +35,7 @@ from lightning_pat.core.state_fields import FieldChecker, StateError, describe
 #: The entries of a state (see :mod:`lightning_pat.training.state`).
 KEYS: tuple[str, ...] = (
     "step", "gamma", "gamma_prox", "dropped", "factors", "fingerprints", "clusters", "options", "latents", "shrunk",
-    "activation", "taylor", "layer_scores", "allocation",
+    "activation", "taylor", "layer_scores", "allocation", "expert_scores",
 )  # fmt: skip
 #: The entries a restored state must hold (the others default to empty; a shrink needs only ``dropped``).
 REQUIRED: tuple[str, ...] = ("step", "dropped")

@@ -28,6 +28,7 @@ from lightning_pat.core.choices import (
     TRAINING_SCORES,
     Allocation,
     ExecutorKind,
+    ExpertScoreChoice,
     LayerScore,
     Method,
     Mode,
@@ -48,11 +49,11 @@ from lightning_pat.sizing.targets import check_target
 #: Options that may change on resume (they apply from the saved step on); the state key never depends on them.
 RESUMABLE: tuple[str, ...] = (
     "target_sparsity", "warmup_steps", "ramp_steps", "every_n_steps", "ramp", "heal", "method", "reg_lambda",
-    "score", "mode", "group_count_ref", "layer_score",
+    "score", "mode", "group_count_ref", "layer_score", "expert_score",
 )  # fmt: skip
 #: Options that shape a frozen mask: they cannot change on a resume after the final ramp step (with healing).
 MASK_SHAPING: frozenset[str] = frozenset(
-    {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score"}
+    {"target_sparsity", "method", "score", "reg_lambda", "group_count_ref", "mode", "layer_score", "expert_score"}
 )
 #: What each size option is, for the message of an entry point that takes a fraction or a size.
 _SIZE_GLOSSES: dict[str, str] = {
@@ -341,6 +342,18 @@ class PruningOptions:
             layer over the training forwards since the previous selection, summed over ranks (ShortGPT, ModelOpt;
             see :mod:`lightning_pat.scoring.layers`), the weight score if no layer saw a forward; ``"weight"``: the
             RMS of the layer's output projections.
+        expert_score: How whole routed experts (the ``experts.{layer}`` clusters of
+            :func:`~lightning_pat.presets.moe`) are ranked, from the training tokens the router sent to each expert
+            since the previous selection, summed over ranks (see :mod:`lightning_pat.scoring.experts`):
+            ``"reap_sum"`` (default): the router weight times the norm of the expert's output, summed over those
+            tokens (REAP's criterion times the expert's token count); ``"reap"``: its mean over them (REAP);
+            ``"frequency"``: their number; ``"weight"``: the expert's weight norm, like every other cluster (no
+            statistics). Other clusters keep ``score``'s ranking. The default is the score with the best mean
+            held-out loss after a one-shot cut to half the experts of a small Mixtral, with and without the
+            router's balancing loss, where REAP and frequency each lose in one of the two settings (BENCHMARKS.md,
+            "Expert scores"); data beat the weights on every seed. ``"reap"``/``"reap_sum"`` recompute the routed
+            tokens' expert outputs in a forward hook (no extra model forward) and do not run with experts sharded
+            as DTensors; use ``"frequency"`` there.
 
     Raises:
         ValueError: If an option is out of range or unknown, a declaration is invalid, a preset name or preset
@@ -380,6 +393,7 @@ class PruningOptions:
     seq_len: int | None = None
     target_allocation: TrainingAllocation = "auto"
     layer_score: LayerScore = "cosine"
+    expert_score: ExpertScoreChoice = "reap_sum"
     distill_alpha: float = 0.0
     distill_temperature: float = 1.0
     distill_teacher: Any = field(default=None, repr=False, compare=False)
@@ -399,7 +413,7 @@ class PruningOptions:
         check_method(self.method, self.reg_lambda)
         for switch in SWITCHES:
             check_bool(switch, getattr(self, switch))
-        for name in ("score", "mode", "layer_score", "executor"):
+        for name in ("score", "mode", "layer_score", "expert_score", "executor"):
             check_option(name, getattr(self, name))
         check_group_count_ref(self.group_count_ref)
         if self.method == "group_lasso" and self.reg_lambda == 0.0:

@@ -44,9 +44,12 @@ class Collector(ABC):
 
     Attributes:
         key: The state entry (e.g. ``"activation"``): one per kind, fixed by the saved format.
+        saved_when_unused: Whether a state holds the entry (``None``) when the run does not use this kind; a kind
+            added after the format was fixed sets it ``False``, so that runs without it save what they saved before.
     """
 
     key: ClassVar[str]
+    saved_when_unused: ClassVar[bool] = True
 
     @property
     def per_rank(self) -> bool:

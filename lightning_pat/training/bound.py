@@ -160,8 +160,9 @@ class BoundRun:
         assert self.plan is not None
         with self.weights() as params:
             pruner, collectors = scored(
-                self.plan, params, choice, module=self.module, layer_score=self.options.layer_score
-            )
+                self.plan, params, choice, module=self.module, layer_score=self.options.layer_score,
+                expert_score=self.options.expert_score,
+            )  # fmt: skip
         return dataclasses.replace(self, plan=pruner.plan, pruner=pruner, collectors=collectors, score=choice)
 
     def after_shrink(self) -> BoundRun:

@@ -108,6 +108,7 @@ class CoupledPruningCallback(PruningViews, Callback):
         seq_len: int | None = None,
         target_allocation: Literal["auto", "importance", "fractions"] = "auto",
         layer_score: Literal["cosine", "weight"] = "cosine",
+        expert_score: Literal["reap_sum", "reap", "frequency", "weight"] = "reap_sum",
         distill_alpha: float = 0.0,
         distill_temperature: float = 1.0,
         distill_teacher: torch.nn.Module | None = None,
@@ -125,7 +126,8 @@ class CoupledPruningCallback(PruningViews, Callback):
                 log_metrics=log_metrics, debug_check_selection=debug_check_selection, shrink_on_freeze=shrink_on_freeze,
                 target_params=target_params, target_side=target_side, target_layers=target_layers,
                 target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
-                target_allocation=target_allocation, layer_score=layer_score, distill_alpha=distill_alpha,
+                target_allocation=target_allocation, layer_score=layer_score, expert_score=expert_score,
+                distill_alpha=distill_alpha,
                 distill_temperature=distill_temperature, distill_teacher=distill_teacher, distill_module=distill_module,
                 distill_teacher_store=distill_teacher_store, distill_teacher_dir=distill_teacher_dir,
             )  # fmt: skip

@@ -3,10 +3,12 @@
 Each scorer is a :class:`~lightning_pat.scoring.collector.Collector`: it owns its entry of the saved state, its
 checks and its verbs. :data:`KINDS` registers them, in the state's order:
 :class:`~lightning_pat.scoring.activation.ActivationStats` (``score="activation"``, entry ``activation``),
-:class:`~lightning_pat.scoring.taylor.TaylorScores` (``score="taylor"``, entry ``taylor``) and
+:class:`~lightning_pat.scoring.taylor.TaylorScores` (``score="taylor"``, entry ``taylor``),
 :class:`~lightning_pat.scoring.layers.LayerStats` (layer units with ``layer_score="cosine"``, entry
-``layer_scores``). A new scorer is a module of ``scoring/`` plus its line in :data:`KINDS` (and its entry's name in
-the saved format's vocabulary, :data:`lightning_pat.core.state_schema.KEYS`).
+``layer_scores``) and :class:`~lightning_pat.scoring.experts.ExpertStats` (whole routed experts with a data
+``expert_score``, entry ``expert_scores``, saved only by a run that uses it). A new scorer is a module of
+``scoring/`` plus its line in :data:`KINDS` (and its entry's name in the saved format's vocabulary,
+:data:`lightning_pat.core.state_schema.KEYS`).
 
 :class:`Collectors` is the list of the scorers in use (the controller builds them: which ones depends on the score
 and the clusters). Its verbs run every one of them at fixed points of a fit: :meth:`~Collectors.reset` (a new
@@ -27,11 +29,12 @@ from typing import Any, TypeVar
 from lightning_pat.parallel.executors import Evidence
 from lightning_pat.scoring.activation import ActivationStats
 from lightning_pat.scoring.collector import Collector
+from lightning_pat.scoring.experts import ExpertStats
 from lightning_pat.scoring.layers import LayerStats
 from lightning_pat.scoring.taylor import TaylorScores
 
 #: Every kind of collector a state holds an entry for (``None`` when the run does not use it), in the state's order.
-KINDS: tuple[type[Collector], ...] = (ActivationStats, TaylorScores, LayerStats)
+KINDS: tuple[type[Collector], ...] = (ActivationStats, TaylorScores, LayerStats, ExpertStats)
 
 _C = TypeVar("_C", bound=Collector)
 
@@ -101,6 +104,11 @@ class Collectors:
         return self.get(LayerStats)
 
     @property
+    def experts(self) -> ExpertStats | None:
+        """Whole routed experts with a data ``expert_score``: per-expert token counts and output norms."""
+        return self.get(ExpertStats)
+
+    @property
     def evidence(self) -> Evidence | None:
         """The data-aware score whose partials travel in the selection's reduction (``Pruner.step(evidence=)``)."""
         return next((e for c in self if (e := c.as_evidence()) is not None), None)
@@ -145,12 +153,14 @@ class Collectors:
     def state_dicts(self, *, gather: bool = True) -> dict[str, Any]:
         """The state's entry of every registered kind (:data:`KINDS` order): ``None`` for a kind not in use.
 
+        A kind not in use whose ``saved_when_unused`` is false (the expert scores) has no entry at all.
+
         Args:
             gather: Every rank's own states in rank order (a collective: every rank calls it), as ranks see other
                 batches and each resumes its own; the Taylor sums of plain parameters, the same on every rank, once.
                 Else this rank's own state (a mapping, what this process's next fit continues from; no collective).
         """
-        out: dict[str, Any] = {kind.key: None for kind in KINDS}
+        out: dict[str, Any] = {kind.key: None for kind in KINDS if kind.saved_when_unused}
         for scorer in self:
             out[scorer.key] = scorer.saved_entry(gather=gather)
         return out

@@ -168,8 +168,8 @@ def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> Prun
     """A fresh selection at this step's targets (the final step always applies the exact hard target).
 
     The run's weights must be in hand (:meth:`~lightning_pat.training.bound.BoundRun.weights`). A data-aware score's
-    partials travel in the executors' one reduction (DDP: one sum of the statistics); the layer units' cosines are
-    summed in one collective of their own.
+    partials travel in the executors' one reduction (DDP: one sum of the statistics); the layer units' cosines and
+    the routed experts' statistics (``expert_score``) are summed in one collective each and rank those clusters.
 
     Args:
         run: The bound run (its pruner is bound).
@@ -204,6 +204,16 @@ def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> Prun
     score = run.score.score
     if scores is None and score == "activation" and scorers.act is None:  # only layer units: weights
         scores = {}
+    if scorers.experts is not None:
+        with prefixed(f"{WHO}(expert_score={options.expert_score!r})"):
+            experts = scorers.experts.summed_scores()  # one collective when distributed
+        if experts is None:
+            ranks.rank_zero_warn(
+                f"{WHO}: no routed expert saw a training token before the selection at step {step}; "
+                "the experts are ranked by the weight score (expert_score='weight') this time."
+            )
+        else:
+            scores = {**(scores or {}), **experts}
     threshold = options.reg_lambda * progress.prox_step(latent=options.mode == "latent")
     used = repr(score) if options.score != "auto" else f"'auto' -> {score!r}"
     with prefixed(f"{WHO}(score={used})"):

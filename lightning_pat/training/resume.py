@@ -37,6 +37,7 @@ from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_schema import allocation_entry, saved_clusters
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.options import PruningOptions
+from lightning_pat.scoring.experts import expert_modules
 from lightning_pat.shrink import restore_shrunk
 from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
@@ -493,8 +494,14 @@ def warn_short_fit(schedule: Schedule, *, step: int, steps_left: float) -> None:
 
 # ---------------------------------------------------------------------------------------------------- state out
 def resumable(options: PruningOptions, run: BoundRun | None) -> dict[str, Any]:
-    """The options saved with the state, with the score in use (``"auto"`` resolved)."""
-    return {**options.resumable(), "score": options.score if run is None or run.score is None else run.score.score}
+    """The options saved with the state, with the score in use (``"auto"`` resolved).
+
+    ``expert_score`` only where the run has whole routed experts: a model without them saves what it saved before.
+    """
+    saved = {**options.resumable(), "score": options.score if run is None or run.score is None else run.score.score}
+    if run is None or not expert_modules(run.module, run.clusters):
+        saved.pop("expert_score", None)
+    return saved
 
 
 def save(

@@ -25,6 +25,7 @@ from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.plan import Plan
 from lightning_pat.pruning.pruner import Pruner
 from lightning_pat.scoring.activation import ActivationStats
+from lightning_pat.scoring.experts import ExpertStats
 from lightning_pat.scoring.layers import LayerStats, layer_clusters
 from lightning_pat.scoring.taylor import TaylorScores
 from lightning_pat.training.collectors import Collectors
@@ -94,9 +95,15 @@ def resolve_score(
 
 
 def scored(
-    plan: Plan, params: Mapping[str, Tensor], choice: ScoreChoice, *, module: nn.Module, layer_score: str
+    plan: Plan,
+    params: Mapping[str, Tensor],
+    choice: ScoreChoice,
+    *,
+    module: nn.Module,
+    layer_score: str,
+    expert_score: str = "weight",
 ) -> tuple[Pruner, Collectors]:
-    """The pruner of ``plan`` with the chosen score, and the collectors that score and the layer units need.
+    """The pruner of ``plan`` with the chosen score, and the collectors that score, the layers and experts need.
 
     Args:
         plan: The bound plan (its score is replaced by ``choice``'s).
@@ -104,6 +111,8 @@ def scored(
         choice: The run's score (:func:`resolve_score`), with its activation statistics.
         module: The model (the layer cosines hook the layers' modules).
         layer_score: ``options.layer_score``: ``"cosine"`` collects the layer units' cosines.
+        expert_score: ``options.expert_score``: a data score collects the whole routed experts' statistics (where
+            the clusters hold some); ``"weight"`` collects nothing.
 
     Raises:
         ConfigurationError: If the layer units share no module (``layer_score="cosine"``), or ``score="taylor"``
@@ -115,7 +124,7 @@ def scored(
     if choice.score == "taylor":
         with prefixed(f"{WHO}(score='taylor')"):
             taylor = TaylorScores(pruner.executors)
-    return pruner, Collectors(choice.act, taylor, layers)
+    return pruner, Collectors(choice.act, taylor, layers, _expert_stats(module, plan.clusters, expert_score))
 
 
 def check_scores(
@@ -146,3 +155,12 @@ def _layer_stats(module: nn.Module, clusters: Sequence[ResolvedCluster], layer_s
         return None
     with prefixed(f"{WHO}(layer_score='cosine')"):
         return LayerStats(module, units)
+
+
+def _expert_stats(module: nn.Module, clusters: Sequence[ResolvedCluster], expert_score: str) -> ExpertStats | None:
+    """The whole routed experts' collector (a data ``expert_score`` and clusters of fused experts), else ``None``."""
+    if expert_score == "weight":
+        return None
+    with prefixed(f"{WHO}(expert_score={expert_score!r})"):
+        stats = ExpertStats(module, clusters, kind=expert_score)  # type: ignore[arg-type]  # checked by the options
+    return stats if stats.modules else None

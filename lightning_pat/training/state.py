@@ -15,6 +15,9 @@ A state is a dict of plain types and CPU tensors::
                               partials) or one entry (plain parameters), else ``None``
     layer_scores              the ranks' layer-score sums since the last selection, in rank order (layer units with
                               ``layer_score="cosine"``), else ``None``; read like ``activation``
+    expert_scores             the ranks' per-expert token counts and router-weighted output norms since the last
+                              selection, in rank order (only in a run with expert clusters and a data
+                              ``expert_score``; absent otherwise, as in states written before it existed)
     allocation                a size target solved by importance at the first selection: ``{"rule": "importance",
                               "step", "options", "size"}`` (the clusters' targets are in ``clusters``); else ``None``
                               (not solved yet, or solved by fractions at fit start, which a resume solves again)
@@ -27,7 +30,7 @@ the callbacks' states with rank 0's metadata, so the sharded latents travel as m
 :data:`DCP_PREFIX` (each rank writes its own shards, resharding on load works) and are read back with the torch
 distributed checkpoint reader. No Lightning here; errors are ``ValueError``.
 
-The scorers' entries (``activation``, ``taylor``, ``layer_scores``) are their own
+The scorers' entries (``activation``, ``taylor``, ``layer_scores``, ``expert_scores``) are their own
 (:class:`~lightning_pat.scoring.collector.Collector`): the run's
 :class:`~lightning_pat.training.collectors.Collectors` build, check and read them. In the same process's next fit
 (the in-memory state) each holds this rank's own state, a mapping, instead of the ranks' list.

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import lightning_pat as lp
-from lightning_pat.scoring.experts import expert_scores
+from lightning_pat.core.state_fields import StateError
+from lightning_pat.scoring.experts import ExpertStats, expert_scores
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,10 +48,10 @@ def reference(model, layer: int, kind: str) -> torch.Tensor:
             g, u = (gate_up[e] @ h[t]).chunk(2)
             sums[e] += top_v[t, j] * (down[e] @ (nn.functional.silu(g) * u)).norm()
             counts[e] += 1
-    return counts if kind == "frequency" else sums / counts.clamp(min=1)
+    return {"frequency": counts, "reap_sum": sums}.get(kind, sums / counts.clamp(min=1))
 
 
-@pytest.mark.parametrize("kind", ["reap", "frequency"])
+@pytest.mark.parametrize("kind", ["reap", "reap_sum", "frequency"])
 def test_expert_scores_match_the_reference(kind):
     model = tiny_mixtral()
     clusters = lp.resolve_clusters(model, lp.presets.resolve_preset("moe", model, mlp=False, heads=False))
@@ -69,5 +70,65 @@ def test_prune_clusters_with_calibration_drops_the_lowest_reap_experts():
 
 
 def test_unknown_kind_is_refused():
-    with pytest.raises(ValueError, match=r"`kind` must be 'reap' or 'frequency', got 'norm'"):
+    with pytest.raises(ValueError, match=r"`kind` must be one of \('reap', 'reap_sum', 'frequency'\), got 'norm'"):
         expert_scores(nn.Linear(2, 2), [], [], kind="norm")
+
+
+def _stats(kind: str = "reap_sum"):
+    model = tiny_mixtral()
+    clusters = lp.resolve_clusters(model, lp.presets.resolve_preset("moe", model, mlp=False, heads=False))
+    stats = ExpertStats(model, clusters, kind=kind)
+    stats.attach()
+    return model, stats
+
+
+def _train_forward(model, batch) -> None:
+    with torch.enable_grad():
+        model(batch)
+
+
+@pytest.mark.parametrize("kind", ["reap", "reap_sum", "frequency"])
+def test_training_forwards_of_real_steps_give_the_calibration_scores(kind):
+    model, stats = _stats(kind)
+    first, second = batches()
+    stats.begin_batch()
+    _train_forward(model, first)
+    stats.end_batch(stepped=False)  # accumulation: kept for the step that applies it
+    assert stats.seen() == {}
+    stats.begin_batch()
+    _train_forward(model, second)
+    stats.end_batch(stepped=True)
+    _train_forward(model, first)  # eval mode outside a batch window: not a training forward
+    with torch.no_grad():
+        stats.begin_batch()
+        model(first)  # no grad: not a training forward
+        stats.end_batch(stepped=True)
+    assert stats.seen() == {"experts.0": 2 * 2 * 9 * 2, "experts.1": 2 * 2 * 9 * 2}  # tokens x top-2
+    got = stats.summed_scores()
+    for layer in range(2):
+        torch.testing.assert_close(got[f"experts.{layer}"], reference(model, layer, kind), rtol=1e-5, atol=1e-6)
+    assert stats.summed_scores() is None  # the sums start again after a selection
+
+
+def test_state_round_trips_exactly_and_is_checked():
+    model, stats = _stats()
+    stats.begin_batch()
+    _train_forward(model, batches()[0])
+    stats.end_batch(stepped=True)
+    saved = stats.state_dict()
+    _, fresh = _stats()
+    fresh.load_saved([saved])
+    assert fresh.state_dict() == saved
+    assert torch.equal(fresh.stacked(), stats.stacked())
+    fresh.check_saved([saved], "s")
+    with pytest.raises(StateError, match=r"^s: `expert_scores\[0\].sum\['experts.0'\]` must hold 6 numbers"):
+        fresh.check_saved([{"sum": {"experts.0": [1.0]}, "count": {}}], "s")
+    with pytest.raises(StateError, match=r"^s: `expert_scores\[0\].count\['experts.0'\]` must be >= 0"):
+        ExpertStats.check_layout([{"sum": {}, "count": {"experts.0": [-1.0]}}], "s")
+    with pytest.raises(StateError, match=r"experts.9"):
+        fresh.check_saved([{"sum": {"experts.9": [0.0] * 6}, "count": {}}], "s")
+
+
+def test_an_unknown_kind_is_refused_by_the_collector():
+    with pytest.raises(ValueError, match=r"`expert_score` must be one of \('reap', 'reap_sum', 'frequency'\)"):
+        ExpertStats(nn.Linear(2, 2), [], kind="weight")  # type: ignore[arg-type]

@@ -67,7 +67,7 @@ def test_checks_hold_every_registered_entry_against_the_scorers_in_use():
     pruner = Pruner(mlp, make_plan(mlp, CLUSTER))
     scorers = Collectors(ActivationStats(mlp, pruner.plan.clusters))
     checks = scorers.checks()
-    assert list(checks) == ["activation", "taylor", "layer_scores"]
+    assert list(checks) == ["activation", "taylor", "layer_scores", "expert_scores"]
     with pytest.raises(StateError, match=r"^s: `activation\[0\].ema` names reader modules \['9'\]"):
         checks["activation"]([{"ema": {"9": torch.ones(8, dtype=torch.float64)}}], "s")
     checks["taylor"]([{"steps": 1, "sums": {"x": torch.ones(3)}}], "s")  # not in use: only its layout
