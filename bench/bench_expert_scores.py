@@ -1,6 +1,6 @@
 """Expert scores for a one-shot cut of whole routed experts: REAP vs router frequency vs weight norm vs random.
 
-    python bench/bench_expert_scores.py                   # 3 seeds, a fresh process each (~5 min of one core's time)
+    python bench/bench_expert_scores.py --seeds 0,1,2,3,4   # 5 seeds, a fresh process each (~7 min of one core's time)
     python bench/bench_expert_scores.py --aux 0 --out bench/results/expert_scores_aux0.jsonl   # no balancing loss
     python bench/bench_expert_scores.py --quick           # seconds: 1 seed, a few steps, a tinier model
     python bench/bench_expert_scores.py --table bench/results/expert_scores.jsonl   # the table of stored rows
@@ -19,13 +19,14 @@ directory, then for each score reload the dense model from there and cut half of
 cross-entropy, nats per byte, over 128 fixed windows of 128 predicted bytes) of the shrunk model. Scores, all ranked
 on the same calibration batches (8 batches of 4 x 128 bytes of the calibration files) where they read data:
 
-* ``reap``: REAP's router-weighted expert output norm (:func:`lightning_pat.scoring.experts.expert_scores`,
-  ``kind="reap"``), through the front door: ``prune_clusters(model, clusters, 0.5, calibration=batches)``;
-* ``frequency``: how many calibration tokens the router sends to the expert (``expert_scores(kind="frequency")``,
-  passed to ``Pruner.step(scores=...)``);
-* ``reap_sum`` (bench-side, not a library score): REAP's sum instead of its mean over the expert's tokens, i.e.
-  ``reap * frequency``: the router-weighted output norm the expert contributes over all calibration tokens (an expert
-  that many tokens use counts for more; passed to ``Pruner.step(scores=...)``);
+* ``reap``: REAP's router-weighted expert output norm, the mean over the expert's tokens
+  (:func:`lightning_pat.scoring.experts.expert_scores`, ``kind="reap"``), through the front door:
+  ``prune_clusters(model, clusters, 0.5, calibration=batches, expert_score="reap")``;
+* ``frequency``: how many calibration tokens the router sends to the expert (``expert_score="frequency"``);
+* ``reap_sum``: REAP's sum instead of its mean over the expert's tokens, i.e. ``reap * frequency``: the
+  router-weighted output norm the expert contributes over all calibration tokens (an expert that many tokens use
+  counts for more; ``expert_score="reap_sum"``, the library's default since the 5-seed run; the rows of seeds 0 to 2
+  were written when it was a bench-side product ``reap * frequency``, which ranks the same);
 * ``weight``: the expert's weight norm (its gate/up and down slices and its router row; ``prune_clusters(...,
   score="l2")``; every expert has the same size, so ``"rms"`` ranks the same);
 * ``random``: a seeded random ranking per layer (``Pruner.step(scores=...)``), the floor.
@@ -170,20 +171,14 @@ def held_out_loss(model: torch.nn.Module, val: torch.Tensor, batch: int = 16) ->
 def cut(model: torch.nn.Module, score: str, calib: list[torch.Tensor], seed: int):
     """Half the experts of every layer, by ``score`` (see the module docs): the ``PruneResult``."""
     import lightning_pat as lp
-    from lightning_pat.scoring.experts import expert_scores
 
     decls = lp.presets.moe(model, mlp=False, heads=False)
-    if score == "reap":
-        return lp.prune_clusters(model, decls, 0.5, calibration=calib)
+    if score in ("reap", "reap_sum", "frequency"):  # the library's expert scores, through the front door
+        return lp.prune_clusters(model, decls, 0.5, calibration=calib, expert_score=score)
     if score == "weight":
         return lp.prune_clusters(model, decls, 0.5, score="l2")
     clusters = lp.resolve_clusters(model, decls)
-    if score == "frequency":
-        scores = expert_scores(model, clusters, calib, kind="frequency")
-    elif score == "reap_sum":  # mean over the expert's tokens times their number: the sum over them
-        freq = expert_scores(model, clusters, calib, kind="frequency")
-        scores = {name: s * freq[name] for name, s in expert_scores(model, clusters, calib, kind="reap").items()}
-    elif score == "random":
+    if score == "random":
         gen = torch.Generator().manual_seed(1_000 + seed)
         scores = {rc.name: torch.rand(rc.num_units, generator=gen, dtype=torch.float64) for rc in clusters}
     else:

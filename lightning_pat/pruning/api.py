@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from lightning_pat.core.choices import Allocation, ExecutorKind, Method, Side, Widths
+from lightning_pat.core.choices import Allocation, ExecutorKind, ExpertScoreChoice, Method, Side, Widths
 from lightning_pat.core.layers import is_layer_cluster
 from lightning_pat.core.norms import WEIGHT_SCORES, ScoreType, normalise
 from lightning_pat.core.spec import Cluster, resolve_clusters
@@ -70,6 +70,7 @@ def one_shot_calibration(
     calibration: Sequence[Any] | None,
     *,
     layer_stats: LayerStats | None = None,
+    expert_score: str = "reap_sum",
 ) -> tuple[ScoreType, ActivationStats | None, LayerStats | None]:
     """The one-shot score (``"auto"`` resolved) and the statistics, calibrated on ``calibration`` if given.
 
@@ -102,13 +103,14 @@ def one_shot_calibration(
             raise
         from lightning_pat.scoring.experts import expert_modules
 
-        if len(expert_modules(model, resolved)) == len(resolved):  # whole routed experts only: REAP ranks them
-            log.info("prune_clusters: the whole routed experts are ranked by REAP's router-weighted output norm on the "
-                     "calibration batches.")  # fmt: skip
+        by = "their weights" if expert_score == "weight" else "the calibration batches"
+        if len(expert_modules(model, resolved)) == len(resolved):  # whole routed experts only: expert_score ranks them
+            log.info("prune_clusters: the whole routed experts are ranked by expert_score=%r on %s.", expert_score,
+                     by)  # fmt: skip
         else:
             log.warning("prune_clusters: score='auto' falls back to the weights ('rms') for the clusters that are not "
-                        "whole routed experts (those are ranked by REAP on the calibration batches): the activation "
-                        "score cannot score these clusters: %s", err)  # fmt: skip
+                        "whole routed experts (those are ranked by expert_score=%r on %s): the activation score "
+                        "cannot score these clusters: %s", expert_score, by, err)  # fmt: skip
         return "rms", None, layer_stats
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
@@ -202,6 +204,7 @@ def prune_clusters(
     activations: ActivationStats | None = None,
     layer_stats: LayerStats | None = None,
     calibration: Sequence[Any] | None = None,
+    expert_score: ExpertScoreChoice = "reap_sum",
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -256,8 +259,14 @@ def prune_clusters(
         calibration: Batches of inputs (a list: each is passed as ``model(batch)``, e.g. token ids ``[B, T]``) for
             the activation score: :func:`lightning_pat.scoring.activation.calibrate` (and, with layer units,
             :func:`~lightning_pat.scoring.layers.calibrate_layers`) run on them before anything is pruned; whole
-            routed experts are ranked by REAP's router-weighted output norm on them
+            routed experts are ranked on them by ``expert_score``
             (:func:`~lightning_pat.scoring.experts.expert_scores`).
+        expert_score: With ``calibration``, how whole routed experts are ranked on it (as the callback's
+            ``expert_score``): ``"reap_sum"`` (default: the router weight times the expert's output norm, summed over
+            the tokens routed to it), ``"reap"`` (REAP: its mean over them), ``"frequency"`` (their number) or
+            ``"weight"`` (the weight score, as without ``calibration``). The default had the best mean held-out loss
+            of the three data scores in BENCHMARKS.md's "Expert scores", with and without the router's balancing
+            loss.
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -283,7 +292,7 @@ def prune_clusters(
         sparsity=sparsity, target_params=target_params, target_side=target_side, target_layers=target_layers,
         target_widths=target_widths, min_kept=min_kept, target_flops=target_flops, seq_len=seq_len,
         target_allocation=target_allocation, score=score, method=method, reg_lambda=reg_lambda, gamma=gamma,
-        group_count_ref=group_count_ref,
+        group_count_ref=group_count_ref, expert_score=expert_score,
     )  # fmt: skip
     resolved_score = _one_shot_score(opts.score, activations, calibration)
     if (resolved_score == "activation") != (activations is not None or calibration is not None):
@@ -296,7 +305,7 @@ def prune_clusters(
     plan_score, activations, layer_stats = one_shot_calibration(
         model, declared, "auto" if opts.score == "auto" and calibration is not None else resolved_score, activations,
         calibration,
-        layer_stats=layer_stats,
+        layer_stats=layer_stats, expert_score=opts.expert_score,
     )  # fmt: skip
     plan = make_plan(
         model, declared, score=plan_score, executor=executor, group_count_ref=opts.group_count_ref,
@@ -319,10 +328,10 @@ def prune_clusters(
         scores = None if activations is None or sharded else activations.unit_scores(named_tensors(model))
         if layer_stats is not None:
             scores = {**(scores or {}), **(layer_stats.scores() or {})}
-        if calibration is not None and not sharded:  # whole routed experts: REAP's router-weighted output norm
+        if calibration is not None and not sharded and opts.expert_score != "weight":  # whole routed experts
             from lightning_pat.scoring.experts import expert_scores
 
-            found = expert_scores(model, plan.clusters, calibration)
+            found = expert_scores(model, plan.clusters, calibration, kind=opts.expert_score)  # type: ignore[arg-type]
             scores = {**(scores or {}), **found} if found else scores
         result = pruner.step(
             plan.targets(opts.sparsity or 0.0), method=opts.method, threshold=opts.reg_lambda * opts.gamma,

@@ -510,6 +510,7 @@ class StepOptions:
     reg_lambda: float = 0.0
     gamma: float = 1.0
     group_count_ref: int | None = None
+    expert_score: ExpertScoreChoice = "reap_sum"
     #: The size-target options as one group (built from the flat fields above).
     sizing: SizeTarget = field(init=False, repr=False, compare=False)
 
@@ -527,6 +528,7 @@ class StepOptions:
         if sparsity is not None:
             check_option("sparsity", sparsity, rule="target_sparsity")
         check_choice("score", self.score, TRAINING_SCORES)
+        check_option("expert_score", self.expert_score)
         check_choice("target_allocation", self.target_allocation, ALLOCATIONS)
         check_method(self.method, self.reg_lambda)
         check_option("gamma", self.gamma)

@@ -170,6 +170,12 @@ CASES = [
         "init",
     ),
     (
+        "expert-score-unknown",
+        {"expert_score": "mean"},
+        r"`expert_score` must be one of \('reap_sum', 'reap', 'frequency', 'weight'\), got 'mean'",
+        "init",
+    ),
+    (
         "layer-unit-no-module",
         {"clusters": [Cluster("layer.0", writers=[W, R], num_units=1, budget="layers", target=0.0)]},
         r"layer_score='cosine'.*Cluster 'layer.0'.*share no module.*use layer_score='weight'",

@@ -563,8 +563,8 @@ def test_experts_only_one_shot_says_reap_ranks_them_not_that_it_falls_back_to_we
     clusters = lp.presets.moe(model, mlp=False, heads=False)
     batches = [ids(seed=2)]
     with caplog.at_level("INFO", logger="lightning_pat.pruning.api"):
-        res = lp.prune_clusters(model, clusters, 0.5, calibration=batches)
-    assert "ranked by REAP" in caplog.text
+        res = lp.prune_clusters(model, clusters, 0.5, calibration=batches, expert_score="reap")
+    assert "ranked by expert_score='reap'" in caplog.text
     assert "falls back to the weights" not in caplog.text
     # and REAP did rank them: each layer drops its lowest REAP scores (recomputed on the dense copy)
     dense = tiny("mixtral")

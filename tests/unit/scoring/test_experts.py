@@ -65,8 +65,26 @@ def test_prune_clusters_with_calibration_drops_the_lowest_reap_experts():
     model = tiny_mixtral()
     want = [sorted(torch.argsort(reference(model, layer, "reap"), stable=True)[:3].tolist()) for layer in range(2)]
     clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
-    res = lp.prune_clusters(model, clusters, 0.5, calibration=batches())
+    res = lp.prune_clusters(model, clusters, 0.5, calibration=batches(), expert_score="reap")
     assert [res.dropped["experts.0"], res.dropped["experts.1"]] == want
+
+
+@pytest.mark.parametrize("kind", ["reap_sum", "frequency"])
+def test_prune_clusters_ranks_experts_by_expert_score(kind):
+    model = tiny_mixtral()
+    want = [sorted(torch.argsort(reference(model, layer, kind), stable=True)[:3].tolist()) for layer in range(2)]
+    clusters = lp.presets.resolve_preset("moe", model, mlp=False, heads=False)
+    if kind == "reap_sum":  # the default
+        res = lp.prune_clusters(model, clusters, 0.5, calibration=batches())
+    else:
+        res = lp.prune_clusters(model, clusters, 0.5, calibration=batches(), expert_score=kind)
+    assert [res.dropped["experts.0"], res.dropped["experts.1"]] == want
+
+
+def test_prune_clusters_refuses_an_unknown_expert_score():
+    choices = r"\('reap_sum', 'reap', 'frequency', 'weight'\)"
+    with pytest.raises(ValueError, match=rf"`expert_score` must be one of {choices}, got 'mean'"):
+        lp.prune_clusters(nn.Linear(2, 2), lp.Cluster("c", writers=["weight"]), 0.5, expert_score="mean")
 
 
 def test_unknown_kind_is_refused():
