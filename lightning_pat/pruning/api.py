@@ -331,7 +331,7 @@ def prune_clusters(
         if calibration is not None and not sharded and opts.expert_score != "weight":  # whole routed experts
             from lightning_pat.scoring.experts import expert_scores
 
-            found = expert_scores(model, plan.clusters, calibration, kind=opts.expert_score)  # type: ignore[arg-type]
+            found = expert_scores(model, plan.clusters, calibration, kind=opts.expert_score)
             scores = {**(scores or {}), **found} if found else scores
         result = pruner.step(
             plan.targets(opts.sparsity or 0.0), method=opts.method, threshold=opts.reg_lambda * opts.gamma,
