@@ -1,8 +1,9 @@
 """What every data-aware scorer of a training run is: a :class:`Collector` owns its state entry and its checks.
 
 A collector (:class:`~lightning_pat.scoring.activation.ActivationStats`,
-:class:`~lightning_pat.scoring.taylor.TaylorScores`, :class:`~lightning_pat.scoring.layers.LayerStats`) collects
-statistics while a model trains and keeps them under one entry of the saved pruning state, :attr:`Collector.key`.
+:class:`~lightning_pat.scoring.taylor.TaylorScores`, :class:`~lightning_pat.scoring.layers.LayerStats`,
+:class:`~lightning_pat.scoring.experts.ExpertStats`) collects statistics while a model trains and keeps them under one
+entry of the saved pruning state, :attr:`Collector.key`.
 The training floor runs a set of them (:class:`lightning_pat.training.collectors.Collectors`) through the same verbs
 at fixed points of a fit, and never needs to know which scorer it holds:
 
