@@ -349,11 +349,11 @@ class PruningOptions:
             tokens (REAP's criterion times the expert's token count); ``"reap"``: its mean over them (REAP);
             ``"frequency"``: their number; ``"weight"``: the expert's weight norm, like every other cluster (no
             statistics). Other clusters keep ``score``'s ranking. The default is the score with the best mean
-            held-out loss after a one-shot cut to half the experts of a small Mixtral, with and without the
-            router's balancing loss, where REAP and frequency each lose in one of the two settings (BENCHMARKS.md,
-            "Expert scores"); data beat the weights on every seed. ``"reap"``/``"reap_sum"`` recompute the routed
-            tokens' expert outputs in a forward hook (no extra model forward) and do not run with experts sharded
-            as DTensors; use ``"frequency"`` there.
+            held-out loss after a one-shot cut to half the experts of a small Mixtral (5 seeds), with and without
+            the router's balancing loss, where REAP and frequency each lose clearly in one of the two settings
+            (BENCHMARKS.md, "Expert scores"); it was ahead of the weight norm on all 10 seed runs. ``"reap"`` and
+            ``"reap_sum"`` recompute the routed tokens' expert outputs in a forward hook (no extra model forward)
+            and refuse, at the selection, experts whose weights are DTensors there; use ``"frequency"`` then.
 
     Raises:
         ValueError: If an option is out of range or unknown, a declaration is invalid, a preset name or preset
