@@ -323,7 +323,8 @@ class ExpertStats(TrainingForwardHooks, Collector):
     def scores(self, summed: Tensor | None = None) -> dict[str, Tensor] | None:
         """Cluster name -> ``[E]`` float64 ``kind`` scores; ``None`` if no expert saw a training token.
 
-        Experts modules called without a top-k (Llama 4's) are left out: the weights rank their experts.
+        Experts modules called without a top-k (Llama 4's) are left out: the weights rank their experts (``{}`` if
+        every one is).
 
         Args:
             summed: :meth:`stacked` summed over ranks; ``None`` uses this rank's sums.
@@ -342,6 +343,8 @@ class ExpertStats(TrainingForwardHooks, Collector):
         if summed.shape != (2 * total,):
             raise ValueError(f"`summed` must have shape ({2 * total},) (see stacked()), got {tuple(summed.shape)}.")
         summed = summed.cpu()
+        if self._unrouted.issuperset(self.units):  # no experts module gets a top-k (Llama 4's): the weights rank
+            return {}
         if not bool((summed[total:] > 0).any()):
             return None
         out, at = {}, 0

@@ -201,3 +201,22 @@ def test_a_dense_model_saves_what_it_saved_before():
 def test_an_unknown_expert_score_is_refused_with_the_choices():
     with pytest.raises(Exception, match=r"`expert_score` must be one of \('reap_sum', 'reap', 'frequency', 'weight'\)"):
         CoupledPruningCallback("auto", 0.5, expert_score="mean")
+
+
+def test_experts_that_get_no_top_k_are_ranked_by_their_weights_without_a_warning():
+    """Llama 4's experts module runs every expert on pre-scaled tokens: no routing to read, the weights rank."""
+    from tests.common.lm_zoo import build  # noqa: PLC0415 - only this test
+
+    class Llama4Step(Step):
+        def __init__(self) -> None:
+            pl.LightningModule.__init__(self)
+            self.model = build("llama4_text")
+
+    module = Llama4Step()
+    weighted = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2, expert_score="weight")
+    quiet_trainer(max_steps=3, callbacks=[weighted]).fit(module)
+    module = Llama4Step()
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)  # the default, a data score
+    quiet_trainer(max_steps=3, callbacks=[cb]).fit(module)  # a PruningWarning would fail the test
+    assert cb.controller.scorers.experts is not None
+    assert cb.dropped == weighted.dropped
