@@ -1,7 +1,8 @@
 """What a module is, for the shrink, and the size metadata it and its model's config carry.
 
 Module kinds (:func:`module_kind`: the rewrite rule of a module that owns a shrunk parameter), attention layouts the
-shrink understands (Llama-style ``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``), and the updates of
+shrink understands (Llama-style ``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``; a fused q/k/v
+``Linear`` with ``head_dim``: Phi-3, Falcon, Bloom, CodeGen, :func:`fused_qkv_heads`), and the updates of
 head counts, MLP widths, hidden sizes and ``model.config`` after the parameters were cut (:func:`update_containers`,
 :func:`update_config`).
 """
@@ -301,11 +302,13 @@ def update_config(
         _set_config(config, ("n_head",), _uniform(a.split_size // a.head_dim for a in gpt2), "the head count")
     fused = [(counts, cast(int, m.head_dim)) for m in model.modules() if (counts := fused_qkv_heads(m)) is not None]
     if fused and not attns:  # Phi-3 reads config.num_attention_heads in its forward
-        _set_config(config, HEAD_FIELDS, _uniform(c[0] for c, _ in fused), "the head count")
+        heads_before = next((getattr(config, n) for n in HEAD_FIELDS if hasattr(config, n)), None)
+        heads = _uniform(c[0] for c, _ in fused)
+        _set_config(config, HEAD_FIELDS, heads, "the head count")
         _set_config(config, KV_FIELDS, _uniform(c[1] for c, _ in fused), "the KV head count")
         head_dim = _uniform(hd for _, hd in fused)
         settable = not isinstance(getattr(type(config), "head_dim", None), property)  # Falcon: hidden // heads
-        if head_dim is not None and settable and hasattr(config, "model_type"):
+        if heads != heads_before and head_dim is not None and settable and hasattr(config, "model_type"):
             config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
     emb = input_embedding(model)
     if emb is not None and hidden_changed:
