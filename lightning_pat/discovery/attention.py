@@ -27,9 +27,14 @@ GQA: ``repeat_kv`` (``expand`` + ``reshape``), ``repeat_interleave`` and ``scale
 enable_gqa=True)`` map query head ``h`` to KV head ``h // n_rep``; joining the query's head axis with the repeated
 KV head axis coarsens the unit to a whole query group (one KV head and its ``n_rep`` query heads), as the presets do.
 
-A packed projection (GPT-2's ``c_attn``, a fused QKV ``Linear``, a GLU's fused gate/up) is cut by ``split``: the
-space the projection opened is refined into one space per part (its rows/columns and bias sliced), as long as
-nothing else reads the packed output.
+A packed projection (GPT-2's ``c_attn``, a fused QKV ``Linear``, a GLU's fused gate/up) is cut by ``split`` or by
+slices (Phi-3's ``qkv[..., :q_size]``): the space the projection opened is refined into one space per part (its
+rows/columns and bias sliced), and every label holding it so far is rewritten part by part, so another reader of the
+packed output reads the parts. The heads may come first: Falcon's ``view(B, T, H + 2, D)`` then
+``split([H, 1, 1])`` cuts the head axis (a space coarsened into heads keeps its members whole, so it can still be
+cut). Bloom's ``(heads, 3, head_dim)`` layout is told from timm's ``(3, heads, head_dim)`` by the axis its users pick
+from (``select``/``unbind``); its heads merged into the batch axis for ``bmm``/``baddbmm`` are carried as copies of
+the head label, and ``baddbmm``'s added ALiBi bias (computed from the head count) poisons them.
 """
 
 from __future__ import annotations
@@ -61,20 +66,20 @@ def split_axis(w: Labelling, label: Label, first: int) -> Label:
         size = units * block
         if size % per or offset % per:
             return None
-        w.union(space, w.new_space(size // per), "a reshape into heads")
+        w.coarsen(space, size // per, "a reshape into heads")
         segments.append((space, size // per, 1))
         offset += size
     return tuple(segments)
 
 
-def packed_heads(w: Labelling, label: Label, sizes: list[int], consumer: Node) -> Label:
+def packed_heads(w: Labelling, label: Label, sizes: list[int]) -> Label:
     """The head axis when a packed projection's channels are reshaped into ``(parts, heads, head_dim, ...)``.
 
     A fused QKV ``Linear`` reshaped as ``(B, N, 3, H, D)`` (timm's and torchvision Swin's attention; then ``permute``
     and ``unbind``/``select`` of the parts): its space is cut into the ``parts`` (as ``split`` would), the parts are
     joined (head ``h`` of q, of k and of v is one unit) and the second axis carries the heads; the parts axis and the
     axes after the heads lie inside a unit (untracked). ``None`` (and nothing changed) unless the label is one
-    segment that nothing else reads, cut into whole heads.
+    segment that can be cut into whole heads.
     """
     parts, heads = sizes[0], sizes[1]
     if label is None or len(label) != 1 or parts < 2 or heads < 2:
@@ -82,7 +87,7 @@ def packed_heads(w: Labelling, label: Label, sizes: list[int], consumer: Node) -
     length = label[0][1] * label[0][2]
     if length % parts or (length // parts) % heads:
         return None
-    pieces = _cut(w, label, [length // parts] * parts, consumer)
+    pieces = cut_label(w, label, [length // parts] * parts)
     if pieces is None:
         return None
     joined = pieces[0]
@@ -132,6 +137,35 @@ def _matmul(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     _contract(w, [la[-1], lb[-2]], op)
     batch = _join_batch(w, [(sa[:-2], la[:-2]), (sb[:-2], lb[:-2])], out[:-2], op)
     return (*batch, la[-2], lb[-1])
+
+
+def _baddbmm(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``baddbmm(input, batch1, batch2)``: ``bmm(batch1, batch2)`` (:func:`_matmul`) plus ``input``, broadcast.
+
+    Bloom adds its ALiBi bias this way, one row per (batch, head): a labelled axis added to an axis of ``input``
+    whose channels are not traced is poisoned (the bias of a head is not cut with it).
+    """
+    bias, a, b = node.args[0], node.args[1], node.args[2]
+    sa, sb, sbias = node_shape(a), node_shape(b), node_shape(bias)
+    if out is None or sa is None or sb is None or sbias is None or len(sa) != 3 or len(sb) != 3:
+        return NotImplemented
+    la, lb = w.ndim_label(a, 3), w.ndim_label(b, 3)
+    op = op_name(node)
+    _contract(w, [la[-1], lb[-2]], op)
+    product = (*_join_batch(w, [(sa[:-2], la[:-2]), (sb[:-2], lb[:-2])], out[:-2], op), la[-2], lb[-1])
+    lbias = w.ndim_label(bias, len(sbias))
+    result: list[Label] = list(product)
+    for i in range(1, min(len(out), len(sbias)) + 1):
+        theirs, ours = lbias[-i], result[-i]
+        if sbias[-i] == 1 and out[-i] > 1:
+            w.poison(theirs, f"`{op}` broadcasts a one-channel axis")
+        elif ours is None:
+            result[-i] = theirs
+        elif theirs is None or [u * b for _, u, b in theirs] != [u * b for _, u, b in ours]:
+            w.poison(ours, f"`{op}` adds a tensor computed apart from these channels (e.g. a per-head ALiBi bias)")
+        else:
+            result[-i] = w.join(ours, theirs, f"`{op}`")
+    return tuple(result)
 
 
 def _repeat_each(label: Label, times: int) -> Label:
@@ -188,25 +222,55 @@ def _referencing(w: Labelling, space: int) -> list[Node]:
     return [n for n, value in w.labels.items() if holds(value)]
 
 
-def _refine(w: Labelling, space: int, length: int, cuts: list[int], consumer: Node) -> list[int] | None:
+def _rewrite(value: Any, space: int, units: int, parts: list[tuple[int, int]]) -> Any:
+    """A node's labels with every segment of ``space`` replaced by its parts ``(part space, units)``, in order."""
+    if isinstance(value, list):
+        return [_rewrite(v, space, units, parts) for v in value]
+    if not isinstance(value, tuple):
+        return value
+    out: list[Label] = []
+    for lab in value:
+        if lab is None or all(s != space for s, _, _ in lab):
+            out.append(lab)
+            continue
+        segs: list[Segment] = []
+        for s, u, b in lab:
+            per = u * b // units  # entries of this axis per unit of the space
+            segs.extend([(p, n, per) for p, n in parts] if s == space else [(s, u, b)])
+        out.append(tuple(segs))
+    return tuple(out)
+
+
+def _refine(w: Labelling, space: int, length: int, cuts: list[int]) -> list[int] | None:
     """Split ``space`` (a segment of ``length`` channels) at ``cuts`` into new spaces, one per part, or ``None``.
 
-    Only a space that was never joined with another, whose channels nothing but ``consumer`` reads from here on, and
-    whose members each hold a whole multiple of ``length`` (a projection's rows, columns, bias) can be refined.
+    Only a space that was never joined with another, cut between its units, whose members each hold a whole
+    multiple of ``length`` (a projection's rows, columns, bias) can be refined. The labels of the nodes visited so
+    far that hold it are rewritten with the parts, so later readers of the packed channels (the other slices of a
+    fused projection) read them part by part.
     """
     if w.find(space) != space or sum(1 for s in range(len(w.parent)) if w.find(s) == space) != 1:
         return None
-    block = length // w.spaces[space].units
-    if any(c % block for c in cuts):
+    units = w.spaces[space].units
+    block = length // units
+    if length % units or any(c % block for c in cuts):
         return None
-    holders = set(_referencing(w, space))
-    if any(u not in holders and u is not consumer for n in holders for u in n.users):
-        return None  # another op reads the packed channels: the parts must stay one space
     keys = [k for k, s in w.members.items() if s == space]
     if any((stop - start) % length for _, _, start, stop in keys):
         return None
+    holders = _referencing(w, space)
+    if any(
+        u * b % units
+        for n in holders
+        for value in (w.labels[n] if isinstance(w.labels[n], list) else [w.labels[n]])
+        for lab in value or ()
+        for s, u, b in lab or ()
+        if s == space
+    ):
+        return None  # a holder's axis does not hold whole units
     bounds = [0, *cuts, length]
-    parts = [w.new_space((hi - lo) // block) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    sizes = [(hi - lo) // block for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    parts = [w.new_space(n) for n in sizes]
     for part in parts:
         w.spaces[part].reasons.extend(w.spaces[space].reasons)
     for key in keys:
@@ -217,11 +281,17 @@ def _refine(w: Labelling, space: int, length: int, cuts: list[int], consumer: No
         for part, lo, hi in zip(parts, bounds, bounds[1:], strict=False):
             w.members[(param, dim, start + lo * scale, start + hi * scale)] = part
             w.flows[(param, dim, start + lo * scale, start + hi * scale)] = flow
+    for n in holders:
+        w.labels[n] = _rewrite(w.labels[n], space, units, list(zip(parts, sizes, strict=True)))
     return parts
 
 
-def _cut(w: Labelling, label: Label, sizes: list[int], consumer: Node) -> list[Label] | None:
-    """The labels of consecutive parts of sizes ``sizes`` of an axis labelled ``label``, or ``None``."""
+def cut_label(w: Labelling, label: Label, sizes: list[int]) -> list[Label] | None:
+    """The labels of consecutive parts of sizes ``sizes`` of an axis labelled ``label``, or ``None``.
+
+    A space that a boundary falls inside is refined into one space per part (:func:`_refine`); ``None`` (and nothing
+    changed for that space) where it cannot be.
+    """
     segments: list[Segment] = []
     bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
     offset = 0
@@ -231,7 +301,7 @@ def _cut(w: Labelling, label: Label, sizes: list[int], consumer: Node) -> list[L
         if not inner:
             segments.append((space, units, block))
         else:
-            parts = _refine(w, space, size, inner, consumer)
+            parts = _refine(w, space, size, inner)
             if parts is None:
                 return None
             edges = [0, *inner, size]
@@ -261,9 +331,9 @@ def _split(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     dim %= len(shape)
     sizes = [int(v.shape[dim]) for v in values]
     lab = w.ndim_label(x, len(shape))
-    parts = [None] * len(sizes) if lab[dim] is None else _cut(w, lab[dim], sizes, node)
+    parts = [None] * len(sizes) if lab[dim] is None else cut_label(w, lab[dim], sizes)
     if parts is None:
-        reason = f"`{op_name(node)}` cuts a channel axis that other ops also read, or inside a unit"
+        reason = f"`{op_name(node)}` cuts a channel axis inside a unit, or one joined with other channels"
         w.poison(lab[dim], reason)
         parts = [w.fresh(s, reason) for s in sizes]
     return [(*lab[:dim], part, *lab[dim + 1 :]) for part in parts]
@@ -273,6 +343,7 @@ def _split(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
 HANDLERS: dict[str, Handler] = {
     "matmul": _matmul,
     "bmm": _matmul,
+    "baddbmm": _baddbmm,
     "scaled_dot_product_attention": _sdpa,
     "repeat_interleave": _repeat_interleave,
     "split": _split,

@@ -72,6 +72,18 @@ class Labelling:
             self.poison_space(lo, f"{why} joins {sa.units} and {sb.units} channels")
         sa.units = small  # a coarser unit (e.g. a depthwise multiplier's block) covers the finer one
 
+    def coarsen(self, s: int, units: int, why: str) -> None:
+        """Make a unit of space ``s`` cover whole entries of an axis of ``units`` entries (a head of ``D`` channels).
+
+        As :meth:`union` with a fresh space of ``units`` units, without joining one: a space coarsened into heads can
+        still be cut into parts (:func:`~lightning_pat.discovery.attention.cut_label`).
+        """
+        root = self.spaces[self.find(s)]
+        small, large = sorted((root.units, units))
+        if large % small:
+            self.poison_space(s, f"{why} joins {root.units} and {units} channels")
+        root.units = small
+
     def poison_space(self, s: int, reason: str) -> None:
         """Mark space ``s`` as not prunable, with a reason."""
         reasons = self.spaces[self.find(s)].reasons

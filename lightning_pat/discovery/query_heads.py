@@ -45,6 +45,41 @@ def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | No
     return path, module
 
 
+def _fused(model: nn.Module, cluster: Cluster) -> Cluster | None:
+    """The query-head cluster of a whole-query-group ``cluster`` of a transformers fused-QKV GQA attention, or ``None``.
+
+    Phi-3's ``qkv_proj`` (q, k and v rows side by side, sliced apart in the forward) with ``o_proj``: the cluster's
+    writers are the three slices of ``qkv_proj`` (and of its bias), one unit per KV head; the query heads are the
+    first slice's rows (``num_attention_heads * head_dim``), one unit per query head, ``unit_groups`` = the KV heads.
+    """
+    first = cluster.writers[0] if cluster.writers else ""
+    path = first.split(".qkv_proj.weight[")[0]
+    if ".qkv_proj.weight[" not in first or cluster.readers != [f"{path}.o_proj.weight"]:
+        return None
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    qkv, o_proj = getattr(module, "qkv_proj", None), getattr(module, "o_proj", None)
+    head_dim, n_rep = getattr(module, "head_dim", None), getattr(module, "num_key_value_groups", None)
+    if not isinstance(qkv, nn.Linear) or not isinstance(o_proj, nn.Linear) or not isinstance(head_dim, int):
+        return None
+    if not isinstance(n_rep, int) or n_rep < 2 or not type(module).__module__.startswith("transformers.models."):
+        return None
+    q_rows = o_proj.in_features
+    num_kv = (qkv.out_features - q_rows) // (2 * head_dim)
+    if cluster.num_units != num_kv or q_rows != num_kv * n_rep * head_dim:
+        return None
+    edges = [0, q_rows, q_rows + num_kv * head_dim, qkv.out_features]
+    parts = [f"[{lo}:{hi}]" for lo, hi in zip(edges, edges[1:], strict=False)]
+    expected = {f"{path}.qkv_proj.{kind}{part}" for kind in ("weight", "bias") for part in parts}
+    if not {f"{path}.qkv_proj.weight{part}" for part in parts} <= set(cluster.writers) <= expected:
+        return None
+    writers = [w for w in cluster.writers if w.endswith(parts[0])]
+    return Cluster(name=cluster.name, writers=writers, readers=list(cluster.readers), num_units=num_kv * n_rep,
+                   unit_groups=num_kv)  # fmt: skip
+
+
 def refine_query_heads(model: nn.Module, clusters: list[Cluster]) -> list[Cluster]:
     """Replace each whole-query-group cluster of a transformers GQA attention by its query-head cluster.
 
@@ -55,10 +90,13 @@ def refine_query_heads(model: nn.Module, clusters: list[Cluster]) -> list[Cluste
     Returns:
         The clusters, those of GQA attention modules (``num_key_value_groups > 1``, one unit per KV head) replaced
         by ``q_proj`` rows (and bias) and ``o_proj`` columns with one unit per query head and ``unit_groups`` = the
-        KV head count; the others unchanged.
+        KV head count (a fused ``qkv_proj``: its query rows, :func:`_fused`); the others unchanged.
     """
     out = []
     for cluster in clusters:
+        if (fused := _fused(model, cluster)) is not None:
+            out.append(fused)
+            continue
         found = _attention(model, cluster)
         if found is None:
             out.append(cluster)

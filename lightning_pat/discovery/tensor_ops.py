@@ -2,7 +2,8 @@
 
 Elementwise ops carry their operand's labels (an op of two labelled tensors joins their spaces, a broadcast of a
 one-channel axis poisons it); pooling, reductions and softmax poison the axes they mix; the layout ops (``view``,
-``permute``, ``expand``, ``slice``, ``cat``, ``pad``, ``roll``, ``index_select``) move labels with their axes. A
+``permute``, ``expand``, ``slice``, ``cat``, ``stack``, ``pad``, ``roll``, ``index_select``) move labels with their
+axes (a ``slice`` of a channel axis cuts it into parts, as ``split`` does). A
 ``view`` that splits a channel axis into heads is read by :func:`~lightning_pat.discovery.attention.split_axis` and
 :func:`~lightning_pat.discovery.attention.packed_heads`.
 """
@@ -14,7 +15,7 @@ from typing import Any, cast
 
 from torch.fx import Node
 
-from lightning_pat.discovery.attention import packed_heads, split_axis
+from lightning_pat.discovery.attention import cut_label, packed_heads, split_axis
 from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
 from lightning_pat.discovery.nodes import flat as _flat
 from lightning_pat.discovery.nodes import op_name as _op_name
@@ -157,17 +158,29 @@ def _view(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         labelled = [d for d in gi if lab[d] is not None]
         if not labelled:
             continue
-        if len(gj) == 1 and len(labelled) == 1 and labelled[0] == gi[0]:
+        if len(labelled) == 1 and labelled[0] != gi[0] and gi[0] == 0 and len(gj) == 1:
+            # heads merged into the batch axis, (B, H, ...) -> (B*H, ...) (Bloom's bmm): B copies of the head label
+            k = gi.index(labelled[0])
+            trailing = math.prod(shape[d] for d in gi[k + 1 :])
+            segs = cast("tuple[Segment, ...]", lab[labelled[0]])  # labelled
+            result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in segs) * math.prod(shape[d] for d in gi[:k])
+            continue
+        if len(labelled) == 1 and labelled[0] == gi[0]:
             trailing = math.prod(shape[d] for d in gi[1:])
             segs = cast("tuple[Segment, ...]", lab[gi[0]])  # labelled
-            result[gj[0]] = tuple((s, u, b * trailing) for s, u, b in segs)
-            continue
-        if len(gi) == 1 and len(gj) >= 3 and (heads := packed_heads(w, lab[gi[0]], [out[d] for d in gj], node)):
-            result[gj[1]] = heads  # (parts, heads, head_dim, ...): a packed QKV; the parts axis lies inside a unit
-            continue
-        if len(gi) == 1 and (split := split_axis(w, lab[gi[0]], out[gj[0]])) is not None:
-            result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
-            continue
+            merged: Label = tuple((s, u, b * trailing) for s, u, b in segs)
+            if len(gj) == 1:
+                result[gj[0]] = merged
+                continue
+            if (base := _repeated(merged, out[gj[0]])) is not None and len(gj) == 2:
+                result[gj[1]] = base  # (B*H, ...) -> (B, H, ...): the batch copies of a head label apart again
+                continue
+            if len(gj) >= 3 and _parts_first(node, gj) and (heads := packed_heads(w, merged, [out[d] for d in gj])):
+                result[gj[1]] = heads  # (parts, heads, head_dim, ...): a packed QKV; the parts axis lies inside a unit
+                continue
+            if (split := split_axis(w, merged, out[gj[0]])) is not None:
+                result[gj[0]] = split  # heads: the first axis carries whole units, the others stay inside a unit
+                continue
         reason = (
             "a channel axis is split into several axes (e.g. attention heads)"
             if len(gi) == 1
@@ -178,6 +191,51 @@ def _view(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         for d in gj:
             result[d] = w.fresh(out[d], reason)
     return tuple(result)
+
+
+def _repeated(label: Label, copies: int) -> Label:
+    """The label that ``label`` is ``copies`` copies of, one after the other, or ``None``."""
+    if label is None or copies < 2 or len(label) % copies:
+        return None
+    base = label[: len(label) // copies]
+    return base if base * copies == label else None
+
+
+#: Ops that keep a tensor's axes where they are (followed by :func:`_parts_first`).
+_SAME_AXES = {"clone", "contiguous", "alias", "detach", "_to_copy", "to", "dropout"}
+#: Ops that pick entries along one axis (``dim`` their second argument).
+_PICKS = {"select", "unbind", "slice", "split", "split_with_sizes", "chunk"}
+
+
+def _parts_first(node: Node, axes: list[int], depth: int = 6) -> bool:
+    """Whether the reshape ``node`` into ``(..., a0, a1, ...)`` (at ``axes``) has its parts on the first of them.
+
+    A packed projection reshaped into three axes or more: timm's ``(3, heads, head_dim)`` picks the parts from the
+    first (``unbind``/``select`` after a ``permute``), Bloom's ``(heads, 3, head_dim)`` from the second. The users are
+    followed through ``permute``/``transpose`` and copies to the first op that picks along one of the axes; ``True``
+    when it is the first axis, or when none is found (the layout read so far).
+    """
+    frontier: list[tuple[Node, list[int]]] = [(node, list(axes))]
+    for _ in range(depth):
+        following: list[tuple[Node, list[int]]] = []
+        for n, where in frontier:
+            for user in n.users:
+                op = _op_name(user)
+                ndim = len(_shape(n.meta.get("val")) or ())
+                if op in _PICKS and ndim:
+                    dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+                    if isinstance(dim, int) and dim % ndim in where:
+                        return dim % ndim == where[0]
+                elif op == "permute" and ndim:
+                    order = [d % ndim for d in cast("list[int]", user.args[1])]
+                    following.append((user, [order.index(d) for d in where]))
+                elif op == "transpose" and ndim:
+                    a, b = cast(int, user.args[1]) % ndim, cast(int, user.args[2]) % ndim
+                    following.append((user, [b if d == a else a if d == b else d for d in where]))
+                elif op in _SAME_AXES:
+                    following.append((user, where))
+        frontier = following
+    return True
 
 
 def _permute(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -230,10 +288,35 @@ def _slice(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         del lab[dim]
         return tuple(lab)
     size = cast("tuple[int, ...]", out)[dim]  # known: only unbind's is None
-    if size != shape[dim]:
-        w.poison(lab[dim], "`slice` keeps part of a channel axis")
-        lab[dim] = w.fresh(size, "`slice` keeps part of a channel axis")
+    if size != shape[dim] and lab[dim] is not None:  # an untracked axis (inside a unit) stays untracked
+        part = _slice_part(w, node, lab[dim], shape[dim])
+        if part is None:
+            w.poison(lab[dim], "`slice` keeps part of a channel axis")
+            part = w.fresh(size, "`slice` keeps part of a channel axis")
+        lab[dim] = part
     return tuple(lab)
+
+
+def _slice_part(w: Labelling, node: Node, label: Label, length: int) -> Label:
+    """The label of ``x[..., start:stop]`` of a channel axis (step 1), or ``None``.
+
+    The axis is cut at ``start`` and ``stop`` (:func:`~lightning_pat.discovery.attention.cut_label`: Phi-3's fused
+    ``qkv_proj`` sliced into q, k and v; each part a space of its own) and the part kept is returned.
+    """
+    start = node.args[2] if len(node.args) > 2 else None
+    stop = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    if label is None or step != 1 or not all(isinstance(b, (int, type(None))) for b in (start, stop)):
+        return None
+    first, last = cast("int | None", start), cast("int | None", stop)  # ints or None (checked above)
+    lo = 0 if first is None else first + length if first < 0 else first
+    hi = length if last is None else last + length if last < 0 else last
+    lo, hi = min(max(lo, 0), length), min(max(hi, 0), length)
+    if hi <= lo:
+        return None
+    sizes = [n for n in (lo, hi - lo, length - hi) if n]
+    parts = cut_label(w, label, sizes)
+    return None if parts is None else parts[1 if lo else 0]
 
 
 def _index_select(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -307,6 +390,35 @@ def _cat(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(result)
 
 
+def _stack(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``stack(tensors, dim)``: a new axis at ``dim`` (untracked: it indexes the tensors), the others joined.
+
+    The tensors' axes are the same channels at each index (GPT-J's and CodeGen's rotary ``stack((-x2, x1), -1)`` of
+    one head axis), so their labels are joined; a labelled axis stacked with an untraced one is poisoned (a dropped
+    channel of one would not drop the other's).
+    """
+    args = cast("list[Any]", node.args[0])
+    tensors = [t for t in args if isinstance(t, Node)]
+    shapes = [_shape(t.meta.get("val")) for t in tensors]
+    if out is None or not tensors or len(tensors) != len(args) or any(s is None or s != shapes[0] for s in shapes):
+        return NotImplemented
+    shape = cast("tuple[int, ...]", shapes[0])  # every shape is known and the same (checked above)
+    if len(out) != len(shape) + 1:
+        return NotImplemented
+    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+    labs = [w.ndim_label(t, len(shape)) for t in tensors]
+    result: list[Label] = []
+    for d in range(len(shape)):
+        label: Label = None
+        for lab in labs:
+            label = w.join(label, lab[d], "`stack`")
+        if label is not None and shape[d] > 1 and any(lab[d] is None for lab in labs):
+            w.poison(label, "`stack` with a tensor whose channels are not traced")
+        result.append(label)
+    result.insert(dim, None)
+    return tuple(result)
+
+
 def _pad(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     src = node.args[0]
     shape = _shape(src.meta.get("val")) if isinstance(src, Node) else None
@@ -343,6 +455,7 @@ HANDLERS: dict[str, Handler] = {
     "select": _slice,
     "unbind": _slice,
     "cat": _cat,
+    "stack": _stack,
     "roll": _roll,
     "index_select": _index_select,
     "flip": _roll,

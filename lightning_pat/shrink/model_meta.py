@@ -1,7 +1,8 @@
 """What a module is, for the shrink, and the size metadata it and its model's config carry.
 
 Module kinds (:func:`module_kind`: the rewrite rule of a module that owns a shrunk parameter), attention layouts the
-shrink understands (Llama-style ``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``), and the updates of
+shrink understands (Llama-style ``q/k/v/o_proj`` with ``head_dim``; GPT-2's packed ``c_attn``; a fused q/k/v
+``Linear`` with ``head_dim``: Phi-3, Falcon, Bloom, CodeGen, :func:`fused_qkv_heads`), and the updates of
 head counts, MLP widths, hidden sizes and ``model.config`` after the parameters were cut (:func:`update_containers`,
 :func:`update_config`).
 """
@@ -74,6 +75,42 @@ def is_gpt2_attention(m: nn.Module) -> bool:
     return packed and isinstance(getattr(m, "split_size", None), int)
 
 
+#: Names of a fused q/k/v projection and of the output projection of an attention with ``head_dim``.
+FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv")
+OUT_PROJECTIONS = ("o_proj", "dense", "out_proj")
+
+
+def fused_qkv_heads(m: nn.Module) -> tuple[int, int] | None:
+    """``(query heads, KV heads)`` of an attention with one fused q/k/v ``nn.Linear`` and an int ``head_dim``.
+
+    Phi-3's ``qkv_proj``, Falcon's and Bloom's ``query_key_value``, CodeGen's ``qkv_proj`` (then ``o_proj``,
+    ``dense`` or ``out_proj``): the query heads are the output projection's input columns over ``head_dim``, the
+    rest of the fused rows are as many keys as values (``(H + 2 * KV) * head_dim`` rows). ``None`` for any other
+    module, separate ``q/k/v_proj`` and GPT-2's ``c_attn`` included.
+    """
+    hd = getattr(m, "head_dim", None)
+    if not isinstance(hd, int) or isinstance(hd, bool) or hd <= 0 or is_qkv_attention(m):
+        return None
+    fused = next((getattr(m, n) for n in FUSED_QKV if isinstance(getattr(m, n, None), nn.Linear)), None)
+    out = next((getattr(m, n) for n in OUT_PROJECTIONS if isinstance(getattr(m, n, None), nn.Linear)), None)
+    if fused is None or out is None or out.in_features % hd or fused.out_features % hd:
+        return None
+    n_q = out.in_features // hd
+    rest = fused.out_features // hd - n_q
+    if n_q < 1 or rest < 2 or rest % 2:
+        return None
+    return n_q, rest // 2
+
+
+def _set_fused_counts(module: nn.Module, n_q: int, n_kv: int) -> None:
+    for attr in ("num_heads", "num_attention_heads", "n_head"):
+        _set_if_int(module, attr, n_q)
+    for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_head"):
+        _set_if_int(module, attr, n_kv)
+    if n_q % n_kv == 0:
+        _set_if_int(module, "num_key_value_groups", n_q // n_kv)
+
+
 def _set_if_int(module: nn.Module, attr: str, value: int) -> None:
     if isinstance(getattr(module, attr, None), int) and not isinstance(getattr(module, attr), bool):
         setattr(module, attr, value)
@@ -106,6 +143,8 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
             if n_kv and n_q % n_kv == 0:  # query heads cut inside their KV groups change the heads per group
                 for attr in ("num_key_value_groups", "n_rep"):
                     _set_if_int(module, attr, n_q // n_kv)
+        elif (fused := fused_qkv_heads(module)) is not None:
+            _set_fused_counts(module, *fused)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             gpt2: Any = module  # transformers' GPT2Attention (its Conv1D c_attn is not a type imported here)
             gpt2.split_size = gpt2.c_attn.nf // 3
@@ -261,6 +300,16 @@ def update_config(
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:
         _set_config(config, ("n_head",), _uniform(a.split_size // a.head_dim for a in gpt2), "the head count")
+    fused = [(counts, cast(int, m.head_dim)) for m in model.modules() if (counts := fused_qkv_heads(m)) is not None]
+    if fused and not attns:  # Phi-3 reads config.num_attention_heads in its forward
+        heads_before = next((getattr(config, n) for n in HEAD_FIELDS if hasattr(config, n)), None)
+        heads = _uniform(c[0] for c, _ in fused)
+        _set_config(config, HEAD_FIELDS, heads, "the head count")
+        _set_config(config, KV_FIELDS, _uniform(c[1] for c, _ in fused), "the KV head count")
+        head_dim = _uniform(hd for _, hd in fused)
+        settable = not isinstance(getattr(type(config), "head_dim", None), property)  # Falcon: hidden // heads
+        if heads != heads_before and head_dim is not None and settable and hasattr(config, "model_type"):
+            config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
     emb = input_embedding(model)
     if emb is not None and hidden_changed:
         _set_config(config, ("hidden_size", "n_embd", "d_model"), emb.embedding_dim, "the hidden size")
@@ -284,7 +333,10 @@ def _int_attr(module: nn.Module, attr: str) -> int | None:
 
 
 #: Attention modules with a rule of their own (their head counts are never scaled from a query projection).
-_OWN_RULES = (is_qkv_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention)
+_OWN_RULES = (
+    is_qkv_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention,
+    lambda m: fused_qkv_heads(m) is not None,
+)  # fmt: skip
 
 
 def head_counts_before(model: nn.Module, edited: Mapping[int, Any]) -> list[tuple[nn.Module, nn.Linear, int]]:

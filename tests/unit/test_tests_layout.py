@@ -41,6 +41,7 @@ EXEMPT_PACKAGES: dict[str, tuple[str, str]] = {
 FEATURE_FILES: dict[str, str] = {
     "tests/unit/discovery/test_packed.py": "heads behind packed QKV: the walk, the trial shrink and the shrink's check",
     "tests/unit/discovery/test_presets_traced.py": "discovery against the presets on every family (two floors)",
+    "tests/unit/discovery/test_fused_heads.py": "heads behind stack/select/slices/fused QKV of HF LMs (the walk's ops)",
     "tests/unit/export/test_serve_export.py": "the serving formats (GGUF, DeciLM, tokenizer files) as one round trip",
     "tests/unit/presets/test_presets.py": "every family's preset: registry, transformers layouts, chains, detection",
     "tests/unit/shrink/test_batchnorm.py": "BatchNorm on a shrunk axis: the refusal (edits) and the exact shrink",

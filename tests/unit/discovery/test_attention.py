@@ -125,11 +125,17 @@ def test_packed_qkv_split_by_a_literal_size_is_left_out_by_the_trial_shrink():
     assert qkv.reasons[0].startswith("a trial shrink (one unit dropped) fails: the shrunk model does not run")
 
 
-def test_packed_output_read_whole_elsewhere_is_left_out():
-    found = discover(_Packed(also_read_whole=True), torch.zeros(2, 3, 8))
-    assert found.clusters == []
-    reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("`chunk` cuts a channel axis that other ops also read" in r for r in reasons)
+def test_packed_output_read_whole_elsewhere_is_read_part_by_part():
+    # `side` reads all 24 packed channels: after the cut its columns are read as q, k and v, each head's 4 channels
+    # of each part dropped with the head (a dropped head's packed channels are zero, so its columns read zeros)
+    torch.manual_seed(3)
+    model = _Packed(also_read_whole=True)
+    found = discover(model, torch.zeros(2, 3, 8))
+    [qkv] = found.clusters
+    assert (qkv.name, qkv.num_units) == ("qkv", 2)
+    assert qkv.readers == ["o.weight", "side.weight[0:8]", "side.weight[8:16]", "side.weight[16:24]"]
+    small = exact_shrink(model, found.clusters, torch.randn(2, 5, 8))
+    assert (small.qkv.out_features, small.side.in_features, small.o.in_features) == (12, 12, 4)
 
 
 class _MixHeads(nn.Module):
