@@ -17,9 +17,10 @@ every decoder layer), not by family name. :func:`moe` declares, per layer:
   (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
   ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
-  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds per-head parameters of its own, gpt-oss's
-  ``sinks``, or where linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible
-  there, and the preset says so) (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
+  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds other parameters of its own, or where
+  linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible there, and the preset
+  says so; gpt-oss's ``sinks``, one logit per query head, are cut with their heads)
+  (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
   attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
   latents and the shared rotary key stay whole).
 
@@ -48,6 +49,7 @@ from lightning_pat.presets.transformers import (
     param_names,
 )
 from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
+from lightning_pat.shrink.model_meta import has_sinks
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ def moe_layout(
     mlp_writers, mlp_readers, _ = _gate_up(block, fused)
     return dataclasses.replace(
         llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
+        head_params=r"self_attn\.sinks",
         mlp=(mlp_writers, mlp_readers),
         residual=(writers, readers),
         layer_params=params,
@@ -134,9 +137,14 @@ def _whole_width_qk_norm(model: nn.Module) -> bool:
     return False
 
 
-def _attention_params(names: list[str]) -> list[str]:
-    """Parameters an attention module holds itself (gpt-oss's ``sinks``, one per query head): no head cut cuts them."""
-    return [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+def _attention_params(model: nn.Module, names: list[str]) -> list[str]:
+    """Parameters an attention module holds itself that no head cut rewrites.
+
+    gpt-oss's ``sinks`` (one logit per query head) are not among them: they are cut with their heads
+    (:func:`~lightning_pat.shrink.model_meta.has_sinks`).
+    """
+    own = [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+    return [n for n in own if not (n.endswith(".sinks") and has_sinks(model.get_submodule(n.rsplit(".", 1)[0])))]
 
 
 #: Per-layer parameters of DeepSeek's multi-head latent attention (MLA), relative to the layer.
@@ -348,9 +356,13 @@ def moe(
         )
         heads = False
     if heads and _whole_width_qk_norm(model):
-        log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
+        _tell(
+            model,
+            "presets.moe: the heads are not cut: q_norm/k_norm normalise over all heads (OLMoE), so a head "
+            "cut (query heads included) could not be exact; heads.{layer} left out",
+        )
         heads = False
-    if heads and (own := _attention_params(names)):
+    if heads and (own := _attention_params(model, names)):
         _tell(
             model,
             "presets.moe: the heads are not cut: the attention holds %s itself (one entry per query head), which "
