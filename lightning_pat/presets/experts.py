@@ -50,6 +50,7 @@ from lightning_pat.presets.transformers import (
 )
 from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
 from lightning_pat.shrink.model_meta import has_sinks
+from lightning_pat.shrink.stock_config import head_count_multiple
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ _MLA = (
 #: MiniMax's lightning (linear) attention layers between its full-attention ones: left whole, and the heads of the
 #: full-attention layers too (the config's head count builds both kinds).
 _LINEAR_ATTENTION = r"self_attn\.(?:qkv_proj|out_proj|output_gate|norm)\.weight"
+#: The config fields of MLA's head count (as many KV heads as heads).
+_MLA_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 #: A dense MLP in the layers before the first MoE layer (DeepSeek's ``first_k_dense_replace``).
 _DENSE = r"mlp\.(?:gate|up|down)_proj\.(?:weight|bias)"
 #: Models the preset said something about already (each reason is logged once per model).
@@ -407,7 +410,8 @@ def moe(
     if mla_heads is not None:  # head h: its q rows, its k and v rows of kv_b_proj, its o_proj columns
         q = r"self_attn\.q_b_proj\.weight" if has(r"self_attn\.q_b_proj\.weight") else r"self_attn\.q_proj\.weight"
         out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
-                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
+                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads,
+                           multiple_of=head_count_multiple(model, mla_heads, _MLA_HEAD_FIELDS)))  # fmt: skip
     if experts:
         parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
         if has(rf"{block}\.{router}\.bias"):

@@ -180,3 +180,21 @@ def test_callback_cuts_query_heads_to_a_parameter_target(model_type, tmp_path):
     lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
     stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+
+
+def test_target_params_keeps_mla_head_counts_the_stock_config_accepts(calibration, tmp_path):
+    """DeepSeek-V2's config refuses a hidden size that is not a multiple of the head count (4 heads, hidden 64: 3
+    heads are refused), so the heads cluster keeps 2 or 4; the export reloads stock."""
+    model = lm_zoo.build("deepseek_v2")
+    total = sum(p.numel() for p in model.parameters())
+    body = lm_zoo.non_embedding_params(model)
+    target = total - body + int(0.6 * body)
+    res = lp.prune_clusters(model, "auto", target_params=target, calibration=calibration)
+    x = lm_zoo.token_ids()
+    masked = logits(model, x)
+    small = lp.shrink(model, res, example_input=None)
+    assert sum(p.numel() for p in small.parameters()) == res.size.achieved <= target
+    assert small.config.num_attention_heads in (2, 4)
+    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
