@@ -205,7 +205,7 @@ def _discovery_query_heads(module: Any, preset_options: Mapping[str, bool]) -> b
     if others:
         raise ValueError(
             f"`preset_options` {others} apply to presets, but no preset fits {type(module).__name__} and its clusters "
-            "are discovered by tracing, which reads `query_heads` only; remove the others."
+            "are discovered by tracing; remove `preset_options` (discovery reads `query_heads` only)."
         )
     return preset_options.get("query_heads")
 
