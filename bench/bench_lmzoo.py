@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 python bench/bench_lmzoo.py --json bench/results/lmzoo.jsonl   # every class: BENCHMARKS.md
     python bench/bench_lmzoo.py --only llama gpt2 phi --timeout 0                   # a few model types
     python bench/bench_lmzoo.py --table bench/results/lmzoo.jsonl                   # the table of a run
+    PYTHONPATH=<torch-pruning 1.6.1 folder> python bench/bench_lmzoo.py --only llama qwen3 --tp   # + the columns below
+    python bench/bench_lmzoo.py --only qwen3 --tp --no-torch-pruning                # our two columns only
 
 Every ``model_type`` of ``transformers.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose class is a decoder-only LM (not an
 encoder used as a decoder, not the decoder of an encoder-decoder, not a multimodal ``...ForConditionalGeneration``)
@@ -15,6 +17,17 @@ Columns: class; resolves ("auto" found clusters and pruned); exact (relative err
 cut (share of the non-embedding parameters removed); reload (relative error of the stock reload's logits against
 the masked model's); the stage that failed and its error. A class whose tiny config does not build, or whose dense
 model does not run on it, is listed as not built and not counted.
+
+With ``--tp`` three more columns, each on a fresh copy of the model: *query heads* (a GQA config only: ``"auto"`` with
+``preset_options={"query_heads": True}`` at 0.5 cuts query heads inside their KV groups, the KV head count kept,
+shrinks exactly and reloads stock with the same logits; else why not); *target_params* (``"auto"`` with
+``target_params`` = the embeddings plus 60% of the other parameters: the shrunk model's own count equals the solver's
+``achieved``, which is not above the target and one granule below ``above``, and it reloads stock with the same
+logits); *Torch-Pruning* (1.6.1, the recipe of its ``examples/LLMs/prune_llm.py`` at ratio 0.5: ``MetaPruner``,
+``GroupMagnitudeImportance(p=2, group_reduction="mean")``, ``lm_head`` ignored, ``num_heads`` from the config with
+``prune_num_heads=True``, ``prune_head_dims=False``, ``head_pruning_ratio=0.5``, a fused ``gate_up_proj`` in 2 output
+groups, ``round_to=4``, the config updated as the recipe does: whether its step and the pruned model's forward run,
+the share cut, and whether stock ``from_pretrained`` of its ``save_pretrained`` gives the pruned model's logits).
 """
 
 from __future__ import annotations
@@ -63,8 +76,134 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _Timeout
 
 
-def run_one(model_type: str, class_name: str, timeout: int) -> dict[str, Any]:
-    """One class through the chain (``lm_zoo.chain``) within ``timeout`` seconds."""
+def _stock_rel(model: Any, ids: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative error of stock ``from_pretrained``'s logits, ``model`` saved by ``lightning_pat.save_pretrained``."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pat import save_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp, overwrite=True, tokenizer=None)
+        stock = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+        return lm_zoo._rel(lm_zoo._logits(stock, ids), reference)  # noqa: SLF001 - the bench's own helpers
+
+
+def _why(err: Exception) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def query_heads(model_type: str) -> str:
+    """``"yes"`` if ``"auto"`` with ``query_heads`` cuts query heads inside the KV groups exactly, with stock reload."""
+    from lightning_pat import prune_clusters, shrink
+
+    model = lm_zoo.build(model_type)
+    config = model.config
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if not (isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads):
+        return "-"  # no GQA
+    ids, calibration = lm_zoo.token_ids(), [lm_zoo.token_ids(seed=s) for s in (2, 3)]
+    try:
+        res = prune_clusters(model, "auto", 0.5, calibration=calibration, preset_options={"query_heads": True})
+        masked = lm_zoo._logits(model, ids)  # noqa: SLF001
+        small = shrink(model, res, example_input=None)
+        new_heads, new_kv = small.config.num_attention_heads, getattr(small.config, "num_key_value_heads", None)
+        if (new_heads, new_kv) != (heads // 2, kv):
+            return f"no: heads {heads}/{kv} -> {new_heads}/{new_kv} (query heads / KV heads)"
+        exact, reload = lm_zoo._rel(lm_zoo._logits(small, ids), masked), _stock_rel(small, ids, masked)  # noqa: SLF001
+    except Exception as err:  # noqa: BLE001 - recorded
+        return f"no: {_why(err)}"
+    return "yes" if max(exact, reload) < lm_zoo.EXACT else f"no: rel {exact:.1e}, stock reload {reload:.1e}"
+
+
+def target_params(model_type: str) -> str:
+    """``"yes"`` if ``target_params`` (the embeddings + 60% of the rest) lands where the solver says, exact reload."""
+    from lightning_pat import prune_clusters, shrink
+
+    model = lm_zoo.build(model_type)
+    total = sum(p.numel() for p in model.parameters())
+    body = lm_zoo.non_embedding_params(model)
+    target = total - body + int(0.6 * body)
+    ids, calibration = lm_zoo.token_ids(), [lm_zoo.token_ids(seed=s) for s in (2, 3)]
+    try:
+        res = prune_clusters(model, "auto", target_params=target, calibration=calibration)
+        masked = lm_zoo._logits(model, ids)  # noqa: SLF001
+        small = shrink(model, res, example_input=None)
+        counted = sum(p.numel() for p in small.parameters())
+        size = res.size
+        assert size is not None
+        if counted != size.achieved or not size.achieved <= target < (size.above or total + 1):
+            return f"no: counted {counted:,}, solver {size.achieved:,} (target {target:,}, above {size.above})"
+        reload = _stock_rel(small, ids, masked)
+    except Exception as err:  # noqa: BLE001 - recorded
+        return f"no: {_why(err)}"
+    return f"yes ({1 - counted / total:.0%})" if reload < lm_zoo.EXACT else f"no: stock reload {reload:.1e}"
+
+
+def torch_pruning(model_type: str) -> dict[str, Any]:
+    """Torch-Pruning 1.6.1's LLM recipe at 0.5 (see the module docs): runs, share cut, stock reload."""
+    try:
+        import torch_pruning as tp
+    except ImportError as err:
+        return {"tp_runs": False, "tp_error": f"{_why(err)} (install torch-pruning==1.6.1 with --no-deps --target)"}
+    model = lm_zoo.build(model_type)
+    dense = lm_zoo.non_embedding_params(model)
+    config = model.config
+    ids = lm_zoo.token_ids()
+    out: dict[str, Any] = {"tp_runs": False}
+    try:
+        num_heads: dict[Any, int] = {}
+        groups: dict[Any, int] = {}
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        for name, m in model.named_modules():
+            if name.endswith("self_attn") and heads:
+                if hasattr(m, "q_proj"):
+                    num_heads.update({m.q_proj: heads, m.k_proj: kv, m.v_proj: kv})
+                elif hasattr(m, "qkv_proj"):
+                    num_heads[m.qkv_proj] = heads
+            if name.endswith("mlp") and hasattr(m, "gate_up_proj"):
+                groups[m.gate_up_proj] = 2
+        head = model.get_output_embeddings()
+        importance = tp.importance.GroupMagnitudeImportance(p=2, group_reduction="mean")
+        pruner = tp.pruner.MetaPruner(
+            model, example_inputs=ids[:1], importance=importance,
+            global_pruning=False, pruning_ratio=0.5, ignored_layers=[head] if head is not None else [],
+            num_heads=num_heads, prune_num_heads=True, prune_head_dims=False, head_pruning_ratio=0.5,
+            out_channel_groups=groups, round_to=4, output_transform=lambda o: o.logits,
+        )  # fmt: skip
+        for group in pruner.step(interactive=True):
+            group.prune()
+        hidden = head.in_features if head is not None else None
+        if hidden is not None and hasattr(config, "hidden_size"):
+            config.hidden_size = hidden
+        for name, m in model.named_modules():  # the recipe's config update
+            if name.endswith("self_attn") and hasattr(m, "q_proj") and isinstance(getattr(m, "head_dim", None), int):
+                config.num_attention_heads = m.q_proj.out_features // m.head_dim
+                if kv == heads:
+                    config.num_key_value_heads = config.num_attention_heads
+                m.num_key_value_groups = max(1, config.num_attention_heads // max(1, config.num_key_value_heads))
+            elif name.endswith("mlp") and hasattr(m, "gate_proj") and hasattr(config, "intermediate_size"):
+                config.intermediate_size = m.gate_proj.out_features
+            elif name.endswith("mlp") and hasattr(m, "gate_up_proj") and hasattr(config, "intermediate_size"):
+                config.intermediate_size = m.gate_up_proj.out_features // 2
+        with torch.no_grad():
+            pruned = lm_zoo._logits(model, ids)  # noqa: SLF001
+        out.update(tp_runs=True, tp_cut=1 - lm_zoo.non_embedding_params(model) / dense)
+        out["tp_reload"] = _stock_rel(model, ids, pruned)
+    except _Timeout:
+        raise
+    except Exception as err:  # noqa: BLE001 - recorded (MemoryError included)
+        out["tp_error"] = _why(err)
+    return out
+
+
+def run_one(
+    model_type: str, class_name: str, timeout: int, *, extra: bool = False, extra_timeout: int = 30, tp: bool = True
+) -> dict[str, Any]:
+    """One class through the chain (``lm_zoo.chain``) within ``timeout`` seconds (``extra``: the ``--tp`` columns,
+    each within ``extra_timeout`` seconds of its own, no limits where ``timeout`` is 0; ``tp``: Torch-Pruning's)."""
     row: dict[str, Any] = {"model_type": model_type, "class": class_name}
     start = time.perf_counter()
     if timeout > 0:  # the main thread only (the smoke test runs without one: --timeout 0)
@@ -92,6 +231,23 @@ def run_one(model_type: str, class_name: str, timeout: int) -> dict[str, Any]:
         if timeout > 0:
             signal.alarm(0)
         row["seconds"] = round(time.perf_counter() - start, 1)
+    if extra and row.get("builds"):
+        steps = [("query_heads", query_heads), ("target_params", target_params), ("tp", torch_pruning)][
+            : 3 if tp else 2
+        ]
+        for key, step in steps:
+            if timeout > 0:
+                signal.signal(signal.SIGALRM, _alarm)
+                signal.alarm(extra_timeout)
+            try:
+                found = step(model_type)
+                row.update(found if isinstance(found, dict) else {key: found})
+            except _Timeout:
+                why = f"over {extra_timeout} s"
+                row.update({"tp_error": why} if key == "tp" else {key: f"no: {why}"})
+            finally:
+                if timeout > 0:
+                    signal.alarm(0)
     return row
 
 
@@ -101,19 +257,27 @@ def _fmt(value: float | None, digits: str = ".1e") -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of a run, then the counts."""
+    extra = any("query_heads" in r for r in rows)
+    more = " query heads | target_params | Torch-Pruning runs | its cut | its stock reload (rel) |" if extra else ""
     lines = [
-        "| class | resolves | exact (rel) | share cut | stock reload (rel) | generate | failure |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| class | resolves | exact (rel) | share cut | stock reload (rel) | generate |{more} failure |",
+        "| --- " * (7 + 5 * extra) + "|",
     ]
     built = [r for r in rows if r.get("builds")]
     for r in built:
         failure = f"{r['stage']}: {r['error']}"[:160] if r.get("error") or r.get("stage") else ""
         if not failure and not r.get("ok"):
             failure = "cut below 20%" if (r.get("cut") or 0) < 0.2 else "not exact"
+        cells = ""
+        if extra:
+            tp = "yes" if r.get("tp_runs") else f"no: {r.get('tp_error', '')}"[:90].replace("|", "/")
+            tp = tp if "tp_runs" in r or "tp_error" in r else "-"
+            qh, tgt = (str(r.get(k, "-"))[:90].replace("|", "/") for k in ("query_heads", "target_params"))
+            cells = f" {qh} | {tgt} | {tp} | {_fmt(r.get('tp_cut'), '.0%')} | {_fmt(r.get('tp_reload'))} |"
         lines.append(
             f"| {r['class']} ({r['model_type']}) | {'yes' if r.get('resolves') else 'no'} | {_fmt(r.get('exact'))} "
             f"| {_fmt(r.get('cut'), '.0%')} | {_fmt(r.get('reload'))} | {'yes' if r.get('generates') else 'no'} "
-            f"| {failure.replace('|', '/')} |"
+            f"|{cells} {failure.replace('|', '/')} |"
         )
     ok = sum(bool(r.get("ok")) for r in built)
     resolves = sum(bool(r.get("resolves")) for r in built)
@@ -123,6 +287,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         f"{len(rows)} decoder-only classes, {len(built)} build from a tiny config: {resolves} resolve, {exact} shrink "
         f"exactly, {ok} pass end to end (exact, >= 20% cut, stock reload equal, generate)."
     )
+    if extra:
+        gqa = [r for r in built if r.get("query_heads", "-") != "-"]
+        tp_reload = sum(r.get("tp_reload") is not None and r["tp_reload"] < lm_zoo.EXACT for r in built)
+        lines.append(
+            f"Query heads: {sum(r['query_heads'] == 'yes' for r in gqa)} of {len(gqa)} GQA classes; target_params: "
+            f"{sum(str(r.get('target_params', '')).startswith('yes') for r in built)} of {len(built)}; Torch-Pruning "
+            f"1.6.1's LLM recipe: step and forward run on {sum(bool(r.get('tp_runs')) for r in built)}, stock reload "
+            f"equal on {tp_reload}."
+        )
     not_built = [f"{r['model_type']} ({r['error'][:60]})" for r in rows if not r.get("builds")]
     if not_built:
         lines.append(f"Not built ({len(not_built)}): " + "; ".join(not_built))
@@ -136,6 +309,9 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print the table of an earlier run's JSON rows and exit")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per class (0: none)")
     parser.add_argument("--max-gib", type=float, default=8.0, help="address-space limit of the process (0: none)")
+    parser.add_argument("--tp", action="store_true", help="add query heads, target_params and Torch-Pruning columns")
+    parser.add_argument("--tp-timeout", type=int, default=30, help="seconds for each --tp column of a class")
+    parser.add_argument("--no-torch-pruning", action="store_true", help="with --tp: our two columns only")
     args = parser.parse_args()
     if args.table is not None:
         rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
@@ -158,7 +334,10 @@ def main() -> None:
         classes = {t: c for t, c in classes.items() if t in args.only}
     rows = []
     for model_type, class_name in classes.items():
-        row = run_one(model_type, class_name, args.timeout)
+        row = run_one(
+            model_type, class_name, args.timeout, extra=args.tp, extra_timeout=args.tp_timeout,
+            tp=not args.no_torch_pruning,
+        )  # fmt: skip
         rows.append(row)
         status = "ok" if row.get("ok") else (row.get("stage") or "build") + ": " + str(row.get("error", ""))[:100]
         print(f"{model_type:28s} {row['seconds']:6.1f}s {status}", flush=True)

@@ -63,6 +63,10 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {  # the slowest first: the pool's t
     "discover": (["bench_discover.py", "--quick", "--models", "resnet"], "| model | ours: clusters / left out |"),
     "zoo": (["bench_zoo.py", "--quick", "--models", "resnet18"], "| model | params | ours: clusters | ours: exact |"),
     "lmzoo": (["bench_lmzoo.py", "--only", "llama", "phi", "--timeout", "0"], "| class | resolves | exact (rel) |"),
+    "lmzoo_tp": (
+        ["bench_lmzoo.py", "--only", "qwen3", "--timeout", "0", "--tp", "--no-torch-pruning"],
+        "Query heads: 1 of 1 GQA classes; target_params: 1 of 1",
+    ),
     "shrink": (
         ["bench_shrink.py", "--quick", "--reps", "1", "--latency-calls", "1", "--no-torch-pruning"],
         "| variant | widths | params (M) | tokens/s (batch 32) |",

@@ -305,13 +305,28 @@ def prefers_discovery(model: nn.Module) -> bool:
     return any(isinstance(m, kinds) for m in model.modules())
 
 
-def discovered_clusters(model: nn.Module, example_input: Any) -> list[Cluster]:
+def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bool | None = None) -> list[Cluster]:
     """The clusters of :func:`discover`, logging the table of what was found and left out (``clusters="auto"``).
+
+    Args:
+        model: The model to trace.
+        example_input: What its ``forward`` takes.
+        query_heads: As for :func:`discover` (``preset_options={"query_heads": ...}`` of ``clusters="auto"``).
 
     Raises:
         ValueError: If the model cannot be traced, or no cluster is found (the table says why).
     """
-    found = discover(model, example_input)
+    found = discover(model, example_input, query_heads=query_heads)
+    config = getattr(model, "config", None)
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
+    if query_heads and gqa and not any(c.unit_groups > 1 for c in found.clusters):
+        log.warning(
+            "discover: query_heads=True, but the heads of %s's GQA attention (%s query heads, %s KV heads) were not "
+            "found as query heads, so none is cut by query heads (the heads it cuts, if any, are whole query groups); "
+            "`lightning_pat.discover(model, x).table()` says what was left out and why",
+            type(model).__name__, heads, kv,
+        )  # fmt: skip
     if not found.clusters:
         raise ValueError(
             f"discover: no prunable clusters found in {type(model).__name__}; what was left out and why:\n"

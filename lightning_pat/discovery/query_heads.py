@@ -1,14 +1,15 @@
 """GQA query heads inside their KV groups, for the whole query groups the trace found in a transformers attention.
 
 The walk (:mod:`lightning_pat.discovery.attention`) proves a whole query group exact: one KV head and its ``n_rep``
-query heads. A finer unit, one query head (its ``q_proj`` rows and bias and its ``o_proj`` columns; ``k/v_proj``
-kept whole), is exact too when nothing inside the group mixes its query heads: a dropped query head's query is zero,
-so it attends uniformly and returns the mean of its values, which its zero ``o_proj`` columns ignore. The trace
-cannot tell that apart from an op mixing the heads of one group (the group is one unit for it), so this refinement
-is applied only where the attention module is a Hugging Face one (a class defined in ``transformers.models``) of the
-Llama layout (``nn.Linear`` ``q/k/v/o_proj``, an int ``head_dim`` and ``num_key_value_groups``): their attention
-functions compute every query head on its own, and the shrink rewrites their head counts, so that every KV group
-must keep the same number of query heads (``unit_groups`` = the KV head count).
+query heads. A finer unit, one query head (its ``q_proj`` rows and bias and its output projection's columns;
+``k/v_proj`` kept whole), is exact too when nothing inside the group mixes its query heads: a dropped query head's
+query is zero, so it attends uniformly and returns the mean of its values, which its zero output columns ignore. The
+trace cannot tell that apart from an op mixing the heads of one group (the group is one unit for it), so this
+refinement is applied only where the attention module is a Hugging Face one (a class defined in
+``transformers.models``) of the Llama layout (``nn.Linear`` ``q/k/v_proj`` and an output projection, ``o_proj`` or
+Phi's ``dense``; an int ``head_dim`` and ``num_key_value_groups``): their attention functions compute every query
+head on its own, and the shrink rewrites their head counts, so that every KV group must keep the same number of
+query heads (``unit_groups`` = the KV head count).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from lightning_pat.core.spec import Cluster
 
 
 def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | None:
-    """The transformers attention module whose whole query groups ``cluster`` is, or ``None``."""
+    """The transformers attention module whose whole query groups ``cluster`` is, or ``None``.
+
+    The output projection is the cluster's one reader, an ``nn.Linear`` child of the attention module reading the
+    query width, whatever its name (``o_proj``; Phi's ``dense``).
+    """
     if not cluster.writers or not cluster.writers[0].endswith(".q_proj.weight"):
         return None
     path = cluster.writers[0][: -len(".q_proj.weight")]
@@ -29,7 +34,7 @@ def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | No
         module = model.get_submodule(path)
     except AttributeError:
         return None
-    projections = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(p, nn.Linear) for p in projections) or not type(module).__module__.startswith(
         "transformers.models."
     ):
@@ -40,7 +45,14 @@ def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | No
     found = set(cluster.writers)
     if not {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= found <= expected:
         return None
-    if cluster.readers != [f"{path}.o_proj.weight"]:
+    if (
+        len(cluster.readers) != 1
+        or not cluster.readers[0].startswith(f"{path}.")
+        or "." in (out_name := cluster.readers[0][len(path) + 1 :].removesuffix(".weight"))
+    ):
+        return None
+    out = getattr(module, out_name, None)
+    if not isinstance(out, nn.Linear) or out.in_features != cast(nn.Linear, projections[0]).out_features:
         return None
     return path, module
 

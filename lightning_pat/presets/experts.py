@@ -17,9 +17,10 @@ every decoder layer), not by family name. :func:`moe` declares, per layer:
   (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
   ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
-  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds per-head parameters of its own, gpt-oss's
-  ``sinks``, or where linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible
-  there, and the preset says so) (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
+  in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds other parameters of its own, or where
+  linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible there, and the preset
+  says so; gpt-oss's ``sinks``, one logit per query head, are cut with their heads)
+  (:func:`lightning_pat.presets.transformers.llama`); DeepSeek's multi-head latent
   attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
   latents and the shared rotary key stay whole).
 
@@ -48,6 +49,8 @@ from lightning_pat.presets.transformers import (
     param_names,
 )
 from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
+from lightning_pat.shrink.model_meta import has_sinks
+from lightning_pat.shrink.stock_config import head_count_multiple
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ def moe_layout(
     mlp_writers, mlp_readers, _ = _gate_up(block, fused)
     return dataclasses.replace(
         llama_like("moe", attn="self_attn", norms=_NORMS, embed="embed_tokens"),
+        head_params=r"self_attn\.sinks",
         mlp=(mlp_writers, mlp_readers),
         residual=(writers, readers),
         layer_params=params,
@@ -134,9 +138,14 @@ def _whole_width_qk_norm(model: nn.Module) -> bool:
     return False
 
 
-def _attention_params(names: list[str]) -> list[str]:
-    """Parameters an attention module holds itself (gpt-oss's ``sinks``, one per query head): no head cut cuts them."""
-    return [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+def _attention_params(model: nn.Module, names: list[str]) -> list[str]:
+    """Parameters an attention module holds itself that no head cut rewrites.
+
+    gpt-oss's ``sinks`` (one logit per query head) are not among them: they are cut with their heads
+    (:func:`~lightning_pat.shrink.model_meta.has_sinks`).
+    """
+    own = [n for n in names if re.fullmatch(rf".*layers\.\d+\.{_WRAPPERS}self_attn\.[^.]+", n)]
+    return [n for n in own if not (n.endswith(".sinks") and has_sinks(model.get_submodule(n.rsplit(".", 1)[0])))]
 
 
 #: Per-layer parameters of DeepSeek's multi-head latent attention (MLA), relative to the layer.
@@ -147,6 +156,8 @@ _MLA = (
 #: MiniMax's lightning (linear) attention layers between its full-attention ones: left whole, and the heads of the
 #: full-attention layers too (the config's head count builds both kinds).
 _LINEAR_ATTENTION = r"self_attn\.(?:qkv_proj|out_proj|output_gate|norm)\.weight"
+#: The config fields of MLA's head count (as many KV heads as heads).
+_MLA_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 #: A dense MLP in the layers before the first MoE layer (DeepSeek's ``first_k_dense_replace``).
 _DENSE = r"mlp\.(?:gate|up|down)_proj\.(?:weight|bias)"
 #: Models the preset said something about already (each reason is logged once per model).
@@ -348,9 +359,13 @@ def moe(
         )
         heads = False
     if heads and _whole_width_qk_norm(model):
-        log.info("presets.moe: q_norm/k_norm normalise over all heads (OLMoE), which no head cut keeps: heads=False")
+        _tell(
+            model,
+            "presets.moe: the heads are not cut: q_norm/k_norm normalise over all heads (OLMoE), so a head "
+            "cut (query heads included) could not be exact; heads.{layer} left out",
+        )
         heads = False
-    if heads and (own := _attention_params(names)):
+    if heads and (own := _attention_params(model, names)):
         _tell(
             model,
             "presets.moe: the heads are not cut: the attention holds %s itself (one entry per query head), which "
@@ -395,7 +410,8 @@ def moe(
     if mla_heads is not None:  # head h: its q rows, its k and v rows of kv_b_proj, its o_proj columns
         q = r"self_attn\.q_b_proj\.weight" if has(r"self_attn\.q_b_proj\.weight") else r"self_attn\.q_proj\.weight"
         out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
-                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
+                           [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads,
+                           multiple_of=head_count_multiple(model, mla_heads, _MLA_HEAD_FIELDS)))  # fmt: skip
     if experts:
         parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
         if has(rf"{block}\.{router}\.bias"):

@@ -59,6 +59,8 @@ class Layout:
     required: tuple[str, ...] = ()
     # norms inside a layer's submodules (besides the layer's own, over the residual): per-head q/k norms
     inner_norms: str = "(?!)"
+    # parameters the attention module holds itself, one entry per query head (gpt-oss's `sinks`): cut with the heads
+    head_params: str = "(?!)"
 
 
 def llama_like(family: str, *, attn: str, norms: str, embed: str) -> Layout:
@@ -277,6 +279,24 @@ def _kv_heads(layout: Layout, model: nn.Module, prefix: str, head_dim: int, pres
     return num_q[0], num_kv[0]
 
 
+def _per_head_units(layout: Layout, model: nn.Module, prefix: str, head_dim: int, query_heads: bool) -> int | None:
+    """The heads cluster's unit count when the layers hold ``layout.head_params`` (one entry per query head), or None.
+
+    A unit is a query head (``query_heads``) or a KV head with its query group; a per-head entry is a block of
+    ``1`` or ``n_rep`` entries then, so the cluster counts its units explicitly (``head_dim`` blocks would not fit).
+    """
+    layer = rf"{re.escape(prefix)}{re.escape(layout.layers)}\.\d+\.{_WRAPPERS}"
+    own = re.compile(rf"{layer}(?:{layout.head_params})")
+    kv = re.compile(rf"{layer}{layout.query_heads[2]}") if layout.query_heads else None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    per_head = [p.shape[0] for n, p in params.items() if own.fullmatch(n)]
+    if not per_head:
+        return None
+    if query_heads or kv is None:
+        return per_head[0]
+    return next(p.shape[0] // head_dim for n, p in params.items() if kv.fullmatch(n))
+
+
 def check_flags(preset: str, **flags: object) -> None:
     """Raise unless every option of preset ``preset`` is a bool (``query_heads="no"`` would be truthy).
 
@@ -347,12 +367,16 @@ def build(
                      groups)  # fmt: skip
         else:
             groups = 1
+        units = _per_head_units(layout, model, prefix, head_dim, gqa is not None)
+        if units is not None:  # entries per query head (sinks): explicit unit counts instead of head_dim blocks
+            writers = (*writers, layout.head_params)
         out.append(
             Cluster(
                 "heads.{layer}",
                 [per_layer + w for w in writers],
                 [per_layer + r for r in readers],
-                head_dim=head_dim,
+                head_dim=head_dim if units is None else None,
+                num_units=units,
                 unit_groups=groups,
             )
         )

@@ -23,7 +23,7 @@ from lightning_pat.core.norms import WEIGHT_SCORES, ScoreType, normalise
 from lightning_pat.core.spec import Cluster, resolve_clusters
 from lightning_pat.parallel.comm import dtensor
 from lightning_pat.pruning.declarations import one_shot_declarations
-from lightning_pat.pruning.options import StepOptions
+from lightning_pat.pruning.options import StepOptions, check_preset_options
 from lightning_pat.pruning.plan import Plan, make_plan, named_tensors
 from lightning_pat.pruning.pruner import Pruner, PruneResult
 from lightning_pat.sizing.targets import declaration_labels, unit_costs
@@ -205,6 +205,7 @@ def prune_clusters(
     layer_stats: LayerStats | None = None,
     calibration: Sequence[Any] | None = None,
     expert_score: ExpertScoreChoice = "reap_sum",
+    preset_options: Mapping[str, bool] | None = None,
 ) -> PruneResult:
     """Run one coupled projection on ``model`` outside any Trainer (plain tensors or DTensors).
 
@@ -267,6 +268,9 @@ def prune_clusters(
             ``"weight"`` (the weight score, as without ``calibration``). The default had the best mean held-out loss
             of the three data scores in BENCHMARKS.md's "Expert scores", with and without the router's balancing
             loss.
+        preset_options: Options of the presets that ``clusters`` names (``"auto"`` included), as the callback's
+            ``preset_options``: e.g. ``{"query_heads": True}`` cuts GQA query heads inside their KV groups (a
+            model no preset covers is discovered by tracing, which reads ``query_heads`` only).
 
     Returns:
         The dropped units per cluster and literal-zero counts per parameter.
@@ -301,7 +305,8 @@ def prune_clusters(
             "`activations=lightning_pat.scoring.activation.calibrate(model, clusters, batches)` with "
             f"score='activation', or neither; got score={score!r} and activations={type(activations).__name__}."
         )
-    declared = one_shot_declarations(model, clusters, calibration)
+    check_preset_options(preset_options)
+    declared = one_shot_declarations(model, clusters, calibration, preset_options)
     plan_score, activations, layer_stats = one_shot_calibration(
         model, declared, "auto" if opts.score == "auto" and calibration is not None else resolved_score, activations,
         calibration,

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_pat import presets
-from lightning_pat.core.spec import Cluster, check_declaration, found_clusters
+from lightning_pat.core.spec import Cluster, check_declaration, found_clusters, resolve_clusters
+from lightning_pat.core.spec.patterns import split_dim, split_slice
 from lightning_pat.discovery import discovered_clusters, outcome_from_json, outcome_to_json, prefers_discovery
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.presets.registry import expand as expand_presets
@@ -197,6 +199,17 @@ def early_declarations(
     return outcome_from_json(ranks.broadcast_json(outcome_to_json(mine), group=group))
 
 
+def _discovery_query_heads(module: Any, preset_options: Mapping[str, bool]) -> bool | None:
+    """``preset_options``' ``query_heads`` for discovery (the one option it reads); any other option raises."""
+    others = {k: v for k, v in preset_options.items() if k != "query_heads"}
+    if others:
+        raise ValueError(
+            f"`preset_options` {others} apply to presets, but no preset fits {type(module).__name__} and its clusters "
+            "are discovered by tracing; remove `preset_options` (discovery reads `query_heads` only)."
+        )
+    return preset_options.get("query_heads")
+
+
 def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -> list[Cluster]:
     """``clusters="auto"`` for a model no preset covers: trace ``example`` (see :mod:`lightning_pat.discovery`)."""
     if example is None:
@@ -206,28 +219,115 @@ def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -
             "or give `fit` training data, or declare the clusters (`lightning_pat.discover(model, example)` prints "
             "them)."
         )
-    if preset_options:
-        raise ValueError(
-            f"`preset_options` {dict(preset_options)} apply to presets, but no preset fits {type(module).__name__} "
-            "and its clusters are discovered by tracing; remove `preset_options`."
+    query_heads = _discovery_query_heads(module, preset_options)
+    found = discovered_clusters(module, example, query_heads=query_heads)
+    return stock_expressible(module, per_layer_declarations(module, found))
+
+
+def _layer_template(cluster: Cluster) -> Cluster | None:
+    r"""``cluster`` (exact member names) as a declaration over every index of its name's first integer segment.
+
+    ``model.layers.0.mlp.c_fc`` with members ``model.layers.0.…`` becomes ``model.layers.{layer}.mlp.c_fc`` with
+    members ``re:model\.layers\.(?P<layer>\d+)\.…`` (slices and ``@d`` kept); ``None`` if the name has no integer
+    segment or a member is a pattern already or lies outside that index's subtree.
+    """
+    parts = cluster.name.split(".")
+    at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if at is None:
+        return None
+    prefix = "".join(f"{p}." for p in parts[:at])
+    head = f"{prefix}{parts[at]}."
+
+    def template(member: str) -> str | None:
+        base = split_slice(member)[0]
+        name = split_dim(base)[0]
+        if not name.startswith(head) or name.startswith("re:") or any(c in name for c in "*?["):
+            return None
+        return f"re:{re.escape(prefix)}(?P<layer>\\d+)\\.{re.escape(name[len(head) :])}{member[len(name) :]}"
+
+    writers, readers = [template(m) for m in cluster.writers], [template(m) for m in cluster.readers]
+    if any(t is None for t in (*writers, *readers)):
+        return None
+    name = prefix + "{layer}." + ".".join(parts[at + 1 :]) if at + 1 < len(parts) else prefix + "{layer}"
+    return dataclasses.replace(
+        cluster, name=name, writers=cast("list[str]", writers), readers=cast("list[str]", readers)
+    )
+
+
+def _signature(model: Any, clusters: Sequence[Cluster]) -> dict[str, tuple[Any, ...]]:
+    return {
+        rc.name: (rc.num_units, rc.unit_groups, rc.multiple_of, tuple(rc.members))
+        for rc in resolve_clusters(model, list(clusters))
+    }
+
+
+def per_layer_declarations(model: Any, clusters: list[Cluster]) -> list[Cluster]:
+    """Discovered clusters of a Hugging Face model, one declaration per kind across its layers where they repeat.
+
+    Discovery returns one cluster per layer (``model.layers.0.mlp.c_fc``, ``model.layers.1.mlp.c_fc``, …); a stock
+    config holds one MLP width and one head count, so a size target must keep one width per kind, as it does for the
+    clusters of one preset declaration. The clusters that differ only in their layer index (same members, units,
+    slices and options) become one declaration with a ``{layer}`` group (:func:`_layer_template`), which resolves to
+    exactly the same clusters (checked; otherwise they stay as they are). The clusters of a model that holds no
+    Hugging Face model are returned as they are.
+    """
+
+    def hf(m: Any) -> bool:
+        return callable(getattr(getattr(m, "config", None), "to_dict", None)) and callable(
+            getattr(m, "save_pretrained", None)
         )
-    return stock_expressible(module, discovered_clusters(module, example))
+
+    if not any(hf(m) for m in model.modules()):  # the model, or a LightningModule holding one
+        return clusters
+    groups: dict[Any, list[Cluster]] = {}
+    templates: dict[Any, Cluster] = {}
+    order: list[Any] = []
+    for i, cluster in enumerate(clusters):
+        decl = _layer_template(cluster)
+        key: Any = ("alone", i) if decl is None else repr(decl)
+        if key not in groups:
+            order.append(key)
+            groups[key] = []
+            if decl is not None:
+                templates[key] = decl
+        groups[key].append(cluster)
+    out: list[Cluster] = []
+    for key in order:
+        group = groups[key]
+        decl = templates.get(key)
+        if decl is not None and len(group) > 1:
+            try:
+                same = _signature(model, [decl]) == _signature(model, group)
+            except ValueError:
+                same = False
+            if same:
+                out.append(decl)
+                continue
+        out.extend(group)
+    return out
 
 
 def _is_auto(clusters: object) -> bool:
     return isinstance(clusters, str) and clusters.lower() == "auto"
 
 
-def auto_declarations(module: Any, clusters: object, calibration: Sequence[Any] | None = None) -> object:
+def auto_declarations(
+    module: Any,
+    clusters: object,
+    calibration: Sequence[Any] | None = None,
+    preset_options: Mapping[str, bool] | None = None,
+) -> object:
     """``clusters="auto"`` as the callback means it, for a call without a Trainer (``prune_clusters``).
 
     A preset that covers the module (see :func:`discovers`): its name stays (expanded by the caller). Otherwise the
     clusters are discovered by tracing :func:`example_input` (the module's ``example_input_array``, the first
     ``calibration`` batch, or token ids for a Hugging Face model); without any, an error points at
-    :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is.
+    :func:`~lightning_pat.discover`. Anything but ``"auto"`` is returned as it is. Discovery reads
+    ``preset_options``' ``query_heads`` (GQA query heads inside their KV groups) and refuses the other options.
 
     Raises:
-        ValueError: If no preset fits and there is no example input, or discovery fails.
+        ValueError: If no preset fits and there is no example input, discovery fails, or ``preset_options`` holds an
+            option other than ``query_heads`` for a model no preset covers.
     """
     if not discovers(module, clusters):
         return clusters
@@ -238,11 +338,16 @@ def auto_declarations(module: Any, clusters: object, calibration: Sequence[Any] 
             "needs an example input: `found = lightning_pat.discover(model, example_input)`, then "
             "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, or pass `calibration`)."
         )
-    return stock_expressible(module, discovered_clusters(module, example))
+    query_heads = _discovery_query_heads(module, preset_options or {})
+    found = discovered_clusters(module, example, query_heads=query_heads)
+    return stock_expressible(module, per_layer_declarations(module, found))
 
 
 def one_shot_declarations(
-    module: Any, clusters: object, calibration: Sequence[Any] | None = None
+    module: Any,
+    clusters: object,
+    calibration: Sequence[Any] | None = None,
+    preset_options: Mapping[str, bool] | None = None,
 ) -> Cluster | Mapping[str, Any] | Sequence[Cluster | Mapping[str, Any]]:
     """``prune_clusters``' ``clusters`` as the callback reads them: a discovery, ``"auto"`` and preset names expanded.
 
@@ -252,12 +357,16 @@ def one_shot_declarations(
         ValueError: As :func:`auto_declarations`, or if a preset name is unknown or rejects the module.
     """
     # a Discovery; "auto" as the callback means it (its example: the first calibration batch, if it needs one)
-    clusters = auto_declarations(module, found_clusters(clusters), calibration)
+    options = dict(preset_options or {})
+    auto = found_clusters(clusters)
+    clusters = auto_declarations(module, auto, calibration, options)
     if isinstance(clusters, str) or (
         isinstance(clusters, Sequence)
         and not isinstance(clusters, Mapping)
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
-        out = expand_presets(clusters, module, {})
+        out = expand_presets(clusters, module, options)
         return stock_expressible(module, out) if _is_auto(clusters) else out
+    if options and not _is_auto(auto):
+        raise ValueError(f"`preset_options` {options} apply to preset names and 'auto' only; none was given.")
     return clusters  # type: ignore[return-value]  # declarations as given; the plan checks each entry

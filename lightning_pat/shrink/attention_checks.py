@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_pat.heads import HeadsMultiheadAttention
 from lightning_pat.shrink.cuts import Edit
-from lightning_pat.shrink.model_meta import is_gpt2_attention, is_llama_attention, module_kind
+from lightning_pat.shrink.model_meta import has_sinks, is_gpt2_attention, is_llama_attention, module_kind
 
 #: Module kinds the surgery replaces by a module of ours (the model itself cannot be one).
 _REPLACED = ("mha", "window_attention", "window_attention_v2", "maxvit_attention")
@@ -65,6 +65,13 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]
             f"{where}: every head would be dropped, and an attention module with no heads cannot run; prune this "
             "layer's heads with a target below 1.0 (a per-cluster `target`), or fewer units in a shared budget."
         )
+    if has_sinks(attn):  # gpt-oss: one sink logit per query head, kept with its head
+        sinks = _kept(edits, attn, "sinks", 0, q.out_features // hd)
+        if not torch.equal(sinks, q_heads):
+            raise ValueError(
+                f"{where}: the attention holds one sink logit per query head, and keeps sinks {sinks.tolist()} for "
+                f"query heads {q_heads.tolist()}; put `sinks` in the heads cluster (presets.moe does)."
+            )
     num_kv = k.out_features // hd
     n_rep = (q.out_features // hd) // num_kv
     if torch.equal(q_heads, o_heads) and k_heads.numel() == v_heads.numel() == num_kv:
@@ -217,7 +224,7 @@ def check_attention(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         elif kind == "maxvit_attention" and any(id(m) in edits for m in (module, module.to_qkv, module.merge)):
             _check_maxvit_attention(name, module, edits)
         if is_llama_attention(module):
-            parts = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
+            parts = (module, module.q_proj, module.k_proj, module.v_proj, module.o_proj)  # the module: its sinks
             if any(id(p) in edits for p in parts):
                 _check_llama_attention(name, module, edits)
         elif is_gpt2_attention(module) and (id(module.c_attn) in edits or id(module.c_proj) in edits):

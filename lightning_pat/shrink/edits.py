@@ -59,6 +59,7 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("window_attention", "relative_position_bias_table"): (1,),
     ("window_attention_v2", "logit_scale"): (0,),
     ("maxvit_attention", "relative_position_bias_table"): (1,),
+    ("sinks_attention", "sinks"): (0,),  # one logit per query head (gpt-oss): cut with the head
     **CONV_DIMS,
     **EXPERT_DIMS,
 }

@@ -52,7 +52,24 @@ def module_kind(module: nn.Module) -> str | None:
         return "window_attention_v2"
     if is_maxvit_attention(module):
         return "maxvit_attention"
+    if has_sinks(module):
+        return "sinks_attention"
     return conv_kind(module) or experts_kind(module)
+
+
+def has_sinks(m: nn.Module) -> bool:
+    """Whether ``m`` is a q/k/v attention holding ``sinks`` itself, one logit per query head (gpt-oss)."""
+    sinks = m._parameters.get("sinks")  # noqa: SLF001 - its own parameter, not a submodule's
+    q_proj = getattr(m, "q_proj", None)
+    head_dim = getattr(m, "head_dim", None)
+    return (
+        is_qkv_attention(m)
+        and isinstance(sinks, nn.Parameter)
+        and sinks.dim() == 1
+        and isinstance(q_proj, nn.Linear)
+        and isinstance(head_dim, int)
+        and sinks.shape[0] * head_dim == q_proj.out_features
+    )
 
 
 def is_llama_attention(m: nn.Module) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,6 +78,37 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         for culprit in culprits:
             refused.setdefault(culprit, why)
     return refused
+
+
+def head_count_multiple(model: nn.Module, num_heads: int, fields: Sequence[str]) -> int:
+    """The smallest ``m`` dividing ``num_heads`` whose every multiple up to ``num_heads`` the stock config accepts.
+
+    Some configs refuse head counts themselves (DeepSeek-V2's validator: the hidden size must be a multiple of the
+    head count), which a meta probe of one cut does not see; a heads cluster with ``multiple_of=m`` keeps only counts
+    the config can hold. ``1`` where every count is accepted, where ``model`` has no Hugging Face config, or where
+    the config refuses even the model's own count (nothing can be told then).
+
+    Args:
+        model: The model (its ``config`` is rebuilt with other head counts, never changed).
+        num_heads: The head count of the model.
+        fields: The config fields that hold the head count (all set to each count tried).
+    """
+    config: Any = getattr(model, "config", None)  # a transformers config (not a type imported here)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return 1
+    base = to_dict()
+
+    def accepted(count: int) -> bool:
+        try:
+            type(config)(**{**base, **dict.fromkeys(fields, count)})
+        except Exception:  # noqa: BLE001 - any refusal of the config class
+            return False
+        return True
+
+    if not accepted(num_heads):
+        return 1
+    return next(m for m in range(1, num_heads + 1) if num_heads % m == 0 and all(map(accepted, range(m, num_heads, m))))
 
 
 def stock_expressible(model: nn.Module, clusters: list[Cluster]) -> list[Cluster]:
