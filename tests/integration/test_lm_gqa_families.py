@@ -36,13 +36,12 @@ QUERY_HEADS = {
     "qwen3_moe": "o_proj",
     "mixtral": "o_proj",
     "gpt_oss": "o_proj",  # one sink logit per query head, cut with it
+    "glm4": "o_proj",  # discovery (interleaved rotary through `stack`)
 }
 #: GQA families whose stock layout cannot take a query-head cut, and what says so.
 NOT_EXPRESSIBLE = {
     "olmo2": "normalises",  # q_norm over all heads
     "olmoe": "normalise over all heads",
-    "phi3": "query_heads",  # fused qkv_proj: discovery leaves the heads out
-    "glm4": "query_heads",  # interleaved rotary (`stack`): discovery leaves the heads out
 }
 HEAD_DIM, KV = lm_zoo.HEAD_DIM, lm_zoo.KV
 
@@ -96,6 +95,28 @@ def test_query_heads_are_cut_inside_their_kv_groups_exactly_with_stock_reload(mo
     lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
     stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(stock) is type(small)
+    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+
+
+def test_query_heads_of_a_fused_qkv_proj_are_cut_inside_their_kv_groups_with_stock_reload(calibration, tmp_path):
+    model = lm_zoo.build("phi3")  # one qkv_proj: q rows of every head, then k, then v (discovery reads the slices)
+    qkv = [layer.self_attn.qkv_proj.weight.detach().clone() for layer in model.model.layers]
+    heads, n_rep = model.config.num_attention_heads, model.config.num_attention_heads // KV
+    x = lm_zoo.token_ids()
+    res = lp.prune_clusters(model, "auto", 0.5, calibration=calibration, preset_options={"query_heads": True})
+    masked = logits(model, x)
+    small = lp.shrink(model, res, example_input=None)
+    assert rel(logits(small, x), masked) < lm_zoo.EXACT
+    for before, layer in zip(qkv, small.model.layers, strict=True):
+        q_old = before[: heads * HEAD_DIM].view(heads, HEAD_DIM, -1)
+        new = layer.self_attn.qkv_proj.weight.detach()
+        q_new = new[: (heads // 2) * HEAD_DIM].view(heads // 2, HEAD_DIM, -1)
+        kept = [next(h for h in range(heads) if torch.equal(q_old[h], n)) for n in q_new]
+        assert torch.bincount(torch.tensor(kept) // n_rep, minlength=KV).tolist() == [n_rep // 2] * KV
+        assert torch.equal(new[(heads // 2) * HEAD_DIM :], before[heads * HEAD_DIM :])  # k and v rows whole
+    assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (heads // 2, KV)
+    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert rel(logits(stock, x), masked) < lm_zoo.EXACT
 
 
