@@ -449,8 +449,9 @@ class PruningController:
             ConfigurationError: As for :func:`~lightning_pat.training.resume.before_sharded_restore`.
         """
         small = resume.before_sharded_restore(
-            module, saved, optimizers=optimizers, distiller=self.distiller, shrunk=self.shrunk is not None
-        )
+            module, saved, optimizers=optimizers, distiller=self.distiller, options=self.options,
+            shrunk=self.shrunk is not None,
+        )  # fmt: skip
         if small is None:
             return
         self.resolved, self.shrunk = small

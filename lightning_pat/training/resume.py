@@ -115,6 +115,7 @@ def before_sharded_restore(
     *,
     optimizers: Sequence[torch.optim.Optimizer],
     distiller: Distiller | None,
+    options: PruningOptions,
     shrunk: bool,
 ) -> tuple[list[ResolvedCluster], dict[str, list[int]]] | None:
     """Before ``ModelParallelStrategy`` loads a checkpoint: give an FSDP2 model the shapes of a ``shrink_on_freeze``.
@@ -123,16 +124,18 @@ def before_sharded_restore(
     (sharded) state dict, so a checkpoint written after the shrink needs the small model first
     (:func:`~lightning_pat.training.sharded_shrink.restore_shrunk_sharded`, no communication; the optimizers' param
     groups repointed before their state loads). Every rank reads the same ``saved``, so every rank does the same.
+    With distillation, the teacher stays the dense model: a copy sharded like the full-size student is kept first
+    (:meth:`~lightning_pat.training.distill.Distiller.keep_skeleton`), and the saved teacher loads into it before
+    the next batch.
 
     Returns:
         The saved clusters and dropped units when ``module`` was given the shrunk shapes of ``saved``, else ``None``.
 
     Raises:
-        ConfigurationError: Before anything is loaded: if the checkpoint was written after the shrink and the run
-            distils (the teacher is not rebuilt full-size under ``ModelParallelStrategy`` yet), if the module cannot
-            be shrunk to the saved shapes, or if this module was shrunk and the checkpoint predates the shrink.
+        ConfigurationError: Before anything is loaded: if the module cannot be shrunk to the saved shapes, or if
+            this module was shrunk and the checkpoint predates the shrink.
     """
-    body, _ = split_distill(saved or {})
+    body, distill = split_distill(saved or {})
     if shrunk:  # the same Trainer's next fit: the module is small already
         if is_shrunk(body):
             return None
@@ -144,13 +147,8 @@ def before_sharded_restore(
         )
     if not is_shrunk(body):
         return None
-    if distiller is not None:
-        raise ConfigurationError(
-            f"{WHO}(shrink_on_freeze=True, distill_alpha>0): resuming under ModelParallelStrategy from a checkpoint "
-            "written after the shrink is not supported with distillation yet: the full-size teacher would have to "
-            "be rebuilt sharded before the small student loads. Resume from a checkpoint written before the freeze, "
-            "set distill_alpha=0 for the rest of the healing, or resume on one device."
-        )
+    if distiller is not None:  # a dense copy, sharded like the full-size student, to rebuild the teacher into
+        distiller.keep_skeleton(module, distill, options.distillation.module)
     with prefixed(f"{WHO}: cannot resume the shrunk model"):
         small = read_saved(body, "the callback state")
         restore_shrunk_sharded(module, list(small.clusters), small.dropped, optimizers=optimizers)

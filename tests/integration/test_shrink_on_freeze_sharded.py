@@ -2,7 +2,7 @@
 
 One launch of 2 ranks (``workers/mp_shrink_worker.py``) fits a TinyGPT through the freeze with a distributed
 checkpoint after every step, resumes from a checkpoint written after the freeze and from one written before it, and
-tries to resume a distilled run after its freeze (refused). The reference is the same recipe on one process, on both
+resumes a distilled run after its freeze. The reference is the same recipe on one process, on both
 ranks' batches at once (the mean loss over them is the mean of the ranks' losses, which FSDP2 averages), run here:
 
 * the selection (the dropped units) is the one process's on every rank, and the parameters are DTensors at the
@@ -11,10 +11,13 @@ ranks' batches at once (the mean loss over them is the mean of the ranks' losses
 * the final weights (gathered: the export) have the one process's shapes and, within 1e-5, its values (the gloo
   reduction of two half-batches and the one-process mean of the whole batch round differently: 1.1e-6 at most,
   measured; a different selection would cut other rows, O(1) apart);
-* a resume from either checkpoint ends bitwise on the uninterrupted run's weights, its losses bitwise too; so does
-  a resume from a full (gathered) checkpoint written after the freeze; ``trainer.validate`` of a fresh module from
-  the last checkpoint loads exactly the trained small model;
-* with distillation the student heals small from the dense teacher; its resume after the freeze is refused;
+* a resume from either checkpoint ends bitwise on the uninterrupted run's weights, its losses bitwise too;
+  ``trainer.validate`` of a fresh module from the last checkpoint loads exactly the trained small model;
+* with distillation the student heals small from the dense teacher (sharded like the full-size student); a resume
+  from a checkpoint written after the freeze rebuilds that dense teacher (a sharded copy of the module taken before
+  it is cut to the checkpoint's shapes, the saved shards loaded into it) and continues bitwise, teacher included,
+  with the teacher's shards in the distributed checkpoint or in files of their own (``distill_teacher_store="file"``);
+  so does a resume from a full (gathered) checkpoint, whose teacher is gathered into the callback state;
 * under tensor parallel 2 (a sequence-parallel plan, FSDP2 over a data-parallel axis of 1; the MLP and residual
   clusters) the same: the one process's selection and weights (within 1e-4), a resume after the freeze bitwise.
 
@@ -140,35 +143,61 @@ def test_validate_from_a_checkpoint_written_after_the_freeze_loads_it_into_a_fre
 
 
 @pytest.mark.timeout(300)
-def test_a_full_checkpoint_written_after_the_freeze_resumes_bitwise(launched):
+def test_a_full_checkpoint_written_after_the_freeze_resumes_bitwise_with_distillation(launched):
     runs, out = launched
+    # with distillation: the teacher gathered into the callback state, loaded into the dense skeleton's shards
     want, got = torch.load(out / "full.pt", weights_only=True), torch.load(out / "full-after.pt", weights_only=True)
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
-    uninterrupted = torch.load(out / "uninterrupted.pt", weights_only=True)  # the checkpoint format changes nothing
-    assert [n for n in want if not torch.equal(uninterrupted[n], want[n])] == []
-    for r in runs["full-after"]:
+    distilled = torch.load(out / "distill.pt", weights_only=True)  # the checkpoint format changes nothing
+    assert [n for n in want if not torch.equal(distilled[n], want[n])] == []
+    teacher = torch.load(out / "distill-teacher.pt", weights_only=True)
+    for name in ("full-teacher", "full-after-teacher"):
+        other = torch.load(out / f"{name}.pt", weights_only=True)
+        assert [n for n in teacher if not torch.equal(other[n], teacher[n])] == [], name
+    for r, t in zip(runs["full-after"], runs["full-after:teacher"], strict=True):
         assert r["shrunk"]
-        assert r["bytes"] == [runs["uninterrupted"][r["rank"]]["bytes"][-1]]
+        assert r["bytes"] == [runs["distill"][r["rank"]]["bytes"][-1]]
+        assert r["losses"] == runs["full"][r["rank"]]["losses"][-1:]
+        assert t["teacher_shapes"] == runs["distill:teacher"][r["rank"]]["teacher_shapes"]
 
 
 @pytest.mark.timeout(300)
 def test_distillation_heals_the_small_student_from_the_dense_teacher(launched):
     runs, _ = launched
-    for r in runs["distill"]:
+    for r, t in zip(runs["distill"], runs["distill:teacher"], strict=True):
         assert r["dropped"] == runs["uninterrupted"][r["rank"]]["dropped"]  # the teacher's term starts after the cut
+        assert r["shrunk"]
         assert all(math.isfinite(x) for x in r["losses"])
-        small = r["student_shapes"]
-        dense = {n: r["teacher_shapes"][n] for n in small}
+        assert r["losses"] != runs["uninterrupted"][r["rank"]]["losses"]  # the teacher's term changed the training
+        small = t["student_shapes"]
+        dense = {n: t["teacher_shapes"][n] for n in small}
         assert small != dense  # the student was cut, the teacher kept the dense shape
-        assert r["teacher_bytes"] > r["bytes"][-1]  # this rank's shards: the dense teacher outweighs the student
+        assert t["teacher_dtensors"]  # sharded like the student was
+        assert t["teacher_bytes"] > r["bytes"][-1]  # this rank's shards: the dense teacher outweighs the student
 
 
 @pytest.mark.timeout(300)
-def test_resume_after_the_freeze_with_distillation_is_refused_on_every_rank(launched):
-    runs, _ = launched
-    for r in runs["distill-resume"]:
-        assert r["refused"].startswith("MisconfigurationException: CoupledPruningCallback(shrink_on_freeze=True, ")
-        assert "not supported with distillation" in r["refused"]
+@pytest.mark.parametrize("name", ["distill", "file"], ids=["teacher-in-checkpoint", "teacher-file"])
+def test_resume_after_the_freeze_with_distillation_is_bitwise_with_the_dense_teacher(launched, name):
+    runs, out = launched
+    want = torch.load(out / f"{name}.pt", weights_only=True)
+    got = torch.load(out / f"{name}-after.pt", weights_only=True)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    teacher = torch.load(out / "distill-teacher.pt", weights_only=True)  # the teacher store changes nothing
+    for run in (name, f"{name}-after"):
+        other = torch.load(out / f"{run}-teacher.pt", weights_only=True)
+        assert [n for n in teacher if not torch.equal(other[n], teacher[n])] == [], run  # the dense teacher, exactly
+    for uninterrupted, resumed in zip(runs[name], runs[f"{name}-after"], strict=True):
+        assert resumed["dropped"] == uninterrupted["dropped"]
+        assert resumed["shrunk"]
+        assert resumed["step"] == 7
+        assert resumed["losses"] == uninterrupted["losses"][-len(resumed["losses"]) :]
+        assert resumed["bytes"][-1] == uninterrupted["bytes"][-1]  # the small student's shards
+        assert resumed["optimizer_params_are_module_params"]
+    for uninterrupted, resumed in zip(runs[f"{name}:teacher"], runs[f"{name}-after:teacher"], strict=True):
+        assert resumed["teacher_shapes"] == uninterrupted["teacher_shapes"]  # dense, though the student came back small
+        assert resumed["teacher_bytes"] == uninterrupted["teacher_bytes"]  # this rank's shards of it, as before
+        assert resumed["teacher_dtensors"]
 
 
 FRONT_DOOR = """seed_everything: 0
