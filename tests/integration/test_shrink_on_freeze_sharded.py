@@ -19,7 +19,8 @@ ranks' batches at once (the mean loss over them is the mean of the ranks' losses
   with the teacher's shards in the distributed checkpoint or in files of their own (``distill_teacher_store="file"``);
   so does a resume from a full (gathered) checkpoint, whose teacher is gathered into the callback state;
 * under tensor parallel 2 (a sequence-parallel plan, FSDP2 over a data-parallel axis of 1; the MLP and residual
-  clusters) the same: the one process's selection and weights (within 1e-4), a resume after the freeze bitwise.
+  clusters), distilled: the one process's selection and weights (within 1e-4), a resume after the freeze bitwise,
+  the dense teacher rebuilt sharded like the full-size student.
 
 ``lightning-pat fit`` of a ``CausalLM`` config with ``shrink_on_freeze: true`` (slow): FSDP2 at world 2 exports the
 one process's model within 1e-4, which stock ``from_pretrained`` loads; tensor parallel at world 2 with a kept width
@@ -57,10 +58,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[d
 
 def one_process_run(tp: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
     """The recipe of the sharded run with tensor-parallel size ``tp`` on one process (no strategy): its dropped units
-    and final (shrunk) weights."""
+    and final (shrunk) weights (distilled, as the tensor-parallel run is)."""
     from tests.integration.workers.mp_shrink_worker import fit
 
-    module, cb, _, _ = fit(None, devices=1, tp=tp)
+    module, cb, _, _ = fit(None, devices=1, tp=tp, distill=tp > 1)
     return cb.dropped, {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
@@ -113,9 +114,9 @@ def test_resume_from_a_checkpoint_around_the_freeze_is_bitwise(launched, name):
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_x_tensor_parallel_heals_small_and_resumes(launched):
+def test_fsdp2_x_tensor_parallel_heals_small_and_resumes_with_distillation(launched):
     runs, out = launched
-    dropped, weights = one_process_run(2)  # both ranks train on data-parallel rank 0's batch
+    dropped, weights = one_process_run(2)  # both ranks train on data-parallel rank 0's batch, distilled
     for r in runs["tp"]:
         assert r["dropped"] == dropped
         assert r["shrunk"]
@@ -127,8 +128,15 @@ def test_fsdp2_x_tensor_parallel_heals_small_and_resumes(launched):
     assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in weights.items()}
     for name, tensor in weights.items():  # measured: 1.06e-5 at most (the TP matmuls' partial sums round apart)
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-4)
-    resumed = torch.load(out / "tp-after.pt", weights_only=True)
+    resumed = torch.load(out / "tp-after.pt", weights_only=True)  # the dense teacher rebuilt under TP: bitwise
     assert [n for n in got if not torch.equal(resumed[n], got[n])] == []
+    teacher, resumed_teacher = (torch.load(out / f"{n}-teacher.pt", weights_only=True) for n in ("tp", "tp-after"))
+    assert [n for n in teacher if not torch.equal(resumed_teacher[n], teacher[n])] == []
+    for uninterrupted, resumed in zip(runs["tp"], runs["tp-after"], strict=True):
+        assert resumed["losses"] == uninterrupted["losses"][-1:]
+    for uninterrupted, resumed in zip(runs["tp:teacher"], runs["tp-after:teacher"], strict=True):
+        assert resumed["teacher_shapes"] == uninterrupted["teacher_shapes"] != uninterrupted["student_shapes"]
+        assert resumed["teacher_bytes"] == uninterrupted["teacher_bytes"]
 
 
 @pytest.mark.timeout(300)

@@ -18,8 +18,8 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
    ``file`` and ``file-after``: the same with ``distill_teacher_store="file"`` (each rank's teacher shards in a file
    of its own next to the checkpoints, which hold a reference);
    ``full`` and ``full-after``: 5 with full (gathered) checkpoints, the teacher gathered into the callback state;
-   ``tp`` and ``tp-after``: 1 and 2 under tensor parallel 2 (sequence-parallel plan, FSDP2 over a data-parallel axis
-   of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch.
+   ``tp`` and ``tp-after``: 5 and its resume after the freeze under tensor parallel 2 (sequence-parallel plan, FSDP2
+   over a data-parallel axis of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch.
 
 Rank 0 saves the final full weights of every run to ``OUT_DIR/{name}.pt`` (and the teacher's, gathered, to
 ``OUT_DIR/{name}-teacher.pt``); each rank prints one ``RESULT {json}`` line per run.
@@ -206,8 +206,8 @@ def main(out_dir: Path) -> None:
         ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
         report_distilled(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False,
                                              distill=True))  # fmt: skip
-    report("tp", out_dir, *fit("ckpts-tp", tp=2))  # FSDP2 (a data-parallel axis of 1) x tensor parallel 2
-    report("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2))
+    report_distilled("tp", out_dir, *fit("ckpts-tp", tp=2, distill=True))  # FSDP2 (a data-parallel axis of 1) x TP 2
+    report_distilled("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2, distill=True))
 
 
 if __name__ == "__main__":
