@@ -24,7 +24,11 @@ ranks' batches at once (the mean loss over them is the mean of the ranks' losses
 
 ``lightning-pat fit`` of a ``CausalLM`` config with ``shrink_on_freeze: true`` (slow): FSDP2 at world 2 exports the
 one process's model within 1e-4, which stock ``from_pretrained`` loads; tensor parallel at world 2 with a kept width
-of 37 is refused at fit start with the numbers.
+of 37 is refused at fit start with the numbers. ``lightning-pat shrink`` of the FSDP2 runs' last checkpoints (written
+after the freeze; a distributed checkpoint directory and a full one) knows from the saved state that the model is
+already small and exports it as it is: the in-run export's weights, config and logits exactly (the one process's
+logits within 1e-3), loaded by stock ``from_pretrained``; it reads them without changing a byte, and refuses, whatever
+``--overwrite`` says, an output that is the checkpoint or holds it.
 """
 
 from __future__ import annotations
@@ -215,7 +219,7 @@ trainer:
   limit_val_batches: 0
   num_sanity_val_steps: 0
   logger: false
-  enable_checkpointing: false
+  default_root_dir: {export}-run
   enable_progress_bar: false
   callbacks:
     - class_path: lightning_pat.CoupledPruningCallback
@@ -234,12 +238,19 @@ FRONT_DOOR_LAYOUTS = {
     "one-process": [],
     "fsdp2-x2": [*MESH, "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1"],
     "tp-x2": [*MESH, "--trainer.strategy.data_parallel_size=1", "--trainer.strategy.tensor_parallel_size=2"],
+    "fsdp2-x2-full": [  # a full (gathered) checkpoint instead of a distributed one
+        *MESH,
+        "--trainer.strategy.data_parallel_size=2",
+        "--trainer.strategy.tensor_parallel_size=1",
+        "--trainer.strategy.save_distributed_checkpoint=false",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def front_door(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    """``lightning-pat fit`` of one CausalLM config with ``shrink_on_freeze: true`` in each layout (the export dirs)."""
+    """``lightning-pat fit`` of one CausalLM config with ``shrink_on_freeze: true`` in each layout (the export dirs;
+    each run's checkpoint, written at its last step, after the freeze, in ``<layout>-run/checkpoints``)."""
     root = tmp_path_factory.mktemp("sharded_shrink_front_door")
     return root, fit_layouts(root, FRONT_DOOR, FRONT_DOOR_LAYOUTS, timeout=240)
 
@@ -275,3 +286,100 @@ def test_a_kept_count_tensor_parallel_cannot_split_is_refused_at_fit_start_with_
     assert "over mesh axis 'tensor_parallel' of 2 ranks" in tp.stderr
     assert "healing runs on the small model" not in tp.stderr + tp.stdout  # refused before any step
     assert "target_params:" not in tp.stderr + tp.stdout  # at fit start: before the size is even reported
+
+
+def _digests(*paths: Path) -> dict[str, str]:
+    """sha256 of every file under ``paths`` (a file or a directory), by path."""
+    import hashlib
+
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+@pytest.fixture(scope="module")
+def shrunk_checkpoints(front_door) -> tuple[dict[str, Path], dict[str, dict], dict[str, str], dict[str, str]]:
+    """``lightning-pat shrink`` (the installed console script, run as ``__main__`` in one process by
+    ``tests/common/run_scripts.py``) of the FSDP2 runs' checkpoints, written after the freeze: the distributed one and
+    the full one; then twice onto what it reads, with ``--overwrite`` (the checkpoint directory, the folder holding
+    the full checkpoint). The checkpoints, their results, and every file it read hashed before and after."""
+    import json
+    import os
+    import sys
+
+    from tests.common.processes import ROOT, console_script
+    from tests.common.run_scripts import PREFIX
+
+    root, done = front_door
+    for name in ("fsdp2-x2", "fsdp2-x2-full"):
+        assert done[name].returncode == 0, f"{name}: {done[name].stderr[-4000:]}"
+    ckpts = {
+        name: next((root / f"{name}-run" / "checkpoints").glob("*.ckpt")) for name in ("fsdp2-x2", "fsdp2-x2-full")
+    }
+    read = (*ckpts.values(), tiny_lm_dir(root), *(root / f"{name}-run" / "config.yaml" for name in ckpts))
+    before = _digests(*read)
+    exe = console_script()
+    jobs = {
+        **{n: [exe, "shrink", f"--ckpt_path={c}", f"--output={root / 'shrunk' / n}"] for n, c in ckpts.items()},
+        "onto-dcp": [exe, "shrink", f"--ckpt_path={ckpts['fsdp2-x2']}", f"--output={ckpts['fsdp2-x2']}", "--overwrite"],
+        "above-full": [
+            exe, "shrink", f"--ckpt_path={ckpts['fsdp2-x2-full']}", f"--output={ckpts['fsdp2-x2-full'].parent}",
+            "--overwrite",
+        ],
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "common" / "run_scripts.py"), json.dumps(list(jobs.values()))],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    records = [json.loads(line[len(PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    assert len(records) == len(jobs), proc.stderr[-4000:]
+    return ckpts, dict(zip(jobs, records, strict=True)), before, _digests(*read)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["fsdp2-x2", "fsdp2-x2-full"], ids=["distributed-checkpoint", "full-checkpoint"])
+def test_lightning_pat_shrink_of_a_checkpoint_written_after_the_sharded_freeze_exports_the_small_model(
+    front_door, shrunk_checkpoints, name
+):
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, _ = front_door
+    ckpts, results, _, _ = shrunk_checkpoints
+    result = results[name]
+    assert result["returncode"] == 0, result["stderr"][-4000:]
+    assert "before the final ramp step" not in result["stderr"]  # the state says: shrunk at the freeze, final
+    assert ckpts[name].is_dir() == (name == "fsdp2-x2")
+    out = root / "shrunk" / name
+    # the checkpoint's model is already small: exported as it is, the in-run export's weights and config exactly
+    in_run = load_file(root / name / "model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    assert sorted(weights) == sorted(in_run)
+    assert [k for k, t in in_run.items() if not torch.equal(weights[k], t)] == []
+    assert json.loads((out / "config.json").read_text()) == json.loads((root / name / "config.json").read_text())
+    assert (out / "tokenizer.json").read_bytes() == (tiny_lm_dir(root) / "tokenizer.json").read_bytes()
+    full = load_file(tiny_lm_dir(root) / "model.safetensors")
+    assert sum(t.numel() for t in weights.values()) < 0.8 * sum(t.numel() for t in full.values())  # really cut
+    # stock from_pretrained loads it; its logits are the in-run export's and, within the weights' 1e-4, one process's
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3, 250, 11]])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        torch.testing.assert_close(logits, AutoModelForCausalLM.from_pretrained(root / name).eval()(ids).logits,
+                                   rtol=0, atol=0)  # fmt: skip
+        reference = AutoModelForCausalLM.from_pretrained(root / "one-process").eval()(ids).logits
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-3)  # measured: 1.9e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_pat_shrink_never_writes_over_the_checkpoint_it_reads(shrunk_checkpoints):
+    ckpts, results, before, after = shrunk_checkpoints
+    dcp, full = ckpts["fsdp2-x2"], ckpts["fsdp2-x2-full"]
+    assert after == before  # the checkpoints, the run's config and the pretrained model: not a byte changed
+    for job, ckpt, output in (("onto-dcp", dcp, dcp), ("above-full", full, full.parent)):
+        result = results[job]
+        assert result["returncode"] == 1
+        how = "is" if output == ckpt else f"holds {ckpt}, which is"
+        assert f"the output directory {output} {how} the checkpoint this export was read from" in result["stderr"]
