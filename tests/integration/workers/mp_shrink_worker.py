@@ -17,7 +17,8 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
    (``{name}:teacher``: shapes, this rank's bytes, whether it is sharded);
    ``file`` and ``file-after``: the same with ``distill_teacher_store="file"`` (each rank's teacher shards in a file
    of its own next to the checkpoints, which hold a reference);
-   ``full`` and ``full-after``: 5 with full (gathered) checkpoints, the teacher gathered into the callback state;
+   ``full`` and ``full-after``: 5 with full (gathered) checkpoints, the teacher gathered into the callback state
+   (written to ``OUT_DIR/ckpts-full``);
    ``tp`` and ``tp-after``: 5 and its resume after the freeze under tensor parallel 2 (sequence-parallel plan, FSDP2
    over a data-parallel axis of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch.
 
@@ -203,8 +204,9 @@ def main(out_dir: Path) -> None:
     report_distilled("file", out_dir, *fit("ckpts-file", distill=True, store="file"))  # the teacher's shard files
     report_distilled("file-after", out_dir, *fit(None, ckpt_path="ckpts-file/step=6.ckpt", distill=True, store="file"))
     for name in ("full", "full-after"):  # a full (gathered) checkpoint: the distilled fit, resumed after the freeze
-        ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
-        report_distilled(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False,
+        ckpts = out_dir / "ckpts-full"  # kept: `lightning-pat shrink` reads its last checkpoint afterwards
+        ckpt = str(ckpts / "step=6.ckpt") if name == "full-after" else None
+        report_distilled(name, out_dir, *fit(str(ckpts) if ckpt is None else None, ckpt_path=ckpt, dcp=False,
                                              distill=True))  # fmt: skip
     report_distilled("tp", out_dir, *fit("ckpts-tp", tp=2, distill=True))  # FSDP2 (a data-parallel axis of 1) x TP 2
     report_distilled("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2, distill=True))
