@@ -230,7 +230,8 @@ def shrink_checkpoint(
     Raises:
         ValueError: If the checkpoint cannot be read safely, the model cannot be named (or its class path names
             anything but a LightningModule / ``nn.Module`` class), the checkpoint holds no pruning state, or
-            ``format`` / ``gguf_dtype`` / ``tokenizer`` is refused (as by ``save_pretrained``).
+            ``format`` / ``gguf_dtype`` / ``tokenizer`` is refused (as by ``save_pretrained``), or ``output`` is,
+            or holds, the checkpoint or the run's config (checked before the load, whatever ``overwrite`` says).
         FileExistsError: If ``output`` is not empty and ``overwrite`` is false, or was not written by lightning_pat
             (checked before the load; the directory the model was loaded from is refused before anything is
             written, as by ``save_pretrained``).
@@ -238,7 +239,15 @@ def shrink_checkpoint(
     from lightning_pat import shrink
     from lightning_pat.export.pretrained import check_directory, check_format, save_pretrained
 
-    check_directory(output, overwrite=overwrite, option="overwrite=True (lightning-pat shrink: --overwrite)")
+    # an export never replaces what it is made from: the checkpoint (a file or a distributed checkpoint directory)
+    # and the run's config are refused as the output, or as a directory above it, whatever `overwrite` says
+    sources = [
+        ("the checkpoint", ckpt_path),
+        ("the run's config", config if config is not None else find_config(ckpt_path)),
+    ]
+    check_directory(
+        output, overwrite=overwrite, option="overwrite=True (lightning-pat shrink: --overwrite)", sources=sources
+    )
     check_format(format, gguf_dtype=gguf_dtype)
     checkpoint = load_checkpoint(ckpt_path)
     # the one lookup (exactly one CoupledPruningCallback state, else a ValueError naming them) and the one schema

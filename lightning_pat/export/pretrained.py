@@ -42,7 +42,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -138,6 +138,7 @@ def check_directory(
     model: nn.Module | None = None,
     tokenizer: object = None,
     option: str = "overwrite=True",
+    sources: Sequence[tuple[str, object]] = (),
 ) -> None:
     """Raise now what :func:`save_pretrained` would raise about ``directory`` (before a long computation).
 
@@ -147,15 +148,18 @@ def check_directory(
         model: The model to be exported (the directory it was loaded from is refused as an output).
         tokenizer: The tokenizer to be exported (likewise).
         option: How the caller spells ``overwrite=True`` (``--overwrite``, ``export_overwrite``), for the message.
+        sources: ``(what it is, path)`` of other files or directories the export is made from (``lightning-pat
+            shrink``: the checkpoint and the run's config), refused as an output likewise.
 
     Raises:
-        ValueError: If ``directory`` is, or holds, the directory ``model`` or ``tokenizer`` was read from.
+        ValueError: If ``directory`` is, or holds, the directory ``model`` or ``tokenizer`` was read from, or one of
+            ``sources``.
         FileExistsError: If ``directory`` is not empty and ``overwrite`` is false, holds files that are not part
             of an export, or was not written by lightning_pat.
     """
     check_output(
         directory, overwrite=overwrite, replaceable=is_export_file, what="save_pretrained", owner_marks=_OWNER_MARKS,
-        protected=_read_from(model, tokenizer), option=option,
+        protected=[*_read_from(model, tokenizer), *sources], option=option,
     )  # fmt: skip
 
 

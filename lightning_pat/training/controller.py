@@ -15,7 +15,8 @@ trainer with fit-level events (the callback): :meth:`~PruningController.begin_fi
 
 The controller holds what changes from fit to fit and step to step and decides when to act; the work is done by
 functions on the bound run: :mod:`lightning_pat.training.per_step` (after the backward, after a step: select, hold,
-freeze, ``shrink_on_freeze``) and :mod:`lightning_pat.training.resume` (the fit lifecycle and the saved state).
+freeze, ``shrink_on_freeze``), :mod:`lightning_pat.training.resume` (the fit lifecycle and the saved state) and
+:mod:`lightning_pat.training.shrunk_restore` (a checkpoint written after the shrink: the module made small first).
 Errors are ``ValueError`` naming the option or cluster; the callback turns them into ``MisconfigurationException``.
 """
 
@@ -34,7 +35,7 @@ from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.declarations import declarations_for, early_declarations
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.pruning.pruner import PruneResult
-from lightning_pat.training import per_step, resume
+from lightning_pat.training import per_step, resume, shrunk_restore
 from lightning_pat.training.bound import BoundRun, bind_run
 from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.distill import Distiller
@@ -420,15 +421,15 @@ class PruningController:
             self.distiller.write_file(directories)
 
     def before_restore(self, module: nn.Module, saved: Mapping[str, Any] | None, *, weights: Mapping[str, Any]) -> None:
-        """Before a checkpoint's ``weights`` load: :func:`~lightning_pat.training.resume.before_restore`.
+        """Before a checkpoint's ``weights`` load: :func:`~lightning_pat.training.shrunk_restore.before_restore`.
 
         A module given the shrunk shapes of ``saved`` (this run's state in that checkpoint) makes this controller's
         run a shrunk one: only steps are counted from there on.
 
         Raises:
-            ConfigurationError: As for :func:`~lightning_pat.training.resume.before_restore`.
+            ConfigurationError: As for :func:`~lightning_pat.training.shrunk_restore.before_restore`.
         """
-        small = resume.before_restore(
+        small = shrunk_restore.before_restore(
             module, saved, weights=weights, distiller=self.distiller, options=self.options,
             shrunk=self.shrunk is not None,
         )  # fmt: skip
@@ -440,17 +441,18 @@ class PruningController:
     ) -> None:
         """Before ``ModelParallelStrategy`` loads a checkpoint: the sharded :meth:`before_restore`.
 
-        :func:`~lightning_pat.training.resume.before_sharded_restore`: a ``module`` given the shrunk shapes of
+        :func:`~lightning_pat.training.shrunk_restore.before_sharded_restore`: a ``module`` given the shrunk shapes of
         ``saved`` (its ``optimizers``' param groups repointed) makes this controller's run a shrunk one; in a fit
         (the strategy restores after fit start, so after :meth:`bind`) the run is bound again to the new parameters
         (only steps are counted from there on).
 
         Raises:
-            ConfigurationError: As for :func:`~lightning_pat.training.resume.before_sharded_restore`.
+            ConfigurationError: As for :func:`~lightning_pat.training.shrunk_restore.before_sharded_restore`.
         """
-        small = resume.before_sharded_restore(
-            module, saved, optimizers=optimizers, distiller=self.distiller, shrunk=self.shrunk is not None
-        )
+        small = shrunk_restore.before_sharded_restore(
+            module, saved, optimizers=optimizers, distiller=self.distiller, options=self.options,
+            shrunk=self.shrunk is not None,
+        )  # fmt: skip
         if small is None:
             return
         self.resolved, self.shrunk = small

@@ -6,7 +6,8 @@ go), then its :class:`~lightning_pat.training.progress.Progress` where it needs 
 controller keeps the results. A resume reads top to bottom here:
 
 1. :func:`load`: the callback's ``load_state_dict`` keeps the state (the teacher's entry goes to the distiller);
-2. :func:`before_restore`: before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``;
+2. before a checkpoint's weights load, a module gets the shapes of a ``shrink_on_freeze``
+   (:mod:`lightning_pat.training.shrunk_restore`);
 3. :func:`begin_fit` when the fit starts (the controller hands it a :class:`FitStart`): :func:`check_fit_resumes`,
    :func:`restore_teacher`, then :func:`start`: a model already shrunk only continues its step count
    (:func:`shrunk_progress`); else the score is settled, once (:func:`settle_score`: ``score="auto"`` continues a
@@ -28,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_pat.core.saved_state import DISTILL, is_shrunk, saved_score, split_distill
+from lightning_pat.core.saved_state import DISTILL, saved_score, split_distill
 from lightning_pat.core.schedule import Schedule
 from lightning_pat.core.selection import num_to_drop
 from lightning_pat.core.spec import ResolvedCluster
@@ -38,8 +39,6 @@ from lightning_pat.core.state_schema import allocation_entry, saved_clusters
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.pruning.options import PruningOptions
 from lightning_pat.scoring.experts import expert_modules
-from lightning_pat.shrink import restore_shrunk
-from lightning_pat.shrink.plan import read_saved
 from lightning_pat.sizing.problem import SizeSolution
 from lightning_pat.training import state, teacher_file
 from lightning_pat.training.bound import BoundRun, choice_message
@@ -48,7 +47,6 @@ from lightning_pat.training.distill import Distiller
 from lightning_pat.training.errors import WHO, ConfigurationError, prefixed
 from lightning_pat.training.progress import Progress
 from lightning_pat.training.score_choice import resolve_score
-from lightning_pat.training.sharded_shrink import restore_shrunk_sharded
 
 
 # ---------------------------------------------------------------------------------------------------- state in
@@ -67,107 +65,6 @@ def load(saved: object, distiller: Distiller | None) -> dict[str, Any]:
     if distiller is not None:
         distiller.load_state_dict(distill or {})
     return pending
-
-
-def before_restore(
-    module: nn.Module,
-    saved: Mapping[str, Any] | None,
-    *,
-    weights: Mapping[str, Any],
-    distiller: Distiller | None,
-    options: PruningOptions,
-    shrunk: bool,
-) -> tuple[list[ResolvedCluster], dict[str, list[int]]] | None:
-    """Before a checkpoint's ``weights`` load into ``module``: reconcile the shapes of a ``shrink_on_freeze``.
-
-    Returns:
-        The saved clusters and dropped units when ``module`` was given the shrunk shapes of ``saved``, else ``None``.
-
-    Raises:
-        ConfigurationError: If the module cannot be shrunk to the saved shapes, or the checkpoint predates the
-            shrink of this (``shrunk``) module.
-    """
-    body, distill = split_distill(saved or {})
-    if distiller is not None and is_shrunk(body):  # a dense copy to rebuild the teacher into
-        distiller.keep_skeleton(module, distill, options.distillation.module)
-    differ = _shape_mismatches(module, weights)
-    if not differ:
-        return None
-    if is_shrunk(body):  # a checkpoint written after the shrink: give the module its shapes
-        with prefixed(f"{WHO}: cannot resume the shrunk model"):
-            small = read_saved(body, "the callback state")  # the schema, once
-            restore_shrunk(module, small)
-        return list(small.clusters), dict(small.dropped)
-    if shrunk:  # this module was shrunk; the checkpoint holds the full-size weights
-        name, (mine, theirs) = next(iter(differ.items()))
-        raise ConfigurationError(
-            f"{WHO}(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the "
-            f"full-size weights ({name!r} of shape {theirs}), but this module was shrunk at the final ramp step "
-            f"({name!r} is now {mine}; {len(differ)} tensor(s) differ). Evaluate that checkpoint on a fresh, "
-            "full-size module (`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the "
-            "shrink, or omit `ckpt_path` to use the shrunk module's current weights."
-        )
-    return None
-
-
-def before_sharded_restore(
-    module: nn.Module,
-    saved: Mapping[str, Any] | None,
-    *,
-    optimizers: Sequence[torch.optim.Optimizer],
-    distiller: Distiller | None,
-    shrunk: bool,
-) -> tuple[list[ResolvedCluster], dict[str, list[int]]] | None:
-    """Before ``ModelParallelStrategy`` loads a checkpoint: give an FSDP2 model the shapes of a ``shrink_on_freeze``.
-
-    The sharded counterpart of :func:`before_restore`: a distributed checkpoint is loaded into the module's current
-    (sharded) state dict, so a checkpoint written after the shrink needs the small model first
-    (:func:`~lightning_pat.training.sharded_shrink.restore_shrunk_sharded`, no communication; the optimizers' param
-    groups repointed before their state loads). Every rank reads the same ``saved``, so every rank does the same.
-
-    Returns:
-        The saved clusters and dropped units when ``module`` was given the shrunk shapes of ``saved``, else ``None``.
-
-    Raises:
-        ConfigurationError: Before anything is loaded: if the checkpoint was written after the shrink and the run
-            distils (the teacher is not rebuilt full-size under ``ModelParallelStrategy`` yet), if the module cannot
-            be shrunk to the saved shapes, or if this module was shrunk and the checkpoint predates the shrink.
-    """
-    body, _ = split_distill(saved or {})
-    if shrunk:  # the same Trainer's next fit: the module is small already
-        if is_shrunk(body):
-            return None
-        raise ConfigurationError(
-            f"{WHO}(shrink_on_freeze=True): the checkpoint predates the shrink: it holds the full-size weights, but "
-            "this module was shrunk at the final ramp step. Evaluate that checkpoint on a fresh, full-size module "
-            "(`trainer.validate(MyModule(), ckpt_path=...)`), pass a checkpoint written after the shrink, or omit "
-            "`ckpt_path` to use the shrunk module's current weights."
-        )
-    if not is_shrunk(body):
-        return None
-    if distiller is not None:
-        raise ConfigurationError(
-            f"{WHO}(shrink_on_freeze=True, distill_alpha>0): resuming under ModelParallelStrategy from a checkpoint "
-            "written after the shrink is not supported with distillation yet: the full-size teacher would have to "
-            "be rebuilt sharded before the small student loads. Resume from a checkpoint written before the freeze, "
-            "set distill_alpha=0 for the rest of the healing, or resume on one device."
-        )
-    with prefixed(f"{WHO}: cannot resume the shrunk model"):
-        small = read_saved(body, "the callback state")
-        restore_shrunk_sharded(module, list(small.clusters), small.dropped, optimizers=optimizers)
-    return list(small.clusters), {name: list(units) for name, units in small.dropped.items()}
-
-
-def _shape_mismatches(
-    module: nn.Module, weights: Mapping[str, Any]
-) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Name -> (the module's shape, the checkpoint's shape) of every tensor whose shapes differ."""
-    out = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        other = weights.get(name)
-        if other is not None and hasattr(other, "shape") and tuple(other.shape) != tuple(tensor.shape):
-            out[name] = (tuple(tensor.shape), tuple(other.shape))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- fit start

@@ -19,8 +19,8 @@ floors listed for its own:
 * ``export`` (pretrained, checks, module_tree, tokenizer_files, hf_loader, the serving formats): adds the shrink;
   pretrained.py adds transformers and safetensors, hf_loader.py transformers, gguf.py the gguf package,
   decilm_config.py (the config class a DeciLM export carries) transformers;
-* ``training`` (the options' users: controller, bound, score_choice, per_step, resume, progress, errors, collectors,
-  state, latent, metrics, distill, teacher_file, views, environment, callback, recipes, trainer_facts):
+* ``training`` (the options' users: controller, bound, score_choice, per_step, resume, shrunk_restore, progress, errors,
+  collectors, state, latent, metrics, distill, teacher_file, views, environment, callback, recipes, trainer_facts):
   adds scoring, pruning and shrink (not export); ``torchmetrics`` only in training/metrics.py, ``lightning`` only in
   training/callback.py, training/recipes.py (the callback's named subclasses) and training/trainer_facts.py (what the
   callback reads from a Trainer);

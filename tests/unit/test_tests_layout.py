@@ -209,6 +209,10 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/unit/training/test_controller.py", "tests/integration/test_resume.py"),
         "resume, through the controller and a Trainer",
     ),
+    "training/shrunk_restore.py": (
+        ("tests/integration/test_shrink_on_freeze.py", "tests/integration/test_shrink_on_freeze_sharded.py"),
+        "a checkpoint written after the shrink restored into a fresh module, one device and sharded, fitted",
+    ),
     "training/trainer_facts.py": (
         ("tests/integration/test_strategies.py", "tests/integration/test_discovery_callback.py"),
         "what the callback reads from a Trainer (strategy, first batch), fitted",

@@ -202,13 +202,14 @@ class Distiller:
             return
         assert self.student is not None
         if is_sharded_entry(self._saved):  # a sharded teacher: a copy laid out like the student, then its saved shards
-            teacher = teacher_copy(self.student, share=share)
+            # (the dense skeleton kept before a shrunk checkpoint loaded: the student is small, the teacher is not)
+            teacher = self._skeleton if self._skeleton is not None else teacher_copy(self.student, share=share)
             tensors = teacher.state_dict(keep_vars=True)
             saved = state.read_latents(self._saved, tensors, ckpt_path=ckpt_path, prefix=state.TEACHER_PREFIX)
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     dtensor.local_tensor(tensor).copy_(saved[name])
-            self.teacher, self._saved = teacher, None
+            self.teacher, self._saved, self._skeleton = teacher, None, None
         elif self._saved is not None:
             skeleton = self._skeleton if self._skeleton is not None else frozen_copy(self.student, share=share)
             skeleton.load_state_dict(self._saved, strict=True)
@@ -237,9 +238,15 @@ class Distiller:
         return 0 if self.teacher is None else local_nbytes(self.teacher)
 
     def keep_skeleton(self, module: nn.Module, saved: Mapping[str, Any] | None, module_name: str) -> None:
-        """Before a shrunk checkpoint loads into ``module``: keep a dense copy to rebuild the teacher into."""
+        """Before a shrunk checkpoint loads into ``module``: keep a dense copy to rebuild the teacher into.
+
+        The copy is taken while ``module`` still has the full-size shapes (the shrink to the checkpoint's shapes
+        comes next): a frozen copy, or under FSDP2 / tensor parallel one sharded like the full-size student (each
+        rank clones its own shards, no communication; the saved teacher's shards or gathered tensors load into it).
+        """
         if saved and saved.get("teacher") is not None and self.user_teacher is None:
-            self._skeleton = frozen_copy(module.get_submodule(module_name), share=(getattr(module, "_trainer", None),))
+            share = (getattr(module, "_trainer", None),)
+            self._skeleton = teacher_copy(module.get_submodule(module_name), share=share)
 
     # ------------------------------------------------------------------ the hook
     def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -12,15 +12,18 @@ batches at once (the mean loss over them is the mean of the ranks' losses, which
 2. ``after``: resumed from the step-6 checkpoint (written after the freeze, small shapes);
 3. ``before``: resumed from the step-2 checkpoint (written before the freeze): it freezes and shrinks itself;
 4. ``validate``: ``trainer.validate`` of a fresh module from the step-7 checkpoint;
-   ``full`` and ``full-after``: 1 with full (gathered) checkpoints, and its resume from the step-6 one;
-   ``tp`` and ``tp-after``: 1 and 2 under tensor parallel 2 (sequence-parallel plan, FSDP2 over a data-parallel axis
-   of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch;
-5. ``distill``: a fit with distillation through the freeze (the teacher's and the student's shapes and bytes), then
-   ``distill-resume``: its resume from the step-6 checkpoint, which must be refused on every rank before anything is
-   loaded.
+5. ``distill``: a fit with distillation through the freeze, then ``distill-after``: its resume from the step-6
+   checkpoint (written after the freeze: a small student, the dense teacher's shards); each also reports its teacher
+   (``{name}:teacher``: shapes, this rank's bytes, whether it is sharded);
+   ``file`` and ``file-after``: the same with ``distill_teacher_store="file"`` (each rank's teacher shards in a file
+   of its own next to the checkpoints, which hold a reference);
+   ``full`` and ``full-after``: 5 with full (gathered) checkpoints, the teacher gathered into the callback state
+   (written to ``OUT_DIR/ckpts-full``);
+   ``tp`` and ``tp-after``: 5 and its resume after the freeze under tensor parallel 2 (sequence-parallel plan, FSDP2
+   over a data-parallel axis of 1) on the MLP and residual clusters, both ranks on data-parallel rank 0's batch.
 
-Rank 0 saves the final full weights of 1-4 and ``tp`` to ``OUT_DIR/{name}.pt``; each rank prints one
-``RESULT {json}`` line per run.
+Rank 0 saves the final full weights of every run to ``OUT_DIR/{name}.pt`` (and the teacher's, gathered, to
+``OUT_DIR/{name}-teacher.pt``); each rank prints one ``RESULT {json}`` line per run.
 """
 
 from __future__ import annotations
@@ -108,19 +111,19 @@ class Record(pl.Callback):
 TP_CLUSTERS = [c for c in CLUSTERS if not c.name.startswith("heads")]
 
 
-def make_callback(*, distill: bool = False, tp: int = 1) -> CoupledPruningCallback:
+def make_callback(*, distill: bool = False, tp: int = 1, store: str = "checkpoint") -> CoupledPruningCallback:
     return CoupledPruningCallback(
         CLUSTERS if tp == 1 else TP_CLUSTERS, 0.5, warmup_steps=WARMUP, ramp_steps=RAMP, score="rms",
         shrink_on_freeze=True,
-        distill_alpha=0.5 if distill else 0.0, distill_module="model" if distill else "",
+        distill_alpha=0.5 if distill else 0.0, distill_module="model" if distill else "", distill_teacher_store=store,
     )  # fmt: skip
 
 
 def fit(
     ckpts: str | None, *, ckpt_path: str | None = None, distill: bool = False, devices: int = 2, dcp: bool = True,
-    tp: int = 1,
+    tp: int = 1, store: str = "checkpoint",
 ):  # fmt: skip
-    cb, record = make_callback(distill=distill, tp=tp), Record()
+    cb, record = make_callback(distill=distill, tp=tp, store=store), Record()
     callbacks: list = [cb, record]
     if ckpts is not None:
         callbacks.append(
@@ -175,32 +178,38 @@ def report(name: str, out_dir: Path, module, cb, record, trainer) -> None:  # no
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def report_distilled(name: str, out_dir: Path, module, cb, record, trainer) -> None:  # noqa: ANN001
+    """:func:`report`, then the teacher's record: its shapes, this rank's bytes of it, its full weights (rank 0)."""
+    report(name, out_dir, module, cb, record, trainer)
+    teacher = full_weights(cb.teacher)
+    if dist.get_rank() == 0:
+        torch.save(teacher, out_dir / f"{name}-teacher.pt")
+    out = {
+        "run": f"{name}:teacher", "rank": dist.get_rank(), "teacher_bytes": local_bytes(cb.teacher),
+        "teacher_dtensors": all(hasattr(p, "placements") for p in cb.teacher.parameters()),
+        "teacher_shapes": {n: list(p.shape) for n, p in cb.teacher.named_parameters()},
+        "student_shapes": {n: list(p.shape) for n, p in module.model.named_parameters()},
+    }  # fmt: skip
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 def main(out_dir: Path) -> None:
     report("uninterrupted", out_dir, *fit("ckpts"))
     for name, stop in (("after", 6), ("before", 2)):
         report(name, out_dir, *fit(f"ckpts-{name}", ckpt_path=f"ckpts/step={stop}.ckpt"))
     module, cb, record, trainer = validate("ckpts/step=7.ckpt")
     report("validate", out_dir, module, cb, record, trainer)
-    for name in ("full", "full-after"):  # a full (gathered) checkpoint: the same fit, resumed after the freeze
-        ckpt = "ckpts-full/step=6.ckpt" if name == "full-after" else None
-        report(name, out_dir, *fit("ckpts-full" if ckpt is None else None, ckpt_path=ckpt, dcp=False))
-    report("tp", out_dir, *fit("ckpts-tp", tp=2))  # FSDP2 (a data-parallel axis of 1) x tensor parallel 2
-    report("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2))
-    module, cb, record, _ = fit("ckpts-distill", distill=True)
-    teacher = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in cb.teacher.named_parameters()}
-    distilled = {
-        "run": "distill", "rank": dist.get_rank(), "dropped": cb.dropped, "losses": record.losses,
-        "bytes": record.bytes, "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher.values()),
-        "teacher_shapes": {n: list(p.shape) for n, p in cb.teacher.named_parameters()},
-        "student_shapes": {n: list(p.shape) for n, p in module.model.named_parameters()},
-    }  # fmt: skip
-    print("RESULT " + json.dumps(distilled), flush=True)
-    try:
-        fit(None, ckpt_path="ckpts-distill/step=6.ckpt", distill=True)
-        refused = ""
-    except Exception as err:  # noqa: BLE001 - the refusal's message is the result
-        refused = f"{type(err).__name__}: {err}"
-    print("RESULT " + json.dumps({"run": "distill-resume", "rank": dist.get_rank(), "refused": refused}), flush=True)
+    report_distilled("distill", out_dir, *fit("ckpts-distill", distill=True))
+    report_distilled("distill-after", out_dir, *fit(None, ckpt_path="ckpts-distill/step=6.ckpt", distill=True))
+    report_distilled("file", out_dir, *fit("ckpts-file", distill=True, store="file"))  # the teacher's shard files
+    report_distilled("file-after", out_dir, *fit(None, ckpt_path="ckpts-file/step=6.ckpt", distill=True, store="file"))
+    for name in ("full", "full-after"):  # a full (gathered) checkpoint: the distilled fit, resumed after the freeze
+        ckpts = out_dir / "ckpts-full"  # kept: `lightning-pat shrink` reads its last checkpoint afterwards
+        ckpt = str(ckpts / "step=6.ckpt") if name == "full-after" else None
+        report_distilled(name, out_dir, *fit(str(ckpts) if ckpt is None else None, ckpt_path=ckpt, dcp=False,
+                                             distill=True))  # fmt: skip
+    report_distilled("tp", out_dir, *fit("ckpts-tp", tp=2, distill=True))  # FSDP2 (a data-parallel axis of 1) x TP 2
+    report_distilled("tp-after", out_dir, *fit(None, ckpt_path="ckpts-tp/step=6.ckpt", tp=2, distill=True))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,21 @@ def test_overwrite_replaces_only_a_directory_lightning_pat_wrote(tmp_path, lm_di
         save_pretrained(again, out, overwrite=True)
 
 
+def test_a_source_the_export_is_made_from_is_refused_as_its_output_whatever_overwrite_says(tmp_path):
+    marked = tmp_path / "earlier-export"  # an export of ours (replaceable), holding a checkpoint named like its files
+    marked.mkdir()
+    (marked / EXPORT_MARKER).write_text("{}")
+    (marked / "model.pt").write_bytes(b"a checkpoint")
+    check_directory(marked, overwrite=True)  # nothing says model.pt is the source: replaceable
+    for output in (marked, tmp_path):  # the checkpoint's directory, or one above it
+        with pytest.raises(ValueError, match=r"holds .*model\.pt, which is the checkpoint this export was read from"):
+            check_directory(output, overwrite=True, sources=[("the checkpoint", marked / "model.pt")])
+    with pytest.raises(ValueError, match=r"earlier-export is the run's config this export was read from"):
+        check_directory(marked, overwrite=True, sources=[("the run's config", marked), ("none", None)])
+    check_directory(marked / "inside", overwrite=False, sources=[("the checkpoint", marked / "model.pt")])  # below it
+    assert (marked / "model.pt").read_bytes() == b"a checkpoint"
+
+
 def test_the_overwrite_option_is_named_as_the_caller_spells_it(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileExistsError, match=r"pass overwrite=True to replace"):
