@@ -27,7 +27,8 @@ from lightning_pat.core.spec import ResolvedCluster
 
 _HOOK_ATTR = "_lightning_pat_routing_hook"
 _MODE_ATTR = "_lightning_pat_routing_mode"
-#: Buffers of a router holding one selection bias per expert (masked like the logits while the router runs).
+#: Buffers (or parameters) of a router holding one selection bias per expert (masked like the logits while the
+#: router runs).
 SELECTION_BIASES = ("e_score_correction_bias",)
 #: Tensor methods whose result is the router's weight in another dtype, device or memory layout.
 _SAME = frozenset(
@@ -100,10 +101,12 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
         return a
 
-    buffers = router._buffers  # noqa: SLF001 - the router's own buffers, put back by the post-hook
-    saved = {k: buffers[k] for k in SELECTION_BIASES if buffers.get(k) is not None}
-    for k, buf in saved.items():
-        buffers[k] = bias(buf)
+    saved = []  # the router's own selection biases (a buffer, or a parameter: Laguna's), put back by the post-hook
+    for store in (router._buffers, router._parameters):  # noqa: SLF001 - its own tensors
+        for k in SELECTION_BIASES:
+            if (held := store.get(k)) is not None:
+                saved.append((store, k, held))
+                store[k] = bias(held)  # type: ignore[assignment]  # a tensor while the router runs
     mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
     router.__dict__[_MODE_ATTR] = (mode, saved)
 
@@ -115,7 +118,8 @@ def _after(router: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
     if state is not None:
         mode, saved = state
         mode.__exit__(None, None, None)
-        router._buffers.update(saved)  # noqa: SLF001 - the buffers _before swapped
+        for store, k, held in saved:  # the tensors _before swapped
+            store[k] = held
     return output
 
 

@@ -104,8 +104,10 @@ def moe_layout(
                                 rf"{block}\.{router}\.weight")  # fmt: skip
     params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.(?:weight|bias)|self_attn\.[qk]_norm\.weight"
     params += rf"|{gate_up}|{down}|{router_w}{biases}|self_attn\.sinks|post_feedforward_layernorm\.weight"
+    params += rf"|{block}\.{router}\.e_score_correction_bias"
     params += rf"|{_SHARED_MLP}(?:input|output)_linear\.weight"
-    params += rf"|{block}\.shared_experts?\.(?:gate|up|down)_proj\.(?:weight|bias)|{block}\.shared_expert_gate\.weight"
+    params += rf"|{block}\.shared_experts?\.(?:gate|up|down|gate_up)_proj\.(?:weight|bias)"
+    params += rf"|{block}\.shared_expert_gate\.weight"
     out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
     if shared:
         writers, out = (*writers, rf"{shared_re}down_proj\.weight"), (*out, rf"{shared_re}down_proj\.weight")
@@ -231,6 +233,25 @@ def covers(model: nn.Module) -> bool:
     return seen == moe_layers | dense and not moe_layers & dense
 
 
+def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[str, str, str, FusedLayout]]) -> bool:
+    """Whether the blocks' ``shared_experts`` MLPs have a width of their own, not a multiple of the experts' width.
+
+    DeepSeek's shared experts are ``n_shared_experts`` experts wide (their channels join the experts' units); a
+    shared MLP whose width is no multiple of the experts' (MiniMax-M3's ``shared_intermediate_size``) is a cluster of
+    its own.
+    """
+    for layer, block, _, fused in blocks:
+        module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
+        down = getattr(getattr(module, "shared_experts", None), "down_proj", None)
+        experts = getattr(module, "experts", None)
+        if not isinstance(down, nn.Linear) or not isinstance(experts, nn.Module):
+            continue
+        width = experts.down_proj.shape[fused.down_channels]
+        if down.in_features % width:
+            return True
+    return False
+
+
 def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
     """The head count of the model's MLA layers, if each holds DeepSeek's projections and head sizes, else ``None``.
 
@@ -322,7 +343,8 @@ def moe(
 
     shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
     config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    joint = has(rf"{block}\.shared_experts\.down_proj\.weight") or (  # Llama 4: the experts' width
+    own_width = _own_width_shared_experts(model, prefix, blocks)
+    joint = (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width) or (  # Llama 4: experts' width
         has(rf"{block}\.shared_expert\.down_proj\.weight") and not hasattr(config, "shared_expert_intermediate_size")
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
@@ -389,6 +411,15 @@ def moe(
         out.append(
             Cluster("shared.{layer}", [shared_re + r"(?:gate|up)_proj\.weight"], [shared_re + r"down_proj\.weight"])
         )
+    if mlp and own_width:  # MiniMax-M3: `shared_experts` of a width of their own (gate and up fused or not)
+        shared_re = rf"{per_layer}{block}\.shared_experts\."
+        gate_up = [shared_re + rf"gate_up_proj\.weight[{i}/2]" for i in range(2)]
+        writers = (
+            gate_up
+            if has(rf"{block}\.shared_experts\.gate_up_proj\.weight")
+            else [shared_re + r"(?:gate|up)_proj\.weight"]
+        )
+        out.append(Cluster("shared.{layer}", writers, [shared_re + r"down_proj\.weight"]))
     if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
         fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
@@ -398,8 +429,9 @@ def moe(
                            [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
     if experts:
         parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
-        if has(rf"{block}\.{router}\.bias"):
-            parts.append(rf"{router}\.bias")
+        for extra in ("bias", "e_score_correction_bias"):  # a per-expert selection bias held as a parameter
+            if has(rf"{block}\.{router}\.{extra}"):
+                parts.append(rf"{router}\.{extra}")
         if fused.bias:
             parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
         groups = expert_groups(model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}.{router}"))

@@ -15,7 +15,8 @@ router next to it holds ``weight`` of shape ``(E, H)`` (and gpt-oss a ``bias`` `
   parts) with its bias, and ``down_proj``'s (``intermediate_dim`` / ``intermediate_size`` follows);
 * the residual: the hidden dims, the router's columns (``hidden_dim`` follows).
 
-A model's config gets the expert count (``num_local_experts`` / ``num_experts``), ``num_experts_per_tok`` and the
+A model's config gets the expert count (``num_local_experts`` / ``num_experts``, Aria's ``moe_num_experts``),
+``num_experts_per_tok`` (Aria's ``moe_topk``) and the
 experts' width (``moe_intermediate_size`` where the config has one, else ``intermediate_size``) where they are the
 same in every layer, and a shared expert's width (``shared_expert_intermediate_size``, GraniteMoE-shared's
 ``shared_intermediate_size``). How a dropped expert is routed around in the masked model:
@@ -42,11 +43,15 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("experts", "down_proj_bias"): (0, 1),
     ("router", "weight"): (0, 1),
     ("router", "bias"): (0,),
+    ("router", "e_score_correction_bias"): (0,),  # a parameter in Laguna (a buffer elsewhere: PER_EXPERT_BUFFERS)
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
 #: Buffers of a MoE block holding one entry per expert (cut with the experts).
 PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
+#: Config fields holding the routed expert count (Aria: ``moe_num_experts``) and the experts per token.
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "moe_num_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk")
 
 
 @dataclass(frozen=True)
@@ -336,18 +341,17 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
-    for attr in ("num_local_experts", "num_experts"):
+    for attr in EXPERT_COUNT_FIELDS:
         if isinstance(getattr(config, attr, None), int):
             out[attr] = count
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if isinstance(top_k, int):
-        out["num_experts_per_tok"] = min(top_k, fewest)
+    for attr in TOP_K_FIELDS:
+        if isinstance(top_k := getattr(config, attr, None), int):
+            out[attr] = min(top_k, fewest)
     width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
-    if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
-        out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
-    shared = _shared_mlp_widths(model)
-    if shared and isinstance(getattr(config, "shared_intermediate_size", None), int):
-        out["shared_intermediate_size"] = shared.pop() if len(shared) == 1 else None
+    shared |= _shared_mlp_widths(model)
+    for attr in ("shared_expert_intermediate_size", "shared_intermediate_size"):
+        if shared and isinstance(getattr(config, attr, None), int):
+            out[attr] = next(iter(shared)) if len(shared) == 1 else None
     return out
