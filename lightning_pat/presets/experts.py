@@ -38,6 +38,7 @@ import weakref
 
 from torch import nn
 
+from lightning_pat.core.routing import router_weight
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
 from lightning_pat.presets.transformers import (
     QUERY_HEADS_DEFAULT,
@@ -96,7 +97,7 @@ def moe_layout(
     fused = fused or FusedLayout()
     shared_re = rf"{block}\.shared_expert\."
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
-    router_w = rf"{block}\.{router}\.(?:weight|bias)"
+    router_w = rf"{block}\.{router}\.(?:[^.]+\.)?(?:weight|bias)|{block}\.(?:expert_bias|e_score_correction_bias)"
     biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
     down_out = (rf"{down}@{fused.down_hidden}", *((rf"{down}_bias@1",) if fused.bias else ()))
     writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
@@ -179,8 +180,9 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         if match is None or not isinstance(experts, nn.Module) or (layout := fused_layout(experts)) is None:
             continue
         router = block_router(module)
-        if router is None:
-            continue
+        weight = router_weight(router) if router is not None else None
+        if router is None or weight is None or weight[1].shape[0] != experts.gate_up_proj.shape[0]:
+            continue  # no router, or one scoring more than these experts (LongCat-Flash's zero experts)
         router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
         found.append((match["layer"], match["block"], router_name, layout))
@@ -428,13 +430,19 @@ def moe(
         out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
                            [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
     if experts:
-        parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        first = model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}")
+        weight = router_weight(first.get_submodule(router))
+        holder = f"{router}." + (weight[0].rsplit(".", 1)[0] + "." if weight and "." in weight[0] else "")
+        parts = [re.escape(holder) + "weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
         for extra in ("bias", "e_score_correction_bias"):  # a per-expert selection bias held as a parameter
-            if has(rf"{block}\.{router}\.{extra}"):
-                parts.append(rf"{router}\.{extra}")
+            if has(rf"{block}\.{re.escape(holder)}{extra}"):
+                parts.append(re.escape(holder) + extra)
+        for extra in ("expert_bias", "e_score_correction_bias"):  # the block's own (AFMoE: passed to its router)
+            if has(rf"{block}\.{extra}"):
+                parts.append(extra)
         if fused.bias:
             parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
-        groups = expert_groups(model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}.{router}"))
+        groups = expert_groups(first.get_submodule(router))
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")

@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.routing import is_router
+from lightning_pat.core.routing import is_router, router_weight
 from lightning_pat.shrink.cuts import Edit
 
 #: (kind, attribute) -> dims that may be cut.
@@ -44,6 +44,9 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("router", "weight"): (0, 1),
     ("router", "bias"): (0,),
     ("router", "e_score_correction_bias"): (0,),  # a parameter in Laguna (a buffer elsewhere: PER_EXPERT_BUFFERS)
+    # a block's own per-expert selection bias, passed to its router (AFMoE's ``expert_bias``)
+    ("moe_block", "expert_bias"): (0,),
+    ("moe_block", "e_score_correction_bias"): (0,),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -128,10 +131,24 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 
 def experts_kind(module: nn.Module) -> str | None:
-    """``"experts"``, ``"router"`` or ``None``."""
+    """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
     if is_fused_experts(module):
         return "experts"
-    return "router" if is_router(module) else None
+    if is_router(module):
+        return "router"
+    experts = getattr(module, "experts", None)
+    own = any(module._parameters.get(a) is not None for k, a in EXPERT_DIMS if k == "moe_block")  # noqa: SLF001
+    if own and isinstance(experts, nn.Module) and is_fused_experts(experts) and block_router(module) is not None:
+        return "moe_block"
+    return None
+
+
+def _router_holder(router: nn.Module) -> nn.Module:
+    """The module that holds the router's ``(E, H)`` weight as ``weight``: the router, or its one ``nn.Linear``."""
+    found = router_weight(router)
+    if found is None or found[0] == "weight":
+        return router
+    return router.get_submodule(found[0].rsplit(".", 1)[0])
 
 
 def block_router(block: nn.Module) -> nn.Module | None:
@@ -168,16 +185,17 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         if experts is None or layout is None:
             continue
         router = block_router(block)
-        e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if router is not None else None
+        holder = _router_holder(router) if router is not None else None
+        e_edit, r_edit = edits.get(id(experts)), edits.get(id(holder)) if holder is not None else None
         if e_edit is None and r_edit is None:
             continue
         num = experts.gate_up_proj.shape[0]
         double = experts.gate_up_proj.shape[layout.gate_up_channels]
         attrs = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()))
         kept = {f"experts.{a}": _cut(e_edit, a, 0, num) for a in attrs}
-        if router is not None:
+        if holder is not None:
             kept["router.weight"] = _cut(r_edit, "weight", 0, num)
-            if router._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
+            if holder._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
                 kept["router.bias"] = _cut(r_edit, "bias", 0, num)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
@@ -269,7 +287,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
-    else:
+    elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
