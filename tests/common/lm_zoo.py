@@ -40,13 +40,21 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token"), 2),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    # linear-attention layers of hybrid models (Qwen3-Next/3.5, Kimi-Linear): heads of 16 like the others
+    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), KV),
+    "linear_num_value_heads": HEADS,
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default: every layer would need one  # its config refuses any other top-k
-    "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # DbrxAttention reads attn_config.rope_theta
+    "lfm2_moe": {
+        "layer_types": ["conv", "full_attention"]
+    },  # None by default: every layer would need one  # its config refuses any other top-k
+    "dbrx": {
+        "attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}
+    },  # DbrxAttention reads attn_config.rope_theta
 }
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
