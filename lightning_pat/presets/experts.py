@@ -167,7 +167,9 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
     """The backbone prefix and, per decoder layer with one, ``(layer, block, router, layout)`` of its MoE block.
 
     A block is a child of the layer holding a fused ``experts`` module (:func:`~lightning_pat.shrink.experts.
-    fused_layout`) and a top-k router (``gate`` or ``router``); ``None`` if the model has no such backbone.
+    fused_layout`), and a top-k router (``gate`` or ``router``) whose rows are its experts (``router`` is ``""``
+    where there is none: ZAYA's MLP router, LongCat-Flash's router that also scores zero-computation experts; the
+    experts' channels can be cut there, not whole experts); ``None`` if the model has no such backbone.
 
     Raises:
         ValueError: If MoE blocks sit under several backbones (a preset covers one).
@@ -181,9 +183,9 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
             continue
         router = block_router(module)
         weight = router_weight(router) if router is not None else None
-        if router is None or weight is None or weight[1].shape[0] != experts.gate_up_proj.shape[0]:
-            continue  # no router, or one scoring more than these experts (LongCat-Flash's zero experts)
-        router_name = next(n for n, c in module.named_children() if c is router)
+        router_name = ""  # no top-k router whose rows are these experts: the experts' channels only
+        if router is not None and weight is not None and weight[1].shape[0] == experts.gate_up_proj.shape[0]:
+            router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
         found.append((match["layer"], match["block"], router_name, layout))
     if len(prefixes) > 1:
@@ -216,6 +218,8 @@ def covers(model: nn.Module) -> bool:
     if len({(b, r, lay) for _, b, r, lay in blocks}) != 1:
         return False
     _, block, router, fused = blocks[0]
+    if not router:  # no router the preset can cut with its experts: discovery, with the experts' channels
+        return False
     names = param_names(model)
     shared = any(re.search(rf"{block}\.shared_expert\.down_proj\.weight$", n) for n in names)
     known = _layer_params(moe_layout(block, router, shared=shared, fused=fused))
@@ -429,7 +433,7 @@ def moe(
         q = r"self_attn\.q_b_proj\.weight" if has(r"self_attn\.q_b_proj\.weight") else r"self_attn\.q_proj\.weight"
         out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
                            [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads))  # fmt: skip
-    if experts:
+    if experts and router:
         first = model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}")
         weight = router_weight(first.get_submodule(router))
         holder = f"{router}." + (weight[0].rsplit(".", 1)[0] + "." if weight and "." in weight[0] else "")

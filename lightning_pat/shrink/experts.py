@@ -55,6 +55,8 @@ PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
 #: Config fields holding the routed expert count (Aria: ``moe_num_experts``) and the experts per token.
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk")
+#: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
+EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
 
 
 @dataclass(frozen=True)
@@ -294,12 +296,30 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         _set_int(module, "top_k", min(cast(int, module.top_k), num))
 
 
+def _extra_router_rows(model: nn.Module) -> bool:
+    """Whether a fused-experts block's router scores more rows than its experts (LongCat-Flash's zero experts).
+
+    Its top-k may exceed the experts (the extra rows are identity experts), so no count or top-k follows the experts.
+    """
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
+            continue
+        router = block_router(block)
+        found = router_weight(router) if router is not None else None
+        if found is not None and found[1].shape[0] != _shape(experts)[0]:
+            return True
+    return False
+
+
 def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> None:
     """A MoE block's own ``top_k`` / ``num_experts`` (and its router's) after its experts were cut.
 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
+    if _extra_router_rows(model):
+        return  # a router scoring more than its experts (LongCat-Flash's zero experts): no expert is cut, top-k holds
     counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
     if len(counts) == 1:  # the model's own copies (Mixtral's CausalLM reads num_experts for its auxiliary loss)
         num = counts.pop()
@@ -359,13 +379,14 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
-    for attr in EXPERT_COUNT_FIELDS:
+    whole = _extra_router_rows(model)  # its experts are whole: their count and top-k stay
+    for attr in () if whole else EXPERT_COUNT_FIELDS:
         if isinstance(getattr(config, attr, None), int):
             out[attr] = count
-    for attr in TOP_K_FIELDS:
+    for attr in () if whole else TOP_K_FIELDS:
         if isinstance(top_k := getattr(config, attr, None), int):
             out[attr] = min(top_k, fewest)
-    width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
+    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if hasattr(config, a)), "intermediate_size")
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
     shared |= _shared_mlp_widths(model)

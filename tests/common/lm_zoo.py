@@ -34,7 +34,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), FF),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 64),
-    "head_dim": HEAD_DIM,
+    **dict.fromkeys(("head_dim", "v_head_dim"), HEAD_DIM),
     "rotary_dim": 8,
     "vocab_size": VOCAB,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
@@ -45,6 +45,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), KV),
     "linear_num_value_heads": HEADS,
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
+    **dict.fromkeys(("router_hidden_size", "expert_ffn_hidden_size"), 32),  # ZAYA's MLP router; LongCat-Flash
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
