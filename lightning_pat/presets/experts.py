@@ -57,6 +57,9 @@ _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
 _SHARED_MLP = r"shared_mlp\."
+#: A block's shared MLP next to its routed experts: DeepSeek's ``shared_experts``, Llama 4's ``shared_expert``,
+#: Hunyuan-MoE's ``shared_mlp`` (gate/up/down, as wide as the experts times the shared count).
+_SHARED = r"(?:shared_experts?|shared_mlp)"
 #: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, PhiMoE/gpt-oss, GraniteMoE.
 BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "router"))
 _WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
@@ -77,8 +80,8 @@ def _gate_up(
     readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
     shared_w: tuple[str, ...] = ()
     if joint_shared:
-        shared_w = (rf"{block}\.shared_experts?\.(?:gate|up)_proj\.(?:weight|bias)",)
-        readers = (*readers, rf"{block}\.shared_experts?\.down_proj\.weight")
+        shared_w = (rf"{block}\.{_SHARED}\.(?:gate|up)_proj\.(?:weight|bias)",)
+        readers = (*readers, rf"{block}\.{_SHARED}\.down_proj\.weight")
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
         return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
@@ -248,7 +251,8 @@ def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[
     """
     for layer, block, _, fused in blocks:
         module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
-        down = getattr(getattr(module, "shared_experts", None), "down_proj", None)
+        shared = getattr(module, "shared_experts", None) or getattr(module, "shared_mlp", None)
+        down = getattr(shared, "down_proj", None)
         experts = getattr(module, "experts", None)
         if not isinstance(down, nn.Linear) or not isinstance(experts, nn.Module):
             continue
@@ -350,8 +354,17 @@ def moe(
     shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
     config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
     own_width = _own_width_shared_experts(model, prefix, blocks)
-    joint = (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width) or (  # Llama 4: experts' width
-        has(rf"{block}\.shared_expert\.down_proj\.weight") and not hasattr(config, "shared_expert_intermediate_size")
+    joint = (
+        (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width)
+        or (  # Llama 4: the experts' width
+            has(rf"{block}\.shared_expert\.down_proj\.weight")
+            and not hasattr(config, "shared_expert_intermediate_size")
+        )
+        or (  # Hunyuan-MoE: the experts' width times num_shared_expert
+            has(rf"{block}\.shared_mlp\.down_proj\.weight")
+            and not own_width
+            and not hasattr(config, "shared_intermediate_size")
+        )
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
     mla = _mla(model, names)

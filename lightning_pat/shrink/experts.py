@@ -348,11 +348,11 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
 
 
 def shared_experts(model: nn.Module) -> list[nn.Module]:
-    """The shared experts by fused routed experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``)."""
+    """The shared experts next to fused routed experts (``shared_expert``, ``shared_experts``, ``shared_mlp``)."""
     return [
         getattr(block, attr)
         for block in model.modules()
-        for attr in ("shared_expert", "shared_experts")
+        for attr in ("shared_expert", "shared_experts", "shared_mlp")
         if isinstance(getattr(block, attr, None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
         and is_fused_experts(cast(nn.Module, block.experts))
