@@ -123,7 +123,7 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         for k in SELECTION_BIASES:
             if (held := store.get(k)) is not None:
                 saved.append((store, k, held))
-                store[k] = bias(held)  # type: ignore[assignment]  # a tensor while the router runs
+                store[k] = bias(held)  # a tensor while the router runs
     mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
     router.__dict__[_MODE_ATTR] = (mode, saved)
 

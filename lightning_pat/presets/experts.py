@@ -35,8 +35,9 @@ import dataclasses
 import logging
 import re
 import weakref
+from typing import cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pat.core.routing import router_weight
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
@@ -187,7 +188,11 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         router = block_router(module)
         weight = router_weight(router) if router is not None else None
         router_name = ""  # no top-k router whose rows are these experts: the experts' channels only
-        if router is not None and weight is not None and weight[1].shape[0] == experts.gate_up_proj.shape[0]:
+        if (
+            router is not None
+            and weight is not None
+            and weight[1].shape[0] == cast(Tensor, experts.gate_up_proj).shape[0]
+        ):
             router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
         found.append((match["layer"], match["block"], router_name, layout))
@@ -256,7 +261,7 @@ def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[
         experts = getattr(module, "experts", None)
         if not isinstance(down, nn.Linear) or not isinstance(experts, nn.Module):
             continue
-        width = experts.down_proj.shape[fused.down_channels]
+        width = cast(Tensor, experts.down_proj).shape[fused.down_channels]
         if down.in_features % width:
             return True
     return False
@@ -431,14 +436,12 @@ def moe(
             Cluster("shared.{layer}", [shared_re + r"(?:gate|up)_proj\.weight"], [shared_re + r"down_proj\.weight"])
         )
     if mlp and own_width:  # MiniMax-M3: `shared_experts` of a width of their own (gate and up fused or not)
-        shared_re = rf"{per_layer}{block}\.shared_experts\."
+        shared_re = rf"{per_layer}{block}\.{_SHARED}\."
         gate_up = [shared_re + rf"gate_up_proj\.weight[{i}/2]" for i in range(2)]
-        writers = (
-            gate_up
-            if has(rf"{block}\.shared_experts\.gate_up_proj\.weight")
-            else [shared_re + r"(?:gate|up)_proj\.weight"]
+        own = (
+            gate_up if has(rf"{block}\.{_SHARED}\.gate_up_proj\.weight") else [shared_re + r"(?:gate|up)_proj\.weight"]
         )
-        out.append(Cluster("shared.{layer}", writers, [shared_re + r"down_proj\.weight"]))
+        out.append(Cluster("shared.{layer}", own, [shared_re + r"down_proj\.weight"]))
     if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
         fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))

@@ -71,7 +71,8 @@ def test_laguna_selection_bias_held_as_a_parameter_is_routed_around_and_cut(tmp_
 def test_afmoe_auto_adds_expert_units_to_discovery_router_linear_and_block_bias(tmp_path):
     model = lm_zoo.build("afmoe")  # gated attention: no preset covers it, discovery runs; router.gate, expert_bias
     result = lp.prune_clusters(model, "auto", 0.5, calibration=calibration())
-    assert len(result.dropped["experts.1"]) == 2 and len(result.dropped["mlp.1"]) == 16
+    assert len(result.dropped["experts.1"]) == 2
+    assert len(result.dropped["mlp.1"]) == 16
     stock = shrinks_exactly_and_reloads(model, result, tmp_path)
     block = stock.model.layers[1].mlp
     assert (stock.config.num_experts, block.router.gate.out_features, block.expert_bias.shape[0]) == (2, 2, 2)
