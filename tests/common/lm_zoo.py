@@ -49,14 +49,11 @@ _SIZES: dict[str, int] = {
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
-    "zaya": {"num_experts_per_tok": 1},
-    "lfm2_moe": {
-        "layer_types": ["conv", "full_attention"]
-    },  # None by default: every layer would need one  # its config refuses any other top-k
-    "dbrx": {
-        "attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}
-    },  # DbrxAttention reads attn_config.rope_theta
-}
+    "zaya": {"num_experts_per_tok": 1},  # its config refuses any other top-k
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default: every layer would need one
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # all Mamba by default
+    "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # its attention reads them
+}  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
 #: (DeepSeek-V2's ``head_dim`` is its rotary part: 8 where the config has ``qk_nope_head_dim``), as many KV heads as
@@ -85,8 +82,11 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
     kwargs.update({k: v for k, v in _IF_NONE.items() if k in fields and fields[k] is None})
     kinds = fields.get("layer_types")
-    if isinstance(kinds, list) and "full_attention" in kinds and len(set(kinds)) > 1:  # hybrid: one layer of each
-        kwargs["layer_types"] = [next(k for k in kinds if k != "full_attention"), "full_attention"]
+    if isinstance(kinds, list) and len(set(kinds)) > 1:  # hybrid: one layer of each kind (attention last)
+        last = "full_attention" if "full_attention" in kinds else kinds[-1]
+        kwargs["layer_types"] = [next(k for k in kinds if k != last), last]
+    if "attn_layer_period" in fields:  # Jamba: attention in the second of the two layers, not past them
+        kwargs.update(attn_layer_period=2, attn_layer_offset=1)
     if "q_lora_rank" in fields or "kv_lora_rank" in fields:
         kwargs.update({k: v for k, v in _LATENT.items() if k in fields})
         if "qk_nope_head_dim" in fields and "head_dim" in fields:
