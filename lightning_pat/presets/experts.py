@@ -23,6 +23,11 @@ every decoder layer), not by family name. :func:`moe` declares, per layer:
   attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
   latents and the shared rotary key stay whole).
 
+Where the preset does not cover every layer (an attention it does not know: gated, MLA variants, linear attention),
+``clusters="auto"`` discovers the clusters by tracing and adds the expert units above to them
+(:func:`lightning_pat.discovery.entry.with_experts`); a block whose router is not one row per expert (an MLP router,
+LongCat-Flash's zero-computation experts) has its experts' channels cut, never whole experts.
+
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
 number of experts and the stock config can express the result. The kept expert width and hidden size are multiples
