@@ -4,7 +4,8 @@ Dropping expert ``e`` of a layer removes its slices of the fused expert weights 
 shrunk router scores and picks among the kept experts only. Zeros cannot express that (a zero router row gives
 logit 0, which top-k may still pick), so the masked model routes with hooks on each router
 (:func:`route_around_dropped`): while the router runs, its logits (the output of ``F.linear(x, router.weight)`` or
-``x @ router.weight.T``, in any dtype the router casts its weight to) get the lowest finite value for every expert
+``x @ router.weight.T``, in any dtype the router casts its weight to; the weight of its one ``nn.Linear`` where it
+holds none itself) get the lowest finite value for every expert
 whose router row is exactly zero (a dropped expert; a trained router row is never all zeros), and a per-expert
 selection bias passed to the router or held by it (MiniMax-M2's and DeepSeek-V3's ``e_score_correction_bias``) the
 same. The router's own code then runs on those logits, whatever it does with them (softmax then top-k, top-k then
@@ -16,7 +17,7 @@ No state beyond the weights is needed (a resumed run or a reloaded masked checkp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +28,8 @@ from lightning_pat.core.spec import ResolvedCluster
 
 _HOOK_ATTR = "_lightning_pat_routing_hook"
 _MODE_ATTR = "_lightning_pat_routing_mode"
-#: Buffers of a router holding one selection bias per expert (masked like the logits while the router runs).
+#: Buffers (or parameters) of a router holding one selection bias per expert (masked like the logits while the
+#: router runs).
 SELECTION_BIASES = ("e_score_correction_bias",)
 #: Tensor methods whose result is the router's weight in another dtype, device or memory layout.
 _SAME = frozenset(
@@ -38,14 +40,30 @@ _SAME = frozenset(
 _TRANSPOSED = frozenset((torch.Tensor.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.t))  # type: ignore[attr-defined]
 
 
+def router_weight(module: nn.Module) -> tuple[str, Tensor] | None:
+    """``(name relative to module, tensor)`` of a router's ``(E, H)`` weight: its own, or its one ``nn.Linear``'s.
+
+    AFMoE's router holds a ``gate`` Linear, Hunyuan-MoE's a ``wg``; most routers hold the weight themselves.
+    """
+    own = module._parameters.get("weight")  # noqa: SLF001 - this module's own parameter
+    if own is not None:
+        return ("weight", own) if own.dim() == 2 else None
+    linears = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
+    if len(linears) == 1 and not any(True for _ in linears[0][1].children()):
+        return f"{linears[0][0]}.weight", linears[0][1].weight
+    return None
+
+
 def is_router(module: nn.Module) -> bool:
-    """Whether ``module`` is a top-k router: a ``*Router`` class, a 2-D ``weight`` ``(E, H)``, an int ``top_k``."""
-    weight = module._parameters.get("weight")  # noqa: SLF001 - this module's own parameter
+    """Whether ``module`` is a top-k router: a ``*Router`` (or ``*Gate``) class, an ``(E, H)`` weight, an int ``top_k``.
+
+    The weight is the router's own or that of its one ``nn.Linear`` (:func:`router_weight`).
+    """
+    kind = type(module).__name__.lower()
     top_k = getattr(module, "top_k", None)
     return (
-        "router" in type(module).__name__.lower()
-        and weight is not None
-        and weight.dim() == 2
+        ("router" in kind or kind.endswith("gate"))
+        and router_weight(module) is not None
         and isinstance(top_k, int)
         and not isinstance(top_k, bool)
     )
@@ -84,7 +102,7 @@ class _MaskLogits(TorchFunctionMode):
 
 
 def _dropped(router: nn.Module) -> Tensor | None:
-    weight: Tensor = router._parameters["weight"]  # type: ignore[assignment]  # noqa: SLF001 - is_router checked it
+    weight = cast(tuple[str, Tensor], router_weight(router))[1]  # is_router checked it
     dropped = torch.eq(weight.detach(), 0).all(dim=1)
     return dropped if bool(dropped.any()) else None
 
@@ -93,17 +111,19 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     dropped = _dropped(router)
     if dropped is None:
         return None
-    mode = _MaskLogits(router._parameters["weight"], dropped)  # type: ignore[arg-type]  # noqa: SLF001
+    mode = _MaskLogits(cast(tuple[str, Tensor], router_weight(router))[1], dropped)
 
     def bias(a: Any) -> Any:  # a per-expert selection bias (MiniMax-M2: passed in; DeepSeek-V3: the router's own)
         if isinstance(a, Tensor) and a.dtype.is_floating_point and a.shape == dropped.shape:
             return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
         return a
 
-    buffers = router._buffers  # noqa: SLF001 - the router's own buffers, put back by the post-hook
-    saved = {k: buffers[k] for k in SELECTION_BIASES if buffers.get(k) is not None}
-    for k, buf in saved.items():
-        buffers[k] = bias(buf)
+    saved = []  # the router's own selection biases (a buffer, or a parameter: Laguna's), put back by the post-hook
+    for store in (router._buffers, router._parameters):  # noqa: SLF001 - its own tensors
+        for k in SELECTION_BIASES:
+            if (held := store.get(k)) is not None:
+                saved.append((store, k, held))
+                store[k] = bias(held)  # a tensor while the router runs
     mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
     router.__dict__[_MODE_ATTR] = (mode, saved)
 
@@ -115,7 +135,8 @@ def _after(router: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
     if state is not None:
         mode, saved = state
         mode.__exit__(None, None, None)
-        router._buffers.update(saved)  # noqa: SLF001 - the buffers _before swapped
+        for store, k, held in saved:  # the tensors _before swapped
+            store[k] = held
     return output
 
 
@@ -134,7 +155,8 @@ def route_around_dropped(model: nn.Module, clusters: Sequence[ResolvedCluster]) 
     rows = {name for rc in clusters for m in rc.members if m.dim == 0 for name in (m.name, *m.aliases)}
     count = 0
     for name, module in model.named_modules():
-        weight = f"{name}.weight" if name else "weight"
+        found = router_weight(module)
+        weight = (f"{name}.{found[0]}" if name else found[0]) if found is not None else ""
         if weight in rows and is_router(module) and getattr(module, _HOOK_ATTR, None) is None:
             handles = (
                 module.register_forward_pre_hook(_before, with_kwargs=True),

@@ -327,13 +327,39 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
             "`lightning_pat.discover(model, x).table()` says what was left out and why",
             type(model).__name__, heads, kv,
         )  # fmt: skip
-    if not found.clusters:
+    experts = with_experts(model, found.clusters)
+    if not experts:
         raise ValueError(
             f"discover: no prunable clusters found in {type(model).__name__}; what was left out and why:\n"
             f"{found.table()}\nDeclare the clusters by hand."
         )
     log.info("discover: %d clusters of %s:\n%s", len(found.clusters), type(model).__name__, found.table())
-    return found.clusters
+    return experts
+
+
+def with_experts(model: nn.Module, clusters: Sequence[Cluster]) -> list[Cluster]:
+    """``clusters`` (discovered) with the units of the model's fused routed experts, where it has some.
+
+    Tracing does not see a fused-experts block's 3-D weights as channels; where the MoE preset does not cover every
+    layer (an attention it does not know), its expert units (:func:`~lightning_pat.presets.moe` without heads: the
+    experts' channels, whole experts, the shared experts) join the discovered clusters, and a discovered cluster
+    sharing a parameter with them (the shared experts' MLP, traced as an ordinary one) gives way.
+    """
+    try:
+        units = presets.moe(model, heads=False)
+    except ValueError:
+        return list(clusters)
+    taken = {m.name for rc in resolve_clusters(model, units) for m in rc.members}
+    names = {rc.name for rc in resolve_clusters(model, units)}
+    kept = []
+    for c in clusters:
+        resolved = resolve_clusters(model, [c])
+        if any(m.name in taken for rc in resolved for m in rc.members) or any(rc.name in names for rc in resolved):
+            continue
+        kept.append(c)
+    log.info("clusters='auto': %d expert units of %s join %d of the %d discovered clusters",
+             len(units), type(model).__name__, len(kept), len(clusters))  # fmt: skip
+    return [*kept, *units]
 
 
 Outcome = list[Cluster] | ValueError | None  # what the callback's tracing in ``setup`` produced

@@ -112,7 +112,10 @@ class _Trial:
         plan = build_plan(clusters, {rc.name: _one_per_group(rc) for rc in clusters if rc.num_units > 1})
         if self.mode == "meta":
             twin = verify.meta_copy(self.model)
-            apply_plan(twin, plan, check_zeros=False)
+            try:
+                apply_plan(twin, plan, check_zeros=False)
+            except ValueError as err:  # the shrink's validation refuses the cut (a module between writer and reader)
+                return str(err)
             failed = verify.runs_on_meta(twin, self.example)
             return None if failed is None else f"the shrunk model does not run: {failed[1]}"
         twin = _random_copy(self.model, seed=self.count)
@@ -120,7 +123,10 @@ class _Trial:
         before = verify.record(twin, self.example)
         if not all(bool(t.isfinite().all()) for t in before.outputs if t.is_floating_point()):
             return None  # random weights overflowed: no evidence either way (the shrink's own check decides)
-        apply_plan(twin, plan, check_zeros=False)
+        try:
+            apply_plan(twin, plan, check_zeros=False)
+        except ValueError as err:  # the shrink's validation refuses the cut (a module between writer and reader)
+            return str(err)
         try:
             verify.compare(twin, self.example, before)
         except verify.ShrinkCheckError as err:

@@ -24,6 +24,11 @@ every decoder layer), not by family name. :func:`moe` declares, per layer:
   attention has a head unit of its own (its query rows, its rows of ``kv_b_proj``, its ``o_proj`` columns; the
   latents and the shared rotary key stay whole).
 
+Where the preset does not cover every layer (an attention it does not know: gated, MLA variants, linear attention),
+``clusters="auto"`` discovers the clusters by tracing and adds the expert units above to them
+(:func:`lightning_pat.discovery.entry.with_experts`); a block whose router is not one row per expert (an MLP router,
+LongCat-Flash's zero-computation experts) has its experts' channels cut, never whole experts.
+
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
 number of experts and the stock config can express the result. The kept expert width and hidden size are multiples
@@ -36,9 +41,11 @@ import dataclasses
 import logging
 import re
 import weakref
+from typing import cast
 
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_pat.core.routing import router_weight
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
 from lightning_pat.presets.transformers import (
     QUERY_HEADS_DEFAULT,
@@ -59,6 +66,9 @@ _NORMS = "(?:input_layernorm|post_attention_layernorm)"
 #: experts (its default where torch has it) need 16-byte strides, 8 elements in bf16.
 WIDTH_MULTIPLE = 8
 _SHARED_MLP = r"shared_mlp\."
+#: A block's shared MLP next to its routed experts: DeepSeek's ``shared_experts``, Llama 4's ``shared_expert``,
+#: Hunyuan-MoE's ``shared_mlp`` (gate/up/down, as wide as the experts times the shared count).
+_SHARED = r"(?:shared_experts?|shared_mlp)"
 #: ``(block, router)`` module names of a layer's MoE block: Mixtral/Qwen/OLMoE, PhiMoE/gpt-oss, GraniteMoE.
 BLOCKS: tuple[tuple[str, str], ...] = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "router"))
 _WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
@@ -79,8 +89,8 @@ def _gate_up(
     readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
     shared_w: tuple[str, ...] = ()
     if joint_shared:
-        shared_w = (rf"{block}\.shared_experts?\.(?:gate|up)_proj\.(?:weight|bias)",)
-        readers = (*readers, rf"{block}\.shared_experts?\.down_proj\.weight")
+        shared_w = (rf"{block}\.{_SHARED}\.(?:gate|up)_proj\.(?:weight|bias)",)
+        readers = (*readers, rf"{block}\.{_SHARED}\.down_proj\.weight")
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
         return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
@@ -99,7 +109,7 @@ def moe_layout(
     fused = fused or FusedLayout()
     shared_re = rf"{block}\.shared_expert\."
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
-    router_w = rf"{block}\.{router}\.(?:weight|bias)"
+    router_w = rf"{block}\.{router}\.(?:[^.]+\.)?(?:weight|bias)|{block}\.(?:expert_bias|e_score_correction_bias)"
     biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
     down_out = (rf"{down}@{fused.down_hidden}", *((rf"{down}_bias@1",) if fused.bias else ()))
     writers: tuple[str, ...] = (rf"{_NORMS}\.weight", r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
@@ -107,8 +117,10 @@ def moe_layout(
                                 rf"{block}\.{router}\.weight")  # fmt: skip
     params = rf"(?:self_attn\.[qkvo]_proj)\.(?:weight|bias)|{_NORMS}\.(?:weight|bias)|self_attn\.[qk]_norm\.weight"
     params += rf"|{gate_up}|{down}|{router_w}{biases}|self_attn\.sinks|post_feedforward_layernorm\.weight"
+    params += rf"|{block}\.{router}\.e_score_correction_bias"
     params += rf"|{_SHARED_MLP}(?:input|output)_linear\.weight"
-    params += rf"|{block}\.shared_experts?\.(?:gate|up|down)_proj\.(?:weight|bias)|{block}\.shared_expert_gate\.weight"
+    params += rf"|{block}\.shared_experts?\.(?:gate|up|down|gate_up)_proj\.(?:weight|bias)"
+    params += rf"|{block}\.shared_expert_gate\.weight"
     out: tuple[str, ...] = (r"self_attn\.o_proj\.(?:weight|bias)", *down_out)
     if shared:
         writers, out = (*writers, rf"{shared_re}down_proj\.weight"), (*out, rf"{shared_re}down_proj\.weight")
@@ -175,7 +187,9 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
     """The backbone prefix and, per decoder layer with one, ``(layer, block, router, layout)`` of its MoE block.
 
     A block is a child of the layer holding a fused ``experts`` module (:func:`~lightning_pat.shrink.experts.
-    fused_layout`) and a top-k router (``gate`` or ``router``); ``None`` if the model has no such backbone.
+    fused_layout`), and a top-k router (``gate`` or ``router``) whose rows are its experts (``router`` is ``""``
+    where there is none: ZAYA's MLP router, LongCat-Flash's router that also scores zero-computation experts; the
+    experts' channels can be cut there, not whole experts); ``None`` if the model has no such backbone.
 
     Raises:
         ValueError: If MoE blocks sit under several backbones (a preset covers one).
@@ -188,9 +202,14 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         if match is None or not isinstance(experts, nn.Module) or (layout := fused_layout(experts)) is None:
             continue
         router = block_router(module)
-        if router is None:
-            continue
-        router_name = next(n for n, c in module.named_children() if c is router)
+        weight = router_weight(router) if router is not None else None
+        router_name = ""  # no top-k router whose rows are these experts: the experts' channels only
+        if (
+            router is not None
+            and weight is not None
+            and weight[1].shape[0] == cast(Tensor, experts.gate_up_proj).shape[0]
+        ):
+            router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
         found.append((match["layer"], match["block"], router_name, layout))
     if len(prefixes) > 1:
@@ -223,6 +242,8 @@ def covers(model: nn.Module) -> bool:
     if len({(b, r, lay) for _, b, r, lay in blocks}) != 1:
         return False
     _, block, router, fused = blocks[0]
+    if not router:  # no router the preset can cut with its experts: discovery, with the experts' channels
+        return False
     names = param_names(model)
     shared = any(re.search(rf"{block}\.shared_expert\.down_proj\.weight$", n) for n in names)
     known = _layer_params(moe_layout(block, router, shared=shared, fused=fused))
@@ -240,6 +261,26 @@ def covers(model: nn.Module) -> bool:
         if re.fullmatch(r"mlp\.down_proj\.weight", match["rest"]):
             dense.add(match["layer"])
     return seen == moe_layers | dense and not moe_layers & dense
+
+
+def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[str, str, str, FusedLayout]]) -> bool:
+    """Whether the blocks' ``shared_experts`` MLPs have a width of their own, not a multiple of the experts' width.
+
+    DeepSeek's shared experts are ``n_shared_experts`` experts wide (their channels join the experts' units); a
+    shared MLP whose width is no multiple of the experts' (MiniMax-M3's ``shared_intermediate_size``) is a cluster of
+    its own.
+    """
+    for layer, block, _, fused in blocks:
+        module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
+        shared = getattr(module, "shared_experts", None) or getattr(module, "shared_mlp", None)
+        down = getattr(shared, "down_proj", None)
+        experts = getattr(module, "experts", None)
+        if not isinstance(down, nn.Linear) or not isinstance(experts, nn.Module):
+            continue
+        width = cast(Tensor, experts.down_proj).shape[fused.down_channels]
+        if down.in_features % width:
+            return True
+    return False
 
 
 def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
@@ -333,8 +374,18 @@ def moe(
 
     shared_mlp = has(_SHARED_MLP + r"output_linear\.weight")
     config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    joint = has(rf"{block}\.shared_experts\.down_proj\.weight") or (  # Llama 4: the experts' width
-        has(rf"{block}\.shared_expert\.down_proj\.weight") and not hasattr(config, "shared_expert_intermediate_size")
+    own_width = _own_width_shared_experts(model, prefix, blocks)
+    joint = (
+        (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width)
+        or (  # Llama 4: the experts' width
+            has(rf"{block}\.shared_expert\.down_proj\.weight")
+            and not hasattr(config, "shared_expert_intermediate_size")
+        )
+        or (  # Hunyuan-MoE: the experts' width times num_shared_expert
+            has(rf"{block}\.shared_mlp\.down_proj\.weight")
+            and not own_width
+            and not hasattr(config, "shared_intermediate_size")
+        )
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
     mla = _mla(model, names)
@@ -404,6 +455,13 @@ def moe(
         out.append(
             Cluster("shared.{layer}", [shared_re + r"(?:gate|up)_proj\.weight"], [shared_re + r"down_proj\.weight"])
         )
+    if mlp and own_width:  # MiniMax-M3: `shared_experts` of a width of their own (gate and up fused or not)
+        shared_re = rf"{per_layer}{block}\.{_SHARED}\."
+        gate_up = [shared_re + rf"gate_up_proj\.weight[{i}/2]" for i in range(2)]
+        own = (
+            gate_up if has(rf"{block}\.{_SHARED}\.gate_up_proj\.weight") else [shared_re + r"(?:gate|up)_proj\.weight"]
+        )
+        out.append(Cluster("shared.{layer}", own, [shared_re + r"down_proj\.weight"]))
     if mlp and shared_mlp:  # GraniteMoE-shared: a fused gate/up `input_linear`, `output_linear`
         fused_in = [per_layer + _SHARED_MLP + rf"input_linear\.weight[{i}/2]" for i in range(2)]
         out.append(Cluster("shared.{layer}", fused_in, [per_layer + _SHARED_MLP + r"output_linear\.weight"]))
@@ -412,13 +470,20 @@ def moe(
         out.append(Cluster("heads.{layer}", [per_layer + q, per_layer + r"self_attn\.kv_b_proj\.weight"],
                            [per_layer + r"self_attn\.o_proj\.weight"], num_units=mla_heads,
                            multiple_of=head_count_multiple(model, mla_heads, _MLA_HEAD_FIELDS)))  # fmt: skip
-    if experts:
-        parts = [rf"{router}\.weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
-        if has(rf"{block}\.{router}\.bias"):
-            parts.append(rf"{router}\.bias")
+    if experts and router:
+        first = model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}")
+        weight = router_weight(first.get_submodule(router))
+        holder = f"{router}." + (weight[0].rsplit(".", 1)[0] + "." if weight and "." in weight[0] else "")
+        parts = [re.escape(holder) + "weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        for extra in ("bias", "e_score_correction_bias"):  # a per-expert selection bias held as a parameter
+            if has(rf"{block}\.{re.escape(holder)}{extra}"):
+                parts.append(re.escape(holder) + extra)
+        for extra in ("expert_bias", "e_score_correction_bias"):  # the block's own (AFMoE: passed to its router)
+            if has(rf"{block}\.{extra}"):
+                parts.append(extra)
         if fused.bias:
             parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
-        groups = expert_groups(model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}.{router}"))
+        groups = expert_groups(first.get_submodule(router))
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")

@@ -15,7 +15,8 @@ router next to it holds ``weight`` of shape ``(E, H)`` (and gpt-oss a ``bias`` `
   parts) with its bias, and ``down_proj``'s (``intermediate_dim`` / ``intermediate_size`` follows);
 * the residual: the hidden dims, the router's columns (``hidden_dim`` follows).
 
-A model's config gets the expert count (``num_local_experts`` / ``num_experts``), ``num_experts_per_tok`` and the
+A model's config gets the expert count (``num_local_experts`` / ``num_experts``, Aria's ``moe_num_experts``),
+``num_experts_per_tok`` (Aria's ``moe_topk``) and the
 experts' width (``moe_intermediate_size`` where the config has one, else ``intermediate_size``) where they are the
 same in every layer, and a shared expert's width (``shared_expert_intermediate_size``, GraniteMoE-shared's
 ``shared_intermediate_size``). How a dropped expert is routed around in the masked model:
@@ -31,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_pat.core.routing import is_router
+from lightning_pat.core.routing import is_router, router_weight
 from lightning_pat.shrink.cuts import Edit
 
 #: (kind, attribute) -> dims that may be cut.
@@ -42,11 +43,20 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("experts", "down_proj_bias"): (0, 1),
     ("router", "weight"): (0, 1),
     ("router", "bias"): (0,),
+    ("router", "e_score_correction_bias"): (0,),  # a parameter in Laguna (a buffer elsewhere: PER_EXPERT_BUFFERS)
+    # a block's own per-expert selection bias, passed to its router (AFMoE's ``expert_bias``)
+    ("moe_block", "expert_bias"): (0,),
+    ("moe_block", "e_score_correction_bias"): (0,),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
 #: Buffers of a MoE block holding one entry per expert (cut with the experts).
 PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
+#: Config fields holding the routed expert count (Aria: ``moe_num_experts``) and the experts per token.
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "moe_num_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk")
+#: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
+EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
 
 
 @dataclass(frozen=True)
@@ -123,10 +133,24 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 
 def experts_kind(module: nn.Module) -> str | None:
-    """``"experts"``, ``"router"`` or ``None``."""
+    """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
     if is_fused_experts(module):
         return "experts"
-    return "router" if is_router(module) else None
+    if is_router(module):
+        return "router"
+    experts = getattr(module, "experts", None)
+    own = any(module._parameters.get(a) is not None for k, a in EXPERT_DIMS if k == "moe_block")  # noqa: SLF001
+    if own and isinstance(experts, nn.Module) and is_fused_experts(experts) and block_router(module) is not None:
+        return "moe_block"
+    return None
+
+
+def _router_holder(router: nn.Module) -> nn.Module:
+    """The module that holds the router's ``(E, H)`` weight as ``weight``: the router, or its one ``nn.Linear``."""
+    found = router_weight(router)
+    if found is None or found[0] == "weight":
+        return router
+    return router.get_submodule(found[0].rsplit(".", 1)[0])
 
 
 def block_router(block: nn.Module) -> nn.Module | None:
@@ -163,16 +187,17 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         if experts is None or layout is None:
             continue
         router = block_router(block)
-        e_edit, r_edit = edits.get(id(experts)), edits.get(id(router)) if router is not None else None
+        holder = _router_holder(router) if router is not None else None
+        e_edit, r_edit = edits.get(id(experts)), edits.get(id(holder)) if holder is not None else None
         if e_edit is None and r_edit is None:
             continue
         num = experts.gate_up_proj.shape[0]
         double = experts.gate_up_proj.shape[layout.gate_up_channels]
         attrs = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()))
         kept = {f"experts.{a}": _cut(e_edit, a, 0, num) for a in attrs}
-        if router is not None:
+        if holder is not None:
             kept["router.weight"] = _cut(r_edit, "weight", 0, num)
-            if router._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
+            if holder._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
                 kept["router.bias"] = _cut(r_edit, "bias", 0, num)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
@@ -264,11 +289,27 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
-    else:
+    elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
         _set_int(module, "top_k", min(cast(int, module.top_k), num))
+
+
+def _extra_router_rows(model: nn.Module) -> bool:
+    """Whether a fused-experts block's router scores more rows than its experts (LongCat-Flash's zero experts).
+
+    Its top-k may exceed the experts (the extra rows are identity experts), so no count or top-k follows the experts.
+    """
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module) or not is_fused_experts(experts):
+            continue
+        router = block_router(block)
+        found = router_weight(router) if router is not None else None
+        if found is not None and found[1].shape[0] != _shape(experts)[0]:
+            return True
+    return False
 
 
 def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> None:
@@ -277,6 +318,8 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
+    if _extra_router_rows(model):
+        return  # a router scoring more than its experts (LongCat-Flash's zero experts): no expert is cut, top-k holds
     counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
     if len(counts) == 1:  # the model's own copies (Mixtral's CausalLM reads num_experts for its auxiliary loss)
         num = counts.pop()
@@ -305,11 +348,11 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
 
 
 def shared_experts(model: nn.Module) -> list[nn.Module]:
-    """The shared experts by fused routed experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``)."""
+    """The shared experts next to fused routed experts (``shared_expert``, ``shared_experts``, ``shared_mlp``)."""
     return [
         getattr(block, attr)
         for block in model.modules()
-        for attr in ("shared_expert", "shared_experts")
+        for attr in ("shared_expert", "shared_experts", "shared_mlp")
         if isinstance(getattr(block, attr, None), nn.Module)
         and isinstance(getattr(block, "experts", None), nn.Module)
         and is_fused_experts(cast(nn.Module, block.experts))
@@ -336,18 +379,18 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     config: Any = getattr(model, "config", None)
     out: dict[str, int | None] = {}
     count = counts.pop() if len(counts) == 1 else None
-    for attr in ("num_local_experts", "num_experts"):
+    whole = _extra_router_rows(model)  # its experts are whole: their count and top-k stay
+    for attr in () if whole else EXPERT_COUNT_FIELDS:
         if isinstance(getattr(config, attr, None), int):
             out[attr] = count
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if isinstance(top_k, int):
-        out["num_experts_per_tok"] = min(top_k, fewest)
-    width_attr = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
+    for attr in () if whole else TOP_K_FIELDS:
+        if isinstance(top_k := getattr(config, attr, None), int):
+            out[attr] = min(top_k, fewest)
+    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if hasattr(config, a)), "intermediate_size")
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
-    if shared and isinstance(getattr(config, "shared_expert_intermediate_size", None), int):
-        out["shared_expert_intermediate_size"] = shared.pop() if len(shared) == 1 else None
-    shared = _shared_mlp_widths(model)
-    if shared and isinstance(getattr(config, "shared_intermediate_size", None), int):
-        out["shared_intermediate_size"] = shared.pop() if len(shared) == 1 else None
+    shared |= _shared_mlp_widths(model)
+    for attr in ("shared_expert_intermediate_size", "shared_intermediate_size"):
+        if shared and isinstance(getattr(config, attr, None), int):
+            out[attr] = next(iter(shared)) if len(shared) == 1 else None
     return out

@@ -86,6 +86,19 @@ def is_qkv_attention(m: nn.Module) -> bool:
     )
 
 
+def query_heads(m: nn.Module) -> int:
+    """The query head count of a :func:`is_qkv_attention` module, read from its projections.
+
+    ``q_proj`` holds ``head_dim`` rows per head, or twice that where it also makes a per-head output gate (Qwen3.5,
+    Qwen3-Next: ``q_proj`` twice as wide as ``o_proj``'s input).
+    """
+    hd = cast(int, m.head_dim)
+    q, o = cast(nn.Linear, m.q_proj).out_features, getattr(m, "o_proj", None)
+    if isinstance(o, nn.Linear) and q == 2 * o.in_features:
+        return o.in_features // hd
+    return q // hd
+
+
 def is_gpt2_attention(m: nn.Module) -> bool:
     """Whether ``m`` is a GPT-2 attention: a packed ``Conv1D`` ``c_attn`` and an int ``split_size``."""
     packed = module_kind(getattr(m, "c_attn", nn.Identity())) == "conv1d"
@@ -151,7 +164,7 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
             _set_if_int(module, "num_heads", heads)
         elif is_qkv_attention(module):
             hd = cast(int, module.head_dim)
-            n_q = cast(nn.Linear, module.q_proj).out_features // hd
+            n_q = query_heads(module)
             n_kv = cast(nn.Linear, module.k_proj).out_features // hd
             for attr in ("num_heads", "num_attention_heads", "n_head"):
                 _set_if_int(module, attr, n_q)
@@ -298,11 +311,11 @@ def update_config(
     if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
         _set_config(config, HEAD_FIELDS, _uniform(mla), "the head count")
         _set_config(config, KV_FIELDS, _uniform(mla), "the KV head count")
-    if attns:
+    if attns and not mla:  # next to MLA layers (Kimi-Linear), q/k/v layers are linear attention of its own fields
         _set_config(
             config,
             HEAD_FIELDS,
-            _uniform(a.q_proj.out_features // a.head_dim for a in attns),
+            _uniform(query_heads(a) for a in attns),
             "the head count",
         )
         _set_config(

@@ -1,8 +1,8 @@
 """Transformers' causal-LM classes as tiny random models, for ``bench/bench_lmzoo.py`` and the family tests (offline).
 
 :func:`tiny_config` shrinks a family's default config to hidden 64, 2 layers, 4 heads of 16 (2 KV heads where the
-family has GQA), a small MLP and vocabulary (DeepSeek-V2/V3: the MLA sizes and 8 experts in 2 routing groups of
-``_FAMILY``); :func:`build` makes the model (eager attention, every parameter jittered
+family has GQA), a small MLP and vocabulary (latent attention: the MLA sizes and 8 experts in 2 routing groups of
+``_LATENT``); :func:`build` makes the model (eager attention, every parameter jittered
 so that norms and biases matter); :func:`chain` runs what a new user runs: ``prune_clusters(model, "auto", 0.5,
 calibration=...)``, ``shrink``, the logits against the masked model's, ``save_pretrained``, stock
 ``AutoModelForCausalLM.from_pretrained`` and ``generate()``. This is a test and benchmark helper, never library code.
@@ -34,23 +34,38 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), FF),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 64),
-    "head_dim": HEAD_DIM,
+    **dict.fromkeys(("head_dim", "v_head_dim"), HEAD_DIM),
     "rotary_dim": 8,
     "vocab_size": VOCAB,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
-    "num_experts_per_tok": 2,
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token"), 2),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    # linear-attention layers of hybrid models (Qwen3-Next/3.5, Kimi-Linear): heads of 16 like the others
+    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), KV),
+    "linear_num_value_heads": HEADS,
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
+    **dict.fromkeys(("router_hidden_size", "expert_ffn_hidden_size"), 32),  # ZAYA's MLP router; LongCat-Flash
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
-    # multi-head latent attention: as many KV heads as heads; 8 experts in 2 groups, a dense first layer
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), {
-        "num_key_value_heads": HEADS, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 8, "n_group": 2,
-        "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    }),
+    "zaya": {"num_experts_per_tok": 1},  # its config refuses any other top-k
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default: every layer would need one
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # all Mamba by default
+    "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # its attention reads them
 }  # fmt: skip
+#: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
+#: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
+#: (DeepSeek-V2's ``head_dim`` is its rotary part: 8 where the config has ``qk_nope_head_dim``), as many KV heads as
+#: heads, a small indexer; 8 experts in 2 groups, a dense first layer.
+_LATENT = {
+    "num_key_value_heads": HEADS, "q_lora_rank": 32, "kv_lora_rank": 32, "o_lora_rank": 32, "o_groups": 2,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 4,
+    "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+}  # fmt: skip
+#: Sizes set even where the family's default is ``None`` (derived, or left for the checkpoint to give).
+_IF_NONE = {"head_dim": HEAD_DIM, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -65,6 +80,17 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
+    kwargs.update({k: v for k, v in _IF_NONE.items() if k in fields and fields[k] is None})
+    kinds = fields.get("layer_types")
+    if isinstance(kinds, list) and len(set(kinds)) > 1:  # hybrid: one layer of each kind (attention last)
+        last = "full_attention" if "full_attention" in kinds else kinds[-1]
+        kwargs["layer_types"] = [next(k for k in kinds if k != last), last]
+    if "attn_layer_period" in fields:  # Jamba: attention in the second of the two layers, not past them
+        kwargs.update(attn_layer_period=2, attn_layer_offset=1)
+    if "q_lora_rank" in fields or "kv_lora_rank" in fields:
+        kwargs.update({k: v for k, v in _LATENT.items() if k in fields})
+        if "qk_nope_head_dim" in fields and "head_dim" in fields:
+            kwargs["head_dim"] = 8
     kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -78,8 +104,12 @@ def build(model_type: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(model_type, **overrides)
+    cls = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    text = getattr(config, "text_config", None)
+    if text is not None and not isinstance(config, cls.config_class):  # Llama 4, Qwen3.5-MoE: the text model's
+        config = tiny_config(text.model_type, **overrides)
     torch.manual_seed(seed)
-    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
+    model = cls(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
