@@ -68,6 +68,17 @@ def is_qkv_attention(m: nn.Module) -> bool:
     )
 
 
+def query_heads(m: nn.Module) -> int:
+    """The query head count of a :func:`is_qkv_attention` module: its ``o_proj`` input over ``head_dim``.
+
+    ``o_proj`` reads exactly the heads' outputs; ``q_proj`` may hold more rows per head (Qwen3.5's and Qwen3-Next's
+    gated attention: a query and a gate row block per head), so it is read only where there is no ``o_proj``.
+    """
+    out = getattr(m, "o_proj", None)
+    width = out.in_features if isinstance(out, nn.Linear) else cast(nn.Linear, m.q_proj).out_features
+    return width // cast(int, m.head_dim)
+
+
 def is_gpt2_attention(m: nn.Module) -> bool:
     """Whether ``m`` is a GPT-2 attention: a packed ``Conv1D`` ``c_attn`` and an int ``split_size``."""
     packed = module_kind(getattr(m, "c_attn", nn.Identity())) == "conv1d"
@@ -97,7 +108,7 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
             _set_if_int(module, "num_heads", heads)
         elif is_qkv_attention(module):
             hd = cast(int, module.head_dim)
-            n_q = cast(nn.Linear, module.q_proj).out_features // hd
+            n_q = query_heads(module)
             n_kv = cast(nn.Linear, module.k_proj).out_features // hd
             for attr in ("num_heads", "num_attention_heads", "n_head"):
                 _set_if_int(module, attr, n_q)
@@ -187,6 +198,7 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     """
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
+    _derived_width(config, mlp)
     for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
         value = getattr(config, field)
         if field == "n_inner" and value is None and isinstance(hidden, int):
@@ -200,6 +212,28 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
             setattr(config, field, new)
         except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
             log.info("shrink: %s cannot hold the new MLP width in %r (%s)", type(config).__name__, field, err)
+
+
+def _derived_width(config: Any, mlp: Sequence[tuple[int, int]]) -> None:
+    """A config that derives its MLP width from ``intermediate_size`` under a flag: the flag off, the width itself.
+
+    LFM2 builds ``int(2 * intermediate_size / 3)`` rounded up to ``block_multiple_of`` while its
+    ``block_auto_adjust_ff_dim`` (any ``*auto_adjust*`` bool of the config) is set; with the flag off it builds
+    ``intermediate_size`` as it is, so the cut width is expressed by turning the flag off. Only when every cut MLP
+    reader had the same width before, the config's field is not that width (it is derived), and they share one new
+    width.
+    """
+    flags = [f for f in vars(config) if "auto_adjust" in f and getattr(config, f) is True]
+    width = getattr(config, "intermediate_size", None)
+    old, new = _uniform(o for o, n in mlp if n != o), _uniform(n for o, n in mlp if n != o)
+    if not flags or not isinstance(width, int) or not isinstance(old, int) or old == width or not isinstance(new, int):
+        return
+    try:
+        for flag in flags:
+            setattr(config, flag, False)
+        config.intermediate_size = new
+    except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
+        log.info("shrink: %s cannot hold the new MLP width (%s)", type(config).__name__, err)
 
 
 def update_config(
@@ -246,7 +280,7 @@ def update_config(
         _set_config(
             config,
             HEAD_FIELDS,
-            _uniform(a.q_proj.out_features // a.head_dim for a in attns),
+            _uniform(query_heads(a) for a in attns),
             "the head count",
         )
         _set_config(

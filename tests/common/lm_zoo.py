@@ -41,6 +41,17 @@ _SIZES: dict[str, int] = {
     "num_experts_per_tok": 2,
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
+    # hybrid mixers (mamba, gated delta nets, LRU): 8 SSM heads of 16 (2 * hidden), state 16, 4 linear-attention
+    # value heads of 16 (their defaults would hold most of the tiny model's parameters)
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 8),
+    **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim", "linear_head_dim"), 16),
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size"), 16),
+    **dict.fromkeys(("mamba_dt_rank", "time_step_rank"), 8),
+    "mamba_d_ssm": 2 * HIDDEN,
+    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim"), 16),
+    "linear_num_key_heads": 2,
+    **dict.fromkeys(("linear_num_value_heads", "linear_num_heads"), 4),
+    "lru_width": HIDDEN,
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
@@ -50,7 +61,18 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 8, "n_group": 2,
         "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_experts_per_tok": 2,
     }),
+    # mamba2: hidden * expand == num_heads * head_dim; gpt_neo: one (global, local) pair of layers
+    "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # default: linear layers only
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
 }  # fmt: skip
+#: Sizes set even where the family's default is None (None: derived, e.g. head_dim = hidden // heads, or unset).
+_ALWAYS: dict[str, int] = {"head_dim": HEAD_DIM, "num_key_value_heads": KV, "intermediate_size": FF}
+#: Per-layer kind lists of hybrid families: the tiny model holds each kind of the default list once (two layers of
+#: only linear attention or only mamba would leave the family's attention, and its cache, out).
+_KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
+#: Where a hybrid family places its attention layers (its default places none in the first two layers).
+_HYBRID = {"attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "hybrid_layer_ids": [1]}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -62,6 +84,13 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     default = AutoConfig.for_model(model_type)
     fields = default.to_dict()  # not properties derived from them (Falcon's head_dim)
     kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if fields.get(k) is not None}
+    kwargs.update({k: v for k, v in _ALWAYS.items() if k in fields and fields[k] is None})
+    kwargs.update({k: v for k, v in _HYBRID.items() if k in fields})
+    for key in (k for k in _KIND_LISTS if isinstance(fields.get(k), list) and len(set(map(str, fields[k]))) > 1):
+        kinds = list(dict.fromkeys(fields[key]))
+        kwargs[key] = kinds
+        depth = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+        kwargs.update({k: len(kinds) for k in depth if k in fields})
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden

@@ -1,0 +1,56 @@
+"""Dense Hugging Face decoder families that once failed the zoo bench, one per cause (issue 37).
+
+Each case is a tiny random model of ``tests/common/lm_zoo.py``: ``prune_clusters(model, "auto", 0.5, calibration=)``,
+``shrink``, the shrunk logits against the masked model's (the independent reference: the unshrunk model with the
+dropped units zeroed), ``save_pretrained``, stock ``AutoModelForCausalLM.from_pretrained`` (its logits against the
+masked model's) and ``generate()``, at least 20% of the non-embedding parameters cut.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.common import lm_zoo
+
+pytest.importorskip("transformers")
+
+
+def _chain(model_type: str) -> tuple[object, lm_zoo.Outcome]:
+    model = lm_zoo.build(model_type)
+    out = lm_zoo.chain(model)
+    assert out.error == "", f"{model_type} failed at {out.stage}: {out.error}"
+    assert out.ok, out  # exact shrink and stock reload (rel < 1e-4), >= 20% cut, generate()
+    return model, out
+
+
+def test_a_derived_mlp_width_is_expressed_by_turning_its_auto_adjust_flag_off():
+    # LFM2 builds int(2 * intermediate_size / 3) rounded up to block_multiple_of (256 here from 128) while
+    # block_auto_adjust_ff_dim is set: the stock config expresses the cut width with the flag off
+    dense = lm_zoo.build("lfm2")
+    assert dense.model.layers[0].feed_forward.w2.in_features == 256 != dense.config.intermediate_size
+    model, out = _chain("lfm2")  # shrunk in place
+    assert out.cut > 0.4  # the MLPs cut (the heads alone: 10%)
+    width = model.model.layers[0].feed_forward.w2.in_features
+    assert width == 128 == model.config.intermediate_size
+    assert model.config.block_auto_adjust_ff_dim is False
+
+
+def test_a_gated_query_projection_keeps_the_head_count_when_the_mlp_is_cut():
+    # Qwen3.5's full-attention q_proj holds a query and a gate row block per head (2 * heads * head_dim rows): the
+    # head count is o_proj's input over head_dim, so cutting the MLPs alone leaves num_key_value_groups and the
+    # config's num_attention_heads as they were; the tiny model holds a linear-attention and a full-attention layer
+    model, _ = _chain("qwen3_5_text")  # shrunk in place
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj.out_features == 2 * attn.o_proj.in_features
+    assert model.config.num_attention_heads == lm_zoo.HEADS
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "hunyuan_v1_dense",  # head_dim None in the default config: the tiny config sets it
+        "bamba",  # a hybrid: mamba mixers left whole, attention and MLPs cut
+    ],
+)
+def test_families_whose_tiny_config_once_did_not_build_pass(model_type):
+    _chain(model_type)
