@@ -206,6 +206,9 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
         if not isinstance(value, int) or isinstance(value, bool):
             continue
         new = _uniform(n for o, n in mlp if o == value and n != o)
+        if new is None:  # a width the family derives as the field over a whole factor (RecurrentGemma: // 2)
+            factor = _uniform(value // o for o, n in mlp if n != o and o < value and value % o == 0)
+            new = _uniform(n * factor for o, n in mlp if n != o) if isinstance(factor, int) and factor > 1 else None
         if new is None:
             continue
         try:
@@ -270,7 +273,10 @@ def update_config(
     mlp_widths += [
         cast(Any, m.c_fc).nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"
     ]
-    if mlp_widths:
+    # cut down_proj readers were matched to the fields above, whose width the family may derive (RecurrentGemma
+    # builds intermediate_size // 2): their width is not the field's value then
+    read = any(name.endswith("down_proj") and new != old for name, old, new in reads)
+    if mlp_widths and not read:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
     mla = [h for m in model.modules() if (h := mla_heads(m)) is not None]
     if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times

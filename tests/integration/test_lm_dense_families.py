@@ -54,3 +54,15 @@ def test_a_gated_query_projection_keeps_the_head_count_when_the_mlp_is_cut():
 )
 def test_families_whose_tiny_config_once_did_not_build_pass(model_type):
     _chain(model_type)
+
+
+def test_a_width_derived_over_a_factor_is_told_and_a_head_count_other_blocks_read_is_left_out():
+    # RecurrentGemma builds its MLP as intermediate_size // 2, and its config's head count also sizes the LRU blocks
+    # of the recurrent layers (lru_width // heads): the MLP cut is expressed (intermediate_size twice the width),
+    # the attention heads are left out before pruning (a stock config with fewer heads builds other LRU blocks)
+    heads = lm_zoo.tiny_config("recurrent_gemma").num_attention_heads
+    model, _ = _chain("recurrent_gemma")  # shrunk in place
+    mlp = model.model.layers[0].mlp_block
+    assert mlp.down_proj.in_features == lm_zoo.FF // 4  # half of intermediate_size // 2
+    assert model.config.intermediate_size == 2 * mlp.down_proj.in_features
+    assert model.config.num_attention_heads == heads
