@@ -149,13 +149,21 @@ def _uniform(values: Iterable[int | float]) -> int | float | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _has(config: Any, name: str) -> bool:
+    """``hasattr``, False where reading the field raises (Gemma 4's per-layer ``head_dim``: no global value)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return False
+
+
 def _set_config(config: Any, names: Sequence[str], value: int | float | None, what: str) -> None:
     if value is None:
-        if any(hasattr(config, n) for n in names):
+        if any(_has(config, n) for n in names):
             log.info("shrink: %s differs between layers; `config` keeps its value, the export records per layer", what)
         return
     for n in names:
-        if hasattr(config, n):
+        if _has(config, n):
             setattr(config, n, value)
 
 
@@ -199,7 +207,8 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
     _derived_width(config, mlp)
-    for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
+    _width_in_hiddens(config, mlp, hidden)
+    for field in (f for f in MLP_WIDTHS if _has(config, f)):
         value = getattr(config, field)
         if field == "n_inner" and value is None and isinstance(hidden, int):
             value = 4 * hidden
@@ -239,6 +248,20 @@ def _derived_width(config: Any, mlp: Sequence[tuple[int, int]]) -> None:
         log.info("shrink: %s cannot hold the new MLP width (%s)", type(config).__name__, err)
 
 
+def _width_in_hiddens(config: Any, mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
+    """An MLP width the config holds in multiples of the hidden size: the new multiple, where it is a whole one.
+
+    GPT-NeoX-Japanese builds ``hidden_size * intermediate_multiple_size`` (an int); a width that is not a multiple of
+    the hidden size leaves the field as it was, and the stock probe refuses the cut.
+    """
+    old, new = _uniform(o for o, n in mlp if n != o), _uniform(n for o, n in mlp if n != o)
+    if not isinstance(hidden, int) or not isinstance(old, int) or not isinstance(new, int) or new % hidden:
+        return
+    for field in (f for f in vars(config) if "multiple_size" in f):
+        if getattr(config, field) == old / hidden:
+            setattr(config, field, new // hidden)
+
+
 def update_config(
     model: nn.Module,
     rescaled_eps: Mapping[int, float],
@@ -252,7 +275,7 @@ def update_config(
     fields follow the readers that read the old width, whatever the family calls them).
     """
     config: Any = model.config
-    hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if hasattr(config, n)), None)
+    hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if _has(config, n)), None)
     if reads:
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
@@ -296,7 +319,8 @@ def update_config(
             "the KV head count",
         )
         head_dim = _uniform(a.head_dim for a in attns)
-        if head_dim is not None and not hasattr(config, "head_dim") and hasattr(config, "model_type"):
+        absent = _has(config, "model_type") and not _has(config, "head_dim") and "head_dim" not in dir(config)
+        if head_dim is not None and absent:
             config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:

@@ -52,6 +52,9 @@ _SIZES: dict[str, int] = {
     "linear_num_key_heads": 2,
     **dict.fromkeys(("linear_num_value_heads", "linear_num_heads"), 4),
     "lru_width": HIDDEN,
+    # Gemma 3n/4: the per-layer input embeddings
+    "hidden_size_per_layer_input": HEAD_DIM,
+    "vocab_size_per_layer_input": VOCAB,
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
@@ -66,6 +69,11 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # default: linear layers only
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
 }  # fmt: skip
+#: model_type -> keyword arguments its config takes without holding them as fields (Gemma 4's full-attention head
+#: size becomes a per-layer override).
+_KWARGS: dict[str, dict[str, Any]] = dict.fromkeys(
+    ("gemma4_text", "gemma4_unified_text"), {"global_head_dim": HEAD_DIM}
+)
 #: Sizes set even where the family's default is None (None: derived, e.g. head_dim = hidden // heads, or unset).
 _ALWAYS: dict[str, int] = {"head_dim": HEAD_DIM, "num_key_value_heads": KV, "intermediate_size": FF}
 #: Per-layer kind lists of hybrid families: the tiny model holds each kind of the default list once (two layers of
@@ -95,6 +103,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
     kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
+    kwargs.update(_KWARGS.get(model_type, {}))
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists

@@ -45,6 +45,7 @@ def test_a_gated_query_projection_keeps_the_head_count_when_the_mlp_is_cut():
     assert model.config.num_attention_heads == lm_zoo.HEADS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type",
     [
@@ -66,3 +67,15 @@ def test_a_width_derived_over_a_factor_is_told_and_a_head_count_other_blocks_rea
     assert mlp.down_proj.in_features == lm_zoo.FF // 4  # half of intermediate_size // 2
     assert model.config.intermediate_size == 2 * mlp.down_proj.in_features
     assert model.config.num_attention_heads == heads
+
+
+def test_a_width_held_in_multiples_of_the_hidden_size_is_told_the_new_multiple():
+    # GPT-NeoX-Japanese builds hidden_size * intermediate_multiple_size (an int): half of 4 * hidden is 2 * hidden
+    model, _ = _chain("gpt_neox_japanese")  # shrunk in place
+    assert model.config.intermediate_multiple_size == 2
+
+
+def test_a_per_layer_head_dim_the_config_will_not_read_globally_is_left_as_it_is():
+    # Gemma 4's config raises on `config.head_dim` (a per-layer attribute: the full-attention layers have their own)
+    # where other configs return a value or raise AttributeError: the shrink treats it as a field it does not set
+    _chain("gemma4_text")
