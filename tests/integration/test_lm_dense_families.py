@@ -79,3 +79,14 @@ def test_a_per_layer_head_dim_the_config_will_not_read_globally_is_left_as_it_is
     # Gemma 4's config raises on `config.head_dim` (a per-layer attribute: the full-attention layers have their own)
     # where other configs return a value or raise AttributeError: the shrink treats it as a field it does not set
     _chain("gemma4_text")
+
+
+def test_a_family_whose_config_expresses_no_cut_is_refused_with_the_reason_of_each():
+    # OpenAI GPT: the MLP is 4 * n_embd, and its attention has no head_dim (the head size is n_embd // n_head)
+    from lightning_pat import prune_clusters
+
+    model = lm_zoo.build("openai-gpt")
+    with pytest.raises(ValueError, match=r"can express none") as err:
+        prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=2)])
+    assert "c_fc.weight as [64, 256], not [64, 128]" in str(err.value)
+    assert "holds no `head_dim`" in str(err.value)
