@@ -157,6 +157,17 @@ def _has(config: Any, name: str) -> bool:
         return False
 
 
+def _missing(config: Any, name: str) -> bool:
+    """Whether ``config`` has no field ``name`` (reading it raises ``AttributeError``; another error: it has one)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return True
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer field
+        return False
+    return False
+
+
 def _set_config(config: Any, names: Sequence[str], value: int | float | None, what: str) -> None:
     if value is None:
         if any(_has(config, n) for n in names):
@@ -319,8 +330,7 @@ def update_config(
             "the KV head count",
         )
         head_dim = _uniform(a.head_dim for a in attns)
-        absent = _has(config, "model_type") and not _has(config, "head_dim") and "head_dim" not in dir(config)
-        if head_dim is not None and absent:
+        if head_dim is not None and _missing(config, "head_dim") and _has(config, "model_type"):
             config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:
