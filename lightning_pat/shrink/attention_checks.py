@@ -101,6 +101,13 @@ def _check_gpt2_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit])
             raise ValueError(f"{where}: cross-attention cannot be shrunk; exclude its parameters from the clusters.")
         return
     gpt2: Any = attn  # transformers' GPT2Attention: its Conv1D parts (nf, nx) are not a type the shrink imports
+    if not isinstance(getattr(gpt2, "head_dim", None), int):
+        if _kept(edits, gpt2.c_attn, "weight", 1, gpt2.c_attn.nf).numel() != gpt2.c_attn.nf:
+            raise ValueError(
+                f"{where}: holds no `head_dim` (GPT-1's attention splits `n_embd` by its head count), so it cannot "
+                "lose heads; leave its c_attn/c_proj heads out of the clusters (the MLP can still be cut)."
+            )
+        return
     hd, width = gpt2.head_dim, gpt2.c_attn.nf // 3
     kept = _kept(edits, gpt2.c_attn, "weight", 1, gpt2.c_attn.nf)
     chunks = [kept[(kept >= i * width) & (kept < (i + 1) * width)] - i * width for i in range(3)]

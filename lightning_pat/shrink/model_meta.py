@@ -87,16 +87,14 @@ def is_qkv_attention(m: nn.Module) -> bool:
 
 
 def query_heads(m: nn.Module) -> int:
-    """The query head count of a :func:`is_qkv_attention` module, read from its projections.
+    """The query head count of a :func:`is_qkv_attention` module: its ``o_proj`` input over ``head_dim``.
 
-    ``q_proj`` holds ``head_dim`` rows per head, or twice that where it also makes a per-head output gate (Qwen3.5,
-    Qwen3-Next: ``q_proj`` twice as wide as ``o_proj``'s input).
+    ``o_proj`` reads exactly the heads' outputs; ``q_proj`` may hold more rows per head (Qwen3.5's and Qwen3-Next's
+    gated attention: a query and a gate row block per head), so it is read only where there is no ``o_proj``.
     """
-    hd = cast(int, m.head_dim)
-    q, o = cast(nn.Linear, m.q_proj).out_features, getattr(m, "o_proj", None)
-    if isinstance(o, nn.Linear) and q == 2 * o.in_features:
-        return o.in_features // hd
-    return q // hd
+    out = getattr(m, "o_proj", None)
+    width = out.in_features if isinstance(out, nn.Linear) else cast(nn.Linear, m.q_proj).out_features
+    return width // cast(int, m.head_dim)
 
 
 def is_gpt2_attention(m: nn.Module) -> bool:
@@ -207,13 +205,32 @@ def _uniform(values: Iterable[int | float]) -> int | float | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _has(config: Any, name: str) -> bool:
+    """``hasattr``, False where reading the field raises (Gemma 4's per-layer ``head_dim``: no global value)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return False
+
+
+def _missing(config: Any, name: str) -> bool:
+    """Whether ``config`` has no field ``name`` (reading it raises ``AttributeError``; another error: it has one)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return True
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer field
+        return False
+    return False
+
+
 def _set_config(config: Any, names: Sequence[str], value: int | float | None, what: str) -> None:
     if value is None:
-        if any(hasattr(config, n) for n in names):
+        if any(_has(config, n) for n in names):
             log.info("shrink: %s differs between layers; `config` keeps its value, the export records per layer", what)
         return
     for n in names:
-        if hasattr(config, n):
+        if _has(config, n):
             setattr(config, n, value)
 
 
@@ -256,19 +273,60 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     """
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
-    for field in (f for f in MLP_WIDTHS if hasattr(config, f)):
+    _derived_width(config, mlp)
+    _width_in_hiddens(config, mlp, hidden)
+    for field in (f for f in MLP_WIDTHS if _has(config, f)):
         value = getattr(config, field)
         if field == "n_inner" and value is None and isinstance(hidden, int):
             value = 4 * hidden
         if not isinstance(value, int) or isinstance(value, bool):
             continue
         new = _uniform(n for o, n in mlp if o == value and n != o)
+        if new is None:  # a width the family derives as the field over a whole factor (RecurrentGemma: // 2)
+            factor = _uniform(value // o for o, n in mlp if n != o and o < value and value % o == 0)
+            new = _uniform(n * factor for o, n in mlp if n != o) if isinstance(factor, int) and factor > 1 else None
         if new is None:
             continue
         try:
             setattr(config, field, new)
         except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
             log.info("shrink: %s cannot hold the new MLP width in %r (%s)", type(config).__name__, field, err)
+
+
+def _derived_width(config: Any, mlp: Sequence[tuple[int, int]]) -> None:
+    """A config that derives its MLP width from ``intermediate_size`` under a flag: the flag off, the width itself.
+
+    LFM2 builds ``int(2 * intermediate_size / 3)`` rounded up to ``block_multiple_of`` while its
+    ``block_auto_adjust_ff_dim`` (any ``*auto_adjust*`` bool of the config) is set; with the flag off it builds
+    ``intermediate_size`` as it is, so the cut width is expressed by turning the flag off. Only when every cut MLP
+    reader had the same width before, the config's field is not that width (it is derived), and they share one new
+    width.
+    """
+    flags = [f for f in vars(config) if "auto_adjust" in f and getattr(config, f) is True]
+    width = getattr(config, "intermediate_size", None)
+    old, new = _uniform(o for o, n in mlp if n != o), _uniform(n for o, n in mlp if n != o)
+    if not flags or not isinstance(width, int) or not isinstance(old, int) or old == width or not isinstance(new, int):
+        return
+    try:
+        for flag in flags:
+            setattr(config, flag, False)
+        config.intermediate_size = new
+    except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
+        log.info("shrink: %s cannot hold the new MLP width (%s)", type(config).__name__, err)
+
+
+def _width_in_hiddens(config: Any, mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
+    """An MLP width the config holds in multiples of the hidden size: the new multiple, where it is a whole one.
+
+    GPT-NeoX-Japanese builds ``hidden_size * intermediate_multiple_size`` (an int); a width that is not a multiple of
+    the hidden size leaves the field as it was, and the stock probe refuses the cut.
+    """
+    old, new = _uniform(o for o, n in mlp if n != o), _uniform(n for o, n in mlp if n != o)
+    if not isinstance(hidden, int) or not isinstance(old, int) or not isinstance(new, int) or new % hidden:
+        return
+    for field in (f for f in vars(config) if "multiple_size" in f):
+        if getattr(config, field) == old / hidden:
+            setattr(config, field, new // hidden)
 
 
 def update_config(
@@ -284,7 +342,7 @@ def update_config(
     fields follow the readers that read the old width, whatever the family calls them).
     """
     config: Any = model.config
-    hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if hasattr(config, n)), None)
+    hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if _has(config, n)), None)
     if reads:
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
@@ -305,7 +363,10 @@ def update_config(
     mlp_widths += [
         cast(Any, m.c_fc).nf for m in model.modules() if module_kind(getattr(m, "c_fc", nn.Identity())) == "conv1d"
     ]
-    if mlp_widths:
+    # cut down_proj readers were matched to the fields above, whose width the family may derive (RecurrentGemma
+    # builds intermediate_size // 2): their width is not the field's value then
+    read = any(name.endswith("down_proj") and new != old for name, old, new in reads)
+    if mlp_widths and not read:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
     mla = [h for m in model.modules() if (h := mla_heads(m)) is not None]
     if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
@@ -325,7 +386,7 @@ def update_config(
             "the KV head count",
         )
         head_dim = _uniform(a.head_dim for a in attns)
-        if head_dim is not None and not hasattr(config, "head_dim") and hasattr(config, "model_type"):
+        if head_dim is not None and _missing(config, "head_dim") and _has(config, "model_type"):
             config.head_dim = head_dim  # HF attention reads `getattr(config, "head_dim", hidden // heads)`
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:

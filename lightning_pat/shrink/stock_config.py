@@ -47,6 +47,20 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     hf = callable(getattr(config, "to_dict", None)) and callable(getattr(model, "save_pretrained", None))
     if not clusters or not hf:
         return {}
+    refused, orphans = _probe(model, clusters)
+    if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
+        refused.setdefault(clusters[0].name, orphans[0])
+    elif orphans:  # a field read by modules of another kind (RecurrentGemma's head count sizes its LRU blocks)
+        # the culprits: the declarations whose cut alone changes such parameters (none alone: every declaration)
+        culprits = [d.name for d in clusters if _probe(model, [d])[1]]
+        for name in culprits or [d.name for d in clusters]:
+            refused.setdefault(name, orphans[0])
+    return refused
+
+
+def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
+    """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
+    config: Any = model.config
     owners: dict[str, str] = {}
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
@@ -62,10 +76,11 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
         if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
-            return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}
+            return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}, []
         reason = f"the probe of its stock config failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-        return dict.fromkeys((c.name for c in clusters), reason)
+        return dict.fromkeys((c.name for c in clusters), reason), []
     refused: dict[str, str] = {}
+    orphans: list[str] = []
     for name, p in twin.named_parameters(remove_duplicate=False):
         if want.get(name) == tuple(p.shape):
             continue
@@ -77,7 +92,9 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
         for culprit in culprits:
             refused.setdefault(culprit, why)
-    return refused
+        if not culprits:
+            orphans.append(why)
+    return refused, orphans
 
 
 def head_count_multiple(model: nn.Module, num_heads: int, fields: Sequence[str]) -> int:

@@ -26,7 +26,7 @@ FF = 128
 EXACT = 1e-4
 
 #: config attribute -> its tiny value (set only where the family's config has the attribute and it is not None,
-#: except those in _ALWAYS).
+#: except those in _IF_NONE).
 _SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "word_embed_proj_dim"), HIDDEN),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), 2),
@@ -46,6 +46,17 @@ _SIZES: dict[str, int] = {
     "linear_num_value_heads": HEADS,
     "shared_intermediate_size": 48,  # GraniteMoE-shared (0, its default, means no shared MLP)
     **dict.fromkeys(("router_hidden_size", "expert_ffn_hidden_size"), 32),  # ZAYA's MLP router; LongCat-Flash
+    # hybrid mixers (mamba, gated delta nets, LRU): 8 SSM heads of 16 (2 * hidden), state 16 (their defaults would
+    # hold most of the tiny model's parameters)
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 8),
+    **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim"), 16),
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size"), 16),
+    **dict.fromkeys(("mamba_dt_rank", "time_step_rank"), 8),
+    "mamba_d_ssm": 2 * HIDDEN,
+    "lru_width": HIDDEN,
+    # Gemma 3n/4: the per-layer input embeddings
+    "hidden_size_per_layer_input": HEAD_DIM,
+    "vocab_size_per_layer_input": VOCAB,
 }
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
@@ -53,6 +64,9 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default: every layer would need one
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # all Mamba by default
     "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # its attention reads them
+    # mamba2: hidden * expand == num_heads * head_dim; gpt_neo: one (global, local) pair of layers
+    "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
@@ -65,7 +79,20 @@ _LATENT = {
     "num_experts_per_tok": 2,
 }  # fmt: skip
 #: Sizes set even where the family's default is ``None`` (derived, or left for the checkpoint to give).
-_IF_NONE = {"head_dim": HEAD_DIM, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}
+_IF_NONE = {
+    "head_dim": HEAD_DIM, "num_key_value_heads": KV, "intermediate_size": FF,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+}  # fmt: skip
+#: model_type -> keyword arguments its config takes without holding them as fields (Gemma 4's full-attention head
+#: size becomes a per-layer override).
+_KWARGS: dict[str, dict[str, Any]] = dict.fromkeys(
+    ("gemma4_text", "gemma4_unified_text"), {"global_head_dim": HEAD_DIM}
+)
+#: Per-layer kind lists of hybrid families: the tiny model holds each kind of the default list once, attention last
+#: (two layers of only linear attention or only mamba would leave the family's attention, and its cache, out).
+_KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
+#: Where a hybrid family places its attention layers (its default places none in the first two layers).
+_HYBRID = {"attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "hybrid_layer_ids": [1]}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -77,21 +104,22 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     default = AutoConfig.for_model(model_type)
     fields = default.to_dict()  # not properties derived from them (Falcon's head_dim)
     kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if fields.get(k) is not None}
+    kwargs.update({k: v for k, v in _IF_NONE.items() if k in fields and fields[k] is None})
+    kwargs.update({k: v for k, v in _HYBRID.items() if k in fields})
+    for key in (k for k in _KIND_LISTS if isinstance(fields.get(k), list) and len(set(map(str, fields[k]))) > 1):
+        kinds = sorted(dict.fromkeys(fields[key]), key=lambda kind: kind == "full_attention")  # attention last
+        kwargs[key] = kinds
+        depth = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+        kwargs.update({k: len(kinds) for k in depth if k in fields})
     kwargs.update({k: v for k, v in _TOKENS.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "n_inner", 0) is None:
         kwargs["n_inner"] = FF  # GPT-J, CodeGen: None means 4 * hidden
-    kwargs.update({k: v for k, v in _IF_NONE.items() if k in fields and fields[k] is None})
-    kinds = fields.get("layer_types")
-    if isinstance(kinds, list) and len(set(kinds)) > 1:  # hybrid: one layer of each kind (attention last)
-        last = "full_attention" if "full_attention" in kinds else kinds[-1]
-        kwargs["layer_types"] = [next(k for k in kinds if k != last), last]
-    if "attn_layer_period" in fields:  # Jamba: attention in the second of the two layers, not past them
-        kwargs.update(attn_layer_period=2, attn_layer_offset=1)
     if "q_lora_rank" in fields or "kv_lora_rank" in fields:
         kwargs.update({k: v for k, v in _LATENT.items() if k in fields})
         if "qk_nope_head_dim" in fields and "head_dim" in fields:
             kwargs["head_dim"] = 8
     kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
+    kwargs.update(_KWARGS.get(model_type, {}))
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists
