@@ -19,6 +19,7 @@ Example (YAML, ``lightning-pat fit --config examples/configs/smollm2.yaml``)::
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
 from pathlib import Path
@@ -193,7 +194,15 @@ class CausalLM(pl.LightningModule):
             self.model = empty_model(source, dtype=getattr(torch, dtype), what=what, config=config)
         else:
             given = {} if config is None else {"config": config}
-            self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype), **given)
+            # with num_layers, the later layers' tensors are meant to stay unread: no load report listing them
+            report = logging.getLogger("transformers.modeling_utils")
+            level = report.level
+            if config is not None:
+                report.setLevel(logging.ERROR)
+            try:
+                self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype), **given)
+            finally:
+                report.setLevel(level)
         self.tokenizer = load_tokenizer(source, what=what)
         self.model.train()  # from_pretrained returns eval mode; the fit must train with dropout where the model has it
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
