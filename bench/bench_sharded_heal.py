@@ -2,6 +2,7 @@
 
     python bench/bench_sharded_heal.py                  # SmolLM2-135M's shape (30 layers), world 2, CPU gloo
     python bench/bench_sharded_heal.py --layers 8       # quicker
+    python bench/bench_sharded_heal.py --whole-run --layers 4   # a whole `lightning-pat fit`, with and without
 
 A Llama with SmolLM2-135M's shapes (hidden 576, MLP 1536, 9 query heads in 3 GQA groups of head_dim 64, vocabulary
 49152, tied embedding; random weights: only the costs are measured) is sharded as ``CausalLM`` shards it (FSDP2 on
@@ -23,11 +24,20 @@ Step time: median of ``--steps`` steps after one warm-up, slowest rank. Memory: 
 parameters, their gradients and the AdamW state (local shards, exact), and the rise of the resident set's
 high-water mark over a step (``VmHWM``, reset through ``/proc/self/clear_refs``; glibc's mmap threshold at 64 KiB so
 that freed tensors return to the OS): activations and the gathered groups.
+
+``--whole-run``: the whole recipe through the front door instead, twice in one invocation, one after the other:
+``lightning-pat fit`` of a ``CausalLM`` (SmolLM2-135M-Instruct's real weights and tokenizer, its first ``--layers``
+decoder layers: ``CausalLM(num_layers=...)``) under ``ModelParallelStrategy`` (FSDP2 over ``--world`` ranks), the
+callback at ``target_params: 0.5`` with ``--warmup``/``--ramp`` steps and ``--heal`` healing steps after the freeze,
+once with ``shrink_on_freeze: false`` (the masked full-size model heals) and once with ``true``. Printed: each fit's
+process wall time (start to exit: imports, load, sharding, the steps), its training loop, the median step before the
+freeze and during healing (global rank 0's clock; every step synchronizes the ranks), and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -35,7 +45,9 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -184,6 +196,118 @@ def table(results: list, world: int, layers: int, seq: int) -> str:
     return "\n".join(lines)
 
 
+class StepClock(pl.Callback):
+    """Times every training step on global rank 0; writes ``{"steps": [...], "train_s": ...}`` to ``path`` at the end
+    of training (``--whole-run``: a callback of the fitted config)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.steps = path, []
+        self.start = self.train_start = 0.0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:  # noqa: D102
+        self.train_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:  # noqa: D102
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:  # noqa: D102
+        self.steps.append(time.perf_counter() - self.start)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # noqa: D102
+        if trainer.is_global_zero:
+            train_s = time.perf_counter() - self.train_start
+            Path(self.path).write_text(json.dumps({"steps": self.steps, "train_s": train_s}))
+
+
+RUN_CONFIG = """seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_steps: {steps}
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: lightning_pat.CoupledPruningCallback
+      init_args: {{clusters: llama, preset_options: {{residual: true}}, target_params: 0.5, warmup_steps: {warmup},
+        ramp_steps: {ramp}, shrink_on_freeze: {shrink}}}
+    - class_path: bench_sharded_heal.StepClock
+      init_args: {{path: {clock}}}
+model:
+  class_path: lightning_pat.lm.CausalLM
+  init_args: {{pretrained: smollm2, num_layers: {layers}, lr: 1.0e-4}}
+data:
+  class_path: lightning_pat.lm.TextFiles
+  init_args: {{batch_size: 2, seq_len: {seq}, english: false, val_windows: 2}}
+"""
+
+
+def whole_runs(args: argparse.Namespace) -> str:
+    """The recipe fitted without and with ``shrink_on_freeze`` (``--whole-run``); the table."""
+    import subprocess
+
+    bench = str(Path(__file__).resolve().parent)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([bench, os.environ.get("PYTHONPATH", "")]),
+    }
+    script = Path(sys.executable).parent / "lightning-pat"
+    flags = [
+        f"--trainer.devices={args.world}", "--trainer.strategy=ModelParallelStrategy",
+        f"--trainer.strategy.data_parallel_size={args.world}", "--trainer.strategy.tensor_parallel_size=1",
+    ]  # fmt: skip
+    steps = args.warmup + args.ramp + args.heal
+    freeze = args.warmup + args.ramp
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, shrink in enumerate(args.order):
+            clock = Path(tmp) / f"clock-{i}.json"
+            config = Path(tmp) / f"run-{i}.yaml"
+            config.write_text(RUN_CONFIG.format(steps=steps, warmup=args.warmup, ramp=args.ramp, layers=args.layers,
+                                                seq=args.seq, shrink=str(shrink).lower(), clock=clock))  # fmt: skip
+            start = time.perf_counter()
+            done = subprocess.run([str(script), "fit", "--config", str(config), *flags], env=env, cwd=tmp,
+                                  capture_output=True, text=True, check=False)  # fmt: skip
+            wall = time.perf_counter() - start
+            if done.returncode != 0:
+                raise SystemExit(f"lightning-pat fit (shrink_on_freeze={shrink}) failed:\n{done.stderr[-4000:]}")
+            record = json.loads(clock.read_text())
+            before, healing = record["steps"][:freeze], record["steps"][freeze:]
+            rows.setdefault(shrink, []).append(
+                (
+                    wall,
+                    record["train_s"],
+                    statistics.median(before),
+                    statistics.median(healing),
+                    sum(healing),
+                )
+            )
+    lines = [
+        f"lightning-pat fit, FSDP2 world {args.world} (gloo, CPU), SmolLM2-135M-Instruct's first {args.layers} layers, "
+        f"llama preset with residual, target_params 0.5, {args.warmup} warmup + {args.ramp} ramp + {args.heal} "
+        f"healing steps of 2 x {args.seq} "
+        "tokens",
+        "",
+        "| shrink_on_freeze | whole fit (process) | training loop | step before the freeze (median) | "
+        "healing step (median) | healing steps (sum) |",
+        "|---|---|---|---|---|---|",
+    ]
+    means = {}
+    for shrink, runs in rows.items():
+        means[shrink] = [statistics.mean(column) for column in zip(*runs, strict=True)]
+        for wall, train, before, heal, heal_sum in runs:
+            lines.append(f"| {str(shrink).lower()} | {wall:.1f} s | {train:.1f} s | {before:.2f} s | {heal:.2f} s | "
+                         f"{heal_sum:.1f} s |")  # fmt: skip
+    off, on = means[False], means[True]
+    lines.append(
+        "| ratio false / true (means) | " + " | ".join(f"{a / b:.2f}x" for a, b in zip(off, on, strict=True)) + " |"
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -191,7 +315,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (the smoke test)")
+    parser.add_argument("--whole-run", action="store_true", help="two whole `lightning-pat fit` runs (see above)")
+    parser.add_argument("--warmup", type=int, default=2, help="--whole-run: the callback's warmup_steps")
+    parser.add_argument("--ramp", type=int, default=4, help="--whole-run: the callback's ramp_steps")
+    parser.add_argument("--heal", type=int, default=14, help="--whole-run: steps after the freeze")
+    parser.add_argument(
+        "--order", type=lambda text: [v.strip() == "true" for v in text.split(",")], default=[False, True],
+        help="--whole-run: the runs' shrink_on_freeze in order (default false,true; false,true,false brackets a "
+        "load that drifts)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.whole_run:
+        sys.stdout.write(whole_runs(args) + "\n")
+        return
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: freed tensors return to the OS
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

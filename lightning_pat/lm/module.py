@@ -19,6 +19,7 @@ Example (YAML, ``lightning-pat fit --config examples/configs/smollm2.yaml``)::
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch import Tensor
 from lightning_pat.export.hf_loader import load_causal_lm, load_tokenizer, refuse_remote_code
 from lightning_pat.lm.sharding import activation_checkpointing, enable_activation_checkpointing, shard_causal_lm
 from lightning_pat.lm.smollm2 import smollm2_dir
-from lightning_pat.lm.weights import empty_model, load_weights
+from lightning_pat.lm.weights import empty_model, first_layers_config, load_weights
 from lightning_pat.parallel.comm.dcp import full_state_dict
 from lightning_pat.parallel.comm.dtensor import is_dtensor
 from lightning_pat.parallel.comm.fsdp2 import unsharded_class
@@ -147,6 +148,10 @@ class CausalLM(pl.LightningModule):
             weights in :meth:`configure_model`, after sharding, each rank only its own shards
             (:mod:`lightning_pat.lm.weights`): for a model larger than one rank's memory. Needs a local directory
             with safetensors weights.
+        num_layers: Keep only the checkpoint's first ``num_layers`` decoder layers (its embedding, final norm and
+            head with them; the export then has ``num_layers`` layers). ``None``: every layer. For a quick trial of
+            a recipe, or tests, on the real weights and tokenizer at a fraction of the cost; the truncated model is
+            not the pretrained model's quality.
 
     Under ``ModelParallelStrategy`` (``--trainer.strategy=ModelParallelStrategy``), :meth:`configure_model` shards
     the model itself (:func:`lightning_pat.lm.sharding.shard_causal_lm`: FSDP2 per decoder layer, tensor parallel for
@@ -154,7 +159,8 @@ class CausalLM(pl.LightningModule):
 
     Raises:
         ValueError: If an option is out of range (``lr`` not finite and > 0, ``betas`` outside [0, 1), a
-            ``warmup_steps`` that is not an int >= 0, a ``dtype`` outside ``DTYPES``), ``pretrained`` names a
+            ``warmup_steps`` that is not an int >= 0, a ``dtype`` outside ``DTYPES``, a ``num_layers`` outside
+            [1, the checkpoint's layer count]), ``pretrained`` names a
             directory that does not exist, the batches hold token ids beyond the model's embedding (at the forward),
             or ``export`` is a non-empty directory without ``export_overwrite``, or is (or holds) the directory the
             model was loaded from (both at fit start).
@@ -174,6 +180,7 @@ class CausalLM(pl.LightningModule):
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         empty_init: bool = False,
+        num_layers: int | None = None,
     ) -> None:
         super().__init__()
         check_options(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps, schedule=schedule,
@@ -181,11 +188,21 @@ class CausalLM(pl.LightningModule):
         self.save_hyperparameters()
         source = resolve_pretrained(pretrained)
         what = "CausalLM(pretrained=...)"
+        refuse_remote_code(source, what=what)
+        config = None if num_layers is None else first_layers_config(source, num_layers, what="CausalLM")
         if empty_init:
-            refuse_remote_code(source, what=what)
-            self.model = empty_model(source, dtype=getattr(torch, dtype), what=what)
+            self.model = empty_model(source, dtype=getattr(torch, dtype), what=what, config=config)
         else:
-            self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype))
+            given = {} if config is None else {"config": config}
+            # with num_layers, the later layers' tensors are meant to stay unread: no load report listing them
+            report = logging.getLogger("transformers.modeling_utils")
+            level = report.level
+            if config is not None:
+                report.setLevel(logging.ERROR)
+            try:
+                self.model = load_causal_lm(source, what=what, dtype=getattr(torch, dtype), **given)
+            finally:
+                report.setLevel(level)
         self.tokenizer = load_tokenizer(source, what=what)
         self.model.train()  # from_pretrained returns eval mode; the fit must train with dropout where the model has it
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)

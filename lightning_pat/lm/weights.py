@@ -44,8 +44,39 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def empty_model(directory: str | Path, *, dtype: torch.dtype, what: str) -> Any:
+def first_layers_config(source: str | Path, num_layers: int, *, what: str) -> Any:
+    """The config of ``source`` with only its first ``num_layers`` decoder layers (``CausalLM(num_layers=...)``).
+
+    The layer count (``num_hidden_layers``) and the per-layer lists (``layer_types``) are cut to the first
+    ``num_layers``; a model built from it and loaded from ``source`` holds the checkpoint's embedding, final norm,
+    head and first layers (the later layers' tensors are not read).
+
+    Raises:
+        ValueError: If ``num_layers`` is not an int in [1, the checkpoint's layer count], or the config has no
+            ``num_hidden_layers``.
+    """
+    from transformers import AutoConfig
+
+    config: Any = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    total = getattr(config, "num_hidden_layers", None)
+    if not isinstance(total, int):
+        raise ValueError(f"{what}: num_layers needs a config with `num_hidden_layers`; {source} has none.")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(
+            f"{what}: `num_layers` must be an int in [1, {total}] (the checkpoint's num_hidden_layers), got "
+            f"{num_layers!r}; or None for every layer."
+        )
+    config.num_hidden_layers = num_layers
+    for name in ("layer_types",):
+        if isinstance(getattr(config, name, None), list):
+            setattr(config, name, getattr(config, name)[:num_layers])
+    return config
+
+
+def empty_model(directory: str | Path, *, dtype: torch.dtype, what: str, config: Any = None) -> Any:
     """The model of a local Hugging Face directory, its parameters on meta (nothing allocated, nothing read).
+
+    ``config``: the model's config if not ``directory``'s own (:func:`first_layers_config`).
 
     Raises:
         ValueError: If ``directory`` is not a local directory with a ``config.json`` and safetensors weights.
@@ -59,7 +90,8 @@ def empty_model(directory: str | Path, *, dtype: torch.dtype, what: str) -> Any:
             f"{what}: empty_init=True reads the weights from a local directory with config.json and {WEIGHTS} (or "
             f"{INDEX}); {directory} is not one. Pass the directory, or empty_init=False."
         )
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    if config is None:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     with parameters_on_meta():
         build: Any = AutoModel.from_config  # untyped in transformers
         model = build(config, dtype=dtype, trust_remote_code=False)

@@ -74,3 +74,20 @@ def test_refusals_name_the_file_and_happen_before_anything_is_allocated(tmp_path
     (index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../a/tiny-lm/x"}}))
     with pytest.raises(ValueError, match="not a plain relative name"):
         load_weights(model, index, device=torch.device("cpu"), what="test")
+
+
+@pytest.mark.parametrize("empty_init", [False, True], ids=["from_pretrained", "empty_init"])
+def test_num_layers_keeps_the_checkpoints_first_layers_and_refuses_a_count_out_of_range(tmp_path, empty_init):
+    source = tiny_lm_dir(tmp_path)  # 2 layers
+    lm = CausalLM(str(source), num_layers=1, empty_init=empty_init)
+    lm.configure_model()
+    full = load_file(source / "model.safetensors")
+    got = lm.model.state_dict()
+    assert lm.model.config.num_hidden_layers == 1
+    assert len(lm.model.model.layers) == 1
+    assert sorted(got) == sorted([*(k for k in full if not k.startswith("model.layers.1.")), "lm_head.weight"])
+    for name, tensor in got.items():  # the checkpoint's own tensors, the tied head included
+        assert torch.equal(tensor, full[name if name != "lm_head.weight" else "model.embed_tokens.weight"]), name
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match=r"`num_layers` must be an int in \[1, 2\]"):
+            CausalLM(str(source), num_layers=bad, empty_init=empty_init)
