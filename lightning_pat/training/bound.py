@@ -40,7 +40,7 @@ from lightning_pat.training.collectors import Collectors
 from lightning_pat.training.errors import WHO, prefixed
 from lightning_pat.training.latent import LatentStore
 from lightning_pat.training.score_choice import ScoreChoice, check_scores, scored
-from lightning_pat.training.sharded_shrink import check_kept_counts
+from lightning_pat.training.sharded_shrink import check_kept_counts, tensor_parallel_multiples
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,8 @@ def bind_run(
                 sparsity=opts.target_sparsity if opts.sizing.value is None else None,  # else: checked when sized
             )  # fmt: skip
             if opts.sizing.value is not None:  # by fractions: the solve by importance waits for statistics
+                if opts.shrink_on_freeze:  # sharded again at the freeze: whole units on every tensor-parallel rank
+                    plan = _tensor_parallel_rounded(module, plan, info)
                 basis = SizeBasis(plan, tuple(found))
                 plan, size = plan.for_size(params, opts.sizing, declarations=found, model=module)
         except ValueError as err:
@@ -249,6 +251,35 @@ def bind_run(
     _warn_unoptimized(run.params, clustered, optimizers)
     info(routes_message(plan.routes))
     return dataclasses.replace(run, clusters=clusters, plan=plan, latents=latents, size=size, basis=basis)
+
+
+def _tensor_parallel_rounded(module: nn.Module, plan: Plan, info: Callable[[str], None]) -> Plan:
+    """``plan`` with every cluster cut along a tensor-parallel dim kept at a multiple of that axis's size.
+
+    A size target (``target_params``, ``target_flops``) is then solved over those multiples (the cluster's own
+    ``multiple_of`` combined by least common multiple), so that the sharded shrink at the freeze can give every
+    tensor-parallel rank whole units (:func:`~lightning_pat.training.sharded_shrink.tensor_parallel_multiples`).
+    What was rounded is reported once to ``info``.
+    """
+    multiples = tensor_parallel_multiples(module, plan.clusters)
+    if not multiples:
+        return plan
+    by_value: dict[int, list[str]] = {}
+    for name, multiple in multiples.items():
+        by_value.setdefault(multiple, []).append(name)
+    shown = "; ".join(
+        f"{len(names)} cluster(s) ({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''}) "
+        f"to multiples of {multiple}"
+        for multiple, names in sorted(by_value.items())
+    )
+    info(
+        f"{WHO}(shrink_on_freeze=True): the size target keeps whole units on every tensor-parallel rank: kept counts "
+        f"rounded for {shown} (a cluster cut along a dim split over a tensor-parallel mesh axis)."
+    )
+    clusters = tuple(
+        dataclasses.replace(rc, multiple_of=multiples[rc.name]) if rc.name in multiples else rc for rc in plan.clusters
+    )
+    return dataclasses.replace(plan, clusters=clusters)
 
 
 def choice_message(run: BoundRun) -> list[str]:

@@ -33,6 +33,7 @@ parameter's new object by name, for whoever kept references (the pruning plan's 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,29 @@ def _check_layout(model: nn.Module, groups: Sequence[_Group], rest: Sequence[str
         )
 
 
+def _tensor_parallel_splits(
+    model: nn.Module, groups: Sequence[_Group], rc: ResolvedCluster
+) -> list[tuple[str, Tensor, str, int, object]]:
+    """Where a tensor-parallel axis splits a member of ``rc`` along its cut dim.
+
+    A tensor-parallel axis: a mesh axis of the parameter that no ``fully_shard`` group of it shards over. Each entry
+    is ``(parameter name, parameter, mesh axis, axis size, placement)``.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    fsdp_dims = {id(params[n]): set(g.dims) for g in groups for n in g.names}
+    out: list[tuple[str, Tensor, str, int, object]] = []
+    for name, dims in align_names(build_plan([rc], {rc.name: [0]}), model).keep.items():
+        param = params[name]
+        if not dtensor.is_dtensor(param):
+            continue
+        axes = param.device_mesh.mesh_dim_names or ()
+        for axis, placement in zip(axes, param.placements, strict=True):
+            split = placement.is_shard() and getattr(placement, "dim", None) in dims
+            if split and axis not in fsdp_dims.get(id(param), set()):
+                out.append((name, param, axis, param.device_mesh.size(axes.index(axis)), placement))
+    return out
+
+
 def _check_tensor_parallel(
     model: nn.Module,
     groups: Sequence[_Group],
@@ -121,29 +145,49 @@ def _check_tensor_parallel(
     dropped: Mapping[str, Sequence[int]],
 ) -> None:
     """A cut along a tensor-parallel dim must leave every rank whole units: the kept count divides by the axis size."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    fsdp_dims = {id(params[n]): set(g.dims) for g in groups for n in g.names}
     for rc in clusters:
         units = set(dropped.get(rc.name, ()))
         if not units:
             continue
         kept = rc.num_units - len(units)
-        for name, dims in align_names(build_plan([rc], {rc.name: sorted(units)}), model).keep.items():
-            param = params[name]
-            if not dtensor.is_dtensor(param):
-                continue
-            axes = param.device_mesh.mesh_dim_names or ()
-            for axis, placement in zip(axes, param.placements, strict=True):
-                split = placement.is_shard() and getattr(placement, "dim", None) in dims
-                size = param.device_mesh.size(axes.index(axis))
-                if split and axis not in fsdp_dims.get(id(param), set()) and kept % size:
-                    raise ValueError(
-                        f"shrink_sharded: cluster {rc.name!r} keeps {kept} of {rc.num_units} units, and {name!r} "
-                        f"(shape {tuple(param.shape)}) is split along the cut dim over mesh axis {axis!r} of {size} "
-                        f"ranks ({placement}): {kept} units do not divide into whole units per rank. Prune to a kept "
-                        f"count that divides by {size} (multiple_of={size} on the cluster), use a tensor-parallel "
-                        "size that divides it, or set shrink_on_freeze=False and shrink after fit."
-                    )
+        for name, param, axis, size, placement in _tensor_parallel_splits(model, groups, rc):
+            if kept % size:
+                raise ValueError(
+                    f"shrink_sharded: cluster {rc.name!r} keeps {kept} of {rc.num_units} units, and {name!r} "
+                    f"(shape {tuple(param.shape)}) is split along the cut dim over mesh axis {axis!r} of {size} "
+                    f"ranks ({placement}): {kept} units do not divide into whole units per rank. Prune to a kept "
+                    f"count that divides by {size} (multiple_of={size} on the cluster; a size target, "
+                    "target_params or target_flops, rounds to it by itself), use a tensor-parallel size that "
+                    "divides it, or set shrink_on_freeze=False and shrink after fit."
+                )
+
+
+def tensor_parallel_multiples(module: nn.Module, clusters: Sequence[ResolvedCluster]) -> dict[str, int]:
+    """Per cluster cut along a tensor-parallel dim, the kept-count multiple the sharded shrink needs.
+
+    The least common multiple of the cluster's ``multiple_of`` and the size of every tensor-parallel mesh axis that
+    splits one of its members along its cut dim: a size target solved with it keeps counts that every rank of those
+    axes holds whole units of (see :func:`shrink_sharded`). Clusters that need nothing more are left out. Global
+    metadata only: no communication, nothing changes.
+
+    Args:
+        module: The sharded module the clusters were resolved against.
+        clusters: The resolved clusters.
+
+    Returns:
+        Cluster name -> the new ``multiple_of`` (only where it is larger than the cluster's own).
+    """
+    if not any(dtensor.is_dtensor(p) for p in module.parameters()):
+        return {}
+    groups = _groups(module)[0]
+    out = {}
+    for rc in clusters:
+        if rc.num_units < 2:
+            continue
+        multiple = math.lcm(rc.multiple_of, *(size for *_, size, _ in _tensor_parallel_splits(module, groups, rc)))
+        if multiple > rc.multiple_of:
+            out[rc.name] = multiple
+    return out
 
 
 def _state_tensors(optimizers: Sequence[torch.optim.Optimizer], param: Tensor) -> list[tuple[int, str, Tensor]]:
