@@ -15,7 +15,8 @@ calibration batches (what :func:`lightning_pat.prune_clusters` uses for expert c
 ``calibration``); :class:`ExpertStats` collects the same sums from the training forwards of a run (the callback's
 ``expert_score``), as a :class:`~lightning_pat.scoring.collector.Collector` of the state's ``expert_scores`` entry.
 
-Both read one call of the fused experts module through a forward hook: its hidden states, top-k index and top-k
+Both read one call of the fused experts module through a forward hook (:class:`ExpertStats`: a forward pre-hook,
+where FSDP2 has gathered the experts' weights): its hidden states, top-k index and top-k
 weights (the router's output as the block passes it on; the masked model routes around dropped experts, see
 :mod:`lightning_pat.core.routing`, so a dropped expert receives no token). ``||f_e(x)||`` is the expert's output
 recomputed in the hook without grad from the module's own weights (:func:`expert_output`): the routed tokens go
@@ -207,7 +208,7 @@ class ExpertStats(TrainingForwardHooks, Collector):
     """Per-expert token counts and router-weighted output norms from the training forwards of a run.
 
     A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``expert_scores`` entry (only a run with
-    expert clusters and a data ``expert_score`` writes it; a state without it starts empty). One forward hook per
+    expert clusters and a data ``expert_score`` writes it; a state without it starts empty). One forward pre-hook per
     fused experts module (:func:`expert_modules`) reads each training forward's routing (:func:`observe_call`); a
     batch's sums are kept once a real optimizer step applied it (the micro-batches of an accumulated step wait for
     it; a step that AMP skipped leaves its tokens to the next real step). At a selection the sums of every rank are
@@ -256,11 +257,17 @@ class ExpertStats(TrainingForwardHooks, Collector):
         return self.modules
 
     def register_hook(self, name: str, module: nn.Module) -> Any:
-        """A forward hook (arguments with keywords) on the experts module of cluster ``name``."""
-        return module.register_forward_hook(self._hook(name), with_kwargs=True)
+        """A forward pre-hook (arguments with keywords) on the experts module of cluster ``name``.
+
+        Before the forward, not after it: under FSDP2 with ``fully_shard`` on the experts module itself, its
+        parameters are whole only between FSDP2's pre-forward hook (registered first, ahead of every other) and its
+        post-forward hook (which shards them again before any later forward hook). With ``fully_shard`` on the
+        decoder layer around it, they are whole throughout the layer's forward.
+        """
+        return module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
 
     def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.training_forward(name, module):
                 self.observe(name, module, args, kwargs)
 
@@ -272,8 +279,9 @@ class ExpertStats(TrainingForwardHooks, Collector):
         norms = self.kind != "frequency"
         if norms and any(dtensor.is_dtensor(p) for p in module.parameters(recurse=False)):
             self._problem.setdefault(
-                name, "its experts' weights are sharded (DTensors) when the forward hook runs, so their outputs "
-                "cannot be recomputed there",
+                name, "its experts' weights are sharded (DTensors: tensor or expert parallel over the experts) when "
+                "its forward runs, so their outputs cannot be recomputed there (FSDP2 alone gathers them for the "
+                "forward: supported)",
             )  # fmt: skip
             return
         if name not in self._pending:
