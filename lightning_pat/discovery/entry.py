@@ -316,7 +316,18 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
     Raises:
         ValueError: If the model cannot be traced, or no cluster is found (the table says why).
     """
-    found = discover(model, example_input, query_heads=query_heads)
+    try:
+        found = discover(model, example_input, query_heads=query_heads)
+    except Exception as err:  # noqa: BLE001 - a trace stop (ValueError, or torch's own) leaves the experts, by structure
+        units = with_experts(model, [])
+        if not units:
+            raise
+        log.warning(
+            "discover: %s could not be traced (%s); only its experts' units, found by structure, are cut (%s); its "
+            "attention and the rest are left whole",
+            type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
+        )  # fmt: skip
+        return units
     config = getattr(model, "config", None)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads

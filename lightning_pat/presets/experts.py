@@ -55,7 +55,14 @@ from lightning_pat.presets.transformers import (
     llama_like,
     param_names,
 )
-from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
+from lightning_pat.shrink.experts import (
+    FusedLayout,
+    block_router,
+    expert_groups,
+    fused_layout,
+    stacked_blocks,
+    stacked_experts,
+)
 from lightning_pat.shrink.model_meta import has_sinks
 from lightning_pat.shrink.stock_config import head_count_multiple
 
@@ -359,6 +366,8 @@ def moe(
     )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
     found = find_blocks(model)
+    if found is None and (stacked := stacked_units(model, mlp=mlp, experts=experts)):
+        return stacked  # DBRX: experts stacked as 2-D rows; its attention is not declared here
     if found is None:
         raise ValueError(
             "presets.moe: no decoder layer `<prefix>layers.N` holds a block with fused `experts.gate_up_proj` / "
@@ -487,4 +496,41 @@ def moe(
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")
+    return out
+
+
+def stacked_units(model: nn.Module, *, mlp: bool = True, experts: bool = False) -> list[Cluster]:
+    """The expert units of experts stacked as 2-D ``w1``/``v1``/``w2`` of ``E * F`` rows (DBRX), per MoE block.
+
+    ``mlp``: ``mlp.{layer}``, each expert's own intermediate channels (row ``e * F + c`` of every weight), every
+    expert keeping the same number (``unit_groups=E``; ``ffn_config.ffn_hidden_size`` follows). ``experts``:
+    ``experts.{layer}``, whole experts (their ``F`` rows of each weight) with the router's row (``moe_num_experts``
+    follows, ``moe_top_k`` at most the experts kept; a dropped expert is routed around,
+    :mod:`lightning_pat.core.routing`). Both units lie on the same axis (the rows), and a channel belongs to one
+    cluster, so one of the two is declared: the channels where both are asked for (said once). Empty if the model has
+    no stacked experts with a router of one row per expert.
+    """
+    out: list[Cluster] = []
+    if mlp and experts:
+        _tell(
+            model,
+            "presets.moe: %s stacks its experts and their channels on one axis (w1/v1/w2 rows), and a channel belongs "
+            "to one cluster: its experts' channels are cut, not whole experts (presets.moe(model, mlp=False) cuts "
+            "whole experts instead)",
+            type(model).__name__,
+        )
+        experts = False
+    for name, _, holder in stacked_blocks(model):
+        found = stacked_experts(model.get_submodule(name))
+        if holder is None or found is None:
+            continue
+        num, width = found
+        router = next(f"{n}.weight" for n, m in model.named_modules() if m is holder)
+        layer = re.findall(r"\.(\d+)\.", f".{name}.")
+        key = layer[-1] if layer else name
+        weights = [f"{name}.{w}" for w in ("w1", "v1", "w2")]
+        if mlp:
+            out.append(Cluster(f"mlp.{key}", weights, num_units=num * width, unit_groups=num))
+        if experts and num > 1:
+            out.append(Cluster(f"experts.{key}", [router, *weights], num_units=num))
     return out

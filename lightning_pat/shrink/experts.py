@@ -47,6 +47,10 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     # a block's own per-expert selection bias, passed to its router (AFMoE's ``expert_bias``)
     ("moe_block", "expert_bias"): (0,),
     ("moe_block", "e_score_correction_bias"): (0,),
+    # DBRX: experts stacked as 2-D ``(E * F, H)`` rows (see :func:`stacked_experts`)
+    ("stacked_experts", "w1"): (0,),
+    ("stacked_experts", "v1"): (0,),
+    ("stacked_experts", "w2"): (0,),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -55,6 +59,12 @@ PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
 #: Config fields holding the routed expert count (Aria: ``moe_num_experts``) and the experts per token.
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk")
+#: The weights of a stacked experts module (DBRX's ``DbrxExpertGLU``): gate, up and down, each ``(E * F, H)``.
+STACKED = ("w1", "v1", "w2")
+#: Attributes holding a stacked experts module's expert count and width, and the config fields that build them.
+STACKED_COUNTS = ("moe_num_experts", "num_experts")
+STACKED_WIDTHS = ("ffn_hidden_size",)
+STACKED_TOP_K = ("moe_top_k", "top_k")
 #: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
 EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
 
@@ -127,6 +137,23 @@ def fused_layout(module: nn.Module) -> FusedLayout | None:
     return FusedLayout(transposed=transposed, interleaved=interleaved, bias=bias)
 
 
+def stacked_experts(module: nn.Module) -> tuple[int, int] | None:
+    """``(E, F)`` of a module holding its experts stacked as 2-D ``w1``, ``v1``, ``w2`` of ``(E * F, H)``, or ``None``.
+
+    DBRX's ``DbrxExpertGLU``: expert ``e``'s gate, up and (transposed) down weights are rows ``[e * F, (e + 1) * F)``
+    of ``w1``, ``v1`` and ``w2``; the module's int ``moe_num_experts`` (or ``num_experts``) is ``E``.
+    """
+    params = [module._parameters.get(a) for a in STACKED]  # noqa: SLF001 - this module's own parameters only
+    if any(p is None or p.dim() != 2 for p in params):
+        return None
+    shapes = {tuple(cast(Tensor, p).shape) for p in params}
+    num = next((v for a in STACKED_COUNTS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+    if len(shapes) != 1 or num is None or isinstance(num, bool):
+        return None
+    rows = shapes.pop()[0]
+    return (num, rows // num) if rows % num == 0 else None
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
     return fused_layout(module) is not None
@@ -136,6 +163,8 @@ def experts_kind(module: nn.Module) -> str | None:
     """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
     if is_fused_experts(module):
         return "experts"
+    if stacked_experts(module) is not None:
+        return "stacked_experts"
     if is_router(module):
         return "router"
     experts = getattr(module, "experts", None)
@@ -175,12 +204,72 @@ def _gate_and_up(rows: Tensor, half: int, interleaved: bool) -> tuple[Tensor, Te
     return rows[rows < half], rows[rows >= half] - half
 
 
+def stacked_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module], nn.Module | None]]:
+    """Per stacked experts module (:func:`stacked_experts`): its name, its owners up to its block, its router.
+
+    The router is the weight holder of the block's ``router`` or ``gate`` child with one row per expert, or ``None``.
+    The block is the nearest of the module's parent and grandparent holding such a router (DBRX: ``ffn``, holding
+    ``router`` and ``experts``, whose ``mlp`` holds the weights).
+    """
+    modules = dict(model.named_modules())
+    out = []
+    for name, module in modules.items():
+        found = stacked_experts(module)
+        if found is None:
+            continue
+        chain, holder, parts = [module], None, name.split(".")
+        for up in (1, 2):
+            if len(parts) < up:
+                break
+            owner = modules[".".join(parts[:-up])]
+            chain.append(owner)
+            for attr in ("router", "gate"):
+                child = owner._modules.get(attr)  # noqa: SLF001 - a direct child
+                weight = router_weight(child) if child is not None else None
+                if weight is not None and weight[1].shape[0] == found[0]:
+                    holder = _router_holder(child)
+            if holder is not None:
+                break
+        out.append((name, chain, holder))
+    return out
+
+
+def _check_stacked(model: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """A stacked experts module must keep the same rows in its three weights and as many in every kept expert.
+
+    A dropped expert loses all its rows and its router row.
+    """
+    for name, chain, holder in stacked_blocks(model):
+        module = chain[0]
+        edit = edits.get(id(module))
+        r_edit = edits.get(id(holder)) if holder is not None else None
+        if edit is None and r_edit is None:
+            continue
+        num, width = cast(tuple[int, int], stacked_experts(module))
+        rows = {a: _cut(edit, a, 0, num * width) for a in STACKED}
+        per_expert = torch.bincount(rows["w1"] // width, minlength=num)
+        experts = torch.nonzero(per_expert).flatten()
+        router = _cut(r_edit, "weight", 0, num) if holder is not None else experts
+        same = all(torch.equal(r, rows["w1"]) for r in rows.values())
+        if not same or not torch.equal(router, experts) or len(set(per_expert[experts].tolist())) > 1:
+            raise ValueError(
+                f"Shrink: stacked experts {name!r} (w1, v1, w2: {num} experts x {width} rows) would keep "
+                f"{'different rows in w1, v1 and w2' if not same else f'{per_expert.tolist()} rows per expert'} "
+                f"(router rows kept: {router.tolist()}); every kept expert must keep the same number of rows, the "
+                "same in the three weights, and a dropped expert its router row too. Declare the experts' channels "
+                "with unit_groups=E, or whole experts with the router's rows, as presets.moe does."
+            )
+        if experts.numel() == 0:
+            raise ValueError(f"Shrink: stacked experts {name!r} would keep no expert; keep at least one.")
+
+
 def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Every MoE block must cut the same experts everywhere and the same channels in the gate and up parts.
 
     Raises:
         ValueError: Naming the block and what differs.
     """
+    _check_stacked(model, edits)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         layout = fused_layout(experts) if isinstance(experts, nn.Module) else None
@@ -277,6 +366,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give an experts module or a router its new data, and its sizes."""
     module = edit.module
     layout = fused_layout(module) if edit.kind == "experts" else None  # read before the cut: shapes consistent
+    stacked = stacked_experts(module) if edit.kind == "stacked_experts" else None
     for attr in edit.cuts:
         param = module._parameters[attr]  # noqa: SLF001 - the registered tensor itself
         if param is not None and param.shape != new_params[id(param)].shape:
@@ -289,6 +379,15 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
+    elif stacked is not None:  # the experts kept are those with a kept row; each keeps the same channels
+        num, width = stacked
+        rows = edit.cuts.get("w1", {}).get(0)
+        kept = torch.unique(rows // width).numel() if rows is not None else num
+        new_rows = _shape(module, "w1")[0]
+        for attr in STACKED_COUNTS:
+            _set_int(module, attr, kept)
+        for attr in STACKED_WIDTHS:
+            _set_int(module, attr, new_rows // kept)
     elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
@@ -318,6 +417,17 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
+    for _, chain, _ in stacked_blocks(model):  # DBRX: the experts' owners and the block read E, F and top-k
+        found = stacked_experts(chain[0])
+        if found is None:
+            continue
+        for owner in chain:
+            for attr in STACKED_COUNTS:
+                _set_int(owner, attr, found[0])
+            for attr in STACKED_WIDTHS:
+                _set_int(owner, attr, found[1])
+            if isinstance(top_k := getattr(owner, "top_k", None), int):
+                _set_int(owner, "top_k", min(top_k, found[0]))
     if _extra_router_rows(model):
         return  # a router scoring more than its experts (LongCat-Flash's zero experts): no expert is cut, top-k holds
     counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
@@ -366,6 +476,18 @@ def _shared_mlp_widths(model: nn.Module) -> set[int]:
         for layer in model.modules()
         if isinstance(out := getattr(getattr(layer, "shared_mlp", None), "output_linear", None), nn.Linear)
     }
+
+
+def stacked_config(model: nn.Module) -> dict[str, int | None]:
+    """The config values of stacked experts' new sizes (DBRX's ``ffn_config``), ``None`` where layers differ."""
+    found = [f for _, chain, _ in stacked_blocks(model) if (f := stacked_experts(chain[0])) is not None]
+    if not found:
+        return {}
+    counts, widths = {n for n, _ in found}, {w for _, w in found}
+    out: dict[str, int | None] = {a: counts.pop() if len(counts) == 1 else None for a in STACKED_COUNTS[:1]}
+    out[STACKED_WIDTHS[0]] = widths.pop() if len(widths) == 1 else None
+    out["top_k_at_most"] = min(n for n, _ in found)
+    return out
 
 
 def expert_config(model: nn.Module) -> dict[str, int | None]:

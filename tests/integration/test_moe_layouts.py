@@ -1,0 +1,67 @@
+"""Mixture-of-experts layouts other than fused 3-D experts, and hybrids, from the zoo bench (issue 37).
+
+Each case is a tiny random model of ``tests/common/lm_zoo.py``, pruned, shrunk and reloaded with stock
+``AutoModelForCausalLM.from_pretrained``; the independent reference is the masked model (the unshrunk model with the
+dropped units zeroed and, for whole experts, routed around), whose logits the shrunk and the reloaded model must
+give (fp32, rel < 1e-4).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from tests.common import lm_zoo
+
+pytest.importorskip("transformers")
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _stock(model: torch.nn.Module) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pat import save_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp, overwrite=True, tokenizer=None)
+        return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+
+
+def test_dbrx_stacked_experts_lose_channels_with_auto_though_it_does_not_trace():
+    # DBRX stacks its experts as 2-D w1/v1/w2 of E * F rows, and its expert loop's `nonzero` stops torch.export:
+    # "auto" finds the experts by structure and cuts each expert's channels (every expert keeping as many)
+    model = lm_zoo.build("dbrx")
+    out = lm_zoo.chain(model)  # shrunk in place
+    assert out.error == "", f"failed at {out.stage}: {out.error}"
+    assert out.ok, out
+    mlp = model.transformer.blocks[0].ffn.experts.mlp
+    assert mlp.w1.shape == (4 * 64, lm_zoo.HIDDEN)
+    assert model.config.ffn_config.ffn_hidden_size == 64 == mlp.ffn_hidden_size
+    assert model.config.ffn_config.moe_num_experts == 4
+
+
+def test_dbrx_whole_stacked_experts_go_with_their_router_rows():
+    from lightning_pat import presets, prune_clusters, shrink
+
+    model = lm_zoo.build("dbrx").eval()
+    ids = lm_zoo.token_ids()
+    dense = _logits(model, ids)
+    clusters = presets.moe(model, mlp=False)
+    assert [c.name for c in clusters] == ["experts.0", "experts.1"]
+    result = prune_clusters(model, clusters, 0.5, calibration=[lm_zoo.token_ids(seed=2)])
+    masked = _logits(model, ids)
+    assert lm_zoo._rel(masked, dense) > 1e-3  # two of four experts dropped and routed around
+    shrink(model, result, example_input=None)
+    assert lm_zoo._rel(_logits(model, ids), masked) < lm_zoo.EXACT
+    assert model.transformer.blocks[1].ffn.router.layer.weight.shape == (2, lm_zoo.HIDDEN)
+    ffn = model.config.ffn_config
+    assert (ffn.moe_num_experts, ffn.moe_top_k, ffn.ffn_hidden_size) == (2, 2, lm_zoo.FF)
+    stock = _stock(model)
+    assert lm_zoo._rel(_logits(stock, ids), masked) < lm_zoo.EXACT
+    assert stock.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
