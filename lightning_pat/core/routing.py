@@ -58,12 +58,15 @@ def is_router(module: nn.Module, *, own_top_k: bool = True) -> bool:
     """Whether ``module`` is a top-k router: a ``*Router`` (or ``*Gate``) class, an ``(E, H)`` weight, an int ``top_k``.
 
     The weight is the router's own or that of its one ``nn.Linear`` (:func:`router_weight`). With ``own_top_k``
-    false, a ``*Router`` class without a ``top_k`` of its own (DBRX's: its block picks the top k) is one too.
+    false, a ``*Router`` class without a ``top_k`` of its own (DBRX's: its block picks the top k) is one too, and a
+    ``*Gating`` class with one (JetMoE's).
     """
     kind = type(module).__name__.lower()
     top_k = getattr(module, "top_k", None)
     if not own_top_k and top_k is None and "router" in kind:
         return router_weight(module) is not None
+    if not own_top_k and kind.endswith("gating"):  # JetMoE's top-k gating
+        return router_weight(module) is not None and isinstance(top_k, int) and not isinstance(top_k, bool)
     return (
         ("router" in kind or kind.endswith("gate"))
         and router_weight(module) is not None

@@ -323,8 +323,8 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
         if not units:
             raise
         log.warning(
-            "discover: %s could not be traced (%s); only its experts' units, found by structure, are cut (%s); its "
-            "attention and the rest are left whole",
+            "discover: %s could not be traced (%s); only its experts' units, found by structure, are cut (%s); "
+            "everything else is left whole",
             type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
         )  # fmt: skip
         return units

@@ -60,6 +60,7 @@ from lightning_pat.shrink.experts import (
     block_router,
     expert_groups,
     fused_layout,
+    parallel_blocks,
     stacked_blocks,
     stacked_experts,
 )
@@ -368,6 +369,8 @@ def moe(
     found = find_blocks(model)
     if found is None and (stacked := stacked_units(model, mlp=mlp, experts=experts)):
         return stacked  # DBRX: experts stacked as 2-D rows; its attention is not declared here
+    if found is None and (parallel := parallel_units(model, mlp=mlp, experts=experts)):
+        return parallel  # JetMoE: one 3-D weight per projection; its attention experts whole
     if found is None:
         raise ValueError(
             "presets.moe: no decoder layer `<prefix>layers.N` holds a block with fused `experts.gate_up_proj` / "
@@ -511,7 +514,7 @@ def stacked_units(model: nn.Module, *, mlp: bool = True, experts: bool = False) 
     no stacked experts with a router of one row per expert.
     """
     out: list[Cluster] = []
-    if mlp and experts:
+    if mlp and experts and stacked_blocks(model):
         _tell(
             model,
             "presets.moe: %s stacks its experts and their channels on one axis (w1/v1/w2 rows), and a channel belongs "
@@ -533,4 +536,36 @@ def stacked_units(model: nn.Module, *, mlp: bool = True, experts: bool = False) 
             out.append(Cluster(f"mlp.{key}", weights, num_units=num * width, unit_groups=num))
         if experts and num > 1:
             out.append(Cluster(f"experts.{key}", [router, *weights], num_units=num))
+    return out
+
+
+def parallel_units(model: nn.Module, *, mlp: bool = True, experts: bool = True) -> list[Cluster]:
+    """The expert units of blocks of parallel experts (JetMoE: ``input_linear``/``output_linear`` 3-D weights).
+
+    ``mlp``: ``mlp.{layer}``, the intermediate channels every MLP expert shares (the same channel of the gate and up
+    halves of ``input_linear``, dim 1, and of ``output_linear``'s columns, dim 2; ``intermediate_size`` follows).
+    ``experts``: ``experts.{layer}``, whole MLP experts with their router rows, and ``attn_experts.{layer}``, whole
+    attention experts (a mixture of attention heads: expert ``e``'s query and output projections) with theirs: the
+    config's one ``num_local_experts`` builds both, so both keep as many (each cluster's own target, the same).
+    The attention experts' heads are not cut: every expert's query projection is as wide as the KV projection that
+    all experts share (``kv_channels * num_key_value_heads``). Empty if the model has no such blocks.
+    """
+    out: list[Cluster] = []
+    named = {id(m): n for n, m in model.named_modules()}
+    for name, block, holder, gated in parallel_blocks(model):
+        layer = re.findall(r"\.(\d+)\.", f".{name}.")
+        key = layer[-1] if layer else name
+        inp, outp = f"{name}.input_linear.weight", f"{name}.output_linear.weight"
+        if mlp and gated:
+            out.append(Cluster(f"mlp.{key}", [f"{inp}@1[0/2]", f"{inp}@1[1/2]"], [f"{outp}@2"]))
+        if experts and cast(Tensor, block.get_submodule("input_linear").weight).shape[0] > 1:
+            kind = "experts" if gated else "attn_experts"
+            out.append(Cluster(f"{kind}.{key}", [f"{named[id(holder)]}.weight", inp, outp]))
+    if out and any(not gated for *_, gated in parallel_blocks(model)):
+        _tell(
+            model,
+            "presets.moe: the heads of %s's attention experts are not cut: each expert's query projection is as "
+            "wide as the KV projection all its experts share; whole attention experts are (attn_experts.{layer})",
+            type(model).__name__,
+        )
     return out

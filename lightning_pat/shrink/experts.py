@@ -51,6 +51,8 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("stacked_experts", "w1"): (0,),
     ("stacked_experts", "v1"): (0,),
     ("stacked_experts", "w2"): (0,),
+    # JetMoE: one 3-D ``weight`` ``(E, out, in)`` per projection (see :func:`parallel_experts`)
+    ("parallel_experts", "weight"): (0, 1, 2),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -154,6 +156,45 @@ def stacked_experts(module: nn.Module) -> tuple[int, int] | None:
     return (num, rows // num) if rows % num == 0 else None
 
 
+def parallel_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds one projection of its experts as a 3-D ``weight`` ``(E, out, in)`` and nothing else.
+
+    JetMoE's ``JetMoeParallelExperts`` (its int ``num_experts``, ``output_size`` and ``input_size`` follow a cut).
+    """
+    own = module._parameters  # noqa: SLF001 - this module's own parameters only
+    weight = own.get("weight")
+    num = getattr(module, "num_experts", None)
+    return (
+        set(own) == {"weight"}
+        and weight is not None
+        and weight.dim() == 3
+        and isinstance(num, int)
+        and num == weight.shape[0]
+        and (getattr(module, "output_size", None), getattr(module, "input_size", None)) == tuple(weight.shape[1:])
+    )
+
+
+def parallel_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, bool]]:
+    """``(name, block, router weight holder, gated)`` of every block of parallel experts with its router.
+
+    A block holds ``input_linear`` and ``output_linear`` (:func:`parallel_experts`, ``(E, A, H)`` and ``(E, H, B)``)
+    and a ``router`` whose weight has one row per expert. ``gated``: ``A == 2 * B``, gate and up halves (JetMoE's
+    MLP experts); else ``A == B`` (its attention experts: a query projection and an output projection per expert).
+    """
+    out = []
+    for name, block in model.named_modules():
+        inp, outp, router = (block._modules.get(a) for a in ("input_linear", "output_linear", "router"))  # noqa: SLF001
+        if inp is None or outp is None or router is None or not (parallel_experts(inp) and parallel_experts(outp)):
+            continue
+        a, b = cast(Tensor, inp.weight), cast(Tensor, outp.weight)
+        weight = router_weight(router)
+        if weight is None or weight[1].shape[0] != a.shape[0] or b.shape[0] != a.shape[0] or a.shape[2] != b.shape[1]:
+            continue
+        if a.shape[1] in (b.shape[2], 2 * b.shape[2]):
+            out.append((name, block, _router_holder(router), a.shape[1] == 2 * b.shape[2]))
+    return out
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
     return fused_layout(module) is not None
@@ -165,6 +206,8 @@ def experts_kind(module: nn.Module) -> str | None:
         return "experts"
     if stacked_experts(module) is not None:
         return "stacked_experts"
+    if parallel_experts(module):
+        return "parallel_experts"
     if is_router(module):
         return "router"
     experts = getattr(module, "experts", None)
@@ -263,6 +306,29 @@ def _check_stacked(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             raise ValueError(f"Shrink: stacked experts {name!r} would keep no expert; keep at least one.")
 
 
+def _check_parallel(model: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """A block of parallel experts must keep the same experts in its projections and router, and the same channels.
+
+    The gate and up halves of ``input_linear`` (dim 1) and ``output_linear``'s columns (dim 2) go together.
+    """
+    for name, block, holder, gated in parallel_blocks(model):
+        inp, outp = block.get_submodule("input_linear"), block.get_submodule("output_linear")
+        e_in, e_out, e_r = (edits.get(id(m)) for m in (inp, outp, holder))
+        if e_in is None and e_out is None and e_r is None:
+            continue
+        num, double, _ = _shape(inp, "weight")
+        kept = [_cut(e_in, "weight", 0, num), _cut(e_out, "weight", 0, num), _cut(e_r, "weight", 0, num)]
+        rows = _cut(e_in, "weight", 1, double)
+        gate, up = _gate_and_up(rows, double // 2, False) if gated else (rows, rows)
+        same = torch.equal(gate, up) and torch.equal(gate, _cut(e_out, "weight", 2, _shape(outp, "weight")[2]))
+        if not all(torch.equal(k, kept[0]) for k in kept) or not same or kept[0].numel() == 0:
+            raise ValueError(
+                f"Shrink: block {name!r} would keep different experts in `input_linear`, `output_linear` and its "
+                "router (dim 0), different channels in the gate and up halves of `input_linear` (dim 1) and "
+                "`output_linear` (dim 2), or no expert; declare them together as presets.moe does."
+            )
+
+
 def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Every MoE block must cut the same experts everywhere and the same channels in the gate and up parts.
 
@@ -270,6 +336,7 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         ValueError: Naming the block and what differs.
     """
     _check_stacked(model, edits)
+    _check_parallel(model, edits)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         layout = fused_layout(experts) if isinstance(experts, nn.Module) else None
@@ -388,6 +455,9 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, kept)
         for attr in STACKED_WIDTHS:
             _set_int(module, attr, new_rows // kept)
+    elif edit.kind == "parallel_experts":
+        for attr, value in zip(("num_experts", "output_size", "input_size"), _shape(module, "weight"), strict=True):
+            _set_int(module, attr, value)
     elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
@@ -417,6 +487,20 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
+    modules = dict(model.named_modules())
+    for name, block, holder, gated in parallel_blocks(model):  # JetMoE: the block, its router and the attention read E
+        num = _shape(block.get_submodule("input_linear"), "weight")[0]
+        if gated:  # JetMoeMoE's hidden_size is its experts' width
+            _set_int(block, "hidden_size", _shape(block.get_submodule("output_linear"), "weight")[2])
+        owners = [block, *(m for n, m in modules.items() if m is not holder and holder in tuple(m.children()))]
+        if "." in name:
+            owners.append(modules[name.rsplit(".", 1)[0]])  # the attention holding its experts (its top_k)
+        owners += [m for m in modules.values() if hasattr(m, "config")]  # JetMoeForCausalLM's own num_experts
+        for owner in owners:
+            _set_int(owner, "num_experts", num)
+            for attr in ("top_k", "num_experts_per_tok"):
+                if isinstance(top_k := getattr(owner, attr, None), int):
+                    _set_int(owner, attr, min(top_k, num))
     for _, chain, _ in stacked_blocks(model):  # DBRX: the experts' owners and the block read E, F and top-k
         found = stacked_experts(chain[0])
         if found is None:
@@ -490,8 +574,28 @@ def stacked_config(model: nn.Module) -> dict[str, int | None]:
     return out
 
 
+def _parallel_config(model: nn.Module, config: Any) -> dict[str, int | None]:
+    """The config values of parallel experts' new sizes (JetMoE): the expert count (MLP and attention experts)."""
+    blocks = parallel_blocks(model)
+    counts = {_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks}
+    widths = {_shape(b.get_submodule("output_linear"), "weight")[2] for _, b, _, gated in blocks if gated}
+    out: dict[str, int | None] = {}
+    for attr in EXPERT_COUNT_FIELDS:
+        if isinstance(getattr(config, attr, None), int):
+            out[attr] = counts.pop() if len(counts) == 1 else None
+            break
+    for attr in TOP_K_FIELDS:
+        if isinstance(top_k := getattr(config, attr, None), int):
+            out[attr] = min(top_k, *(_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks))
+    if widths:
+        out["intermediate_size"] = widths.pop() if len(widths) == 1 else None
+    return out
+
+
 def expert_config(model: nn.Module) -> dict[str, int | None]:
     """The config values of the experts' new sizes, ``None`` where layers differ (per-layer counts: our format)."""
+    if parallel_blocks(model):
+        return _parallel_config(model, getattr(model, "config", None))
     fused = [(m, layout) for m in model.modules() if (layout := fused_layout(m)) is not None]
     if not fused:
         return {}

@@ -65,3 +65,29 @@ def test_dbrx_whole_stacked_experts_go_with_their_router_rows():
     stock = _stock(model)
     assert lm_zoo._rel(_logits(stock, ids), masked) < lm_zoo.EXACT
     assert stock.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_jetmoe_parallel_experts_lose_channels_and_whole_experts_with_auto():
+    # JetMoE holds each projection of its experts as a 3-D weight (JetMoeParallelExperts) and routes with a top-k
+    # gating that does not trace; its attention is a mixture of attention experts built from the same
+    # num_local_experts: "auto" cuts the MLP experts' channels, whole MLP experts and whole attention experts
+    from lightning_pat import prune_clusters, shrink
+
+    model = lm_zoo.build("jetmoe").eval()
+    ids = lm_zoo.token_ids()
+    dense = _logits(model, ids)
+    result = prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=2)])
+    assert {n.split(".")[0] for n in result.dropped} == {"mlp", "experts", "attn_experts"}
+    masked = _logits(model, ids)
+    assert lm_zoo._rel(masked, dense) > 1e-3
+    before = lm_zoo.non_embedding_params(model)
+    shrink(model, result, example_input=None)
+    assert lm_zoo._rel(_logits(model, ids), masked) < lm_zoo.EXACT
+    assert 1 - lm_zoo.non_embedding_params(model) / before > 0.4
+    layer = model.model.layers[1]
+    assert layer.mlp.input_linear.weight.shape == (2, 2 * 64, lm_zoo.HIDDEN)
+    assert layer.mlp.router.layer.weight.shape[0] == 2 == layer.self_attention.experts.router.num_experts
+    assert (model.config.num_local_experts, model.config.intermediate_size) == (2, 64)
+    stock = _stock(model)
+    assert lm_zoo._rel(_logits(stock, ids), masked) < lm_zoo.EXACT
+    assert stock.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
