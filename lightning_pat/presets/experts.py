@@ -29,6 +29,12 @@ Where the preset does not cover every layer (an attention it does not know: gate
 (:func:`lightning_pat.discovery.entry.with_experts`); a block whose router is not one row per expert (an MLP router,
 LongCat-Flash's zero-computation experts) has its experts' channels cut, never whole experts.
 
+Two other layouts are read by structure where no fused block is found (:func:`stacked_units`, :func:`parallel_units`;
+:func:`moe` returns them, and ``clusters="auto"`` uses them alone where tracing stops at an expert loop): DBRX's
+experts stacked as 2-D ``w1``/``v1``/``w2`` of ``E * F`` rows (each expert's own channels, or whole experts with the
+router's rows: both lie on one axis, so one of the two), and JetMoE's ``input_linear``/``output_linear`` 3-D weights
+(the MLP experts' channels, whole MLP experts, whole attention experts).
+
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
 number of experts and the stock config can express the result. The kept expert width and hidden size are multiples
