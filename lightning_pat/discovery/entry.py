@@ -36,7 +36,7 @@ from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery import trial as trials
 from lightning_pat.discovery.query_heads import refine_query_heads
-from lightning_pat.discovery.trace import trace
+from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
 from lightning_pat.heads import mha_refusal
 
@@ -318,8 +318,8 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
     """
     try:
         found = discover(model, example_input, query_heads=query_heads)
-    except Exception as err:  # noqa: BLE001 - a trace stop (ValueError, or torch's own) leaves the experts, by structure
-        units = with_experts(model, [])
+    except Exception as err:  # noqa: BLE001 - a trace stop (ours, or torch's own) leaves the experts, by structure
+        units = [] if isinstance(err, ValueError) and not isinstance(err, TraceStop) else with_experts(model, [])
         if not units:
             raise
         log.warning(
