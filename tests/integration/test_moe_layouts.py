@@ -129,3 +129,19 @@ def test_jetmoe_callback_prunes_its_experts_while_training_then_shrinks_exactly(
     shrink(model, cb, example_input=None)
     assert lm_zoo._rel(_logits(model, ids), masked) < lm_zoo.EXACT
     assert lm_zoo._rel(_logits(_stock(model), ids), masked) < lm_zoo.EXACT
+
+
+def test_dbrx_a_cut_that_leaves_experts_of_different_widths_is_refused_before_any_change():
+    from lightning_pat import Cluster, shrink
+    from lightning_pat.core.spec import resolve_clusters
+
+    model = lm_zoo.build("dbrx").eval()
+    mlp = "transformer.blocks.0.ffn.experts.mlp"
+    resolved = resolve_clusters(model, [Cluster("rows", [f"{mlp}.{w}" for w in ("w1", "v1", "w2")])])
+    with torch.no_grad():  # the masked model's weights: the dropped rows zero
+        for w in ("w1", "v1", "w2"):
+            model.get_parameter(f"{mlp}.{w}")[:10] = 0
+    before = {n: p.shape for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"\[118, 128, 128, 128\] rows per expert"):  # 10 rows of expert 0 only
+        shrink(model, {"clusters": resolved, "dropped": {"rows": list(range(10))}}, example_input=None)
+    assert {n: p.shape for n, p in model.named_parameters()} == before
