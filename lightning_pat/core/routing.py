@@ -54,13 +54,19 @@ def router_weight(module: nn.Module) -> tuple[str, Tensor] | None:
     return None
 
 
-def is_router(module: nn.Module) -> bool:
+def is_router(module: nn.Module, *, own_top_k: bool = True) -> bool:
     """Whether ``module`` is a top-k router: a ``*Router`` (or ``*Gate``) class, an ``(E, H)`` weight, an int ``top_k``.
 
-    The weight is the router's own or that of its one ``nn.Linear`` (:func:`router_weight`).
+    The weight is the router's own or that of its one ``nn.Linear`` (:func:`router_weight`). With ``own_top_k``
+    false, a ``*Router`` class without a ``top_k`` of its own (DBRX's: its block picks the top k) is one too, and a
+    ``*Gating`` class with one (JetMoE's).
     """
     kind = type(module).__name__.lower()
     top_k = getattr(module, "top_k", None)
+    if not own_top_k and top_k is None and "router" in kind:
+        return router_weight(module) is not None
+    if not own_top_k and kind.endswith("gating"):  # JetMoE's top-k gating
+        return router_weight(module) is not None and isinstance(top_k, int) and not isinstance(top_k, bool)
     return (
         ("router" in kind or kind.endswith("gate"))
         and router_weight(module) is not None
@@ -157,7 +163,7 @@ def route_around_dropped(model: nn.Module, clusters: Sequence[ResolvedCluster]) 
     for name, module in model.named_modules():
         found = router_weight(module)
         weight = (f"{name}.{found[0]}" if name else found[0]) if found is not None else ""
-        if weight in rows and is_router(module) and getattr(module, _HOOK_ATTR, None) is None:
+        if weight in rows and is_router(module, own_top_k=False) and getattr(module, _HOOK_ATTR, None) is None:
             handles = (
                 module.register_forward_pre_hook(_before, with_kwargs=True),
                 module.register_forward_hook(_after, with_kwargs=True, always_call=True),

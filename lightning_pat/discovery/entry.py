@@ -36,7 +36,7 @@ from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery import trial as trials
 from lightning_pat.discovery.query_heads import refine_query_heads
-from lightning_pat.discovery.trace import trace
+from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
 from lightning_pat.heads import mha_refusal
 
@@ -316,7 +316,18 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
     Raises:
         ValueError: If the model cannot be traced, or no cluster is found (the table says why).
     """
-    found = discover(model, example_input, query_heads=query_heads)
+    try:
+        found = discover(model, example_input, query_heads=query_heads)
+    except Exception as err:  # noqa: BLE001 - a trace stop (ours, or torch's own) leaves the experts, by structure
+        units = [] if isinstance(err, ValueError) and not isinstance(err, TraceStop) else with_experts(model, [])
+        if not units:
+            raise
+        log.warning(
+            "discover: %s could not be traced (%s); only its experts' units, found by structure, are cut (%s); "
+            "everything else is left whole",
+            type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
+        )  # fmt: skip
+        return units
     config = getattr(model, "config", None)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads

@@ -53,6 +53,10 @@ class Trace:
     per_head: dict[str, int] = field(default_factory=dict)
 
 
+class TraceStop(ValueError):
+    """torch.export could not trace the model (data-dependent control flow, unsupported Python), not a misfit input."""
+
+
 def _global_shape(tensor: torch.Tensor) -> torch.Size:
     return tensor.shape  # a DTensor reports its global shape
 
@@ -195,7 +199,7 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
                 "`example_input` forward takes (a tensor, a tuple of positional arguments or a dict of keyword "
                 f"arguments), got {_describe(example_input)}."
             ) from err
-        raise ValueError(
+        raise TraceStop(
             f"discover: torch.export could not trace {type(model).__name__} ({type(err).__name__}: {first[:300]}); "
             "data-dependent control flow or unsupported Python in forward. Declare the clusters by hand, or pass an "
             "`example_input` the forward accepts."

@@ -29,6 +29,12 @@ Where the preset does not cover every layer (an attention it does not know: gate
 (:func:`lightning_pat.discovery.entry.with_experts`); a block whose router is not one row per expert (an MLP router,
 LongCat-Flash's zero-computation experts) has its experts' channels cut, never whole experts.
 
+Two other layouts are read by structure where no fused block is found (:func:`stacked_units`, :func:`parallel_units`;
+:func:`moe` returns them, and ``clusters="auto"`` uses them alone where tracing stops at an expert loop): DBRX's
+experts stacked as 2-D ``w1``/``v1``/``w2`` of ``E * F`` rows (each expert's own channels, or whole experts with the
+router's rows: both lie on one axis, so one of the two), and JetMoE's ``input_linear``/``output_linear`` 3-D weights
+(the MLP experts' channels, whole MLP experts, whole attention experts).
+
 Members on dim 1 or 2 of the fused tensors are declared with ``@d`` (see :mod:`lightning_pat.core.spec.patterns`)
 and pruned on the materializing path only. Every expert cluster has its own target, so every layer keeps the same
 number of experts and the stock config can express the result. The kept expert width and hidden size are multiples
@@ -55,7 +61,15 @@ from lightning_pat.presets.transformers import (
     llama_like,
     param_names,
 )
-from lightning_pat.shrink.experts import FusedLayout, block_router, expert_groups, fused_layout
+from lightning_pat.shrink.experts import (
+    FusedLayout,
+    block_router,
+    expert_groups,
+    fused_layout,
+    parallel_blocks,
+    stacked_blocks,
+    stacked_experts,
+)
 from lightning_pat.shrink.model_meta import has_sinks
 from lightning_pat.shrink.stock_config import head_count_multiple
 
@@ -359,6 +373,10 @@ def moe(
     )  # `experts` is read here alone (build checks the others only when it runs)
     names = param_names(model)
     found = find_blocks(model)
+    if found is None and (stacked := stacked_units(model, mlp=mlp, experts=experts)):
+        return stacked  # DBRX: experts stacked as 2-D rows; its attention is not declared here
+    if found is None and (parallel := parallel_units(model, mlp=mlp, experts=experts)):
+        return parallel  # JetMoE: one 3-D weight per projection; its attention experts whole
     if found is None:
         raise ValueError(
             "presets.moe: no decoder layer `<prefix>layers.N` holds a block with fused `experts.gate_up_proj` / "
@@ -487,4 +505,73 @@ def moe(
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:
         raise ValueError("presets.moe: select at least one of `mlp`, `heads`, `residual`, `layers`, `experts`.")
+    return out
+
+
+def stacked_units(model: nn.Module, *, mlp: bool = True, experts: bool = False) -> list[Cluster]:
+    """The expert units of experts stacked as 2-D ``w1``/``v1``/``w2`` of ``E * F`` rows (DBRX), per MoE block.
+
+    ``mlp``: ``mlp.{layer}``, each expert's own intermediate channels (row ``e * F + c`` of every weight), every
+    expert keeping the same number (``unit_groups=E``; ``ffn_config.ffn_hidden_size`` follows). ``experts``:
+    ``experts.{layer}``, whole experts (their ``F`` rows of each weight) with the router's row (``moe_num_experts``
+    follows, ``moe_top_k`` at most the experts kept; a dropped expert is routed around,
+    :mod:`lightning_pat.core.routing`). Both units lie on the same axis (the rows), and a channel belongs to one
+    cluster, so one of the two is declared: the channels where both are asked for (said once). Empty if the model has
+    no stacked experts with a router of one row per expert.
+    """
+    out: list[Cluster] = []
+    if mlp and experts and stacked_blocks(model):
+        _tell(
+            model,
+            "presets.moe: %s stacks its experts and their channels on one axis (w1/v1/w2 rows), and a channel belongs "
+            "to one cluster: its experts' channels are cut, not whole experts (presets.moe(model, mlp=False) cuts "
+            "whole experts instead)",
+            type(model).__name__,
+        )
+        experts = False
+    for name, _, holder in stacked_blocks(model):
+        found = stacked_experts(model.get_submodule(name))
+        if holder is None or found is None:
+            continue
+        num, width = found
+        router = next(f"{n}.weight" for n, m in model.named_modules() if m is holder)
+        layer = re.findall(r"\.(\d+)\.", f".{name}.")
+        key = layer[-1] if layer else name
+        weights = [f"{name}.{w}" for w in ("w1", "v1", "w2")]
+        if mlp:
+            out.append(Cluster(f"mlp.{key}", weights, num_units=num * width, unit_groups=num))
+        if experts and num > 1:
+            out.append(Cluster(f"experts.{key}", [router, *weights], num_units=num))
+    return out
+
+
+def parallel_units(model: nn.Module, *, mlp: bool = True, experts: bool = True) -> list[Cluster]:
+    """The expert units of blocks of parallel experts (JetMoE: ``input_linear``/``output_linear`` 3-D weights).
+
+    ``mlp``: ``mlp.{layer}``, the intermediate channels every MLP expert shares (the same channel of the gate and up
+    halves of ``input_linear``, dim 1, and of ``output_linear``'s columns, dim 2; ``intermediate_size`` follows).
+    ``experts``: ``experts.{layer}``, whole MLP experts with their router rows, and ``attn_experts.{layer}``, whole
+    attention experts (a mixture of attention heads: expert ``e``'s query and output projections) with theirs: the
+    config's one ``num_local_experts`` builds both, so both keep as many (each cluster's own target, the same).
+    The attention experts' heads are not cut: every expert's query projection is as wide as the KV projection that
+    all experts share (``kv_channels * num_key_value_heads``). Empty if the model has no such blocks.
+    """
+    out: list[Cluster] = []
+    named = {id(m): n for n, m in model.named_modules()}
+    for name, block, holder, gated in parallel_blocks(model):
+        layer = re.findall(r"\.(\d+)\.", f".{name}.")
+        key = layer[-1] if layer else name
+        inp, outp = f"{name}.input_linear.weight", f"{name}.output_linear.weight"
+        if mlp and gated:
+            out.append(Cluster(f"mlp.{key}", [f"{inp}@1[0/2]", f"{inp}@1[1/2]"], [f"{outp}@2"]))
+        if experts and cast(Tensor, block.get_submodule("input_linear").weight).shape[0] > 1:
+            kind = "experts" if gated else "attn_experts"
+            out.append(Cluster(f"{kind}.{key}", [f"{named[id(holder)]}.weight", inp, outp]))
+    if out and any(not gated for *_, gated in parallel_blocks(model)):
+        _tell(
+            model,
+            "presets.moe: the heads of %s's attention experts are not cut: each expert's query projection is as "
+            "wide as the KV projection all its experts share; whole attention experts are (attn_experts.{layer})",
+            type(model).__name__,
+        )
     return out

@@ -47,6 +47,12 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     # a block's own per-expert selection bias, passed to its router (AFMoE's ``expert_bias``)
     ("moe_block", "expert_bias"): (0,),
     ("moe_block", "e_score_correction_bias"): (0,),
+    # DBRX: experts stacked as 2-D ``(E * F, H)`` rows (see :func:`stacked_experts`)
+    ("stacked_experts", "w1"): (0,),
+    ("stacked_experts", "v1"): (0,),
+    ("stacked_experts", "w2"): (0,),
+    # JetMoE: one 3-D ``weight`` ``(E, out, in)`` per projection (see :func:`parallel_experts`)
+    ("parallel_experts", "weight"): (0, 1, 2),
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -55,6 +61,12 @@ PER_EXPERT_BUFFERS = ("e_score_correction_bias",)
 #: Config fields holding the routed expert count (Aria: ``moe_num_experts``) and the experts per token.
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk")
+#: The weights of a stacked experts module (DBRX's ``DbrxExpertGLU``): gate, up and down, each ``(E * F, H)``.
+STACKED = ("w1", "v1", "w2")
+#: Attributes holding a stacked experts module's expert count and width, and the config fields that build them.
+STACKED_COUNTS = ("moe_num_experts", "num_experts")
+STACKED_WIDTHS = ("ffn_hidden_size",)
+STACKED_TOP_K = ("moe_top_k", "top_k")
 #: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
 EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
 
@@ -127,6 +139,62 @@ def fused_layout(module: nn.Module) -> FusedLayout | None:
     return FusedLayout(transposed=transposed, interleaved=interleaved, bias=bias)
 
 
+def stacked_experts(module: nn.Module) -> tuple[int, int] | None:
+    """``(E, F)`` of a module holding its experts stacked as 2-D ``w1``, ``v1``, ``w2`` of ``(E * F, H)``, or ``None``.
+
+    DBRX's ``DbrxExpertGLU``: expert ``e``'s gate, up and (transposed) down weights are rows ``[e * F, (e + 1) * F)``
+    of ``w1``, ``v1`` and ``w2``; the module's int ``moe_num_experts`` (or ``num_experts``) is ``E``.
+    """
+    params = [module._parameters.get(a) for a in STACKED]  # noqa: SLF001 - this module's own parameters only
+    if any(p is None or p.dim() != 2 for p in params):
+        return None
+    shapes = {tuple(cast(Tensor, p).shape) for p in params}
+    num = next((v for a in STACKED_COUNTS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+    if len(shapes) != 1 or num is None or isinstance(num, bool):
+        return None
+    rows = shapes.pop()[0]
+    return (num, rows // num) if rows % num == 0 else None
+
+
+def parallel_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds one projection of its experts as a 3-D ``weight`` ``(E, out, in)`` and nothing else.
+
+    JetMoE's ``JetMoeParallelExperts`` (its int ``num_experts``, ``output_size`` and ``input_size`` follow a cut).
+    """
+    own = module._parameters  # noqa: SLF001 - this module's own parameters only
+    weight = own.get("weight")
+    num = getattr(module, "num_experts", None)
+    return (
+        set(own) == {"weight"}
+        and weight is not None
+        and weight.dim() == 3
+        and isinstance(num, int)
+        and num == weight.shape[0]
+        and (getattr(module, "output_size", None), getattr(module, "input_size", None)) == tuple(weight.shape[1:])
+    )
+
+
+def parallel_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, bool]]:
+    """``(name, block, router weight holder, gated)`` of every block of parallel experts with its router.
+
+    A block holds ``input_linear`` and ``output_linear`` (:func:`parallel_experts`, ``(E, A, H)`` and ``(E, H, B)``)
+    and a ``router`` whose weight has one row per expert. ``gated``: ``A == 2 * B``, gate and up halves (JetMoE's
+    MLP experts); else ``A == B`` (its attention experts: a query projection and an output projection per expert).
+    """
+    out = []
+    for name, block in model.named_modules():
+        inp, outp, router = (block._modules.get(a) for a in ("input_linear", "output_linear", "router"))  # noqa: SLF001
+        if inp is None or outp is None or router is None or not (parallel_experts(inp) and parallel_experts(outp)):
+            continue
+        a, b = cast(Tensor, inp.weight), cast(Tensor, outp.weight)
+        weight = router_weight(router)
+        if weight is None or weight[1].shape[0] != a.shape[0] or b.shape[0] != a.shape[0] or a.shape[2] != b.shape[1]:
+            continue
+        if a.shape[1] in (b.shape[2], 2 * b.shape[2]):
+            out.append((name, block, _router_holder(router), a.shape[1] == 2 * b.shape[2]))
+    return out
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
     return fused_layout(module) is not None
@@ -136,6 +204,10 @@ def experts_kind(module: nn.Module) -> str | None:
     """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
     if is_fused_experts(module):
         return "experts"
+    if stacked_experts(module) is not None:
+        return "stacked_experts"
+    if parallel_experts(module):
+        return "parallel_experts"
     if is_router(module):
         return "router"
     experts = getattr(module, "experts", None)
@@ -175,12 +247,96 @@ def _gate_and_up(rows: Tensor, half: int, interleaved: bool) -> tuple[Tensor, Te
     return rows[rows < half], rows[rows >= half] - half
 
 
+def stacked_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module], nn.Module | None]]:
+    """Per stacked experts module (:func:`stacked_experts`): its name, its owners up to its block, its router.
+
+    The router is the weight holder of the block's ``router`` or ``gate`` child with one row per expert, or ``None``.
+    The block is the nearest of the module's parent and grandparent holding such a router (DBRX: ``ffn``, holding
+    ``router`` and ``experts``, whose ``mlp`` holds the weights).
+    """
+    modules = dict(model.named_modules())
+    out = []
+    for name, module in modules.items():
+        found = stacked_experts(module)
+        if found is None:
+            continue
+        chain, holder, parts = [module], None, name.split(".")
+        for up in (1, 2):
+            if len(parts) < up:
+                break
+            owner = modules[".".join(parts[:-up])]
+            chain.append(owner)
+            for attr in ("router", "gate"):
+                child = owner._modules.get(attr)  # noqa: SLF001 - a direct child
+                weight = router_weight(child) if child is not None else None
+                if weight is not None and weight[1].shape[0] == found[0]:
+                    holder = _router_holder(child)
+            if holder is not None:
+                break
+        out.append((name, chain, holder))
+    return out
+
+
+def _check_stacked(model: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """A stacked experts module must keep the same rows in its three weights and as many in every kept expert.
+
+    A dropped expert loses all its rows and its router row.
+    """
+    for name, chain, holder in stacked_blocks(model):
+        module = chain[0]
+        edit = edits.get(id(module))
+        r_edit = edits.get(id(holder)) if holder is not None else None
+        if edit is None and r_edit is None:
+            continue
+        num, width = cast(tuple[int, int], stacked_experts(module))
+        rows = {a: _cut(edit, a, 0, num * width) for a in STACKED}
+        per_expert = torch.bincount(rows["w1"] // width, minlength=num)
+        experts = torch.nonzero(per_expert).flatten()
+        router = _cut(r_edit, "weight", 0, num) if holder is not None else experts
+        same = all(torch.equal(r, rows["w1"]) for r in rows.values())
+        if not same or not torch.equal(router, experts) or len(set(per_expert[experts].tolist())) > 1:
+            raise ValueError(
+                f"Shrink: stacked experts {name!r} (w1, v1, w2: {num} experts x {width} rows) would keep "
+                f"{'different rows in w1, v1 and w2' if not same else f'{per_expert.tolist()} rows per expert'} "
+                f"(router rows kept: {router.tolist()}); every kept expert must keep the same number of rows, the "
+                "same in the three weights, and a dropped expert its router row too. Declare the experts' channels "
+                "with unit_groups=E, or whole experts with the router's rows, as presets.moe does."
+            )
+        if experts.numel() == 0:
+            raise ValueError(f"Shrink: stacked experts {name!r} would keep no expert; keep at least one.")
+
+
+def _check_parallel(model: nn.Module, edits: Mapping[int, Edit]) -> None:
+    """A block of parallel experts must keep the same experts in its projections and router, and the same channels.
+
+    The gate and up halves of ``input_linear`` (dim 1) and ``output_linear``'s columns (dim 2) go together.
+    """
+    for name, block, holder, gated in parallel_blocks(model):
+        inp, outp = block.get_submodule("input_linear"), block.get_submodule("output_linear")
+        e_in, e_out, e_r = (edits.get(id(m)) for m in (inp, outp, holder))
+        if e_in is None and e_out is None and e_r is None:
+            continue
+        num, double, _ = _shape(inp, "weight")
+        kept = [_cut(e_in, "weight", 0, num), _cut(e_out, "weight", 0, num), _cut(e_r, "weight", 0, num)]
+        rows = _cut(e_in, "weight", 1, double)
+        gate, up = _gate_and_up(rows, double // 2, False) if gated else (rows, rows)
+        same = torch.equal(gate, up) and torch.equal(gate, _cut(e_out, "weight", 2, _shape(outp, "weight")[2]))
+        if not all(torch.equal(k, kept[0]) for k in kept) or not same or kept[0].numel() == 0:
+            raise ValueError(
+                f"Shrink: block {name!r} would keep different experts in `input_linear`, `output_linear` and its "
+                "router (dim 0), different channels in the gate and up halves of `input_linear` (dim 1) and "
+                "`output_linear` (dim 2), or no expert; declare them together as presets.moe does."
+            )
+
+
 def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Every MoE block must cut the same experts everywhere and the same channels in the gate and up parts.
 
     Raises:
         ValueError: Naming the block and what differs.
     """
+    _check_stacked(model, edits)
+    _check_parallel(model, edits)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         layout = fused_layout(experts) if isinstance(experts, nn.Module) else None
@@ -277,6 +433,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give an experts module or a router its new data, and its sizes."""
     module = edit.module
     layout = fused_layout(module) if edit.kind == "experts" else None  # read before the cut: shapes consistent
+    stacked = stacked_experts(module) if edit.kind == "stacked_experts" else None
     for attr in edit.cuts:
         param = module._parameters[attr]  # noqa: SLF001 - the registered tensor itself
         if param is not None and param.shape != new_params[id(param)].shape:
@@ -289,6 +446,18 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, double // 2)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
+    elif stacked is not None:  # the experts kept are those with a kept row; each keeps the same channels
+        num, width = stacked
+        rows = edit.cuts.get("w1", {}).get(0)
+        kept = torch.unique(rows // width).numel() if rows is not None else num
+        new_rows = _shape(module, "w1")[0]
+        for attr in STACKED_COUNTS:
+            _set_int(module, attr, kept)
+        for attr in STACKED_WIDTHS:
+            _set_int(module, attr, new_rows // kept)
+    elif edit.kind == "parallel_experts":
+        for attr, value in zip(("num_experts", "output_size", "input_size"), _shape(module, "weight"), strict=True):
+            _set_int(module, attr, value)
     elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
         _set_int(module, "num_experts", num)
@@ -318,6 +487,31 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
     With ``edits`` (those of the shrink), a block's per-expert buffers (:data:`PER_EXPERT_BUFFERS`) keep the kept
     experts' entries.
     """
+    modules = dict(model.named_modules())
+    for name, block, holder, gated in parallel_blocks(model):  # JetMoE: the block, its router and the attention read E
+        num = _shape(block.get_submodule("input_linear"), "weight")[0]
+        if gated:  # JetMoeMoE's hidden_size is its experts' width
+            _set_int(block, "hidden_size", _shape(block.get_submodule("output_linear"), "weight")[2])
+        owners = [block, *(m for n, m in modules.items() if m is not holder and holder in tuple(m.children()))]
+        if "." in name:
+            owners.append(modules[name.rsplit(".", 1)[0]])  # the attention holding its experts (its top_k)
+        owners += [m for m in modules.values() if hasattr(m, "config")]  # JetMoeForCausalLM's own num_experts
+        for owner in owners:
+            _set_int(owner, "num_experts", num)
+            for attr in ("top_k", "num_experts_per_tok"):
+                if isinstance(top_k := getattr(owner, attr, None), int):
+                    _set_int(owner, attr, min(top_k, num))
+    for _, chain, _ in stacked_blocks(model):  # DBRX: the experts' owners and the block read E, F and top-k
+        found = stacked_experts(chain[0])
+        if found is None:
+            continue
+        for owner in chain:
+            for attr in STACKED_COUNTS:
+                _set_int(owner, attr, found[0])
+            for attr in STACKED_WIDTHS:
+                _set_int(owner, attr, found[1])
+            if isinstance(top_k := getattr(owner, "top_k", None), int):
+                _set_int(owner, "top_k", min(top_k, found[0]))
     if _extra_router_rows(model):
         return  # a router scoring more than its experts (LongCat-Flash's zero experts): no expert is cut, top-k holds
     counts = {_shape(m)[0] for m in model.modules() if is_fused_experts(m)}
@@ -368,8 +562,40 @@ def _shared_mlp_widths(model: nn.Module) -> set[int]:
     }
 
 
+def stacked_config(model: nn.Module) -> dict[str, int | None]:
+    """The config values of stacked experts' new sizes (DBRX's ``ffn_config``), ``None`` where layers differ."""
+    found = [f for _, chain, _ in stacked_blocks(model) if (f := stacked_experts(chain[0])) is not None]
+    if not found:
+        return {}
+    counts, widths = {n for n, _ in found}, {w for _, w in found}
+    out: dict[str, int | None] = {a: counts.pop() if len(counts) == 1 else None for a in STACKED_COUNTS[:1]}
+    out[STACKED_WIDTHS[0]] = widths.pop() if len(widths) == 1 else None
+    out["top_k_at_most"] = min(n for n, _ in found)
+    return out
+
+
+def _parallel_config(model: nn.Module, config: Any) -> dict[str, int | None]:
+    """The config values of parallel experts' new sizes (JetMoE): the expert count (MLP and attention experts)."""
+    blocks = parallel_blocks(model)
+    counts = {_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks}
+    widths = {_shape(b.get_submodule("output_linear"), "weight")[2] for _, b, _, gated in blocks if gated}
+    out: dict[str, int | None] = {}
+    for attr in EXPERT_COUNT_FIELDS:
+        if isinstance(getattr(config, attr, None), int):
+            out[attr] = counts.pop() if len(counts) == 1 else None
+            break
+    for attr in TOP_K_FIELDS:
+        if isinstance(top_k := getattr(config, attr, None), int):
+            out[attr] = min(top_k, *(_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks))
+    if widths:
+        out["intermediate_size"] = widths.pop() if len(widths) == 1 else None
+    return out
+
+
 def expert_config(model: nn.Module) -> dict[str, int | None]:
     """The config values of the experts' new sizes, ``None`` where layers differ (per-layer counts: our format)."""
+    if parallel_blocks(model):
+        return _parallel_config(model, getattr(model, "config", None))
     fused = [(m, layout) for m in model.modules() if (layout := fused_layout(m)) is not None]
     if not fused:
         return {}

@@ -22,7 +22,7 @@ from lightning_pat.heads import (
     is_swin_v2_attention,
     mha_refusal,
 )
-from lightning_pat.shrink.experts import expert_config, experts_kind, shared_experts
+from lightning_pat.shrink.experts import STACKED_TOP_K, expert_config, experts_kind, shared_experts, stacked_config
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -408,6 +408,15 @@ def update_config(
         _set_config(config, ("rms_norm_eps",), _uniform(norm_eps), "the RMSNorm eps")
     for attr, value in expert_config(model).items():
         _set_config(config, (attr,), value, attr)
+    if stacked := stacked_config(model):  # DBRX: its experts' sizes live in a sub-config (`ffn_config`)
+        at_most = cast(int, stacked.pop("top_k_at_most"))
+        subs = [config, *(v for v in vars(config).values() if hasattr(v, "to_dict") and not isinstance(v, Mapping))]
+        for sub in subs:
+            for attr, value in stacked.items():
+                _set_config(sub, (attr,), value, attr)
+            for attr in STACKED_TOP_K:
+                if isinstance(top_k := getattr(sub, attr, None), int) and not isinstance(top_k, bool):
+                    setattr(sub, attr, min(top_k, at_most))
 
 
 # ---------------------------------------------------------------------------------------------------- head counts

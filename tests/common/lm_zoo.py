@@ -63,7 +63,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # its config refuses any other top-k
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default: every layer would need one
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # all Mamba by default
-    "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # its attention reads them
+    "dbrx": {"attn_config": {"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 8.0},  # its attention reads them
+             "ffn_config": {"ffn_hidden_size": FF, "moe_num_experts": 4, "moe_top_k": 2}},
     # mamba2: hidden * expand == num_heads * head_dim; gpt_neo: one (global, local) pair of layers
     "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
