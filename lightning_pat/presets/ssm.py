@@ -1,0 +1,97 @@
+"""Mamba-style state-space mixers: their exact units, found by structure (:func:`mixers`).
+
+A mixer (:func:`~lightning_pat.shrink.mixers.mixer_kind`: ``A_log`` and ``D`` of its own, ``in_proj``, a depthwise
+``conv1d``, ``out_proj``) has one cluster, ``<mixer>.inner``:
+
+* Mamba 1 (Mamba, Falcon-Mamba, Jamba): one unit per inner channel: its rows of both halves of ``in_proj`` (``x``
+  and the gate ``z``), its conv channel, its ``dt_proj`` row and bias, its ``A_log`` and ``D`` rows (writers), and
+  its columns of ``x_proj`` and ``out_proj`` (readers). A dropped channel's ``x`` is zero after the conv, so its
+  state and output stay zero: the cut is exact. The config's ``expand`` holds the new width when it is a whole
+  multiple of the hidden size (else the stock-config probe drops the cut);
+* Mamba 2 (Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, GraniteMoE-hybrid): one unit per group of
+  ``n_groups`` (the gated norm normalises over a group, so a group is the smallest exact unit): its heads' ``z``,
+  ``x`` and ``dt`` rows of ``in_proj``, its ``B`` and ``C`` rows and conv channels, its heads' ``dt_bias``,
+  ``A_log``, ``D`` and norm weights, and its ``out_proj`` columns. A model with one group has no exact unit there.
+
+``clusters="auto"`` adds these to the clusters it discovers by tracing (tracing sees neither the scan nor the
+mixer's own parameters: :func:`lightning_pat.discovery.entry.with_experts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from lightning_pat.core.spec import Cluster
+from lightning_pat.shrink.mixers import mamba2_layout, mixer_kind
+
+log = logging.getLogger(__name__)
+
+
+def _mamba(prefix: str, m: Any) -> Cluster:
+    inner = int(m.D.shape[0])
+    halves = [f"{prefix}in_proj.weight[{i}/2]" for i in range(2)]
+    if m.in_proj.bias is not None:
+        halves += [f"{prefix}in_proj.bias[{i}/2]" for i in range(2)]
+    conv = [f"{prefix}conv1d.{p}" for p, t in m.conv1d.named_parameters(recurse=False) if t is not None]
+    dt = [f"{prefix}dt_proj.{p}" for p, _ in m.dt_proj.named_parameters(recurse=False)]
+    return Cluster(
+        name=f"{prefix}inner",
+        writers=[*halves, *conv, *dt, f"{prefix}A_log", f"{prefix}D"],
+        readers=[f"{prefix}x_proj.weight", f"{prefix}out_proj.weight"],
+        num_units=inner,
+    )
+
+
+def _mamba2(prefix: str, m: Any) -> Cluster | None:
+    layout = mamba2_layout(m)
+    if layout is None:
+        return None
+    inner, heads, _, groups, state = layout
+    if groups < 2:
+        return None
+    bc = groups * state
+    rows = [(0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + bc), (2 * inner + bc, 2 * inner + 2 * bc)]
+    rows.append((2 * inner + 2 * bc, 2 * inner + 2 * bc + heads))
+    channels = [(0, inner), (inner, inner + bc), (inner + bc, inner + 2 * bc)]
+    proj = [f"{prefix}in_proj.{p}" for p, _ in m.in_proj.named_parameters(recurse=False)]
+    conv = [f"{prefix}conv1d.{p}" for p, _ in m.conv1d.named_parameters(recurse=False)]
+    return Cluster(
+        name=f"{prefix}inner",
+        writers=[
+            *(f"{p}[{a}:{b}]" for p in proj for a, b in rows),
+            *(f"{p}[{a}:{b}]" for p in conv for a, b in channels),
+            f"{prefix}dt_bias",
+            f"{prefix}A_log",
+            f"{prefix}D",
+            f"{prefix}norm.weight",
+        ],
+        readers=[f"{prefix}out_proj.weight"],
+        num_units=groups,
+    )
+
+
+def mixers(model: nn.Module) -> list[Cluster]:
+    """One cluster per state-space mixer of ``model`` that has an exact unit (see the module's docs).
+
+    Args:
+        model: Any module; its Mamba-style mixers are found by structure.
+
+    Returns:
+        The clusters, in module order (empty if the model holds no such mixer).
+    """
+    out: list[Cluster] = []
+    for name, module in model.named_modules():
+        kind = mixer_kind(module)
+        prefix = f"{name}." if name else ""  # the names below are relative to the mixer
+        if kind == "mamba_mixer":
+            out.append(_mamba(prefix, module))
+        elif kind == "mamba2_mixer":
+            cluster = _mamba2(prefix, module)
+            if cluster is None:
+                log.info("presets.mixers: %s (Mamba 2) has one group or an unknown layout; its heads are not cut", name)
+            else:
+                out.append(cluster)
+    return out
