@@ -11,7 +11,10 @@ A mixer (:func:`~lightning_pat.shrink.mixers.mixer_kind`: ``A_log`` and ``D`` of
 * Mamba 2 (Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, GraniteMoE-hybrid): one unit per group of
   ``n_groups`` (the gated norm normalises over a group, so a group is the smallest exact unit): its heads' ``z``,
   ``x`` and ``dt`` rows of ``in_proj``, its ``B`` and ``C`` rows and conv channels, its heads' ``dt_bias``,
-  ``A_log``, ``D`` and norm weights, and its ``out_proj`` columns. A model with one group has no exact unit there.
+  ``A_log``, ``D`` and norm weights, and its ``out_proj`` columns. A mixer with one group and a norm has no exact
+  unit (the norm spans every head); one without a norm (Falcon-H1's default ``mamba_rms_norm=False``) and one group
+  has one unit per head: its ``z``, ``x`` and ``dt`` rows, conv channels, ``dt_bias``/``A_log``/``D`` and
+  ``out_proj`` columns (``B`` and ``C`` serve every head and stay).
 
 ``clusters="auto"`` adds these to the clusters it discovers by tracing (tracing sees neither the scan nor the
 mixer's own parameters: :func:`lightning_pat.discovery.entry.with_experts`).
@@ -25,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pat.core.spec import Cluster
-from lightning_pat.shrink.mixers import mamba2_layout, mixer_kind
+from lightning_pat.shrink.mixers import has_norm, mamba2_layout, mixer_kind
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +52,17 @@ def _mamba2(prefix: str, m: Any) -> Cluster | None:
     layout = mamba2_layout(m)
     if layout is None:
         return None
-    inner, heads, _, groups, state = layout
-    if groups < 2:
+    inner, heads, head_dim, groups, state = layout
+    normed = has_norm(m)
+    if normed and groups < 2 or not normed and groups != 1:
         return None
     bc = groups * state
-    rows = [(0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + bc), (2 * inner + bc, 2 * inner + 2 * bc)]
-    rows.append((2 * inner + 2 * bc, 2 * inner + 2 * bc + heads))
-    channels = [(0, inner), (inner, inner + bc), (inner + bc, inner + 2 * bc)]
+    dt = (2 * inner + 2 * bc, 2 * inner + 2 * bc + heads)
+    if normed:  # whole groups: their heads' rows, their B and C rows
+        rows = [(0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + bc), (2 * inner + bc, 2 * inner + 2 * bc), dt]
+        channels = [(0, inner), (inner, inner + bc), (inner + bc, inner + 2 * bc)]
+    else:  # heads: their z, x and dt rows (B and C are every head's)
+        rows, channels = [(0, inner), (inner, 2 * inner), dt], [(0, inner)]
     proj = [f"{prefix}in_proj.{p}" for p, _ in m.in_proj.named_parameters(recurse=False)]
     conv = [f"{prefix}conv1d.{p}" for p, _ in m.conv1d.named_parameters(recurse=False)]
     return Cluster(
@@ -66,10 +73,10 @@ def _mamba2(prefix: str, m: Any) -> Cluster | None:
             f"{prefix}dt_bias",
             f"{prefix}A_log",
             f"{prefix}D",
-            f"{prefix}norm.weight",
+            *([f"{prefix}norm.weight"] if normed else []),
         ],
         readers=[f"{prefix}out_proj.weight"],
-        num_units=groups,
+        num_units=groups if normed else heads,
     )
 
 

@@ -11,15 +11,16 @@ Found by structure (:func:`mixer_kind`), not by family name: a module holding ``
 * ``"mamba2_mixer"`` (Mamba 2: Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, GraniteMoE-hybrid): ``A_log``, ``D``
   and ``dt_bias`` are ``[heads]``; the gated norm normalises over each of ``n_groups`` groups, so a whole group (its
   heads' ``x``/``z``/``dt`` rows, its ``B``/``C`` rows and conv channels, its norm weights and ``out_proj``
-  columns) is the exact unit. ``num_heads``, ``n_groups``, ``intermediate_size`` and ``conv_dim`` follow, and the
-  config's head, group and expand fields.
+  columns) is the exact unit; without a norm (Falcon-H1's default), a head is. ``num_heads``, ``n_groups``,
+  ``intermediate_size`` and ``conv_dim`` follow, and the config's head, group, expand and ``mamba_d_ssm`` fields.
 """
 
 from __future__ import annotations
 
 from typing import Any, cast
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 #: (kind, attribute) -> the dims of a mixer's own parameters that may be cut.
 MIXER_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -55,6 +56,11 @@ def mixer_kind(module: nn.Module) -> str | None:
     return None
 
 
+def has_norm(module: nn.Module) -> bool:
+    """Whether a Mamba 2 mixer gates through a norm with a weight (Falcon-H1's is optional: ``mamba_rms_norm``)."""
+    return isinstance(getattr(getattr(module, "norm", None), "weight", None), Tensor)
+
+
 def mamba2_layout(module: nn.Module) -> tuple[int, int, int, int, int] | None:
     """``(inner, heads, head_dim, groups, state)`` of a Mamba 2 mixer whose ``in_proj`` is ``[z, x, B, C, dt]``.
 
@@ -65,35 +71,58 @@ def mamba2_layout(module: nn.Module) -> tuple[int, int, int, int, int] | None:
     if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         return None
     inner, heads, head_dim, groups, state = cast("list[int]", sizes)
-    norm = getattr(m, "norm", None)
-    weight = getattr(norm, "weight", None)
-    grouped = getattr(norm, "group_size", None) == inner // groups or (groups == 1 and norm is not None)
+    if has_norm(module):
+        norm = m.norm
+        grouped = getattr(norm, "group_size", None) == inner // groups or groups == 1
+        if tuple(norm.weight.shape) != (inner,) or not grouped:
+            return None
     if (
         inner != heads * head_dim
         or heads % groups
         or m.in_proj.out_features != 2 * inner + 2 * groups * state + heads
         or m.conv1d.in_channels != inner + 2 * groups * state
-        or weight is None
-        or tuple(weight.shape) != (inner,)
-        or not grouped
     ):
         return None
     return inner, heads, head_dim, groups, state
 
 
 def rewrite_mixer(module: nn.Module) -> None:
-    """A mixer's size attributes after its parameters were cut (see the module's docs)."""
+    """A mixer's size attributes after its parameters were cut (see the module's docs).
+
+    A Mamba 2 mixer with a norm loses whole groups with their heads; one without (Falcon-H1's default) loses heads
+    and keeps its groups. A per-row buffer over ``in_proj``'s parts that is constant on each part (Falcon-H1's
+    ``mup_vector``, rebuilt from the config on load) is rebuilt with the new part sizes.
+    """
     m: Any = module
     kind = mixer_kind(module)
     if kind == "mamba_mixer":
         m.intermediate_size = int(m.D.shape[0])
         return
-    heads = int(m.D.shape[0])
-    old_heads = int(m.num_heads)
-    m.n_groups = m.n_groups * heads // old_heads
+    heads, old_heads, old_groups = int(m.D.shape[0]), int(m.num_heads), int(m.n_groups)
+    old = (m.intermediate_size, m.intermediate_size, old_groups * m.ssm_state_size, old_groups * m.ssm_state_size)
+    if has_norm(module):
+        m.n_groups = old_groups * heads // old_heads
     m.num_heads = heads
     m.intermediate_size = heads * m.head_dim
     m.conv_dim = m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
+    bc = m.n_groups * m.ssm_state_size
+    _rebuild_parts(m, "mup_vector", (*old, old_heads), (m.intermediate_size, m.intermediate_size, bc, bc, heads))
+
+
+def _rebuild_parts(module: nn.Module, name: str, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+    """Buffer ``name`` (last dim: the parts ``old``, each constant) rebuilt with the part sizes ``new``."""
+    buf = module._buffers.get(name)  # noqa: SLF001 - the module's own buffer
+    if buf is None or buf.shape[-1] != sum(old):
+        return
+    parts = buf.split(list(old), dim=-1)
+    if not buf.is_meta and not all(bool((p == p[..., :1]).all()) for p in parts if p.shape[-1]):
+        raise ValueError(
+            f"Shrink: buffer {name!r} of {type(module).__name__} is not constant on each part of in_proj's rows; "
+            "its rows cannot be rebuilt for the new sizes. Leave this mixer out of the clusters."
+        )
+    module._buffers[name] = torch.cat(
+        [p[..., :1].expand(*p.shape[:-1], n) for p, n in zip(parts, new, strict=True)], -1
+    )  # noqa: SLF001
 
 
 def mixer_config(model: nn.Module, config: Any) -> dict[str, int]:

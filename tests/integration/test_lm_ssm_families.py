@@ -3,7 +3,8 @@
 Tracing sees neither a mixer's scan nor its own ``A_log``/``D``; the mixers' units are found by structure
 (``lightning_pat/presets/ssm.py``) and join the discovered clusters. One tiny model per cause: Mamba 1 (inner
 channels, ``expand`` told), Mamba 2 (whole groups of heads: ``num_heads``, ``n_groups``, ``expand`` told), a hybrid
-(Jamba: the mixer next to discovered attention and experts). The reference is independent of the library's masking:
+(Jamba: the mixer next to discovered attention and experts), a Mamba 2 mixer without a norm (Falcon-H1: heads, its
+per-row multipliers rebuilt). The reference is independent of the library's masking:
 the dropped channels zeroed by hand.
 """
 
@@ -19,7 +20,7 @@ from tests.common import lm_zoo
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "jamba"])
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "jamba", "falcon_h1"])
 def test_auto_prunes_the_mixers_shrinks_exactly_and_reloads_stock(model_type):
     out = lm_zoo.chain(lm_zoo.build(model_type))
     assert out.error == "", f"{model_type} failed at {out.stage}: {out.error}"

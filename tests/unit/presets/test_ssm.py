@@ -21,5 +21,12 @@ def test_a_mamba2_group_is_its_heads_z_x_dt_rows_its_b_c_rows_and_its_norm():
     assert keep["norm.weight"][0].tolist() == keep["out_proj.weight"][1].tolist() == [4, 5, 6, 7]
 
 
-def test_one_group_has_no_exact_unit():
+def test_one_group_has_no_exact_unit_under_a_norm_and_one_per_head_without():
     assert mixers(Mixer2(groups=1)) == []
+    model = Mixer2(heads=4, head_dim=2, groups=1, state=3, norm=False)
+    (rc,) = resolve_clusters(model, mixers(model))
+    keep = build_plan([rc], {rc.name: [1]}).keep  # head 1 dropped
+    # in_proj rows [z 0:8 | x 8:16 | B 16:19 | C 19:22 | dt 22:26]: B and C serve every head
+    assert keep["in_proj.weight"][0].tolist() == [0, 1, 4, 5, 6, 7, 8, 9, *range(12, 22), 22, 24, 25]
+    assert keep["conv1d.weight"][0].tolist() == [0, 1, 4, 5, 6, 7, *range(8, 14)]
+    assert keep["out_proj.weight"][1].tolist() == [0, 1, 4, 5, 6, 7]
