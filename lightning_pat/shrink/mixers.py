@@ -114,7 +114,7 @@ def _rebuild_parts(module: nn.Module, name: str, old: tuple[int, ...], new: tupl
     buf = module._buffers.get(name)  # noqa: SLF001 - the module's own buffer
     if buf is None or buf.shape[-1] != sum(old):
         return
-    parts = buf.split(list(old), dim=-1)
+    parts = torch.split(buf, list(old), dim=-1)
     if not buf.is_meta and not all(bool((p == p[..., :1]).all()) for p in parts if p.shape[-1]):
         raise ValueError(
             f"Shrink: buffer {name!r} of {type(module).__name__} is not constant on each part of in_proj's rows; "
