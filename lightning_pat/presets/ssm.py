@@ -23,17 +23,33 @@ mixer's own parameters: :func:`lightning_pat.discovery.entry.with_experts`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from torch import nn
 
 from lightning_pat.core.spec import Cluster
-from lightning_pat.shrink.mixers import has_norm, mamba2_layout, mixer_kind
+from lightning_pat.shrink.mixers import EXPAND_FIELDS, has_norm, mamba2_layout, mixer_kind
 
 log = logging.getLogger(__name__)
 
 
-def _mamba(prefix: str, m: Any) -> Cluster:
+def _config_multiple(model: nn.Module, per_unit: int) -> int:
+    """The kept-unit multiple a config holding the inner width as ``expand * hidden`` (an int) can express.
+
+    1 where the config holds the width itself (Falcon-H1's ``mamba_d_ssm``) or has no expand field.
+    """
+    config = next((c for m in model.modules() if (c := getattr(m, "config", None)) is not None), None)
+    hidden = getattr(config, "hidden_size", None)
+    expand = [getattr(config, f, None) for f in EXPAND_FIELDS]
+    if isinstance(getattr(config, "mamba_d_ssm", None), int) or not isinstance(hidden, int) or hidden <= 0:
+        return 1
+    if not any(isinstance(e, int) and not isinstance(e, bool) for e in expand):
+        return 1
+    return hidden // math.gcd(hidden, per_unit)
+
+
+def _mamba(prefix: str, m: Any, multiple: int) -> Cluster:
     inner = int(m.D.shape[0])
     halves = [f"{prefix}in_proj.weight[{i}/2]" for i in range(2)]
     if m.in_proj.bias is not None:
@@ -45,10 +61,11 @@ def _mamba(prefix: str, m: Any) -> Cluster:
         writers=[*halves, *conv, *dt, f"{prefix}A_log", f"{prefix}D"],
         readers=[f"{prefix}x_proj.weight", f"{prefix}out_proj.weight"],
         num_units=inner,
+        multiple_of=multiple,
     )
 
 
-def _mamba2(prefix: str, m: Any) -> Cluster | None:
+def _mamba2(prefix: str, m: Any, model: nn.Module) -> Cluster | None:
     layout = mamba2_layout(m)
     if layout is None:
         return None
@@ -77,6 +94,7 @@ def _mamba2(prefix: str, m: Any) -> Cluster | None:
         ],
         readers=[f"{prefix}out_proj.weight"],
         num_units=groups if normed else heads,
+        multiple_of=_config_multiple(model, inner // groups if normed else head_dim),
     )
 
 
@@ -94,9 +112,9 @@ def mixers(model: nn.Module) -> list[Cluster]:
         kind = mixer_kind(module)
         prefix = f"{name}." if name else ""  # the names below are relative to the mixer
         if kind == "mamba_mixer":
-            out.append(_mamba(prefix, module))
+            out.append(_mamba(prefix, module, _config_multiple(model, 1)))
         elif kind == "mamba2_mixer":
-            cluster = _mamba2(prefix, module)
+            cluster = _mamba2(prefix, module, model)
             if cluster is None:
                 log.info("presets.mixers: %s (Mamba 2) has one group or an unknown layout; its heads are not cut", name)
             else:

@@ -59,7 +59,9 @@ def test_mamba_inner_channels_cut_by_hand_equal_the_shrunk_model_and_its_stock_r
     model = lm_zoo.build("mamba")
     inner = model.config.intermediate_size
     drop = list(range(1, inner, 2))  # every other channel: the x and z halves are cut alike
-    resolved = resolve_clusters(model, mixers(model))
+    clusters = mixers(model)
+    assert {c.multiple_of for c in clusters} == {model.config.hidden_size}  # an int `expand`: whole hiddens kept
+    resolved = resolve_clusters(model, clusters)
     assert [rc.num_units for rc in resolved] == [inner] * model.config.num_hidden_layers
     ids = lm_zoo.token_ids()
     reference = _logits(_zeroed(model, drop), ids)
@@ -97,3 +99,23 @@ def test_a_mamba2_mixer_with_one_group_has_no_exact_unit():
     from lightning_pat.presets.ssm import mixers
 
     assert mixers(lm_zoo.build("mamba2", n_groups=1)) == []  # the gated norm spans every head
+
+
+def test_target_params_keeps_widths_the_config_can_hold():
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pat import prune_clusters, shrink
+
+    model = lm_zoo.build("mamba")
+    target = sum(p.numel() for p in model.parameters()) - lm_zoo.non_embedding_params(model) // 3
+    calibration = [lm_zoo.token_ids(seed=s) for s in (2, 3)]
+    result = prune_clusters(model, "auto", target_params=target, calibration=calibration)
+    ids = lm_zoo.token_ids()
+    masked = _logits(model, ids)
+    small = shrink(model, result, example_input=None)
+    assert small.config.expand == 1  # 2/3 of the body asked: 64 of 128 channels, not 85
+    assert small.config.expand * small.config.hidden_size == small.backbone.layers[0].mixer.D.shape[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        small.save_pretrained(tmp)
+        stock = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        assert float((_logits(stock, ids) - masked).norm() / masked.norm()) < 1e-4
