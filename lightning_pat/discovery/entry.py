@@ -39,6 +39,7 @@ from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
 from lightning_pat.heads import mha_refusal
+from lightning_pat.presets.ssm import mixers
 
 log = logging.getLogger(__name__)
 
@@ -349,16 +350,21 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
 
 
 def with_experts(model: nn.Module, clusters: Sequence[Cluster]) -> list[Cluster]:
-    """``clusters`` (discovered) with the units of the model's fused routed experts, where it has some.
+    """``clusters`` (discovered) with the units of the model's fused routed experts and state-space mixers.
 
     Tracing does not see a fused-experts block's 3-D weights as channels; where the MoE preset does not cover every
     layer (an attention it does not know), its expert units (:func:`~lightning_pat.presets.moe` without heads: the
-    experts' channels, whole experts, the shared experts) join the discovered clusters, and a discovered cluster
-    sharing a parameter with them (the shared experts' MLP, traced as an ordinary one) gives way.
+    experts' channels, whole experts, the shared experts) join the discovered clusters. Nor does it see through a
+    Mamba-style mixer's scan and its own ``A_log``/``D``: the mixers' units (:func:`~lightning_pat.presets.ssm.mixers`)
+    join them too. A discovered cluster sharing a parameter with the units added (the shared experts' MLP, traced as
+    an ordinary one) gives way.
     """
     try:
         units = presets.moe(model, heads=False)
     except ValueError:
+        units = []
+    units += mixers(model)
+    if not units:
         return list(clusters)
     taken = {m.name for rc in resolve_clusters(model, units) for m in rc.members}
     names = {rc.name for rc in resolve_clusters(model, units)}
@@ -368,7 +374,7 @@ def with_experts(model: nn.Module, clusters: Sequence[Cluster]) -> list[Cluster]
         if any(m.name in taken for rc in resolved for m in rc.members) or any(rc.name in names for rc in resolved):
             continue
         kept.append(c)
-    log.info("clusters='auto': %d expert units of %s join %d of the %d discovered clusters",
+    log.info("clusters='auto': %d expert and mixer units of %s join %d of the %d discovered clusters",
              len(units), type(model).__name__, len(kept), len(clusters))  # fmt: skip
     return [*kept, *units]
 

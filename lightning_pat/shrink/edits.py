@@ -26,6 +26,7 @@ from lightning_pat.heads import mha_refusal
 from lightning_pat.shrink.attention_checks import check_attention
 from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.experts import EXPERT_DIMS, check_experts
+from lightning_pat.shrink.mixers import MIXER_DIMS
 from lightning_pat.shrink.model_meta import module_kind
 from lightning_pat.shrink.optimizer_state import optimizer_cuts
 from lightning_pat.shrink.plan import ShrinkPlan, align_names, build_plan
@@ -62,6 +63,7 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("sinks_attention", "sinks"): (0,),  # one logit per query head (gpt-oss): cut with the head
     **CONV_DIMS,
     **EXPERT_DIMS,
+    **MIXER_DIMS,
 }
 _TIED_AXES: dict[str, tuple[tuple[str, int], tuple[str, int]]] = {
     "linear": (("weight", 0), ("bias", 0)),  # output channel: row and bias

@@ -23,6 +23,7 @@ from lightning_pat.heads import (
     mha_refusal,
 )
 from lightning_pat.shrink.experts import STACKED_TOP_K, expert_config, experts_kind, shared_experts, stacked_config
+from lightning_pat.shrink.mixers import mixer_config, mixer_kind
 from lightning_pat.shrink.surgery_conv import conv_kind
 
 log = logging.getLogger("lightning_pat.shrink")
@@ -42,7 +43,8 @@ def module_kind(module: nn.Module) -> str | None:
         return "batchnorm"
     if isinstance(module, nn.RMSNorm):
         return "rmsnorm"
-    if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "variance_epsilon", None), float):
+    name = type(module).__name__
+    if name.endswith(("RMSNorm", "RMSNormGated")) and isinstance(getattr(module, "variance_epsilon", None), float):
         return "hf_rmsnorm"
     if isinstance(module, (nn.MultiheadAttention, HeadsMultiheadAttention)):
         return "mha" if mha_refusal(module) is None else None
@@ -54,7 +56,7 @@ def module_kind(module: nn.Module) -> str | None:
         return "maxvit_attention"
     if has_sinks(module):
         return "sinks_attention"
-    return conv_kind(module) or experts_kind(module)
+    return conv_kind(module) or experts_kind(module) or mixer_kind(module)
 
 
 def has_sinks(m: nn.Module) -> bool:
@@ -264,15 +266,18 @@ KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "
 MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size")
 
 
-def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int | None) -> None:
+def _mlp_widths(
+    config: Any, reads: Sequence[tuple[str, int, int]], hidden: int | None, mixers: frozenset[str] = frozenset()
+) -> None:
     """The MLP width fields of ``config``: the new input width of the readers that read the old width.
 
-    A reader counts when its input width was the field's value before the cut (``n_inner=None``: 4 * hidden) and
-    its name is not an attention's (``attn``/``attention``), whatever the family calls it (``down_proj``, ``fc2``,
-    ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused ``gate_up_proj``).
+    A reader counts when its input width was the field's value before the cut (``n_inner=None``: 4 * hidden), its
+    name is not an attention's (``attn``/``attention``) nor a state-space mixer's (``mixers``: their own fields),
+    whatever the family calls it (``down_proj``, ``fc2``, ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused
+    ``gate_up_proj``).
     """
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
-    mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
+    mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip) and name not in mixers]
     _derived_width(config, mlp)
     _width_in_hiddens(config, mlp, hidden)
     for field in (f for f in MLP_WIDTHS if _has(config, f)):
@@ -344,7 +349,15 @@ def update_config(
     config: Any = model.config
     hidden = next((getattr(config, n) for n in ("hidden_size", "n_embd", "d_model") if _has(config, n)), None)
     if reads:
-        _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
+        # a mixer's projections read its inner width, held in fields of its own (mixer_config)
+        mixers = frozenset(
+            f"{name}.{child}"
+            for name, m in model.named_modules()
+            if mixer_kind(m) is not None
+            for child in ("x_proj", "out_proj")
+        )
+        inside = frozenset(r[0] for r in reads if any(r[0] == m or r[0].endswith(f".{m}") for m in mixers))
+        _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None, inside)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
     attns: list[Any] = [m for m in model.modules() if is_qkv_attention(m)]  # stock attention modules
     gpt2: list[Any] = [
@@ -417,6 +430,8 @@ def update_config(
             for attr in STACKED_TOP_K:
                 if isinstance(top_k := getattr(sub, attr, None), int) and not isinstance(top_k, bool):
                     setattr(sub, attr, min(top_k, at_most))
+    for attr, value in mixer_config(model, config).items():
+        _set_config(config, (attr,), value, attr)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts
@@ -435,7 +450,7 @@ def _int_attr(module: nn.Module, attr: str) -> int | None:
 #: Attention modules with a rule of their own (their head counts are never scaled from a query projection).
 _OWN_RULES = (
     is_qkv_attention, is_gpt2_attention, is_swin_attention, is_swin_v2_attention, is_maxvit_attention,
-    lambda m: fused_qkv_heads(m) is not None,
+    lambda m: fused_qkv_heads(m) is not None, lambda m: mixer_kind(m) is not None,
 )  # fmt: skip
 
 

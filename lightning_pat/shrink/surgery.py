@@ -32,6 +32,7 @@ from lightning_pat.shrink.cuts import Edit
 from lightning_pat.shrink.edits import check_dropped_zeros, validate
 from lightning_pat.shrink.experts import EXPERT_KINDS, rewrite_experts, update_blocks
 from lightning_pat.shrink.hf_entry import BASE_CONFIG_ATTR
+from lightning_pat.shrink.mixers import MIXER_KINDS, rewrite_mixer
 from lightning_pat.shrink.model_meta import (
     config_owners,
     head_counts_before,
@@ -68,6 +69,17 @@ def _rescale_norm(edit: Edit, old: int, new: int) -> None:
         module.eps = eps * ratio
 
 
+def _whole_groups(module: nn.Module, width: int) -> bool:
+    """Whether a norm over groups of ``group_size`` channels (Mamba 2's gated norm) lost whole groups: no rescale."""
+    size = getattr(module, "group_size", None)
+    return isinstance(size, int) and size > 0 and width % size == 0
+
+
+def _width(module: nn.Module) -> int:
+    weight = module._parameters["weight"]  # noqa: SLF001 - a norm's own weight
+    return int(weight.shape[0]) if weight is not None else 0
+
+
 def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
     module: Any = edit.module  # its attributes by edit.kind, some of classes not imported here (Conv1D, HF norms)
@@ -79,6 +91,13 @@ def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         return
     if edit.kind in EXPERT_KINDS:
         rewrite_experts(edit, new_params)
+        return
+    if edit.kind in MIXER_KINDS:
+        for attr in edit.cuts:
+            param = module._parameters[attr]
+            if param is not None and param.shape != new_params[id(param)].shape:
+                param.data = new_params[id(param)]
+        rewrite_mixer(module)
         return
     old_width = module.weight.shape[0]
     for attr in edit.cuts:
@@ -104,7 +123,7 @@ def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     else:
         if hasattr(module, "normalized_shape"):
             module.normalized_shape = (w.shape[0],)
-        if edit.kind in ("rmsnorm", "hf_rmsnorm"):
+        if edit.kind in ("rmsnorm", "hf_rmsnorm") and not _whole_groups(module, w.shape[0]):
             _rescale_norm(edit, old_width, w.shape[0])
 
 
@@ -170,6 +189,8 @@ def apply_plan(
             _rewrite(edit, new_params)
             if edit.kind == "layernorm":
                 layernorms.append(edit.name)
+            elif edit.kind in ("hf_rmsnorm", "rmsnorm") and _whole_groups(edit.module, _width(edit.module)):
+                continue  # a grouped norm that lost whole groups keeps its eps
             elif edit.kind == "hf_rmsnorm":
                 rescaled_eps[id(edit.module)] = cast(float, edit.module.variance_epsilon)
             elif edit.kind == "rmsnorm":
