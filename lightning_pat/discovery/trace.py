@@ -184,7 +184,9 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     if not isinstance(args, tuple):
         args = (args,)
     try:
-        with _quiet_fake_tensor_log():
+        # without grad: a forward that turns grad off around some blocks (HRM's recurrent cycles) then traces them
+        # inline, not inside a `wrap_with_set_grad_enabled` subgraph that discovery does not see through
+        with _quiet_fake_tensor_log(), torch.no_grad():
             program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
     except Exception as err:  # noqa: BLE001 - torch raises many types; all mean "cannot trace"
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

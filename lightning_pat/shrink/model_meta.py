@@ -261,7 +261,12 @@ def in_width(module: nn.Module) -> int | None:
 HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
 #: Config fields holding the MLP width (``n_inner``: ``None`` means 4 * hidden).
-MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size")
+MLP_WIDTHS = (
+    "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
+    "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
+)  # fmt: skip
+#: Config fields holding a shared expert's width (its readers: ``shared_expert``/``shared_experts`` in the name).
+SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int | None) -> None:
@@ -273,9 +278,16 @@ def _mlp_widths(config: Any, reads: Sequence[tuple[str, int, int]], hidden: int 
     """
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip)]
+    shared = [(old, new) for name, old, new in reads if "shared_expert" in name and "attn" not in name]
     _derived_width(config, mlp)
     _width_in_hiddens(config, mlp, hidden)
-    for field in (f for f in MLP_WIDTHS if _has(config, f)):
+    _set_widths(config, MLP_WIDTHS, mlp, hidden)
+    _set_widths(config, SHARED_WIDTHS, shared, hidden)
+
+
+def _set_widths(config: Any, fields: Sequence[str], mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
+    """Each of ``fields`` that ``config`` holds as an int: the one new width of the readers that read its value."""
+    for field in (f for f in fields if _has(config, f)):
         value = getattr(config, field)
         if field == "n_inner" and value is None and isinstance(hidden, int):
             value = 4 * hidden

@@ -67,6 +67,23 @@ _FAMILY: dict[str, dict[str, Any]] = {
     # mamba2: hidden * expand == num_heads * head_dim; gpt_neo: one (global, local) pair of layers
     "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    # RoPE per layer kind (None by default: the rotary embedding then finds no entry for its layers)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "bailing_hybrid": {"num_expert_group": 2, "topk_group": 1},  # 8 groups of its 4 experts would be empty
+    "ergo": {"first_dense_intermediate_size": FF},  # its dense first layers: 32768 by default
+    # QSA indexer: None by default, which the attention divides by
+    "qwen4_exp_text": {
+        "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    "xlstm": {"qk_dim_factor": 1.0},  # its recurrent step's state is (qk head, v head) with qk == v
+    # zamba: its shared transformer block is tied across the hybrid layers: two of them; gemma3n: two of the four
+    # layers reuse the KV of the last layer of their kind before them; dory: input, recurrent, output layer
+    "zamba": {"layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "num_hidden_layers": 4},
+    "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_hidden_layers": 4,
+                     "num_kv_shared_layers": 2},
+    "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
@@ -168,6 +185,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _stock(cls: type, folder: str) -> nn.Module:
+    """Stock ``AutoModelForCausalLM.from_pretrained``, or the class's own where the auto mapping does not list the
+    saved config (Emu3's text config: its dense model does not reload through the auto class either)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(folder)
+    loader: Any = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else cls
+    return loader.from_pretrained(folder, attn_implementation="eager").eval()
+
+
 @dataclass
 class Outcome:
     """What :func:`chain` reached: each stage's result, or the error that stopped it (``stage``: where)."""
@@ -190,8 +218,6 @@ class Outcome:
 
 def chain(model: nn.Module, *, sparsity: float = 0.5) -> Outcome:
     """Prune ``model`` with ``"auto"`` one-shot, shrink, compare, export, reload with stock transformers, generate."""
-    from transformers import AutoModelForCausalLM
-
     from lightning_pat import prune_clusters, save_pretrained, shrink
 
     out = Outcome()
@@ -211,7 +237,7 @@ def chain(model: nn.Module, *, sparsity: float = 0.5) -> Outcome:
         out.stage = "reload"
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(small, tmp, overwrite=True, tokenizer=None)
-            stock = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+            stock = _stock(type(small), tmp)
             out.reload = _rel(_logits(stock, ids), masked)
             out.stage = "generate"
             with torch.no_grad():
