@@ -1,0 +1,75 @@
+"""More Hugging Face decoder families through ``clusters="auto"``: one tiny model per library cause fixed (issue 37).
+
+Each case builds the family's tiny random model (``tests/common/lm_zoo.py``), runs what a new user runs
+(``prune_clusters(model, "auto", 0.5, calibration=...)``, ``shrink``, ``save_pretrained``, stock
+``from_pretrained``) and checks the shrunk model's logits against the masked model's (fp32, relative error < 1e-4),
+the stock reload's logits against the same reference, and the sizes the stock config was told.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from tests.common import lm_zoo
+
+pytest.importorskip("transformers")
+
+
+def _pruned(model_type: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor, float]:
+    """(dense copy, shrunk model, token ids, masked logits, share cut) of the family's tiny model."""
+    from lightning_pat import prune_clusters, shrink
+
+    model = lm_zoo.build(model_type)
+    dense = lm_zoo.non_embedding_params(model)
+    ids = lm_zoo.token_ids()
+    result = prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=s) for s in (2, 3)])
+    with torch.no_grad():
+        masked = model(ids).logits.float()
+    small = shrink(model, result, example_input=None)
+    with torch.no_grad():
+        rel = float((small(ids).logits.float() - masked).norm() / masked.norm())
+    assert rel < lm_zoo.EXACT, f"{model_type}: the shrunk logits differ from the masked model's (rel {rel:.1e})"
+    return model, small, ids, masked, 1 - lm_zoo.non_embedding_params(small) / dense
+
+
+def _stock(small: nn.Module, ids: torch.Tensor, masked: torch.Tensor) -> nn.Module:
+    """Stock ``from_pretrained`` of the shrunk model's export, its logits equal to the masked model's."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pat import save_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(small, tmp, overwrite=True, tokenizer=None)
+        stock = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+    with torch.no_grad():
+        rel = float((stock(ids).logits.float() - masked).norm() / masked.norm())
+    assert rel < lm_zoo.EXACT, f"stock reload logits differ from the masked model's (rel {rel:.1e})"
+    return stock
+
+
+def test_hrm_recurrent_cycles_without_grad_are_discovered_and_cut_at_one_width():
+    # HRM runs its L-module's cycles under torch.no_grad(): the trace once hid them in a `wrap_with_set_grad_enabled`
+    # subgraph, their MLPs were not found, and the H-module's cut alone could not be written to the shared
+    # `intermediate_size`; now both stacks' MLPs are cut to one width and the heads with them
+    _, small, ids, masked, cut = _pruned("hrm_text")
+    assert cut >= 0.45, cut
+    widths = {m.down_proj.in_features for name, m in small.named_modules() if name.endswith(".mlp")}
+    assert widths == {lm_zoo.FF // 2}, widths  # both stacks, one width
+    stock = _stock(small, ids, masked)
+    assert stock.config.intermediate_size == lm_zoo.FF // 2
+
+
+def test_ergo_dense_first_layers_and_shared_experts_tell_their_own_config_fields():
+    # Ergo's dense first layers read `first_dense_intermediate_size` and its shared experts
+    # `shared_intermediate_size`: both follow the cut (its heads are hidden // heads: left out, said before pruning)
+    model = lm_zoo.build("ergo")
+    shared_before = model.config.shared_intermediate_size
+    _, small, ids, masked, cut = _pruned("ergo")
+    assert cut >= 0.15, cut
+    stock = _stock(small, ids, masked)
+    assert stock.config.first_dense_intermediate_size == lm_zoo.FF // 2
+    assert stock.config.shared_intermediate_size == shared_before // 2
