@@ -19,11 +19,11 @@ from tests.common import lm_zoo
 pytest.importorskip("transformers")
 
 
-def _pruned(model_type: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor, float]:
-    """(dense copy, shrunk model, token ids, masked logits, share cut) of the family's tiny model."""
+def _pruned(model_type: str, **overrides: object) -> tuple[nn.Module, torch.Tensor, torch.Tensor, float]:
+    """(shrunk model, token ids, masked logits, share cut) of the family's tiny model (``overrides``: its config)."""
     from lightning_pat import prune_clusters, shrink
 
-    model = lm_zoo.build(model_type)
+    model = lm_zoo.build(model_type, **overrides)
     dense = lm_zoo.non_embedding_params(model)
     ids = lm_zoo.token_ids()
     result = prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=s) for s in (2, 3)])
@@ -33,7 +33,7 @@ def _pruned(model_type: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.
     with torch.no_grad():
         rel = float((small(ids).logits.float() - masked).norm() / masked.norm())
     assert rel < lm_zoo.EXACT, f"{model_type}: the shrunk logits differ from the masked model's (rel {rel:.1e})"
-    return model, small, ids, masked, 1 - lm_zoo.non_embedding_params(small) / dense
+    return small, ids, masked, 1 - lm_zoo.non_embedding_params(small) / dense
 
 
 def _stock(small: nn.Module, ids: torch.Tensor, masked: torch.Tensor) -> nn.Module:
@@ -54,8 +54,8 @@ def _stock(small: nn.Module, ids: torch.Tensor, masked: torch.Tensor) -> nn.Modu
 def test_hrm_recurrent_cycles_without_grad_are_discovered_and_cut_at_one_width():
     # HRM runs its L-module's cycles under torch.no_grad(): the trace once hid them in a `wrap_with_set_grad_enabled`
     # subgraph, their MLPs were not found, and the H-module's cut alone could not be written to the shared
-    # `intermediate_size`; now both stacks' MLPs are cut to one width and the heads with them
-    _, small, ids, masked, cut = _pruned("hrm_text")
+    # `intermediate_size` (one H cycle of two L cycles, the first without grad); now both stacks' MLPs are cut to one width and the heads with them
+    small, ids, masked, cut = _pruned("hrm_text", H_cycles=1, L_cycles=2, L_bp_cycles=[1])
     assert cut >= 0.45, cut
     widths = {m.down_proj.in_features for name, m in small.named_modules() if name.endswith(".mlp")}
     assert widths == {lm_zoo.FF // 2}, widths  # both stacks, one width
@@ -68,8 +68,31 @@ def test_ergo_dense_first_layers_and_shared_experts_tell_their_own_config_fields
     # `shared_intermediate_size`: both follow the cut (its heads are hidden // heads: left out, said before pruning)
     model = lm_zoo.build("ergo")
     shared_before = model.config.shared_intermediate_size
-    _, small, ids, masked, cut = _pruned("ergo")
+    small, ids, masked, cut = _pruned("ergo")
     assert cut >= 0.15, cut
     stock = _stock(small, ids, masked)
     assert stock.config.first_dense_intermediate_size == lm_zoo.FF // 2
     assert stock.config.shared_intermediate_size == shared_before // 2
+
+
+def test_gemma3n_per_layer_widths_and_laurel_rank_follow_the_cut():
+    # Gemma 3n holds `intermediate_size` as one width per layer and its LAuReL blocks' width as `laurel_rank`: the
+    # list (all layers at one width) and the rank follow the cut (its KV-sharing layers are in the tiny model)
+    model = lm_zoo.build("gemma3n_text")
+    rank = model.config.laurel_rank
+    small, ids, masked, cut = _pruned("gemma3n_text")
+    assert cut >= 0.2, cut
+    stock = _stock(small, ids, masked)
+    assert stock.config.intermediate_size == [lm_zoo.FF // 2] * stock.config.num_hidden_layers
+    assert stock.config.laurel_rank == rank // 2
+
+
+def test_xlstm_feed_forward_width_from_a_factor_is_told_as_a_factor():
+    # xLSTM builds its feed-forward width as hidden * ffn_proj_factor rounded up to ffn_round_up_to_multiple_of: the
+    # cut width is told as a new factor and a multiple that rebuilds it exactly
+    model = lm_zoo.build("xlstm")
+    width = model.backbone.blocks[0].ffn.up_proj_dim
+    small, ids, masked, cut = _pruned("xlstm")
+    assert cut >= 0.2, cut
+    stock = _stock(small, ids, masked)
+    assert stock.backbone.blocks[0].ffn.up_proj_dim == width // 2
