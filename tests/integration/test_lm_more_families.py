@@ -54,7 +54,8 @@ def _stock(small: nn.Module, ids: torch.Tensor, masked: torch.Tensor) -> nn.Modu
 def test_hrm_recurrent_cycles_without_grad_are_discovered_and_cut_at_one_width():
     # HRM runs its L-module's cycles under torch.no_grad(): the trace once hid them in a `wrap_with_set_grad_enabled`
     # subgraph, their MLPs were not found, and the H-module's cut alone could not be written to the shared
-    # `intermediate_size` (one H cycle of two L cycles, the first without grad); now both stacks' MLPs are cut to one width and the heads with them
+    # `intermediate_size` (here one H cycle of two L cycles, the first without grad); now both stacks' MLPs are cut
+    # to one width, and the heads with them
     small, ids, masked, cut = _pruned("hrm_text", H_cycles=1, L_cycles=2, L_bp_cycles=[1])
     assert cut >= 0.45, cut
     widths = {m.down_proj.in_features for name, m in small.named_modules() if name.endswith(".mlp")}
