@@ -37,6 +37,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("head_dim", "v_head_dim"), HEAD_DIM),
     "rotary_dim": 8,
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # Inkling 2: the checkpoint's LM head rows kept (its stock loader pads the rest)
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token"), 2),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
@@ -110,6 +111,12 @@ _KWARGS: dict[str, dict[str, Any]] = dict.fromkeys(
 _KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
 #: Where a hybrid family places its attention layers (its default places none in the first two layers).
 _HYBRID = {"attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "hybrid_layer_ids": [1]}
+#: model_type -> its nested configs made tiny with the same sizes (Fuyu's text model, Phi-4-multimodal's vision and
+#: audio encoders, BLT's patcher, local encoder/decoder and global transformer; their defaults take minutes to build).
+_SUB_CONFIGS = {
+    "fuyu": ("text_config",), "phi4_multimodal": ("vision_config", "audio_config"),
+    "blt": ("patcher_config", "encoder_config", "decoder_config", "global_config"),
+}  # fmt: skip
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -135,6 +142,9 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         kwargs.update({k: v for k, v in _LATENT.items() if k in fields})
         if "qk_nope_head_dim" in fields and "head_dim" in fields:
             kwargs["head_dim"] = 8
+    for key in _SUB_CONFIGS.get(model_type, ()):  # a multimodal or byte-level model's parts: the same sizes
+        if isinstance(fields.get(key), dict):
+            kwargs[key] = {**fields[key], **{k: v for k, v in _SIZES.items() if fields[key].get(k) is not None}}
     kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
     kwargs.update(_KWARGS.get(model_type, {}))
     kwargs.update(overrides)

@@ -97,3 +97,17 @@ def test_xlstm_feed_forward_width_from_a_factor_is_told_as_a_factor():
     assert cut >= 0.2, cut
     stock = _stock(small, ids, masked)
     assert stock.backbone.blocks[0].ffn.up_proj_dim == width // 2
+
+
+def test_dory_traces_without_a_kv_cache():
+    # Dory deep-copies its recurrent layers' KV cache in forward, which torch.export cannot trace; discovery now
+    # traces a Hugging Face forward with use_cache=False (its clusters are still left out: per-channel scales such as
+    # `suv_gate` are used directly in forward)
+    from lightning_pat.discovery.trace import trace
+
+    model = lm_zoo.build("dory")
+    traced = trace(model, lm_zoo.token_ids())
+    linears = [n for n in traced.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    projections = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    # every projection is read (the recurrent layers once per loop, so at least once each)
+    assert len(linears) >= len(projections), (len(linears), len(projections))
