@@ -77,6 +77,7 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
         "indexer_compress_ratio": 4,
     },
+    "fuyu": {"patch_size": 4},  # its image-patch projection (30 * 30 * 3 inputs) would hold most of the tiny model
     "xlstm": {"qk_dim_factor": 1.0},  # its recurrent step's state is (qk head, v head) with qk == v
     # zamba: its shared transformer block is tied across the hybrid layers: two of them; gemma3n: two of the four
     # layers reuse the KV of the last layer of their kind before them; dory: input, recurrent, output layer
