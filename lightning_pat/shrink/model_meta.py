@@ -394,7 +394,9 @@ def update_config(
     if reads:
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
-    attns: list[Any] = [m for m in model.modules() if is_qkv_attention(m)]  # stock attention modules
+    # a multimodal model's encoders hold configs of their own (Phi-4-multimodal's vision and audio): not ours
+    ours = [m for m in model.modules() if getattr(m, "config", config) is config]
+    attns: list[Any] = [m for m in ours if is_qkv_attention(m)]  # stock attention modules
     gpt2: list[Any] = [
         m
         for m in model.modules()
@@ -439,7 +441,7 @@ def update_config(
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:
         _set_config(config, ("n_head",), _uniform(a.split_size // a.head_dim for a in gpt2), "the head count")
-    fused = [(counts, cast(int, m.head_dim)) for m in model.modules() if (counts := fused_qkv_heads(m)) is not None]
+    fused = [(counts, cast(int, m.head_dim)) for m in ours if (counts := fused_qkv_heads(m)) is not None]
     if fused and not attns:  # Phi-3 reads config.num_attention_heads in its forward
         heads_before = next((getattr(config, n) for n in HEAD_FIELDS if hasattr(config, n)), None)
         heads = _uniform(c[0] for c, _ in fused)

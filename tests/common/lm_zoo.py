@@ -78,6 +78,9 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "indexer_compress_ratio": 4,
     },
     "fuyu": {"patch_size": 4},  # its image-patch projection (30 * 30 * 3 inputs) would hold most of the tiny model
+    # Phi-4-multimodal's audio encoder: 24 blocks, 1024 channels by default
+    "phi4_multimodal": {"audio_config": {"num_blocks": 2, "ext_pw_out_channel": HIDDEN, "nemo_conv_channels": HIDDEN,
+                                         "depthwise_separable_out_channel": HIDDEN}},
     "xlstm": {"qk_dim_factor": 1.0},  # its recurrent step's state is (qk head, v head) with qk == v
     # zamba: its shared transformer block is tied across the hybrid layers: two of them; gemma3n: two of the four
     # layers reuse the KV of the last layer of their kind before them; dory: input, recurrent, output layer
@@ -118,6 +121,7 @@ _SUB_CONFIGS = {
     "fuyu": ("text_config",), "phi4_multimodal": ("vision_config", "audio_config"),
     "blt": ("patcher_config", "encoder_config", "decoder_config", "global_config"),
 }  # fmt: skip
+_SUB_CONFIGS_ALL = {key for keys in _SUB_CONFIGS.values() for key in keys}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -146,7 +150,9 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     for key in _SUB_CONFIGS.get(model_type, ()):  # a multimodal or byte-level model's parts: the same sizes
         if isinstance(fields.get(key), dict):
             kwargs[key] = {**fields[key], **{k: v for k, v in _SIZES.items() if fields[key].get(k) is not None}}
-    kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
+    for k, v in _FAMILY.get(model_type, {}).items():  # a nested config's sizes merge into it
+        if k in fields:
+            kwargs[k] = {**kwargs.get(k, fields[k]), **v} if isinstance(v, dict) and k in _SUB_CONFIGS_ALL else v
     kwargs.update(_KWARGS.get(model_type, {}))
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
