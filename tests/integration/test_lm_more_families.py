@@ -115,10 +115,14 @@ def test_dory_traces_without_a_kv_cache():
 
 def test_phi4_multimodal_encoders_do_not_set_the_text_heads():
     # Phi-4-multimodal's vision encoder holds q/k/v attentions of its own config: the shrink once wrote their head
-    # counts into the text config (all 4 of its heads as KV heads), and stock from_pretrained built another qkv_proj
+    # counts into the text config (all 4 of its heads as KV heads), and stock from_pretrained built another qkv_proj;
+    # the text MLP's new width went into the vision config too
     model = lm_zoo.build("phi4_multimodal")
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
     small, ids, masked, cut = _pruned("phi4_multimodal")
     assert cut > 0, cut
     stock = _stock(small, ids, masked)
     assert (stock.config.num_attention_heads, stock.config.num_key_value_heads) == (heads // 2, kv // 2)
+    # the text MLP's width is told to the text config alone, not to the vision encoder's of the same width
+    assert stock.config.intermediate_size == lm_zoo.FF // 2
+    assert stock.config.vision_config.intermediate_size == model.config.vision_config.intermediate_size
