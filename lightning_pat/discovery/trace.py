@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -160,6 +161,14 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``use_cache`` (a Hugging Face model's), by name."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def trace(model: nn.Module, example_input: Any) -> Trace:
     """Export ``model`` (its meta twin, in eval mode) on meta copies of ``example_input``.
 
@@ -187,8 +196,12 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})
     if not isinstance(args, tuple):
         args = (args,)
+    if _takes_use_cache(inner) and "use_cache" not in kwargs:  # a Hugging Face model: no KV cache is made (Dory
+        kwargs = {**kwargs, "use_cache": False}  # deep-copies its cache layers, which export cannot trace)
     try:
-        with _quiet_fake_tensor_log():
+        # without grad: a forward that turns grad off around some blocks (HRM's recurrent cycles) then traces them
+        # inline, not inside a `wrap_with_set_grad_enabled` subgraph that discovery does not see through
+        with _quiet_fake_tensor_log(), torch.no_grad():
             program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
     except Exception as err:  # noqa: BLE001 - torch raises many types; all mean "cannot trace"
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

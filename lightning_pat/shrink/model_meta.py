@@ -10,6 +10,7 @@ head counts, MLP widths, hidden sizes and ``model.config`` after the parameters 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -263,7 +264,14 @@ def in_width(module: nn.Module) -> int | None:
 HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
 #: Config fields holding the MLP width (``n_inner``: ``None`` means 4 * hidden).
-MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size")
+MLP_WIDTHS = (
+    "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
+    "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
+)  # fmt: skip
+#: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
+NAMED_WIDTHS = {"laurel_rank": "laurel"}
+#: Config fields holding a shared expert's width (its readers: ``shared_expert``/``shared_experts`` in the name).
+SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 def _mlp_widths(
@@ -278,12 +286,25 @@ def _mlp_widths(
     """
     skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip) and name not in mixers]
+    shared = [(old, new) for name, old, new in reads if "shared_expert" in name and "attn" not in name]
     _derived_width(config, mlp)
     _width_in_hiddens(config, mlp, hidden)
-    for field in (f for f in MLP_WIDTHS if _has(config, f)):
+    _width_by_factor(config, mlp, hidden)
+    _set_widths(config, MLP_WIDTHS, mlp, hidden)
+    _set_widths(config, SHARED_WIDTHS, shared, hidden)
+    for field, part in NAMED_WIDTHS.items():
+        _set_widths(config, (field,), [(old, new) for name, old, new in reads if part in name], hidden)
+
+
+def _set_widths(config: Any, fields: Sequence[str], mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
+    """Each of ``fields`` that ``config`` holds as an int: the one new width of the readers that read its value."""
+    for field in (f for f in fields if _has(config, f)):
         value = getattr(config, field)
         if field == "n_inner" and value is None and isinstance(hidden, int):
             value = 4 * hidden
+        per_layer = isinstance(value, list) and len(set(value)) == 1  # Gemma 3n: one width per layer, all equal
+        count = len(value) if per_layer else 0
+        value = value[0] if per_layer else value
         if not isinstance(value, int) or isinstance(value, bool):
             continue
         new = _uniform(n for o, n in mlp if o == value and n != o)
@@ -293,7 +314,7 @@ def _mlp_widths(
         if new is None:
             continue
         try:
-            setattr(config, field, new)
+            setattr(config, field, [new] * count if per_layer else new)
         except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
             log.info("shrink: %s cannot hold the new MLP width in %r (%s)", type(config).__name__, field, err)
 
@@ -318,6 +339,33 @@ def _derived_width(config: Any, mlp: Sequence[tuple[int, int]]) -> None:
         config.intermediate_size = new
     except Exception as err:  # noqa: BLE001 - a strict config refusing the value: it cannot express the width
         log.info("shrink: %s cannot hold the new MLP width (%s)", type(config).__name__, err)
+
+
+def _round_up(x: float, multiple: int) -> int:
+    return int(((x + multiple - 1) // multiple) * multiple)
+
+
+def _width_by_factor(config: Any, mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
+    """An MLP width the config derives as ``hidden * <x>_proj_factor`` rounded up to ``<x>_round_up_to_multiple_of``.
+
+    xLSTM's feed-forward: the factor becomes ``new / hidden`` and the multiple the largest common divisor of the new
+    width and the old multiple, where that rebuilds the new width exactly (else the fields stay, and the stock probe
+    refuses the cut).
+    """
+    old, new = _uniform(o for o, n in mlp if n != o), _uniform(n for o, n in mlp if n != o)
+    if not isinstance(hidden, int) or not isinstance(old, int) or not isinstance(new, int):
+        return
+    for field in (f for f in vars(config) if f.endswith("_proj_factor")):
+        multiple_field = field.removesuffix("proj_factor") + "round_up_to_multiple_of"
+        factor, multiple = getattr(config, field), getattr(config, multiple_field, None)
+        if not isinstance(factor, (int, float)) or not isinstance(multiple, int) or multiple < 1:
+            continue
+        if _round_up(hidden * factor, multiple) != old:
+            continue
+        new_multiple = math.gcd(new, multiple)
+        if _round_up(hidden * (new / hidden), new_multiple) == new:
+            setattr(config, field, new / hidden)
+            setattr(config, multiple_field, new_multiple)
 
 
 def _width_in_hiddens(config: Any, mlp: Sequence[tuple[int, int]], hidden: int | None) -> None:
@@ -359,7 +407,9 @@ def update_config(
         inside = frozenset(r[0] for r in reads if any(r[0] == m or r[0].endswith(f".{m}") for m in mixers))
         _mlp_widths(config, reads, hidden if isinstance(hidden, int) else None, inside)
     norm_eps = [rescaled_eps[id(m)] for m in model.modules() if id(m) in rescaled_eps]
-    attns: list[Any] = [m for m in model.modules() if is_qkv_attention(m)]  # stock attention modules
+    # a multimodal model's encoders hold configs of their own (Phi-4-multimodal's vision and audio): not ours
+    ours = [m for m in model.modules() if getattr(m, "config", config) is config]
+    attns: list[Any] = [m for m in ours if is_qkv_attention(m)]  # stock attention modules
     gpt2: list[Any] = [
         m
         for m in model.modules()
@@ -404,7 +454,7 @@ def update_config(
         _set_config(config, ("head_dim",), head_dim, "head_dim")
     if gpt2:
         _set_config(config, ("n_head",), _uniform(a.split_size // a.head_dim for a in gpt2), "the head count")
-    fused = [(counts, cast(int, m.head_dim)) for m in model.modules() if (counts := fused_qkv_heads(m)) is not None]
+    fused = [(counts, cast(int, m.head_dim)) for m in ours if (counts := fused_qkv_heads(m)) is not None]
     if fused and not attns:  # Phi-3 reads config.num_attention_heads in its forward
         heads_before = next((getattr(config, n) for n in HEAD_FIELDS if hasattr(config, n)), None)
         heads = _uniform(c[0] for c, _ in fused)

@@ -207,10 +207,11 @@ def apply_plan(
         "list[tuple[str, int, int]]",
         [(e.name, old, in_width(e.module)) for key, e in edits.items() if (old := reads_before[key]) is not None],
     )
+    by_owner = _reads_by_owner(model, owners, reads)
     for owner in owners:
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
-        update_config(owner, rescaled_eps, changed, reads=reads)
+        update_config(owner, rescaled_eps, changed, reads=by_owner[id(owner)])
         _record_entry(owner)
     if layernorms:
         warnings.warn(
@@ -222,3 +223,22 @@ def apply_plan(
             stacklevel=2,
         )
     return model
+
+
+def _reads_by_owner(
+    model: nn.Module, owners: Sequence[nn.Module], reads: Sequence[tuple[str, int, int]]
+) -> dict[int, list[tuple[str, int, int]]]:
+    """Each config owner's cut readers: those under it and under no deeper owner; one under no owner counts for all.
+
+    A multimodal model's encoders hold configs of their own (Phi-4-multimodal's vision and audio encoders), whose
+    width fields must not follow the text model's cut.
+    """
+    names = {id(m): name for name, m in model.named_modules()}
+    prefixes = {id(o): f"{names[id(o)]}." if names.get(id(o)) else "" for o in owners}
+    out: dict[int, list[tuple[str, int, int]]] = {id(o): [] for o in owners}
+    for read in reads:
+        holders = [key for key, prefix in prefixes.items() if read[0].startswith(prefix)]
+        deepest = max(holders, key=lambda key: len(prefixes[key]), default=None)
+        for key in [deepest] if deepest is not None else list(out):
+            out[key].append(read)
+    return out

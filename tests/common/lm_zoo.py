@@ -37,6 +37,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("head_dim", "v_head_dim"), HEAD_DIM),
     "rotary_dim": 8,
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # Inkling 2: the checkpoint's LM head rows kept (its stock loader pads the rest)
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token"), 2),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
@@ -68,6 +69,27 @@ _FAMILY: dict[str, dict[str, Any]] = {
     # mamba2: hidden * expand == num_heads * head_dim; gpt_neo: one (global, local) pair of layers
     "mamba2": {"num_heads": 2 * HIDDEN // HEAD_DIM},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    # RoPE per layer kind (None by default: the rotary embedding then finds no entry for its layers)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "bailing_hybrid": {"num_expert_group": 2, "topk_group": 1},  # 8 groups of its 4 experts would be empty
+    "ergo": {"first_dense_intermediate_size": FF},  # its dense first layers: 32768 by default
+    # QSA indexer: None by default, which the attention divides by
+    "qwen4_exp_text": {
+        "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    "fuyu": {"patch_size": 4},  # its image-patch projection (30 * 30 * 3 inputs) would hold most of the tiny model
+    # Phi-4-multimodal's audio encoder: 24 blocks, 1024 channels by default
+    "phi4_multimodal": {"audio_config": {"num_blocks": 2, "ext_pw_out_channel": HIDDEN, "nemo_conv_channels": HIDDEN,
+                                         "depthwise_separable_out_channel": HIDDEN}},
+    "xlstm": {"qk_dim_factor": 1.0},  # its recurrent step's state is (qk head, v head) with qk == v
+    # zamba: its shared transformer block is tied across the hybrid layers: two of them; gemma3n: two of the four
+    # layers reuse the KV of the last layer of their kind before them; dory: input, recurrent, output layer
+    "zamba": {"layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "num_hidden_layers": 4},
+    "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_hidden_layers": 4,
+                     "num_kv_shared_layers": 2},
+    "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
@@ -94,6 +116,13 @@ _KWARGS: dict[str, dict[str, Any]] = dict.fromkeys(
 _KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
 #: Where a hybrid family places its attention layers (its default places none in the first two layers).
 _HYBRID = {"attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "hybrid_layer_ids": [1]}
+#: model_type -> its nested configs made tiny with the same sizes (Fuyu's text model, Phi-4-multimodal's vision and
+#: audio encoders, BLT's patcher, local encoder/decoder and global transformer; their defaults take minutes to build).
+_SUB_CONFIGS = {
+    "fuyu": ("text_config",), "phi4_multimodal": ("vision_config", "audio_config"),
+    "blt": ("patcher_config", "encoder_config", "decoder_config", "global_config"),
+}  # fmt: skip
+_SUB_CONFIGS_ALL = {key for keys in _SUB_CONFIGS.values() for key in keys}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -119,7 +148,12 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         kwargs.update({k: v for k, v in _LATENT.items() if k in fields})
         if "qk_nope_head_dim" in fields and "head_dim" in fields:
             kwargs["head_dim"] = 8
-    kwargs.update({k: v for k, v in _FAMILY.get(model_type, {}).items() if k in fields})
+    for key in _SUB_CONFIGS.get(model_type, ()):  # a multimodal or byte-level model's parts: the same sizes
+        if isinstance(fields.get(key), dict):
+            kwargs[key] = {**fields[key], **{k: v for k, v in _SIZES.items() if fields[key].get(k) is not None}}
+    for k, v in _FAMILY.get(model_type, {}).items():  # a nested config's sizes merge into it
+        if k in fields:
+            kwargs[k] = {**kwargs.get(k, fields[k]), **v} if isinstance(v, dict) and k in _SUB_CONFIGS_ALL else v
     kwargs.update(_KWARGS.get(model_type, {}))
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -169,6 +203,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _stock(cls: type, folder: str) -> nn.Module:
+    """Stock ``AutoModelForCausalLM.from_pretrained``, or the class's own where the auto mapping does not list the
+    saved config (Emu3's text config: its dense model does not reload through the auto class either)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(folder)
+    loader: Any = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else cls
+    return loader.from_pretrained(folder, attn_implementation="eager").eval()
+
+
 @dataclass
 class Outcome:
     """What :func:`chain` reached: each stage's result, or the error that stopped it (``stage``: where)."""
@@ -191,8 +236,6 @@ class Outcome:
 
 def chain(model: nn.Module, *, sparsity: float = 0.5) -> Outcome:
     """Prune ``model`` with ``"auto"`` one-shot, shrink, compare, export, reload with stock transformers, generate."""
-    from transformers import AutoModelForCausalLM
-
     from lightning_pat import prune_clusters, save_pretrained, shrink
 
     out = Outcome()
@@ -212,7 +255,7 @@ def chain(model: nn.Module, *, sparsity: float = 0.5) -> Outcome:
         out.stage = "reload"
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(small, tmp, overwrite=True, tokenizer=None)
-            stock = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+            stock = _stock(type(small), tmp)
             out.reload = _rel(_logits(stock, ids), masked)
             out.stage = "generate"
             with torch.no_grad():
