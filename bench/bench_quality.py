@@ -709,7 +709,7 @@ def main() -> None:
         default="main",
         help="comma list of VARIANTS keys ('default' is the defaults' variant), 'main' or 'all'",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: M=40, R=20, 1 seed, few variants")
+    parser.add_argument("--quick", action="store_true", help="smoke run: M=20, R=12, 1 seed, few variants")
     parser.add_argument("--jsonl", type=Path, default=None, help="append each run's result here")
     parser.add_argument("--cache", type=Path, default=None, help="keep dense checkpoints here")
     parser.add_argument("--table", type=Path, default=None, help="only print the table of a results file")
@@ -751,7 +751,7 @@ def main() -> None:
     variants = DEFAULT_SET if args.variants == "main" else args.variants.split(",")
     variants = list(VARIANTS) if args.variants == "all" else variants
     if args.quick:
-        args.M, args.R, args.seeds, args.val_windows = 40, 20, args.seeds[:1], 32
+        args.M, args.R, args.seeds, args.val_windows = 20, 12, args.seeds[:1], 16
         variants = (
             variants
             if args.variants not in ("all", "main")
