@@ -10,6 +10,7 @@ cut by query heads say so (a warning) and still prune what they can.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -59,13 +60,26 @@ def attentions(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
-def kept_query_heads(before: nn.Module, after: nn.Module) -> list[int]:
-    """The query heads of ``before`` that ``after`` holds, read from the q_proj rows themselves."""
-    old = before.q_proj.weight.detach().view(-1, HEAD_DIM, before.q_proj.in_features)
-    new = after.q_proj.weight.detach().view(-1, HEAD_DIM, after.q_proj.in_features)
+def kept_heads(old_rows: torch.Tensor, new_rows: torch.Tensor) -> list[int]:
+    """The heads of ``old_rows`` (``HEAD_DIM`` query rows each) that ``new_rows`` holds, read from the rows."""
+    old = old_rows.detach().view(-1, HEAD_DIM, old_rows.shape[-1])
+    new = new_rows.detach().view(-1, HEAD_DIM, new_rows.shape[-1])
     kept = [next(h for h in range(old.shape[0]) if torch.equal(old[h], n)) for n in new]
     assert kept == sorted(kept)
     return kept
+
+
+def kept_query_heads(before: nn.Module, after: nn.Module) -> list[int]:
+    """The query heads of ``before`` that ``after`` holds, read from the q_proj rows."""
+    return kept_heads(before.q_proj.weight, after.q_proj.weight)
+
+
+def stock_logits(small: nn.Module, path: Path, x: torch.Tensor) -> torch.Tensor:
+    """``small`` exported, reloaded by stock ``AutoModelForCausalLM.from_pretrained`` (the same class), run on ``x``."""
+    lp.save_pretrained(small, path, overwrite=True, tokenizer=None)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    assert type(stock) is type(small)
+    return logits(stock, x)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +106,7 @@ def test_query_heads_are_cut_inside_their_kv_groups_exactly_with_stock_reload(mo
         assert after.k_proj.out_features == KV * HEAD_DIM  # the KV heads stay
         assert getattr(after, QUERY_HEADS[model_type]).in_features == len(kept) * HEAD_DIM
     assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (heads // 2, KV)
-    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
-    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(stock) is type(small)
-    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+    assert rel(stock_logits(small, tmp_path, x), masked) < lm_zoo.EXACT
 
 
 def test_query_heads_of_a_fused_qkv_proj_are_cut_inside_their_kv_groups_with_stock_reload(calibration, tmp_path):
@@ -108,16 +119,12 @@ def test_query_heads_of_a_fused_qkv_proj_are_cut_inside_their_kv_groups_with_sto
     small = lp.shrink(model, res, example_input=None)
     assert rel(logits(small, x), masked) < lm_zoo.EXACT
     for before, layer in zip(qkv, small.model.layers, strict=True):
-        q_old = before[: heads * HEAD_DIM].view(heads, HEAD_DIM, -1)
         new = layer.self_attn.qkv_proj.weight.detach()
-        q_new = new[: (heads // 2) * HEAD_DIM].view(heads // 2, HEAD_DIM, -1)
-        kept = [next(h for h in range(heads) if torch.equal(q_old[h], n)) for n in q_new]
+        kept = kept_heads(before[: heads * HEAD_DIM], new[: (heads // 2) * HEAD_DIM])
         assert torch.bincount(torch.tensor(kept) // n_rep, minlength=KV).tolist() == [n_rep // 2] * KV
         assert torch.equal(new[(heads // 2) * HEAD_DIM :], before[heads * HEAD_DIM :])  # k and v rows whole
     assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (heads // 2, KV)
-    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
-    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+    assert rel(stock_logits(small, tmp_path, x), masked) < lm_zoo.EXACT
 
 
 @pytest.mark.parametrize("model_type", sorted(QUERY_HEADS))
@@ -198,9 +205,7 @@ def test_callback_cuts_query_heads_to_a_parameter_target(model_type, tmp_path):
     assert config.num_key_value_heads == KV
     assert config.num_attention_heads % KV == 0
     assert config.num_attention_heads < 4  # query heads were cut, the KV heads kept
-    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
-    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+    assert rel(stock_logits(small, tmp_path, x), masked) < lm_zoo.EXACT
 
 
 def test_target_params_keeps_mla_head_counts_the_stock_config_accepts(calibration, tmp_path):
@@ -216,6 +221,4 @@ def test_target_params_keeps_mla_head_counts_the_stock_config_accepts(calibratio
     small = lp.shrink(model, res, example_input=None)
     assert sum(p.numel() for p in small.parameters()) == res.size.achieved <= target
     assert small.config.num_attention_heads in (2, 4)
-    lp.save_pretrained(small, tmp_path, overwrite=True, tokenizer=None)
-    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert rel(logits(stock, x), masked) < lm_zoo.EXACT
+    assert rel(stock_logits(small, tmp_path, x), masked) < lm_zoo.EXACT
