@@ -20,7 +20,8 @@ at fixed points of a fit, and never needs to know which scorer it holds:
 
 A :class:`SummedStats` (:class:`~lightning_pat.scoring.layers.LayerStats`,
 :class:`~lightning_pat.scoring.experts.ExpertStats`) ends each selection the same way: its sums since the last one,
-one float64 vector, are summed over the ranks, scored and started again.
+one float64 vector, are summed over the ranks, scored and started again; :func:`summed_over_ranks` sums those of every
+such collector of a run in one collective.
 
 The checks raise :class:`~lightning_pat.core.state_fields.StateError` naming the state (``what``), the field, what
 was expected and what was found, like the core schema (:mod:`lightning_pat.core.state_schema`), which checks only the
@@ -202,7 +203,7 @@ class SummedStats(Collector):
         """
 
     def take_scores(self, summed: Tensor | None) -> dict[str, Tensor] | None:
-        """:meth:`scores` of ``summed`` (:meth:`stacked` summed over the ranks); then the sums start again.
+        """:meth:`scores` of ``summed`` (its entry of :func:`summed_over_ranks`); then the sums start again.
 
         ``None`` (nothing to score, see :attr:`scored`) gives ``None``.
 
@@ -222,9 +223,18 @@ class SummedStats(Collector):
         Raises:
             ValueError: As for :meth:`scores`.
         """
-        if not self.scored:
-            return None
-        return self.take_scores(reduce.sum_over_ranks(self.stacked(), group=ranks.world_group()))
+        return self.take_scores(summed_over_ranks(self)[0])
+
+
+def summed_over_ranks(*stats: SummedStats | None) -> list[Tensor | None]:
+    """Each collector's :meth:`~SummedStats.stacked` summed over the world's ranks, all in one collective.
+
+    The vectors are packed into one (:func:`~lightning_pat.parallel.comm.reduce.sum_packed_over_ranks`), with the bits
+    of one sum each. ``None`` for a ``None`` collector and one with nothing to score (:attr:`~SummedStats.scored`).
+    """
+    mine = [s.stacked() if s is not None and s.scored else None for s in stats]
+    summed = iter(reduce.sum_packed_over_ranks([v for v in mine if v is not None], group=ranks.world_group()))
+    return [None if v is None else next(summed) for v in mine]
 
 
 def entries(raw: object, check: FieldChecker, key: str) -> list[tuple[str, Mapping[str, Any]]]:
@@ -247,4 +257,4 @@ def entries(raw: object, check: FieldChecker, key: str) -> list[tuple[str, Mappi
     return out
 
 
-__all__ = ["Collector", "SummedStats", "entries"]
+__all__ = ["Collector", "SummedStats", "entries", "summed_over_ranks"]
