@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_fields import FieldChecker
-from lightning_pat.parallel.comm import dtensor, ranks, reduce
-from lightning_pat.scoring.collector import Collector, entries
+from lightning_pat.parallel.comm import dtensor
+from lightning_pat.scoring.collector import SummedStats, entries
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 #: The data scores of an expert (see the module docs).
@@ -204,10 +204,10 @@ def expert_scores(
     return {name: rank_scores(sums[name], counts[name], kind) for name in scored}
 
 
-class ExpertStats(TrainingForwardHooks, Collector):
+class ExpertStats(TrainingForwardHooks, SummedStats):
     """Per-expert token counts and router-weighted output norms from the training forwards of a run.
 
-    A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``expert_scores`` entry (only a run with
+    A :class:`~lightning_pat.scoring.collector.SummedStats` of the state's ``expert_scores`` entry (only a run with
     expert clusters and a data ``expert_score`` writes it; a state without it starts empty). One forward pre-hook per
     fused experts module (:func:`expert_modules`) reads each training forward's routing (:func:`observe_call`); a
     batch's sums are kept once a real optimizer step applied it (the micro-batches of an accumulated step wait for
@@ -315,6 +315,11 @@ class ExpertStats(TrainingForwardHooks, Collector):
         return {name: n for name, c in self._count.items() if (n := int(c.sum()))}
 
     # ------------------------------------------------------------------ scores
+    @property
+    def scored(self) -> bool:
+        """Whether the model has fused experts to score (else a selection sums nothing and reads no scores)."""
+        return bool(self.units)
+
     def stacked(self) -> Tensor:
         """``[2 sum(E)]`` float64: every cluster's per-expert sums, then its token counts (0 where none)."""
         device = next((t.device for t in self._sum.values()), torch.device("cpu"))
@@ -363,20 +368,6 @@ class ExpertStats(TrainingForwardHooks, Collector):
                 out[name] = rank_scores(sums, counts, self.kind)
         self.last = {name: s.clone() for name, s in out.items()}
         return out
-
-    def summed_scores(self) -> dict[str, Tensor] | None:
-        """:meth:`scores` from the sums of every rank (one collective when distributed); then the sums start again.
-
-        Raises:
-            ValueError: As for :meth:`scores`.
-        """
-        if not self.units:
-            return None
-        summed = reduce.sum_over_ranks(self.stacked(), group=ranks.world_group())
-        try:
-            return self.scores(summed)
-        finally:
-            self._sum, self._count = {}, {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
