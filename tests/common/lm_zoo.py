@@ -90,6 +90,10 @@ _FAMILY: dict[str, dict[str, Any]] = {
                      "num_kv_shared_layers": 2},
     "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # Inkling 1/2/loop: the sliding layers' heads (64 of 128 by default) and the relative-position extents tiny too
+    **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"), {
+        "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": KV, "swa_head_dim": HEAD_DIM,
+        "sliding_window_size": 16, "rel_extent": 16}),
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
