@@ -382,6 +382,30 @@ def _width_in_hiddens(config: Any, mlp: Sequence[tuple[int, int]], hidden: int |
             setattr(config, field, new // hidden)
 
 
+#: Prefix of the config fields that size the sliding-window layers' attention apart (Inkling's ``swa_head_dim``,
+#: ``swa_num_attention_heads``, ``swa_num_key_value_heads``).
+SLIDING_PREFIX = "swa_"
+
+
+def _sliding_heads(config: Any, attns: list[Any]) -> list[Any]:
+    """Tell the sliding-window attentions' sizes to the config's ``swa_*`` fields; the other attentions, returned.
+
+    A config holding ``swa_num_attention_heads`` (and ``swa_num_key_value_heads``, ``swa_head_dim``) builds its
+    sliding-window layers' attention (``is_sliding``) from those and the others from the usual fields; without such
+    fields every attention is returned.
+    """
+    sliding = [a for a in attns if getattr(a, "is_sliding", None) is True]
+    if not sliding or not _has(config, SLIDING_PREFIX + HEAD_FIELDS[0]):
+        return attns
+    for fields, value, what in (
+        (HEAD_FIELDS, _uniform(query_heads(a) for a in sliding), "the sliding layers' head count"),
+        (KV_FIELDS, _uniform(a.k_proj.out_features // a.head_dim for a in sliding), "the sliding layers' KV heads"),
+        (("head_dim",), _uniform(a.head_dim for a in sliding), "the sliding layers' head_dim"),
+    ):
+        _set_config(config, [SLIDING_PREFIX + f for f in fields], value, what)
+    return [a for a in attns if getattr(a, "is_sliding", None) is not True]
+
+
 def update_config(
     model: nn.Module,
     rescaled_eps: Mapping[int, float],
@@ -435,6 +459,7 @@ def update_config(
     if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
         _set_config(config, HEAD_FIELDS, _uniform(mla), "the head count")
         _set_config(config, KV_FIELDS, _uniform(mla), "the KV head count")
+    attns = _sliding_heads(config, attns)
     if attns and not mla:  # next to MLA layers (Kimi-Linear), q/k/v layers are linear attention of its own fields
         _set_config(
             config,
