@@ -125,11 +125,11 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
         return a
 
-    def own_bias(a: Tensor) -> Tensor:  # the router's own: also over its routed rows only (Inkling's, see below)
+    def own_bias(a: Tensor) -> Any:  # the router's own: also over its routed rows only (Inkling's, see below)
         n = a.shape[0] if a.dim() == 1 else 0
         if a.dtype.is_floating_point and 0 < n < dropped.shape[0] and not bool(dropped[n:].any()):
             return a.masked_fill(dropped[:n].to(a.device), torch.finfo(a.dtype).min)
-        return cast(Tensor, bias(a))
+        return bias(a)
 
     saved = []  # the router's own selection biases (a buffer, or a parameter: Laguna's), put back by the post-hook
     for store in (router._buffers, router._parameters):  # noqa: SLF001 - its own tensors

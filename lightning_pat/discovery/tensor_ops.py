@@ -18,6 +18,7 @@ from torch.fx import Node
 from lightning_pat.discovery.attention import cut_label, packed_heads, split_axis
 from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
 from lightning_pat.discovery.nodes import flat as _flat
+from lightning_pat.discovery.nodes import node_shape
 from lightning_pat.discovery.nodes import op_name as _op_name
 from lightning_pat.discovery.nodes import shape_of as _shape
 
@@ -358,7 +359,7 @@ def _gather(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     untracked.
     """
     src, dim, index = node.args[0], node.args[1], node.args[2]
-    shape, ishape = _shape(src.meta.get("val")) if isinstance(src, Node) else None, _shape(index.meta.get("val"))
+    shape, ishape = node_shape(src), node_shape(index)
     if shape is None or ishape is None or out is None or len(out) != len(shape) or not isinstance(dim, int):
         return NotImplemented
     lab = list(w.ndim_label(src, len(shape)))

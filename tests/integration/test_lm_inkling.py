@@ -6,8 +6,10 @@ the experts' channel cluster; a router that scores the shared experts in its las
 only their own rows, its per-expert selection bias covers the routed experts only); heads whose keys and values go
 through a depthwise causal ``conv1d`` (transformers' ``causal_conv1d_fn``: the weight squeezed and unsqueezed) and
 whose relative-position bias is a ``gather`` of per-head rows, masked (discovery reads all three); sliding-window
-layers sized by the config's ``swa_*`` fields. Each case checks the shrunk logits and the stock reload's against the
-masked model's (fp32, rel < 1e-4), the config's new sizes and the share of non-embedding parameters cut.
+layers sized by the config's ``swa_*`` fields; Inkling 2's per-head query and relative-state scales (a module
+holding only a ``scale``), its attention sinks and its relative-position module's own head count. Each case checks
+the shrunk logits and the stock reload's against the masked model's (fp32, rel < 1e-4), the config's new sizes and
+the share of non-embedding parameters cut.
 """
 
 from __future__ import annotations
@@ -83,10 +85,29 @@ def test_inkling_heads_through_the_key_value_conv1d_and_the_relative_position_ga
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
 
 
-def test_inkling2_experts_are_cut_by_auto_exactly_and_reload_stock():
-    out = lm_zoo.chain(lm_zoo.build("inkling2_text"))  # Inkling 2-loop's tiny model is the same (bench_lmzoo runs it)
-    assert out.ok, out
-    assert {"experts", "mlp"} <= set(out.clusters)
+def test_inkling2_sliding_heads_with_their_scales_and_experts_are_cut_by_auto(tmp_path):
+    model = lm_zoo.build("inkling2_text")  # layer 0 slides (static KV convolutions), layer 1 is full attention
+    dense = lm_zoo.non_embedding_params(model)
+    result = lp.prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=2)])
+    assert len(result.dropped["model.layers.0.self_attn.q_proj.norm"]) == 1  # one of two query groups
+    assert not any(k.startswith("model.layers.1.self_attn") for k in result.dropped)  # its dynamic convolutions
+    assert (len(result.dropped["experts.0"]), len(result.dropped["mlp.0"])) == (2, 16)
+    ids = lm_zoo.token_ids()
+    masked = logits(model, ids)
+    small = lp.shrink(model, result, example_input=None)
+    assert rel(logits(small, ids), masked) < lm_zoo.EXACT
+    attn = small.model.layers[0].self_attn
+    assert tuple(attn.q_proj.norm.scale.shape) == (2, 16)  # each head's query scale goes with it
+    assert tuple(attn.relative_position_bias.norm.scale.shape) == (2, 16)
+    assert attn.relative_position_bias.num_heads == 2
+    assert tuple(attn.sink_proj.weight.shape) == (2, 64)
+    reload = stock(small, tmp_path)
+    assert rel(logits(reload, ids), masked) < lm_zoo.EXACT
+    config = reload.config
+    assert (config.swa_num_attention_heads, config.swa_num_key_value_heads) == (2, 1)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert 1 - lm_zoo.non_embedding_params(small) / dense >= 0.4
+    assert reload.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
 def test_inkling_callback_prunes_while_training_then_shrinks_exactly(tmp_path):
