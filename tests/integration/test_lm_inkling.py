@@ -79,7 +79,7 @@ def test_inkling_heads_through_the_key_value_conv1d_and_the_relative_position_ga
     attn = small.model.layers[0].self_attn  # a sliding-window layer: the config's swa_* fields
     assert (attn.num_heads, attn.num_key_value_heads) == (2, 1)
     assert tuple(attn.k_sconv.conv1d.weight.shape) == (16, 1, 4)  # the depthwise conv keeps the KV head's channels
-    assert tuple(attn.r_proj.weight.shape) == (2 * 16, 64)  # the relative states of the heads kept
+    assert tuple(attn.r_proj.weight.shape) == (2 * 8, 64)  # the relative states of the heads kept
     config = reload.config
     assert (config.swa_num_attention_heads, config.swa_num_key_value_heads) == (2, 1)
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
@@ -98,7 +98,7 @@ def test_inkling2_sliding_heads_with_their_scales_and_experts_are_cut_by_auto(tm
     assert rel(logits(small, ids), masked) < lm_zoo.EXACT
     attn = small.model.layers[0].self_attn
     assert tuple(attn.q_proj.norm.scale.shape) == (2, 16)  # each head's query scale goes with it
-    assert tuple(attn.relative_position_bias.norm.scale.shape) == (2, 16)
+    assert tuple(attn.relative_position_bias.norm.scale.shape) == (2, 8)
     assert attn.relative_position_bias.num_heads == 2
     assert tuple(attn.sink_proj.weight.shape) == (2, 64)
     reload = stock(small, tmp_path)
