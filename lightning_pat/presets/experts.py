@@ -66,7 +66,9 @@ from lightning_pat.shrink.experts import (
     block_router,
     expert_groups,
     fused_layout,
+    fused_shared,
     parallel_blocks,
+    shared_router_rows,
     stacked_blocks,
     stacked_experts,
 )
@@ -89,13 +91,15 @@ _WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
 def _gate_up(
-    block: str, fused: FusedLayout, *, joint_shared: bool = False
+    block: str, fused: FusedLayout, *, joint_shared: bool = False, fused_shared: bool = False
 ) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
     """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer.
 
     ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE; Llama 4's ``shared_expert``) is as wide
     as the experts times the config's shared-expert count, so its channels join the same units (``s`` channels per
-    unit for ``s`` experts).
+    unit for ``s`` experts). ``fused_shared``: the block's ``shared_experts`` are 3-D ``gate_proj``/``up_proj``
+    ``(S, I, H)`` and ``down_proj`` ``(S, H, I)`` of the experts' width (Inkling's): channel ``c`` of every shared
+    expert joins unit ``c``.
     """
     gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
     dim = fused.gate_up_channels
@@ -105,6 +109,9 @@ def _gate_up(
     if joint_shared:
         shared_w = (rf"{block}\.{_SHARED}\.(?:gate|up)_proj\.(?:weight|bias)",)
         readers = (*readers, rf"{block}\.{_SHARED}\.down_proj\.weight")
+    if fused_shared:
+        shared_w = (rf"{block}\.shared_experts\.(?:gate|up)_proj@1",)
+        readers = (*readers, rf"{block}\.shared_experts\.down_proj@2")
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
         return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
@@ -218,10 +225,10 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         router = block_router(module)
         weight = router_weight(router) if router is not None else None
         router_name = ""  # no top-k router whose rows are these experts: the experts' channels only
-        if (
+        if (  # one row per expert (Inkling: then one per 3-D shared expert, see shared_router_rows)
             router is not None
             and weight is not None
-            and weight[1].shape[0] == cast(Tensor, experts.gate_up_proj).shape[0]
+            and weight[1].shape[0] == cast(Tensor, experts.gate_up_proj).shape[0] + shared_router_rows(module)
         ):
             router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
@@ -295,6 +302,26 @@ def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[
         if down.in_features % width:
             return True
     return False
+
+
+def _fused_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[str, str, str, FusedLayout]]) -> bool:
+    """Whether the blocks' ``shared_experts`` are 3-D shared experts of the routed experts' width (Inkling's).
+
+    Their config builds both widths from one field (``moe_intermediate_size``), so their channels join the experts'
+    (:func:`~lightning_pat.shrink.experts.fused_shared`).
+    """
+    found = False
+    for layer, block, _, fused in blocks:
+        module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
+        shared = getattr(module, "shared_experts", None)
+        counts = fused_shared(shared) if isinstance(shared, nn.Module) else None
+        if counts is None:
+            continue
+        width = cast(Tensor, cast(nn.Module, module.experts).down_proj).shape[fused.down_channels]
+        if counts[1] != width:
+            return False
+        found = True
+    return found
 
 
 def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
@@ -458,7 +485,8 @@ def moe(
         else []
     )
     if mlp:
-        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint)
+        tied = _fused_shared_experts(model, prefix, blocks)
+        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint, fused_shared=tied)
         mlps = [Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers],
                         head_dim=head_dim)]  # fmt: skip
         if has(r"mlp\.down_proj\.weight"):  # dense layers (DeepSeek's first_k_dense_replace)
@@ -492,7 +520,9 @@ def moe(
         first = model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}")
         weight = router_weight(first.get_submodule(router))
         holder = f"{router}." + (weight[0].rsplit(".", 1)[0] + "." if weight and "." in weight[0] else "")
-        parts = [re.escape(holder) + "weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        routed = cast(Tensor, first.get_submodule("experts").gate_up_proj).shape[0]
+        rows = f"[0:{routed}]" if shared_router_rows(first) else ""  # Inkling: its last rows score shared experts
+        parts = [re.escape(holder) + "weight" + rows, r"experts\.gate_up_proj", r"experts\.down_proj"]
         for extra in ("bias", "e_score_correction_bias"):  # a per-expert selection bias held as a parameter
             if has(rf"{block}\.{re.escape(holder)}{extra}"):
                 parts.append(re.escape(holder) + extra)

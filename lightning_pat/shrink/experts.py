@@ -15,6 +15,10 @@ router next to it holds ``weight`` of shape ``(E, H)`` (and gpt-oss a ``bias`` `
   parts) with its bias, and ``down_proj``'s (``intermediate_dim`` / ``intermediate_size`` follows);
 * the residual: the hidden dims, the router's columns (``hidden_dim`` follows).
 
+Shared experts held as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)`` next to the routed
+ones (Inkling's, :func:`fused_shared`) have their channels cut; a router that also scores them (``E + S`` rows, the
+shared experts' last: :func:`shared_router_rows`) loses only routed experts' rows.
+
 A model's config gets the expert count (``num_local_experts`` / ``num_experts``, Aria's ``moe_num_experts``),
 ``num_experts_per_tok`` (Aria's ``moe_topk``) and the
 experts' width (``moe_intermediate_size`` where the config has one, else ``intermediate_size``) where they are the
@@ -53,6 +57,9 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("stacked_experts", "w2"): (0,),
     # JetMoE: one 3-D ``weight`` ``(E, out, in)`` per projection (see :func:`parallel_experts`)
     ("parallel_experts", "weight"): (0, 1, 2),
+    # Inkling: shared experts as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)``
+    # (see :func:`fused_shared`): their channels (and the residual) are cut, never a shared expert
+    **{("fused_shared", a): (1, 2) for a in ("gate_proj", "up_proj", "down_proj")},
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -195,6 +202,40 @@ def parallel_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, b
     return out
 
 
+def fused_shared(module: nn.Module) -> tuple[int, int] | None:
+    """``(S, I)`` of shared experts held as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)``.
+
+    Inkling's ``shared_experts``: ``S`` experts of the routed experts' width ``I`` (its config builds both from
+    ``moe_intermediate_size``), each computing ``down @ (act(gate @ x) * up @ x)``. ``None`` for any other module.
+    """
+    params = [module._parameters.get(a) for a in ("gate_proj", "up_proj", "down_proj")]  # noqa: SLF001 - its own
+    if any(p is None or p.dim() != 3 for p in params):
+        return None
+    gate, up, down = cast("list[Tensor]", params)
+    num, width, hidden = gate.shape
+    if tuple(up.shape) != (num, width, hidden) or tuple(down.shape) != (num, hidden, width):
+        return None
+    return int(num), int(width)
+
+
+def shared_router_rows(block: nn.Module) -> int:
+    """How many rows a MoE block's router has after its routed experts', scoring its 3-D shared experts; else 0.
+
+    Inkling's router scores ``E`` routed experts and then its ``S`` shared experts (their weights in the same softmax,
+    ``shared_expert_sink``): ``E + S`` rows, the block's ``shared_experts`` holding ``S`` (:func:`fused_shared`). A
+    whole routed expert is its row ``e < E``; the last ``S`` rows stay.
+    """
+    experts, shared = getattr(block, "experts", None), getattr(block, "shared_experts", None)
+    router = block_router(block)
+    found = router_weight(router) if router is not None else None
+    if not isinstance(experts, nn.Module) or not is_fused_experts(experts) or found is None:
+        return 0
+    num = _shape(experts)[0]
+    extra = found[1].shape[0] - num
+    counts = fused_shared(shared) if isinstance(shared, nn.Module) else None
+    return extra if counts is not None and extra == counts[0] > 0 else 0
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
     return fused_layout(module) is not None
@@ -204,6 +245,8 @@ def experts_kind(module: nn.Module) -> str | None:
     """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
     if is_fused_experts(module):
         return "experts"
+    if fused_shared(module) is not None:
+        return "fused_shared"
     if stacked_experts(module) is not None:
         return "stacked_experts"
     if parallel_experts(module):
@@ -352,9 +395,10 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         attrs = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()))
         kept = {f"experts.{a}": _cut(e_edit, a, 0, num) for a in attrs}
         if holder is not None:
-            kept["router.weight"] = _cut(r_edit, "weight", 0, num)
+            extra = shared_router_rows(block)
+            kept["router.weight"] = _routed_rows(name, _cut(r_edit, "weight", 0, num + extra), num, extra)
             if holder._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
-                kept["router.bias"] = _cut(r_edit, "bias", 0, num)
+                kept["router.bias"] = _routed_rows(name, _cut(r_edit, "bias", 0, num + extra), num, extra)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
                 f"Shrink: MoE block {name!r} would keep different experts in {sorted(kept)} "
@@ -384,6 +428,21 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
                 f"{layout.down_channels}); list {parts}, `down_proj@{layout.down_channels}` (and the biases) in one "
                 "cluster."
             )
+
+
+def _routed_rows(name: str, rows: Tensor, num: int, extra: int) -> Tensor:
+    """The routed experts' rows among a router's kept ``rows``; its ``extra`` last rows (shared experts') all kept.
+
+    Raises:
+        ValueError: If a shared expert's row would be cut.
+    """
+    if extra and not torch.equal(rows[rows >= num].cpu(), torch.arange(num, num + extra)):
+        raise ValueError(
+            f"Shrink: MoE block {name!r}'s router scores its {extra} shared experts in its last rows ({num} to "
+            f"{num + extra - 1}), which must stay; list only its first {num} rows (`weight[0:{num}]`) with the "
+            "experts."
+        )
+    return rows[rows < num]
 
 
 def expert_groups(router: nn.Module) -> int:
@@ -460,6 +519,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, value)
     elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
+        _set_int(module, "n_total_experts", num)  # Inkling: routed and shared (update_blocks sets num_experts)
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
         _set_int(module, "top_k", min(cast(int, module.top_k), num))
@@ -476,7 +536,7 @@ def _extra_router_rows(model: nn.Module) -> bool:
             continue
         router = block_router(block)
         found = router_weight(router) if router is not None else None
-        if found is not None and found[1].shape[0] != _shape(experts)[0]:
+        if found is not None and found[1].shape[0] != _shape(experts)[0] + shared_router_rows(block):
             return True
     return False
 

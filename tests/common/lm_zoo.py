@@ -59,6 +59,11 @@ _SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": HEAD_DIM,
     "vocab_size_per_layer_input": VOCAB,
 }
+#: Inkling's sliding-layer heads and relative positions (``d_rel`` 8: heads * d_rel is not the hidden size).
+_INKLING = {
+    "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": KV, "swa_head_dim": HEAD_DIM,
+    "sliding_window_size": 16, "rel_extent": 16, "d_rel": 8,
+}  # fmt: skip
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # its config refuses any other top-k
@@ -90,6 +95,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
                      "num_kv_shared_layers": 2},
     "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # Inkling 1/2/loop: the sliding layers' heads (64 of 128 by default) and the relative-position extents tiny too;
+    # Inkling 2-loop: one looped layer (two passes) between a sliding and a full one
+    **dict.fromkeys(("inkling_text", "inkling2_text"), _INKLING),
+    "inkling2_loop_text": {**_INKLING, "num_hidden_layers": 3, "n_layers_per_attn_res_block": 1,
+                           "layer_types": ["hybrid_sliding", "hybrid_sliding", "hybrid"], "loop_layer_index_start": 1,
+                           "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 16},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
