@@ -23,7 +23,14 @@ from lightning_pat.heads import (
     is_swin_v2_attention,
     mha_refusal,
 )
-from lightning_pat.shrink.experts import STACKED_TOP_K, expert_config, experts_kind, shared_experts, stacked_config
+from lightning_pat.shrink.experts import (
+    SHARED_WIDTH_FIELDS,
+    STACKED_TOP_K,
+    expert_config,
+    experts_kind,
+    shared_experts,
+    stacked_config,
+)
 from lightning_pat.shrink.mixers import mixer_config, mixer_kind
 from lightning_pat.shrink.surgery_conv import conv_kind
 
@@ -299,8 +306,6 @@ MLP_WIDTHS = (
 )  # fmt: skip
 #: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
 NAMED_WIDTHS = {"laurel_rank": "laurel"}
-#: Config fields holding a shared expert's width (its readers: ``shared_expert``/``shared_experts`` in the name).
-SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 def _mlp_widths(
@@ -320,7 +325,7 @@ def _mlp_widths(
     _width_in_hiddens(config, mlp, hidden)
     _width_by_factor(config, mlp, hidden)
     _set_widths(config, MLP_WIDTHS, mlp, hidden)
-    _set_widths(config, SHARED_WIDTHS, shared, hidden)
+    _set_widths(config, SHARED_WIDTH_FIELDS, shared, hidden)  # readers: shared_expert(s) in the name
     for field, part in NAMED_WIDTHS.items():
         _set_widths(config, (field,), [(old, new) for name, old, new in reads if part in name], hidden)
 

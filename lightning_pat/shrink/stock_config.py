@@ -6,14 +6,15 @@ shapes and stock ``from_pretrained`` cannot load the shrunk model. :func:`stock_
 every cluster (the last half of each unit group) of a meta copy, lets the shrink update its config as it always
 does, builds the model's class from that config on the meta device and compares the shapes: a declaration whose
 members come out with other shapes is one the stock config cannot express. ``clusters="auto"`` leaves those out, and
-says so (:func:`stock_expressible`).
+says so (:func:`stock_expressible`). A module holding one Hugging Face model (the LightningModule the callback is
+given) is probed through it: the held model's class is rebuilt from its config.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,15 +38,13 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     """Declaration name -> why the stock config of ``model`` cannot express its cut.
 
     Empty if it can express every cut, or if ``model`` is not a Hugging Face model (no ``config.to_dict`` or
-    ``save_pretrained``).
+    ``save_pretrained``) and holds none or several (outermost ones).
 
     Args:
-        model: The model, before anything is pruned.
+        model: The model, or a module holding one (a LightningModule), before anything is pruned.
         clusters: The declarations (each resolved against ``model``).
     """
-    config = getattr(model, "config", None)
-    hf = callable(getattr(config, "to_dict", None)) and callable(getattr(model, "save_pretrained", None))
-    if not clusters or not hf:
+    if not clusters or hf_model(model) is None:
         return {}
     refused, orphans = _probe(model, clusters)
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
@@ -58,9 +57,31 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     return refused
 
 
+def _is_hf(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return callable(getattr(config, "to_dict", None)) and callable(getattr(module, "save_pretrained", None))
+
+
+def hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the Hugging Face model ``model`` is (``""``) or holds (the one outermost), else ``None``.
+
+    Example::
+
+        >>> hf_model(nn.Linear(2, 2)) is None
+        True
+    """
+    if _is_hf(model):
+        return "", model
+    found = [(n, m) for n, m in model.named_modules() if n and _is_hf(m)]
+    outer = [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found)]
+    return outer[0] if len(outer) == 1 else None
+
+
 def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
     """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
-    config: Any = model.config
+    prefix, hf = cast(tuple[str, nn.Module], hf_model(model))  # stock_refusals checked it
+    config: Any = hf.config
+    under = f"{prefix}." if prefix else ""
     owners: dict[str, str] = {}
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
@@ -71,9 +92,10 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
     try:
         twin = verify.meta_copy(model)
         apply_plan(twin, build_plan(resolved, {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+        held: Any = twin.get_submodule(prefix)  # the Hugging Face model (``twin`` itself where prefix is "")
         with torch.device("meta"):
-            stock = type(model)(twin.config)
-        want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
+            stock = type(hf)(held.config)
+        want = {under + n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
         if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
             return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}, []
@@ -82,7 +104,7 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
     refused: dict[str, str] = {}
     orphans: list[str] = []
     for name, p in twin.named_parameters(remove_duplicate=False):
-        if want.get(name) == tuple(p.shape):
+        if want.get(name) == tuple(p.shape) or not name.startswith(under):  # outside the held model: not its config's
             continue
         built = list(want.get(name, ()))
         why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"

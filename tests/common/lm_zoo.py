@@ -78,6 +78,7 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "bailing_hybrid": {"num_expert_group": 2, "topk_group": 1},  # 8 groups of its 4 experts would be empty
     "ergo": {"first_dense_intermediate_size": FF},  # its dense first layers: 32768 by default
+    "nemotron_h": {"moe_shared_expert_intermediate_size": 48},  # its shared expert: 7688 by default
     # QSA indexer: None by default, which the attention divides by
     "qwen4_exp_text": {
         "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
