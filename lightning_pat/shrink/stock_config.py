@@ -58,17 +58,33 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     return refused
 
 
-def _cut_and_build(model: nn.Module, resolved: Sequence[ResolvedCluster]) -> tuple[nn.Module, dict[str, Any]]:
-    """A meta copy of ``model`` with half of each of ``resolved`` cut, and the shapes its class builds from its config.
+def _hf_path(model: nn.Module) -> str | None:
+    """Where ``model``'s Hugging Face model is (``""``: ``model`` itself; a LightningModule's ``model``), else None."""
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)) and callable(getattr(module, "save_pretrained", None)):
+            return str(path)
+    return None
+
+
+def _cut_and_build(
+    model: nn.Module, resolved: Sequence[ResolvedCluster], path: str = ""
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A meta copy of ``model`` with half of each of ``resolved`` cut, and the shapes its stock class builds.
+
+    The class is that of the Hugging Face model at ``path`` (``model`` itself where ``""``), built on meta from the
+    config the cut updated; the shapes are named as in ``model``.
 
     Raises:
         Exception: Whatever the copy, the cut or the stock build raises.
     """
     twin = verify.meta_copy(model)
     apply_plan(twin, build_plan(list(resolved), {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+    hf = twin.get_submodule(path)
     with torch.device("meta"):
-        stock = type(model)(twin.config)
-    return twin, {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
+        stock = type(hf)(hf.config)
+    prefix = f"{path}." if path else ""
+    return twin, {prefix + n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
 
 
 def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[list[str]]:
@@ -83,12 +99,12 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
     for the last one (its ties show in the others' probes). Empty for a model that is not a Hugging Face model.
 
     Args:
-        model: The model, before anything is pruned.
+        model: The model (or a module holding it), before anything is pruned.
         clusters: The declarations (each resolved against ``model``; a name two declarations share is given as
             ``name#i``, ``i`` its index in ``clusters``).
     """
-    config = getattr(model, "config", None)
-    if len(clusters) < 2 or not callable(getattr(config, "to_dict", None)):
+    path = _hf_path(model)
+    if len(clusters) < 2 or path is None:
         return []
     names = [d.name for d in clusters]
     if len(set(names)) < len(names):  # one name for two declarations: one label, one width already
@@ -110,7 +126,7 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
             continue  # tied to a declaration probed already: its ties showed there
         probed.add(name)
         try:
-            twin, want = _cut_and_build(model, resolved[name])
+            twin, want = _cut_and_build(model, resolved[name], path)
         except Exception:  # noqa: BLE001 - a cut the stock config refuses: stock_refusals says so, no tie known
             continue
         shapes = {n: tuple(p.shape) for n, p in twin.named_parameters(remove_duplicate=False)}

@@ -152,6 +152,16 @@ def test_the_tie_is_found_by_structure_and_the_tied_declarations_keep_one_width(
         ("blocks.0.shared_expert", "blocks.0.shared_expert.up_proj.weight"),
         ("ffn.1", "blocks.1.ffn.up_proj.weight"),
     ]
+    # the same model held by another module (a LightningModule's `model`, as the callback sees it)
+    holder = nn.Module()
+    holder.model = _Tiny(_Config())
+    pattern = r"re:model\.blocks\.(?P<layer>\d+)\.ffn\.{}_proj\.weight"
+    held = [
+        _mlp("model.blocks.0.mlp", "model.blocks.0.mlp", 2),
+        _mlp("model.blocks.0.shared_expert", "model.blocks.0.shared_expert", 1),
+        Cluster("ffn.{layer}", [pattern.format("up")], [pattern.format("down")]),
+    ]
+    assert tied_declarations(holder, held) == [["model.blocks.0.mlp", "ffn.{layer}"]]
     # the tied declarations differ in their unit counts (a third block of 6): one is left out, with a warning
     model = _Tiny(_Config(last=6))
     assert tied_declarations(model, [mlp, shared, ffn]) == [["blocks.0.mlp", "ffn.{layer}"]]
