@@ -40,6 +40,7 @@ from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
 from lightning_pat.heads import mha_refusal
 from lightning_pat.presets.ssm import mixers
+from lightning_pat.shrink.layer_config import layer_values
 
 log = logging.getLogger(__name__)
 
@@ -330,8 +331,12 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
         )  # fmt: skip
         return units
     config = getattr(model, "config", None)
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
+    heads_per_layer = layer_values(config, "num_attention_heads") or []
+    kv_per_layer = layer_values(config, "num_key_value_heads") or []
+    pairs = list(zip(heads_per_layer, kv_per_layer, strict=False))  # per layer where the config holds them per layer
+    gqa_layers = [(h, k) for h, k in pairs if isinstance(h, int) and isinstance(k, int) and 0 < k < h]
+    gqa = bool(gqa_layers)
+    heads, kv = gqa_layers[0] if gqa else (None, None)
     if query_heads and gqa and not any(c.unit_groups > 1 for c in found.clusters):
         log.warning(
             "discover: query_heads=True, but the heads of %s's GQA attention (%s query heads, %s KV heads) were not "
