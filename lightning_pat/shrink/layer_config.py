@@ -97,4 +97,6 @@ def write_per_layer(config: Any, values: Mapping[str, Sequence[Any]]) -> None:
             setattr(config, name, common)
         elif name not in per_layer_fields(config):
             setattr(config, name, per_layer[0])  # a global value must exist for the layers' overrides
-    config.per_layer_config = {i: v for i, v in overrides.items() if v} or None
+    # an empty mapping, never None: a config saved with `per_layer_config: {}` is told that no layer differs from the
+    # global values (Gemma 4 adds its default full-attention head size as an override where it is missing)
+    config.per_layer_config = {i: v for i, v in overrides.items() if v}

@@ -268,6 +268,7 @@ KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "
 MLP_WIDTHS = (
     "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
     "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
+    "mlp_only_intermediate_size",  # Kolibri 1.1's dense layers (mlp_only_layers)
 )  # fmt: skip
 #: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
 NAMED_WIDTHS = {"laurel_rank": "laurel"}

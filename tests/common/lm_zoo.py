@@ -90,9 +90,13 @@ _FAMILY: dict[str, dict[str, Any]] = {
                      "num_kv_shared_layers": 2},
     "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # BLT: 6 hash embeddings of 500002 rows by default, the local models' global width (2048) the global model's; its
+    # forward's own cache asks its config for num_hidden_layers, which BltConfig has not (a transformers bug): no cache
+    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_config": {"hidden_size_global": HIDDEN},
+            "decoder_config": {"hidden_size_global": HIDDEN}, "use_cache": False},
     # kolibri1_1: its indexer scores with at most the query heads of one KV group (1 of the 2 after a query-head cut);
-    # one dense layer (both by default) and its width (3584 by default)
-    "kolibri1_1": {"index_num_heads": 1, "mlp_only_layers": [0], "mlp_only_intermediate_size": FF},
+    # one dense layer (both by default) and its own width (3584 by default)
+    "kolibri1_1": {"index_num_heads": 1, "mlp_only_layers": [0], "mlp_only_intermediate_size": 96},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
