@@ -27,9 +27,12 @@ def _pruned(model_type: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.
     model = lm_zoo.build(model_type)
     dense = lm_zoo.non_embedding_params(model)
     ids = lm_zoo.token_ids()
+    with torch.no_grad():
+        before = model(ids).logits.float()
     result = prune_clusters(model, "auto", 0.5, calibration=[lm_zoo.token_ids(seed=s) for s in (2, 3)])
     with torch.no_grad():
         masked = model(ids).logits.float()
+    assert float((masked - before).norm() / before.norm()) > 1e-3, f"{model_type}: the cut changed no logit"
     small = shrink(model, result, example_input=None)
     with torch.no_grad():
         rel = float((small(ids).logits.float() - masked).norm() / masked.norm())
