@@ -408,6 +408,41 @@ def _new_constant(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return None if out is None else (None,) * len(out)
 
 
+def _copy(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``dst.copy_(src)``: ``dst``'s axes are ``src``'s; where ``dst`` is a ``slice`` of a tensor, that tensor's too.
+
+    MLA's keys (Dots3-note: ``key_states[..., :nope].copy_(k_nope)`` into a ``new_empty`` tensor): the written slice
+    and the tensor it views are the copied channels on every axis the slices keep whole; an axis a slice cuts keeps
+    its label, and a tracked channel axis copied into part of it is poisoned.
+    """
+    dst, src = node.args[0], node.args[1]
+    if not isinstance(dst, Node) or not isinstance(src, Node) or out is None:
+        return NotImplemented
+    src_shape = _shape(src.meta.get("val"))
+    if src_shape is None or len(src_shape) > len(out):
+        return NotImplemented
+    lead = len(out) - len(src_shape)
+    src_lab = (None,) * lead + w.ndim_label(src, len(src_shape))
+    lab = [w.join(a, b, "`copy_`") for a, b in zip(w.ndim_label(dst, len(out)), src_lab, strict=True)]
+    w.labels[dst] = tuple(lab)
+    base, cut = dst, set()
+    while _op_name(base) == "slice" and isinstance(base.args[0], Node):  # views of the same storage
+        base_shape = _shape(base.args[0].meta.get("val"))
+        if base_shape is None or len(base_shape) != len(out):
+            break
+        cut.add(cast(int, base.args[1] if len(base.args) > 1 else 0) % len(out))
+        base = base.args[0]
+    if base is not dst:
+        written = list(w.ndim_label(base, len(out)))
+        for d in range(len(out)):
+            if d in cut:
+                w.poison(lab[d], "`copy_` writes a channel axis into part of another")
+            else:
+                written[d] = w.join(written[d], lab[d], "`copy_`")
+        w.labels[base] = tuple(written)
+    return tuple(lab)
+
+
 def _cat(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     args = cast("list[Any]", node.args[0])
     tensors = [t for t in args if isinstance(t, Node) and _shape(t.meta.get("val")) != (0,)]  # legacy empties
@@ -499,6 +534,7 @@ HANDLERS: dict[str, Handler] = {
     "select": _slice,
     "unbind": _slice,
     "cat": _cat,
+    "copy": _copy,
     "stack": _stack,
     "roll": _roll,
     "index_select": _index_select,

@@ -79,6 +79,7 @@ from lightning_pat.shrink.experts import (
     stacked_blocks,
     stacked_experts,
 )
+from lightning_pat.shrink.layer_config import has_field
 from lightning_pat.shrink.model_meta import has_sinks
 from lightning_pat.shrink.stock_config import head_count_multiple
 
@@ -436,12 +437,12 @@ def moe(
         (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width)
         or (  # Llama 4: the experts' width
             has(rf"{block}\.shared_expert\.down_proj\.weight")
-            and not hasattr(config, "shared_expert_intermediate_size")
+            and not has_field(config, "shared_expert_intermediate_size")
         )
         or (  # Hunyuan-MoE: the experts' width times num_shared_expert
             has(rf"{block}\.shared_mlp\.down_proj\.weight")
             and not own_width
-            and not hasattr(config, "shared_intermediate_size")
+            and not has_field(config, "shared_intermediate_size")
         )
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own

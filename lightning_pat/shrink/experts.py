@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.routing import is_router, router_weight
 from lightning_pat.shrink.cuts import Edit
+from lightning_pat.shrink.layer_config import config_value, has_field
 
 #: (kind, attribute) -> dims that may be cut.
 EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -85,11 +86,12 @@ STACKED_WIDTHS = ("ffn_hidden_size",)
 STACKED_TOP_K = ("moe_top_k", "top_k")
 #: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
 EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
-#: Config fields holding a shared expert's own width (Qwen2-MoE, GraniteMoE-shared and Ergo, Nemotron-H).
+#: Config fields holding a shared expert's own width (Qwen2-MoE, GraniteMoE-shared, Ergo, Nemotron-H, Dots3).
 SHARED_WIDTH_FIELDS = (
     "shared_expert_intermediate_size",
     "shared_intermediate_size",
     "moe_shared_expert_intermediate_size",
+    "shared_experts_intermediate_size",
 )
 
 
@@ -717,11 +719,11 @@ def _parallel_config(model: nn.Module, config: Any) -> dict[str, int | None]:
     widths = {_shape(b.get_submodule("output_linear"), "weight")[2] for _, b, _, gated in blocks if gated}
     out: dict[str, int | None] = {}
     for attr in EXPERT_COUNT_FIELDS:
-        if isinstance(getattr(config, attr, None), int):
+        if isinstance(config_value(config, attr), int):
             out[attr] = counts.pop() if len(counts) == 1 else None
             break
     for attr in TOP_K_FIELDS:
-        if isinstance(top_k := getattr(config, attr, None), int):
+        if isinstance(top_k := config_value(config, attr), int):
             out[attr] = min(top_k, *(_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks))
     if widths:
         out["intermediate_size"] = widths.pop() if len(widths) == 1 else None
@@ -743,16 +745,16 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     count = counts.pop() if len(counts) == 1 else None
     whole = _extra_router_rows(model)  # its experts are whole: their count and top-k stay
     for attr in () if whole else EXPERT_COUNT_FIELDS:
-        if isinstance(getattr(config, attr, None), int):
+        if isinstance(config_value(config, attr), int):
             out[attr] = count
     for attr in () if whole else TOP_K_FIELDS:
-        if isinstance(top_k := getattr(config, attr, None), int):
+        if isinstance(top_k := config_value(config, attr), int):
             out[attr] = min(top_k, fewest)
-    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if hasattr(config, a)), "intermediate_size")
+    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if has_field(config, a)), "intermediate_size")
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
     shared |= _shared_mlp_widths(model)
     for attr in SHARED_WIDTH_FIELDS:
-        if shared and isinstance(getattr(config, attr, None), int):
+        if shared and isinstance(config_value(config, attr), int):
             out[attr] = next(iter(shared)) if len(shared) == 1 else None
     return out

@@ -31,6 +31,7 @@ from lightning_pat.shrink.experts import (
     shared_experts,
     stacked_config,
 )
+from lightning_pat.shrink.layer_config import has_field, is_heterogeneous, layer_values, write_per_layer
 from lightning_pat.shrink.mixers import mixer_config, mixer_kind
 from lightning_pat.shrink.surgery_conv import conv_kind
 
@@ -303,6 +304,7 @@ KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "
 MLP_WIDTHS = (
     "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
     "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
+    "mlp_only_intermediate_size",  # Kolibri 1.1's dense layers (mlp_only_layers)
 )  # fmt: skip
 #: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
 NAMED_WIDTHS = {"laurel_rank": "laurel"}
@@ -446,6 +448,53 @@ def _sliding_heads(config: Any, attns: list[Any], nested: Sequence[nn.Module] = 
     return [a for a in attns if getattr(a, "is_sliding", None) is not True]
 
 
+#: What :func:`_per_layer_heads` writes: a size's key -> the config fields that may hold it.
+_PER_LAYER_FIELDS = {"heads": HEAD_FIELDS, "kv": KV_FIELDS, "head_dim": ("head_dim",)}
+
+
+def _layer_index(name: str, count: int) -> int | None:
+    """The decoder layer of a module named ``name``: its first integer name part, if below ``count``."""
+    index = next((int(part) for part in name.split(".") if part.isdigit()), None)
+    return index if index is not None and index < count else None
+
+
+def _per_layer_heads(config: Any, found: Sequence[tuple[str, Mapping[str, int]]]) -> bool:
+    """Write each layer's attention sizes as the per-layer config of a heterogeneous config; whether it did.
+
+    ``found``: ``(attention module name, {"heads": ..., "kv": ..., "head_dim": ...})``. Only a config that already
+    holds per-layer fields (transformers' ``per_layer_config``: its family's layers read their own config) is
+    written, and only where each layer holds one such attention; a layer without one keeps its values.
+    """
+    count = getattr(config, "num_hidden_layers", None)
+    if not found or not is_heterogeneous(config) or not isinstance(count, int):
+        return False
+    by_layer: dict[int, Mapping[str, int]] = {}
+    for name, sizes in found:
+        index = _layer_index(name, count)
+        if index is None or index in by_layer:
+            return False
+        by_layer[index] = sizes
+    values: dict[str, list[Any]] = {}
+    for key, fields in _PER_LAYER_FIELDS.items():
+        for field in (f for f in fields if has_field(config, f)):
+            current = layer_values(config, field) or []
+            per_layer = list(current) * count if len(current) == 1 else list(current)
+            if len(per_layer) != count or not any(key in s for s in by_layer.values()):
+                continue
+            for index, sizes in by_layer.items():
+                if key in sizes:
+                    per_layer[index] = sizes[key]
+            values[field] = per_layer
+    if not values:
+        return False
+    try:
+        write_per_layer(config, values)
+    except Exception as err:  # noqa: BLE001 - a strict config refusing the sizes: the export records them per layer
+        log.info("shrink: %s cannot hold the per-layer attention sizes (%s)", type(config).__name__, err)
+        return False
+    return True
+
+
 def update_config(
     model: nn.Module,
     rescaled_eps: Mapping[int, float],
@@ -495,11 +544,20 @@ def update_config(
     read = any(name.endswith("down_proj") and new != old for name, old, new in reads)
     if mlp_widths and not read:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
-    mla = [h for m in model.modules() if (h := mla_heads(m)) is not None]
-    if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
+    mla_named = [(n, h) for n, m in model.named_modules() if (h := mla_heads(m)) is not None]
+    mla = [h for _, h in mla_named]
+    if mla and not _per_layer_heads(config, [(n, {"heads": h, "kv": h}) for n, h in mla_named]):
+        # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
         _set_config(config, HEAD_FIELDS, _uniform(mla), "the head count")
         _set_config(config, KV_FIELDS, _uniform(mla), "the KV head count")
     attns = _sliding_heads(config, attns, [m for m in ours if nested_qkv_heads(m) is not None])
+    per_layer_qkv = [
+        (n, {"heads": query_heads(m), "kv": m.k_proj.out_features // m.head_dim, "head_dim": m.head_dim})
+        for n, m in model.named_modules()
+        if getattr(m, "config", config) is config and is_qkv_attention(m)
+    ]
+    if attns and not mla and _per_layer_heads(config, per_layer_qkv):
+        attns = []  # written per layer
     if attns and not mla:  # next to MLA layers (Kimi-Linear), q/k/v layers are linear attention of its own fields
         _set_config(
             config,
