@@ -211,13 +211,15 @@ def _repeat_interleave(w: Labelling, node: Node, out: tuple[int, ...] | None) ->
 
 
 # ---------------------------------------------------------------------------------------------------- split
-def _referencing(w: Labelling, space: int) -> list[Node]:
-    """The nodes visited so far whose labels hold ``space``."""
+def _referencing(w: Labelling, spaces: frozenset[int]) -> list[Node]:
+    """The nodes visited so far whose labels hold one of ``spaces``."""
 
     def holds(value: Any) -> bool:
         if isinstance(value, list):
             return any(holds(v) for v in value)
-        return isinstance(value, tuple) and any(lab is not None and any(s == space for s, _, _ in lab) for lab in value)
+        return isinstance(value, tuple) and any(
+            lab is not None and any(s in spaces for s, _, _ in lab) for lab in value
+        )
 
     return [n for n, value in w.labels.items() if holds(value)]
 
@@ -244,35 +246,37 @@ def _rewrite(value: Any, space: int, units: int, parts: list[tuple[int, int]]) -
 def _refine(w: Labelling, space: int, length: int, cuts: list[int]) -> list[int] | None:
     """Split ``space`` (a segment of ``length`` channels) at ``cuts`` into new spaces, one per part, or ``None``.
 
-    Only a space that was never joined with another, cut between its units, whose members each hold a whole
-    multiple of ``length`` (a projection's rows, columns, bias) can be refined. The labels of the nodes visited so
-    far that hold it are rewritten with the parts, so later readers of the packed channels (the other slices of a
-    fused projection) read them part by part.
+    ``space`` and every space joined with it (a fused projection's rows added to an adapter's, Zamba 2's
+    ``gate_up_proj`` and its LoRA-style ``gate_up_proj_adapter_list``) are one index space: each is cut at the same
+    units. Only a space cut between its units, whose members each hold a whole multiple of ``length`` (a
+    projection's rows, columns, bias), can be refined. The labels of the nodes visited so far that hold it are
+    rewritten with the parts, so later readers of the packed channels (the other slices of a fused projection) read
+    them part by part.
     """
-    if w.find(space) != space or sum(1 for s in range(len(w.parent)) if w.find(s) == space) != 1:
-        return None
-    units = w.spaces[space].units
+    root = w.find(space)
+    joined = frozenset(s for s in range(len(w.parent)) if w.find(s) == root)
+    units = w.spaces[root].units
     block = length // units
     if length % units or any(c % block for c in cuts):
         return None
-    keys = [k for k, s in w.members.items() if s == space]
+    keys = [k for k, s in w.members.items() if s in joined]
     if any((stop - start) % length for _, _, start, stop in keys):
         return None
-    holders = _referencing(w, space)
+    holders = _referencing(w, joined)
     if any(
         u * b % units
         for n in holders
         for value in (w.labels[n] if isinstance(w.labels[n], list) else [w.labels[n]])
         for lab in value or ()
         for s, u, b in lab or ()
-        if s == space
+        if s in joined
     ):
         return None  # a holder's axis does not hold whole units
     bounds = [0, *cuts, length]
     sizes = [(hi - lo) // block for lo, hi in zip(bounds, bounds[1:], strict=False)]
     parts = [w.new_space(n) for n in sizes]
     for part in parts:
-        w.spaces[part].reasons.extend(w.spaces[space].reasons)
+        w.spaces[part].reasons.extend(w.spaces[root].reasons)
     for key in keys:
         param, dim, start, stop = key
         scale = (stop - start) // length
@@ -282,7 +286,8 @@ def _refine(w: Labelling, space: int, length: int, cuts: list[int]) -> list[int]
             w.members[(param, dim, start + lo * scale, start + hi * scale)] = part
             w.flows[(param, dim, start + lo * scale, start + hi * scale)] = flow
     for n in holders:
-        w.labels[n] = _rewrite(w.labels[n], space, units, list(zip(parts, sizes, strict=True)))
+        for s in joined:
+            w.labels[n] = _rewrite(w.labels[n], s, units, list(zip(parts, sizes, strict=True)))
     return parts
 
 

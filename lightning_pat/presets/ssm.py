@@ -1,20 +1,28 @@
 """Mamba-style state-space mixers: their exact units, found by structure (:func:`mixers`).
 
 A mixer (:func:`~lightning_pat.shrink.mixers.mixer_kind`: ``A_log`` and ``D`` of its own, ``in_proj``, a depthwise
-``conv1d``, ``out_proj``) has one cluster, ``<mixer>.inner``:
+``conv1d``, ``out_proj``) has one cluster, ``<mixer>.inner`` (``<mixer>.heads`` where its units are heads):
 
 * Mamba 1 (Mamba, Falcon-Mamba, Jamba): one unit per inner channel: its rows of both halves of ``in_proj`` (``x``
   and the gate ``z``), its conv channel, its ``dt_proj`` row and bias, its ``A_log`` and ``D`` rows (writers), and
   its columns of ``x_proj`` and ``out_proj`` (readers). A dropped channel's ``x`` is zero after the conv, so its
   state and output stay zero: the cut is exact. The config's ``expand`` holds the new width when it is a whole
   multiple of the hidden size (else the stock-config probe drops the cut);
+* Mamba 1 split into independent heads (Zamba: each head its own ``x_proj`` and ``dt_proj``): one unit per head:
+  its ``2 * head_dim`` rows of ``in_proj`` (each channel's ``x`` and gate rows, interleaved), its conv channels, its
+  slices of ``x_proj_weight``, ``dt_proj_weight``, ``dt_proj_bias``, ``A_log`` and ``D`` (all per head on dim 0,
+  writers here) and its ``out_proj`` columns. The stock config holds ``n_mamba_heads`` and the int ``mamba_expand``
+  (``inner = mamba_expand * hidden``, the head size derived as ``inner // n_mamba_heads``), so the kept heads are a
+  multiple of ``hidden / gcd(hidden, head_dim)`` (Zamba's default, 2 heads of ``hidden``: 1 or 2). A channel inside
+  a head is exact too, but the config can only express the same count in every head and whole multiples of the
+  hidden size, and the per-head parameters hold a channel on two dims, which no member slice addresses;
 * Mamba 2 (Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, GraniteMoE-hybrid): one unit per group of
   ``n_groups`` (the gated norm normalises over a group, so a group is the smallest exact unit): its heads' ``z``,
   ``x`` and ``dt`` rows of ``in_proj``, its ``B`` and ``C`` rows and conv channels, its heads' ``dt_bias``,
   ``A_log``, ``D`` and norm weights, and its ``out_proj`` columns. A mixer with one group and a norm has no exact
-  unit (the norm spans every head); one without a norm (Falcon-H1's default ``mamba_rms_norm=False``) and one group
-  has one unit per head: its ``z``, ``x`` and ``dt`` rows, conv channels, ``dt_bias``/``A_log``/``D`` and
-  ``out_proj`` columns (``B`` and ``C`` serve every head and stay).
+  unit (the norm spans every head; :func:`mixers` warns); one without a norm (Falcon-H1's default
+  ``mamba_rms_norm=False``) and one group has one unit per head: its ``z``, ``x`` and ``dt`` rows, conv channels,
+  ``dt_bias``/``A_log``/``D`` and ``out_proj`` columns (``B`` and ``C`` serve every head and stay).
 
 ``clusters="auto"`` adds these to the clusters it discovers by tracing (tracing sees neither the scan nor the
 mixer's own parameters: :func:`lightning_pat.discovery.entry.with_experts`).
@@ -30,7 +38,7 @@ from torch import nn
 
 from lightning_pat.core.spec import Cluster
 from lightning_pat.shrink.layer_config import config_value
-from lightning_pat.shrink.mixers import EXPAND_FIELDS, has_norm, mamba2_layout, mixer_kind
+from lightning_pat.shrink.mixers import EXPAND_FIELDS, has_norm, mamba2_layout, mamba_heads_layout, mixer_kind
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,26 @@ def _mamba(prefix: str, m: Any, multiple: int) -> Cluster:
         readers=[f"{prefix}x_proj.weight", f"{prefix}out_proj.weight"],
         num_units=inner,
         multiple_of=multiple,
+    )
+
+
+def _mamba_heads(prefix: str, m: nn.Module, model: nn.Module) -> Cluster | None:
+    layout = mamba_heads_layout(m)
+    if layout is None:
+        return None
+    heads, head_dim, _, _ = layout
+    own = ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D")
+    projections = [
+        f"{prefix}{child}.{p}"
+        for child in ("in_proj", "conv1d")
+        for p, _ in getattr(m, child).named_parameters(recurse=False)
+    ]
+    return Cluster(
+        name=f"{prefix}heads",
+        writers=[*projections, *(f"{prefix}{p}" for p in own)],
+        readers=[f"{prefix}out_proj.weight"],
+        num_units=heads,
+        multiple_of=_config_multiple(model, head_dim),
     )
 
 
@@ -99,8 +127,19 @@ def _mamba2(prefix: str, m: Any, model: nn.Module) -> Cluster | None:
     )
 
 
+def _one_group(module: nn.Module) -> bool:
+    """Whether a Mamba 2 mixer is the case no unit is exact for: one group under a gated norm with a weight."""
+    layout = mamba2_layout(module)
+    return layout is not None and layout[3] == 1 and has_norm(module)
+
+
 def mixers(model: nn.Module) -> list[Cluster]:
     """One cluster per state-space mixer of ``model`` that has an exact unit (see the module's docs).
+
+    A Mamba 2 mixer with one group under its gated norm (Bamba, Zamba 2, GraniteMoE-hybrid: their configs' default
+    ``n_groups`` of 1) has none: the norm's mean runs over every head, so a head cut is exact only with that norm's
+    eps rescaled by ``d / d'``, and the stock config gives that norm no eps of its own (Zamba 2 builds it with a
+    fixed ``1e-5``, Bamba with the ``rms_norm_eps`` of every norm). A warning says so, once per call; its heads stay.
 
     Args:
         model: Any module; its Mamba-style mixers are found by structure.
@@ -109,15 +148,30 @@ def mixers(model: nn.Module) -> list[Cluster]:
         The clusters, in module order (empty if the model holds no such mixer).
     """
     out: list[Cluster] = []
+    one_group: list[str] = []
     for name, module in model.named_modules():
         kind = mixer_kind(module)
         prefix = f"{name}." if name else ""  # the names below are relative to the mixer
         if kind == "mamba_mixer":
             out.append(_mamba(prefix, module, _config_multiple(model, 1)))
+        elif kind == "mamba_heads_mixer" and (heads := _mamba_heads(prefix, module, model)) is not None:
+            out.append(heads)
         elif kind == "mamba2_mixer":
             cluster = _mamba2(prefix, module, model)
-            if cluster is None:
-                log.info("presets.mixers: %s (Mamba 2) has one group or an unknown layout; its heads are not cut", name)
-            else:
+            if cluster is not None:
                 out.append(cluster)
+            elif _one_group(module):
+                one_group.append(name)
+            else:
+                log.info("presets.mixers: %s (Mamba 2) has an unknown layout; its heads are not cut", name)
+    if one_group:
+        norm: Any = model.get_submodule(one_group[0]).get_submodule("norm")
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        log.warning(
+            "presets.mixers: the %d Mamba 2 mixers of %s (%s, ...) are not cut: each has one group under its gated "
+            "norm (%s, eps %s), whose mean runs over all %d inner channels, so a head cut is exact only with that "
+            "norm's eps rescaled by d/d' (and its weight by sqrt(d/d')), which the stock config cannot hold (it "
+            "gives that norm no eps of its own). A config with n_groups > 1 has whole groups as exact units.",
+            len(one_group), type(model).__name__, one_group[0], type(norm).__name__, eps, int(norm.weight.shape[0]),
+        )  # fmt: skip
     return out

@@ -8,6 +8,13 @@ Found by structure (:func:`mixer_kind`), not by family name: a module holding ``
   channel, ``dt_proj`` row, ``A_log``/``D`` rows, its ``x_proj`` and ``out_proj`` columns). The mixer's
   ``intermediate_size`` follows, and the config's ``expand`` / ``mamba_expand`` (with Mamba's derived
   ``intermediate_size``) where the new width is a whole multiple of the hidden size;
+* ``"mamba_heads_mixer"`` (Mamba 1 split into independent heads: Zamba): ``A_log`` ``[heads, head_dim, state]``,
+  ``D`` and ``dt_proj_bias`` ``[heads, head_dim]``, a per-head ``x_proj_weight`` ``[heads, rank + 2 * state,
+  head_dim]`` and ``dt_proj_weight`` ``[heads, head_dim, rank]``; ``in_proj`` interleaves each channel's ``x`` and
+  gate rows. A head is one exact unit (its ``2 * head_dim`` rows of ``in_proj``, its conv channels, its slices of
+  the five per-head parameters, its ``out_proj`` columns): its ``x`` is zero after the conv, its state and output
+  stay zero. The mixer's ``n_mamba_heads`` and ``intermediate_size`` follow, and the config's head count and
+  ``mamba_expand`` (the head size ``intermediate_size // n_mamba_heads`` is then the same);
 * ``"mamba2_mixer"`` (Mamba 2: Mamba2, Nemotron-H, Bamba, Zamba2, Falcon-H1, GraniteMoE-hybrid): ``A_log``, ``D``
   and ``dt_bias`` are ``[heads]``; the gated norm normalises over each of ``n_groups`` groups, so a whole group (its
   heads' ``x``/``z``/``dt`` rows, its ``B``/``C`` rows and conv channels, its norm weights and ``out_proj``
@@ -31,6 +38,7 @@ MIXER_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("mamba2_mixer", "A_log"): (0,),
     ("mamba2_mixer", "D"): (0,),
     ("mamba2_mixer", "dt_bias"): (0,),
+    **{("mamba_heads_mixer", a): (0,) for a in ("A_log", "D", "x_proj_weight", "dt_proj_weight", "dt_proj_bias")},
 }
 #: The kinds this module rewrites.
 MIXER_KINDS: frozenset[str] = frozenset(kind for kind, _ in MIXER_DIMS)
@@ -41,14 +49,18 @@ EXPAND_FIELDS = ("expand", "mamba_expand")
 
 
 def mixer_kind(module: nn.Module) -> str | None:
-    """``"mamba_mixer"``, ``"mamba2_mixer"`` (see the module's docs) or ``None``."""
+    """``"mamba_mixer"``, ``"mamba2_mixer"``, ``"mamba_heads_mixer"`` (see the module's docs) or ``None``."""
     own = module._parameters  # noqa: SLF001 - the module's own parameters, not its children's
     a_log, d = own.get("A_log"), own.get("D")
     conv = getattr(module, "conv1d", None)
     linear = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("in_proj", "out_proj"))
-    if a_log is None or d is None or d.dim() != 1 or not linear or not isinstance(conv, nn.Conv1d):
+    if a_log is None or d is None or not linear or not isinstance(conv, nn.Conv1d):
         return None
     if conv.groups != conv.in_channels or conv.groups != conv.out_channels:
+        return None
+    if d.dim() == 2:
+        return "mamba_heads_mixer" if mamba_heads_layout(module) is not None else None
+    if d.dim() != 1:
         return None
     one = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("x_proj", "dt_proj"))
     if one and a_log.dim() == 2 and a_log.shape[0] == d.shape[0] == conv.in_channels:
@@ -56,6 +68,38 @@ def mixer_kind(module: nn.Module) -> str | None:
     if a_log.dim() == 1 and a_log.shape == d.shape and isinstance(own.get("dt_bias"), nn.Parameter):
         return "mamba2_mixer"
     return None
+
+
+def mamba_heads_layout(module: nn.Module) -> tuple[int, int, int, int] | None:
+    """``(heads, head_dim, state, rank)`` of a Mamba 1 mixer split into heads (Zamba), or ``None`` (another layout).
+
+    Its own ``A_log`` ``[heads, head_dim, state]``, ``D`` and ``dt_proj_bias`` ``[heads, head_dim]``,
+    ``x_proj_weight`` ``[heads, rank + 2 * state, head_dim]``, ``dt_proj_weight`` ``[heads, head_dim, rank]``, a
+    depthwise ``conv1d`` over the ``heads * head_dim`` channels, ``in_proj`` with two rows per channel and
+    ``out_proj`` reading the channels; an int ``n_mamba_heads`` attribute holding the head count.
+    """
+    m: Any = module
+    own = module._parameters  # noqa: SLF001 - the module's own parameters, not its children's
+    names = ("A_log", "D", "x_proj_weight", "dt_proj_weight", "dt_proj_bias")
+    a_log, d, x_proj, dt_proj, dt_bias = (own.get(n) for n in names)
+    if a_log is None or d is None or x_proj is None or dt_proj is None or dt_bias is None or d.dim() != 2:
+        return None
+    heads, head_dim = (int(s) for s in d.shape)
+    if a_log.dim() != 3 or x_proj.dim() != 3 or dt_proj.dim() != 3 or getattr(m, "n_mamba_heads", None) != heads:
+        return None
+    state, rank = int(a_log.shape[2]), int(dt_proj.shape[2])
+    inner = heads * head_dim
+    shapes = [tuple(a_log.shape), tuple(dt_bias.shape), tuple(x_proj.shape), tuple(dt_proj.shape)]
+    if shapes != [
+        (heads, head_dim, state),
+        (heads, head_dim),
+        (heads, rank + 2 * state, head_dim),
+        (heads, head_dim, rank),
+    ]:
+        return None
+    if m.conv1d.in_channels != inner or m.in_proj.out_features != 2 * inner or m.out_proj.in_features != inner:
+        return None
+    return heads, head_dim, state, rank
 
 
 def has_norm(module: nn.Module) -> bool:
@@ -92,13 +136,18 @@ def rewrite_mixer(module: nn.Module) -> None:
     """A mixer's size attributes after its parameters were cut (see the module's docs).
 
     A Mamba 2 mixer with a norm loses whole groups with their heads; one without (Falcon-H1's default) loses heads
-    and keeps its groups. A per-row buffer over ``in_proj``'s parts that is constant on each part (Falcon-H1's
-    ``mup_vector``, rebuilt from the config on load) is rebuilt with the new part sizes.
+    and keeps its groups; a Mamba 1 mixer split into heads (Zamba) loses heads (``n_mamba_heads``). A per-row
+    buffer over ``in_proj``'s parts that is constant on each part (Falcon-H1's ``mup_vector``, rebuilt from the
+    config on load) is rebuilt with the new part sizes.
     """
     m: Any = module
     kind = mixer_kind(module)
     if kind == "mamba_mixer":
         m.intermediate_size = int(m.D.shape[0])
+        return
+    if m.D.dim() == 2:  # a Mamba 1 mixer split into heads (its parameters already cut: its old n_mamba_heads)
+        m.n_mamba_heads = int(m.D.shape[0])
+        m.intermediate_size = int(m.D.numel())
         return
     heads, old_heads, old_groups = int(m.D.shape[0]), int(m.num_heads), int(m.n_groups)
     old = (m.intermediate_size, m.intermediate_size, old_groups * m.ssm_state_size, old_groups * m.ssm_state_size)
@@ -132,8 +181,9 @@ def mixer_config(model: nn.Module, config: Any) -> dict[str, int]:
     hidden = config_value(config, "hidden_size")
     ones = [m for m in model.modules() if mixer_kind(m) == "mamba_mixer"]
     twos = [m for m in model.modules() if mixer_kind(m) == "mamba2_mixer"]
+    split = [m for m in model.modules() if mixer_kind(m) == "mamba_heads_mixer"]
     out: dict[str, int] = {}
-    inners = {int(cast(Any, m).intermediate_size) for m in ones + twos}
+    inners = {int(cast(Any, m).intermediate_size) for m in ones + twos + split}
     if len(inners) == 1 and isinstance(hidden, int) and hidden > 0:
         inner = inners.pop()
         for field in EXPAND_FIELDS:
@@ -153,4 +203,8 @@ def mixer_config(model: nn.Module, config: Any) -> dict[str, int]:
         fields = [*HEAD_FIELDS, *(("num_heads",) if not has_field(config, "num_attention_heads") else ())]
         out.update((f, head_count) for f in fields if isinstance(config_value(config, f), int))
         out.update((f, group_count) for f in GROUP_FIELDS if isinstance(config_value(config, f), int))
+    split_heads = {int(cast(Any, m).n_mamba_heads) for m in split}
+    if len(split_heads) == 1:
+        head_count = split_heads.pop()
+        out.update((f, head_count) for f in HEAD_FIELDS if isinstance(config_value(config, f), int))
     return out

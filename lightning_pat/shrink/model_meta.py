@@ -219,7 +219,8 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
             if isinstance(getattr(module, "head_dim", None), int):  # GPT-1's attention has none
                 _set_if_int(module, "num_heads", gpt2.split_size // gpt2.head_dim)
         down = getattr(module, "down_proj", None)
-        if isinstance(down, nn.Linear) and isinstance(getattr(module, "up_proj", None), nn.Linear):
+        up = next((getattr(module, n) for n in ("up_proj", "gate_up_proj") if hasattr(module, n)), None)
+        if isinstance(down, nn.Linear) and isinstance(up, nn.Linear):  # a fused gate_up_proj: Phi-3, Zamba 2
             _set_if_int(module, "intermediate_size", down.in_features)
         if hidden is not None and hidden[0] != hidden[1]:
             for attr in ("hidden_size", "embed_dim", "d_model"):
@@ -306,8 +307,9 @@ MLP_WIDTHS = (
     "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
     "mlp_only_intermediate_size",  # Kolibri 1.1's dense layers (mlp_only_layers)
 )  # fmt: skip
-#: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
-NAMED_WIDTHS = {"laurel_rank": "laurel"}
+#: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL,
+#: Zamba 2's LoRA-style adapters of its shared transformer: ``gate_up_proj_adapter_list``, ``linear_q_adapter_list``).
+NAMED_WIDTHS = {"laurel_rank": "laurel", "adapter_rank": "adapter"}
 
 
 def _mlp_widths(
@@ -316,11 +318,12 @@ def _mlp_widths(
     """The MLP width fields of ``config``: the new input width of the readers that read the old width.
 
     A reader counts when its input width was the field's value before the cut (``n_inner=None``: 4 * hidden), its
-    name is not an attention's (``attn``/``attention``) nor a state-space mixer's (``mixers``: their own fields),
-    whatever the family calls it (``down_proj``, ``fc2``, ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused
-    ``gate_up_proj``).
+    name is not an attention's (``attn``/``attention``), a low-rank block's (:data:`NAMED_WIDTHS`) nor a state-space
+    mixer's (``mixers``: their own fields), whatever the family calls it (``down_proj``, ``fc2``, ``fc_out``,
+    ``c_proj``, ``dense_4h_to_h``, below a fused ``gate_up_proj``).
     """
-    skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
+    # shared experts and low-rank blocks: their own config fields
+    skip = ("attn", "attention", "shared_expert", "shared_mlp", *NAMED_WIDTHS.values())
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip) and name not in mixers]
     shared = [(old, new) for name, old, new in reads if "shared_expert" in name and "attn" not in name]
     _derived_width(config, mlp)

@@ -161,12 +161,14 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
     config: Any = hf.config
     under = f"{prefix}." if prefix else ""
     owners: dict[str, str] = {}
+    axes: dict[tuple[str, int], str] = {}  # (parameter, its cut dim) -> the first declaration cutting it there
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
         for rc in resolve_clusters(model, [decl]):
             resolved.append(rc)
             for m in rc.members:
                 owners.setdefault(m.name, decl.name)
+                axes.setdefault((m.name, m.dim), decl.name)
     try:
         twin, want = _cut_and_build(model, resolved, prefix)
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
@@ -183,8 +185,13 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
         why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"
         # a parameter in no cluster that the new config resizes (one MLP width for two stacks of layers, one of
         # them cut): the clusters holding the same kind of parameter changed the config field
+        # a parameter two declarations cut (Zamba 2's down_proj: its columns the MLP's, its rows those of the
+        # block's output): the one whose dim came out wrong
         suffix = "." + ".".join(name.split(".")[-3:])
-        culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
+        wrong = [d for d, (a, b) in enumerate(zip(built, p.shape, strict=False)) if a != b]
+        culprits = {axes[(name, d)] for d in wrong if (name, d) in axes} or (
+            {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
+        )
         for culprit in culprits:
             refused.setdefault(culprit, why)
         if not culprits:

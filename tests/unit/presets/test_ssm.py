@@ -30,3 +30,23 @@ def test_one_group_has_no_exact_unit_under_a_norm_and_one_per_head_without():
     assert keep["in_proj.weight"][0].tolist() == [0, 1, 4, 5, 6, 7, 8, 9, *range(12, 22), 22, 24, 25]
     assert keep["conv1d.weight"][0].tolist() == [0, 1, 4, 5, 6, 7, *range(8, 14)]
     assert keep["out_proj.weight"][1].tolist() == [0, 1, 4, 5, 6, 7]
+
+
+def test_a_zamba_head_is_its_interleaved_x_and_gate_rows_and_its_per_head_parameters():
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ZambaConfig(
+        hidden_size=8, n_mamba_heads=4, mamba_d_state=3, mamba_dt_rank=2, num_hidden_layers=1, vocab_size=10,
+        num_attention_heads=2, num_key_value_heads=2, layers_block_type=["mamba"],
+    )  # fmt: skip
+    model = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+    (cluster,) = mixers(model)
+    assert (cluster.num_units, cluster.multiple_of) == (4, 2)  # heads of 4 channels: 2 heads make one hidden
+    (rc,) = resolve_clusters(model, [cluster])
+    keep = build_plan([rc], {rc.name: [1]}).keep  # head 1 (channels 4:8) dropped
+    # in_proj rows 2c (x) and 2c + 1 (gate) of each channel c, written out by hand
+    assert keep["in_proj.weight"][0].tolist() == [*range(0, 8), *range(16, 32)]
+    assert keep["conv1d.weight"][0].tolist() == keep["out_proj.weight"][1].tolist() == [0, 1, 2, 3, *range(8, 16)]
+    for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
+        assert keep[name][0].tolist() == [0, 2, 3]

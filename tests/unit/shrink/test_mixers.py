@@ -61,3 +61,21 @@ def test_without_a_norm_a_mamba2_mixer_loses_heads_keeps_its_groups_and_rebuilds
     rewrite_mixer(mixer)
     assert (mixer.num_heads, mixer.n_groups, mixer.intermediate_size, mixer.conv_dim) == (3, 1, 6, 6 + 2 * 3)
     assert mixer.mup_vector.tolist() == [1.0] * 6 + [2.0] * 6 + [3.0] * 3 + [4.0] * 3 + [5.0] * 3
+
+
+def test_a_zamba_mixer_split_into_heads_loses_heads_and_the_config_follows():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ZambaConfig(
+        hidden_size=8, n_mamba_heads=4, mamba_d_state=3, mamba_dt_rank=2, num_hidden_layers=1, vocab_size=10,
+        num_attention_heads=2, num_key_value_heads=2, layers_block_type=["mamba"],
+    )  # fmt: skip
+    mixer = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+    assert mixer_kind(mixer) == "mamba_heads_mixer"  # D is [heads, head_dim]: not a Mamba 1 channel mixer
+    for name in ("A_log", "D", "x_proj_weight", "dt_proj_weight", "dt_proj_bias"):
+        p = getattr(mixer, name)
+        p.data = p.data[2:]  # two of four heads kept, as the surgery leaves them
+    mixer.in_proj, mixer.out_proj = nn.Linear(8, 16, bias=False), nn.Linear(8, 8, bias=False)
+    mixer.conv1d = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+    rewrite_mixer(mixer)
+    assert (mixer.n_mamba_heads, mixer.mamba_head_dim, mixer.intermediate_size) == (2, 4, 8)
+    assert mixer_config(mixer, config) == {"mamba_expand": 1, "n_mamba_heads": 2}
