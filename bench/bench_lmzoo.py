@@ -68,7 +68,7 @@ def decoder_only() -> dict[str, str]:
     }
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not an Exception: the library's own `except Exception` must not swallow it
     pass
 
 
