@@ -35,6 +35,7 @@ from torch.nn.modules.conv import _ConvNd
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery import trial as trials
+from lightning_pat.discovery.encoders import prefixed, untraced_encoders
 from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
@@ -329,6 +330,7 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
             type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
         )  # fmt: skip
         return units
+    found = replace(found, clusters=[*found.clusters, *_encoders(model, found, query_heads=query_heads)])
     config = getattr(model, "config", None)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
@@ -347,6 +349,33 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
         )
     log.info("discover: %d clusters of %s:\n%s", len(found.clusters), type(model).__name__, found.table())
     return experts
+
+
+def _encoders(model: nn.Module, found: Discovery, *, query_heads: bool | None) -> list[Cluster]:
+    """The clusters of the encoders the trace of ``model`` did not reach, each traced on its own input.
+
+    See :mod:`lightning_pat.discovery.encoders`: a multimodal LM's vision and audio encoders, which its text forward
+    never runs. An encoder without a known example input, or one that does not trace, is left whole (logged).
+    """
+    reached = [m for c in found.clusters for m in (*c.writers, *c.readers)]
+    reached += [m for lo in found.left_out for m in lo.members]
+    out: list[Cluster] = []
+    for path, sub, example in untraced_encoders(model, reached):
+        kind = type(sub).__name__
+        if example is None:
+            log.warning("clusters='auto': %s %r is left whole: no example input is known for it (main input %r)",
+                        kind, path, getattr(sub, "main_input_name", None))  # fmt: skip
+            continue
+        try:
+            inner = discover(sub, example, query_heads=query_heads)
+        except Exception as err:  # noqa: BLE001 - an encoder that does not trace is left whole, the LM still pruned
+            log.warning("clusters='auto': %s %r is left whole (%s: %s)", kind, path, type(err).__name__,
+                        " ".join(str(err).split())[:200])  # fmt: skip
+            continue
+        log.info("clusters='auto': %d clusters of %s %r, traced on its own input:\n%s", len(inner.clusters), kind,
+                 path, inner.table())  # fmt: skip
+        out.extend(prefixed(c, path) for c in inner.clusters)
+    return out
 
 
 def with_experts(model: nn.Module, clusters: Sequence[Cluster]) -> list[Cluster]:

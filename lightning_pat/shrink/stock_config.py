@@ -51,8 +51,11 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
         refused.setdefault(clusters[0].name, orphans[0])
     elif orphans:  # a field read by modules of another kind (RecurrentGemma's head count sizes its LRU blocks)
-        # the culprits: the declarations whose cut alone changes such parameters (none alone: every declaration)
-        culprits = [d.name for d in clusters if _probe(model, [d])[1]]
+        # the culprits: the declarations without which no such parameter changes (Phi-4-multimodal's audio heads,
+        # which set its hidden size: two MLP stacks sharing one width each change the other alone), else those whose
+        # cut alone changes such parameters (none alone: every declaration)
+        culprits = [d.name for d in clusters if not _probe(model, [c for c in clusters if c is not d])[1]]
+        culprits = culprits or [d.name for d in clusters if _probe(model, [d])[1]]
         for name in culprits or [d.name for d in clusters]:
             refused.setdefault(name, orphans[0])
     return refused
@@ -61,13 +64,13 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
 def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
     """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
     config: Any = model.config
-    owners: dict[str, str] = {}
+    owners: dict[str, dict[str, set[int]]] = {}  # parameter -> declaration -> the dims it cuts there
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
         for rc in resolve_clusters(model, [decl]):
             resolved.append(rc)
             for m in rc.members:
-                owners.setdefault(m.name, decl.name)
+                owners.setdefault(m.name, {}).setdefault(decl.name, set()).add(m.dim)
     try:
         twin = verify.meta_copy(model)
         apply_plan(twin, build_plan(resolved, {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
@@ -88,8 +91,12 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
         why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"
         # a parameter in no cluster that the new config resizes (one MLP width for two stacks of layers, one of
         # them cut): the clusters holding the same kind of parameter changed the config field
+        # only a declaration that cuts a dim that came out wrong (a cut of the rows is not blamed for the columns
+        # another cut's config field resized: Phi-4-multimodal's audio heads once set its hidden size)
+        wrong = {d for d, (a, b) in enumerate(zip(built, p.shape, strict=False)) if a != b} or set(range(p.dim()))
         suffix = "." + ".".join(name.split(".")[-3:])
-        culprits = {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
+        cutters = owners.get(name) or {d: ds for n, by in owners.items() if n.endswith(suffix) for d, ds in by.items()}
+        culprits = {d for d, dims in cutters.items() if dims & wrong}
         for culprit in culprits:
             refused.setdefault(culprit, why)
         if not culprits:
