@@ -122,6 +122,7 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
         writers = [k for k in keys if k[1] == 0]  # the spec's roles: channel axis dim 0 (rows, 1-D) or dim 1
         readers = [k for k in keys if k[1] == 1]
         producers = [k for k in keys if w.flows[k] == "out"]
+        producers.sort(key=lambda k: k[0] in w.scales)  # named after a writer module, not a scale vector
         reasons = list(space.reasons)
         if not reasons and len(producers) == len(keys):
             reasons.append("no Linear/Conv reads these channels")

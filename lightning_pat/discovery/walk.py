@@ -58,6 +58,8 @@ def scale_vectors(w: Labelling) -> frozenset[str]:
 class Walk(Labelling):
     """Label propagation over one trace."""
 
+    scales: frozenset[str] = frozenset()  # the per-channel scale vectors (:func:`scale_vectors`), set by run()
+
     def run(self) -> None:
         """Visit every node in order; the output's labels are poisoned (outputs are never pruned)."""
         self.scales = scale_vectors(self)

@@ -51,18 +51,23 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
         refused.setdefault(clusters[0].name, orphans[0])
     elif orphans:  # a field read by modules of another kind (RecurrentGemma's head count sizes its LRU blocks)
-        # the culprits: the declarations without which no such parameter changes (Phi-4-multimodal's audio heads,
-        # which set its hidden size: two MLP stacks sharing one width each change the other alone), else those whose
-        # cut alone changes such parameters (none alone: every declaration)
-        culprits = [d.name for d in clusters if not _probe(model, [c for c in clusters if c is not d])[1]]
-        culprits = culprits or [d.name for d in clusters if _probe(model, [d])[1]]
+        # the culprits: the declarations whose cut alone changes such parameters, not counting those another
+        # declaration holds (two MLP stacks sharing one width each resize the other alone; Phi-4-multimodal's audio
+        # heads set its hidden size); none alone: every declaration
+        held = {m.name for rc in resolve_clusters(model, list(clusters)) for m in rc.members}
+        culprits = [d.name for d in clusters if _probe(model, [d], held=held)[1]]
         for name in culprits or [d.name for d in clusters]:
             refused.setdefault(name, orphans[0])
     return refused
 
 
-def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
-    """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
+def _probe(
+    model: nn.Module, clusters: Sequence[Cluster], *, held: frozenset[str] | set[str] = frozenset()
+) -> tuple[dict[str, str], list[str]]:
+    """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed).
+
+    ``held``: parameters of other declarations, whose changed shapes are not counted as orphans.
+    """
     config: Any = model.config
     owners: dict[str, dict[str, set[int]]] = {}  # parameter -> declaration -> the dims it cuts there
     resolved: list[ResolvedCluster] = []
@@ -99,7 +104,7 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
         culprits = {d for d, dims in cutters.items() if dims & wrong}
         for culprit in culprits:
             refused.setdefault(culprit, why)
-        if not culprits:
+        if not culprits and name not in held:
             orphans.append(why)
     return refused, orphans
 
