@@ -308,13 +308,18 @@ def prefers_discovery(model: nn.Module) -> bool:
     return any(isinstance(m, kinds) for m in model.modules())
 
 
-def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bool | None = None) -> list[Cluster]:
+def discovered_clusters(
+    model: nn.Module, example_input: Any, *, query_heads: bool | None = None, encoders: bool = False
+) -> list[Cluster]:
     """The clusters of :func:`discover`, logging the table of what was found and left out (``clusters="auto"``).
 
     Args:
         model: The model to trace.
         example_input: What its ``forward`` takes.
         query_heads: As for :func:`discover` (``preset_options={"query_heads": ...}`` of ``clusters="auto"``).
+        encoders: Also the encoders the trace did not reach, each traced on its own input (one-shot
+            ``prune_clusters``; the callback scores from training batches, which a text run never passes through a
+            multimodal LM's encoders, so it leaves them whole and logs so).
 
     Raises:
         ValueError: If the model cannot be traced, or no cluster is found (the table says why).
@@ -331,7 +336,7 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
             type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
         )  # fmt: skip
         return units
-    found = replace(found, clusters=[*found.clusters, *_encoders(model, found, query_heads=query_heads)])
+    found = replace(found, clusters=[*found.clusters, *_encoders(model, found, query_heads=query_heads, cut=encoders)])
     config = getattr(model, "config", None)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
@@ -352,17 +357,22 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
     return experts
 
 
-def _encoders(model: nn.Module, found: Discovery, *, query_heads: bool | None) -> list[Cluster]:
+def _encoders(model: nn.Module, found: Discovery, *, query_heads: bool | None, cut: bool) -> list[Cluster]:
     """The clusters of the encoders the trace of ``model`` did not reach, each traced on its own input.
 
     See :mod:`lightning_pat.discovery.encoders`: a multimodal LM's vision and audio encoders, which its text forward
-    never runs. An encoder without a known example input, or one that does not trace, is left whole (logged).
+    never runs. An encoder without a known example input, or one that does not trace, is left whole (logged); with
+    ``cut=False`` every one is (logged).
     """
     reached = [m for c in found.clusters for m in (*c.writers, *c.readers)]
     reached += [m for lo in found.left_out for m in lo.members]
     out: list[Cluster] = []
     for path, sub, example in untraced_encoders(model, reached):
         kind = type(sub).__name__
+        if not cut:
+            log.warning("clusters='auto': %s %r is left whole: the training batches never pass through it, so the "
+                        "callback cannot score it; prune_clusters(model, 'auto', ...) cuts it", kind, path)  # fmt: skip
+            continue
         if example is None:
             log.warning("clusters='auto': %s %r is left whole: no example input is known for it (main input %r)",
                         kind, path, getattr(sub, "main_input_name", None))  # fmt: skip
