@@ -78,7 +78,8 @@ def _probe(
                 owners.setdefault(m.name, {}).setdefault(decl.name, set()).add(m.dim)
     try:
         twin = verify.meta_copy(model)
-        apply_plan(twin, build_plan(resolved, {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+        plan = build_plan(resolved, {rc.name: _half(rc) for rc in resolved})
+        apply_plan(twin, plan, check_zeros=False, record=False)  # the config's fields only: no export entry
         with torch.device("meta"):
             stock = type(model)(twin.config)
         want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
