@@ -35,6 +35,7 @@ from torch.nn.modules.conv import _ConvNd
 from lightning_pat import presets
 from lightning_pat.core.spec import Cluster, check_declaration, resolve_clusters
 from lightning_pat.discovery import trial as trials
+from lightning_pat.discovery.encoders import prefixed, untraced_encoders
 from lightning_pat.discovery.query_heads import refine_query_heads
 from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
@@ -122,6 +123,7 @@ def _collect(w: Walk, shapes: dict[str, tuple[int, ...]]) -> Discovery:
         writers = [k for k in keys if k[1] == 0]  # the spec's roles: channel axis dim 0 (rows, 1-D) or dim 1
         readers = [k for k in keys if k[1] == 1]
         producers = [k for k in keys if w.flows[k] == "out"]
+        producers.sort(key=lambda k: k[0] in w.scales)  # named after a writer module, not a scale vector
         reasons = list(space.reasons)
         if not reasons and len(producers) == len(keys):
             reasons.append("no Linear/Conv reads these channels")
@@ -307,13 +309,18 @@ def prefers_discovery(model: nn.Module) -> bool:
     return any(isinstance(m, kinds) for m in model.modules())
 
 
-def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bool | None = None) -> list[Cluster]:
+def discovered_clusters(
+    model: nn.Module, example_input: Any, *, query_heads: bool | None = None, encoders: bool = False
+) -> list[Cluster]:
     """The clusters of :func:`discover`, logging the table of what was found and left out (``clusters="auto"``).
 
     Args:
         model: The model to trace.
         example_input: What its ``forward`` takes.
         query_heads: As for :func:`discover` (``preset_options={"query_heads": ...}`` of ``clusters="auto"``).
+        encoders: Also the encoders the trace did not reach, each traced on its own input (one-shot
+            ``prune_clusters``; the callback scores from training batches, which a text run never passes through a
+            multimodal LM's encoders, so it leaves them whole and logs so).
 
     Raises:
         ValueError: If the model cannot be traced, or no cluster is found (the table says why).
@@ -332,6 +339,7 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
             type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
         )  # fmt: skip
         return units
+    found = replace(found, clusters=[*found.clusters, *_encoders(model, found, query_heads=query_heads, cut=encoders)])
     config = getattr(model, "config", None)
     heads_per_layer = layer_values(config, "num_attention_heads") or []
     kv_per_layer = layer_values(config, "num_key_value_heads") or []
@@ -379,6 +387,38 @@ def gated_mlps(model: nn.Module, taken: Sequence[Cluster] = ()) -> list[Cluster]
         if held & {*writers, *readers}:
             continue
         out.append(Cluster(f"{name}.gate_proj", writers, readers))
+    return out
+
+
+def _encoders(model: nn.Module, found: Discovery, *, query_heads: bool | None, cut: bool) -> list[Cluster]:
+    """The clusters of the encoders the trace of ``model`` did not reach, each traced on its own input.
+
+    See :mod:`lightning_pat.discovery.encoders`: a multimodal LM's vision and audio encoders, which its text forward
+    never runs. An encoder without a known example input, or one that does not trace, is left whole (logged); with
+    ``cut=False`` every one is (logged).
+    """
+    reached = [m for c in found.clusters for m in (*c.writers, *c.readers)]
+    reached += [m for lo in found.left_out for m in lo.members]
+    out: list[Cluster] = []
+    for path, sub, example in untraced_encoders(model, reached):
+        kind = type(sub).__name__
+        if not cut:
+            log.warning("clusters='auto': %s %r is left whole: the training batches never pass through it, so the "
+                        "callback cannot score it; prune_clusters(model, 'auto', ...) cuts it", kind, path)  # fmt: skip
+            continue
+        if example is None:
+            log.warning("clusters='auto': %s %r is left whole: no example input is known for it (main input %r)",
+                        kind, path, getattr(sub, "main_input_name", None))  # fmt: skip
+            continue
+        try:
+            inner = discover(sub, example, query_heads=query_heads)
+        except Exception as err:  # noqa: BLE001 - an encoder that does not trace is left whole, the LM still pruned
+            log.warning("clusters='auto': %s %r is left whole (%s: %s)", kind, path, type(err).__name__,
+                        " ".join(str(err).split())[:200])  # fmt: skip
+            continue
+        log.info("clusters='auto': %d clusters of %s %r, traced on its own input:\n%s", len(inner.clusters), kind,
+                 path, inner.table())  # fmt: skip
+        out.extend(prefixed(c, path) for c in inner.clusters)
     return out
 
 

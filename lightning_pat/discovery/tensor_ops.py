@@ -21,6 +21,7 @@ from lightning_pat.discovery.nodes import flat as _flat
 from lightning_pat.discovery.nodes import node_shape
 from lightning_pat.discovery.nodes import op_name as _op_name
 from lightning_pat.discovery.nodes import shape_of as _shape
+from lightning_pat.discovery.zeros import zero_where_dropped
 
 _UNARY = {
     "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardswish",
@@ -54,6 +55,10 @@ _POOL = {
     "_upsample_nearest_exact2d", "_upsample_bilinear2d_aa",
 }  # fmt: skip
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
+#: Op names (public for the walk's per-channel scales): elementwise ops of tensors, unary ops, reshapes.
+ELEMENTWISE = frozenset(_BINARY)
+UNARY = frozenset(_UNARY)
+VIEWS = frozenset(_VIEWS)
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "max", "min", "prod", "logsumexp", "norm", "linalg_vector_norm"}
 
 
@@ -122,13 +127,31 @@ def _reduce(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     dims = sorted({d % len(shape) for d in cast("list[int]", dims)}) if shape else []  # ints (checked above)
     lab = w.ndim_label(node.args[0], len(shape))
     for d in dims:
-        w.poison(lab[d], f"`{op}` reduces over a channel axis")
+        if not _sums_zeros(w, node, lab[d]):
+            w.poison(lab[d], f"`{op}` reduces over a channel axis")
     keep = [lab[d] for d in range(len(shape)) if d not in dims]
     if len(out) == len(shape):  # keepdim
         keep = [None if d in dims else lab[d] for d in range(len(shape))]
     if len(keep) != len(out):
         return NotImplemented
     return tuple(keep)
+
+
+def _sums_zeros(w: Labelling, node: Node, label: Label) -> bool:
+    """Whether a reduction over an axis of ``label`` is exact under the shrink.
+
+    It is for a sum (or a vector norm of a positive order) of values that are zero in every dropped channel
+    (:func:`~lightning_pat.discovery.zeros.zero_where_dropped`: an L2 norm over an MLP's width or over all heads, as in
+    Dory's sub-norms); a mean never is.
+    """
+    op = _op_name(node)
+    if label is None or op not in ("sum", "linalg_vector_norm", "norm"):
+        return False
+    if op != "sum":
+        order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", node.kwargs.get("p", 2))
+        if not isinstance(order, (int, float)) or order <= 0:
+            return False
+    return all(zero_where_dropped(w, node.args[0], seg[0]) for seg in label)
 
 
 def _view(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -522,8 +545,15 @@ def _softmax(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(lab)
 
 
+def _type_as(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``x.type_as(y)``: a cast of ``x`` (``y`` gives only its dtype)."""
+    lab = w.label_of(node.args[0])
+    return lab if lab is not None and out is not None and len(lab) == len(out) else NotImplemented
+
+
 #: op -> handler.
 HANDLERS: dict[str, Handler] = {
+    "type_as": _type_as,
     "permute": _permute,
     "transpose": _permute,
     "t": _permute,

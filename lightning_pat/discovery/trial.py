@@ -113,7 +113,7 @@ class _Trial:
         if self.mode == "meta":
             twin = verify.meta_copy(self.model)
             try:
-                apply_plan(twin, plan, check_zeros=False)
+                apply_plan(twin, plan, check_zeros=False, record=False)
             except ValueError as err:  # the shrink's validation refuses the cut (a module between writer and reader)
                 return str(err)
             failed = verify.runs_on_meta(twin, self.example)
@@ -124,7 +124,7 @@ class _Trial:
         if not all(bool(t.isfinite().all()) for t in before.outputs if t.is_floating_point()):
             return None  # random weights overflowed: no evidence either way (the shrink's own check decides)
         try:
-            apply_plan(twin, plan, check_zeros=False)
+            apply_plan(twin, plan, check_zeros=False, record=False)
         except ValueError as err:  # the shrink's validation refuses the cut (a module between writer and reader)
             return str(err)
         try:

@@ -30,11 +30,39 @@ _SLOTS: dict[str, tuple[int, ...]] = {**weights.SLOTS, **conv.SLOTS}
 _IGNORE = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 
 
+#: Ops a per-channel scale may go through from its placeholder (:func:`scale_vectors`).
+_SCALE_USERS = tensor_ops.ELEMENTWISE | tensor_ops.UNARY | tensor_ops.VIEWS
+
+
+def scale_vectors(w: Labelling) -> frozenset[str]:
+    """The per-channel scales of a trace: 1-D parameters used directly, by elementwise ops and views only.
+
+    nGPT-style models (Dory) multiply activations by learned vectors outside any Linear (``up * suv_up``,
+    ``q * sqk``, ``gate * s_gate``). Such a vector enters the walk as a member of a space of its own (as a per-head
+    parameter does), so the product with a channel axis joins it to that axis's cluster and it is cut with the
+    channels; any op that mixes its axis poisons that space like any other. A 1-D parameter in a weight slot (a bias,
+    a norm's weight) or read by any other op is not one.
+    """
+    found = set()
+    for node in w.trace.graph.nodes:
+        name = w.param_of(node)
+        shape = _shape(node.meta.get("val"))
+        if name is None or shape is None or len(shape) != 1 or shape[0] < 2 or name in w.trace.per_head:
+            continue
+        users = list(node.users)
+        if users and all(u.op == "call_function" and _op_name(u).rstrip("_") in _SCALE_USERS for u in users):
+            found.add(name)
+    return frozenset(found)
+
+
 class Walk(Labelling):
     """Label propagation over one trace."""
 
+    scales: frozenset[str] = frozenset()  # the per-channel scale vectors (:func:`scale_vectors`), set by run()
+
     def run(self) -> None:
         """Visit every node in order; the output's labels are poisoned (outputs are never pruned)."""
+        self.scales = scale_vectors(self)
         for node in self.trace.graph.nodes:
             if node.op == "placeholder":
                 self.labels[node] = self.placeholder(node)
@@ -55,6 +83,8 @@ class Walk(Labelling):
         head_dim = self.trace.per_head.get(self.trace.params.get(name, ""))
         if head_dim is not None and shape[head_dim] > 1:
             return self.per_head(self.trace.params[name], shape, head_dim)
+        if self.trace.params.get(name) in self.scales:
+            return self.per_head(self.trace.params[name], shape, 0)
         if name in self.trace.params:
             why = f"parameter {self.trace.params[name]} is used directly in forward"
         elif name in self.trace.buffers:
@@ -66,7 +96,9 @@ class Walk(Labelling):
         return tuple(self.fresh(s, why) for s in shape)
 
     def per_head(self, param: str, shape: tuple[int, ...], head_dim: int) -> tuple[Label, ...]:
-        """Labels of a per-head parameter used directly (:attr:`Trace.per_head`): its head axis a member of a new space.
+        """Labels of a per-head parameter or a per-channel scale used directly: its head (channel) axis a member.
+
+        (:attr:`Trace.per_head`, :func:`scale_vectors`): the axis is a member of a new space.
 
         The axis is then carried like any channel axis: an elementwise op with the attention logits joins it with
         their head axis; anything that mixes it poisons it.
@@ -116,7 +148,7 @@ class Walk(Labelling):
         slots = _SLOTS.get(op, ())
         for i, arg in enumerate(node.args):
             name = self.param_of(arg)
-            if name is not None and i not in slots and name not in self.trace.per_head:
+            if name is not None and i not in slots and name not in self.trace.per_head and name not in self.scales:
                 self.direct.setdefault(name, f"parameter {name} is used directly in forward ({op})")
         for arg in node.kwargs.values():
             name = self.param_of(arg)

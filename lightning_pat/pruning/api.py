@@ -101,6 +101,9 @@ def one_shot_calibration(
     except ValueError as err:
         if not auto:
             raise
+        partial = _reached_only(model, resolved, calibration)
+        if partial is not None:
+            return "rms", partial, layer_stats
         from lightning_pat.scoring.experts import expert_modules
 
         by = "their weights" if expert_score == "weight" else "the calibration batches"
@@ -115,6 +118,32 @@ def one_shot_calibration(
     if layer_stats is None and any(is_layer_cluster(rc) for rc in resolved):
         layer_stats = calibrate_layers(model, resolved, calibration)
     return score, stats, layer_stats
+
+
+def _reached_only(model: nn.Module, resolved: Sequence[Any], calibration: Sequence[Any]) -> ActivationStats | None:
+    """Statistics of the clusters the calibration reaches, where it misses only some of them; else ``None``.
+
+    A multimodal LM calibrated on text never runs its vision or audio encoder: the clusters it reaches keep the
+    activation score, the others are ranked by their weights (``"rms"``: the plan's score, which the pruner takes
+    for the clusters the statistics do not score).
+    """
+    from lightning_pat.scoring.activation import calibrate, reached_clusters
+
+    try:
+        reached = reached_clusters(model, resolved, calibration)
+    except ValueError:
+        return None
+    if not reached or len(reached) == len(resolved):
+        return None
+    names = {rc.name for rc in reached}
+    missed = [rc.name for rc in resolved if rc.name not in names]
+    log.warning("prune_clusters: no calibration batch reaches %d of the %d clusters (%s): they are ranked by their "
+                "weights ('rms'), the others by the activation score", len(missed), len(resolved),
+                ", ".join(missed[:4]) + (", ..." if len(missed) > 4 else ""))  # fmt: skip
+    try:
+        return calibrate(model, reached, calibration)
+    except ValueError:
+        return None
 
 
 def plan_importance(

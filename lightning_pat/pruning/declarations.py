@@ -461,7 +461,7 @@ def auto_declarations(
             "`prune_clusters(model, found, ...)` (or set `model.example_input_array`, or pass `calibration`)."
         )
     query_heads = _discovery_query_heads(module, preset_options or {})
-    found = discovered_clusters(module, example, query_heads=query_heads)
+    found = discovered_clusters(module, example, query_heads=query_heads, encoders=True)
     return stock_clusters(module, per_layer_declarations(module, found))
 
 

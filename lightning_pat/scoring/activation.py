@@ -582,3 +582,25 @@ def calibrate(
         run_batches(model, batches, forward=forward)
     stats.check_seen()  # every reader was reached, or a clear error now
     return stats
+
+
+def reached_clusters(
+    model: nn.Module,
+    clusters: Sequence[ResolvedCluster],
+    batches: Iterable[Any],
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> list[ResolvedCluster]:
+    """The clusters whose every reader module the ``batches`` reach (a calibration pass whose statistics are dropped).
+
+    A multimodal LM calibrated on text never runs its vision or audio encoder: those clusters are not reached, and
+    the caller ranks them by another score.
+
+    Raises:
+        ValueError: If a cluster's readers are not ``nn.Linear`` weights (see :class:`ActivationStats`).
+    """
+    stats = ActivationStats(model, list(clusters), beta=None)
+    with stats.collecting():
+        run_batches(model, batches, forward=forward)
+    seen = {name for name, count in stats._count.items() if int(count)}  # noqa: SLF001 - its own module's class
+    return [rc for rc in stats.clusters if all(n in seen for _, n in stats.readers[rc.name])]

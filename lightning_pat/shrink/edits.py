@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -117,19 +118,20 @@ def _collect_edits(model: nn.Module, plan: ShrinkPlan) -> tuple[dict[str, nn.Par
                     f"Shrink: parameter {full!r} belongs to nn.MultiheadAttention {mname!r}, whose heads the shrink "
                     f"cannot cut: {refusal}. Remove it from the cluster."
                 )
-            if kind is None or (kind, attr) not in _DIMS:
+            allowed = (0,) if kind == "scales" else _DIMS.get((kind, attr)) if kind is not None else None
+            if allowed is None:
                 raise ValueError(
                     f"Shrink: parameter {full!r} is used by module {mname!r} of type {type(module).__name__} "
                     f"(attribute {attr!r}), which the shrink cannot rewrite. {_FIX_MODULE}"
                 )
-            bad = sorted(set(dims) - set(_DIMS[(kind, attr)]))
+            bad = sorted(set(dims) - set(allowed))
             if bad:
                 raise ValueError(
                     f"Shrink: parameter {full!r} ({type(module).__name__}.{attr}) would lose indices on dim {bad[0]}, "
-                    f"but only dims {_DIMS[(kind, attr)]} can be cut there (e.g. an embedding keeps its vocabulary). "
+                    f"but only dims {allowed} can be cut there (e.g. an embedding keeps its vocabulary). "
                     "Remove that member from the cluster."
                 )
-            edit = edits.setdefault(id(module), Edit(mname, module, kind, {}))
+            edit = edits.setdefault(id(module), Edit(mname, module, cast(str, kind), {}))  # allowed: a kind
             edit.cuts[attr] = dims
     return params, edits
 
@@ -207,10 +209,11 @@ def _check_between(model: nn.Module, edits: Mapping[int, Edit]) -> None:
     """Refuse a module between a shrunk writer and its reader that holds a per-channel tensor nobody cuts.
 
     For every module whose output channels are cut (a writer), the next module in registration order whose input
-    channels of the same width are cut is taken as its reader; any module registered in between, not rewritten by
-    the shrink, that holds a 1-D parameter or buffer of that width (a BatchNorm's weight, bias and running
-    statistics, a norm left out of a cluster) would keep the old width and fail at the first forward of the shrunk
-    model.
+    channels of the same width are cut is taken as its reader; any module registered in between under the writer's
+    parent (a sibling: the next reader of that width may be another block's, where the writer's channels are read
+    elementwise, as Dory's output gate is), not rewritten by the shrink, that holds a 1-D parameter or buffer of that
+    width (a BatchNorm's weight, bias and running statistics, a norm left out of a cluster) would keep the old width
+    and fail at the first forward of the shrunk model.
 
     Raises:
         ValueError: Naming the module, its tensors and the fix.
@@ -229,8 +232,9 @@ def _check_between(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         ends = [p for p, w in reads if p > start and w == width]
         if not ends:
             continue
+        parent = writer.rpartition(".")[0]
         for name, module in order[start + 1 : min(ends)]:
-            if id(module) in edits:
+            if id(module) in edits or (parent and not name.startswith(f"{parent}.")):
                 continue
             own = {**module._parameters, **module._buffers}  # noqa: SLF001 - this module's own tensors only
             hit = [k for k, t in own.items() if t is not None and t.dim() == 1 and t.shape[0] == width]

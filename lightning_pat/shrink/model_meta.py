@@ -67,7 +67,17 @@ def module_kind(module: nn.Module) -> str | None:
         return "sinks_attention"
     if is_scale(module):
         return "scale"
-    return conv_kind(module) or experts_kind(module) or mixer_kind(module)
+    return conv_kind(module) or experts_kind(module) or mixer_kind(module) or scales_kind(module)
+
+
+def scales_kind(module: nn.Module) -> str | None:
+    """``"scales"`` for a block holding 1-D parameters of its own, else ``None``.
+
+    A block (a module with submodules) whose own parameters are 1-D vectors: per-channel scales it multiplies into its
+    activations (Dory's ``suv_gate``, ``sqk``), cut on their one axis.
+    """
+    own = [p for p in module._parameters.values() if p is not None]  # noqa: SLF001 - its own, not a child's
+    return "scales" if own and next(module.children(), None) is not None and all(p.dim() == 1 for p in own) else None
 
 
 def is_scale(module: nn.Module) -> bool:

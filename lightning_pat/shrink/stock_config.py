@@ -50,8 +50,11 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
         refused.setdefault(clusters[0].name, orphans[0])
     elif orphans:  # a field read by modules of another kind (RecurrentGemma's head count sizes its LRU blocks)
-        # the culprits: the declarations whose cut alone changes such parameters (none alone: every declaration)
-        culprits = [d.name for d in clusters if _probe(model, [d])[1]]
+        # the culprits: the declarations whose cut alone changes such parameters, not counting those another
+        # declaration holds (two MLP stacks sharing one width each resize the other alone; Phi-4-multimodal's audio
+        # heads set its hidden size); none alone: every declaration
+        held = {m.name for rc in resolve_clusters(model, list(clusters)) for m in rc.members}
+        culprits = [d.name for d in clusters if _probe(model, [d], held=held)[1]]
         for name in culprits or [d.name for d in clusters]:
             refused.setdefault(name, orphans[0])
     return refused
@@ -89,7 +92,8 @@ def _cut_and_build(
         Exception: Whatever the copy, the cut or the stock build raises.
     """
     twin = verify.meta_copy(model)
-    apply_plan(twin, build_plan(list(resolved), {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+    plan = build_plan(list(resolved), {rc.name: _half(rc) for rc in resolved})
+    apply_plan(twin, plan, check_zeros=False, record=False)  # the config's fields only: no export entry
     hf = twin.get_submodule(path)
     with torch.device("meta"):
         stock = type(hf)(hf.config)
@@ -155,20 +159,23 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
-    """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
+def _probe(
+    model: nn.Module, clusters: Sequence[Cluster], *, held: frozenset[str] | set[str] = frozenset()
+) -> tuple[dict[str, str], list[str]]:
+    """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed).
+
+    ``held``: parameters of other declarations, whose changed shapes are not counted as orphans.
+    """
     prefix, hf = cast(tuple[str, nn.Module], hf_model(model))  # stock_refusals checked it
     config: Any = hf.config
     under = f"{prefix}." if prefix else ""
-    owners: dict[str, str] = {}
-    axes: dict[tuple[str, int], str] = {}  # (parameter, its cut dim) -> the first declaration cutting it there
+    owners: dict[str, dict[str, set[int]]] = {}  # parameter -> declaration -> the dims it cuts there
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
         for rc in resolve_clusters(model, [decl]):
             resolved.append(rc)
             for m in rc.members:
-                owners.setdefault(m.name, decl.name)
-                axes.setdefault((m.name, m.dim), decl.name)
+                owners.setdefault(m.name, {}).setdefault(decl.name, set()).add(m.dim)
     try:
         twin, want = _cut_and_build(model, resolved, prefix)
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
@@ -185,16 +192,16 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
         why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"
         # a parameter in no cluster that the new config resizes (one MLP width for two stacks of layers, one of
         # them cut): the clusters holding the same kind of parameter changed the config field
-        # a parameter two declarations cut (Zamba 2's down_proj: its columns the MLP's, its rows those of the
-        # block's output): the one whose dim came out wrong
+        # only a declaration that cuts a dim that came out wrong (a cut of the rows is not blamed for the columns
+        # another cut's config field resized: Phi-4-multimodal's audio heads once set its hidden size; Zamba 2's
+        # down_proj: its columns the MLP's, its rows those of the block's output, whose rows came out wrong)
+        wrong = {d for d, (a, b) in enumerate(zip(built, p.shape, strict=False)) if a != b} or set(range(p.dim()))
         suffix = "." + ".".join(name.split(".")[-3:])
-        wrong = [d for d, (a, b) in enumerate(zip(built, p.shape, strict=False)) if a != b]
-        culprits = {axes[(name, d)] for d in wrong if (name, d) in axes} or (
-            {owners[name]} if name in owners else {d for n, d in owners.items() if n.endswith(suffix)}
-        )
+        cutters = owners.get(name) or {d: ds for n, by in owners.items() if n.endswith(suffix) for d, ds in by.items()}
+        culprits = {d for d, dims in cutters.items() if dims & wrong}
         for culprit in culprits:
             refused.setdefault(culprit, why)
-        if not culprits:
+        if not culprits and name not in held:
             orphans.append(why)
     return refused, orphans
 

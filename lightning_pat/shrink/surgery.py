@@ -83,7 +83,7 @@ def _width(module: nn.Module) -> int:
 def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
     module: Any = edit.module  # its attributes by edit.kind, some of classes not imported here (Conv1D, HF norms)
-    if edit.kind in (*REPLACED_KINDS, "sinks_attention", "scale"):  # replaced afterwards, or sinks / a scale only
+    if edit.kind in (*REPLACED_KINDS, "sinks_attention", "scale", "scales"):  # replaced afterwards, or 1-D ones
         for attr in edit.cuts:
             param = module._parameters[attr]
             if param is not None and param.shape != new_params[id(param)].shape:
@@ -138,7 +138,12 @@ def _record_entry(owner: nn.Module) -> None:
 
 
 def apply_plan(
-    model: nn.Module, plan: ShrinkPlan, *, optimizers: Sequence[torch.optim.Optimizer] = (), check_zeros: bool = True
+    model: nn.Module,
+    plan: ShrinkPlan,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    check_zeros: bool = True,
+    record: bool = True,
 ) -> nn.Module:
     """Cut ``model`` in place according to ``plan`` (and the optimizers' state the same way).
 
@@ -148,6 +153,8 @@ def apply_plan(
         optimizers: Optimizers whose state is sliced with the parameters (see
             :func:`~lightning_pat.shrink.optimizer_state.slice_optimizer_state`).
         check_zeros: Warn if a dropped slice is not exactly zero (skipped on the meta device).
+        record: Put the export entry on each Hugging Face config whose stock fields cannot describe the new sizes
+            (off for a throwaway probe: :mod:`lightning_pat.shrink.stock_config` reads only the config's fields).
 
     Returns:
         ``model``, shrunk.
@@ -212,7 +219,8 @@ def apply_plan(
         emb = embeddings[id(owner)]
         changed = emb is not None and emb.embedding_dim != hidden_before[id(owner)]
         update_config(owner, rescaled_eps, changed, reads=by_owner[id(owner)])
-        _record_entry(owner)
+        if record:
+            _record_entry(owner)
     if layernorms:
         warnings.warn(
             f"shrink: LayerNorm modules {layernorms[:3]} lost channels; LayerNorm subtracts the mean over the full "

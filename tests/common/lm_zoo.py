@@ -85,9 +85,11 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "indexer_compress_ratio": 4,
     },
     "fuyu": {"patch_size": 4},  # its image-patch projection (30 * 30 * 3 inputs) would hold most of the tiny model
-    # Phi-4-multimodal's audio encoder: 24 blocks, 1024 channels by default
+    # Phi-4-multimodal's audio encoder: 24 blocks, 1024 channels by default; its vision encoder's images 56 pixels
+    # wide (16 patches: only its position-embedding table and the trace's cost depend on it)
     "phi4_multimodal": {"audio_config": {"num_blocks": 2, "ext_pw_out_channel": HIDDEN, "nemo_conv_channels": HIDDEN,
-                                         "depthwise_separable_out_channel": HIDDEN}},
+                                         "depthwise_separable_out_channel": HIDDEN},
+                        "vision_config": {"image_size": 56, "crop_size": 56}},
     "xlstm": {"qk_dim_factor": 1.0},  # its recurrent step's state is (qk head, v head) with qk == v
     # zamba: its shared transformer block is tied across the hybrid layers: two of them; gemma3n: two of the four
     # layers reuse the KV of the last layer of their kind before them; dory: input, recurrent, output layer

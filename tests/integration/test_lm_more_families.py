@@ -101,8 +101,8 @@ def test_xlstm_feed_forward_width_from_a_factor_is_told_as_a_factor():
 
 def test_dory_traces_without_a_kv_cache():
     # Dory deep-copies its recurrent layers' KV cache in forward, which torch.export cannot trace; discovery now
-    # traces a Hugging Face forward with use_cache=False (its clusters are still left out: per-channel scales such as
-    # `suv_gate` are used directly in forward)
+    # traces a Hugging Face forward with use_cache=False (its clusters, per-channel scales included, are checked in
+    # test_lm_mm_and_scales.py)
     from lightning_pat.discovery.trace import trace
 
     model = lm_zoo.build("dory")
@@ -113,16 +113,26 @@ def test_dory_traces_without_a_kv_cache():
     assert len(linears) >= len(projections), (len(linears), len(projections))
 
 
-def test_phi4_multimodal_encoders_do_not_set_the_text_heads():
+def test_phi4_multimodal_encoders_are_cut_on_their_own_inputs_and_do_not_set_the_text_heads():
     # Phi-4-multimodal's vision encoder holds q/k/v attentions of its own config: the shrink once wrote their head
     # counts into the text config (all 4 of its heads as KV heads), and stock from_pretrained built another qkv_proj;
-    # the text MLP's new width went into the vision config too
+    # the text MLP's new width went into the vision config too. Its vision and audio encoders (84% of the tiny
+    # model's non-embedding parameters) are never run by a text forward: they are traced on inputs made from their
+    # configs (discovery/encoders.py), and the MLPs their configs can express are cut (their heads are sized
+    # hidden // heads, and the audio convolutions' widths are tied to its hidden size: left whole)
     model = lm_zoo.build("phi4_multimodal")
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    vision, audio = model.config.vision_config, model.config.audio_config
+    sizes = (vision.intermediate_size, vision.num_attention_heads, audio.intermediate_size, audio.num_attention_heads)
     small, ids, masked, cut = _pruned("phi4_multimodal")
-    assert cut > 0, cut
+    assert cut >= 0.2, cut  # the text decoder alone: 8%
     stock = _stock(small, ids, masked)
     assert (stock.config.num_attention_heads, stock.config.num_key_value_heads) == (heads // 2, kv // 2)
-    # the text MLP's width is told to the text config alone, not to the vision encoder's of the same width
     assert stock.config.intermediate_size == lm_zoo.FF // 2
-    assert stock.config.vision_config.intermediate_size == model.config.vision_config.intermediate_size
+    # each encoder's MLP width is told to its own config; their head counts stay
+    vision, audio = stock.config.vision_config, stock.config.audio_config
+    got = (vision.intermediate_size, vision.num_attention_heads, audio.intermediate_size, audio.num_attention_heads)
+    assert got == (sizes[0] // 2, sizes[1], sizes[2] // 2, sizes[3])
+    encoders = stock.model.embed_tokens_extend
+    assert encoders.image_embed.img_processor.head.mlp.fc1.out_features == sizes[0] // 2
+    assert encoders.audio_embed.encoder.encoders[0].feed_forward_in.down_proj.in_features == sizes[2] // 2

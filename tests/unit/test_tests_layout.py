@@ -90,6 +90,10 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     "demo/preset.py": (("tests/unit/presets/test_presets.py",), "the demo's preset, registered on import"),
     "demo/task.py": (("tests/test_readme.py", "tests/integration/test_recipes.py"), "the demo's Lightning task"),
     # discovery: tested through discover()
+    "discovery/encoders.py": (
+        ("tests/integration/test_lm_more_families.py",),
+        "a causal LM's encoders traced on their own inputs: Phi-4-multimodal's",
+    ),
     "discovery/labels.py": (("tests/unit/discovery/test_entry.py",), "the labelling of the walk, through discover()"),
     "discovery/nodes.py": (("tests/unit/discovery/test_entry.py",), "fx node queries, through discover()"),
     "discovery/tensor_ops.py": (
