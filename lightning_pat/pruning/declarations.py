@@ -333,8 +333,12 @@ def _templated(decl: Cluster) -> Cluster | None:
 
 
 def _resolved_shape(model: Any, decl: Cluster) -> list[tuple[Any, ...]]:
-    """What ``decl`` resolves to, names and ``multiple_of`` aside (sorted)."""
-    return sorted((rc.num_units, rc.unit_groups, rc.members) for rc in resolve_clusters(model, [decl]))
+    """What ``decl`` resolves to, names and ``multiple_of`` aside (sorted by fields: Members do not order)."""
+    fields = [
+        (rc.num_units, rc.unit_groups, tuple(dataclasses.astuple(m) for m in rc.members))
+        for rc in resolve_clusters(model, [decl])
+    ]
+    return sorted(fields)
 
 
 def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict[int, str]]:
