@@ -341,6 +341,37 @@ def _resolved_shape(model: Any, decl: Cluster) -> list[tuple[Any, ...]]:
     return sorted(fields)
 
 
+#: The group :func:`_tagged` adds: it tells apart the clusters of a tied declaration named after another's.
+_TAG = "tied"
+
+
+def _tagged(decl: Cluster, lead_name: str) -> Cluster | None:
+    r"""``decl`` under the name ``<lead_name>.{tied}``: its label is the leader's, its clusters' names its own.
+
+    Every pattern of ``decl`` must be a regex whose literal start before its first named group is the same
+    (``model\.H_module\.layers\.`` before ``(?P<layer>...)``); that start becomes the group ``tied``, so an
+    expanded name ends in it (``model.L_module.layers.0.mlp.gate_proj.model.H_module.layers.``) and never collides
+    with the leader's. ``None`` where the patterns do not allow it.
+    """
+    patterns = [*decl.writers, *decl.readers]
+    if _TAG in _placeholders(lead_name) or not all(p.startswith("re:") and "(?P<" in p for p in patterns):
+        return None
+    starts = {p[3:].split("(?P<", 1)[0] for p in patterns}
+    start = starts.pop() if len(starts) == 1 else ""
+    if not start or any(c in start for c in "()[]|?*+{"):
+        return None
+
+    def tag(pattern: str) -> str:
+        return f"re:(?P<{_TAG}>{start}){pattern[3 + len(start) :]}"
+
+    return dataclasses.replace(
+        decl,
+        name=f"{lead_name}.{{{_TAG}}}",
+        writers=[tag(p) for p in decl.writers],
+        readers=[tag(p) for p in decl.readers],
+    )
+
+
 def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict[int, str]]:
     """Tied declarations (one stock config field sets their widths) as declarations of one label and one width.
 
@@ -379,6 +410,13 @@ def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict
         except ValueError:
             same = False
         if not same or renamed is None or renamed.name != lead.name:
+            renamed = _tagged(decl, lead.name)  # HRM's H- and L-module MLPs: one label, a group telling them apart
+            try:
+                same = renamed is not None and _resolved_shape(model, renamed) == _resolved_shape(model, decl)
+                resolve_clusters(model, [*out.values(), renamed] if renamed is not None else list(out.values()))
+            except ValueError:
+                same = False
+        if not same or renamed is None:
             left_out[i] = f"{why}, but their clusters cannot be named as one declaration's"
             continue
         out[i] = renamed
