@@ -268,8 +268,9 @@ MLP_WIDTHS = (
     "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
     "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
 )  # fmt: skip
-#: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL).
-NAMED_WIDTHS = {"laurel_rank": "laurel"}
+#: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL;
+#: Qwen4-exp's hyper-connections, whose input mix is ``sigmoid(up(silu(down(x))))`` through ``hc_lowrank`` channels).
+NAMED_WIDTHS = {"laurel_rank": "laurel", "hc_lowrank": "hyper_connection"}
 #: Config fields holding a shared expert's width (its readers: ``shared_expert``/``shared_experts`` in the name).
 SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
@@ -280,11 +281,11 @@ def _mlp_widths(
     """The MLP width fields of ``config``: the new input width of the readers that read the old width.
 
     A reader counts when its input width was the field's value before the cut (``n_inner=None``: 4 * hidden), its
-    name is not an attention's (``attn``/``attention``) nor a state-space mixer's (``mixers``: their own fields),
-    whatever the family calls it (``down_proj``, ``fc2``, ``fc_out``, ``c_proj``, ``dense_4h_to_h``, below a fused
-    ``gate_up_proj``).
+    name is not an attention's (``attn``/``attention``), a hyper-connection's nor a state-space mixer's (``mixers``:
+    their own fields), whatever the family calls it (``down_proj``, ``fc2``, ``fc_out``, ``c_proj``,
+    ``dense_4h_to_h``, below a fused ``gate_up_proj``).
     """
-    skip = ("attn", "attention", "shared_expert", "shared_mlp")  # shared experts: their own config fields
+    skip = ("attn", "attention", "shared_expert", "shared_mlp", "hyper_connection")  # these: their own fields
     mlp = [(old, new) for name, old, new in reads if not any(part in name for part in skip) and name not in mixers]
     shared = [(old, new) for name, old, new in reads if "shared_expert" in name and "attn" not in name]
     _derived_width(config, mlp)
