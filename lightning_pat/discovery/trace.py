@@ -266,7 +266,7 @@ class _Selection:
 def _export(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, _Selection]]:
     """``torch.export`` of ``twin``, standing in for the data-dependent selection modules that stop it.
 
-    Each attempt tracks the modules whose forward is under way; where the export stops inside a module (not the
+    Each attempt tracks the modules whose forward is under way; where the export stops on data inside a module (not the
     model itself) that returns a selection, every module of its class is stood in for (:class:`_Selection`) and the
     export runs again.
 
@@ -282,14 +282,15 @@ def _export(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
             try:
                 with _quiet_fake_tensor_log(), torch.no_grad():
                     return torch.export.export(twin, args, kwargs=dict(kwargs), strict=False), selections
-            except Exception:
+            except Exception as err:
                 pending = next((sel for sel in selections.values() if sel.pending is not None), None)
                 if pending is not None:
                     pending.learn(pending.pending)
                     continue
                 name, module, inputs = stack[-1] if stack else ("", twin, None)
                 name = name.removeprefix("inner.")
-                if name in ("", "inner") or name in selections:
+                data_dependent = any(word in f"{type(err).__name__}: {err}" for word in _DATA_DEPENDENT)
+                if not data_dependent or name in ("", "inner") or name in selections:
                     raise
                 for other, m in twin.named_modules():
                     if type(m) is type(module):
