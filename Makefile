@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (a bare `torch` would pull a multi-GB CUDA build). Override for GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 # One pytest-xdist worker per core, a test file to one worker (its module fixtures, e.g. a shared world of ranks,
-# are built once). `make test PYTEST_WORKERS=` runs the suite in one process.
-PYTEST_WORKERS ?= -n auto --dist loadfile
+# are built once), the heaviest files first (tests/conftest.py orders them; xdist keeps that order).
+# `make test PYTEST_WORKERS=` runs the suite in one process.
+PYTEST_WORKERS ?= -n auto --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup demo smollm2 test test-fast test-serve test-serve-llama-cpp serve-venv lint bench bench-shrink bench-discover \
 	bench-zoo bench-components bench-gpu bench-quality bench-serve clean

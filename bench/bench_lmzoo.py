@@ -97,19 +97,25 @@ def _why(err: Exception) -> str:
 def query_heads(model_type: str) -> str:
     """``"yes"`` if ``"auto"`` with ``query_heads`` cuts query heads inside the KV groups exactly, with stock reload."""
     from lightning_pat import prune_clusters, shrink
+    from lightning_pat.shrink.layer_config import layer_values
+
+    def counts(config: Any) -> tuple[Any, Any]:  # per layer where the config holds them per layer (Dots3-note)
+        heads, kv = layer_values(config, "num_attention_heads"), layer_values(config, "num_key_value_heads")
+        return (heads[0], kv[0]) if heads and kv and len(heads) == len(kv) == 1 else (heads, kv)
 
     model = lm_zoo.build(model_type)
-    config = model.config
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if not (isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads):
+    heads, kv = counts(model.config)
+    pairs = list(zip(heads, kv, strict=True)) if isinstance(heads, list) and isinstance(kv, list) else [(heads, kv)]
+    if not any(isinstance(h, int) and isinstance(k, int) and 0 < k < h for h, k in pairs):
         return "-"  # no GQA
     ids, calibration = lm_zoo.token_ids(), [lm_zoo.token_ids(seed=s) for s in (2, 3)]
     try:
         res = prune_clusters(model, "auto", 0.5, calibration=calibration, preset_options={"query_heads": True})
         masked = lm_zoo._logits(model, ids)  # noqa: SLF001
         small = shrink(model, res, example_input=None)
-        new_heads, new_kv = small.config.num_attention_heads, getattr(small.config, "num_key_value_heads", None)
-        if (new_heads, new_kv) != (heads // 2, kv):
+        new_heads, new_kv = counts(small.config)
+        half = [h // 2 for h in heads] if isinstance(heads, list) else heads // 2
+        if (new_heads, new_kv) != (half, kv):
             return f"no: heads {heads}/{kv} -> {new_heads}/{new_kv} (query heads / KV heads)"
         exact, reload = lm_zoo._rel(lm_zoo._logits(small, ids), masked), _stock_rel(small, ids, masked)  # noqa: SLF001
     except Exception as err:  # noqa: BLE001 - recorded
@@ -212,6 +218,10 @@ def run_one(
     try:
         try:
             model = lm_zoo.build(model_type)
+            alone = lm_zoo.standalone_refusal(model)
+            if alone is not None:  # built, but not a model that runs on token ids: said, not counted
+                row.update(builds=False, error=f"not standalone: {alone}")
+                return row
             with torch.no_grad():
                 model(lm_zoo.token_ids())  # the dense model must run on the tiny config before anything is judged
         except _Timeout:

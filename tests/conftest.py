@@ -11,6 +11,12 @@ The processes the tests start (examples, console scripts, notebooks, bench smoke
 thread per core, the intra-op threads spin against each other. Measured: two ``examples/cnn_digits.py`` runs side by
 side took 37.6 s with the default threads and 15.0 s with one each; the same example inside the suite took 168 s.
 
+The heaviest files run first (``pytest_collection_modifyitems``): files with a ``slow`` or ``distributed`` test, then
+files with an ``integration`` test, then the rest, each in collection order. ``make test`` hands whole files to the
+xdist workers in this order (``--dist loadfile --no-loadscope-reorder``; xdist's own reorder, by test count, sent
+the multi-process files with one or two tests last, so one worker ran them while the other sat idle); the many
+short unit files then even out the two workers' ends.
+
 Every test starts from seed 0 (``fixed_seed``, autouse), and a run that leaves a new untracked file in the checkout
 fails at its end (``pytest_sessionfinish``: tests write under ``tmp_path``; ignored paths such as caches do not count).
 """
@@ -38,6 +44,20 @@ def fixed_seed() -> None:
     it on its xdist worker: a test that draws without seeding is reproducible alone and in the suite."""
     random.seed(0)
     torch.manual_seed(0)
+
+
+#: Scheduling rank of a file by the markers of its tests: the lowest rank of any of its tests.
+_RANK = {"slow": 0, "distributed": 0, "integration": 1}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The heaviest files first (see the module docstring); the tests of a file stay together and in order."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        marks = [_RANK[m.name] for m in item.iter_markers() if m.name in _RANK]
+        rank[item.path] = min(rank.get(item.path, 2), *marks, 2)
+    first = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}
+    items.sort(key=lambda item: (rank[item.path], first[item.path]))
 
 
 def _untracked() -> set[str] | None:

@@ -26,6 +26,7 @@ def test_notebook_is_stored_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; clear them before committing"
 
 
+@pytest.mark.slow  # a kernel process per notebook
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch, tmp_path):

@@ -8,8 +8,9 @@ logit 0, which top-k may still pick), so the masked model routes with hooks on e
 holds none itself) get the lowest finite value for every expert
 whose router row is exactly zero (a dropped expert; a trained router row is never all zeros), and a per-expert
 selection bias passed to the router or held by it (MiniMax-M2's and DeepSeek-V3's ``e_score_correction_bias``) the
-same. The router's own code then runs on those logits, whatever it does with them (softmax then top-k, top-k then
-softmax, a sigmoid, PhiMoE's sparsemixer, DeepSeek's group-limited top-k): a dropped expert is never picked while
+same (a router whose last rows score shared experts, Inkling's, holds a bias of its routed experts only). The
+router's own code then runs on those logits, whatever it does with them (softmax then top-k, top-k then softmax,
+a sigmoid, PhiMoE's sparsemixer, DeepSeek's group-limited top-k): a dropped expert is never picked while
 ``top_k`` experts are kept (DeepSeek: in the groups it picks), and weighs exactly 0 otherwise, as in the shrunk model.
 No state beyond the weights is needed (a resumed run or a reloaded masked checkpoint routes the same).
 """
@@ -124,12 +125,18 @@ def _before(router: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             return a.masked_fill(dropped.to(a.device), torch.finfo(a.dtype).min)
         return a
 
+    def own_bias(a: Tensor) -> Any:  # the router's own: also over its routed rows only (Inkling's, see below)
+        n = a.shape[0] if a.dim() == 1 else 0
+        if a.dtype.is_floating_point and 0 < n < dropped.shape[0] and not bool(dropped[n:].any()):
+            return a.masked_fill(dropped[:n].to(a.device), torch.finfo(a.dtype).min)
+        return bias(a)
+
     saved = []  # the router's own selection biases (a buffer, or a parameter: Laguna's), put back by the post-hook
     for store in (router._buffers, router._parameters):  # noqa: SLF001 - its own tensors
         for k in SELECTION_BIASES:
             if (held := store.get(k)) is not None:
                 saved.append((store, k, held))
-                store[k] = bias(held)  # a tensor while the router runs
+                store[k] = own_bias(held)  # a tensor while the router runs
     mode.__enter__()  # type: ignore[no-untyped-call]  # left in the post-hook (always called)
     router.__dict__[_MODE_ATTR] = (mode, saved)
 

@@ -3,6 +3,8 @@
 A handler of the discovery walk (:mod:`~lightning_pat.discovery.walk`), on its
 :class:`~lightning_pat.discovery.labels.Labelling`.
 
+The weight may reach the convolution through ops that only drop and add size-1 axes (:func:`weight_param`).
+
 * ``groups == 1``: the input channels are read (weight dim 1, transposed: dim 0) and a new space of output channels
   is written (weight dim 0 and the bias, transposed: weight dim 1 and the bias).
 * ``groups > 1`` (depthwise is the case of one input channel per group): a unit is one or more **whole groups**.
@@ -37,11 +39,43 @@ def _layout(node: Node) -> tuple[bool, int]:
     return transposed, int(cast(int, groups))
 
 
+#: Ops that only drop or add size-1 axes, or change the dtype: a convolution weight reached through them is the
+#: parameter itself (transformers' ``causal_conv1d_fn``: ``conv1d.weight.squeeze(1)``, then ``weight.unsqueeze(1)``).
+SAME_WEIGHT = frozenset(("squeeze", "unsqueeze", "_to_copy", "to", "alias", "clone", "contiguous", "detach"))
+
+
+def weight_param(w: Labelling, arg: Any) -> str | None:
+    """The parameter a convolution's ``weight`` argument is: itself, or through :data:`SAME_WEIGHT` ops to its shape."""
+    name, node = w.param_of(arg), arg
+    while name is None and isinstance(node, Node) and node.op == "call_function" and op_name(node) in SAME_WEIGHT:
+        node = node.args[0]
+        name = w.param_of(node)
+    return name if name is not None and node_shape(node) == node_shape(arg) else None
+
+
+def feeds_weight(w: Labelling, node: Node) -> bool:
+    """Whether every use of ``node`` reaches a convolution's weight slot through :data:`SAME_WEIGHT` ops only.
+
+    There the weight must be a parameter of its shape (:func:`weight_param`).
+    """
+    users = list(node.users)
+    return bool(users) and all(
+        (
+            op_name(u) in _CONVS
+            and u.args[1] is node
+            and node not in (*u.args[:1], *u.args[2:])
+            and weight_param(w, node) is not None
+        )
+        or (op_name(u) in SAME_WEIGHT and u.args[0] is node and feeds_weight(w, u))
+        for u in users
+    )
+
+
 def conv(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """Labels of a convolution's output (see the module docstring); registers the weight and bias as members."""
     args = list(node.args)
     x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else None
-    wname, bname = w.param_of(weight), w.param_of(bias)
+    wname, bname = weight_param(w, weight), w.param_of(bias)
     shape, wshape = node_shape(x), node_shape(weight)
     if wname is None or (bias is not None and bname is None) or out is None or shape is None or wshape is None:
         return NotImplemented

@@ -40,6 +40,7 @@ from lightning_pat.discovery.trace import TraceStop, trace
 from lightning_pat.discovery.walk import Walk
 from lightning_pat.heads import mha_refusal
 from lightning_pat.presets.ssm import mixers
+from lightning_pat.shrink.layer_config import layer_values
 
 log = logging.getLogger(__name__)
 
@@ -331,17 +332,23 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
         found = discover(model, example_input, query_heads=query_heads)
     except Exception as err:  # noqa: BLE001 - a trace stop (ours, or torch's own) leaves the experts, by structure
         units = [] if isinstance(err, ValueError) and not isinstance(err, TraceStop) else with_experts(model, [])
+        if not (isinstance(err, ValueError) and not isinstance(err, TraceStop)):
+            units = [*units, *gated_mlps(model, units)]
         if not units:
             raise
         log.warning(
-            "discover: %s could not be traced (%s); only its experts' units, found by structure, are cut (%s); "
-            "everything else is left whole",
+            "discover: %s could not be traced (%s); only its experts' and gated MLPs' units, found by structure, are "
+            "cut (%s); everything else is left whole",
             type(model).__name__, " ".join(str(err).split())[:160], ", ".join(c.name for c in units),
         )  # fmt: skip
         return units
     config = getattr(model, "config", None)
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    gqa = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
+    heads_per_layer = layer_values(config, "num_attention_heads") or []
+    kv_per_layer = layer_values(config, "num_key_value_heads") or []
+    pairs = list(zip(heads_per_layer, kv_per_layer, strict=False))  # per layer where the config holds them per layer
+    gqa_layers = [(h, k) for h, k in pairs if isinstance(h, int) and isinstance(k, int) and 0 < k < h]
+    gqa = bool(gqa_layers)
+    heads, kv = gqa_layers[0] if gqa else (None, None)
     if query_heads and gqa and not any(c.unit_groups > 1 for c in found.clusters):
         log.warning(
             "discover: query_heads=True, but the heads of %s's GQA attention (%s query heads, %s KV heads) were not "
@@ -357,6 +364,32 @@ def discovered_clusters(model: nn.Module, example_input: Any, *, query_heads: bo
         )
     log.info("discover: %d clusters of %s:\n%s", len(found.clusters), type(model).__name__, found.table())
     return experts
+
+
+def gated_mlps(model: nn.Module, taken: Sequence[Cluster] = ()) -> list[Cluster]:
+    """One cluster per gated MLP found by structure, for a model whose trace stopped (BLT's entropy patcher).
+
+    A module whose ``gate_proj`` and ``up_proj`` are ``nn.Linear`` of one output width read by its ``down_proj``
+    (``down_proj(act(gate_proj(x)) * up_proj(x))``, the Llama MLP of every Hugging Face family that names it so): an
+    intermediate channel is exactly removable. Modules whose parameters ``taken`` holds already (shared experts) are
+    left to those clusters.
+    """
+    held = {m.name for rc in resolve_clusters(model, list(taken)) for m in rc.members} if taken else set()
+    out = []
+    for name, module in model.named_modules():
+        gate, up, down = (getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj"))
+        if not all(isinstance(m, nn.Linear) for m in (gate, up, down)):
+            continue
+        gate, up, down = cast(nn.Linear, gate), cast(nn.Linear, up), cast(nn.Linear, down)
+        if not gate.out_features == up.out_features == down.in_features or gate.out_features < 2:
+            continue
+        writers = [f"{name}.{p}.{k}" for p in ("gate_proj", "up_proj") for k in ("weight", "bias")
+                   if getattr(getattr(module, p), k, None) is not None]  # fmt: skip
+        readers = [f"{name}.down_proj.weight"]
+        if held & {*writers, *readers}:
+            continue
+        out.append(Cluster(f"{name}.gate_proj", writers, readers))
+    return out
 
 
 def with_experts(model: nn.Module, clusters: Sequence[Cluster]) -> list[Cluster]:

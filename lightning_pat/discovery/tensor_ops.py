@@ -2,10 +2,10 @@
 
 Elementwise ops carry their operand's labels (an op of two labelled tensors joins their spaces, a broadcast of a
 one-channel axis poisons it); pooling, reductions and softmax poison the axes they mix; the layout ops (``view``,
-``permute``, ``expand``, ``slice``, ``cat``, ``stack``, ``pad``, ``roll``, ``index_select``) move labels with their
-axes (a ``slice`` of a channel axis cuts it into parts, as ``split`` does). A
-``view`` that splits a channel axis into heads is read by :func:`~lightning_pat.discovery.attention.split_axis` and
-:func:`~lightning_pat.discovery.attention.packed_heads`.
+``permute``, ``expand``, ``slice``, ``cat``, ``stack``, ``pad``, ``roll``, ``index_select``, ``gather`` along an
+axis of positions) move labels with their axes (a ``slice`` of a channel axis cuts it into parts, as ``split``
+does). A ``view`` that splits a channel axis into heads is read by
+:func:`~lightning_pat.discovery.attention.split_axis` and :func:`~lightning_pat.discovery.attention.packed_heads`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.fx import Node
 from lightning_pat.discovery.attention import cut_label, packed_heads, split_axis
 from lightning_pat.discovery.labels import Handler, Label, Labelling, Segment
 from lightning_pat.discovery.nodes import flat as _flat
+from lightning_pat.discovery.nodes import node_shape
 from lightning_pat.discovery.nodes import op_name as _op_name
 from lightning_pat.discovery.nodes import shape_of as _shape
 from lightning_pat.discovery.trace import OPAQUE_SELECTION
@@ -44,6 +45,7 @@ _BINARY = {
     "minimum",
     "pow",
     "where",
+    "masked_fill",
 }
 _POOL = {
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
@@ -338,6 +340,48 @@ def _index_select(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(lab)
 
 
+def _broadcast_index(index: Any, d: int) -> bool:
+    """Whether axis ``d`` of a gather's ``index`` is one entry broadcast (``expand`` of a size-1 axis)."""
+    if not isinstance(index, Node) or _op_name(index) != "expand" or not isinstance(index.args[0], Node):
+        return False
+    src, out = _shape(index.args[0].meta.get("val")), _shape(index.meta.get("val"))
+    if src is None or out is None:
+        return False
+    at = d - (len(out) - len(src))
+    return at < 0 or src[at] == 1
+
+
+def _gather(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``gather(x, dim, index)``: entries of ``x`` picked along ``dim`` by position, apart at each entry of the others.
+
+    Inkling's relative-position bias picks one row of distances per head. A channel axis picked from is poisoned;
+    another axis keeps its label where the index spans it whole and is the same at each of its entries (broadcast by
+    ``expand``: the shrunk model broadcasts it to the kept channels), and is poisoned otherwise. The picked axis is
+    untracked.
+    """
+    src, dim, index = node.args[0], node.args[1], node.args[2]
+    shape, ishape = node_shape(src), node_shape(index)
+    if shape is None or ishape is None or out is None or len(out) != len(shape) or not isinstance(dim, int):
+        return NotImplemented
+    lab = list(w.ndim_label(src, len(shape)))
+    ilab = w.ndim_label(index, len(ishape))
+    d = dim % len(shape)
+    op = _op_name(node)
+    result: list[Label] = [None] * len(out)
+    for k, label in enumerate(lab):
+        if ilab[k] is not None:
+            w.poison(ilab[k], f"`{op}` picks entries by channels")
+        if label is None:
+            continue
+        if k == d:
+            w.poison(label, f"`{op}` picks channels")
+        elif ishape[k] != shape[k] or not _broadcast_index(index, k):
+            w.poison(label, f"`{op}` picks differently along a channel axis")
+        else:
+            result[k] = label
+    return tuple(result)
+
+
 def _roll(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``roll``/``flip`` move entries along their dims: a channel axis among them is poisoned, the others carried."""
     src = node.args[0]
@@ -383,6 +427,41 @@ def _selection(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
         for lab in w.label_of(arg) or ():
             w.poison(lab, reason)
     return None if out is None else (None,) * len(out)
+
+
+def _copy(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``dst.copy_(src)``: ``dst``'s axes are ``src``'s; where ``dst`` is a ``slice`` of a tensor, that tensor's too.
+
+    MLA's keys (Dots3-note: ``key_states[..., :nope].copy_(k_nope)`` into a ``new_empty`` tensor): the written slice
+    and the tensor it views are the copied channels on every axis the slices keep whole; an axis a slice cuts keeps
+    its label, and a tracked channel axis copied into part of it is poisoned.
+    """
+    dst, src = node.args[0], node.args[1]
+    if not isinstance(dst, Node) or not isinstance(src, Node) or out is None:
+        return NotImplemented
+    src_shape = _shape(src.meta.get("val"))
+    if src_shape is None or len(src_shape) > len(out):
+        return NotImplemented
+    lead = len(out) - len(src_shape)
+    src_lab = (None,) * lead + w.ndim_label(src, len(src_shape))
+    lab = [w.join(a, b, "`copy_`") for a, b in zip(w.ndim_label(dst, len(out)), src_lab, strict=True)]
+    w.labels[dst] = tuple(lab)
+    base, cut = dst, set()
+    while _op_name(base) == "slice" and isinstance(base.args[0], Node):  # views of the same storage
+        base_shape = _shape(base.args[0].meta.get("val"))
+        if base_shape is None or len(base_shape) != len(out):
+            break
+        cut.add(cast(int, base.args[1] if len(base.args) > 1 else 0) % len(out))
+        base = base.args[0]
+    if base is not dst:
+        written = list(w.ndim_label(base, len(out)))
+        for d in range(len(out)):
+            if d in cut:
+                w.poison(lab[d], "`copy_` writes a channel axis into part of another")
+            else:
+                written[d] = w.join(written[d], lab[d], "`copy_`")
+        w.labels[base] = tuple(written)
+    return tuple(lab)
 
 
 def _cat(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
@@ -476,9 +555,11 @@ HANDLERS: dict[str, Handler] = {
     "select": _slice,
     "unbind": _slice,
     "cat": _cat,
+    "copy": _copy,
     "stack": _stack,
     "roll": _roll,
     "index_select": _index_select,
+    "gather": _gather,
     "flip": _roll,
     **dict.fromkeys(
         ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant

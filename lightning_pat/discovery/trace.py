@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_pat.core.forwards import map_tensors, tensors_of
 from lightning_pat.heads import HeadsMultiheadAttention, WindowAttentionV2, replace_attention
+from lightning_pat.shrink.model_meta import is_scale
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,8 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
         if isinstance(m, WindowAttentionV2):
             m.traced = True  # the whole qkv bias in linear's bias slot (see WindowAttentionV2)
             per_head.update({f"{name}.{p}" if name else p: d for p, d in m.per_head_parameters.items()})
+        elif is_scale(m):  # a module holding only a scale (Inkling 2's per-head ScaledL2Clip): its dim 0
+            per_head[f"{name}.scale" if name else "scale"] = 0
     twin = _TensorOutputs(inner).eval()
     example = to_meta(example_input)
     args, kwargs = ((), example) if isinstance(example, Mapping) else (example, {})

@@ -107,7 +107,8 @@ class Walk(Labelling):
     def note_direct(self, node: Node, op: str) -> None:
         """Parameters used outside a weight slot of an op we understand.
 
-        A 2-D parameter transposed only to be an ``mm``/``addmm`` weight (``x @ weight.T``) is in a weight slot.
+        A 2-D parameter transposed only to be an ``mm``/``addmm`` weight (``x @ weight.T``) is in a weight slot, and so
+        is a parameter reshaped only by size-1 axes on its way to a convolution's weight.
         """
         if op in weights.TRANSPOSES and weights.transposed_param(self, node) is not None:
             users = list(node.users)
@@ -117,6 +118,8 @@ class Walk(Labelling):
                 for u in users
             ):
                 return
+        if op in conv.SAME_WEIGHT and conv.feeds_weight(self, node):
+            return  # a convolution's weight with size-1 axes dropped and added back (causal_conv1d_fn's)
         slots = _SLOTS.get(op, ())
         for i, arg in enumerate(node.args):
             name = self.param_of(arg)

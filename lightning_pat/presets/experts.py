@@ -2,20 +2,25 @@ r"""Mixture-of-experts decoders with fused 3-D experts (transformers 5).
 
 Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE(-shared), PhiMoE, FlexOlmo, MiniMax-M2, Cohere2-MoE and gpt-oss keep a
 layer's routed experts as one module with fused ``gate_up_proj`` and ``down_proj`` (``(E, 2 * I, H)`` and
-``(E, H, I)``; gpt-oss transposed, gate and up interleaved, with biases: see
+``(E, H, I)``; gpt-oss transposed, gate and up interleaved, with biases; Nemotron-H and Ergo gate-less, an
+``up_proj`` of ``I`` channels, Ergo's transposed and followed by a per-expert norm: see
 :func:`lightning_pat.shrink.experts.fused_layout`) and a router ``weight`` ``(E, H)`` (gpt-oss: and a ``bias``).
 The preset finds them by structure (a child ``experts`` holding the fused weights next to a ``*Router`` child, in
 every decoder layer), not by family name. :func:`moe` declares, per layer:
 
 * ``mlp.{layer}``: the intermediate channels of every expert, one width per layer shared by its experts (unit ``c``:
-  the gate and up channels ``c`` of ``gate_up_proj`` and its bias, channel ``c`` of ``down_proj``, in every expert),
+  the gate and up channels ``c`` of ``gate_up_proj`` (or channel ``c`` of a gate-less ``up_proj``) and its bias,
+  channel ``c`` of ``down_proj``, in every expert),
   so that the stock config's ``intermediate_size`` (``moe_intermediate_size``) holds the new width;
-* ``experts.{layer}``: whole routed experts (expert ``e``: its slice of every fused weight and bias and router row
-  ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so the router runs over the kept
-  experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts kept);
+* ``experts.{layer}``: whole routed experts (expert ``e``: its slice of every fused weight and bias, its row of a
+  per-expert norm, and router row ``e``); a dropped expert is routed around (:mod:`lightning_pat.core.routing`), so
+  the router runs over the kept experts, as in the shrunk model (``num_experts_per_tok`` becomes at most the experts
+  kept);
 * ``shared.{layer}`` (with ``mlp``, where the model has one): the shared expert's channels, an ordinary MLP cluster
   (Qwen2-MoE's ``mlp.shared_expert``: ``shared_expert_intermediate_size`` follows; GraniteMoE-shared's
-  ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows);
+  ``shared_mlp``, a fused ``input_linear``: ``shared_intermediate_size`` follows; ``shared_experts`` whose width
+  the config holds in a field of its own, Nemotron-H's ``moe_shared_expert_intermediate_size``, Ergo's
+  ``shared_intermediate_size``);
 * ``heads.{layer}``, ``residual``, ``layer.{layer}`` as for Llama (``heads`` off where q/k norms span all heads, as
   in OLMoE, FlexOlmo and MiniMax-M2, where the attention holds other parameters of its own, or where
   linear-attention layers share the head count, MiniMax's: no head cut is exact or expressible there, and the preset
@@ -62,14 +67,19 @@ from lightning_pat.presets.transformers import (
     param_names,
 )
 from lightning_pat.shrink.experts import (
+    SHARED_WIDTH_FIELDS,
     FusedLayout,
     block_router,
     expert_groups,
+    expert_norms,
     fused_layout,
+    fused_shared,
     parallel_blocks,
+    shared_router_rows,
     stacked_blocks,
     stacked_experts,
 )
+from lightning_pat.shrink.layer_config import has_field
 from lightning_pat.shrink.model_meta import has_sinks
 from lightning_pat.shrink.stock_config import head_count_multiple
 
@@ -89,15 +99,17 @@ _WRAPPERS = rf"(?:(?:{'|'.join(WRAPPER_NAMES)})\.)*"
 
 
 def _gate_up(
-    block: str, fused: FusedLayout, *, joint_shared: bool = False
+    block: str, fused: FusedLayout, *, joint_shared: bool = False, fused_shared: bool = False
 ) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
     """``(writers, readers, head_dim)`` of the experts' intermediate channels, relative to the layer.
 
     ``joint_shared``: the block's ``shared_experts`` MLP (DeepSeek, Cohere2-MoE; Llama 4's ``shared_expert``) is as wide
     as the experts times the config's shared-expert count, so its channels join the same units (``s`` channels per
-    unit for ``s`` experts).
+    unit for ``s`` experts). ``fused_shared``: the block's ``shared_experts`` are 3-D ``gate_proj``/``up_proj``
+    ``(S, I, H)`` and ``down_proj`` ``(S, H, I)`` of the experts' width (Inkling's): channel ``c`` of every shared
+    expert joins unit ``c``.
     """
-    gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
+    gate_up, down = rf"{block}\.experts\.{fused.up}", rf"{block}\.experts\.down_proj"
     dim = fused.gate_up_channels
     bias = (rf"{gate_up}_bias@1",) if fused.bias else ()
     readers: tuple[str, ...] = (rf"{down}@{fused.down_channels}",)
@@ -105,6 +117,11 @@ def _gate_up(
     if joint_shared:
         shared_w = (rf"{block}\.{_SHARED}\.(?:gate|up)_proj\.(?:weight|bias)",)
         readers = (*readers, rf"{block}\.{_SHARED}\.down_proj\.weight")
+    if fused_shared:
+        shared_w = (rf"{block}\.shared_experts\.(?:gate|up)_proj@1",)
+        readers = (*readers, rf"{block}\.shared_experts\.down_proj@2")
+    if not fused.gated:  # up_proj alone: channel c of up_proj and of down_proj
+        return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1 if joint_shared else None
     if fused.interleaved:  # gate 2c, up 2c + 1: a unit is a block of 2 channels (head_dim=1 over I)
         return (rf"{gate_up}@{dim}", *bias, *shared_w), readers, 1
     halves = tuple(rf"{p}[{i}/2]" for p in (rf"{gate_up}@{dim}", *bias) for i in range(2))
@@ -122,7 +139,7 @@ def moe_layout(
     """
     fused = fused or FusedLayout()
     shared_re = rf"{block}\.shared_expert\."
-    gate_up, down = rf"{block}\.experts\.gate_up_proj", rf"{block}\.experts\.down_proj"
+    gate_up, down = rf"{block}\.experts\.{fused.up}", rf"{block}\.experts\.down_proj"
     router_w = rf"{block}\.{router}\.(?:[^.]+\.)?(?:weight|bias)|{block}\.(?:expert_bias|e_score_correction_bias)"
     biases = rf"|{gate_up}_bias|{down}_bias" if fused.bias else ""
     down_out = (rf"{down}@{fused.down_hidden}", *((rf"{down}_bias@1",) if fused.bias else ()))
@@ -218,10 +235,10 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, str, str, FusedL
         router = block_router(module)
         weight = router_weight(router) if router is not None else None
         router_name = ""  # no top-k router whose rows are these experts: the experts' channels only
-        if (
+        if (  # one row per expert (Inkling: then one per 3-D shared expert, see shared_router_rows)
             router is not None
             and weight is not None
-            and weight[1].shape[0] == cast(Tensor, experts.gate_up_proj).shape[0]
+            and weight[1].shape[0] == cast(Tensor, experts.down_proj).shape[0] + shared_router_rows(module)
         ):
             router_name = next(n for n, c in module.named_children() if c is router)
         prefixes.add(match["prefix"])
@@ -281,9 +298,12 @@ def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[
     """Whether the blocks' ``shared_experts`` MLPs have a width of their own, not a multiple of the experts' width.
 
     DeepSeek's shared experts are ``n_shared_experts`` experts wide (their channels join the experts' units); a
-    shared MLP whose width is no multiple of the experts' (MiniMax-M3's ``shared_intermediate_size``) is a cluster of
-    its own.
+    shared MLP whose width is no multiple of the experts' (MiniMax-M3's ``shared_intermediate_size``), or whose width
+    the config holds in a field of its own (Nemotron-H's ``moe_shared_expert_intermediate_size``, Ergo's
+    ``shared_intermediate_size``: :data:`~lightning_pat.shrink.experts.SHARED_WIDTH_FIELDS`), is a cluster of its own.
     """
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    fields = {v for f in SHARED_WIDTH_FIELDS if isinstance(v := getattr(config, f, None), int)}
     for layer, block, _, fused in blocks:
         module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
         shared = getattr(module, "shared_experts", None) or getattr(module, "shared_mlp", None)
@@ -292,9 +312,29 @@ def _own_width_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[
         if not isinstance(down, nn.Linear) or not isinstance(experts, nn.Module):
             continue
         width = cast(Tensor, experts.down_proj).shape[fused.down_channels]
-        if down.in_features % width:
+        if down.in_features % width or down.in_features in fields:
             return True
     return False
+
+
+def _fused_shared_experts(model: nn.Module, prefix: str, blocks: list[tuple[str, str, str, FusedLayout]]) -> bool:
+    """Whether the blocks' ``shared_experts`` are 3-D shared experts of the routed experts' width (Inkling's).
+
+    Their config builds both widths from one field (``moe_intermediate_size``), so their channels join the experts'
+    (:func:`~lightning_pat.shrink.experts.fused_shared`).
+    """
+    found = False
+    for layer, block, _, fused in blocks:
+        module = model.get_submodule(f"{prefix}layers.{layer}.{block}")
+        shared = getattr(module, "shared_experts", None)
+        counts = fused_shared(shared) if isinstance(shared, nn.Module) else None
+        if counts is None:
+            continue
+        width = cast(Tensor, cast(nn.Module, module.experts).down_proj).shape[fused.down_channels]
+        if counts[1] != width:
+            return False
+        found = True
+    return found
 
 
 def _mla_heads(model: nn.Module, names: list[str], prefix: str) -> int | None:
@@ -397,12 +437,12 @@ def moe(
         (has(rf"{block}\.shared_experts\.down_proj\.weight") and not own_width)
         or (  # Llama 4: the experts' width
             has(rf"{block}\.shared_expert\.down_proj\.weight")
-            and not hasattr(config, "shared_expert_intermediate_size")
+            and not has_field(config, "shared_expert_intermediate_size")
         )
         or (  # Hunyuan-MoE: the experts' width times num_shared_expert
             has(rf"{block}\.shared_mlp\.down_proj\.weight")
             and not own_width
-            and not hasattr(config, "shared_intermediate_size")
+            and not has_field(config, "shared_intermediate_size")
         )
     )
     shared = has(rf"{block}\.shared_expert\.down_proj\.weight") and not joint  # Qwen2-MoE: a width of its own
@@ -458,7 +498,8 @@ def moe(
         else []
     )
     if mlp:
-        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint)
+        tied = _fused_shared_experts(model, prefix, blocks)
+        writers, readers, head_dim = _gate_up(block, fused, joint_shared=joint, fused_shared=tied)
         mlps = [Cluster("mlp.{layer}", [per_layer + w for w in writers], [per_layer + r for r in readers],
                         head_dim=head_dim)]  # fmt: skip
         if has(r"mlp\.down_proj\.weight"):  # dense layers (DeepSeek's first_k_dense_replace)
@@ -492,7 +533,9 @@ def moe(
         first = model.get_submodule(f"{prefix}layers.{blocks[0][0]}.{block}")
         weight = router_weight(first.get_submodule(router))
         holder = f"{router}." + (weight[0].rsplit(".", 1)[0] + "." if weight and "." in weight[0] else "")
-        parts = [re.escape(holder) + "weight", r"experts\.gate_up_proj", r"experts\.down_proj"]
+        routed = cast(Tensor, first.get_submodule("experts").down_proj).shape[0]
+        rows = f"[0:{routed}]" if shared_router_rows(first) else ""  # Inkling: its last rows score shared experts
+        parts = [re.escape(holder) + "weight" + rows, rf"experts\.{fused.up}", r"experts\.down_proj"]
         for extra in ("bias", "e_score_correction_bias"):  # a per-expert selection bias held as a parameter
             if has(rf"{block}\.{re.escape(holder)}{extra}"):
                 parts.append(re.escape(holder) + extra)
@@ -500,7 +543,9 @@ def moe(
             if has(rf"{block}\.{extra}"):
                 parts.append(extra)
         if fused.bias:
-            parts += [r"experts\.gate_up_proj_bias", r"experts\.down_proj_bias"]
+            parts += [rf"experts\.{fused.up}_bias", r"experts\.down_proj_bias"]
+        for norm, _ in expert_norms(first.get_submodule("experts")):  # Ergo's per-expert output norm: its rows
+            parts.append(rf"experts\.{re.escape(norm)}\.weight")
         groups = expert_groups(first.get_submodule(router))
         out.append(Cluster("experts.{layer}", [rf"{per_layer}{block}\.{p}" for p in parts], unit_groups=groups))
     if not out:

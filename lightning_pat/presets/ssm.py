@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pat.core.spec import Cluster
+from lightning_pat.shrink.layer_config import config_value
 from lightning_pat.shrink.mixers import EXPAND_FIELDS, has_norm, mamba2_layout, mixer_kind
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ def _config_multiple(model: nn.Module, per_unit: int) -> int:
     1 where the config holds the width itself (Falcon-H1's ``mamba_d_ssm``) or has no expand field.
     """
     config = next((c for m in model.modules() if (c := getattr(m, "config", None)) is not None), None)
-    hidden = getattr(config, "hidden_size", None)
-    expand = [getattr(config, f, None) for f in EXPAND_FIELDS]
-    if isinstance(getattr(config, "mamba_d_ssm", None), int) or not isinstance(hidden, int) or hidden <= 0:
+    hidden = config_value(config, "hidden_size")
+    expand = [config_value(config, f) for f in EXPAND_FIELDS]
+    if isinstance(config_value(config, "mamba_d_ssm"), int) or not isinstance(hidden, int) or hidden <= 0:
         return 1
     if not any(isinstance(e, int) and not isinstance(e, bool) for e in expand):
         return 1

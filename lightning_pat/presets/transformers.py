@@ -18,6 +18,7 @@ from torch import nn
 from lightning_pat.core.checks import check_bool
 from lightning_pat.core.layers import LAYER_BUDGET
 from lightning_pat.core.spec import WRAPPER_NAMES, Cluster
+from lightning_pat.shrink.layer_config import config_value
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +202,10 @@ def _head_dim(model: nn.Module, module_name: str, preset: str) -> int:
         head_dim = None
     config = getattr(model, "config", None)
     if not isinstance(head_dim, int):
-        head_dim = getattr(config, "head_dim", None)
+        head_dim = config_value(config, "head_dim")
     if not isinstance(head_dim, int):
-        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-        num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        width = config_value(config, "hidden_size") or config_value(config, "n_embd")
+        num_heads = config_value(config, "num_attention_heads") or config_value(config, "n_head")
         head_dim = width // num_heads if isinstance(width, int) and isinstance(num_heads, int) else None
     if not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(

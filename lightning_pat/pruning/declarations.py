@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -24,7 +25,7 @@ from lightning_pat.discovery import discovered_clusters, outcome_from_json, outc
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.presets.registry import expand as expand_presets
 from lightning_pat.shrink.model_meta import NAMED_WIDTHS
-from lightning_pat.shrink.stock_config import stock_expressible
+from lightning_pat.shrink.stock_config import stock_expressible, tied_declarations
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def declarations_for(
     if discovers(module, clusters):
         return _discovered(module, example_input(module), preset_options)
     out = expand_presets(clusters if isinstance(clusters, str) else list(clusters), module, preset_options)
-    return stock_expressible(module, out) if _is_auto(clusters) else out
+    return stock_clusters(module, out) if _is_auto(clusters) else out
 
 
 def traced_declarations(
@@ -222,7 +223,7 @@ def _discovered(module: Any, example: Any, preset_options: Mapping[str, bool]) -
         )
     query_heads = _discovery_query_heads(module, preset_options)
     found = discovered_clusters(module, example, query_heads=query_heads)
-    return stock_expressible(module, per_layer_declarations(module, found))
+    return stock_clusters(module, per_layer_declarations(module, found))
 
 
 def _layer_template(cluster: Cluster) -> Cluster | None:
@@ -373,6 +374,128 @@ def per_layer_declarations(model: Any, clusters: list[Cluster]) -> list[Cluster]
     return out
 
 
+def _placeholders(name: str) -> set[str]:
+    return set(re.findall(r"\{([^}]*)\}", name))
+
+
+def _templated(decl: Cluster) -> Cluster | None:
+    """``decl`` if its name has placeholders, else named by its layer index (``None`` if it has none).
+
+    A discovered ``model.layers.0.feed_forward.gate_proj`` becomes ``model.layers.{layer}.feed_forward.gate_proj``
+    whose patterns hold the group ``layer`` pinned to ``0`` (:func:`_layer_template`): the same clusters, a name
+    template another declaration's name can replace.
+    """
+    if _placeholders(decl.name):
+        return decl
+    template = _layer_template(decl)
+    if template is None:
+        return None
+    index = next(part for part in decl.name.split(".") if part.isdigit())
+
+    def pin(patterns: list[str]) -> list[str]:
+        return [p.replace("(?P<layer>\\d+)", f"(?P<layer>{index})", 1) for p in patterns]
+
+    return dataclasses.replace(template, writers=pin(template.writers), readers=pin(template.readers))
+
+
+def _resolved_shape(model: Any, decl: Cluster) -> list[tuple[Any, ...]]:
+    """What ``decl`` resolves to, names and ``multiple_of`` aside (sorted)."""
+    found = [(rc.num_units, rc.unit_groups, rc.members) for rc in resolve_clusters(model, [decl])]
+    return sorted(found, key=repr)  # members do not order: two clusters of one unit count are sorted by their names
+
+
+def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict[int, str]]:
+    """Tied declarations (one stock config field sets their widths) as declarations of one label and one width.
+
+    The first declaration whose name has placeholders leads (else the first, named by its layer index); each other
+    is given its name (its own patterns, named by its layer index where its name had none: :func:`_templated`), so
+    that every cluster of the group is labelled as one declaration's (one group of the size solver, one ranked
+    budget), and all take the least common multiple of their ``multiple_of``: one ratio keeps one count of equal
+    unit counts.
+
+    Returns:
+        Index in ``decls`` -> the declaration it becomes (one left out is not among them), and index -> why that
+        declaration is left out (a unit count other than the leader's, or names that cannot be made one
+        declaration's).
+    """
+    lead_at = next((i for i, d in enumerate(decls) if _placeholders(d.name)), 0)
+    lead = _templated(decls[lead_at])
+    lead_name = decls[lead_at].name
+    if lead is None or _resolved_shape(model, lead) != _resolved_shape(model, decls[lead_at]):
+        lead = decls[lead_at]
+    counts = {(rc.num_units, rc.unit_groups) for rc in resolve_clusters(model, [lead])}
+    out, left_out = {lead_at: lead}, {}
+    for i, decl in enumerate(decls):
+        if i == lead_at:
+            continue
+        found = {(rc.num_units, rc.unit_groups) for rc in resolve_clusters(model, [decl])}
+        why = f"one field of the stock config sets its width and that of {lead_name!r}"
+        if len(counts) > 1 or found != counts:
+            left_out[i] = f"{why}, but it has {sorted(found)} units (and groups), {lead_name!r} {sorted(counts)}"
+            continue
+        renamed = _templated(decl)
+        if renamed is not None and _placeholders(renamed.name) == _placeholders(lead.name):
+            renamed = dataclasses.replace(renamed, name=lead.name)
+        try:
+            same = renamed is not None and _resolved_shape(model, renamed) == _resolved_shape(model, decl)
+            resolve_clusters(model, [*out.values(), renamed] if renamed is not None else list(out.values()))
+        except ValueError:
+            same = False
+        if not same or renamed is None or renamed.name != lead.name:
+            left_out[i] = f"{why}, but their clusters cannot be named as one declaration's"
+            continue
+        out[i] = renamed
+    multiple = math.lcm(*(d.multiple_of for d in out.values()))
+    return {i: dataclasses.replace(d, multiple_of=multiple) for i, d in out.items()}, left_out
+
+
+def tie_widths(model: Any, clusters: list[Cluster]) -> list[Cluster]:
+    """``clusters``, those whose widths one stock config field sets made to keep one width.
+
+    The ties are found by :func:`~lightning_pat.shrink.stock_config.tied_declarations`.
+
+    Jamba's dense MLPs and its experts' channels are both ``intermediate_size``: found as two declarations (a
+    discovered MLP, the MoE preset's expert channels), a ratio or a size target could keep two widths, which its
+    stock config cannot hold. Tied declarations become declarations of one label (one width for the size solver,
+    the callback's schedule and ranked widths) with one ``multiple_of`` (one count for a ratio); see :func:`_tie`.
+    One that cannot keep the others' width (other unit counts) is left out, with a warning: never an export stock
+    ``from_pretrained`` refuses.
+    """
+    groups = tied_declarations(model, clusters)
+    if not groups:
+        return clusters
+    names = [c.name for c in clusters]
+    keys = [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    out = list(clusters)
+    dropped: dict[int, str] = {}
+    for group in groups:
+        at = [keys.index(k) for k in group]
+        tied, left_out = _tie(model, [clusters[i] for i in at])
+        for j, decl in tied.items():
+            out[at[j]] = decl
+        dropped.update({at[j]: why for j, why in left_out.items()})
+        if len(tied) > 1:
+            log.info("clusters='auto': %s keep one width (one stock config field sets them; multiple_of=%d)",
+                     [clusters[at[j]].name for j in tied], next(iter(tied.values())).multiple_of)  # fmt: skip
+    reasons = {clusters[i].name: why for i, why in dropped.items()}
+    if reasons:
+        log.warning(
+            "clusters='auto': %d clusters of %s are not cut, because its stock config cannot hold their width beside "
+            "another's (stock from_pretrained could not load the result): %s. Declare them by hand and export with "
+            "lightning_pat.save_pretrained / load_pretrained to cut them anyway.",
+            len(reasons), type(model).__name__, "; ".join(f"{n}: {why}" for n, why in reasons.items()),
+        )  # fmt: skip
+    return [c for i, c in enumerate(out) if i not in dropped]
+
+
+def stock_clusters(model: Any, clusters: list[Cluster]) -> list[Cluster]:
+    """``clusters="auto"``'s declarations for a stock config: what it cannot express left out, tied widths made one.
+
+    :func:`~lightning_pat.shrink.stock_config.stock_expressible`, then :func:`tie_widths`.
+    """
+    return tie_widths(model, stock_expressible(model, clusters))
+
+
 def _is_auto(clusters: object) -> bool:
     return isinstance(clusters, str) and clusters.lower() == "auto"
 
@@ -406,7 +529,7 @@ def auto_declarations(
         )
     query_heads = _discovery_query_heads(module, preset_options or {})
     found = discovered_clusters(module, example, query_heads=query_heads)
-    return stock_expressible(module, per_layer_declarations(module, found))
+    return stock_clusters(module, per_layer_declarations(module, found))
 
 
 def one_shot_declarations(
@@ -432,7 +555,7 @@ def one_shot_declarations(
         and any(isinstance(c, str) for c in clusters)
     ):  # preset names (e.g. "linear_chain", "auto"), as the callback accepts them
         out = expand_presets(clusters, module, options)
-        return stock_expressible(module, out) if _is_auto(clusters) else out
+        return stock_clusters(module, out) if _is_auto(clusters) else out
     if options and not _is_auto(auto):
         raise ValueError(f"`preset_options` {options} apply to preset names and 'auto' only; none was given.")
     return clusters  # type: ignore[return-value]  # declarations as given; the plan checks each entry

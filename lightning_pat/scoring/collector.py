@@ -18,6 +18,11 @@ at fixed points of a fit, and never needs to know which scorer it holds:
 * :meth:`~Collector.check_saved` (a saved entry checked against what this scorer holds, before anything of the
   state is applied) and :meth:`~Collector.check_layout` (the same without a scorer: only the entry's layout).
 
+A :class:`SummedStats` (:class:`~lightning_pat.scoring.layers.LayerStats`,
+:class:`~lightning_pat.scoring.experts.ExpertStats`) ends each selection the same way: its sums since the last one,
+one float64 vector, are summed over the ranks, scored and started again; :func:`summed_over_ranks` sums those of every
+such collector of a run in one collective.
+
 The checks raise :class:`~lightning_pat.core.state_fields.StateError` naming the state (``what``), the field, what
 was expected and what was found, like the core schema (:mod:`lightning_pat.core.state_schema`), which checks only the
 entries core readers use and leaves these to their owners. Pure torch and the rank helpers; no Lightning.
@@ -30,10 +35,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_pat.core.state_fields import FieldChecker, rank_entry
-from lightning_pat.parallel.comm import ranks
+from lightning_pat.parallel.comm import ranks, reduce
 from lightning_pat.parallel.executors import Evidence
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from typing_extensions import Self
 
 
@@ -168,6 +174,69 @@ class Collector(ABC):
             cls.check_entry(raw, FieldChecker(what), held=None)
 
 
+class SummedStats(Collector):
+    """A collector whose sums since the last selection are one float64 vector that a selection sums over the ranks.
+
+    Subclasses keep the sums in ``_sum`` and ``_count`` and define :meth:`stacked` (this rank's vector) and
+    :meth:`scores` (from the vector summed over ranks); :meth:`take_scores` scores a summed vector and starts the sums
+    again, :meth:`summed_scores` does both for this collector alone.
+    """
+
+    _sum: dict[str, Tensor]
+    _count: dict[str, Tensor]
+
+    @property
+    def scored(self) -> bool:
+        """Whether it has units to score (else a selection reads no scores from it and sums nothing)."""
+        return True
+
+    @abstractmethod
+    def stacked(self) -> Tensor:
+        """This rank's sums since the last selection as one 1-D float64 vector (the same length on every rank)."""
+
+    @abstractmethod
+    def scores(self, summed: Tensor | None = None) -> dict[str, Tensor] | None:
+        """Cluster name -> float64 scores; ``None`` if nothing was seen since the last selection.
+
+        Args:
+            summed: :meth:`stacked` summed over ranks; ``None`` uses this rank's sums.
+        """
+
+    def take_scores(self, summed: Tensor | None) -> dict[str, Tensor] | None:
+        """:meth:`scores` of ``summed`` (its entry of :func:`summed_over_ranks`); then the sums start again.
+
+        ``None`` (nothing to score, see :attr:`scored`) gives ``None``.
+
+        Raises:
+            ValueError: As :meth:`scores` raises it.
+        """
+        if summed is None:
+            return None
+        try:
+            return self.scores(summed)
+        finally:
+            self._sum, self._count = {}, {}
+
+    def summed_scores(self) -> dict[str, Tensor] | None:
+        """:meth:`scores` from the sums of every rank (one collective when distributed); then the sums start again.
+
+        Raises:
+            ValueError: As for :meth:`scores`.
+        """
+        return self.take_scores(summed_over_ranks(self)[0])
+
+
+def summed_over_ranks(*stats: SummedStats | None) -> list[Tensor | None]:
+    """Each collector's :meth:`~SummedStats.stacked` summed over the world's ranks, all in one collective.
+
+    The vectors are packed into one (:func:`~lightning_pat.parallel.comm.reduce.sum_packed_over_ranks`), with the bits
+    of one sum each. ``None`` for a ``None`` collector and one with nothing to score (:attr:`~SummedStats.scored`).
+    """
+    mine = [s.stacked() if s is not None and s.scored else None for s in stats]
+    summed = iter(reduce.sum_packed_over_ranks([v for v in mine if v is not None], group=ranks.world_group()))
+    return [None if v is None else next(summed) for v in mine]
+
+
 def entries(raw: object, check: FieldChecker, key: str) -> list[tuple[str, Mapping[str, Any]]]:
     """The per-rank entries of a saved list under ``key``, each as ``(its field name, the mapping)``.
 
@@ -188,4 +257,4 @@ def entries(raw: object, check: FieldChecker, key: str) -> list[tuple[str, Mappi
     return out
 
 
-__all__ = ["Collector", "entries"]
+__all__ = ["Collector", "SummedStats", "entries", "summed_over_ranks"]

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from lightning_pat.core.spec import ResolvedCluster
 from lightning_pat.core.state_fields import FieldChecker
-from lightning_pat.parallel.comm import dtensor, ranks, reduce
-from lightning_pat.scoring.collector import Collector, entries
+from lightning_pat.parallel.comm import dtensor
+from lightning_pat.scoring.collector import SummedStats, entries
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 #: The data scores of an expert (see the module docs).
@@ -42,14 +42,24 @@ ExpertScore = Literal["reap", "reap_sum", "frequency"]
 EXPERT_DATA_SCORES: tuple[str, ...] = ("reap", "reap_sum", "frequency")
 
 
+def _in_projection(module: nn.Module) -> str | None:
+    """The name of a fused experts module's 3-D in-projection: ``gate_up_proj``, or ``up_proj`` (gate-less experts)."""
+    params = module._parameters  # noqa: SLF001 - this module's own parameters
+    down = params.get("down_proj")
+    if not isinstance(down, Tensor) or down.dim() != 3:
+        return None
+    found = [a for a in ("gate_up_proj", "up_proj") if isinstance(t := params.get(a), Tensor) and t.dim() == 3]
+    if found == ["up_proj"] and set(params) - {"up_proj", "down_proj", "up_proj_bias", "down_proj_bias"}:
+        return None  # a gate of its own (Inkling's shared experts' gate_proj), not a gate-less experts module
+    return found[0] if len(found) == 1 else None
+
+
 def expert_modules(model: nn.Module, clusters: Sequence[ResolvedCluster]) -> dict[str, nn.Module]:
-    """Cluster name -> the fused experts module whose experts are the cluster's units (``gate_up_proj`` on dim 0)."""
+    """Cluster name -> the fused experts module whose experts are the cluster's units (its in-projection on dim 0)."""
     owners = {
-        f"{name}.gate_up_proj" if name else "gate_up_proj": module
+        f"{name}.{up}" if name else up: module
         for name, module in model.named_modules()
-        if isinstance(module._parameters.get("gate_up_proj"), Tensor)  # noqa: SLF001 - this module's own parameter
-        and isinstance(module._parameters.get("down_proj"), Tensor)  # noqa: SLF001
-        and module._parameters["gate_up_proj"].dim() == 3  # noqa: SLF001
+        if (up := _in_projection(module)) is not None
     }
     out = {}
     for rc in clusters:
@@ -65,17 +75,24 @@ def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
     ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``, or transposed (``is_transposed``, gpt-oss:
     ``(E, H, 2I)`` and ``(E, I, H)``), with their biases where the module has them; the gate is the module's own
     ``_apply_gate`` (transformers' experts: halves or interleaved, its activation), else ``act_fn`` on the first half.
+    Gate-less experts (Nemotron-H, Ergo) hold ``up_proj`` (``(E, I, H)``, transposed ``(E, H, I)``) and apply
+    ``act_fn`` to it alone; a per-expert norm after the expert (Ergo's ``post_expert_norm``, called with the expert
+    ids) is part of its output.
     """
     params = module._parameters  # noqa: SLF001 - this module's own parameters
-    gate_up: Tensor = params["gate_up_proj"]  # type: ignore[assignment]
+    name = _in_projection(module) or "gate_up_proj"
+    gate_up: Tensor = params[name]  # type: ignore[assignment]
     down: Tensor = params["down_proj"]  # type: ignore[assignment]
+    parts = 2 if name == "gate_up_proj" else 1
     flag = getattr(module, "is_transposed", None)  # else from the shapes: (E, H, 2I) and (E, I, H) (Llama 4)
-    transposed = flag is True or (flag is None and down.shape[1] * 2 == gate_up.shape[2])
+    transposed = flag is True or (flag is None and down.shape[1] * parts == gate_up.shape[2])
     h = x_TH @ gate_up[e] if transposed else nn.functional.linear(x_TH, gate_up[e])
-    if params.get("gate_up_proj_bias") is not None:
-        h = h + params["gate_up_proj_bias"][e]  # type: ignore[index]
+    if params.get(f"{name}_bias") is not None:
+        h = h + params[f"{name}_bias"][e]  # type: ignore[index]
     apply_gate = getattr(module, "_apply_gate", None)
-    if callable(apply_gate):
+    if parts == 1:
+        h = module.act_fn(h)  # type: ignore[operator]
+    elif callable(apply_gate):
         h = apply_gate(h)
     else:
         gate, up = h.chunk(2, dim=-1)
@@ -83,6 +100,9 @@ def expert_output(module: nn.Module, x_TH: Tensor, e: int) -> Tensor:
     out = h @ down[e] if transposed else nn.functional.linear(h, down[e])
     if params.get("down_proj_bias") is not None:
         out = out + params["down_proj_bias"][e]  # type: ignore[index]
+    norm = getattr(module, "post_expert_norm", None)
+    if isinstance(norm, nn.Module):  # Ergo: each expert's own RMSNorm scale, indexed by the expert ids
+        out = norm(out, torch.full(out.shape[:1], e, dtype=torch.long, device=out.device))
     return out
 
 
@@ -204,10 +224,10 @@ def expert_scores(
     return {name: rank_scores(sums[name], counts[name], kind) for name in scored}
 
 
-class ExpertStats(TrainingForwardHooks, Collector):
+class ExpertStats(TrainingForwardHooks, SummedStats):
     """Per-expert token counts and router-weighted output norms from the training forwards of a run.
 
-    A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``expert_scores`` entry (only a run with
+    A :class:`~lightning_pat.scoring.collector.SummedStats` of the state's ``expert_scores`` entry (only a run with
     expert clusters and a data ``expert_score`` writes it; a state without it starts empty). One forward pre-hook per
     fused experts module (:func:`expert_modules`) reads each training forward's routing (:func:`observe_call`); a
     batch's sums are kept once a real optimizer step applied it (the micro-batches of an accumulated step wait for
@@ -315,6 +335,11 @@ class ExpertStats(TrainingForwardHooks, Collector):
         return {name: n for name, c in self._count.items() if (n := int(c.sum()))}
 
     # ------------------------------------------------------------------ scores
+    @property
+    def scored(self) -> bool:
+        """Whether the model has fused experts to score (else a selection sums nothing and reads no scores)."""
+        return bool(self.units)
+
     def stacked(self) -> Tensor:
         """``[2 sum(E)]`` float64: every cluster's per-expert sums, then its token counts (0 where none)."""
         device = next((t.device for t in self._sum.values()), torch.device("cpu"))
@@ -363,20 +388,6 @@ class ExpertStats(TrainingForwardHooks, Collector):
                 out[name] = rank_scores(sums, counts, self.kind)
         self.last = {name: s.clone() for name, s in out.items()}
         return out
-
-    def summed_scores(self) -> dict[str, Tensor] | None:
-        """:meth:`scores` from the sums of every rank (one collective when distributed); then the sums start again.
-
-        Raises:
-            ValueError: As for :meth:`scores`.
-        """
-        if not self.units:
-            return None
-        summed = reduce.sum_over_ranks(self.stacked(), group=ranks.world_group())
-        try:
-            return self.scores(summed)
-        finally:
-            self._sum, self._count = {}, {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from lightning_pat.core.layers import is_layer_cluster, layer_prefix
 from lightning_pat.core.spec import Cluster, ResolvedCluster, ensure_resolved
 from lightning_pat.core.state_fields import FieldChecker
-from lightning_pat.parallel.comm import dtensor, ranks, reduce
-from lightning_pat.scoring.collector import Collector, entries
+from lightning_pat.parallel.comm import dtensor
+from lightning_pat.scoring.collector import SummedStats, entries
 from lightning_pat.scoring.hooks import TrainingForwardHooks, run_batches
 
 
@@ -102,10 +102,10 @@ def _hidden_pair(args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any) 
     return x, y
 
 
-class LayerStats(TrainingForwardHooks, Collector):
+class LayerStats(TrainingForwardHooks, SummedStats):
     r"""Running sums of ``cos(input, output)`` per layer unit's decoder layer, and the scores built from them.
 
-    A :class:`~lightning_pat.scoring.collector.Collector` of the state's ``layer_scores`` entry: the ranks' sums since
+    A :class:`~lightning_pat.scoring.collector.SummedStats` of the state's ``layer_scores`` entry: the ranks' sums since
     the last selection in rank order (each whole: a rank beyond the saved ones resumes rank 0's).
 
     Args:
@@ -237,18 +237,6 @@ class LayerStats(TrainingForwardHooks, Collector):
         per_module = dict(zip(self.modules, (1.0 - sums / counts).tolist(), strict=True))
         self.last = {c: per_module[p] for c, p in self.layers.items()}
         return {c: torch.tensor([s], dtype=torch.float64) for c, s in self.last.items()}
-
-    def summed_scores(self) -> dict[str, Tensor] | None:
-        """:meth:`scores` from the sums of every rank (one collective when distributed); then the sums start again.
-
-        Raises:
-            ValueError: As for :meth:`scores`.
-        """
-        summed = reduce.sum_over_ranks(self.stacked(), group=ranks.world_group())
-        try:
-            return self.scores(summed)
-        finally:
-            self._sum, self._count = {}, {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

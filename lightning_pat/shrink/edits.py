@@ -61,6 +61,7 @@ _DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("window_attention_v2", "logit_scale"): (0,),
     ("maxvit_attention", "relative_position_bias_table"): (1,),
     ("sinks_attention", "sinks"): (0,),  # one logit per query head (gpt-oss): cut with the head
+    ("scale", "scale"): (0,),  # a module holding only a per-head scale (Inkling 2's ScaledL2Clip): cut with the head
     **CONV_DIMS,
     **EXPERT_DIMS,
     **MIXER_DIMS,

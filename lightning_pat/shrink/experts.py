@@ -5,15 +5,24 @@ Qwen2/3-MoE, OLMoE, GraniteMoE, PhiMoE, FlexOlmo, MiniMax-M2, Cohere2-MoE) hold 
 ``(E, 2 * I, H)`` (the gate rows ``[0, I)``, then the up rows ``[I, 2 * I)``) and ``down_proj`` of shape
 ``(E, H, I)``; gpt-oss holds them transposed (``(E, H, 2 * I)`` and ``(E, I, H)``, the module's ``is_transposed``),
 gate and up interleaved (gate ``2c``, up ``2c + 1``: ``is_concatenated`` false) and with biases
-``gate_up_proj_bias`` ``(E, 2 * I)`` and ``down_proj_bias`` ``(E, H)`` (:func:`fused_layout` reads which). The
+``gate_up_proj_bias`` ``(E, 2 * I)`` and ``down_proj_bias`` ``(E, H)``. Gate-less experts (Nemotron-H, Ergo: an
+activation of one up projection, ``has_gate`` false) hold ``up_proj`` ``(E, I, H)`` instead, or transposed
+``(E, H, I)`` (Ergo), and may hold per-expert tensors in a child (Ergo's ``post_expert_norm``, a norm weight
+``(E, H)`` per expert). :func:`fused_layout` reads which from the shapes (and the module's flags). The
 router next to it holds ``weight`` of shape ``(E, H)`` (and gpt-oss a ``bias`` ``(E,)``). The shrink may cut
 
 * whole experts: dim 0 of every fused weight and bias and the router's rows, the same experts everywhere
   (``num_experts`` of the experts, the router and the block follow; ``top_k`` becomes ``min(top_k, experts kept)``;
-  a block's per-expert ``e_score_correction_bias`` buffer, MiniMax-M2's, keeps the kept experts' entries);
+  a block's per-expert ``e_score_correction_bias`` buffer, MiniMax-M2's, keeps the kept experts' entries; a
+  per-expert norm's rows, Ergo's);
 * the intermediate channels of every expert: ``gate_up_proj``'s channel dim (the same channels in its gate and up
-  parts) with its bias, and ``down_proj``'s (``intermediate_dim`` / ``intermediate_size`` follows);
+  parts; ``up_proj``'s in gate-less experts) with its bias, and ``down_proj``'s (``intermediate_dim`` /
+  ``intermediate_size`` follows);
 * the residual: the hidden dims, the router's columns (``hidden_dim`` follows).
+
+Shared experts held as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)`` next to the routed
+ones (Inkling's, :func:`fused_shared`) have their channels cut; a router that also scores them (``E + S`` rows, the
+shared experts' last: :func:`shared_router_rows`) loses only routed experts' rows.
 
 A model's config gets the expert count (``num_local_experts`` / ``num_experts``, Aria's ``moe_num_experts``),
 ``num_experts_per_tok`` (Aria's ``moe_topk``) and the
@@ -34,6 +43,7 @@ from torch import Tensor, nn
 
 from lightning_pat.core.routing import is_router, router_weight
 from lightning_pat.shrink.cuts import Edit
+from lightning_pat.shrink.layer_config import config_value, has_field
 
 #: (kind, attribute) -> dims that may be cut.
 EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -41,6 +51,10 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("experts", "down_proj"): (0, 1, 2),
     ("experts", "gate_up_proj_bias"): (0, 1),
     ("experts", "down_proj_bias"): (0, 1),
+    ("experts", "up_proj"): (0, 1, 2),  # gate-less experts (Nemotron-H, Ergo)
+    ("experts", "up_proj_bias"): (0, 1),
+    # a per-expert norm inside an experts module (Ergo's ``post_expert_norm``: one ``(E, H)`` weight)
+    ("expert_norm", "weight"): (0, 1),
     ("router", "weight"): (0, 1),
     ("router", "bias"): (0,),
     ("router", "e_score_correction_bias"): (0,),  # a parameter in Laguna (a buffer elsewhere: PER_EXPERT_BUFFERS)
@@ -53,6 +67,9 @@ EXPERT_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("stacked_experts", "w2"): (0,),
     # JetMoE: one 3-D ``weight`` ``(E, out, in)`` per projection (see :func:`parallel_experts`)
     ("parallel_experts", "weight"): (0, 1, 2),
+    # Inkling: shared experts as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)``
+    # (see :func:`fused_shared`): their channels (and the residual) are cut, never a shared expert
+    **{("fused_shared", a): (1, 2) for a in ("gate_proj", "up_proj", "down_proj")},
 }
 #: The kinds this module rewrites.
 EXPERT_KINDS: frozenset[str] = frozenset(kind for kind, _ in EXPERT_DIMS)
@@ -69,6 +86,13 @@ STACKED_WIDTHS = ("ffn_hidden_size",)
 STACKED_TOP_K = ("moe_top_k", "top_k")
 #: Config fields holding the routed experts' width, the first the config has (else ``intermediate_size``).
 EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "expert_ffn_hidden_size")
+#: Config fields holding a shared expert's own width (Qwen2-MoE, GraniteMoE-shared, Ergo, Nemotron-H, Dots3).
+SHARED_WIDTH_FIELDS = (
+    "shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "shared_experts_intermediate_size",
+)
 
 
 @dataclass(frozen=True)
@@ -80,15 +104,28 @@ class FusedLayout:
             and ``(E, H, I)``.
         interleaved: Gate and up channels alternate (gate ``2c``, up ``2c + 1``), not two halves.
         bias: The module holds ``gate_up_proj_bias`` ``(E, 2I)`` and ``down_proj_bias`` ``(E, H)``.
+        gated: The in-projection holds a gate and an up part (``gate_up_proj``, ``2I`` channels); else it is
+            ``up_proj`` alone (``I`` channels: Nemotron-H's and Ergo's gate-less experts).
     """
 
     transposed: bool = False
     interleaved: bool = False
     bias: bool = False
+    gated: bool = True
+
+    @property
+    def up(self) -> str:
+        """The name of the in-projection: ``gate_up_proj``, or ``up_proj`` in gate-less experts."""
+        return "gate_up_proj" if self.gated else "up_proj"
+
+    @property
+    def parts(self) -> int:
+        """How many channels of the in-projection one intermediate channel holds: 2 (gate and up), or 1."""
+        return 2 if self.gated else 1
 
     @property
     def gate_up_channels(self) -> int:
-        """The dim of ``gate_up_proj`` that holds the gate and up channels."""
+        """The dim of the in-projection (:attr:`up`) that holds the gate and up channels."""
         return 2 if self.transposed else 1
 
     @property
@@ -98,7 +135,7 @@ class FusedLayout:
 
     @property
     def gate_up_hidden(self) -> int:
-        """The hidden (residual) dim of ``gate_up_proj``."""
+        """The hidden (residual) dim of the in-projection (:attr:`up`)."""
         return 1 if self.transposed else 2
 
     @property
@@ -108,26 +145,35 @@ class FusedLayout:
 
 
 def fused_layout(module: nn.Module) -> FusedLayout | None:
-    """The layout of a fused experts module (``gate_up_proj`` and ``down_proj`` 3-D, consistent shapes), or ``None``.
+    """The layout of a fused experts module (``gate_up_proj`` or ``up_proj``, and ``down_proj``, 3-D), or ``None``.
 
-    ``is_transposed`` / ``is_concatenated`` are read from the module (transformers' experts decorator sets them); a
-    module without ``is_transposed`` (Llama 4's experts) is transposed when only that reading fits the shapes.
+    Which dim holds the experts (0), the hidden size and the channels is read from the shapes: ``down_proj`` is
+    ``(E, H, I)`` or, transposed, ``(E, I, H)``, and the in-projection reads the same ``H`` and writes ``2I``
+    (``gate_up_proj``) or ``I`` (``up_proj``, gate-less experts: then the module holds nothing else but biases).
+    ``is_transposed`` / ``is_concatenated`` are read from the module where it has them (transformers' experts
+    decorator sets them); a module without ``is_transposed`` (Llama 4's experts) is transposed when only that reading
+    fits the shapes.
     """
     params = module._parameters  # noqa: SLF001 - this module's own parameters only
-    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    name = "gate_up_proj" if params.get("gate_up_proj") is not None else "up_proj"
+    gate_up, down = params.get(name), params.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return None
-    interleaved = getattr(module, "is_concatenated", True) is False
+    gated = name == "gate_up_proj"
+    if not gated and set(params) - {"up_proj", "down_proj", "up_proj_bias", "down_proj_bias"}:
+        return None  # a gate of its own (Inkling's shared experts: gate_proj, up_proj, down_proj), not gate-less
+    parts = 2 if gated else 1
+    interleaved = gated and getattr(module, "is_concatenated", True) is False
     num, a, b = gate_up.shape
     flag = getattr(module, "is_transposed", None)  # transformers' experts decorator; else read from the shapes
     for transposed in (True, False) if flag is None else (flag is True,):
         hidden, double = (a, b) if transposed else (b, a)
-        want = (num, double // 2, hidden) if transposed else (num, hidden, double // 2)
-        if double % 2 == 0 and tuple(down.shape) == want:
+        want = (num, double // parts, hidden) if transposed else (num, hidden, double // parts)
+        if double % parts == 0 and tuple(down.shape) == want:
             break
     else:
         return None
-    gate_up_bias, down_bias = params.get("gate_up_proj_bias"), params.get("down_proj_bias")
+    gate_up_bias, down_bias = params.get(f"{name}_bias"), params.get("down_proj_bias")
     bias = gate_up_bias is not None or down_bias is not None
     if bias and (
         gate_up_bias is None
@@ -136,7 +182,34 @@ def fused_layout(module: nn.Module) -> FusedLayout | None:
         or tuple(down_bias.shape) != (num, hidden)
     ):
         return None
-    return FusedLayout(transposed=transposed, interleaved=interleaved, bias=bias)
+    return FusedLayout(transposed=transposed, interleaved=interleaved, bias=bias, gated=gated)
+
+
+def expert_norms(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, child)`` of a fused experts module's per-expert norms: children holding one ``(E, H)`` ``weight``.
+
+    Ergo's ``post_expert_norm`` (an RMSNorm scale per expert, applied to each expert's output): its rows go with
+    whole experts, its columns with the hidden size.
+    """
+    layout = fused_layout(module)
+    if layout is None:
+        return []
+    num = cast(Tensor, module._parameters["down_proj"]).shape[0]  # noqa: SLF001 - its own parameter
+    hidden = cast(Tensor, module._parameters["down_proj"]).shape[layout.down_hidden]  # noqa: SLF001
+    return [(n, c) for n, c in module.named_children() if is_expert_norm(c) and _shape(c, "weight") == (num, hidden)]
+
+
+def is_expert_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm holding one 2-D ``weight`` of scales per expert and nothing else (Ergo's)."""
+    own = module._parameters  # noqa: SLF001 - this module's own parameters only
+    weight = own.get("weight")
+    return (
+        type(module).__name__.endswith("Norm")
+        and set(own) == {"weight"}
+        and weight is not None
+        and weight.dim() == 2
+        and not any(True for _ in module.children())
+    )
 
 
 def stacked_experts(module: nn.Module) -> tuple[int, int] | None:
@@ -195,19 +268,61 @@ def parallel_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, b
     return out
 
 
+def fused_shared(module: nn.Module) -> tuple[int, int] | None:
+    """``(S, I)`` of shared experts held as 3-D ``gate_proj``/``up_proj`` ``(S, I, H)`` and ``down_proj`` ``(S, H, I)``.
+
+    Inkling's ``shared_experts``: ``S`` experts of the routed experts' width ``I`` (its config builds both from
+    ``moe_intermediate_size``), each computing ``down @ (act(gate @ x) * up @ x)``. ``None`` for any other module.
+    """
+    params = [module._parameters.get(a) for a in ("gate_proj", "up_proj", "down_proj")]  # noqa: SLF001 - its own
+    if any(p is None or p.dim() != 3 for p in params):
+        return None
+    gate, up, down = cast("list[Tensor]", params)
+    num, width, hidden = gate.shape
+    if tuple(up.shape) != (num, width, hidden) or tuple(down.shape) != (num, hidden, width):
+        return None
+    return int(num), int(width)
+
+
+def shared_router_rows(block: nn.Module) -> int:
+    """How many rows a MoE block's router has after its routed experts', scoring its 3-D shared experts; else 0.
+
+    Inkling's router scores ``E`` routed experts and then its ``S`` shared experts (their weights in the same softmax,
+    ``shared_expert_sink``): ``E + S`` rows, the block's ``shared_experts`` holding ``S`` (:func:`fused_shared`). A
+    whole routed expert is its row ``e < E``; the last ``S`` rows stay.
+    """
+    experts, shared = getattr(block, "experts", None), getattr(block, "shared_experts", None)
+    router = block_router(block)
+    found = router_weight(router) if router is not None else None
+    if not isinstance(experts, nn.Module) or not is_fused_experts(experts) or found is None:
+        return 0
+    num = _shape(experts)[0]
+    extra = found[1].shape[0] - num
+    counts = fused_shared(shared) if isinstance(shared, nn.Module) else None
+    return extra if counts is not None and extra == counts[0] > 0 else 0
+
+
 def is_fused_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds fused 3-D ``gate_up_proj`` and ``down_proj`` (see :func:`fused_layout`)."""
+    """Whether ``module`` holds fused 3-D ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` (:func:`fused_layout`)."""
     return fused_layout(module) is not None
 
 
 def experts_kind(module: nn.Module) -> str | None:
-    """``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself) or ``None``."""
+    """The expert rule of ``module``, or ``None``.
+
+    ``"experts"``, ``"router"``, ``"moe_block"`` (a block holding per-expert parameters itself), ``"expert_norm"``
+    (:func:`is_expert_norm`), ``"stacked_experts"``, ``"parallel_experts"``.
+    """
     if is_fused_experts(module):
         return "experts"
+    if fused_shared(module) is not None:
+        return "fused_shared"
     if stacked_experts(module) is not None:
         return "stacked_experts"
     if parallel_experts(module):
         return "parallel_experts"
+    if is_expert_norm(module):
+        return "expert_norm"
     if is_router(module):
         return "router"
     experts = getattr(module, "experts", None)
@@ -240,8 +355,10 @@ def _cut(edit: Edit | None, attr: str, dim: int, length: int) -> Tensor:
     return torch.arange(length)
 
 
-def _gate_and_up(rows: Tensor, half: int, interleaved: bool) -> tuple[Tensor, Tensor]:
-    """The intermediate channels kept in the gate part and in the up part of ``gate_up_proj``."""
+def _gate_and_up(rows: Tensor, half: int, interleaved: bool, *, gated: bool = True) -> tuple[Tensor, Tensor]:
+    """The intermediate channels kept in the gate part and in the up part of ``gate_up_proj`` (``up_proj``: both)."""
+    if not gated:
+        return rows, rows
     if interleaved:
         return rows[rows % 2 == 0] // 2, rows[rows % 2 == 1] // 2
     return rows[rows < half], rows[rows >= half] - half
@@ -347,14 +464,18 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
         e_edit, r_edit = edits.get(id(experts)), edits.get(id(holder)) if holder is not None else None
         if e_edit is None and r_edit is None:
             continue
-        num = experts.gate_up_proj.shape[0]
-        double = experts.gate_up_proj.shape[layout.gate_up_channels]
-        attrs = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()))
+        up = layout.up
+        num = _shape(experts, up)[0]
+        double = _shape(experts, up)[layout.gate_up_channels]
+        attrs = (up, "down_proj", *((f"{up}_bias", "down_proj_bias") if layout.bias else ()))
         kept = {f"experts.{a}": _cut(e_edit, a, 0, num) for a in attrs}
+        for norm_name, norm in expert_norms(experts):
+            kept[f"experts.{norm_name}.weight"] = _cut(edits.get(id(norm)), "weight", 0, num)
         if holder is not None:
-            kept["router.weight"] = _cut(r_edit, "weight", 0, num)
+            extra = shared_router_rows(block)
+            kept["router.weight"] = _routed_rows(name, _cut(r_edit, "weight", 0, num + extra), num, extra)
             if holder._parameters.get("bias") is not None:  # noqa: SLF001 - its own parameter
-                kept["router.bias"] = _cut(r_edit, "bias", 0, num)
+                kept["router.bias"] = _routed_rows(name, _cut(r_edit, "bias", 0, num + extra), num, extra)
         if any(not torch.equal(k, kept["experts.down_proj"]) for k in kept.values()):
             raise ValueError(
                 f"Shrink: MoE block {name!r} would keep different experts in {sorted(kept)} "
@@ -365,25 +486,41 @@ def check_experts(model: nn.Module, edits: Mapping[int, Edit]) -> None:
             raise ValueError(f"Shrink: MoE block {name!r} would keep no expert; keep at least one.")
         if router is not None:
             check_groups(name, router, kept["experts.down_proj"], num)
-        rows = _cut(e_edit, "gate_up_proj", layout.gate_up_channels, double)
-        gate, up = _gate_and_up(rows, double // 2, layout.interleaved)
-        down = _cut(e_edit, "down_proj", layout.down_channels, double // 2)
-        same = torch.equal(gate, up) and torch.equal(gate, down)
+        rows = _cut(e_edit, up, layout.gate_up_channels, double)
+        gate, up_rows = _gate_and_up(rows, double // 2, layout.interleaved, gated=layout.gated)
+        down = _cut(e_edit, "down_proj", layout.down_channels, double // layout.parts)
+        same = torch.equal(gate, up_rows) and torch.equal(gate, down)
         if layout.bias:
-            same = same and torch.equal(rows, _cut(e_edit, "gate_up_proj_bias", 1, double))
+            same = same and torch.equal(rows, _cut(e_edit, f"{up}_bias", 1, double))
             hidden = experts.down_proj.shape[layout.down_hidden]
             same = same and torch.equal(
                 _cut(e_edit, "down_proj", layout.down_hidden, hidden), _cut(e_edit, "down_proj_bias", 1, hidden)
             )
         if not same:
-            where = f"gate_up_proj@{layout.gate_up_channels}"
+            where = f"{up}@{layout.gate_up_channels}"
             parts = f"`{where}` (block 2)" if layout.interleaved else f"`{where}[0/2]`, `{where}[1/2]`"
+            parts = parts if layout.gated else f"`{where}`"  # gate-less: channel c of up_proj alone
             raise ValueError(
                 f"Shrink: MoE block {name!r} would cut different intermediate channels in the gate and up parts of "
-                f"`experts.gate_up_proj` (dim {layout.gate_up_channels}), its bias and `experts.down_proj` (dim "
+                f"`experts.{up}` (dim {layout.gate_up_channels}), its bias and `experts.down_proj` (dim "
                 f"{layout.down_channels}); list {parts}, `down_proj@{layout.down_channels}` (and the biases) in one "
                 "cluster."
             )
+
+
+def _routed_rows(name: str, rows: Tensor, num: int, extra: int) -> Tensor:
+    """The routed experts' rows among a router's kept ``rows``; its ``extra`` last rows (shared experts') all kept.
+
+    Raises:
+        ValueError: If a shared expert's row would be cut.
+    """
+    if extra and not torch.equal(rows[rows >= num].cpu(), torch.arange(num, num + extra)):
+        raise ValueError(
+            f"Shrink: MoE block {name!r}'s router scores its {extra} shared experts in its last rows ({num} to "
+            f"{num + extra - 1}), which must stay; list only its first {num} rows (`weight[0:{num}]`) with the "
+            "experts."
+        )
+    return rows[rows < num]
 
 
 def expert_groups(router: nn.Module) -> int:
@@ -419,7 +556,7 @@ def check_groups(name: str, router: nn.Module, kept: Tensor, num: int) -> None:
         )
 
 
-def _shape(module: nn.Module, attr: str = "gate_up_proj") -> tuple[int, ...]:
+def _shape(module: nn.Module, attr: str = "down_proj") -> tuple[int, ...]:
     """The shape of one of ``module``'s own parameters."""
     return tuple(cast(Tensor, module._parameters[attr]).shape)  # noqa: SLF001 - its own parameter
 
@@ -439,11 +576,11 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
         if param is not None and param.shape != new_params[id(param)].shape:
             param.data = new_params[id(param)]
     if layout is not None:
-        shape = _shape(module)
+        shape = _shape(module, layout.up)
         num, double, hidden = shape[0], shape[layout.gate_up_channels], shape[layout.gate_up_hidden]
         _set_int(module, "num_experts", num)
         for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
-            _set_int(module, attr, double // 2)
+            _set_int(module, attr, double // layout.parts)
         for attr in ("hidden_dim", "hidden_size"):
             _set_int(module, attr, hidden)
     elif stacked is not None:  # the experts kept are those with a kept row; each keeps the same channels
@@ -460,6 +597,7 @@ def rewrite_experts(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
             _set_int(module, attr, value)
     elif edit.kind == "router":
         num, hidden = cast(Tensor, module.weight).shape
+        _set_int(module, "n_total_experts", num)  # Inkling: routed and shared (update_blocks sets num_experts)
         _set_int(module, "num_experts", num)
         _set_int(module, "hidden_dim", hidden)
         _set_int(module, "top_k", min(cast(int, module.top_k), num))
@@ -476,7 +614,7 @@ def _extra_router_rows(model: nn.Module) -> bool:
             continue
         router = block_router(block)
         found = router_weight(router) if router is not None else None
-        if found is not None and found[1].shape[0] != _shape(experts)[0]:
+        if found is not None and found[1].shape[0] != _shape(experts)[0] + shared_router_rows(block):
             return True
     return False
 
@@ -533,7 +671,7 @@ def update_blocks(model: nn.Module, edits: Mapping[int, Edit] | None = None) -> 
             if isinstance(top_k := getattr(module, "top_k", None), int):
                 _set_int(module, "top_k", min(top_k, num))
         edit = (edits or {}).get(id(experts))
-        kept = edit.cuts.get("gate_up_proj", {}).get(0) if edit is not None else None
+        kept = edit.cuts.get("down_proj", {}).get(0) if edit is not None else None
         for owner in (block, router) if router is not None else (block,):
             for attr in PER_EXPERT_BUFFERS:
                 buf = owner._buffers.get(attr)  # noqa: SLF001 - this module's own buffer
@@ -581,11 +719,11 @@ def _parallel_config(model: nn.Module, config: Any) -> dict[str, int | None]:
     widths = {_shape(b.get_submodule("output_linear"), "weight")[2] for _, b, _, gated in blocks if gated}
     out: dict[str, int | None] = {}
     for attr in EXPERT_COUNT_FIELDS:
-        if isinstance(getattr(config, attr, None), int):
+        if isinstance(config_value(config, attr), int):
             out[attr] = counts.pop() if len(counts) == 1 else None
             break
     for attr in TOP_K_FIELDS:
-        if isinstance(top_k := getattr(config, attr, None), int):
+        if isinstance(top_k := config_value(config, attr), int):
             out[attr] = min(top_k, *(_shape(b.get_submodule("input_linear"), "weight")[0] for _, b, _, _ in blocks))
     if widths:
         out["intermediate_size"] = widths.pop() if len(widths) == 1 else None
@@ -607,16 +745,16 @@ def expert_config(model: nn.Module) -> dict[str, int | None]:
     count = counts.pop() if len(counts) == 1 else None
     whole = _extra_router_rows(model)  # its experts are whole: their count and top-k stay
     for attr in () if whole else EXPERT_COUNT_FIELDS:
-        if isinstance(getattr(config, attr, None), int):
+        if isinstance(config_value(config, attr), int):
             out[attr] = count
     for attr in () if whole else TOP_K_FIELDS:
-        if isinstance(top_k := getattr(config, attr, None), int):
+        if isinstance(top_k := config_value(config, attr), int):
             out[attr] = min(top_k, fewest)
-    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if hasattr(config, a)), "intermediate_size")
+    width_attr = next((a for a in EXPERT_WIDTH_FIELDS if has_field(config, a)), "intermediate_size")
     out[width_attr] = widths.pop() if len(widths) == 1 else None
     shared = {d.in_features for m in shared_experts(model) if isinstance(d := getattr(m, "down_proj", None), nn.Linear)}
     shared |= _shared_mlp_widths(model)
-    for attr in ("shared_expert_intermediate_size", "shared_intermediate_size"):
-        if shared and isinstance(getattr(config, attr, None), int):
+    for attr in SHARED_WIDTH_FIELDS:
+        if shared and isinstance(config_value(config, attr), int):
             out[attr] = next(iter(shared)) if len(shared) == 1 else None
     return out

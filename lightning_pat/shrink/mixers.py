@@ -22,6 +22,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from lightning_pat.shrink.layer_config import config_value, has_field
+
 #: (kind, attribute) -> the dims of a mixer's own parameters that may be cut.
 MIXER_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("mamba_mixer", "A_log"): (0,),
@@ -127,7 +129,7 @@ def _rebuild_parts(module: nn.Module, name: str, old: tuple[int, ...], new: tupl
 
 def mixer_config(model: nn.Module, config: Any) -> dict[str, int]:
     """The config fields of the model's mixers with their new values (uniform across layers; else left out)."""
-    hidden = getattr(config, "hidden_size", None)
+    hidden = config_value(config, "hidden_size")
     ones = [m for m in model.modules() if mixer_kind(m) == "mamba_mixer"]
     twos = [m for m in model.modules() if mixer_kind(m) == "mamba2_mixer"]
     out: dict[str, int] = {}
@@ -135,20 +137,20 @@ def mixer_config(model: nn.Module, config: Any) -> dict[str, int]:
     if len(inners) == 1 and isinstance(hidden, int) and hidden > 0:
         inner = inners.pop()
         for field in EXPAND_FIELDS:
-            old = getattr(config, field, None)
+            old = config_value(config, field)
             if isinstance(old, (int, float)) and not isinstance(old, bool) and inner % hidden == 0:
                 out[field] = inner // hidden
-        old_inner = getattr(config, "intermediate_size", None)
-        expand = getattr(config, "expand", None)
+        old_inner = config_value(config, "intermediate_size")
+        expand = config_value(config, "expand")
         if ones and isinstance(expand, (int, float)) and old_inner == int(expand * hidden):
             out["intermediate_size"] = inner  # Mamba, Falcon-Mamba: derived from expand, read by the cache
-        if isinstance(getattr(config, "mamba_d_ssm", None), int):
+        if isinstance(config_value(config, "mamba_d_ssm"), int):
             out["mamba_d_ssm"] = inner  # Falcon-H1
     heads = {int(cast(Any, m).num_heads) for m in twos}
     groups = {int(cast(Any, m).n_groups) for m in twos}
     if len(heads) == 1 and len(groups) == 1:
         head_count, group_count = heads.pop(), groups.pop()
-        fields = [*HEAD_FIELDS, *(("num_heads",) if not hasattr(config, "num_attention_heads") else ())]
-        out.update((f, head_count) for f in fields if isinstance(getattr(config, f, None), int))
-        out.update((f, group_count) for f in GROUP_FIELDS if isinstance(getattr(config, f, None), int))
+        fields = [*HEAD_FIELDS, *(("num_heads",) if not has_field(config, "num_attention_heads") else ())]
+        out.update((f, head_count) for f in fields if isinstance(config_value(config, f), int))
+        out.update((f, group_count) for f in GROUP_FIELDS if isinstance(config_value(config, f), int))
     return out

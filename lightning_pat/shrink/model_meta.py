@@ -23,7 +23,15 @@ from lightning_pat.heads import (
     is_swin_v2_attention,
     mha_refusal,
 )
-from lightning_pat.shrink.experts import STACKED_TOP_K, expert_config, experts_kind, shared_experts, stacked_config
+from lightning_pat.shrink.experts import (
+    SHARED_WIDTH_FIELDS,
+    STACKED_TOP_K,
+    expert_config,
+    experts_kind,
+    shared_experts,
+    stacked_config,
+)
+from lightning_pat.shrink.layer_config import has_field, is_heterogeneous, layer_values, write_per_layer
 from lightning_pat.shrink.mixers import mixer_config, mixer_kind
 from lightning_pat.shrink.surgery_conv import conv_kind
 
@@ -57,7 +65,20 @@ def module_kind(module: nn.Module) -> str | None:
         return "maxvit_attention"
     if has_sinks(module):
         return "sinks_attention"
+    if is_scale(module):
+        return "scale"
     return conv_kind(module) or experts_kind(module) or mixer_kind(module)
+
+
+def is_scale(module: nn.Module) -> bool:
+    """Whether ``module`` holds one parameter of its own, ``scale``, and its children none (Inkling 2's per-head scale).
+
+    Inkling 2's ``ScaledL2Clip``: a ``(heads, head_dim)`` scale multiplied into the per-head query or relative states;
+    discovery makes its dim 0 a member where the product puts it on a channel axis (:attr:`~lightning_pat.discovery.
+    trace.Trace.per_head`), so the shrink cuts that dim.
+    """
+    own = [k for k, p in module._parameters.items() if p is not None]  # noqa: SLF001 - its own parameters
+    return own == ["scale"] and not any(True for c in module.children() for _ in c.parameters())
 
 
 def has_sinks(m: nn.Module) -> bool:
@@ -133,6 +154,22 @@ def fused_qkv_heads(m: nn.Module) -> tuple[int, int] | None:
     return n_q, rest // 2
 
 
+def nested_qkv_heads(m: nn.Module) -> tuple[int, int] | None:
+    """``(query heads, KV heads)`` of an attention whose ``q/k/v_proj`` are modules around an ``nn.Linear`` ``linear``.
+
+    Inkling 2's: each projection is its ``linear`` then a per-head norm or a short convolution; an int ``head_dim``.
+    ``None`` for any other module (separate ``nn.Linear`` projections included: :func:`is_qkv_attention`).
+    """
+    hd = getattr(m, "head_dim", None)
+    linears = [getattr(getattr(m, p, None), "linear", None) for p in ("q_proj", "k_proj", "v_proj")]
+    if not isinstance(hd, int) or isinstance(hd, bool) or hd <= 0 or is_qkv_attention(m):
+        return None
+    if not all(isinstance(lin, nn.Linear) for lin in linears):
+        return None
+    q, k = cast("list[nn.Linear]", linears)[:2]
+    return q.out_features // hd, k.out_features // hd
+
+
 def _set_fused_counts(module: nn.Module, n_q: int, n_kv: int) -> None:
     for attr in ("num_heads", "num_attention_heads", "n_head"):
         _set_if_int(module, attr, n_q)
@@ -174,7 +211,7 @@ def update_containers(model: nn.Module, hidden: tuple[int, int] | None) -> None:
             if n_kv and n_q % n_kv == 0:  # query heads cut inside their KV groups change the heads per group
                 for attr in ("num_key_value_groups", "n_rep"):
                     _set_if_int(module, attr, n_q // n_kv)
-        elif (fused := fused_qkv_heads(module)) is not None:
+        elif (fused := fused_qkv_heads(module) or nested_qkv_heads(module)) is not None:
             _set_fused_counts(module, *fused)
         elif is_gpt2_attention(module) and not hasattr(module, "q_attn"):
             gpt2: Any = module  # transformers' GPT2Attention (its Conv1D c_attn is not a type imported here)
@@ -267,12 +304,11 @@ KV_FIELDS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "
 MLP_WIDTHS = (
     "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "ffn_hidden_size", "inner_hidden_size",
     "first_dense_intermediate_size",  # Ergo's dense first layers (its other layers are mixtures of experts)
+    "mlp_only_intermediate_size",  # Kolibri 1.1's dense layers (mlp_only_layers)
 )  # fmt: skip
 #: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL;
 #: Qwen4-exp's hyper-connections, whose input mix is ``sigmoid(up(silu(down(x))))`` through ``hc_lowrank`` channels).
 NAMED_WIDTHS = {"laurel_rank": "laurel", "hc_lowrank": "hyper_connection"}
-#: Config fields holding a shared expert's width (its readers: ``shared_expert``/``shared_experts`` in the name).
-SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
 
 
 def _mlp_widths(
@@ -292,7 +328,7 @@ def _mlp_widths(
     _width_in_hiddens(config, mlp, hidden)
     _width_by_factor(config, mlp, hidden)
     _set_widths(config, MLP_WIDTHS, mlp, hidden)
-    _set_widths(config, SHARED_WIDTHS, shared, hidden)
+    _set_widths(config, SHARED_WIDTH_FIELDS, shared, hidden)  # readers: shared_expert(s) in the name
     for field, part in NAMED_WIDTHS.items():
         _set_widths(config, (field,), [(old, new) for name, old, new in reads if part in name], hidden)
 
@@ -383,6 +419,83 @@ def _width_in_hiddens(config: Any, mlp: Sequence[tuple[int, int]], hidden: int |
             setattr(config, field, new // hidden)
 
 
+#: Prefix of the config fields that size the sliding-window layers' attention apart (Inkling's ``swa_head_dim``,
+#: ``swa_num_attention_heads``, ``swa_num_key_value_heads``).
+SLIDING_PREFIX = "swa_"
+
+
+def _sliding_heads(config: Any, attns: list[Any], nested: Sequence[nn.Module] = ()) -> list[Any]:
+    """Tell the sliding-window attentions' sizes to the config's ``swa_*`` fields; the other attentions, returned.
+
+    A config holding ``swa_num_attention_heads`` (and ``swa_num_key_value_heads``, ``swa_head_dim``) builds its
+    sliding-window layers' attention (``is_sliding``) from those and the others from the usual fields; without such
+    fields every attention is returned. ``nested``: attentions of :func:`nested_qkv_heads` (Inkling 2's), whose
+    sliding ones are told too, and the others where ``attns`` holds none.
+    """
+    counts = [(a, query_heads(a), a.k_proj.out_features // a.head_dim) for a in attns]
+    counts += [(a, *cast("tuple[int, int]", nested_qkv_heads(a))) for a in nested]
+    sliding = [c for c in counts if getattr(c[0], "is_sliding", None) is True]
+    full = [c for c in counts[len(attns) :] if getattr(c[0], "is_sliding", None) is not True]
+    if not sliding or not _has(config, SLIDING_PREFIX + HEAD_FIELDS[0]):
+        return attns
+    for prefix, group in ((SLIDING_PREFIX, sliding), ("", full if not attns else [])):
+        for fields, value, what in (
+            (HEAD_FIELDS, _uniform(n_q for _, n_q, _ in group), "the head count"),
+            (KV_FIELDS, _uniform(n_kv for _, _, n_kv in group), "the KV head count"),
+            (("head_dim",), _uniform(a.head_dim for a, _, _ in group), "head_dim"),
+        ):
+            if group:
+                _set_config(config, [prefix + f for f in fields], value, what)
+    return [a for a in attns if getattr(a, "is_sliding", None) is not True]
+
+
+#: What :func:`_per_layer_heads` writes: a size's key -> the config fields that may hold it.
+_PER_LAYER_FIELDS = {"heads": HEAD_FIELDS, "kv": KV_FIELDS, "head_dim": ("head_dim",)}
+
+
+def _layer_index(name: str, count: int) -> int | None:
+    """The decoder layer of a module named ``name``: its first integer name part, if below ``count``."""
+    index = next((int(part) for part in name.split(".") if part.isdigit()), None)
+    return index if index is not None and index < count else None
+
+
+def _per_layer_heads(config: Any, found: Sequence[tuple[str, Mapping[str, int]]]) -> bool:
+    """Write each layer's attention sizes as the per-layer config of a heterogeneous config; whether it did.
+
+    ``found``: ``(attention module name, {"heads": ..., "kv": ..., "head_dim": ...})``. Only a config that already
+    holds per-layer fields (transformers' ``per_layer_config``: its family's layers read their own config) is
+    written, and only where each layer holds one such attention; a layer without one keeps its values.
+    """
+    count = getattr(config, "num_hidden_layers", None)
+    if not found or not is_heterogeneous(config) or not isinstance(count, int):
+        return False
+    by_layer: dict[int, Mapping[str, int]] = {}
+    for name, sizes in found:
+        index = _layer_index(name, count)
+        if index is None or index in by_layer:
+            return False
+        by_layer[index] = sizes
+    values: dict[str, list[Any]] = {}
+    for key, fields in _PER_LAYER_FIELDS.items():
+        for field in (f for f in fields if has_field(config, f)):
+            current = layer_values(config, field) or []
+            per_layer = list(current) * count if len(current) == 1 else list(current)
+            if len(per_layer) != count or not any(key in s for s in by_layer.values()):
+                continue
+            for index, sizes in by_layer.items():
+                if key in sizes:
+                    per_layer[index] = sizes[key]
+            values[field] = per_layer
+    if not values:
+        return False
+    try:
+        write_per_layer(config, values)
+    except Exception as err:  # noqa: BLE001 - a strict config refusing the sizes: the export records them per layer
+        log.info("shrink: %s cannot hold the per-layer attention sizes (%s)", type(config).__name__, err)
+        return False
+    return True
+
+
 def update_config(
     model: nn.Module,
     rescaled_eps: Mapping[int, float],
@@ -432,10 +545,20 @@ def update_config(
     read = any(name.endswith("down_proj") and new != old for name, old, new in reads)
     if mlp_widths and not read:
         _set_config(config, ("intermediate_size", "n_inner", "d_ff"), _uniform(mlp_widths), "the MLP width")
-    mla = [h for m in model.modules() if (h := mla_heads(m)) is not None]
-    if mla:  # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
+    mla_named = [(n, h) for n, m in model.named_modules() if (h := mla_heads(m)) is not None]
+    mla = [h for _, h in mla_named]
+    if mla and not _per_layer_heads(config, [(n, {"heads": h, "kv": h}) for n, h in mla_named]):
+        # as many KV heads as heads: the stock attention repeats each latent KV head num_heads / kv_heads times
         _set_config(config, HEAD_FIELDS, _uniform(mla), "the head count")
         _set_config(config, KV_FIELDS, _uniform(mla), "the KV head count")
+    attns = _sliding_heads(config, attns, [m for m in ours if nested_qkv_heads(m) is not None])
+    per_layer_qkv = [
+        (n, {"heads": query_heads(m), "kv": m.k_proj.out_features // m.head_dim, "head_dim": m.head_dim})
+        for n, m in model.named_modules()
+        if getattr(m, "config", config) is config and is_qkv_attention(m)
+    ]
+    if attns and not mla and _per_layer_heads(config, per_layer_qkv):
+        attns = []  # written per layer
     if attns and not mla:  # next to MLA layers (Kimi-Linear), q/k/v layers are linear attention of its own fields
         _set_config(
             config,
@@ -487,7 +610,19 @@ def update_config(
 
 # ---------------------------------------------------------------------------------------------------- head counts
 #: Names of a hand-written attention's (packed) query projection, a direct child of the attention module.
-QUERY_PROJECTIONS = ("qkv", "qkv_proj", "in_proj", "Wqkv", "query_key_value", "to_qkv", "q", "q_proj", "query", "to_q")
+QUERY_PROJECTIONS = (
+    "qkv",
+    "qkv_proj",
+    "in_proj",
+    "Wqkv",
+    "query_key_value",
+    "to_qkv",
+    "q",
+    "q_proj",
+    "query",
+    "to_q",
+    "linear",
+)  # Inkling 2's relative-position bias: its ``linear`` writes each head's states
 #: Attributes holding a hand-written attention's head count, and its inner width (heads * head_dim).
 HEAD_COUNTS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads")
 INNER_WIDTHS = ("attn_dim", "inner_dim", "all_head_size")

@@ -6,14 +6,15 @@ shapes and stock ``from_pretrained`` cannot load the shrunk model. :func:`stock_
 every cluster (the last half of each unit group) of a meta copy, lets the shrink update its config as it always
 does, builds the model's class from that config on the meta device and compares the shapes: a declaration whose
 members come out with other shapes is one the stock config cannot express. ``clusters="auto"`` leaves those out, and
-says so (:func:`stock_expressible`).
+says so (:func:`stock_expressible`). A module holding one Hugging Face model (the LightningModule the callback is
+given) is probed through it: the held model's class is rebuilt from its config.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,15 +38,13 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     """Declaration name -> why the stock config of ``model`` cannot express its cut.
 
     Empty if it can express every cut, or if ``model`` is not a Hugging Face model (no ``config.to_dict`` or
-    ``save_pretrained``).
+    ``save_pretrained``) and holds none or several (outermost ones).
 
     Args:
-        model: The model, before anything is pruned.
+        model: The model, or a module holding one (a LightningModule), before anything is pruned.
         clusters: The declarations (each resolved against ``model``).
     """
-    config = getattr(model, "config", None)
-    hf = callable(getattr(config, "to_dict", None)) and callable(getattr(model, "save_pretrained", None))
-    if not clusters or not hf:
+    if not clusters or hf_model(model) is None:
         return {}
     refused, orphans = _probe(model, clusters)
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
@@ -58,9 +57,109 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     return refused
 
 
+def _is_hf(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return callable(getattr(config, "to_dict", None)) and callable(getattr(module, "save_pretrained", None))
+
+
+def hf_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the Hugging Face model ``model`` is (``""``) or holds (the one outermost), else ``None``.
+
+    Example::
+
+        >>> hf_model(nn.Linear(2, 2)) is None
+        True
+    """
+    if _is_hf(model):
+        return "", model
+    found = [(n, m) for n, m in model.named_modules() if n and _is_hf(m)]
+    outer = [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found)]
+    return outer[0] if len(outer) == 1 else None
+
+
+def _cut_and_build(
+    model: nn.Module, resolved: Sequence[ResolvedCluster], path: str = ""
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A meta copy of ``model`` with half of each of ``resolved`` cut, and the shapes its stock class builds.
+
+    The class is that of the Hugging Face model at ``path`` (``model`` itself where ``""``), built on meta from the
+    config the cut updated; the shapes are named as in ``model``.
+
+    Raises:
+        Exception: Whatever the copy, the cut or the stock build raises.
+    """
+    twin = verify.meta_copy(model)
+    apply_plan(twin, build_plan(list(resolved), {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
+    hf = twin.get_submodule(path)
+    with torch.device("meta"):
+        stock = type(hf)(hf.config)
+    prefix = f"{path}." if path else ""
+    return twin, {prefix + n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
+
+
+def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[list[str]]:
+    """The declarations whose widths one stock config field sets, as groups of two or more declaration names.
+
+    Jamba's ``intermediate_size`` is the width of its dense MLPs and of its experts' channels: two declarations whose
+    kept widths must agree, or stock ``from_pretrained`` builds one of them at the other's width. A declaration is
+    cut alone (half of each of its clusters, on a meta copy) and the model's class is built on meta from the config
+    the shrink updated: another declaration whose members then come out with other shapes is tied to it. Only
+    declarations with a unit count in common with another are probed (a tie between different counts already shows
+    in :func:`stock_refusals`' probe of every cut), one probe each, none for a declaration found tied already nor
+    for the last one (its ties show in the others' probes). Empty for a model that is not a Hugging Face model.
+
+    Args:
+        model: The model (or a module holding it), before anything is pruned.
+        clusters: The declarations (each resolved against ``model``; a name two declarations share is given as
+            ``name#i``, ``i`` its index in ``clusters``).
+    """
+    found = hf_model(model)
+    if len(clusters) < 2 or found is None:
+        return []
+    path = found[0]
+    names = [d.name for d in clusters]
+    if len(set(names)) < len(names):  # one name for two declarations: one label, one width already
+        names = [f"{d.name}#{i}" if names.count(d.name) > 1 else d.name for i, d in enumerate(clusters)]
+    resolved = {n: resolve_clusters(model, [d]) for n, d in zip(names, clusters, strict=True)}
+    counts = {name: {rc.num_units for rc in rcs} for name, rcs in resolved.items()}
+    candidates = [n for n in resolved if any(counts[n] & counts[o] for o in resolved if o != n)]
+    axes = {n: {(m.name, m.dim) for rc in resolved[n] for m in rc.members} for n in candidates}
+    group = {n: n for n in resolved}  # union-find: a name -> its group's first name
+
+    def root(name: str) -> str:
+        while group[name] != name:
+            name = group[name]
+        return name
+
+    probed: set[str] = set()
+    for name in candidates:  # the last one too: only one of two tied declarations may write the field
+        if any(root(name) == root(p) for p in probed):
+            continue  # tied to a declaration probed already: its ties showed there
+        probed.add(name)
+        try:
+            twin, want = _cut_and_build(model, resolved[name], path)
+        except Exception:  # noqa: BLE001 - a cut the stock config refuses: stock_refusals says so, no tie known
+            continue
+        shapes = {n: tuple(p.shape) for n, p in twin.named_parameters(remove_duplicate=False)}
+        for other in candidates:
+            if other != name and any(
+                key not in axes[name] and p in want and len(want[p]) == len(shapes[p]) and want[p][d] != shapes[p][d]
+                for key in axes[other]
+                for p, d in [key]
+            ):
+                a, b = sorted((root(name), root(other)), key=list(resolved).index)
+                group[b] = a
+    groups: dict[str, list[str]] = {}
+    for name in resolved:
+        groups.setdefault(root(name), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str], list[str]]:
     """:func:`stock_refusals` of one probe, and why parameters in no declaration changed shape (nobody blamed)."""
-    config: Any = model.config
+    prefix, hf = cast(tuple[str, nn.Module], hf_model(model))  # stock_refusals checked it
+    config: Any = hf.config
+    under = f"{prefix}." if prefix else ""
     owners: dict[str, str] = {}
     resolved: list[ResolvedCluster] = []
     for decl in clusters:
@@ -69,11 +168,7 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
             for m in rc.members:
                 owners.setdefault(m.name, decl.name)
     try:
-        twin = verify.meta_copy(model)
-        apply_plan(twin, build_plan(resolved, {rc.name: _half(rc) for rc in resolved}), check_zeros=False)
-        with torch.device("meta"):
-            stock = type(model)(twin.config)
-        want = {n: tuple(p.shape) for n, p in stock.named_parameters(remove_duplicate=False)}
+        twin, want = _cut_and_build(model, resolved, prefix)
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
         if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
             return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}, []
@@ -82,7 +177,7 @@ def _probe(model: nn.Module, clusters: Sequence[Cluster]) -> tuple[dict[str, str
     refused: dict[str, str] = {}
     orphans: list[str] = []
     for name, p in twin.named_parameters(remove_duplicate=False):
-        if want.get(name) == tuple(p.shape):
+        if want.get(name) == tuple(p.shape) or not name.startswith(under):  # outside the held model: not its config's
             continue
         built = list(want.get(name, ()))
         why = f"{type(config).__name__} with the new sizes builds {name} as {built}, not {list(p.shape)}"

@@ -83,7 +83,7 @@ def _width(module: nn.Module) -> int:
 def _rewrite(edit: Edit, new_params: Mapping[int, Tensor]) -> None:
     """Give the module's parameters their new data and update its metadata (norms: rescale, see module docs)."""
     module: Any = edit.module  # its attributes by edit.kind, some of classes not imported here (Conv1D, HF norms)
-    if edit.kind in (*REPLACED_KINDS, "sinks_attention"):  # replaced afterwards (replace_attention), or sinks only
+    if edit.kind in (*REPLACED_KINDS, "sinks_attention", "scale"):  # replaced afterwards, or sinks / a scale only
         for attr in edit.cuts:
             param = module._parameters[attr]
             if param is not None and param.shape != new_params[id(param)].shape:

@@ -106,7 +106,7 @@ def _experts(
         routers = [getattr(block, n) for n in ("gate", "router") if isinstance(getattr(block, n, None), nn.Module)]
         router = routers[0] if routers else None
         top_k = getattr(router, "top_k", None)
-        weights = [params.get("gate_up_proj"), params.get("down_proj")]
+        weights = [params.get("gate_up_proj", params.get("up_proj")), params.get("down_proj")]  # up_proj: no gate
         if not isinstance(top_k, int) or not all(isinstance(w, Tensor) and w.dim() == 3 for w in weights):
             continue
         for weight in weights:

@@ -29,6 +29,7 @@ from lightning_pat.parallel.comm import dtensor, ranks
 from lightning_pat.pruning.api import importance_costs
 from lightning_pat.pruning.pruner import PruneResult
 from lightning_pat.scoring.activation import ActivationStats
+from lightning_pat.scoring.collector import summed_over_ranks
 from lightning_pat.shrink import shrink_for_training
 from lightning_pat.sizing.targets import declaration_labels
 from lightning_pat.training.bound import BoundRun
@@ -169,7 +170,7 @@ def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> Prun
 
     The run's weights must be in hand (:meth:`~lightning_pat.training.bound.BoundRun.weights`). A data-aware score's
     partials travel in the executors' one reduction (DDP: one sum of the statistics); the layer units' cosines and
-    the routed experts' statistics (``expert_score``) are summed in one collective each and rank those clusters.
+    the routed experts' statistics (``expert_score``) are summed together in one collective and rank those clusters.
 
     Args:
         run: The bound run (its pruner is bound).
@@ -192,9 +193,11 @@ def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> Prun
     assert sparsity is not None  # PruningOptions fills in its default
     method = "hard" if schedule.phase(step) in ("final", "healing") else options.method
     scores = None
-    if scorers.layers is not None:
+    layers, experts = scorers.layers, scorers.experts
+    summed_layers, summed_experts = summed_over_ranks(layers, experts)  # one collective for both when distributed
+    if layers is not None:
         with prefixed(f"{WHO}(layer_score='cosine')"):
-            scores = scorers.layers.summed_scores()  # one collective when distributed
+            scores = layers.take_scores(summed_layers)
         if scores is None:
             ranks.rank_zero_warn(
                 f"{WHO}: no layer saw a training forward before the selection at step {step}; "
@@ -204,16 +207,16 @@ def select(run: BoundRun, progress: Progress, *, step: int, count: bool) -> Prun
     score = run.score.score
     if scores is None and score == "activation" and scorers.act is None:  # only layer units: weights
         scores = {}
-    if scorers.experts is not None:
+    if experts is not None:
         with prefixed(f"{WHO}(expert_score={options.expert_score!r})"):
-            experts = scorers.experts.summed_scores()  # one collective when distributed
-        if experts is None:
+            by_expert = experts.take_scores(summed_experts)
+        if by_expert is None:
             ranks.rank_zero_warn(
                 f"{WHO}: no routed expert saw a training token before the selection at step {step}; "
                 "the experts are ranked by the weight score (expert_score='weight') this time."
             )
         else:
-            scores = {**(scores or {}), **experts}
+            scores = {**(scores or {}), **by_expert}
     threshold = options.reg_lambda * progress.prox_step(latent=options.mode == "latent")
     used = repr(score) if options.score != "auto" else f"'auto' -> {score!r}"
     with prefixed(f"{WHO}(score={used})"):

@@ -59,6 +59,11 @@ _SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": HEAD_DIM,
     "vocab_size_per_layer_input": VOCAB,
 }
+#: Inkling's sliding-layer heads and relative positions (``d_rel`` 8: heads * d_rel is not the hidden size).
+_INKLING = {
+    "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": KV, "swa_head_dim": HEAD_DIM,
+    "sliding_window_size": 16, "rel_extent": 16, "d_rel": 8,
+}  # fmt: skip
 #: model_type -> the sizes its family needs besides (the tiny sizes above do not build it, or leave it half-used).
 _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # its config refuses any other top-k
@@ -73,6 +78,7 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "bailing_hybrid": {"num_expert_group": 2, "topk_group": 1},  # 8 groups of its 4 experts would be empty
     "ergo": {"first_dense_intermediate_size": FF},  # its dense first layers: 32768 by default
+    "nemotron_h": {"moe_shared_expert_intermediate_size": 48},  # its shared expert: 7688 by default
     # QSA indexer: None by default, which the attention divides by; the hyper-connections' rank (320 by default, for
     # hidden 2048) scaled to hidden 64, else they hold nine tenths of the tiny model
     "qwen4_exp_text": {
@@ -91,6 +97,19 @@ _FAMILY: dict[str, dict[str, Any]] = {
                      "num_kv_shared_layers": 2},
     "dory": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_hidden_layers": 3,
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # Inkling 1/2/loop: the sliding layers' heads (64 of 128 by default) and the relative-position extents tiny too;
+    # Inkling 2-loop: one looped layer (two passes) between a sliding and a full one
+    **dict.fromkeys(("inkling_text", "inkling2_text"), _INKLING),
+    "inkling2_loop_text": {**_INKLING, "num_hidden_layers": 3, "n_layers_per_attn_res_block": 1,
+                           "layer_types": ["hybrid_sliding", "hybrid_sliding", "hybrid"], "loop_layer_index_start": 1,
+                           "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 16},
+    # BLT: 6 hash embeddings of 500002 rows by default, the local models' global width (2048) the global model's; its
+    # forward's own cache asks its config for num_hidden_layers, which BltConfig has not (a transformers bug): no cache
+    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_config": {"hidden_size_global": HIDDEN},
+            "decoder_config": {"hidden_size_global": HIDDEN}, "use_cache": False},
+    # kolibri1_1: its indexer scores with at most the query heads of one KV group (1 of the 2 after a query-head cut);
+    # one dense layer (both by default) and its own width (3584 by default)
+    "kolibri1_1": {"index_num_heads": 1, "mlp_only_layers": [0], "mlp_only_intermediate_size": 96},
 }  # fmt: skip
 #: Latent (LoRA) attention, set where the config has ``q_lora_rank`` or ``kv_lora_rank`` (DeepSeek-V2/V3/V3.2/V4,
 #: GLM-4-MoE-lite, GLM-MoE-DSA, Sarvam-MLA, LongCat-Flash, Youtu, A.X-K1/K2, HY-V4): small ranks and head sizes
@@ -108,10 +127,15 @@ _IF_NONE = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
 }  # fmt: skip
 #: model_type -> keyword arguments its config takes without holding them as fields (Gemma 4's full-attention head
-#: size becomes a per-layer override).
-_KWARGS: dict[str, dict[str, Any]] = dict.fromkeys(
-    ("gemma4_text", "gemma4_unified_text"), {"global_head_dim": HEAD_DIM}
-)
+#: size becomes a per-layer override; Dots3-note's sliding layers: their own latent attention sizes, per-layer
+#: overrides of half the heads and ranks of the other layers, their defaults 64 heads and ranks of 1024).
+_KWARGS: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), {"global_head_dim": HEAD_DIM}),
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), {
+        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16,
+        "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16, "shared_experts_intermediate_size": 32,
+    }),
+}  # fmt: skip
 #: Per-layer kind lists of hybrid families: the tiny model holds each kind of the default list once, attention last
 #: (two layers of only linear attention or only mamba would leave the family's attention, and its cache, out).
 _KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
@@ -124,6 +148,10 @@ _SUB_CONFIGS = {
     "blt": ("patcher_config", "encoder_config", "decoder_config", "global_config"),
 }  # fmt: skip
 _SUB_CONFIGS_ALL = {key for keys in _SUB_CONFIGS.values() for key in keys}
+#: model_type -> its text model's type, for a config whose own default does not validate (Gemma 4's speculative-decoding
+#: assistants: no per-layer inputs, every layer reads the shared KV of the target model), and the assistant's sizes.
+_ASSISTANTS = {"gemma4_assistant": "gemma4_text", "gemma4_unified_assistant": "gemma4_unified_text"}
+_ASSISTANT_SIZES = {"backbone_hidden_size": HIDDEN, "num_centroids": 16, "centroid_intermediate_top_k": 2}
 #: Token ids the tiny vocabulary must hold.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -132,6 +160,12 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The family's default config at the tiny sizes (``overrides`` win); eager attention."""
     from transformers import AutoConfig
 
+    if model_type in _ASSISTANTS:  # the text model's tiny config as the assistant's text_config
+        text = tiny_config(_ASSISTANTS[model_type], hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+        text_config = {**text.to_dict(), "num_kv_shared_layers": text.num_hidden_layers}
+        config = AutoConfig.for_model(model_type, text_config=text_config, **{**_ASSISTANT_SIZES, **overrides})
+        config._attn_implementation = "eager"  # noqa: SLF001 - the documented way before the model exists
+        return config
     default = AutoConfig.for_model(model_type)
     fields = default.to_dict()  # not properties derived from them (Falcon's head_dim)
     kwargs: dict[str, Any] = {k: v for k, v in _SIZES.items() if fields.get(k) is not None}
@@ -179,6 +213,19 @@ def build(model_type: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
     return model.eval()
+
+
+def standalone_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run on token ids alone (a speculative-decoding assistant whose forward takes the target
+    model's ``shared_kv_states``: Gemma 4's), else ``None``."""
+    import inspect
+
+    if "shared_kv_states" in inspect.signature(model.forward).parameters:
+        return (
+            "a speculative-decoding assistant: its forward takes the target model's inputs_embeds and "
+            "shared_kv_states, not token ids, so it cannot be calibrated, compared or generate() alone"
+        )
+    return None
 
 
 def token_ids(batch: int = 2, seq: int = 10, *, seed: int = 1) -> torch.Tensor:

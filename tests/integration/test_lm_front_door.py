@@ -125,6 +125,7 @@ def test_causal_lm_prunes_heals_and_exports_a_stock_model_with_its_tokenizer(tmp
     assert (export / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_yaml_config_runs_through_the_console_script(tmp_path, cache, lm_dir):
     code_files(tmp_path / "texts", n=20)  # C2: passed below as one glob string (not a list), as a YAML user writes it
     export = tmp_path / "export"

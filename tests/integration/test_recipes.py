@@ -159,6 +159,7 @@ def run(cwd: Path, *args: str) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_yaml_recipe_through_the_console_script_fits_prints_its_config_and_shrinks(tmp_path):
     from lightning_pat import load_pretrained

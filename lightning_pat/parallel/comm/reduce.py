@@ -186,3 +186,22 @@ def sum_over_ranks(buffer_L: Tensor, *, group: ProcessGroup | None) -> Tensor:
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return buffer_L
     return gather_sum(buffer_L, group=group, order=list(range(dist.get_world_size(group))))
+
+
+def sum_packed_over_ranks(buffers: Sequence[Tensor], *, group: ProcessGroup | None) -> list[Tensor]:
+    """:func:`sum_over_ranks` of several 1-D float buffers in one collective: packed into one vector, summed, cut again.
+
+    Every element sees the additions of its own buffer's sum, so each result has the bits of :func:`sum_over_ranks`
+    of that buffer alone. The buffers are packed on the first one's device that is not the CPU (else the CPU); none
+    issues no collective.
+
+    Example::
+
+        >>> sum_packed_over_ranks([torch.ones(2), torch.zeros(1)], group=None)
+        [tensor([1., 1.]), tensor([0.])]
+    """
+    if not buffers:
+        return []
+    device = next((b.device for b in buffers if b.device.type != "cpu"), buffers[0].device)
+    packed = sum_over_ranks(torch.cat([b.to(device) for b in buffers]), group=group)
+    return list(torch.split(packed, [b.numel() for b in buffers]))

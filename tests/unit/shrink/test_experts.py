@@ -66,3 +66,48 @@ def test_sizes_follow_the_cut():
         6,
         1,
     )
+
+
+E = "model.layers.1.mlp."  # Ergo's MoE layer (its first layer is dense)
+
+
+def tiny_ergo():
+    from tests.common import lm_zoo
+
+    return lm_zoo.build("ergo")  # gate-less experts: up_proj (4, 64, 32), down_proj (4, 32, 64), post_expert_norm
+
+
+def test_gateless_experts_are_read_by_their_shapes():
+    from lightning_pat.shrink.experts import FusedLayout, expert_norms, fused_layout
+
+    experts = tiny_ergo().model.layers[1].mlp.experts
+    assert fused_layout(experts) == FusedLayout(transposed=True, gated=False)
+    assert [n for n, _ in expert_norms(experts)] == ["post_expert_norm"]
+    inkling_like = torch.nn.Module()  # a gate of its own next to up_proj: not gate-less experts
+    for name, shape in (("gate_proj", (1, 8, 4)), ("up_proj", (1, 8, 4)), ("down_proj", (1, 4, 8))):
+        inkling_like.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+    assert fused_layout(inkling_like) is None
+
+
+def test_gateless_up_and_down_channels_cut_differently_are_refused():
+    model = tiny_ergo()
+    clusters = Cluster("c", [E + "experts.up_proj@2"])  # down_proj's channels left whole
+    with pytest.raises(ValueError, match=r"list `up_proj@2`, `down_proj@1`"):
+        shrink(model, clusters, {"c": [3]})
+    assert model.model.layers[1].mlp.experts.up_proj.shape == (4, 64, 32)
+
+
+def test_gateless_experts_without_their_norm_rows_are_refused_and_sizes_follow_the_cut():
+    model = tiny_ergo()
+    parts = [E + "gate.linear.weight", E + "experts.up_proj", E + "experts.down_proj"]
+    with pytest.raises(ValueError, match=r"post_expert_norm.weight"):
+        shrink(model, Cluster("e", parts), {"e": [1]})
+    clusters = [
+        Cluster("e", [*parts, E + "experts.post_expert_norm.weight"]),
+        Cluster("c", [E + "experts.up_proj@2"], [E + "experts.down_proj@1"]),
+    ]
+    shrink(model, clusters, {"e": [1, 2], "c": list(range(8))})
+    block = model.model.layers[1].mlp
+    assert block.experts.post_expert_norm.weight.shape == (2, 64)
+    assert block.gate.e_score_correction_bias.shape == (2,)
+    assert (model.config.num_experts, model.config.moe_intermediate_size) == (2, 24)

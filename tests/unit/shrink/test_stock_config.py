@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -31,6 +32,21 @@ def test_heads_sized_from_hidden_over_heads_are_refused_with_the_shapes():
     assert set(refused) == heads
     assert "builds gpt_neox.layers.0.attention.query_key_value" in refused[min(heads)]
     assert [c.name for c in stock_expressible(model, found)] == [c.name for c in found if c.name not in heads]
+
+
+def test_a_module_holding_the_model_is_probed_through_it():
+    # the callback is given the LightningModule, which holds the Hugging Face model: the same refusals, its names
+    wrapper = nn.Module()
+    wrapper.model = lm_zoo.build("gpt_neox")
+    found = discover(wrapper.model, lm_zoo.token_ids()).clusters
+    held = [
+        replace(c, writers=[f"model.{w}" for w in c.writers], readers=[f"model.{r}" for r in c.readers]) for c in found
+    ]
+    refused = stock_refusals(wrapper, held)
+    assert set(refused) == {c.name for c in found if "query_key_value" in c.name} != set()
+    assert "builds model.gpt_neox.layers.0.attention.query_key_value" in refused[min(refused)]
+    wrapper.other = lm_zoo.build("gpt_neox")  # two models held: no config to probe
+    assert stock_refusals(wrapper, held) == {}
 
 
 def test_a_fixed_mlp_width_is_refused_and_nothing_left_raises():
