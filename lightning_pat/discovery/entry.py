@@ -196,10 +196,20 @@ def discover(
     walk.run()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     found = _collect(walk, shapes)
+    found = replace(found, left_out=[*found.left_out, *_opaque(model, tr.opaque)])
     if presets.QUERY_HEADS_DEFAULT if query_heads is None else query_heads:
         found = Discovery(refine_query_heads(model, found.clusters), found.left_out)
     found = _multihead_attention(model, _validated(model, found), tr.refused)
     return replace(_tried(model, found, example_input, check), example_input=example_input)
+
+
+def _opaque(model: nn.Module, reasons: Mapping[str, str]) -> list[LeftOut]:
+    """The modules traced as opaque selections (:attr:`~lightning_pat.discovery.trace.Trace.opaque`), left whole."""
+    out = []
+    for name, why in reasons.items():
+        members = tuple(f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters())
+        out.append(LeftOut(name, 0, members, (why,)))
+    return out
 
 
 def _mha_refusals(model: nn.Module, refused_calls: Mapping[str, str]) -> dict[str, str]:

@@ -9,7 +9,8 @@ refinement is applied only where the attention module is a Hugging Face one (a c
 ``transformers.models``) of the Llama layout (``nn.Linear`` ``q/k/v_proj`` and an output projection, ``o_proj`` or
 Phi's ``dense``; an int ``head_dim`` and ``num_key_value_groups``): their attention functions compute every query
 head on its own, and the shrink rewrites their head counts, so that every KV group must keep the same number of
-query heads (``unit_groups`` = the KV head count).
+query heads (``unit_groups`` = the KV head count). A gated ``q_proj`` (Qwen3.5, Qwen4-exp: each head's query and
+gate rows side by side, ``2 * head_dim``) is refined the same way: a dropped head's query and gate are zero.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _attention(model: nn.Module, cluster: Cluster) -> tuple[str, nn.Module] | No
     ):
         return None
     out = getattr(module, out_name, None)
-    if not isinstance(out, nn.Linear) or out.in_features != cast(nn.Linear, projections[0]).out_features:
+    q_rows = cast(nn.Linear, projections[0]).out_features  # a gated q_proj: a query and a gate per head (Qwen3.5)
+    if not isinstance(out, nn.Linear) or q_rows not in (out.in_features, 2 * out.in_features):
         return None
     return path, module
 
@@ -118,7 +120,12 @@ def refine_query_heads(model: nn.Module, clusters: list[Cluster]) -> list[Cluste
         head_dim = cast(int, module.head_dim)
         num_kv = k_proj.out_features // head_dim
         n_rep = cast(int, module.num_key_value_groups)
-        if n_rep < 2 or cluster.num_units != num_kv or q_proj.out_features != num_kv * n_rep * head_dim:
+        per_head = (1, 2) if q_proj.out_features % (num_kv * n_rep * head_dim) == 0 else ()
+        if (
+            n_rep < 2
+            or cluster.num_units != num_kv
+            or q_proj.out_features // (num_kv * n_rep * head_dim) not in per_head
+        ):
             out.append(cluster)
             continue
         writers = [w for w in cluster.writers if w.startswith(f"{path}.q_proj.")]

@@ -21,6 +21,7 @@ from lightning_pat.discovery.nodes import flat as _flat
 from lightning_pat.discovery.nodes import node_shape
 from lightning_pat.discovery.nodes import op_name as _op_name
 from lightning_pat.discovery.nodes import shape_of as _shape
+from lightning_pat.discovery.trace import OPAQUE_SELECTION
 from lightning_pat.discovery.zeros import zero_where_dropped
 
 _UNARY = {
@@ -227,7 +228,7 @@ def _repeated(label: Label, copies: int) -> Label:
 
 
 #: Ops that keep a tensor's axes where they are (followed by :func:`_parts_first`).
-_SAME_AXES = {"clone", "contiguous", "alias", "detach", "_to_copy", "to", "dropout"}
+_SAME_AXES = {"clone", "contiguous", "alias", "detach", "_to_copy", "to", "type_as", "dropout"}
 #: Ops that pick entries along one axis (``dim`` their second argument).
 _PICKS = {"select", "unbind", "slice", "split", "split_with_sizes", "chunk"}
 
@@ -431,6 +432,26 @@ def _new_constant(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return None if out is None else (None,) * len(out)
 
 
+def _type_as(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """``a.type_as(b)``: ``a``'s values in ``b``'s dtype (``b``'s values are not read)."""
+    lab = w.label_of(node.args[0])
+    return lab if out is not None and lab is not None and len(lab) == len(out) else NotImplemented
+
+
+def _selection(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
+    """A data-dependent selection traced as one op (:data:`~lightning_pat.discovery.trace.OPAQUE_SELECTION`).
+
+    What it reads is poisoned (its module's own parameters read those channels unseen); its output, a boolean or
+    integer selection, carries no channels.
+    """
+    module = node.args[3] if len(node.args) > 3 else node.kwargs.get("module", "")
+    reason = f"read by {module!r}, a data-dependent selection traced as an opaque op (its parameters are left whole)"
+    for arg in _flat(node.args[0]):
+        for lab in w.label_of(arg) or ():
+            w.poison(lab, reason)
+    return None if out is None else (None,) * len(out)
+
+
 def _copy(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     """``dst.copy_(src)``: ``dst``'s axes are ``src``'s; where ``dst`` is a ``slice`` of a tensor, that tensor's too.
 
@@ -545,15 +566,8 @@ def _softmax(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
     return tuple(lab)
 
 
-def _type_as(w: Labelling, node: Node, out: tuple[int, ...] | None) -> Any:
-    """``x.type_as(y)``: a cast of ``x`` (``y`` gives only its dtype)."""
-    lab = w.label_of(node.args[0])
-    return lab if lab is not None and out is not None and len(lab) == len(out) else NotImplemented
-
-
 #: op -> handler.
 HANDLERS: dict[str, Handler] = {
-    "type_as": _type_as,
     "permute": _permute,
     "transpose": _permute,
     "t": _permute,
@@ -573,6 +587,8 @@ HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(
         ("new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like"), _new_constant
     ),
+    OPAQUE_SELECTION: _selection,
+    "type_as": _type_as,
     "constant_pad_nd": _pad,
     "pad": _pad,
     "softmax": _softmax,

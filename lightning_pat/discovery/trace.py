@@ -6,6 +6,12 @@ head count and head dim explicit), so the walk sees their heads; the per-head pa
 in its forward (Swin V2's ``logit_scale``) are listed in :attr:`Trace.per_head`, so the walk makes them members of the
 heads.
 
+A submodule whose forward computes a *data-dependent selection* (a boolean or integer tensor, such as the token mask
+of a sparse-attention indexer that loops over ``nonzero``) stops ``torch.export``. Such a module is traced as an
+opaque selection (:data:`OPAQUE_SELECTION`): its output, a selection, carries no channels (like a causal mask made
+from the input), and everything it reads (its input channels, its own parameters) is left whole; its output's shape
+and dtype come from one run of a CPU copy of the module (zero weights, zero inputs of the same shapes).
+
 The model is never run on real data: a *meta twin* (a deep copy whose parameters and buffers are meta tensors of
 the same global shapes, DTensors included) is exported non-strictly with meta example inputs, so tracing costs no
 memory and no compute and leaves the model untouched.
@@ -19,7 +25,7 @@ import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +33,8 @@ from torch import nn
 from lightning_pat.core.forwards import map_tensors, tensors_of
 from lightning_pat.heads import HeadsMultiheadAttention, WindowAttentionV2, replace_attention
 from lightning_pat.shrink.model_meta import is_scale
+
+log = logging.getLogger(__name__)
 
 #: Module attributes a deep copy must not follow (a LightningModule's trainer, fabric, mesh).
 _FOREIGN_ATTRS = ("_trainer", "_fabric", "_device_mesh", "_strategy")
@@ -45,6 +53,8 @@ class Trace:
             (cross-attention, masks: :meth:`~lightning_pat.heads.replace.HeadsMultiheadAttention.forward`).
         per_head: Parameter name -> its head axis, for each per-head parameter an attention module of ours uses
             directly in its forward (``WindowAttentionV2.per_head_parameters``).
+        opaque: Module name -> why, for each module traced as an opaque selection (see the module docstring): its
+            parameters are left whole.
     """
 
     graph: torch.fx.Graph
@@ -53,6 +63,27 @@ class Trace:
     constants: frozenset[str]
     refused: dict[str, str] = field(default_factory=dict)
     per_head: dict[str, int] = field(default_factory=dict)
+    opaque: dict[str, str] = field(default_factory=dict)
+
+
+#: The op a data-dependent selection module is traced as (``lightning_pat::opaque_selection``; the walk's handler in
+#: :mod:`lightning_pat.discovery.tensor_ops` poisons its inputs and gives its output no channel labels).
+OPAQUE_SELECTION = "opaque_selection"
+#: A selection module is run on a CPU copy to learn its output's shape, up to this many parameters.
+_MAX_PROBED_PARAMS = 1 << 26
+#: Export attempts, at most, while standing in for data-dependent selections (a class, or new input shapes, each).
+_MAX_ATTEMPTS = 6
+
+
+@torch.library.custom_op(f"lightning_pat::{OPAQUE_SELECTION}", mutates_args=())
+def _opaque_selection(inputs: list[torch.Tensor], shape: list[int], dtype: torch.dtype, module: str) -> torch.Tensor:
+    """A selection of ``shape`` and ``dtype`` computed from ``inputs`` in a way discovery does not trace."""
+    return torch.zeros(shape, dtype=dtype, device=inputs[0].device)
+
+
+@_opaque_selection.register_fake
+def _(inputs: list[torch.Tensor], shape: list[int], dtype: torch.dtype, module: str) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=inputs[0].device)
 
 
 class TraceStop(ValueError):
@@ -152,6 +183,146 @@ def _input_misfit(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return None
 
 
+class _NotSelection(Exception):
+    """A module that stopped the trace is not a selection discovery can stand in for (the reason)."""
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A tensor's shape and dtype, kept from a traced call (the probe runs on zeros like it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _likes(value: Any) -> Any:
+    return map_tensors(value, lambda t: _Like(tuple(int(s) for s in t.shape), t.dtype))
+
+
+def _zeros(value: Any) -> Any:
+    if isinstance(value, _Like):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, Mapping):
+        return {k: _zeros(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [_zeros(v) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value
+
+
+def _key(value: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(int(s) for s in t.shape), t.dtype) for t in tensors_of(value))
+
+
+class _Selection:
+    """The ``forward`` of a data-dependent selection module in the meta twin: :data:`OPAQUE_SELECTION` of its inputs.
+
+    The output's shape and dtype, per input shapes, come from running a CPU copy of the module on zeros like the
+    inputs (:meth:`learn`, between two export attempts: a call on inputs not seen yet is kept in ``pending`` and
+    stops the attempt).
+    """
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+        self.outputs: dict[Any, tuple[list[int], torch.dtype]] = {}
+        self.pending: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        key = _key((args, kwargs))
+        if key not in self.outputs:
+            self.pending = _likes((args, kwargs))
+            raise _NotSelection(f"module {self.name!r} was called on inputs of shapes not seen yet")
+        shape, dtype = self.outputs[key]
+        tensors = tensors_of((args, kwargs))
+        read = [t for t in tensors if t.is_floating_point()] or tensors
+        return cast("torch.Tensor", torch.ops.lightning_pat.opaque_selection(read, shape, dtype, self.name))
+
+    def learn(self, inputs: Any) -> None:
+        """Run a CPU copy of the module (zero weights) on zeros like ``inputs``: its output's shape and dtype.
+
+        Raises:
+            _NotSelection: If the module is too large to copy, raises, or returns anything but one boolean or
+                integer tensor.
+        """
+        self.pending = None
+        count = sum(p.numel() for p in self.module.parameters())
+        if count > _MAX_PROBED_PARAMS:
+            raise _NotSelection(f"module {self.name!r} has {count} parameters, too many to run a CPU copy of")
+        cpu = copy.deepcopy(self.module)
+        vars(cpu).pop("forward", None)
+        cpu = cpu.to_empty(device="cpu")
+        args, kwargs = _zeros(inputs)
+        with torch.no_grad():
+            for t in (*cpu.parameters(), *cpu.buffers()):
+                t.zero_()
+            try:
+                out = cpu(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure means: not a selection we can stand in for
+                raise _NotSelection(f"a CPU copy of module {self.name!r} raised {type(err).__name__}: {err}") from err
+        if not isinstance(out, torch.Tensor) or out.is_floating_point() or out.is_complex():
+            raise _NotSelection(f"module {self.name!r} does not return one boolean or integer tensor (a selection)")
+        self.outputs[_key((args, kwargs))] = (list(out.shape), out.dtype)
+
+
+def _export(twin: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, _Selection]]:
+    """``torch.export`` of ``twin``, standing in for the data-dependent selection modules that stop it.
+
+    Each attempt tracks the modules whose forward is under way; where the export stops on data inside a module (not the
+    model itself) that returns a selection, every module of its class is stood in for (:class:`_Selection`) and the
+    export runs again.
+
+    Raises:
+        Exception: torch's error where the trace stops elsewhere, or a :class:`_NotSelection` (why the module where
+            it stopped cannot be stood in for).
+    """
+    selections: dict[str, _Selection] = {}
+    try:
+        for _ in range(_MAX_ATTEMPTS):
+            stack: list[tuple[str, nn.Module, Any]] = []
+            handles = _track(twin, stack)
+            try:
+                with _quiet_fake_tensor_log(), torch.no_grad():
+                    return torch.export.export(twin, args, kwargs=dict(kwargs), strict=False), selections
+            except Exception as err:
+                pending = next((sel for sel in selections.values() if sel.pending is not None), None)
+                if pending is not None:
+                    pending.learn(pending.pending)
+                    continue
+                name, module, inputs = stack[-1] if stack else ("", twin, None)
+                name = name.removeprefix("inner.")
+                data_dependent = any(word in f"{type(err).__name__}: {err}" for word in _DATA_DEPENDENT)
+                if not data_dependent or name in ("", "inner") or name in selections:
+                    raise
+                for other, m in twin.named_modules():
+                    if type(m) is type(module):
+                        other = other.removeprefix("inner.")
+                        selections[other] = _Selection(m, other)
+                        m.forward = selections[other]  # the twin only, never the user's model
+                selections[name].learn(inputs)
+            finally:
+                for h in handles:
+                    h.remove()
+        raise TraceStop(f"discover: the trace still stops after standing in for {sorted(selections)[:4]}")
+    finally:
+        for sel in selections.values():  # the twin as it was (its misfit check runs the stock forwards)
+            vars(sel.module).pop("forward", None)
+
+
+def _track(twin: nn.Module, stack: list[tuple[str, nn.Module, Any]]) -> list[Any]:
+    """Hooks keeping ``stack``: the modules whose forward is under way, with their inputs' shapes (outermost first)."""
+    names = {id(m): n for n, m in twin.named_modules()}
+
+    def push(m: nn.Module, args: Any, kwargs: Any) -> None:
+        stack.append((names.get(id(m), ""), m, _likes((args, kwargs))))
+
+    def pop(*_: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = [m.register_forward_pre_hook(push, with_kwargs=True) for m in twin.modules()]
+    return handles + [m.register_forward_hook(pop) for m in twin.modules()]
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
@@ -204,8 +375,7 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
     try:
         # without grad: a forward that turns grad off around some blocks (HRM's recurrent cycles) then traces them
         # inline, not inside a `wrap_with_set_grad_enabled` subgraph that discovery does not see through
-        with _quiet_fake_tensor_log(), torch.no_grad():
-            program = torch.export.export(twin, args, kwargs=dict(kwargs), strict=False)
+        program, selections = _export(twin, args, dict(kwargs))
     except Exception as err:  # noqa: BLE001 - torch raises many types; all mean "cannot trace"
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         misfit = _input_misfit(twin, args, dict(kwargs))
@@ -233,4 +403,25 @@ def trace(model: nn.Module, example_input: Any) -> Trace:
         constants=frozenset(sig.inputs_to_lifted_tensor_constants),
         refused=refused,
         per_head=per_head,
+        opaque=_opaque_reasons(selections),
     )
+
+
+def _opaque_reasons(selections: Mapping[str, _Selection]) -> dict[str, str]:
+    """Module name -> why it is left whole, for the selection modules stood in for; said once per class in the log."""
+    by_class: dict[str, list[str]] = {}
+    for name, sel in selections.items():
+        if sel.outputs:  # called in the forward
+            by_class.setdefault(type(sel.module).__name__, []).append(name)
+    out: dict[str, str] = {}
+    for cls, names in by_class.items():
+        why = (
+            f"{cls} computes a data-dependent selection (a boolean or integer tensor) that torch.export cannot "
+            "trace; it is traced as an opaque selection, which carries no channels, so its own parameters and the "
+            "channels it reads are left whole"
+        )
+        log.info(
+            "discover: %s (%d modules: %s)", why, len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        )
+        out.update(dict.fromkeys(names, why))
+    return out

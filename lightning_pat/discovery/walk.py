@@ -61,7 +61,14 @@ class Walk(Labelling):
     scales: frozenset[str] = frozenset()  # the per-channel scale vectors (:func:`scale_vectors`), set by run()
 
     def run(self) -> None:
-        """Visit every node in order; the output's labels are poisoned (outputs are never pruned)."""
+        """Visit every node in order; the output's labels are poisoned (outputs are never pruned).
+
+        The parameters of a module traced as an opaque selection (:attr:`Trace.opaque`) are left whole.
+        """
+        for param in self.trace.params.values():
+            module = next((m for m in self.trace.opaque if param.startswith(f"{m}.")), None)
+            if module is not None:
+                self.direct.setdefault(param, f"parameter {param}: {self.trace.opaque[module]}")
         self.scales = scale_vectors(self)
         for node in self.trace.graph.nodes:
             if node.op == "placeholder":

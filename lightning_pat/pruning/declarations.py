@@ -24,6 +24,7 @@ from lightning_pat.core.spec.patterns import split_dim, split_slice
 from lightning_pat.discovery import discovered_clusters, outcome_from_json, outcome_to_json, prefers_discovery
 from lightning_pat.parallel.comm import ranks
 from lightning_pat.presets.registry import expand as expand_presets
+from lightning_pat.shrink.model_meta import NAMED_WIDTHS
 from lightning_pat.shrink.stock_config import stock_expressible, tied_declarations
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Cluster))
@@ -262,6 +263,70 @@ def _signature(model: Any, clusters: Sequence[Cluster]) -> dict[str, tuple[Any, 
     }
 
 
+def _module_prefix(names: Sequence[str]) -> str:
+    """The longest module path every one of ``names`` (parameters, slices allowed) lies under, or ``""``."""
+    paths = [split_slice(n)[0].split(".")[:-1] for n in names]
+    common: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _one_width(model: Any, config: Any, clusters: list[Cluster]) -> list[Cluster]:
+    """The clusters of low-rank blocks whose width one config field holds, as one declaration (one kept count).
+
+    A stock config holds one rank for all of them (:data:`~lightning_pat.shrink.model_meta.NAMED_WIDTHS`: Qwen4-exp's
+    ``hc_lowrank``, read by every hyper-connection, those of the attention, of the MLP and the final mixer), so a size
+    target must keep the same count in each: the clusters whose members all lie under such a block, with the same
+    members below it and the same unit count, become one declaration with a ``{site}`` group (checked to resolve to
+    the same clusters; otherwise they stay as they are).
+    """
+    for field, part in NAMED_WIDTHS.items():
+        if not isinstance(getattr(config, field, None), int):
+            continue
+        tied = [c for c in clusters if c.readers and all(part in m for m in (*c.writers, *c.readers))]
+        sites = [_module_prefix([*c.writers, *c.readers]) for c in tied]
+        if len(tied) < 2 or len({c.num_units for c in tied}) != 1 or not all(sites):
+            continue
+        below = {
+            (tuple(w[len(s) :] for w in c.writers), tuple(r[len(s) :] for r in c.readers))
+            for c, s in zip(tied, sites, strict=True)
+        }
+        if len(below) != 1:
+            continue
+        writers, readers = next(iter(below))
+        alternation = "|".join(re.escape(s) for s in sites)
+
+        def pattern(rest: str, alternation: str = alternation) -> str:
+            name, sliced = split_slice(rest)[0], rest[len(split_slice(rest)[0]) :]
+            return f"re:(?P<site>{alternation}){re.escape(name)}{sliced}"
+
+        decl = dataclasses.replace(
+            tied[0],
+            name=f"{field}.{{site}}",
+            writers=[pattern(w) for w in writers],
+            readers=[pattern(r) for r in readers],
+        )
+        try:
+            same = sorted(map(repr, _signature(model, [decl]).values())) == sorted(
+                map(repr, _signature(model, tied).values())
+            )
+        except ValueError:
+            same = False
+        if same:
+            log.info(
+                "clusters='auto': %d clusters of %s's %r blocks keep one count (%s)",
+                len(tied),
+                type(model).__name__,
+                part,
+                field,
+            )
+            clusters = [c for c in clusters if c not in tied] + [decl]
+    return clusters
+
+
 def per_layer_declarations(model: Any, clusters: list[Cluster]) -> list[Cluster]:
     """Discovered clusters of a Hugging Face model, one declaration per kind across its layers where they repeat.
 
@@ -280,6 +345,7 @@ def per_layer_declarations(model: Any, clusters: list[Cluster]) -> list[Cluster]
 
     if not any(hf(m) for m in model.modules()):  # the model, or a LightningModule holding one
         return clusters
+    clusters = _one_width(model, next(m.config for m in model.modules() if hf(m)), clusters)
     groups: dict[Any, list[Cluster]] = {}
     templates: dict[Any, Cluster] = {}
     order: list[Any] = []

@@ -53,8 +53,11 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]
         "prune attention with a heads cluster (whole heads / whole GQA query groups: q, k, v rows and o columns; or "
         "GQA query heads: q rows and o columns, the same number in every KV group)"
     )
+    # a gated q_proj (Qwen3.5, Qwen4-exp) holds each head's query and gate rows, 2 * head_dim, side by side
+    gated = q.out_features == 2 * o.in_features
+    q_rows = 2 * hd if gated else hd
     try:
-        q_heads = _whole_heads(_kept(edits, q, "weight", 0, q.out_features), hd, f"{where}, q_proj rows")
+        q_heads = _whole_heads(_kept(edits, q, "weight", 0, q.out_features), q_rows, f"{where}, q_proj rows")
         k_heads = _whole_heads(_kept(edits, k, "weight", 0, k.out_features), hd, f"{where}, k_proj rows")
         v_heads = _whole_heads(_kept(edits, v, "weight", 0, v.out_features), hd, f"{where}, v_proj rows")
         o_heads = _whole_heads(_kept(edits, o, "weight", 1, o.in_features), hd, f"{where}, o_proj columns")
@@ -66,14 +69,14 @@ def _check_llama_attention(name: str, attn: nn.Module, edits: Mapping[int, Edit]
             "layer's heads with a target below 1.0 (a per-cluster `target`), or fewer units in a shared budget."
         )
     if has_sinks(attn):  # gpt-oss: one sink logit per query head, kept with its head
-        sinks = _kept(edits, attn, "sinks", 0, q.out_features // hd)
+        sinks = _kept(edits, attn, "sinks", 0, q.out_features // q_rows)
         if not torch.equal(sinks, q_heads):
             raise ValueError(
                 f"{where}: the attention holds one sink logit per query head, and keeps sinks {sinks.tolist()} for "
                 f"query heads {q_heads.tolist()}; put `sinks` in the heads cluster (presets.moe does)."
             )
     num_kv = k.out_features // hd
-    n_rep = (q.out_features // hd) // num_kv
+    n_rep = (q.out_features // q_rows) // num_kv
     if torch.equal(q_heads, o_heads) and k_heads.numel() == v_heads.numel() == num_kv:
         per_group = torch.bincount(q_heads // n_rep, minlength=num_kv)  # query heads inside the KV groups
         if bool((per_group == per_group[0]).all()):

@@ -318,8 +318,9 @@ MLP_WIDTHS = (
     "mlp_only_intermediate_size",  # Kolibri 1.1's dense layers (mlp_only_layers)
 )  # fmt: skip
 #: Config fields holding the width of a low-rank block, and the name part of that block's readers (Gemma 3n's LAuReL,
-#: Zamba 2's LoRA-style adapters of its shared transformer: ``gate_up_proj_adapter_list``, ``linear_q_adapter_list``).
-NAMED_WIDTHS = {"laurel_rank": "laurel", "adapter_rank": "adapter"}
+#: Zamba 2's LoRA-style adapters of its shared transformer: ``gate_up_proj_adapter_list``, ``linear_q_adapter_list``;
+#: Qwen4-exp's hyper-connections, whose input mix is ``sigmoid(up(silu(down(x))))`` through ``hc_lowrank`` channels).
+NAMED_WIDTHS = {"laurel_rank": "laurel", "adapter_rank": "adapter", "hc_lowrank": "hyper_connection"}
 
 
 def _mlp_widths(

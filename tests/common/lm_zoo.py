@@ -79,10 +79,11 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "bailing_hybrid": {"num_expert_group": 2, "topk_group": 1},  # 8 groups of its 4 experts would be empty
     "ergo": {"first_dense_intermediate_size": FF},  # its dense first layers: 32768 by default
     "nemotron_h": {"moe_shared_expert_intermediate_size": 48},  # its shared expert: 7688 by default
-    # QSA indexer: None by default, which the attention divides by
+    # QSA indexer: None by default, which the attention divides by; the hyper-connections' rank (320 by default, for
+    # hidden 2048) scaled to hidden 64, else they hold nine tenths of the tiny model
     "qwen4_exp_text": {
         "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
-        "indexer_compress_ratio": 4,
+        "indexer_compress_ratio": 4, "hc_lowrank": 16,
     },
     "fuyu": {"patch_size": 4},  # its image-patch projection (30 * 30 * 3 inputs) would hold most of the tiny model
     # Phi-4-multimodal's audio encoder: 24 blocks, 1024 channels by default; its vision encoder's images 56 pixels

@@ -37,12 +37,13 @@ def test_a_derived_mlp_width_is_expressed_by_turning_its_auto_adjust_flag_off():
 
 def test_a_gated_query_projection_keeps_the_head_count_when_the_mlp_is_cut():
     # Qwen3.5's full-attention q_proj holds a query and a gate row block per head (2 * heads * head_dim rows): the
-    # head count is o_proj's input over head_dim, so cutting the MLPs alone leaves num_key_value_groups and the
-    # config's num_attention_heads as they were; the tiny model holds a linear-attention and a full-attention layer
+    # head count is o_proj's input over head_dim, not q_proj's rows over head_dim (the MLPs and, since discovery
+    # reads its norms' `type_as`, the heads are cut: whole query groups, a query and a gate row block each); the
+    # tiny model holds a linear-attention and a full-attention layer
     model, _ = _chain("qwen3_5_text")  # shrunk in place
     attn = model.model.layers[1].self_attn
     assert attn.q_proj.out_features == 2 * attn.o_proj.in_features
-    assert model.config.num_attention_heads == lm_zoo.HEADS
+    assert model.config.num_attention_heads == attn.o_proj.in_features // attn.head_dim < lm_zoo.HEADS
 
 
 @pytest.mark.slow
