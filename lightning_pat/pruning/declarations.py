@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -407,34 +408,53 @@ def _resolved_shape(model: Any, decl: Cluster) -> list[tuple[Any, ...]]:
     return sorted(fields)
 
 
-#: The group :func:`_tagged` adds: it tells apart the clusters of a tied declaration named after another's.
+#: The group :func:`tagged_declaration` adds: it tells apart the clusters of a declaration named after another's.
 _TAG = "tied"
+_SPECIAL = set("()[]{}|?*+^$")
 
 
-def _tagged(decl: Cluster, lead_name: str) -> Cluster | None:
-    r"""``decl`` under the name ``<lead_name>.{tied}``: its label is the leader's, its clusters' names its own.
+def _as_regex(pattern: str) -> tuple[str, str] | None:
+    """``(regex, suffix)`` of a member pattern (its ``@dim`` and slice kept apart as ``suffix``); ``None``: a glob."""
+    base, _ = split_slice(pattern)
+    core, _ = split_dim(base)
+    suffix = pattern[len(core) :]
+    if core.startswith("re:"):
+        return core[3:], suffix
+    return None if any(c in core for c in "*?") else (re.escape(core), suffix)
 
-    Every pattern of ``decl`` must be a regex whose literal start before its first named group is the same
-    (``model\.H_module\.layers\.`` before ``(?P<layer>...)``); that start becomes the group ``tied``, so an
-    expanded name ends in it (``model.L_module.layers.0.mlp.gate_proj.model.H_module.layers.``) and never collides
-    with the leader's. ``None`` where the patterns do not allow it.
+
+def tagged_declaration(decl: Cluster, lead_name: str) -> Cluster | None:
+    r"""``decl`` named after ``lead_name`` (the same label) with a group ``tied`` that keeps its clusters' names apart.
+
+    The literal start every pattern of ``decl`` has in common (``model\.H_module\.`` of HRM's H-module MLPs, tied
+    to its L-module's by one ``intermediate_size``; the whole name of Phi-4-multimodal's vision head MLP, tied to its
+    encoder layers') becomes the group ``tied``; the name is ``lead_name`` without the placeholders ``decl`` has no
+    group for, plus ``.{tied}``: its label (placeholders dropped) is the leader's, an expanded name is its own.
+    ``None`` where the patterns have no such start (a glob, or nothing in common).
     """
-    patterns = [*decl.writers, *decl.readers]
-    if _TAG in _placeholders(lead_name) or not all(p.startswith("re:") and "(?P<" in p for p in patterns):
+    parts = [_as_regex(p) for p in (*decl.writers, *decl.readers)]
+    if any(part is None for part in parts) or _TAG in _placeholders(lead_name):
         return None
-    starts = {p[3:].split("(?P<", 1)[0] for p in patterns}
-    start = starts.pop() if len(starts) == 1 else ""
-    if not start or any(c in start for c in "()[]|?*+{"):
+    regexes = [cast(tuple[str, str], part)[0] for part in parts]
+    common = os.path.commonprefix(regexes)
+    cut = next((i for i, c in enumerate(common) if c in _SPECIAL and (i == 0 or common[i - 1] != "\\")), len(common))
+    start = common[:cut]
+    while start.endswith("\\") and not start.endswith("\\\\"):  # never split an escape
+        start = start[:-1]
+    if not start:
         return None
+    groups = set(re.findall(r"\(\?P<(\w+)>", "".join(regexes)))
+    name = lead_name
+    for gone in _placeholders(lead_name) - groups:
+        name = re.sub(r"[._-]?\{" + re.escape(gone) + r"\}", "", name)
 
-    def tag(pattern: str) -> str:
-        return f"re:(?P<{_TAG}>{start}){pattern[3 + len(start) :]}"
+    def tag(part: tuple[str, str]) -> str:
+        regex, suffix = part
+        return f"re:(?P<{_TAG}>{start}){regex[len(start) :]}{suffix}"
 
+    members = [tag(cast(tuple[str, str], part)) for part in parts]
     return dataclasses.replace(
-        decl,
-        name=f"{lead_name}.{{{_TAG}}}",
-        writers=[tag(p) for p in decl.writers],
-        readers=[tag(p) for p in decl.readers],
+        decl, name=f"{name}.{{{_TAG}}}", writers=members[: len(decl.writers)], readers=members[len(decl.writers) :]
     )
 
 
@@ -476,7 +496,7 @@ def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict
         except ValueError:
             same = False
         if not same or renamed is None or renamed.name != lead.name:
-            renamed = _tagged(decl, lead.name)  # HRM's H- and L-module MLPs: one label, a group telling them apart
+            renamed = tagged_declaration(decl, lead.name)  # HRM's H- and L-module MLPs: a group tells them apart
             try:
                 same = renamed is not None and _resolved_shape(model, renamed) == _resolved_shape(model, decl)
                 resolve_clusters(model, [*out.values(), renamed] if renamed is not None else list(out.values()))
@@ -486,6 +506,11 @@ def _tie(model: Any, decls: Sequence[Cluster]) -> tuple[dict[int, Cluster], dict
             left_out[i] = f"{why}, but their clusters cannot be named as one declaration's"
             continue
         out[i] = renamed
+    if left_out:  # the others' cut would set the field this one's width is built from: none of them is cut
+        j = min(left_out)
+        return {}, {
+            i: left_out.get(i, f"tied to {decls[j].name!r}, which is not cut: {left_out[j]}") for i in range(len(decls))
+        }
     multiple = math.lcm(*(d.multiple_of for d in out.values()))
     return {i: dataclasses.replace(d, multiple_of=multiple) for i, d in out.items()}, left_out
 

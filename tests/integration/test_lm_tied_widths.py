@@ -18,7 +18,7 @@ import pytest
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from lightning_pat.pruning.declarations import one_shot_declarations, tie_widths
+from lightning_pat.pruning.declarations import one_shot_declarations, tagged_declaration, tie_widths
 from lightning_pat.shrink.stock_config import tied_declarations
 from tests.common import lm_zoo
 
@@ -162,10 +162,40 @@ def test_the_tie_is_found_by_structure_and_the_tied_declarations_keep_one_width(
         Cluster("ffn.{layer}", [pattern.format("up")], [pattern.format("down")]),
     ]
     assert tied_declarations(holder, held) == [["model.blocks.0.mlp", "ffn.{layer}"]]
-    # the tied declarations differ in their unit counts (a third block of 6): one is left out, with a warning
+    # the tied declarations differ in their unit counts (a third block of 6): both are left out, with a warning (the
+    # one cut would set intermediate_size, and stock from_pretrained would build the other, uncut, at that width)
     model = _Tiny(_Config(last=6))
     assert tied_declarations(model, [mlp, shared, ffn]) == [["blocks.0.mlp", "ffn.{layer}"]]
     with caplog.at_level(logging.WARNING, logger="lightning_pat.pruning.declarations"):
         kept = tie_widths(model, [mlp, shared, ffn])
-    assert [c.name for c in kept] == ["blocks.0.shared_expert", "ffn.{layer}"]  # the template leads, as it was
+    assert [c.name for c in kept] == ["blocks.0.shared_expert"]
     assert "blocks.0.mlp: one field of the stock config sets its width and that of 'ffn.{layer}'" in caplog.text
+    assert "ffn.{layer}: tied to 'blocks.0.mlp', which is not cut" in caplog.text
+
+
+def test_a_tied_declaration_of_other_names_is_tagged_with_the_leaders_label():
+    # HRM's H- and L-module MLPs, and Phi-4-multimodal's vision head MLP beside its encoder layers': no renaming
+    # makes them one declaration's, so the other takes the leader's name plus a group `tied` holding its own prefix
+    from lightning_pat.core.spec import resolve_clusters
+    from lightning_pat.sizing.targets import declaration_labels
+
+    model = _Tiny(_Config())
+    mlp = _mlp("blocks.0.mlp", "blocks.0.mlp", 2)  # literal names, no placeholder
+    ffn = Cluster("ffn.{layer}", [r"re:blocks\.(?P<layer>\d+)\.ffn\.up_proj\.weight"],
+                  [r"re:blocks\.(?P<layer>\d+)\.ffn\.down_proj\.weight@1"], multiple_of=4)  # fmt: skip
+    tagged = tagged_declaration(mlp, ffn.name)
+    assert tagged is not None
+    assert tagged.name == "ffn.{tied}"  # `layer`: no such group in its patterns, dropped
+    assert tagged.writers == [r"re:(?P<tied>blocks\.0\.mlp\.)up_proj\.weight"]
+    (rc,) = resolve_clusters(model, [tagged])
+    assert rc.name == "ffn.blocks.0.mlp."
+    assert rc.members == resolve_clusters(model, [mlp])[0].members  # the same members, the same slices
+    params = dict(model.named_parameters())
+    assert set(declaration_labels(params, [ffn, tagged]).values()) == {"ffn"}  # one label: one width
+    regex = tagged_declaration(ffn, "mlp.{layer}")  # a regex with its own group keeps the leader's placeholder
+    assert regex is not None
+    assert regex.name == "mlp.{layer}.{tied}"
+    assert regex.readers == [r"re:(?P<tied>blocks\.)(?P<layer>\d+)\.ffn\.down_proj\.weight@1"]
+    assert [r.members for r in resolve_clusters(model, [regex])] == [r.members for r in resolve_clusters(model, [ffn])]
+    glob = Cluster("g", ["blocks.*.mlp.up_proj.weight"], ["blocks.0.mlp.down_proj.weight"])
+    assert tagged_declaration(glob, "x") is None
