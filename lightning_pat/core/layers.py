@@ -5,6 +5,8 @@ Read by the size solver, the scorers and the shrink (which removes the layer a d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from lightning_pat.core.spec import ResolvedCluster
 
 #: The ``budget`` name that marks 1-unit layer clusters (see :mod:`lightning_pat.shrink.depth`).
@@ -18,7 +20,18 @@ def is_layer_cluster(rc: ResolvedCluster) -> bool:
 
 def layer_prefix(rc: ResolvedCluster) -> str:
     """The module path a layer cluster removes: the longest common dotted prefix of its members' modules."""
-    paths = [m.name.split(".")[:-1] for m in rc.members]
+    return common_module_path(m.name for m in rc.members)
+
+
+def common_module_path(names: Iterable[str]) -> str:
+    """The longest module path every one of the parameter ``names`` lies under (``""`` if none).
+
+    Example::
+
+        >>> common_module_path(["model.layers.0.mlp.up.weight", "model.layers.0.mlp.down.weight"])
+        'model.layers.0.mlp'
+    """
+    paths = [name.split(".")[:-1] for name in names]
     common: list[str] = []
     for parts in zip(*paths, strict=False):
         if len(set(parts)) != 1:

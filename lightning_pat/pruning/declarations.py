@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from lightning_pat import presets
+from lightning_pat.core.layers import common_module_path
 from lightning_pat.core.spec import Cluster, check_declaration, found_clusters, resolve_clusters
 from lightning_pat.core.spec.patterns import split_dim, split_slice
 from lightning_pat.discovery import discovered_clusters, outcome_from_json, outcome_to_json, prefers_discovery
@@ -266,13 +267,7 @@ def _signature(model: Any, clusters: Sequence[Cluster]) -> dict[str, tuple[Any, 
 
 def _module_prefix(names: Sequence[str]) -> str:
     """The longest module path every one of ``names`` (parameters, slices allowed) lies under, or ``""``."""
-    paths = [split_slice(n)[0].split(".")[:-1] for n in names]
-    common: list[str] = []
-    for parts in zip(*paths, strict=False):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
+    return common_module_path(split_slice(n)[0] for n in names)
 
 
 def _one_width(model: Any, config: Any, clusters: list[Cluster]) -> list[Cluster]:

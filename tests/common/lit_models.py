@@ -87,6 +87,33 @@ class StepDataModule(MLPModule):
 SHORT_FIT = "before the final ramp step"
 
 
+class ZooStep(pl.LightningModule):
+    """A tiny causal LM of ``tests/common/lm_zoo.py`` trained on a batch that is a function of the step (2 x 9 token
+    ids: the next-token loss of the first 8), SGD at 0.05, 4 batches an epoch; its forward gives the logits, its
+    ``example_input_array`` (``example``, default ``lm_zoo.token_ids()``) is what ``clusters="auto"`` traces."""
+
+    def __init__(self, model_type: str, *, example: torch.Tensor | None = None) -> None:
+        super().__init__()
+        from tests.common import lm_zoo
+
+        self.model = lm_zoo.build(model_type)
+        self.example_input_array = lm_zoo.token_ids() if example is None else example
+        self._token_ids = lm_zoo.token_ids
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        x = self._token_ids(batch=2, seq=9, seed=100 + self.global_step)
+        return nn.functional.cross_entropy(self(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=1)
+
+
 def ends_mid_ramp() -> pytest.WarningsChecker:
     """``pytest.warns`` for a fit that stops inside the ramp on purpose: the callback must say so."""
     return pytest.warns(PruningWarning, match=SHORT_FIT)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch import nn
 import lightning_pat as lp
 from lightning_pat import CoupledPruningCallback
 from tests.common import lm_zoo
-from tests.common.lit_models import quiet_trainer
+from tests.common.lit_models import ZooStep, quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,32 +158,9 @@ def test_families_without_query_head_cuts_say_so_and_prune_the_rest(model_type, 
     assert lm_zoo.non_embedding_params(small) < 0.8 * lm_zoo.non_embedding_params(lm_zoo.build(model_type))
 
 
-class GQAStep(pl.LightningModule):
-    """A tiny zoo causal LM trained on a batch that is a function of the step (its forward: logits, for discovery)."""
-
-    def __init__(self, model_type: str) -> None:
-        super().__init__()
-        self.model = lm_zoo.build(model_type).train()
-        self.example_input_array = lm_zoo.token_ids(batch=1, seq=8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
-
-    def training_step(self, batch, batch_idx):
-        x = lm_zoo.token_ids(seed=100 + self.global_step, batch=2, seq=9)
-        out = self(x[:, :-1])
-        return nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=1)
-
-
 @pytest.mark.parametrize("model_type", ["qwen3", "starcoder2"])  # a preset, discovery
 def test_callback_cuts_query_heads_to_a_parameter_target(model_type, tmp_path):
-    module = GQAStep(model_type)
+    module = ZooStep(model_type, example=lm_zoo.token_ids(batch=1, seq=8))
     total = sum(p.numel() for p in module.model.parameters())
     body = lm_zoo.non_embedding_params(module.model)
     target = total - body + int(0.6 * body)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
 import lightning_pat as lp
 from tests.common import lm_zoo
-from tests.common.lit_models import quiet_trainer
+from tests.common.lit_models import ZooStep, quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,28 +178,6 @@ def test_reap_scores_the_gateless_experts_by_their_router_weighted_outputs(model
     want = _reference_reap_sum(model, model_type, batches)
     assert bool((want > 0).all())
     torch.testing.assert_close(scores[f"experts.{layer}"], want, rtol=1e-5, atol=0.0)
-
-
-class ZooStep(pl.LightningModule):
-    """A tiny zoo model whose batch is a function of the step."""
-
-    def __init__(self, model_type: str) -> None:
-        super().__init__()
-        self.model = lm_zoo.build(model_type).train()
-        self.example_input_array = lm_zoo.token_ids()
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-    def training_step(self, batch, batch_idx):
-        x = lm_zoo.token_ids(batch=2, seq=9, seed=100 + self.global_step)
-        return nn.functional.cross_entropy(self(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1)), batch_size=1)
 
 
 def test_callback_prunes_gateless_experts_while_training_then_shrinks_exactly(tmp_path):

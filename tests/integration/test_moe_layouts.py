@@ -94,31 +94,11 @@ def test_jetmoe_parallel_experts_lose_channels_and_whole_experts_with_auto():
 
 
 def test_jetmoe_callback_prunes_its_experts_while_training_then_shrinks_exactly():
-    import lightning.pytorch as pl
 
     from lightning_pat import CoupledPruningCallback, shrink
-    from tests.common.lit_models import quiet_trainer
+    from tests.common.lit_models import ZooStep, quiet_trainer
 
-    class Step(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = lm_zoo.build("jetmoe")
-            self.example_input_array = lm_zoo.token_ids()
-
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids).logits
-
-        def training_step(self, batch, batch_idx):
-            x = lm_zoo.token_ids(batch=2, seq=9, seed=100 + self.global_step)
-            return torch.nn.functional.cross_entropy(self(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1)), batch_size=1)
-
-    module = Step()
+    module = ZooStep("jetmoe")
     cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
     quiet_trainer(max_steps=4, callbacks=[cb]).fit(module)
     assert {k: len(v) for k, v in cb.dropped.items() if k.endswith(".1")} == {
