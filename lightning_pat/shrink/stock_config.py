@@ -38,13 +38,13 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     """Declaration name -> why the stock config of ``model`` cannot express its cut.
 
     Empty if it can express every cut, or if ``model`` is not a Hugging Face model (no ``config.to_dict`` or
-    ``save_pretrained``) and holds none or several (outermost ones).
+    ``save_pretrained``) and holds none or several (outermost ones), or cannot be probed (:func:`probeable`).
 
     Args:
         model: The model, or a module holding one (a LightningModule), before anything is pruned.
         clusters: The declarations (each resolved against ``model``).
     """
-    if not clusters or hf_model(model) is None:
+    if not clusters or hf_model(model) is None or not probeable(model):
         return {}
     refused, orphans = _probe(model, clusters)
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
@@ -58,6 +58,20 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         for name in culprits or [d.name for d in clusters]:
             refused.setdefault(name, orphans[0])
     return refused
+
+
+def probeable(model: nn.Module) -> bool:
+    """Whether ``model`` has a meta copy to probe; if not (a model FSDP2 has sharded already), says so (info).
+
+    Such a model was probed before it was sharded where "auto" resolves it early (one process's trace, broadcast);
+    the shrink and ``save_pretrained`` still check the stock config's shapes at export.
+    """
+    try:
+        verify.meta_copy(model)
+    except ValueError as err:
+        log.info("clusters='auto': the stock config of %s is not probed (%s)", type(model).__name__, err)
+        return False
+    return True
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -118,7 +132,7 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
             ``name#i``, ``i`` its index in ``clusters``).
     """
     found = hf_model(model)
-    if len(clusters) < 2 or found is None:
+    if len(clusters) < 2 or found is None or not probeable(model):
         return []
     path = found[0]
     names = [d.name for d in clusters]
@@ -252,7 +266,8 @@ def stock_expressible(model: nn.Module, clusters: list[Cluster]) -> list[Cluster
         raise ValueError(
             f"clusters='auto': the stock config of {type(model).__name__} can express none of the cuts found "
             f"({len(clusters)} clusters; {reasons}), so stock from_pretrained could not load a pruned model. Declare "
-            "the clusters by hand and export with lightning_pat.save_pretrained / load_pretrained."
+            "the clusters by hand (`clusters=lightning_pat.discover(model, example_input).clusters` takes every one "
+            "found) and export with lightning_pat.save_pretrained / load_pretrained."
         )
     log.warning(
         "clusters='auto': %d of %d clusters of %s are not cut, because its stock config cannot express them (stock "

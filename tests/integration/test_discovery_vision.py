@@ -56,7 +56,11 @@ def test_convnext_mlps_are_found_and_the_layernormed_stream_is_left_out():
     pw = {f"{n}.weight" for n, m in model.named_modules() if n.endswith("pwconv1")}
     assert {c.writers[0] for c in found.clusters} == pw
     reasons = {r for lo in found.left_out for r in lo.reasons}
-    assert any("layer_scale_parameter is used directly" in r for r in reasons)
+    # the residual stream: its per-channel layer scales are members now (cut with their channels), and it is left out
+    # for the LayerNorm over it
+    (stream,) = [lo for lo in found.left_out if any(m.endswith("layer_scale_parameter") for m in lo.members)][:1]
+    assert any("LayerNorm normalises over this channel axis" in r for r in stream.reasons)
+    assert not any("layer_scale_parameter is used directly" in r for r in reasons)
     assert any("LayerNorm normalises over this channel axis" in r for r in reasons)
 
 
@@ -92,9 +96,11 @@ def test_vit_mlps_and_heads_are_found_and_the_stream_is_left_out():
 
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_callback_prunes_half_and_shrink_is_exact(name):
+    # every discovered cluster (`clusters="auto"` keeps only the cuts a stock config can express, and these configs
+    # hold one width per stage: see the next test); the export then loads with lightning_pat.load_pretrained
     module = VisionModule(name)
     data = TensorDataset(images(16, seed=1), torch.randint(0, module.model.config.num_labels, (16,)))
-    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+    cb = CoupledPruningCallback(discover(module, images(2)).clusters, 0.5, warmup_steps=1, ramp_steps=2)
     quiet_trainer(max_steps=4, callbacks=[cb]).fit(module, DataLoader(data, batch_size=4))
     assert cb.resolved
     for rc in cb.resolved:
@@ -109,3 +115,17 @@ def test_callback_prunes_half_and_shrink_is_exact(name):
     assert float(masked.norm()) > 1e-3  # a real signal, not vanishing logits
     assert float((out - masked).norm() / masked.norm()) < 1e-5
     assert sum(p.numel() for p in module.parameters()) < before
+
+
+def test_auto_refuses_cuts_the_stock_config_cannot_hold_and_names_discover():
+    # ResNetConfig holds one width per stage: no per-layer cut found is expressible, so "auto" stops at fit start (as
+    # prune_clusters does), before any step, and says how to cut them anyway
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    module = VisionModule("resnet")
+    data = TensorDataset(images(8, seed=1), torch.randint(0, module.model.config.num_labels, (8,)))
+    cb = CoupledPruningCallback("auto", 0.5, warmup_steps=1, ramp_steps=2)
+    with pytest.raises(MisconfigurationException, match=r"can express none of the cuts found") as info:
+        quiet_trainer(max_steps=2, callbacks=[cb]).fit(module, DataLoader(data, batch_size=4))
+    assert "lightning_pat.discover(model, example_input).clusters" in str(info.value)
+    assert module.trainer.global_step == 0
