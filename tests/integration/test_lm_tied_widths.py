@@ -18,7 +18,8 @@ import pytest
 from torch import nn
 
 from lightning_pat import Cluster, prune_clusters, shrink
-from lightning_pat.pruning.declarations import one_shot_declarations, tagged_declaration, tie_widths
+from lightning_pat.pruning.declarations import one_shot_declarations
+from lightning_pat.pruning.tied_widths import tagged_declaration, tie_widths
 from lightning_pat.shrink.stock_config import tied_declarations
 from tests.common import lm_zoo
 
@@ -166,7 +167,7 @@ def test_the_tie_is_found_by_structure_and_the_tied_declarations_keep_one_width(
     # one cut would set intermediate_size, and stock from_pretrained would build the other, uncut, at that width)
     model = _Tiny(_Config(last=6))
     assert tied_declarations(model, [mlp, shared, ffn]) == [["blocks.0.mlp", "ffn.{layer}"]]
-    with caplog.at_level(logging.WARNING, logger="lightning_pat.pruning.declarations"):
+    with caplog.at_level(logging.WARNING, logger="lightning_pat.pruning.tied_widths"):
         kept = tie_widths(model, [mlp, shared, ffn])
     assert [c.name for c in kept] == ["blocks.0.shared_expert"]
     assert "blocks.0.mlp: one field of the stock config sets its width and that of 'ffn.{layer}'" in caplog.text
