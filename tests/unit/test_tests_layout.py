@@ -130,7 +130,7 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         "token streams and windows, with the real tokenizer",
     ),
     "lm/module.py": (
-        ("tests/integration/test_lm_front_door.py", "tests/integration/test_lm_sharded.py"),
+        ("tests/integration/test_lm_front_door.py", "tests/integration/test_shrink_on_freeze_sharded.py"),
         "the LightningModule, fitted",
     ),
     # parallel: real gloo ranks (tests/distributed/)
@@ -140,7 +140,7 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "parallel/comm/dtensor.py": (("tests/distributed/test_model_parallel.py",), "DTensor views on real meshes"),
     "parallel/comm/fsdp2.py": (
-        ("tests/distributed/test_placement.py", "tests/integration/test_lm_sharded.py"),
+        ("tests/distributed/test_placement.py", "tests/integration/test_shrink_on_freeze_sharded.py"),
         "FSDP2 introspection on sharded models",
     ),
     "parallel/comm/ranks.py": (("tests/distributed/test_discovery_broadcast.py",), "broadcasts on gloo ranks"),

@@ -1,6 +1,7 @@
 """lightning_pat.lm.sharding: what FSDP2/TP sharding of a Hugging Face causal LM refuses before anything is sharded.
 
-The sharding itself runs under ModelParallelStrategy in ``tests/integration/test_lm_sharded.py`` (gloo, 2 ranks).
+The sharding itself runs under ModelParallelStrategy in ``tests/integration/test_shrink_on_freeze_sharded.py``
+(gloo, 2 ranks).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """lightning_pat.lm.weights: a model built with its parameters on meta, then filled from the checkpoint.
 
 The reference is transformers' own ``from_pretrained`` of the same directory; the sharded load (each rank its own
-shards) runs under ModelParallelStrategy in ``tests/integration/test_lm_sharded.py``.
+shards) runs under ModelParallelStrategy in ``tests/integration/test_shrink_on_freeze_sharded.py``.
 """
 
 from __future__ import annotations
