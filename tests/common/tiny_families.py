@@ -231,6 +231,19 @@ CASES: list[FamilyCase] = [
 ]
 
 
+def zamba_mixer() -> nn.Module:
+    """One Zamba Mamba mixer (``ZambaMambaMixer``) of hidden 8 split into 4 heads of 4 channels (``mamba_expand`` 2),
+    state 3, dt rank 2; skips the test if transformers is missing."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ZambaConfig(
+        hidden_size=8, n_mamba_heads=4, mamba_d_state=3, mamba_dt_rank=2, num_hidden_layers=1, vocab_size=10,
+        num_attention_heads=2, num_key_value_heads=2, layers_block_type=["mamba"],
+    )  # fmt: skip
+    return transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+
+
 def token_ids(*, batch: int = 2, seed: int = 1) -> torch.Tensor:
     """Random token ids ``(batch, SEQ)``."""
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning_pat.core.spec import resolve_clusters
 from lightning_pat.presets.ssm import mixers
 from lightning_pat.shrink.plan import build_plan
+from tests.common.tiny_families import zamba_mixer
 from tests.unit.shrink.test_mixers import Mixer2
 
 
@@ -33,14 +34,7 @@ def test_one_group_has_no_exact_unit_under_a_norm_and_one_per_head_without():
 
 
 def test_a_zamba_head_is_its_interleaved_x_and_gate_rows_and_its_per_head_parameters():
-    import pytest
-
-    transformers = pytest.importorskip("transformers")
-    config = transformers.ZambaConfig(
-        hidden_size=8, n_mamba_heads=4, mamba_d_state=3, mamba_dt_rank=2, num_hidden_layers=1, vocab_size=10,
-        num_attention_heads=2, num_key_value_heads=2, layers_block_type=["mamba"],
-    )  # fmt: skip
-    model = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+    model = zamba_mixer()
     (cluster,) = mixers(model)
     assert (cluster.num_units, cluster.multiple_of) == (4, 2)  # heads of 4 channels: 2 heads make one hidden
     (rc,) = resolve_clusters(model, [cluster])

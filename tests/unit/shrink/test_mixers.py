@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_pat.shrink.mixers import mamba2_layout, mixer_config, mixer_kind, rewrite_mixer
+from tests.common.tiny_families import zamba_mixer
 
 
 class Mixer2(nn.Module):
@@ -64,12 +65,7 @@ def test_without_a_norm_a_mamba2_mixer_loses_heads_keeps_its_groups_and_rebuilds
 
 
 def test_a_zamba_mixer_split_into_heads_loses_heads_and_the_config_follows():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.ZambaConfig(
-        hidden_size=8, n_mamba_heads=4, mamba_d_state=3, mamba_dt_rank=2, num_hidden_layers=1, vocab_size=10,
-        num_attention_heads=2, num_key_value_heads=2, layers_block_type=["mamba"],
-    )  # fmt: skip
-    mixer = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+    mixer = zamba_mixer()
     assert mixer_kind(mixer) == "mamba_heads_mixer"  # D is [heads, head_dim]: not a Mamba 1 channel mixer
     for name in ("A_log", "D", "x_proj_weight", "dt_proj_weight", "dt_proj_bias"):
         p = getattr(mixer, name)
@@ -78,4 +74,4 @@ def test_a_zamba_mixer_split_into_heads_loses_heads_and_the_config_follows():
     mixer.conv1d = nn.Conv1d(8, 8, 4, groups=8, padding=3)
     rewrite_mixer(mixer)
     assert (mixer.n_mamba_heads, mixer.mamba_head_dim, mixer.intermediate_size) == (2, 4, 8)
-    assert mixer_config(mixer, config) == {"mamba_expand": 1, "n_mamba_heads": 2}
+    assert mixer_config(mixer, mixer.config) == {"mamba_expand": 1, "n_mamba_heads": 2}
