@@ -38,13 +38,15 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
     """Declaration name -> why the stock config of ``model`` cannot express its cut.
 
     Empty if it can express every cut, or if ``model`` is not a Hugging Face model (no ``config.to_dict`` or
-    ``save_pretrained``) and holds none or several (outermost ones), or cannot be probed (:func:`probeable`).
+    ``save_pretrained``) and holds none or several (outermost ones), or has no meta copy to probe (a model FSDP2 has
+    sharded already: probed before it was sharded where "auto" resolves it early; the shrink and ``save_pretrained``
+    still check the stock config's shapes at export).
 
     Args:
         model: The model, or a module holding one (a LightningModule), before anything is pruned.
         clusters: The declarations (each resolved against ``model``).
     """
-    if not clusters or hf_model(model) is None or not probeable(model):
+    if not clusters or hf_model(model) is None:
         return {}
     refused, orphans = _probe(model, clusters)
     if orphans and len(clusters) == 1:  # the one cut changed a field that other modules read too
@@ -58,20 +60,6 @@ def stock_refusals(model: nn.Module, clusters: Sequence[Cluster]) -> dict[str, s
         for name in culprits or [d.name for d in clusters]:
             refused.setdefault(name, orphans[0])
     return refused
-
-
-def probeable(model: nn.Module) -> bool:
-    """Whether ``model`` has a meta copy to probe; if not (a model FSDP2 has sharded already), says so (info).
-
-    Such a model was probed before it was sharded where "auto" resolves it early (one process's trace, broadcast);
-    the shrink and ``save_pretrained`` still check the stock config's shapes at export.
-    """
-    try:
-        verify.meta_copy(model)
-    except ValueError as err:
-        log.info("clusters='auto': the stock config of %s is not probed (%s)", type(model).__name__, err)
-        return False
-    return True
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -132,7 +120,7 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
             ``name#i``, ``i`` its index in ``clusters``).
     """
     found = hf_model(model)
-    if len(clusters) < 2 or found is None or not probeable(model):
+    if len(clusters) < 2 or found is None:
         return []
     path = found[0]
     names = [d.name for d in clusters]
@@ -156,6 +144,8 @@ def tied_declarations(model: nn.Module, clusters: Sequence[Cluster]) -> list[lis
         probed.add(name)
         try:
             twin, want = _cut_and_build(model, resolved[name], path)
+        except verify.MetaCopyError:
+            return []  # no meta copy to probe (see stock_refusals): no tie known
         except Exception:  # noqa: BLE001 - a cut the stock config refuses: stock_refusals says so, no tie known
             continue
         shapes = {n: tuple(p.shape) for n, p in twin.named_parameters(remove_duplicate=False)}
@@ -192,6 +182,9 @@ def _probe(
                 owners.setdefault(m.name, {}).setdefault(decl.name, set()).add(m.dim)
     try:
         twin, want = _cut_and_build(model, resolved, prefix)
+    except verify.MetaCopyError as err:  # a sharded module: not probed (see stock_refusals)
+        log.info("clusters='auto': the stock config of %s is not probed (%s)", type(model).__name__, err)
+        return {}, []
     except Exception as err:  # noqa: BLE001 - any failure of the probe: nothing is known to be expressible
         if len(clusters) > 1:  # one declaration's cut may break the probe (heads): each probed alone
             return {k: v for decl in clusters for k, v in stock_refusals(model, [decl]).items()}, []

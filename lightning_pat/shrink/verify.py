@@ -186,11 +186,15 @@ def _first_difference(before: list[tuple[str, Tensor]], after: list[tuple[str, T
 
 
 # ---------------------------------------------------------------------------------------------------- meta dry run
+class MetaCopyError(ValueError):
+    """:func:`meta_copy` could not deep-copy the model (a module FSDP2 has sharded already, for one)."""
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (nothing allocated).
 
     Raises:
-        ValueError: If the model cannot be deep-copied.
+        MetaCopyError: If the model cannot be deep-copied (a ``ValueError``).
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
@@ -204,7 +208,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     try:
         return copy.deepcopy(model, memo)
     except Exception as err:  # noqa: BLE001 - reported with the fix
-        raise ValueError(f"cannot make a meta copy of {type(model).__name__} ({type(err).__name__}: {err})") from err
+        raise MetaCopyError(f"cannot make a meta copy of {type(model).__name__} ({type(err).__name__}: {err})") from err
 
 
 def runs_on_meta(model: nn.Module, example_input: Any) -> tuple[str, str] | None:
